@@ -1,0 +1,30 @@
+# Two commands: `make demo` (run the bundled model) and `make test` (the test suite).
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.clover-installed
+
+.PHONY: demo test test-slow install bench clean
+
+$(STAMP): pyproject.toml
+	test -d $(VENV) || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q "torch==2.13.0" || $(BIN)/pip install -q "torch>=2.5"
+	$(BIN)/pip install -q -e ".[serve,plot,test]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/clover demo
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q tests
+
+test-slow: $(STAMP)
+	CLOVER_SLOW=1 $(BIN)/python -m pytest -q tests
+
+bench: $(STAMP)
+	$(BIN)/python -m clover.kernels.bench
+
+clean:
+	rm -rf $(VENV) build .pytest_cache

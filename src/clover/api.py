@@ -1,0 +1,212 @@
+"""The public entry points: `clover.load(...) -> LLM`, `LLM.generate`, `LLM.stream`."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator, Sequence
+
+import torch
+
+from .checkpoint import load_model, parse_dtype
+from .decoding.base import DecodeEvent, GenerationStats, RowState
+from .decoding.sampling import MODES, SamplingParams
+from .tokenizer import Tokenizer
+
+BUNDLED_MODEL = Path(__file__).parent / "assets" / "clover-tiny"
+
+
+def default_model_path() -> Path:
+    env = os.environ.get("CLOVER_MODEL")
+    if env:
+        return Path(env)
+    if (BUNDLED_MODEL / "config.json").exists():
+        return BUNDLED_MODEL
+    raise FileNotFoundError(
+        f"no model given and the bundled model is missing at {BUNDLED_MODEL}; pass a model directory "
+        "(or build a tiny random one with `clover tiny DIR`)"
+    )
+
+
+@dataclass
+class Generation:
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    stats: GenerationStats
+    prompt_token_ids: list[int] = field(default_factory=list)
+    decode_steps: list[int] = field(default_factory=list)  # per token: the denoise step that decoded it
+
+    def as_dict(self) -> dict:
+        return {
+            "text": self.text,
+            "token_ids": self.token_ids,
+            "finish_reason": self.finish_reason,
+            "stats": self.stats.as_dict(),
+        }
+
+
+@dataclass
+class StreamEvent:
+    """kind "block": committed text/tokens; "provisional": a block's state after a denoise step;
+    "done": the final Generation."""
+
+    kind: str
+    text: str = ""
+    token_ids: list = field(default_factory=list)
+    steps: list[int] = field(default_factory=list)
+    block: int = 0
+    step: int = 0
+    generation: Generation | None = None
+
+
+class LLM:
+    def __init__(self, model, tokenizer: Tokenizer, path: Path | None = None) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.path = path
+        self.config = model.config
+
+    # ---------------------------------------------------------------- helpers
+    @property
+    def context_length(self) -> int:
+        return self.config.max_position_embeddings
+
+    def _params(self, mode: str, kwargs: dict) -> SamplingParams:
+        if mode not in MODES:
+            raise ValueError(f"mode: must be one of {', '.join(MODES)}, got {mode!r}")
+        params = SamplingParams.from_kwargs(**kwargs)
+        if params.block_size is None:
+            params.block_size = self.config.block_size
+        if params.threshold is None:
+            params.threshold = self.config.threshold
+        if params.expert_budget is None:
+            params.expert_budget = self.config.expert_budget
+        if params.expert_budget is not None and not (
+            self.config.num_experts_per_tok <= params.expert_budget <= self.config.num_experts
+        ):
+            raise ValueError(
+                f"expert_budget: must lie in [{self.config.num_experts_per_tok}, {self.config.num_experts}], got {params.expert_budget}"
+            )
+        if mode in ("diffusion", "naive", "speculative") and self.tokenizer.mask_token_id is None:
+            raise ValueError(f"mode {mode!r} needs a mask token; this is a plain AR checkpoint — convert it with `clover convert`")
+        return params
+
+    def encode_prompt(self, prompt: str | Sequence[int]) -> list[int]:
+        if isinstance(prompt, str):
+            ids = self.tokenizer.encode(prompt)
+        elif isinstance(prompt, Sequence) and all(isinstance(t, int) for t in prompt):
+            ids = list(prompt)
+            bad = [t for t in ids if not 0 <= t < self.config.vocab_size]
+            if bad:
+                raise ValueError(f"prompt: token id {bad[0]} is outside the vocabulary (size {self.config.vocab_size})")
+        else:
+            raise TypeError("prompt must be a string or a list of token ids")
+        if not ids:
+            raise ValueError("prompt: empty; give at least one token")
+        return ids
+
+    def _check_length(self, prompt_len: int, params: SamplingParams, mode: str) -> None:
+        extra = params.block_size if mode in ("diffusion", "naive", "speculative") else 0
+        total = prompt_len + params.max_new_tokens + extra
+        if prompt_len >= self.context_length or total > self.context_length:
+            raise ValueError(
+                f"prompt: {prompt_len} tokens + max_new_tokens {params.max_new_tokens}"
+                + (f" + one block ({extra})" if extra else "")
+                + f" exceeds the context length {self.context_length}; shorten the prompt or lower max_new_tokens"
+            )
+
+    def _rows(self, prompts: list[list[int]], params: SamplingParams) -> list[RowState]:
+        eos = set(self.config.eos_token_ids)
+        if self.tokenizer.eos_token_id is not None:
+            eos.add(self.tokenizer.eos_token_id)
+        return [RowState(p, params, eos, decode=self.tokenizer.decode) for p in prompts]
+
+    def _events(self, rows: list[RowState], params: SamplingParams, mode: str, provisional: bool = False) -> Iterator[DecodeEvent]:
+        pad = self.tokenizer.pad_token_id or 0
+        if mode == "ar":
+            from .decoding.ar import ar_decode
+
+            return ar_decode(self.model, rows, pad_id=pad)
+        if mode == "speculative":
+            from .decoding.speculative import speculative_decode
+
+            return speculative_decode(self.model, rows, draft_length=params.draft_length or params.block_size, mask_id=self.tokenizer.mask_token_id, pad_id=pad)
+        from .decoding.diffusion import diffusion_decode
+
+        return diffusion_decode(
+            self.model,
+            rows,
+            block_size=params.block_size,
+            threshold=params.threshold,
+            mask_id=self.tokenizer.mask_token_id,
+            pad_id=pad,
+            recompute=mode == "naive",
+            provisional=provisional,
+        )
+
+    def _result(self, row: RowState) -> Generation:
+        return Generation(
+            text=row.text(),
+            token_ids=list(row.tokens),
+            finish_reason=row.finish_reason or "length",
+            stats=GenerationStats.from_row(row),
+            prompt_token_ids=list(row.prompt),
+            decode_steps=list(row.steps),
+        )
+
+    # ------------------------------------------------------------------- API
+    def generate(self, prompt, *, mode: str = "ar", **kwargs) -> Generation | list[Generation]:
+        """prompt: str | list[int] -> Generation; a list of prompts (list[str] or list[list[int]])
+        -> list[Generation], decoded together as one batch."""
+        batched = isinstance(prompt, (list, tuple)) and prompt and not all(isinstance(t, int) for t in prompt)
+        prompts = list(prompt) if batched else [prompt]
+        params = self._params(mode, kwargs)
+        ids = [self.encode_prompt(p) for p in prompts]
+        for p in ids:
+            self._check_length(len(p), params, mode)
+        rows = self._rows(ids, params)
+        for _ in self._events(rows, params, mode):
+            pass
+        results = [self._result(r) for r in rows]
+        return results if batched else results[0]
+
+    def stream(self, prompt, *, mode: str = "ar", provisional: bool = False, **kwargs) -> Iterator[StreamEvent]:
+        """Yield a "block" event per committed block (AR: per token) with the text delta, optional
+        "provisional" events after each denoise step, and a final "done" event."""
+        params = self._params(mode, kwargs)
+        ids = self.encode_prompt(prompt)
+        self._check_length(len(ids), params, mode)
+        rows = self._rows([ids], params)
+        row = rows[0]
+        emitted = ""
+        for ev in self._events(rows, params, mode, provisional=provisional):
+            if ev.kind == "provisional":
+                yield StreamEvent("provisional", token_ids=ev.token_ids, steps=ev.steps, block=ev.block, step=ev.step)
+            elif ev.kind == "commit":
+                text = row.text()
+                if text.endswith("\ufffd") and not row.finished:  # an incomplete UTF-8 sequence: wait
+                    continue
+                delta, emitted = text[len(emitted) :], text
+                yield StreamEvent("block", text=delta, token_ids=ev.token_ids, steps=ev.steps, block=ev.block, step=ev.step)
+        final = self._result(row)
+        if len(final.text) > len(emitted):
+            yield StreamEvent("block", text=final.text[len(emitted) :], token_ids=[], block=-1)
+        yield StreamEvent("done", generation=final)
+
+    def __repr__(self) -> str:
+        c = self.config
+        return f"LLM({self.path}, {c.model_type}, layers={c.num_hidden_layers}, experts={c.num_experts}, dtype={self.model.dtype})"
+
+
+def load(path: str | os.PathLike | None = None, *, dtype: str | torch.dtype | None = None, device: str | None = None) -> LLM:
+    """Load a model directory (config.json + safetensors + tokenizer). None = the bundled model."""
+    path = Path(path) if path is not None else default_model_path()
+    model = load_model(path, dtype=parse_dtype(dtype), device=device)
+    tokenizer = Tokenizer.from_dir(
+        path,
+        eos_token_id=model.config.eos_token_ids[0] if model.config.eos_token_ids else None,
+        mask_token_id=model.config.mask_token_id,
+    )
+    return LLM(model, tokenizer, path)

@@ -1,0 +1,244 @@
+"""Reading and writing model directories in the Hugging Face layout (safetensors only, never pickle).
+
+A directory holds `config.json` and either `model.safetensors` or shards listed by
+`model.safetensors.index.json`. Accepted key layouts:
+- `model.*` + `lm_head.*` (`Qwen3_5MoeForCausalLM`, clover),
+- `model.language_model.*` + `lm_head.*` (the multimodal `Qwen3_5MoeForConditionalGeneration`);
+  `model.visual.*` and `mtp.*` are skipped,
+- experts fused (`mlp.experts.gate_up_proj [E, 2I, H]`, `mlp.experts.down_proj [E, H, I]`) or per expert
+  (`mlp.experts.N.{gate,up,down}_proj.weight`), stacked at load.
+Weights are read shard by shard from memory-mapped files and assigned into a model built on `meta`,
+so a large model never exists twice in memory.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections import defaultdict
+from pathlib import Path
+from typing import Iterator
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from .config import CloverConfig
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+SKIPPED_PREFIXES = ("model.visual.", "visual.", "mtp.", "model.mtp.")
+_PER_EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+
+DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+}
+
+
+class CheckpointError(ValueError):
+    """A model directory whose files do not form a loadable checkpoint."""
+
+
+def parse_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    try:
+        return DTYPES[str(dtype).lower()]
+    except KeyError:
+        raise ValueError(f"unknown dtype {dtype!r}; use one of float32, bfloat16, float16") from None
+
+
+def canonical_name(name: str) -> str | None:
+    """Map a stored key to our parameter name; None for keys we skip on purpose."""
+    if name.startswith(SKIPPED_PREFIXES):
+        return None
+    if name.startswith("model.language_model."):
+        return "model." + name[len("model.language_model.") :]
+    return name
+
+
+def shard_files(directory: Path) -> list[Path]:
+    index = directory / INDEX_FILE
+    if index.exists():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise CheckpointError(f"{index}: not a valid safetensors index ({e})") from None
+        files = sorted(set(weight_map.values()))
+        missing = [f for f in files if not (directory / f).exists()]
+        if missing:
+            raise CheckpointError(f"{index}: lists shard(s) that do not exist: {', '.join(missing)}")
+        return [directory / f for f in files]
+    single = directory / SINGLE_FILE
+    if single.exists():
+        return [single]
+    found = sorted(directory.glob("*.safetensors"))
+    if found:
+        return found
+    if list(directory.glob("*.bin")) or list(directory.glob("*.pt")):
+        raise CheckpointError(f"{directory}: only pickle weights (*.bin/*.pt) found; convert them to safetensors first (pickle is never loaded)")
+    raise CheckpointError(f"{directory}: no model.safetensors or {INDEX_FILE}; is this a model directory?")
+
+
+def iter_tensors(path: Path, dtype: torch.dtype | None) -> Iterator[tuple[str, torch.Tensor]]:
+    try:
+        f = safe_open(str(path), framework="pt", device="cpu")
+        keys = list(f.keys())
+    except Exception as e:  # header unreadable: truncated or not safetensors
+        raise CheckpointError(f"{path}: cannot read safetensors header ({e}); the file is truncated or corrupt") from None
+    for key in keys:
+        try:
+            t = f.get_tensor(key)
+        except Exception as e:
+            raise CheckpointError(f"{path}: cannot read tensor {key!r} ({e}); the file is truncated or corrupt") from None
+        if dtype is not None and t.is_floating_point():
+            t = t.to(dtype)
+        yield key, t
+
+
+def expected_shapes(model: torch.nn.Module) -> dict[str, torch.Size]:
+    return {k: v.shape for k, v in model.state_dict(keep_vars=True).items()}
+
+
+def read_state_dict(
+    directory: str | Path,
+    expected: dict[str, torch.Size],
+    *,
+    dtype: torch.dtype | None = None,
+    allow_missing: set[str] | frozenset = frozenset(),
+) -> dict[str, torch.Tensor]:
+    """Read every shard, map names, stack per-expert weights, and check the result against `expected`.
+
+    Raises CheckpointError naming the file and key for unexpected keys, shape mismatches,
+    missing keys and unreadable files."""
+    directory = Path(directory)
+    state: dict[str, torch.Tensor] = {}
+    origin: dict[str, Path] = {}
+    per_expert: dict[str, dict[int, dict[str, torch.Tensor]]] = defaultdict(lambda: defaultdict(dict))
+    for path in shard_files(directory):
+        for key, t in iter_tensors(path, dtype):
+            name = canonical_name(key)
+            if name is None:
+                continue
+            m = _PER_EXPERT.match(name)
+            if m:
+                per_expert[m.group(1)][int(m.group(2))][m.group(3)] = t
+                origin[m.group(1)] = path
+                continue
+            if name not in expected:
+                raise CheckpointError(f"{path}: unexpected key {key!r} (no such parameter in this model); is config.json the one these weights were saved with?")
+            if t.shape != expected[name]:
+                raise CheckpointError(
+                    f"{path}: key {key!r} has shape {tuple(t.shape)} but the config implies {tuple(expected[name])}; the weights and config.json disagree"
+                )
+            state[name] = t
+            origin[name] = path
+    for prefix, experts in per_expert.items():
+        n = len(experts)
+        path = origin[prefix]
+        for e in range(n):
+            if e not in experts or set(experts[e]) != {"gate_proj", "up_proj", "down_proj"}:
+                raise CheckpointError(f"{path}: expert {e} of {prefix} is incomplete (needs gate_proj, up_proj, down_proj)")
+        gate_up = torch.stack([torch.cat([experts[e]["gate_proj"], experts[e]["up_proj"]], 0) for e in range(n)])
+        down = torch.stack([experts[e]["down_proj"] for e in range(n)])
+        for name, t in ((prefix + ".gate_up_proj", gate_up), (prefix + ".down_proj", down)):
+            if name not in expected:
+                raise CheckpointError(f"{path}: unexpected per-expert weights under {prefix!r}")
+            if t.shape != expected[name]:
+                raise CheckpointError(
+                    f"{path}: per-expert weights under {prefix!r} stack to {tuple(t.shape)} but the config implies {tuple(expected[name])}"
+                )
+            state[name] = t
+        per_expert[prefix].clear()
+    missing = sorted(set(expected) - set(state) - set(allow_missing))
+    if missing:
+        shown = ", ".join(repr(k) for k in missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        files = ", ".join(p.name for p in shard_files(directory))
+        raise CheckpointError(f"{directory}: missing key(s) {shown} (searched {files}); the checkpoint is incomplete or for another model")
+    return state
+
+
+def save_state_dict(
+    state: dict[str, torch.Tensor],
+    directory: str | Path,
+    *,
+    max_shard_bytes: int = 4 * 1024**3,
+    metadata: dict[str, str] | None = None,
+) -> list[Path]:
+    """Write `state` as model.safetensors, or as shards + index when larger than max_shard_bytes."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    for old in list(directory.glob("model*.safetensors")) + [directory / INDEX_FILE]:
+        if old.exists():
+            old.unlink()
+    meta = {"format": "pt", **(metadata or {})}
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    total = 0
+    for name, t in state.items():
+        nbytes = t.numel() * t.element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = t.detach().contiguous()
+        size += nbytes
+        total += nbytes
+    if len(shards) == 1:
+        save_file(shards[0], str(directory / SINGLE_FILE), metadata=meta)
+        return [directory / SINGLE_FILE]
+    paths, weight_map = [], {}
+    for i, shard in enumerate(shards):
+        fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, str(directory / fname), metadata=meta)
+        paths.append(directory / fname)
+        weight_map.update({k: fname for k in shard})
+    (directory / INDEX_FILE).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+    return paths
+
+
+def load_model(
+    directory: str | Path,
+    *,
+    dtype: torch.dtype | str | None = None,
+    device: torch.device | str | None = None,
+):
+    """config.json + safetensors -> CloverForCausalLM in eval mode (built on meta, assigned)."""
+    from .model import build_model
+
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise CheckpointError(f"{directory}: not a directory; pass the folder holding config.json and the safetensors")
+    config = CloverConfig.from_file(directory)
+    dtype = parse_dtype(dtype) or parse_dtype(config.torch_dtype) or torch.float32
+    if config.quantization_config:
+        from .quant import load_quantized
+
+        return load_quantized(directory, config, dtype=dtype, device=device)
+    model = build_model(config, device="meta")
+    expected = expected_shapes(model)
+    allow = {"lm_head.weight"} if config.tie_word_embeddings else set()
+    state = read_state_dict(directory, expected, dtype=dtype, allow_missing=allow)
+    if device is not None and str(device) != "cpu":
+        state = {k: v.to(device) for k, v in state.items()}
+    model.load_state_dict(state, strict=not config.tie_word_embeddings, assign=True)
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    model.eval()
+    return model
+
+
+def save_model(model, directory: str | Path, *, max_shard_bytes: int = 4 * 1024**3) -> None:
+    """Write config.json + safetensors in the layout `load_model` reads."""
+    directory = Path(directory)
+    model.config.save(directory)
+    state = {k: v for k, v in model.state_dict().items()}
+    if model.config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    save_state_dict(state, directory, max_shard_bytes=max_shard_bytes)

@@ -1,0 +1,275 @@
+"""Model configuration: the text part of a Qwen3.5/3.6-MoE `config.json`, plus Clover's fields.
+
+Field names mirror the keys of `config.json` verbatim so a config round-trips through
+`from_dict`/`to_dict`. Unknown keys are ignored; missing required ones raise `ConfigError`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+SUPPORTED_MODEL_TYPES = ("qwen3_5_moe", "qwen3_5_moe_text", "clover")
+
+# Keys without a sensible default: a config that lacks them is not a Qwen3.5-MoE config.
+REQUIRED_KEYS = (
+    "vocab_size",
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "num_experts",
+    "num_experts_per_tok",
+    "moe_intermediate_size",
+)
+
+
+class ConfigError(ValueError):
+    """A config.json that cannot describe a model we can build."""
+
+
+@dataclass
+class CloverConfig:
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    num_experts: int
+    num_experts_per_tok: int
+    moe_intermediate_size: int
+    shared_expert_intermediate_size: int = 0
+    head_dim: int | None = None
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10_000_000.0
+    partial_rotary_factor: float = 0.25
+    max_position_embeddings: int = 32768
+    attention_bias: bool = False
+    linear_conv_kernel_dim: int = 4
+    linear_key_head_dim: int = 128
+    linear_value_head_dim: int = 128
+    linear_num_key_heads: int = 16
+    linear_num_value_heads: int = 32
+    layer_types: list[str] | None = None
+    full_attention_interval: int = 4
+    tie_word_embeddings: bool = False
+    router_aux_loss_coef: float = 0.001
+    initializer_range: float = 0.02
+    hidden_act: str = "silu"
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+    pad_token_id: int | None = None
+    torch_dtype: str | None = None
+    model_type: str = "qwen3_5_moe_text"
+    # --- Clover (diffusion) fields; None/defaults for a plain AR checkpoint ---
+    mask_token_id: int | None = None
+    block_size: int = 32
+    threshold: float = 0.95
+    expert_budget: int | None = None
+    # quantization metadata, passed through untouched (see clover.quant)
+    quantization_config: dict | None = None
+    extra: dict = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.head_dim is None:
+            self.head_dim = self.hidden_size // self.num_attention_heads
+        if self.layer_types is None:
+            n = self.full_attention_interval
+            self.layer_types = [
+                "full_attention" if (i + 1) % n == 0 else "linear_attention"
+                for i in range(self.num_hidden_layers)
+            ]
+        self.validate()
+
+    # ------------------------------------------------------------------ checks
+    def validate(self) -> None:
+        def bad(msg: str) -> None:
+            raise ConfigError(f"invalid config: {msg}")
+
+        for name in REQUIRED_KEYS:
+            if int(getattr(self, name)) <= 0:
+                bad(f"{name} must be positive, got {getattr(self, name)}")
+        if len(self.layer_types) != self.num_hidden_layers:
+            bad(f"layer_types has {len(self.layer_types)} entries but num_hidden_layers is {self.num_hidden_layers}")
+        unknown = set(self.layer_types) - {"full_attention", "linear_attention"}
+        if unknown:
+            bad(f"unknown layer types {sorted(unknown)}; expected 'full_attention' or 'linear_attention'")
+        if self.num_attention_heads % self.num_key_value_heads:
+            bad(f"num_attention_heads ({self.num_attention_heads}) must be a multiple of num_key_value_heads ({self.num_key_value_heads})")
+        if self.linear_num_value_heads % self.linear_num_key_heads:
+            bad(f"linear_num_value_heads ({self.linear_num_value_heads}) must be a multiple of linear_num_key_heads ({self.linear_num_key_heads})")
+        if self.num_experts_per_tok > self.num_experts:
+            bad(f"num_experts_per_tok ({self.num_experts_per_tok}) exceeds num_experts ({self.num_experts})")
+        if self.rotary_dim % 2 or self.rotary_dim > self.head_dim:
+            bad(f"partial_rotary_factor {self.partial_rotary_factor} gives an odd or too large rotary dim {self.rotary_dim}")
+        if self.block_size <= 0:
+            bad(f"block_size must be positive, got {self.block_size}")
+        if not (self.threshold > 0):
+            bad(f"threshold must be positive, got {self.threshold}")
+        if self.mask_token_id is not None and not (0 <= self.mask_token_id < self.vocab_size):
+            bad(f"mask_token_id {self.mask_token_id} is outside the vocabulary (size {self.vocab_size})")
+        if self.expert_budget is not None and not (self.num_experts_per_tok <= self.expert_budget <= self.num_experts):
+            bad(f"expert_budget must lie in [num_experts_per_tok, num_experts], got {self.expert_budget}")
+
+    # -------------------------------------------------------------- properties
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def is_clover(self) -> bool:
+        return self.model_type == "clover"
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        if self.eos_token_id is None:
+            return []
+        return list(self.eos_token_id) if isinstance(self.eos_token_id, (list, tuple)) else [self.eos_token_id]
+
+    @property
+    def linear_conv_dim(self) -> int:
+        return 2 * self.linear_num_key_heads * self.linear_key_head_dim + self.linear_num_value_heads * self.linear_value_head_dim
+
+    # ---------------------------------------------------------------- (de)ser
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any], *, source: str = "config") -> "CloverConfig":
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{source}: expected a JSON object, got {type(raw).__name__}")
+        model_type = raw.get("model_type")
+        d = dict(raw)
+        if model_type == "qwen3_5_moe" or ("text_config" in raw and model_type != "clover"):
+            text = raw.get("text_config")
+            if not isinstance(text, dict):
+                raise ConfigError(f"{source}: model_type 'qwen3_5_moe' needs a 'text_config' object with the language model's settings")
+            d = dict(text)
+            # token ids sometimes live only at the top level
+            for key in ("eos_token_id", "bos_token_id", "pad_token_id", "tie_word_embeddings", "quantization_config"):
+                if key not in d and key in raw:
+                    d[key] = raw[key]
+            d["model_type"] = "qwen3_5_moe_text"
+        elif model_type is not None and model_type not in SUPPORTED_MODEL_TYPES:
+            raise ConfigError(
+                f"{source}: model_type {model_type!r} is not supported; expected one of {', '.join(SUPPORTED_MODEL_TYPES)}"
+            )
+        if "dtype" in d and "torch_dtype" not in d:
+            d["torch_dtype"] = d["dtype"]
+        rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
+        if isinstance(rope, dict):
+            if "rope_theta" in rope and "rope_theta" not in d:
+                d["rope_theta"] = rope["rope_theta"]
+            if "partial_rotary_factor" in rope and "partial_rotary_factor" not in d:
+                d["partial_rotary_factor"] = rope["partial_rotary_factor"]
+            rope_type = rope.get("rope_type", rope.get("type", "default"))
+            if rope_type not in ("default", None):
+                raise ConfigError(f"{source}: rope type {rope_type!r} is not supported (only the default RoPE)")
+        missing = [k for k in REQUIRED_KEYS if k not in d]
+        if missing:
+            raise ConfigError(f"{source}: missing required key(s) {', '.join(missing)}")
+        names = {f.name for f in dataclasses.fields(cls)} - {"extra"}
+        kwargs = {k: v for k, v in d.items() if k in names}
+        if d.get("model_type") == "clover":
+            kwargs["model_type"] = "clover"
+        try:
+            return cls(**kwargs)
+        except TypeError as e:  # wrong value types
+            raise ConfigError(f"{source}: {e}") from None
+        except ConfigError as e:
+            raise ConfigError(f"{source}: {e}") from None
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> "CloverConfig":
+        path = Path(path)
+        if path.is_dir():
+            path = path / "config.json"
+        if not path.exists():
+            raise ConfigError(f"{path}: no config.json found; a model directory needs config.json next to its safetensors")
+        try:
+            raw = json.loads(path.read_text())
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{path}: not valid JSON ({e})") from None
+        return cls.from_dict(raw, source=str(path))
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d.pop("extra")
+        d.pop("full_attention_interval")
+        d["rope_parameters"] = {
+            "rope_type": "default",
+            "rope_theta": d.pop("rope_theta"),
+            "partial_rotary_factor": d.pop("partial_rotary_factor"),
+        }
+        if self.model_type == "clover":
+            d["architectures"] = ["CloverForBlockDiffusion"]
+        else:
+            d["architectures"] = ["Qwen3_5MoeForCausalLM"]
+            for k in ("mask_token_id", "block_size", "threshold", "expert_budget"):
+                d.pop(k)
+        if d["quantization_config"] is None:
+            d.pop("quantization_config")
+        return d
+
+    def save(self, directory: str | Path) -> None:
+        Path(directory).mkdir(parents=True, exist_ok=True)
+        (Path(directory) / "config.json").write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+
+    def replace(self, **changes: Any) -> "CloverConfig":
+        return dataclasses.replace(self, **changes)
+
+    # ------------------------------------------------------------- accounting
+    def parameter_counts(self) -> dict[str, int]:
+        """Total and active (per token) parameter counts, computed from the shapes alone."""
+        h, v = self.hidden_size, self.vocab_size
+        attn = (
+            h * self.num_attention_heads * self.head_dim * 2
+            + 2 * h * self.num_key_value_heads * self.head_dim
+            + self.num_attention_heads * self.head_dim * h
+            + 2 * self.head_dim
+        )
+        hk, hv = self.linear_num_key_heads, self.linear_num_value_heads
+        dk, dv = self.linear_key_head_dim, self.linear_value_head_dim
+        conv_dim = self.linear_conv_dim
+        gdn = h * conv_dim + h * hv * dv + 2 * h * hv + conv_dim * self.linear_conv_kernel_dim + 2 * hv + dv + hv * dv * h
+        if self.is_clover:
+            gdn += conv_dim * (self.linear_conv_kernel_dim - 1) + 3 * hv
+        expert = 3 * h * self.moe_intermediate_size
+        shared = 3 * h * self.shared_expert_intermediate_size + h
+        router = h * self.num_experts
+        norms = 2 * h
+        total = active = v * h * (1 if self.tie_word_embeddings else 2) + h
+        for t in self.layer_types:
+            mixer = attn if t == "full_attention" else gdn
+            total += mixer + norms + router + shared + self.num_experts * expert
+            active += mixer + norms + router + shared + self.num_experts_per_tok * expert
+        return {"total": total, "active": active}
+
+
+def full_size_config() -> CloverConfig:
+    """The Qwen3.5/3.6-35B-A3B text config (used for accounting and meta-device tests)."""
+    return CloverConfig(
+        vocab_size=248320,
+        hidden_size=2048,
+        num_hidden_layers=40,
+        num_attention_heads=16,
+        num_key_value_heads=2,
+        head_dim=256,
+        num_experts=256,
+        num_experts_per_tok=8,
+        moe_intermediate_size=512,
+        shared_expert_intermediate_size=512,
+        linear_num_key_heads=16,
+        linear_num_value_heads=32,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+        max_position_embeddings=262144,
+        rope_theta=10_000_000.0,
+        partial_rotary_factor=0.25,
+    )
+
+
+def log2_block_ratio(block_size: int) -> float:
+    """log2(B/32): the argument of the block-size calibration gain."""
+    return math.log2(block_size / 32.0)

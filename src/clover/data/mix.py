@@ -1,0 +1,296 @@
+"""Packed token stream for training: stdlib files + task lines, EOS-separated.
+
+Each of the ``batch_size`` rows of a batch is an independent, deterministic
+stream of documents (seeded by ``seed``, ``split`` and the row number).
+Document ``i`` of a row is, with a probability chosen so that about
+``task_fraction`` of the *tokens* come from tasks, either
+
+* a task document: 4-16 task lines joined by ``"\\n"`` (with a final
+  ``"\\n"``).  The train split draws from the training task stream with all
+  reserved held-out prompts removed; the held-out split draws from the
+  reserved held-out task set; or
+* the next stdlib file of the row's current epoch (a seeded permutation of
+  the split's files, re-shuffled every epoch).
+
+Every document is followed by the EOS token; documents are concatenated and
+cut into rows of ``seq_len`` tokens (a document may continue into the next
+batch).  The stream is infinite, and its position is captured exactly by
+:meth:`PackedStream.state_dict` (a small JSON-serialisable dict), so
+training can resume bit-for-bit with :meth:`PackedStream.load_state_dict`.
+
+Stdlib files are tokenised once and cached as ``.npy`` arrays (no pickle)
+under ``cache_dir``, keyed by a hash of the tokenizer and of the file list.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from . import corpus, tasks
+from .tokenizer import EOS_TOKEN, load_tokenizer, tokenizer_hash
+
+CACHE_VERSION = 1
+TASK_GROUP = (4, 16)
+
+
+def _default_cache_dir() -> Path:
+    root = Path(__file__).resolve().parents[3]
+    if (root / "src" / "clover").is_dir():
+        return root / "build" / "data-cache"
+    return Path("build") / "data-cache"
+
+
+DEFAULT_CACHE_DIR = _default_cache_dir()
+
+
+def load_file_tokens(
+    tokenizer: Any,
+    split: corpus.Split = "train",
+    cache_dir: str | Path | None = None,
+    max_files: int | None = None,
+    verbose: bool = False,
+) -> tuple[np.ndarray, np.ndarray, list[str]]:
+    """Token ids of the split's stdlib files, from the on-disk cache.
+
+    Returns ``(tokens, offsets, relpaths)``: file ``j`` is
+    ``tokens[offsets[j]:offsets[j+1]]`` (no EOS).  ``max_files`` keeps only
+    the first files of the sorted split (for tests).  Builds the cache if
+    missing.
+    """
+    tok = load_tokenizer(tokenizer)
+    paths = corpus.stdlib_files(split)
+    if max_files is not None:
+        paths = paths[:max_files]
+    rels = [corpus.relpath(p) for p in paths]
+    key_src = json.dumps(
+        {
+            "v": CACHE_VERSION,
+            "tok": tokenizer_hash(tok),
+            "split": split,
+            "py": sys.version,
+            "files": rels,
+        },
+        sort_keys=True,
+    )
+    key = hashlib.sha1(key_src.encode()).hexdigest()[:20]
+    base = Path(cache_dir) if cache_dir is not None else DEFAULT_CACHE_DIR
+    d = base / f"{split}-{key}"
+    if not (d / "files.json").is_file():
+        _build_cache(tok, paths, d, verbose)
+    tokens = np.load(d / "tokens.npy", mmap_mode="r", allow_pickle=False)
+    offsets = np.load(d / "offsets.npy", allow_pickle=False)
+    files = json.loads((d / "files.json").read_text())
+    return tokens, offsets, files
+
+
+def _build_cache(tok, paths, d: Path, verbose: bool) -> None:
+    docs = []
+    for p in paths:
+        text = corpus.read_text(p)
+        if text is not None and text.strip():
+            docs.append((corpus.relpath(p), text))
+    if verbose:
+        print(f"[mix] tokenizing {len(docs)} files into {d}", file=sys.stderr)
+    encs = tok.encode_batch([t for _, t in docs], add_special_tokens=False) if docs else []
+    lens = np.array([len(e.ids) for e in encs], dtype=np.int64)
+    offsets = np.zeros(len(docs) + 1, dtype=np.int64)
+    np.cumsum(lens, out=offsets[1:])
+    dtype = np.uint16 if tok.get_vocab_size() <= np.iinfo(np.uint16).max + 1 else np.int32
+    tokens = np.zeros(int(offsets[-1]), dtype=dtype)
+    for j, e in enumerate(encs):
+        tokens[offsets[j] : offsets[j + 1]] = e.ids
+    d.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=d.name + ".tmp", dir=d.parent))
+    try:
+        np.save(tmp / "tokens.npy", tokens, allow_pickle=False)
+        np.save(tmp / "offsets.npy", offsets, allow_pickle=False)
+        (tmp / "files.json").write_text(json.dumps([r for r, _ in docs]))
+        try:
+            os.replace(tmp, d)
+        except OSError:
+            if not (d / "files.json").is_file():  # not a concurrent builder's result
+                raise
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+class PackedStream:
+    """Infinite, resumable stream of ``[batch_size, seq_len]`` int64 batches.
+
+    ``tokenizer`` is a directory (or ``tokenizer.json``), a
+    ``tokenizers.Tokenizer`` or a transformers fast tokenizer.
+    ``split`` is "train" or "heldout".  Iterate it, or call
+    :meth:`next_batch`.
+    """
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        split: corpus.Split = "train",
+        seq_len: int = 512,
+        batch_size: int = 8,
+        task_fraction: float = 0.5,
+        seed: int = 0,
+        cache_dir: str | Path | None = None,
+        max_files: int | None = None,
+        verbose: bool = False,
+    ):
+        if split not in ("train", "heldout"):
+            raise ValueError(f"split must be 'train' or 'heldout', not {split!r}")
+        if not 0.0 <= task_fraction <= 1.0:
+            raise ValueError("task_fraction must be in [0, 1]")
+        self.tok = load_tokenizer(tokenizer)
+        self.eos_id = self.tok.token_to_id(EOS_TOKEN)
+        if self.eos_id is None:
+            raise ValueError(f"tokenizer has no {EOS_TOKEN} token")
+        self.split = split
+        self.seq_len = int(seq_len)
+        self.batch_size = int(batch_size)
+        self.task_fraction = float(task_fraction)
+        self.seed = int(seed)
+        self.tokens, self.offsets, self.files = load_file_tokens(
+            self.tok, split, cache_dir=cache_dir, max_files=max_files, verbose=verbose
+        )
+        self.n_files = len(self.files)
+        self._heldout = tasks.heldout_tasks() if split == "heldout" else None
+        self.p_task = self._task_probability()
+        self.step = 0
+        self._rows = [{"doc": 0, "offset": 0, "files_before": 0} for _ in range(self.batch_size)]
+        self._current: list[tuple[int, np.ndarray, bool] | None] = [None] * self.batch_size
+        self._perm: dict[int, tuple[int, list[int]]] = {}
+
+    # -- document construction -------------------------------------------------
+
+    def _task_probability(self) -> float:
+        f = self.task_fraction
+        if self.n_files == 0:
+            if f == 0.0:
+                raise ValueError("no stdlib files and task_fraction == 0")
+            return 1.0
+        if f in (0.0, 1.0):
+            return f
+        mean_file = float(self.offsets[-1]) / self.n_files + 1.0
+        est_rng = random.Random(f"clover-estimate:{self.split}")
+        lens = [len(self._task_doc(est_rng)) for _ in range(64)]
+        mean_task = sum(lens) / len(lens)
+        return f * mean_file / (f * mean_file + (1.0 - f) * mean_task)
+
+    def _task_doc(self, rng: random.Random) -> np.ndarray:
+        k = rng.randint(*TASK_GROUP)
+        if self._heldout is not None:
+            group = [rng.choice(self._heldout) for _ in range(k)]
+        else:
+            it = tasks.iter_tasks(rng, exclude_heldout=True)
+            group = [next(it) for _ in range(k)]
+        text = "\n".join(tasks.task_line(t) for t in group) + "\n"
+        ids = self.tok.encode(text, add_special_tokens=False).ids
+        return np.array(ids + [self.eos_id], dtype=np.int64)
+
+    def _file_index(self, row: int, n: int) -> int:
+        epoch, pos = divmod(n, self.n_files)
+        cached = self._perm.get(row)
+        if cached is None or cached[0] != epoch:
+            perm = list(range(self.n_files))
+            random.Random(f"clover-perm:{self.seed}:{self.split}:{row}:{epoch}").shuffle(perm)
+            cached = (epoch, perm)
+            self._perm[row] = cached
+        return cached[1][pos]
+
+    def _doc(self, row: int, doc: int, files_before: int) -> tuple[np.ndarray, bool]:
+        rng = random.Random(f"clover-doc:{self.seed}:{self.split}:{row}:{doc}")
+        if rng.random() < self.p_task:
+            return self._task_doc(rng), False
+        j = self._file_index(row, files_before)
+        a, b = int(self.offsets[j]), int(self.offsets[j + 1])
+        out = np.empty(b - a + 1, dtype=np.int64)
+        out[:-1] = self.tokens[a:b]
+        out[-1] = self.eos_id
+        return out, True
+
+    def document(self, row: int, doc: int, files_before: int) -> np.ndarray:
+        """Token ids (EOS included) of document ``doc`` of ``row``."""
+        return self._doc(row, doc, files_before)[0]
+
+    # -- batching ----------------------------------------------------------------
+
+    def _fill_row(self, row: int, out: np.ndarray) -> None:
+        st = self._rows[row]
+        filled = 0
+        while filled < self.seq_len:
+            cur = self._current[row]
+            if cur is None or cur[0] != st["doc"]:
+                arr, is_file = self._doc(row, st["doc"], st["files_before"])
+                cur = (st["doc"], arr, is_file)
+                self._current[row] = cur
+            _, arr, is_file = cur
+            take = min(self.seq_len - filled, len(arr) - st["offset"])
+            out[filled : filled + take] = arr[st["offset"] : st["offset"] + take]
+            filled += take
+            st["offset"] += take
+            if st["offset"] >= len(arr):
+                st["doc"] += 1
+                st["offset"] = 0
+                st["files_before"] += int(is_file)
+
+    def next_batch(self) -> torch.Tensor:
+        """The next ``[batch_size, seq_len]`` int64 batch."""
+        out = np.empty((self.batch_size, self.seq_len), dtype=np.int64)
+        for r in range(self.batch_size):
+            self._fill_row(r, out[r])
+        self.step += 1
+        return torch.from_numpy(out)
+
+    def __iter__(self) -> "PackedStream":
+        return self
+
+    def __next__(self) -> torch.Tensor:
+        return self.next_batch()
+
+    # -- resume --------------------------------------------------------------------
+
+    def _config(self) -> dict[str, Any]:
+        return {
+            "split": self.split,
+            "seq_len": self.seq_len,
+            "batch_size": self.batch_size,
+            "task_fraction": self.task_fraction,
+            "seed": self.seed,
+            "tokenizer_hash": tokenizer_hash(self.tok),
+            "n_files": self.n_files,
+        }
+
+    def state_dict(self) -> dict[str, Any]:
+        """JSON-serialisable position of the stream (plus its configuration)."""
+        return {
+            "version": CACHE_VERSION,
+            "step": self.step,
+            "config": self._config(),
+            "rows": [dict(r) for r in self._rows],
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore a position saved by :meth:`state_dict` (same configuration)."""
+        cfg = self._config()
+        if state.get("config") != cfg:
+            raise ValueError(f"stream configuration mismatch: {state.get('config')} != {cfg}")
+        rows = state["rows"]
+        if len(rows) != self.batch_size:
+            raise ValueError("batch_size mismatch")
+        self._rows = [
+            {"doc": int(r["doc"]), "offset": int(r["offset"]), "files_before": int(r["files_before"])}
+            for r in rows
+        ]
+        self._current = [None] * self.batch_size
+        self.step = int(state["step"])

@@ -1,0 +1,1 @@
+"""Decoding strategies: one file each (ar, diffusion, naive, speculative), sharing sampling and base."""

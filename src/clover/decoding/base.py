@@ -1,0 +1,145 @@
+"""What every decoding strategy shares: per-row bookkeeping (EOS, stop strings, length), the events
+a strategy yields, and the per-generation statistics."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from .sampling import SamplingParams
+
+
+@dataclass
+class DecodeEvent:
+    """Yielded by a strategy. kind:
+    - "commit": `token_ids` were appended to row `row`'s output (`steps[i]` = denoise step within the
+      block at which token i was decoded; 1 for AR);
+    - "provisional": the current block of row `row` after a denoise step: `token_ids[i]` is None while
+      position i is masked; `steps[i]` the step it was decoded at (0 = not yet);
+    - "finish": row `row` is done (`RowState.finish_reason` says why)."""
+
+    kind: str
+    row: int
+    token_ids: list
+    steps: list[int]
+    block: int = 0
+    step: int = 0
+
+
+@dataclass
+class RowState:
+    prompt: list[int]
+    params: SamplingParams
+    eos_ids: set[int]
+    decode: object = None  # tokenizer.decode, needed only for stop strings
+    tokens: list[int] = field(default_factory=list)
+    steps: list[int] = field(default_factory=list)
+    finished: bool = False
+    finish_reason: str | None = None
+    forwards: int = 0
+    experts_touched: list[int] = field(default_factory=list)
+    block_steps: list[int] = field(default_factory=list)
+    started: float = field(default_factory=time.perf_counter)
+    ended: float | None = None
+    accept_lengths: list[int] = field(default_factory=list)
+
+    @property
+    def remaining(self) -> int:
+        return self.params.max_new_tokens - len(self.tokens)
+
+    def accept(self, new: list[int], steps: list[int]) -> list[int]:
+        """Append tokens, applying EOS / stop tokens / stop strings / the length limit.
+        Returns the tokens actually kept (what a stream should emit)."""
+        kept, kept_steps = [], []
+        stop_ids = set(self.params.stop_token_ids)
+        for tok, st in zip(new, steps):
+            if len(self.tokens) + len(kept) >= self.params.max_new_tokens:
+                self._finish("length")
+                break
+            if (tok in self.eos_ids and not self.params.ignore_eos) or tok in stop_ids:
+                self._finish("stop")
+                break
+            kept.append(tok)
+            kept_steps.append(st)
+        self.tokens.extend(kept)
+        self.steps.extend(kept_steps)
+        if self.params.stop and kept:
+            cut = self._stop_string_cut()
+            if cut is not None:
+                drop = len(self.tokens) - cut
+                kept = kept[: max(0, len(kept) - drop)]
+                del self.tokens[cut:], self.steps[cut:]
+                self._finish("stop")
+        if not self.finished and len(self.tokens) >= self.params.max_new_tokens:
+            self._finish("length")
+        return kept
+
+    def _stop_string_cut(self) -> int | None:
+        """Number of tokens to keep so the text reaches the end of the first stop string, or None."""
+        text = self.decode(self.tokens)
+        hits = [text.find(s) + len(s) for s in self.params.stop if s in text]
+        if not hits:
+            return None
+        end = min(hits)
+        for n in range(1, len(self.tokens) + 1):  # shortest prefix whose text covers the stop string
+            if len(self.decode(self.tokens[:n])) >= end:
+                return n
+        return len(self.tokens)
+
+    def text(self) -> str:
+        text = self.decode(self.tokens) if self.decode else ""
+        if self.finish_reason == "stop" and self.params.stop:
+            hits = [text.find(s) for s in self.params.stop if s in text]
+            if hits:
+                text = text[: min(hits)]
+        return text
+
+    def _finish(self, reason: str) -> None:
+        if not self.finished:
+            self.finished, self.finish_reason = True, reason
+            self.ended = time.perf_counter()
+
+
+@dataclass
+class GenerationStats:
+    prompt_tokens: int
+    tokens: int
+    forwards: int
+    seconds: float
+    experts_touched: float | None = None  # mean unique experts per MoE layer per forward
+    block_steps: list[int] = field(default_factory=list)  # denoise steps per block (diffusion)
+    accept_lengths: list[int] = field(default_factory=list)  # tokens per iteration (speculative)
+
+    @property
+    def tokens_per_forward(self) -> float:
+        return self.tokens / self.forwards if self.forwards else 0.0
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+    def as_dict(self) -> dict:
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "tokens": self.tokens,
+            "forwards": self.forwards,
+            "tokens_per_forward": round(self.tokens_per_forward, 4),
+            "seconds": round(self.seconds, 6),
+            "tokens_per_second": round(self.tokens_per_second, 3),
+            "experts_touched": self.experts_touched,
+            "block_steps": self.block_steps,
+        }
+
+    @classmethod
+    def from_row(cls, row: RowState) -> "GenerationStats":
+        end = row.ended or time.perf_counter()
+        et = sum(row.experts_touched) / len(row.experts_touched) if row.experts_touched else None
+        return cls(
+            prompt_tokens=len(row.prompt),
+            tokens=len(row.tokens),
+            forwards=row.forwards,
+            seconds=end - row.started,
+            experts_touched=et,
+            block_steps=list(row.block_steps),
+            accept_lengths=list(row.accept_lengths),
+        )

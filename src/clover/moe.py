@@ -1,0 +1,76 @@
+"""Routing and expert dispatch for the sparse MoE.
+
+`route` turns router logits into top-k weights (softmax in fp32, top-k, renormalised), optionally
+with *block expert sharing* for the denoise part of a forward: the router probabilities of a
+block's tokens are summed, the block keeps its `budget` most probable experts, and each token takes
+its top-k within that shared set (renormalised).
+
+`grouped_expert_forward` runs only the experts that received tokens, with the tokens grouped by
+expert (one sort, contiguous slices, one matmul pair per touched expert, one scatter-add back).
+`reference_expert_forward` is the obviously-correct per-token loop it is tested against.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def route(
+    logits: torch.Tensor,
+    top_k: int,
+    budget: tuple[int, int, int, int, int] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [N, E] -> (weights [N, k] fp32, indices [N, k]).
+
+    budget = (B, T, commit_len, denoise_len, m): rows of `logits` are laid out [B, T] with the
+    denoise block at columns commit_len: of each row; those tokens share m experts per block."""
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    if budget is not None:
+        B, T, Tc, Bd, m = budget
+        E = probs.shape[-1]
+        if m < E:
+            p = probs.view(B, T, E)
+            block = p[:, Tc:]  # [B, Bd, E]
+            keep = block.sum(1).topk(m, dim=-1).indices  # [B, m] the shared expert set
+            allowed = torch.zeros(B, E, dtype=torch.bool, device=p.device).scatter_(1, keep, True)
+            shared = block.masked_fill(~allowed[:, None, :], 0.0)
+            p = torch.cat([p[:, :Tc], shared], dim=1)
+            probs = p.reshape(B * T, E)
+    w, idx = probs.topk(top_k, dim=-1)
+    w = w / w.sum(-1, keepdim=True)
+    return w, idx
+
+
+def grouped_expert_forward(experts, x: torch.Tensor, top_idx: torch.Tensor, top_w: torch.Tensor) -> torch.Tensor:
+    """x [N, H], top_idx/top_w [N, k] -> [N, H]. `experts` has gate_up_proj [E,2I,H], down_proj [E,H,I]
+    (or a quantized module with the same `expert_forward(e, x)`)."""
+    N, k = top_idx.shape
+    flat_idx = top_idx.reshape(-1)
+    order = torch.argsort(flat_idx, stable=True)  # slots grouped by expert
+    token_of_slot = order // k
+    counts = torch.bincount(flat_idx, minlength=experts.num_experts).tolist()
+    xs = x.index_select(0, token_of_slot)
+    ws = top_w.reshape(-1).index_select(0, order).unsqueeze(-1)
+    outs = []
+    start = 0
+    for e, c in enumerate(counts):
+        if c == 0:
+            continue
+        outs.append(experts.expert_forward(e, xs[start : start + c]))
+        start += c
+    y = torch.cat(outs, dim=0) * ws
+    out = torch.zeros_like(x)
+    out.index_add_(0, token_of_slot, y.to(x.dtype))
+    return out
+
+
+def reference_expert_forward(experts, x: torch.Tensor, top_idx: torch.Tensor, top_w: torch.Tensor) -> torch.Tensor:
+    """Per token, per chosen expert: the definition, with no grouping at all."""
+    out = torch.zeros_like(x)
+    for n in range(x.shape[0]):
+        for j in range(top_idx.shape[1]):
+            e = int(top_idx[n, j])
+            gate, up = F.linear(x[n], experts.gate_up_proj[e]).chunk(2, dim=-1)
+            out[n] += top_w[n, j] * F.linear(F.silu(gate) * up, experts.down_proj[e])
+    return out

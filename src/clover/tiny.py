@@ -1,0 +1,73 @@
+"""Tiny random checkpoints in the real on-disk layout, for tests and demos."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .checkpoint import save_model
+from .config import CloverConfig
+from .tokenizer import SPECIAL_TOKENS, write_byte_tokenizer
+
+TINY_DEFAULTS: dict[str, Any] = dict(
+    hidden_size=64,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    partial_rotary_factor=0.5,
+    rope_theta=10000.0,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=16,
+    linear_value_head_dim=16,
+    linear_conv_kernel_dim=4,
+    num_experts=8,
+    num_experts_per_tok=2,
+    moe_intermediate_size=32,
+    shared_expert_intermediate_size=32,
+    max_position_embeddings=4096,
+    rms_norm_eps=1e-6,
+)
+
+
+def tiny_config(*, clover: bool = True, vocab_size: int | None = None, **overrides: Any) -> CloverConfig:
+    """A small config whose vocabulary holds the byte tokenizer (256 bytes + special tokens)."""
+    n_bytes = 256
+    ids = {t: n_bytes + i for i, t in enumerate(SPECIAL_TOKENS)}
+    fields = dict(TINY_DEFAULTS)
+    fields.update(
+        vocab_size=vocab_size or n_bytes + len(SPECIAL_TOKENS) + 3,
+        eos_token_id=ids["<|endoftext|>"],
+        pad_token_id=ids["<|pad|>"],
+        model_type="clover" if clover else "qwen3_5_moe_text",
+    )
+    if clover:
+        fields["mask_token_id"] = ids["<|mask|>"]
+    fields.update(overrides)
+    return CloverConfig(**fields)
+
+
+def build_tiny_checkpoint(
+    directory: str | Path,
+    *,
+    seed: int = 0,
+    clover: bool = True,
+    init_std: float = 0.08,
+    dtype: torch.dtype = torch.float32,
+    **overrides: Any,
+) -> Path:
+    """Write config.json, model.safetensors and a byte-level tokenizer with random weights."""
+    from .model import build_model
+
+    directory = Path(directory)
+    config = tiny_config(clover=clover, **overrides)
+    model = build_model(config, device="cpu", dtype=torch.float32)
+    model.init_weights(seed=seed, std=init_std)
+    model.to(dtype)
+    config.torch_dtype = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[dtype]
+    save_model(model, directory)
+    write_byte_tokenizer(directory)
+    return directory

@@ -1,0 +1,92 @@
+"""The tokenizer a model directory carries (`tokenizer.json` + `tokenizer_config.json`), loaded with
+transformers' fast tokenizer, behind the small interface the engine needs."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+SPECIAL_TOKENS = ("<|endoftext|>", "<|pad|>", "<|mask|>", "<|im_start|>", "<|im_end|>")
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+class Tokenizer:
+    def __init__(self, hf_tokenizer, *, eos_token_id: int | None = None, mask_token_id: int | None = None) -> None:
+        self.hf = hf_tokenizer
+        self.eos_token_id = eos_token_id if eos_token_id is not None else hf_tokenizer.eos_token_id
+        mask = mask_token_id
+        if mask is None and getattr(hf_tokenizer, "mask_token", None):
+            mask = hf_tokenizer.mask_token_id
+        self.mask_token_id = mask
+        self.pad_token_id = hf_tokenizer.pad_token_id if hf_tokenizer.pad_token_id is not None else self.eos_token_id
+
+    @classmethod
+    def from_dir(cls, directory: str | Path, *, eos_token_id=None, mask_token_id=None) -> "Tokenizer":
+        from transformers import PreTrainedTokenizerFast
+
+        directory = Path(directory)
+        if not (directory / "tokenizer.json").exists() and not (directory / "tokenizer_config.json").exists():
+            raise FileNotFoundError(f"{directory}: no tokenizer.json / tokenizer_config.json in the model directory")
+        hf = PreTrainedTokenizerFast.from_pretrained(str(directory), local_files_only=True)
+        return cls(hf, eos_token_id=eos_token_id, mask_token_id=mask_token_id)
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.hf)
+
+    def encode(self, text: str) -> list[int]:
+        return self.hf.encode(text, add_special_tokens=False)
+
+    def decode(self, ids: list[int], *, skip_special_tokens: bool = False) -> str:
+        return self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False)
+
+    def apply_chat_template(self, messages: list[dict], *, add_generation_prompt: bool = True) -> list[int]:
+        if not getattr(self.hf, "chat_template", None):
+            raise ValueError("this model's tokenizer has no chat template; use a plain prompt instead")
+        out = self.hf.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True)
+        if isinstance(out, dict) or hasattr(out, "input_ids"):
+            out = out["input_ids"]
+        return list(out)
+
+    def __repr__(self) -> str:
+        return f"Tokenizer(vocab={self.vocab_size}, eos={self.eos_token_id}, mask={self.mask_token_id})"
+
+
+def write_byte_tokenizer(directory: str | Path) -> dict[str, int]:
+    """A byte-level tokenizer with no merges (256 byte tokens + the special tokens): any text
+    round-trips. Used for tiny random models. Returns the special token ids."""
+    from tokenizers import Tokenizer as RawTokenizer
+    from tokenizers import decoders, models, pre_tokenizers
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    vocab = {ch: i for i, ch in enumerate(alphabet)}
+    tok = RawTokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(list(SPECIAL_TOKENS))
+    tok.save(str(directory / "tokenizer.json"))
+    ids = {t: tok.token_to_id(t) for t in SPECIAL_TOKENS}
+    write_tokenizer_config(directory)
+    return ids
+
+
+def write_tokenizer_config(directory: str | Path) -> None:
+    cfg = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "eos_token": "<|endoftext|>",
+        "pad_token": "<|pad|>",
+        "mask_token": "<|mask|>",
+        "additional_special_tokens": ["<|im_start|>", "<|im_end|>"],
+        "chat_template": CHAT_TEMPLATE,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": 1_000_000,
+    }
+    (Path(directory) / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2) + "\n")
