@@ -181,18 +181,23 @@ class LLM:
         rows = self._rows([ids], params)
         row = rows[0]
         emitted = ""
+        held_ids: list[int] = []
+        held_steps: list[int] = []
         for ev in self._events(rows, params, mode, provisional=provisional):
             if ev.kind == "provisional":
                 yield StreamEvent("provisional", token_ids=ev.token_ids, steps=ev.steps, block=ev.block, step=ev.step)
             elif ev.kind == "commit":
+                held_ids += ev.token_ids
+                held_steps += ev.steps
                 text = row.text()
                 if text.endswith("\ufffd") and not row.finished:  # an incomplete UTF-8 sequence: wait
                     continue
                 delta, emitted = text[len(emitted) :], text
-                yield StreamEvent("block", text=delta, token_ids=ev.token_ids, steps=ev.steps, block=ev.block, step=ev.step)
+                yield StreamEvent("block", text=delta, token_ids=held_ids, steps=held_steps, block=ev.block, step=ev.step)
+                held_ids, held_steps = [], []
         final = self._result(row)
-        if len(final.text) > len(emitted):
-            yield StreamEvent("block", text=final.text[len(emitted) :], token_ids=[], block=-1)
+        if len(final.text) > len(emitted) or held_ids:
+            yield StreamEvent("block", text=final.text[len(emitted) :], token_ids=held_ids, steps=held_steps, block=-1)
         yield StreamEvent("done", generation=final)
 
     def __repr__(self) -> str:

@@ -23,7 +23,7 @@ from torch import nn
 
 from .cache import HybridCache
 from .config import CloverConfig, log2_block_ratio
-from .kernels import chunk_gated_delta_rule, recurrent_gated_delta_rule
+from .kernels import chunk_gated_delta_rule, chunk_gated_delta_rule_with_states, recurrent_gated_delta_rule
 from .moe import grouped_expert_forward, route
 
 
@@ -41,6 +41,7 @@ class StepContext:
     experts_touched: list[int] = field(default_factory=list)  # per MoE layer, filled when tracking
     track_experts: bool = False
     router_logits: list[torch.Tensor] | None = None  # collected for the load-balancing loss
+    train_block_size: int | None = None  # set: x is [clean stream | noisy stream] (block-diffusion training)
 
     @property
     def ragged(self) -> bool:
@@ -244,6 +245,9 @@ class GatedDeltaNet(nn.Module):
         z = self.in_proj_z(x).reshape(B, T, self.hv, self.dv)
         g, beta = self._gates(x)
         K1 = self.kernel_size - 1
+        if ctx.train_block_size is not None:
+            o = self._train_streams(mixed, g, beta, ctx.train_block_size)
+            return self.out_proj(self.norm(o, z).reshape(B, T, self.value_dim))
         outs = []
         if Tc:
             pre = mixed[:, :, :Tc]
@@ -277,25 +281,55 @@ class GatedDeltaNet(nn.Module):
         return self.out_proj(o.reshape(B, T, self.value_dim))
 
     def _denoise(self, pre: torch.Tensor, g: torch.Tensor, cache: HybridCache, Bd: int) -> torch.Tensor:
-        """Bidirectional GDN over one block: decayed prefix readout + intra-block softmax attention."""
+        """Denoise one block against the cache (prefix conv inputs and recurrent state)."""
+        return self.denoise_block(pre, cache.conv[self.layer_idx], g, cache.recurrent[self.layer_idx])
+
+    def denoise_block(self, pre: torch.Tensor, conv_ctx: torch.Tensor, g: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
+        """Bidirectional GDN over blocks: decayed prefix readout + intra-block softmax attention.
+
+        pre [M, C, Bs] pre-conv block inputs; conv_ctx [M, C, K-1] the prefix's last pre-conv inputs;
+        g [M, Bs, Hv]; state [M, Hv, dk, dv] the prefix recurrent state. Returns [M, Bs, Hv, dv]."""
+        Bs = pre.shape[2]
         K1 = self.kernel_size - 1
-        window = torch.cat([cache.conv[self.layer_idx].to(pre.dtype), pre], dim=2)
+        window = torch.cat([conv_ctx.to(pre.dtype), pre], dim=2)
         conv = self._causal_conv(window)
         if self.has_denoise_params:
             later = F.pad(pre, (0, K1))[:, :, 1:]  # x_{i+1} ... x_{i+K-1}, zero past the block end
             conv = conv + F.conv1d(later, self.conv1d_right.weight, groups=self.conv_dim)
         act = F.silu(conv).transpose(1, 2)
         q, k, v = self._split_heads(act)
-        qf, kf, vf = q.float(), k.float(), v.float()
-        q_hat, k_hat = l2norm(qf), l2norm(kf)
-        state = cache.recurrent[self.layer_idx]  # [B, Hv, dk, dv]
-        prefix = torch.einsum("bthk,bhkv->bthv", q_hat * self.dk**-0.5, state) * g.exp()[..., None]
+        q_hat, k_hat = l2norm(q.float()), l2norm(k.float())
+        prefix = torch.einsum("bthk,bhkv->bthv", q_hat * self.dk**-0.5, state) * g.float().exp()[..., None]
         if not self.has_denoise_params:
             return prefix.to(pre.dtype)
         logits = torch.einsum("bihk,bjhk->bhij", q_hat, k_hat) * self.intra_scale.float()[None, :, None, None]
-        intra = torch.einsum("bhij,bjhv->bihv", logits.softmax(-1), vf)
-        gain = self.block_gain_a.float() + self.block_gain_b.float() * log2_block_ratio(Bd)
+        intra = torch.einsum("bhij,bjhv->bihv", logits.softmax(-1), v.float())
+        gain = self.block_gain_a.float() + self.block_gain_b.float() * log2_block_ratio(Bs)
         return (prefix + gain[None, None, :, None] * intra).to(pre.dtype)
+
+    def _train_streams(self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, Bs: int) -> torch.Tensor:
+        """Block-diffusion training: mixed [B, C, 2L] = [clean | noisy]. The clean stream runs causally
+        (chunked with chunk = block size, keeping the state at every block boundary); every noisy block
+        is denoised against the clean prefix before it. Returns [B, 2L, Hv, dv]."""
+        B, C, T2 = mixed.shape
+        L = T2 // 2
+        N, K1 = L // Bs, self.kernel_size - 1
+        clean = mixed[:, :, :L]
+        padded = F.pad(clean, (K1, 0))  # zeros before the sequence start
+        act = F.silu(self._causal_conv(padded)).transpose(1, 2)
+        q, k, v = self._split_heads(act)
+        o_clean, states = chunk_gated_delta_rule_with_states(
+            q, k, v, g[:, :L], beta[:, :L], chunk_size=Bs, use_qk_l2norm_in_kernel=True
+        )  # states [B, N, Hv, dk, dv]: the state before each block
+        # the K-1 clean pre-conv inputs before each block start
+        idx = torch.arange(N, device=mixed.device)[:, None] * Bs + torch.arange(K1, device=mixed.device)[None, :]
+        ctx_in = padded[:, :, idx]  # [B, C, N, K-1]
+        conv_ctx = ctx_in.permute(0, 2, 1, 3).reshape(B * N, C, K1)
+        noisy = mixed[:, :, L:].reshape(B, C, N, Bs).permute(0, 2, 1, 3).reshape(B * N, C, Bs)
+        g_noisy = g[:, L:].reshape(B * N, Bs, self.hv)
+        o_noisy = self.denoise_block(noisy, conv_ctx, g_noisy, states.reshape(B * N, self.hv, self.dk, self.dv))
+        o_noisy = o_noisy.reshape(B, L, self.hv, self.dv)
+        return torch.cat([o_clean.to(o_noisy.dtype), o_noisy], dim=1)
 
 
 # --------------------------------------------------------------------------- mixture of experts
@@ -428,6 +462,46 @@ class CloverForCausalLM(nn.Module):
         for layer in self.model.layers:
             x = layer(x, ctx, None)
         return self.lm_head(self.model.norm(x))
+
+    # -- block-diffusion training forward (clean stream + noisy stream, vectorised over blocks)
+    def forward_block_diffusion(
+        self,
+        clean_ids: torch.Tensor,
+        noisy_ids: torch.Tensor,
+        block_size: int,
+        *,
+        router_logits: list | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """clean_ids, noisy_ids [B, L] (L a multiple of block_size) -> (clean_logits, noisy_logits) [B, L, V].
+
+        Clean stream: causal, exactly commit mode. Noisy block b (positions [b*Bs, (b+1)*Bs)) sees the
+        clean prefix before it (attention: clean keys; GDN: the clean state and conv inputs at the block
+        boundary) and itself bidirectionally — exactly what the engine's denoise step computes with
+        that prefix committed."""
+        B, L = clean_ids.shape
+        if noisy_ids.shape != clean_ids.shape:
+            raise ValueError(f"clean_ids {tuple(clean_ids.shape)} and noisy_ids {tuple(noisy_ids.shape)} differ")
+        if L % block_size:
+            raise ValueError(f"sequence length {L} is not a multiple of block_size {block_size}")
+        dev = clean_ids.device
+        pos = torch.arange(L, device=dev)
+        positions = torch.cat([pos, pos]).expand(B, 2 * L)
+        blk = pos // block_size
+        causal = pos[None, :] <= pos[:, None]
+        clean_before_block = pos[None, :] < (blk * block_size)[:, None]
+        same_block = blk[None, :] == blk[:, None]
+        top = torch.cat([causal, torch.zeros(L, L, dtype=torch.bool, device=dev)], dim=1)
+        bottom = torch.cat([clean_before_block, same_block], dim=1)
+        mask = torch.cat([top, bottom], dim=0)[None, None]  # [1, 1, 2L, 2L]
+        x = self.model.embed_tokens(torch.cat([clean_ids, noisy_ids], dim=1))
+        cos, sin = self.model.rotary_emb(positions, x.dtype)
+        ctx = StepContext(
+            commit_len=L, denoise_len=L, cos=cos, sin=sin, router_logits=router_logits, train_block_size=block_size
+        )
+        for layer in self.model.layers:
+            x = layer(x, ctx, None, attn_mask=mask)
+        logits = self.lm_head(self.model.norm(x))
+        return logits[:, :L], logits[:, L:]
 
     # -- the cached step: commit and/or denoise in one forward
     def step(

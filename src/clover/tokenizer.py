@@ -58,7 +58,7 @@ class Tokenizer:
         return f"Tokenizer(vocab={self.vocab_size}, eos={self.eos_token_id}, mask={self.mask_token_id})"
 
 
-def write_byte_tokenizer(directory: str | Path) -> dict[str, int]:
+def write_byte_tokenizer(directory: str | Path, specials: tuple[str, ...] = SPECIAL_TOKENS) -> dict[str, int]:
     """A byte-level tokenizer with no merges (256 byte tokens + the special tokens): any text
     round-trips. Used for tiny random models. Returns the special token ids."""
     from tokenizers import Tokenizer as RawTokenizer
@@ -71,14 +71,14 @@ def write_byte_tokenizer(directory: str | Path) -> dict[str, int]:
     tok = RawTokenizer(models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens(list(SPECIAL_TOKENS))
+    tok.add_special_tokens(list(specials))
     tok.save(str(directory / "tokenizer.json"))
-    ids = {t: tok.token_to_id(t) for t in SPECIAL_TOKENS}
-    write_tokenizer_config(directory)
+    ids = {t: tok.token_to_id(t) for t in specials}
+    write_tokenizer_config(directory, mask="<|mask|>" in specials)
     return ids
 
 
-def write_tokenizer_config(directory: str | Path) -> None:
+def write_tokenizer_config(directory: str | Path, mask: bool = True) -> None:
     cfg = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "eos_token": "<|endoftext|>",
@@ -89,4 +89,6 @@ def write_tokenizer_config(directory: str | Path) -> None:
         "clean_up_tokenization_spaces": False,
         "model_max_length": 1_000_000,
     }
+    if not mask:
+        cfg.pop("mask_token")
     (Path(directory) / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2) + "\n")

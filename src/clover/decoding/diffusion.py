@@ -116,9 +116,10 @@ def diffusion_decode(
                 eos_hits = [j for j in pos.tolist() if int(blk[i, j]) in r.eos_ids]
                 if eos_hits:  # everything after the first accepted EOS becomes EOS
                     e = min(eos_hits)
+                    eos_tok = int(blk[i, e])
                     later = torch.arange(e + 1, Bs, device=device)
-                    fill = later[masked[i, e + 1 :] | (blk[i, e + 1 :] != blk[i, e])]
-                    blk[i, fill] = blk[i, e]
+                    fill = later[masked[i, e + 1 :] | (blk[i, e + 1 :] != eos_tok)]
+                    blk[i, fill] = eos_tok
                     dec_step[i, fill[masked[i, fill]]] = step[i]
                     masked[i, fill] = False
             if provisional:

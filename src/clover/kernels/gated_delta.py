@@ -109,13 +109,20 @@ def _load_fla(name: str):
     return _FLA_CACHE[name]
 
 
+def _fla_eligible(x: torch.Tensor) -> bool:
+    """The fla kernels are Triton/CUDA only."""
+    return x.is_cuda
+
+
 def _try_fla(name, q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel):
     """Run the fla kernel; return None when unavailable or when it fails."""
-    if not q.is_cuda:
+    if not _fla_eligible(q):
         return None
     fn = _load_fla(name)
     if fn is None:
         return None
+    # older fla releases want as many q/k heads as value heads: expand (always valid)
+    q, k = _expand_heads(q, k, v.shape[2])
     try:
         if initial_state is not None:
             initial_state = initial_state.to(torch.float32)
@@ -289,56 +296,71 @@ def _recurrent_torch(q, k, v, g, beta, scale, initial_state, output_final_state,
 # ---------------------------------------------------------------------------
 
 
-def _fill_chunks(dst: torch.Tensor, x: torch.Tensor) -> None:
-    """Copy x [B, T, H, D] into dst [N, B, H, C, D] (chunk-major), converting dtype.
+# Chunk-major layout used below: a slab of ``nc`` chunks of the sequence is held
+# as float32 [nc, B, H, C, D], viewed as a batch of nc*B*H matrices [C, D]
+# (batch index = n*B*H + b*H + h).
+#
+# The sequence is processed slab by slab (a few hundred tokens at a time): every
+# intermediate stays small, so it is reused from the allocator between slabs and
+# stays in cache, which matters more on a small shared CPU than the flop count.
 
-    Positions past T are left untouched (the caller zero-fills them)."""
-    N, B, H, C, D = dst.shape
-    T = x.shape[1]
-    view = dst.permute(1, 0, 3, 2, 4)  # [B, N, C, H, D]
-    full = min(N, T // C)
+_SLAB_ROWS = 4096  # target number of (token, head) rows per slab
+
+
+def _fill_chunks(dst: torch.Tensor, x: torch.Tensor) -> None:
+    """Copy x [B, L, H, D] into dst [nc, B, H, C, D] (L <= nc*C), converting dtype.
+
+    Positions past L are left untouched (the caller zero-fills them)."""
+    nc, B, H, C, D = dst.shape
+    L = x.shape[1]
+    view = dst.permute(1, 0, 3, 2, 4)  # [B, nc, C, H, D]
+    full = min(nc, L // C)
     if full:
         view[:, :full].copy_(x[:, : full * C].reshape(B, full, C, H, D))
-    rest = T - full * C
+    rest = L - full * C
     if rest:
         view[:, full, :rest].copy_(x[:, full * C :])
 
 
-def _alloc_chunks(shape, padded: bool, device) -> torch.Tensor:
-    if padded:
-        return torch.zeros(shape, dtype=torch.float32, device=device)
-    return torch.empty(shape, dtype=torch.float32, device=device)
+def _slab(x: torch.Tensor, t0: int, t1: int, nc: int, C: int) -> torch.Tensor:
+    """x[:, t0:t1] ([B, L, H, D]) -> float32 [nc*B*H, C, D], zero padded."""
+    B, _, H, D = x.shape
+    shape = (nc, B, H, C, D)
+    if t1 - t0 == nc * C:
+        buf = torch.empty(shape, dtype=torch.float32, device=x.device)
+    else:
+        buf = torch.zeros(shape, dtype=torch.float32, device=x.device)
+    _fill_chunks(buf, x[:, t0:t1])
+    return buf.view(nc * B * H, C, D)
 
 
 def _unit_lower_inverse(a: torch.Tensor) -> torch.Tensor:
     """(I + strictly_lower(a))^{-1} for a batch [n, C, C].
 
-    The diagonal and upper triangle of ``a`` are ignored.  Large blocks are split
-    in two (both diagonal blocks inverted in one batched call, the off-diagonal
-    block from two small matmuls), which is faster on CPU than one big
-    triangular solve with an identity right-hand side.
+    The diagonal and upper triangle of ``a`` are ignored.  Blocks larger than 16
+    are split in two: both diagonal blocks are inverted in one batched call and
+    the off-diagonal block comes from two small matmuls, which on CPU beats one
+    big triangular solve against the identity.
     """
     n, C, _ = a.shape
-    if C <= 16:
-        eye = torch.eye(C, dtype=a.dtype, device=a.device).expand(n, C, C)
-        return torch.linalg.solve_triangular(a, eye, upper=False, unitriangular=True)
     h = C // 2
-    if C - h != h:
+    if C <= 16 or C != 2 * h:
         eye = torch.eye(C, dtype=a.dtype, device=a.device).expand(n, C, C)
         return torch.linalg.solve_triangular(a, eye, upper=False, unitriangular=True)
     diag = _unit_lower_inverse(torch.cat([a[:, :h, :h], a[:, h:, h:]], 0))
     x11, x22 = diag[:n], diag[n:]
-    x21 = -torch.bmm(torch.bmm(x22, a[:, h:, :h]), x11)
+    x21 = torch.bmm(torch.bmm(x22, a[:, h:, :h]), x11).neg_()
     top = torch.cat([x11, torch.zeros_like(x11)], dim=2)
     bottom = torch.cat([x21, x22], dim=2)
     return torch.cat([top, bottom], dim=1)
 
 
-def _chunk_core(q, k, v, g, beta, scale, initial_state, chunk_size, use_qk_l2norm_in_kernel):
+def _chunk_core(q, k, v, g, beta, scale, initial_state, chunk_size, use_qk_l2norm_in_kernel, keep_states):
     """Shared chunked computation.
 
-    Returns (o [B, T, H, V] in v.dtype, states [N + 1, B*H, K, V] float32) where
-    states[n] is the state before chunk n and states[N] the final state.
+    Returns ``(o, final_state, states)``: o [B, T, H, V] in v.dtype, final state
+    [B*H, K, V] float32, and (only when keep_states) float32 [N, B*H, K, V] with
+    states[n] the state before chunk n.
     """
     _check_shapes(q, k, v, g, beta)
     if chunk_size < 1:
@@ -354,127 +376,142 @@ def _chunk_core(q, k, v, g, beta, scale, initial_state, chunk_size, use_qk_l2nor
     if scale is None:
         scale = K**-0.5
 
+    if initial_state is None:
+        S = torch.zeros(BH, K, V, dtype=f32, device=dev)
+    else:
+        S = initial_state.reshape(BH, K, V).to(f32)
     if T == 0:
-        S0 = (
-            torch.zeros(BH, K, V, dtype=f32, device=dev)
-            if initial_state is None
-            else initial_state.reshape(BH, K, V).to(f32)
-        )
-        return v.new_zeros(B, 0, H, V), S0.unsqueeze(0).expand(2, BH, K, V)
+        states = S.unsqueeze(0)[:0] if keep_states else None
+        return v.new_zeros(B, 0, H, V), (S if grad else S.clone()), states
 
     N = -(-T // C)
-    NB = N * BH
-    padded = N * C != T
-
-    # float32, chunk-major layout, batch index = n*BH + b*H + h.  q and k share
-    # one buffer ([.., 2C, K]: q rows then k rows) so that q k^T and k k^T come
-    # out of a single matmul.
-    qk_buf = _alloc_chunks((N, B, H, 2 * C, K), padded, dev)
-    _fill_chunks(qk_buf[:, :, :, :C], q)
-    _fill_chunks(qk_buf[:, :, :, C:], k)
-    qk = qk_buf.view(NB, 2 * C, K)
-    qc, kc = qk[:, :C], qk[:, C:]
-    v_buf = _alloc_chunks((N, B, H, C, V), padded, dev)
-    _fill_chunks(v_buf, v)
-    vc = v_buf.view(NB, C, V)
-    gb = _alloc_chunks((N, B, H, C, 2), padded, dev)
+    # gates for the whole sequence (small): inclusive cumulative log decay within each chunk
+    gb = torch.zeros((N, B, H, C, 2), dtype=f32, device=dev)
     _fill_chunks(gb[..., 0:1], g.unsqueeze(-1))
     _fill_chunks(gb[..., 1:2], beta.unsqueeze(-1))
-    gc = gb[..., 0].reshape(NB, C).cumsum(-1)  # inclusive cumulative log decay in the chunk
-    bc = gb[..., 1].reshape(NB, C)
-
-    # Per-row factors.  Normalisation and scale are never applied to the
-    # [.., C, K] tensors, only folded into [.., C] vectors and [.., C, C] matrices.
-    if use_qk_l2norm_in_kernel:
-        r = torch.rsqrt((qk * qk).sum(-1) + _L2_EPS)  # [NB, 2C]
-        rq = r[:, :C] * scale
-        rk = r[:, C:]
-    else:
-        rq = None
-        rk = None
-
-    # decay between positions j <= i of a chunk, exp(gc_i - gc_j); zero above the diagonal
+    gc_all = gb[..., 0].reshape(N * BH, C).cumsum(-1)
+    bc_all = gb[..., 1].reshape(N * BH, C)
     upper = torch.ones(C, C, dtype=torch.bool, device=dev).triu_(1)
-    dmat = (gc.unsqueeze(-1) - gc.unsqueeze(-2)).masked_fill_(upper, float("-inf")).exp_()
-    if rk is not None:
-        dmat = dmat * rk.unsqueeze(-2)  # column factor rk_j shared by both products below
-    # rows 0..C-1: q k^T ; rows C..2C-1: k k^T
-    prod = torch.bmm(qk, kc.transpose(-1, -2)).view(NB, 2, C, C)
-    rows = torch.stack([rq if rq is not None else torch.full_like(bc, scale), bc if rk is None else bc * rk], 1)
-    fac = dmat.unsqueeze(1) * rows.unsqueeze(-1)
-    prod = prod * fac if grad else prod.mul_(fac)
-    attn = prod[:, 0]  # intra-chunk attention (lower triangle incl. diagonal)
-    amat = prod[:, 1]  # strictly-lower part = A of the unit-triangular system
 
-    # T = (I + A)^{-1};  U0 = T diag(beta) v ;  W = T diag(beta * gamma * rk) k
-    tinv = _unit_lower_inverse(amat)
-    gamma = gc.exp()
-    w_col = bc * gamma if rk is None else bc * gamma * rk
-    u0 = torch.bmm(tinv * bc.unsqueeze(-2), vc)
-    w = torch.bmm(tinv * w_col.unsqueeze(-2), kc)
-
-    # keys decayed to the end of the chunk, queries decayed from its start
-    gl = gc[:, -1:]
-    kfac = (gl - gc).exp()
-    if rk is not None:
-        kfac = kfac * rk
-    kdec_t = (kc * kfac.unsqueeze(-1)).transpose(-1, -2)  # [NB, K, C]
-    qfac = gamma * (rq if rq is not None else scale)
-    qdec = qc * qfac.unsqueeze(-1)
-    chunk_decay = gl.exp().view(N, BH, 1, 1)
-
-    u0 = u0.view(N, BH, C, V)
-    w = w.view(N, BH, C, K)
-    kdec_t = kdec_t.view(N, BH, K, C)
-
-    # the only sequential part: propagate the state across chunks
-    #   U_n = U0_n - W_n S_n ;  S_{n+1} = exp(gl_n) S_n + Kdec_n^T U_n
+    per_slab = max(1, _SLAB_ROWS // (BH * C))
+    states = work = None
     if grad:
-        S = (
-            torch.zeros(BH, K, V, dtype=f32, device=dev)
-            if initial_state is None
-            else initial_state.reshape(BH, K, V).to(f32)
-        )
-        states_l, us = [S], []
-        for n in range(N):
-            u = torch.baddbmm(u0[n], w[n], S, alpha=-1.0)
-            S = torch.baddbmm(S * chunk_decay[n], kdec_t[n], u)
-            us.append(u)
-            states_l.append(S)
-        states = torch.stack(states_l, 0)
-        u_all = torch.stack(us, 0)
+        o_parts, st_parts = [], []
+        states = None
+        out = None
     else:
-        states = torch.empty(N + 1, BH, K, V, dtype=f32, device=dev)
-        if initial_state is None:
-            states[0].zero_()
+        out = torch.empty(B, T, H, V, dtype=v.dtype, device=dev)
+        if keep_states:
+            states = torch.empty(N + 1, BH, K, V, dtype=f32, device=dev)
+            states[0].copy_(S)
         else:
-            states[0].copy_(initial_state.reshape(BH, K, V))
-        u_all = u0  # overwritten chunk by chunk with U_n
-        for n in range(N):
-            S = states[n]
-            u_all[n].baddbmm_(w[n], S, alpha=-1.0)
-            nxt = torch.mul(S, chunk_decay[n], out=states[n + 1])
-            nxt.baddbmm_(kdec_t[n], u_all[n])
+            work = torch.empty(min(per_slab, N) + 1, BH, K, V, dtype=f32, device=dev)
+            work[0].copy_(S)
 
-    # outputs for all chunks at once: o = Qdec S_n + attn U_n
-    o = torch.baddbmm(
-        torch.bmm(attn, u_all.view(NB, C, V)),
-        qdec,
-        states[:N].reshape(NB, K, V),
-    ).view(N, B, H, C, V)
+    for n0 in range(0, N, per_slab):
+        n1 = min(N, n0 + per_slab)
+        nc = n1 - n0
+        NB = nc * BH
+        t0, t1 = n0 * C, min(T, n1 * C)
+        qc = _slab(q, t0, t1, nc, C)
+        kc = _slab(k, t0, t1, nc, C)
+        vc = _slab(v, t0, t1, nc, C)
+        gc = gc_all[n0 * BH : n1 * BH]
+        bc = bc_all[n0 * BH : n1 * BH]
 
-    out = torch.empty(B, T, H, V, dtype=v.dtype, device=dev)
+        # Per-row factors: normalisation and scale are folded into [NB, C]
+        # vectors rather than applied to the [NB, C, K] tensors.
+        if use_qk_l2norm_in_kernel:
+            rq = torch.rsqrt(torch.linalg.vector_norm(qc, dim=-1).square() + _L2_EPS) * scale
+            rk = torch.rsqrt(torch.linalg.vector_norm(kc, dim=-1).square() + _L2_EPS)
+            a_row = bc * rk
+        else:
+            rq = rk = None
+            a_row = bc
+
+        # decay between positions j <= i of a chunk, exp(gc_i - gc_j); zero above the diagonal
+        dmat = (gc.unsqueeze(-1) - gc.unsqueeze(-2)).masked_fill_(upper, float("-inf")).exp_()
+        if rk is not None:
+            dmat = dmat * rk.unsqueeze(-2)  # column factor rk_j, shared by both products
+        kt = kc.transpose(-1, -2)
+        amat = torch.bmm(kc, kt)  # strictly-lower part is A of the unit-triangular system
+        attn = torch.bmm(qc, kt)  # intra-chunk attention (lower triangle incl. diagonal)
+        if grad:
+            amat = amat * dmat * a_row.unsqueeze(-1)
+            attn = attn * dmat * (rq.unsqueeze(-1) if rq is not None else scale)
+        else:
+            amat.mul_(dmat).mul_(a_row.unsqueeze(-1))
+            attn.mul_(dmat).mul_(rq.unsqueeze(-1) if rq is not None else scale)
+
+        # Tinv = (I + A)^{-1};  U0 = Tinv diag(beta) v ;  W = Tinv diag(beta * gamma * rk) k
+        tinv = _unit_lower_inverse(amat)
+        gamma = gc.exp()
+        u0 = torch.bmm(tinv * bc.unsqueeze(-2), vc)
+        w = torch.bmm(tinv * (a_row * gamma).unsqueeze(-2), kc)
+
+        # keys decayed to the end of their chunk, queries decayed from its start
+        gl = gc[:, -1:]
+        kfac = (gl - gc).exp_()
+        if rk is not None:
+            kfac = kfac * rk
+        qfac = gamma * rq if rq is not None else gamma * scale
+        if grad:
+            kdec = kc * kfac.unsqueeze(-1)
+            qdec = qc * qfac.unsqueeze(-1)
+        else:
+            kdec = kc.mul_(kfac.unsqueeze(-1))  # kc / qc are no longer needed as such
+            qdec = qc.mul_(qfac.unsqueeze(-1))
+        chunk_decay = gl.exp().view(nc, BH, 1, 1)
+        u0 = u0.view(nc, BH, C, V)
+        w = w.view(nc, BH, C, K)
+        kdec_t = kdec.view(nc, BH, C, K).transpose(-1, -2)
+
+        # sequential part: U_n = U0_n - W_n S_n ;  S_{n+1} = exp(gl_n) S_n + Kdec_n^T U_n
+        if grad:
+            sts, us = [], []
+            for i in range(nc):
+                sts.append(S)
+                u = torch.baddbmm(u0[i], w[i], S, alpha=-1.0)
+                S = torch.baddbmm(S * chunk_decay[i], kdec_t[i], u)
+                us.append(u)
+            st = torch.stack(sts, 0)
+            u_all = torch.stack(us, 0)
+            if keep_states:
+                st_parts.append(st)
+        else:
+            st_full = states[n0 : n1 + 1] if keep_states else work[: nc + 1]
+            u_all = u0  # overwritten in place with U_n
+            for i in range(nc):
+                u_all[i].baddbmm_(w[i], st_full[i], alpha=-1.0)
+                torch.mul(st_full[i], chunk_decay[i], out=st_full[i + 1]).baddbmm_(kdec_t[i], u_all[i])
+            st = st_full[:nc]
+            S = st_full[nc]
+
+        # outputs for the whole slab: o = Qdec S_n + attn U_n
+        o = torch.baddbmm(torch.bmm(attn, u_all.view(NB, C, V)), qdec, st.reshape(NB, K, V))
+        o = o.view(nc, B, H, C, V)
+        if grad:
+            o_parts.append(o.permute(1, 0, 3, 2, 4).reshape(B, nc * C, H, V))
+        else:
+            L = t1 - t0
+            ov = o.permute(1, 0, 3, 2, 4)  # [B, nc, C, H, V]
+            full = L // C
+            dst = out[:, t0:t1]
+            if full:
+                dst[:, : full * C].view(B, full, C, H, V).copy_(ov[:, :full])
+            if L - full * C:
+                dst[:, full * C :].copy_(ov[:, full, : L - full * C])
+            if not keep_states and n1 < N:
+                work[0].copy_(S)  # carry the state into the next slab's buffer
+
     if grad:
-        # functional assembly keeps autograd simple
-        o = o.permute(1, 0, 3, 2, 4).reshape(B, N * C, H, V)[:, :T]
-        out = o.to(v.dtype).contiguous()
+        out = torch.cat(o_parts, 1)[:, :T].to(v.dtype).contiguous()
+        states = torch.cat(st_parts, 0) if keep_states else None
+    elif keep_states:
+        states = states[:N]
     else:
-        ov = o.permute(1, 0, 3, 2, 4)  # [B, N, C, H, V]
-        full = (N - 1) * C
-        if full:
-            out[:, :full].view(B, N - 1, C, H, V).copy_(ov[:, : N - 1])
-        out[:, full:].copy_(ov[:, N - 1, : T - full])
-    return out, states
+        S = S.clone()  # do not hand out a view of the work buffer
+    return out, S, states
 
 
 def chunk_gated_delta_rule_with_states(
@@ -492,17 +529,18 @@ def chunk_gated_delta_rule_with_states(
 
     Returns ``(o, chunk_states)``: o is [B, T, H, V] in v's dtype and
     chunk_states is float32 [B, N, H, K, V], N = ceil(T / chunk_size), where
-    ``chunk_states[:, n]`` is the state *before* chunk n (token n*chunk_size);
-    ``chunk_states[:, 0]`` is the initial state (or zeros).  Always the torch
-    path (differentiable).
+    ``chunk_states[:, n]`` is the state *before* chunk n (i.e. after token
+    n*chunk_size - 1); ``chunk_states[:, 0]`` is the initial state (or zeros).
+    Always runs the torch path (differentiable).  The returned tensor is a
+    permuted view of a [N, B, H, K, V] buffer; call .contiguous() if needed.
     """
-    o, states = _chunk_core(q, k, v, g, beta, scale, initial_state, chunk_size, use_qk_l2norm_in_kernel)
+    o, _, states = _chunk_core(
+        q, k, v, g, beta, scale, initial_state, chunk_size, use_qk_l2norm_in_kernel, keep_states=True
+    )
     B, _, H, V = v.shape
     K = q.shape[-1]
-    T = q.shape[1]
-    N = -(-T // chunk_size)
-    cs = states[:N].reshape(N, B, H, K, V).permute(1, 0, 2, 3, 4)
-    return o, cs
+    N = states.shape[0]
+    return o, states.reshape(N, B, H, K, V).permute(1, 0, 2, 3, 4)
 
 
 def chunk_gated_delta_rule(
@@ -517,7 +555,11 @@ def chunk_gated_delta_rule(
     use_qk_l2norm_in_kernel: bool = False,
     chunk_size: int = 64,
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """Chunked (WY representation) gated delta rule for prefill and training."""
+    """Chunked (WY representation) gated delta rule for prefill and training.
+
+    Returns ``(o, final_state)``; final_state is float32 [B, H, K, V] or None.
+    ``chunk_size`` only affects speed and rounding on the torch path.
+    """
     _check_shapes(q, k, v, g, beta)
     res = _try_fla(
         "chunk_gated_delta_rule",
@@ -526,11 +568,12 @@ def chunk_gated_delta_rule(
     if res is not None:
         return res
     T = q.shape[1]
-    # a sequence shorter than one chunk needs no padding: use a single chunk of length T
+    # a sequence shorter than one chunk needs no padding: one chunk of length T
     cs = min(int(chunk_size), T) if T > 0 else int(chunk_size)
-    o, states = _chunk_core(q, k, v, g, beta, scale, initial_state, cs, use_qk_l2norm_in_kernel)
+    o, S, _ = _chunk_core(
+        q, k, v, g, beta, scale, initial_state, cs, use_qk_l2norm_in_kernel, keep_states=False
+    )
     if not output_final_state:
         return o, None
     B, _, H, V = v.shape
-    K = q.shape[-1]
-    return o, states[-1].reshape(B, H, K, V)
+    return o, S.reshape(B, H, q.shape[-1], V)

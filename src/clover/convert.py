@@ -1,0 +1,116 @@
+"""Turn a Qwen3.5/3.6-MoE checkpoint into a Clover one (`clover convert SRC DST`).
+
+Shard by shard (never the whole model in memory): keys are mapped to the text-model layout
+(`model.language_model.*` -> `model.*`; vision and MTP weights dropped), the mask token is added
+(an unused id of a padded vocabulary when there is one, otherwise the vocabulary grows by one row:
+embedding = mean embedding, lm_head row = 0), and Clover's new parameters are written zero-initialised
+(`conv1d_right`, `block_gain_a/b`; `intra_scale` = sqrt(d_k)), so commit mode is unchanged and denoise
+mode starts from the AR model's prefix readout.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from .checkpoint import INDEX_FILE, CheckpointError, canonical_name, iter_tensors, shard_files
+from .config import CloverConfig
+
+MASK_TOKEN = "<|mask|>"
+EXTRA_SHARD = "model-clover-extra.safetensors"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
+                   "generation_config.json", "chat_template.jinja", "chat_template.json")
+
+
+def convert_to_clover(
+    src: str | Path,
+    dst: str | Path,
+    *,
+    block_size: int = 32,
+    threshold: float = 0.95,
+    progress: bool = True,
+) -> CloverConfig:
+    from tqdm import tqdm
+    from transformers import PreTrainedTokenizerFast
+
+    src, dst = Path(src), Path(dst)
+    config = CloverConfig.from_file(src)
+    if config.is_clover:
+        raise ValueError(f"{src} is already a Clover checkpoint (model_type 'clover'); nothing to convert")
+    if src.resolve() == dst.resolve():
+        raise ValueError("destination must differ from the source directory")
+    if not (src / "tokenizer.json").exists():
+        raise CheckpointError(f"{src}: no tokenizer.json; the mask token has to be added to the tokenizer")
+    dst.mkdir(parents=True, exist_ok=True)
+    tok = PreTrainedTokenizerFast.from_pretrained(str(src), local_files_only=True)
+
+    # -- the mask token
+    grow = 0
+    vocab = tok.get_vocab()
+    if MASK_TOKEN in vocab:
+        mask_id = vocab[MASK_TOKEN]
+    else:
+        mask_id = len(tok)
+        tok.add_special_tokens({"mask_token": MASK_TOKEN})
+        if mask_id >= config.vocab_size:
+            grow = mask_id + 1 - config.vocab_size
+    if tok.mask_token is None:
+        tok.mask_token = MASK_TOKEN
+    new_config = config.replace(
+        model_type="clover",
+        vocab_size=config.vocab_size + grow,
+        mask_token_id=mask_id,
+        block_size=block_size,
+        threshold=threshold,
+    )
+
+    # -- weights, shard by shard
+    weight_map: dict[str, str] = {}
+    total = 0
+    shards = shard_files(src)
+    for path in tqdm(shards, desc="convert", unit="shard", disable=not progress):
+        out: dict[str, torch.Tensor] = {}
+        for key, t in iter_tensors(path, None):
+            name = canonical_name(key)
+            if name is None:
+                continue
+            if grow and name in ("model.embed_tokens.weight", "lm_head.weight"):
+                extra = t.float().mean(0, keepdim=True) if name.startswith("model.embed") else torch.zeros(1, t.shape[1])
+                t = torch.cat([t, extra.to(t.dtype).expand(grow, -1)], dim=0)
+            out[name] = t.contiguous()
+        fname = path.name if len(shards) > 1 else "model.safetensors"
+        save_file(out, str(dst / fname), metadata={"format": "pt"})
+        weight_map.update({k: fname for k in out})
+        total += sum(t.numel() * t.element_size() for t in out.values())
+    dtype = next(iter(out.values())).dtype if out else torch.float32
+    extra = clover_init_params(new_config, dtype)
+    save_file(extra, str(dst / EXTRA_SHARD), metadata={"format": "pt"})
+    weight_map.update({k: EXTRA_SHARD for k in extra})
+    total += sum(t.numel() * t.element_size() for t in extra.values())
+    (dst / INDEX_FILE).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+    new_config.save(dst)
+    for name in TOKENIZER_FILES:
+        if (src / name).exists() and not (dst / name).exists():
+            shutil.copy(src / name, dst / name)
+    tok.save_pretrained(str(dst))
+    return new_config
+
+
+def clover_init_params(config: CloverConfig, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    """Clover's new per-GDN-layer parameters at their initial values."""
+    out = {}
+    c = config
+    for i, t in enumerate(c.layer_types):
+        if t != "linear_attention":
+            continue
+        p = f"model.layers.{i}.linear_attn."
+        out[p + "conv1d_right.weight"] = torch.zeros(c.linear_conv_dim, 1, c.linear_conv_kernel_dim - 1, dtype=dtype)
+        out[p + "intra_scale"] = torch.full((c.linear_num_value_heads,), math.sqrt(c.linear_key_head_dim), dtype=dtype)
+        out[p + "block_gain_a"] = torch.zeros(c.linear_num_value_heads, dtype=dtype)
+        out[p + "block_gain_b"] = torch.zeros(c.linear_num_value_heads, dtype=dtype)
+    return out

@@ -1,0 +1,229 @@
+"""Denoise mode and the block-diffusion engine: cached == uncached, batched == one-by-one, limits."""
+
+import pytest
+import torch
+
+import clover
+from clover.checkpoint import load_model
+from clover.tiny import build_tiny_checkpoint
+
+
+@pytest.fixture(scope="module")
+def live_dir(tmp_path_factory):
+    """A tiny Clover model whose new (zero-initialised) parameters are made non-zero, so every
+    branch of the bidirectional GDN is exercised."""
+    d = build_tiny_checkpoint(tmp_path_factory.mktemp("live") / "m", seed=3, init_std=0.15)
+    model = load_model(d)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "conv1d_right" in name or "block_gain" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
+    from clover.checkpoint import save_model
+
+    save_model(model, d)
+    return d
+
+
+@pytest.fixture(scope="module")
+def llm(live_dir):
+    return clover.load(live_dir)
+
+
+def test_training_forward_equals_engine_denoise(llm):
+    model = llm.model
+    Bs, L = 8, 32
+    g = torch.Generator().manual_seed(0)
+    clean = torch.randint(0, 256, (2, L), generator=g)
+    noisy = clean.clone()
+    noisy[torch.rand(2, L, generator=g) < 0.5] = llm.tokenizer.mask_token_id
+    with torch.no_grad():
+        clean_logits, noisy_logits = model.forward_block_diffusion(clean, noisy, Bs)
+        torch.testing.assert_close(clean_logits, model(clean), atol=1e-4, rtol=1e-4)
+        for b in range(L // Bs):
+            s = b * Bs
+            cache = model.make_cache(2, L + Bs)
+            if s:
+                model.step(cache, commit_ids=clean[:, :s])
+            out = model.step(cache, denoise_ids=noisy[:, s : s + Bs])
+            torch.testing.assert_close(out.denoise_logits, noisy_logits[:, s : s + Bs], atol=1e-4, rtol=1e-4)
+
+
+def test_fused_commit_and_denoise_equals_separate(llm):
+    model = llm.model
+    ids = torch.randint(0, 256, (1, 20))
+    block = torch.full((1, 8), llm.tokenizer.mask_token_id)
+    block[0, 2] = 65
+    with torch.no_grad():
+        c1 = model.make_cache(1, 64)
+        fused = model.step(c1, commit_ids=ids, denoise_ids=block)
+        c2 = model.make_cache(1, 64)
+        sep_commit = model.step(c2, commit_ids=ids)
+        sep_denoise = model.step(c2, denoise_ids=block)
+    torch.testing.assert_close(fused.commit_logits, sep_commit.commit_logits, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(fused.denoise_logits, sep_denoise.denoise_logits, atol=1e-5, rtol=1e-5)
+    assert int(c1.lengths[0]) == int(c2.lengths[0]) == 20
+
+
+@pytest.mark.parametrize("block_size", [4, 8, 32])
+@pytest.mark.parametrize("prompt_len", [8, 13])
+def test_cached_equals_naive(llm, block_size, prompt_len):
+    prompt = list(range(40, 40 + prompt_len))
+    for threshold in (0.3, 0.95):
+        n = 2 * block_size + 3 if block_size < 32 else block_size + 5
+        kw = dict(max_new_tokens=n, block_size=block_size, threshold=threshold, ignore_eos=True)
+        cached = llm.generate(prompt, mode="diffusion", **kw)
+        naive = llm.generate(prompt, mode="naive", **kw)
+        assert cached.token_ids == naive.token_ids
+        assert cached.decode_steps == naive.decode_steps
+        assert cached.stats.forwards == naive.stats.forwards
+        assert len(cached.token_ids) == kw["max_new_tokens"]
+
+
+def test_fusion_costs_no_extra_forward(llm):
+    g = llm.generate([5, 6, 7], mode="diffusion", max_new_tokens=24, block_size=8, threshold=0.3, ignore_eos=True)
+    assert g.stats.forwards == sum(g.stats.block_steps)
+    assert len(g.stats.block_steps) == 3
+    assert all(1 <= s <= 8 for s in g.stats.block_steps)
+
+
+def test_threshold_above_one_decodes_one_token_per_step(llm):
+    g = llm.generate([1, 2, 3, 4], mode="diffusion", max_new_tokens=16, block_size=8, threshold=1.5, ignore_eos=True)
+    assert g.stats.forwards == 16 and g.stats.tokens_per_forward == 1.0
+    assert g.stats.block_steps == [8, 8]
+    assert sorted(g.decode_steps[:8]) == list(range(1, 9))
+
+
+def test_block_size_one_equals_ar_greedy(llm):
+    for prompt in ([9, 8, 7], list(range(100, 117))):
+        ar = llm.generate(prompt, mode="ar", max_new_tokens=12, ignore_eos=True)
+        d1 = llm.generate(prompt, mode="diffusion", max_new_tokens=12, block_size=1, ignore_eos=True)
+        assert d1.token_ids == ar.token_ids
+
+
+@pytest.mark.parametrize("mode", ["ar", "diffusion"])
+def test_batched_equals_one_by_one(llm, mode):
+    prompts = [list(range(30, 35)), list(range(60, 79)), [200, 3, 4, 5, 6, 7, 8, 9, 10]]
+    kw = dict(mode=mode, max_new_tokens=20, block_size=8, threshold=0.3, ignore_eos=True)
+    batch = llm.generate(prompts, **kw)
+    for p, got in zip(prompts, batch):
+        alone = llm.generate(p, **kw)
+        assert got.token_ids == alone.token_ids
+        assert got.decode_steps == alone.decode_steps
+
+
+@pytest.mark.parametrize("mode", ["ar", "diffusion"])
+def test_seeded_sampling_is_reproducible(llm, mode):
+    kw = dict(mode=mode, max_new_tokens=16, temperature=1.0, top_p=0.9, top_k=50, seed=1234, block_size=8, ignore_eos=True)
+    a = llm.generate([1, 2, 3], **kw)
+    b = llm.generate([1, 2, 3], **kw)
+    c = llm.generate([1, 2, 3], **{**kw, "seed": 99})
+    assert a.token_ids == b.token_ids
+    assert a.token_ids != c.token_ids
+
+
+@pytest.mark.parametrize("mode", ["ar", "diffusion", "naive"])
+def test_eos_ends_generation(llm, mode):
+    eos = llm.tokenizer.eos_token_id
+    # bias towards EOS so it is accepted early; nothing from EOS on may be returned
+    g = llm.generate([10, 11, 12], mode=mode, max_new_tokens=40, block_size=8, eos_penalty=-6.0)
+    assert g.finish_reason == "stop"
+    assert eos not in g.token_ids
+    assert len(g.token_ids) < 40
+    free = llm.generate([10, 11, 12], mode=mode, max_new_tokens=40, block_size=8, eos_penalty=-6.0, ignore_eos=True)
+    if mode == "ar":  # the same tokens up to where EOS was chosen
+        assert free.token_ids[: len(g.token_ids)] == g.token_ids
+
+
+@pytest.mark.parametrize("mode", ["ar", "diffusion"])
+def test_stop_strings_cut_text(llm, mode):
+    kw = dict(mode=mode, max_new_tokens=30, block_size=8, threshold=0.3, ignore_eos=True)
+    full = llm.generate("abc", **kw)
+    text = full.text
+    stop = text[10:12]
+    cut = llm.generate("abc", stop=[stop], **kw)
+    assert cut.finish_reason == "stop"
+    assert cut.text == text[: text.find(stop)]
+    assert stop not in cut.text
+
+
+def test_stream_matches_generate(llm):
+    kw = dict(mode="diffusion", max_new_tokens=20, block_size=8, threshold=0.3, ignore_eos=True)
+    g = llm.generate("hello", **kw)
+    events = list(llm.stream("hello", provisional=True, **kw))
+    blocks = [e for e in events if e.kind == "block"]
+    prov = [e for e in events if e.kind == "provisional"]
+    assert events[-1].kind == "done" and events[-1].generation.token_ids == g.token_ids
+    assert "".join(e.text for e in blocks) == g.text
+    assert sum(len(e.token_ids) for e in blocks) == len(g.token_ids)
+    assert len(prov) == g.stats.forwards
+    # provisional states only ever fill in: a decoded position keeps its token and step
+    for a, b in zip(prov, prov[1:]):
+        if a.block == b.block:
+            for ta, tb in zip(a.token_ids, b.token_ids):
+                assert ta is None or ta == tb
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(block_size=0),
+        dict(block_size=-3),
+        dict(threshold=0),
+        dict(threshold=-0.5),
+        dict(max_new_tokens=-1),
+        dict(confidence="vibes"),
+        dict(top_p=0),
+        dict(temperature=-1),
+    ],
+)
+def test_bad_parameters_raise(llm, kwargs):
+    with pytest.raises(ValueError):
+        llm.generate("x", mode="diffusion", **kwargs)
+
+
+def test_prompt_longer_than_context(llm):
+    with pytest.raises(ValueError, match="context length"):
+        llm.generate([5] * (llm.config.max_position_embeddings + 1), mode="diffusion", max_new_tokens=4)
+    with pytest.raises(ValueError, match="context length"):
+        llm.generate([5] * 10, mode="ar", max_new_tokens=llm.config.max_position_embeddings)
+
+
+@pytest.mark.parametrize("confidence", ["margin", "entropy"])
+def test_confidence_kinds_run(llm, confidence):
+    g = llm.generate([1, 2], mode="diffusion", max_new_tokens=16, block_size=8, threshold=0.2, confidence=confidence, ignore_eos=True)
+    assert len(g.token_ids) == 16
+
+
+def test_max_new_tokens_zero(llm):
+    for mode in ("ar", "diffusion"):
+        g = llm.generate("hi", mode=mode, max_new_tokens=0)
+        assert g.token_ids == [] and g.finish_reason == "length"
+
+
+@pytest.mark.parametrize("has_room", [True, False])
+def test_convert_keeps_commit_mode_and_adds_mask(tmp_path, has_room):
+    from hf_reference import hf_config, hf_model
+
+    from clover.convert import convert_to_clover
+    from clover.tokenizer import SPECIAL_TOKENS, write_byte_tokenizer
+
+    specials = tuple(t for t in SPECIAL_TOKENS if t != "<|mask|>")
+    vocab = 300 if has_room else 256 + len(specials)
+    ref = hf_model(hf_config(vocab_size=vocab, eos_token_id=256), seed=5)
+    src = tmp_path / "ar"
+    ref.save_pretrained(src)
+    write_byte_tokenizer(src, specials=specials)
+    cfg = convert_to_clover(src, tmp_path / "clover", progress=False)
+    assert cfg.is_clover and cfg.mask_token_id == 256 + len(specials)
+    assert cfg.vocab_size == (300 if has_room else vocab + 1)
+    llm = clover.load(tmp_path / "clover")
+    assert llm.tokenizer.mask_token_id == cfg.mask_token_id
+    assert llm.tokenizer.decode([cfg.mask_token_id]) == "<|mask|>"
+    ids = torch.randint(0, 256, (1, 24))
+    with torch.no_grad():
+        torch.testing.assert_close(llm.model(ids)[..., :vocab], ref(ids).logits, atol=1e-4, rtol=1e-4)
+    g = llm.generate([5, 6, 7], mode="diffusion", max_new_tokens=8, block_size=4, ignore_eos=True)
+    assert len(g.token_ids) == 8
+    with pytest.raises(ValueError, match="already a Clover"):
+        convert_to_clover(tmp_path / "clover", tmp_path / "again", progress=False)
