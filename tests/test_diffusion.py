@@ -126,11 +126,11 @@ def test_seeded_sampling_is_reproducible(llm, mode):
 def test_eos_ends_generation(llm, mode):
     eos = llm.tokenizer.eos_token_id
     # bias towards EOS so it is accepted early; nothing from EOS on may be returned
-    g = llm.generate([10, 11, 12], mode=mode, max_new_tokens=40, block_size=8, eos_penalty=-6.0)
+    g = llm.generate([10, 11, 12], mode=mode, max_new_tokens=24, block_size=8, eos_penalty=-6.0)
     assert g.finish_reason == "stop"
     assert eos not in g.token_ids
-    assert len(g.token_ids) < 40
-    free = llm.generate([10, 11, 12], mode=mode, max_new_tokens=40, block_size=8, eos_penalty=-6.0, ignore_eos=True)
+    assert len(g.token_ids) < 24
+    free = llm.generate([10, 11, 12], mode=mode, max_new_tokens=24, block_size=8, eos_penalty=-6.0, ignore_eos=True)
     if mode == "ar":  # the same tokens up to where EOS was chosen
         assert free.token_ids[: len(g.token_ids)] == g.token_ids
 

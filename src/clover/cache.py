@@ -67,11 +67,11 @@ class HybridCache:
                 )
 
     # ----------------------------------------------------------------- sizing
-    def ensure_capacity(self, needed: int) -> None:
-        """Grow the K/V buffers (doubling) so `needed` slots fit; rarely called when sized up front."""
+    def ensure_capacity(self, needed: int, *, exact: bool = False) -> None:
+        """Grow the K/V buffers (doubling, or to exactly `needed`) so `needed` slots fit."""
         if needed <= self.capacity:
             return
-        new_cap = max(needed, 2 * self.capacity)
+        new_cap = needed if exact else max(needed, 2 * self.capacity)
         for store in (self.keys, self.values):
             for i, buf in store.items():
                 grown = buf.new_zeros(buf.shape[0], buf.shape[1], new_cap, buf.shape[3])
@@ -154,7 +154,7 @@ class HybridCache:
         first = caches[0]
         cap = max(c.capacity for c in caches)
         for c in caches:
-            c.ensure_capacity(cap)
+            c.ensure_capacity(cap, exact=True)
         out = HybridCache.__new__(HybridCache)
         out.config, out.capacity, out.dtype, out.device = first.config, cap, first.dtype, first.device
         out.batch_size = sum(c.batch_size for c in caches)

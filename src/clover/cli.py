@@ -576,7 +576,7 @@ def run_demo(args: argparse.Namespace) -> int:
     if args.max_new_tokens <= 0:
         raise UsageError("--max-new-tokens: must be a positive integer")
     llm = load_llm(args, demo_model_dir(args))
-    console = Console()
+    console = Console(width=None if sys.stdout.isatty() else 120)
     modes = ["ar", "diffusion"] if default_mode(llm) == "diffusion" else ["ar"]
     table = Table(title=f"clover demo · {llm.path}", title_justify="left")
     for col in ("prompt", "mode", "tokens", "forwards", "tokens/forward", "tokens/s", "finish"):

@@ -1,7 +1,8 @@
 """Autoregressive decoding with the cache: prefill, then one token per forward.
 
-The baseline every other mode is measured against. Rows of a batch may have different prompt
-lengths (right-padded prefill) and finish at different times (finished rows commit nothing)."""
+The baseline every other mode is measured against. `AREngine` holds a batch whose rows may have
+different prompt lengths (right-padded prefill), join at any forward (their prefill rides along with
+the others' decode step) and leave when finished."""
 
 from __future__ import annotations
 
@@ -34,37 +35,81 @@ def next_tokens(row: RowState, logits: torch.Tensor, generator, history_tail: li
     return toks.tolist(), conf.tolist()
 
 
-@torch.inference_mode()
-def ar_decode(model, rows: list[RowState], pad_id: int = 0) -> Iterator[DecodeEvent]:
-    device = model.device
-    B = len(rows)
-    for i, r in enumerate(rows):
-        if r.params.max_new_tokens == 0:
-            r._finish("length")
-            yield DecodeEvent("finish", i, [], [])
-    if all(r.finished for r in rows):
-        return
-    gens = [make_generator(r.params.seed, device) for r in rows]
-    ids, lens = pad_right([r.prompt for r in rows], pad_id, device)
-    capacity = int(lens.max()) + max(r.params.max_new_tokens for r in rows) + 1
-    cache = model.make_cache(B, capacity)
-    out = model.step(cache, commit_ids=ids, n_commit=lens, track_experts=True)
-    while True:
-        feed = torch.full((B, 1), pad_id, dtype=torch.long, device=device)
-        n = torch.zeros(B, dtype=torch.long, device=device)
-        for i, r in enumerate(rows):
-            if r.finished:
-                continue
+class BatchEngine:
+    """Rows in flight over one cache; subclasses define what a forward feeds and how it is read."""
+
+    def __init__(self, model, *, pad_id: int = 0) -> None:
+        self.model = model
+        self.pad_id = pad_id
+        self.rows: list[RowState] = []
+        self.cache = None
+
+    @property
+    def device(self):
+        return self.model.device
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def _capacity(self, row: RowState) -> int:
+        return len(row.prompt) + row.params.max_new_tokens + 1
+
+    def add(self, row: RowState) -> list[DecodeEvent]:
+        """Admit a row; its prompt is committed with the next forward. A row with nothing to
+        generate finishes at once."""
+        if row.params.max_new_tokens == 0:
+            row._finish("length")
+            return [DecodeEvent("finish", -1, [], [], row_state=row)]
+        self._init_row(row)
+        cap = self._capacity(row)
+        fresh = self.model.make_cache(1, cap)
+        if self.cache is None:
+            self.cache = fresh
+        else:
+            self.cache.ensure_capacity(cap)
+            fresh.ensure_capacity(self.cache.capacity)
+            self.cache = self.cache.concat([self.cache, fresh])
+        self.rows.append(row)
+        return []
+
+    def _init_row(self, row: RowState) -> None:
+        row.gen = make_generator(row.params.seed, self.device)
+        row.pending = list(row.prompt)
+
+    def _drop_finished(self) -> None:
+        keep = [i for i, r in enumerate(self.rows) if not r.finished]
+        if len(keep) == len(self.rows):
+            return
+        self.rows = [self.rows[i] for i in keep]
+        self.cache = self.cache.select_rows(keep) if keep else None
+
+    def run(self) -> Iterator[DecodeEvent]:
+        while self.rows:
+            yield from self.step()
+
+
+class AREngine(BatchEngine):
+    @torch.inference_mode()
+    def step(self) -> list[DecodeEvent]:
+        ids, n = pad_right([r.pending for r in self.rows], self.pad_id, self.device)
+        out = self.model.step(self.cache, commit_ids=ids, n_commit=n, track_experts=True)
+        events = []
+        for i, r in enumerate(self.rows):
             r.forwards += 1
             r.experts_touched.extend(out.experts_touched)
-            toks, _ = next_tokens(r, out.commit_logits[i : i + 1], gens[i])
+            toks, _ = next_tokens(r, out.commit_logits[i : i + 1], r.gen)
             kept = r.accept(toks, [1])
             if kept:
-                yield DecodeEvent("commit", i, kept, [1] * len(kept), block=len(r.tokens) - 1)
+                events.append(DecodeEvent("commit", i, kept, [1], block=len(r.tokens) - 1, row_state=r))
             if r.finished:
-                yield DecodeEvent("finish", i, [], [])
-            else:
-                feed[i, 0], n[i] = toks[0], 1
-        if all(r.finished for r in rows):
-            return
-        out = model.step(cache, commit_ids=feed, n_commit=n, track_experts=True)
+                events.append(DecodeEvent("finish", i, [], [], row_state=r))
+            r.pending = toks
+        self._drop_finished()
+        return events
+
+
+def ar_decode(model, rows: list[RowState], pad_id: int = 0) -> Iterator[DecodeEvent]:
+    engine = AREngine(model, pad_id=pad_id)
+    for r in rows:
+        yield from engine.add(r)
+    yield from engine.run()

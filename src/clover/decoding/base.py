@@ -24,9 +24,10 @@ class DecodeEvent:
     steps: list[int]
     block: int = 0
     step: int = 0
+    row_state: "RowState | None" = None  # the row the event belongs to (rows move as others leave)
 
 
-@dataclass
+@dataclass(eq=False)
 class RowState:
     prompt: list[int]
     params: SamplingParams
@@ -42,6 +43,7 @@ class RowState:
     started: float = field(default_factory=time.perf_counter)
     ended: float | None = None
     accept_lengths: list[int] = field(default_factory=list)
+    request_id: object = None  # whoever owns the row (a server request, a batch index)
 
     @property
     def remaining(self) -> int:

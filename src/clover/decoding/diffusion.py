@@ -11,6 +11,9 @@ Shift-by-one: the hidden state at position i predicts token i+1, so block positi
 by the last committed position (the commit part of the forward) and position j >= 1 by block
 position j-1 (the denoise part).
 
+Rows advance independently: each forward carries, per row, whatever it has to commit (a prompt, a
+finished block, or nothing) plus its current block, so rows can join or leave at any forward.
+
 `recompute=True` is the uncached baseline (`mode="naive"`): every forward rebuilds the whole
 committed sequence from scratch with the same block and acceptance rules.
 """
@@ -21,134 +24,141 @@ from typing import Iterator
 
 import torch
 
-from .ar import next_tokens, pad_right
+from .ar import BatchEngine, next_tokens, pad_right
 from .base import DecodeEvent, RowState
-from .sampling import make_generator
 
 
-@torch.inference_mode()
-def diffusion_decode(
-    model,
-    rows: list[RowState],
-    *,
-    block_size: int,
-    threshold: float,
-    mask_id: int,
-    pad_id: int = 0,
-    recompute: bool = False,
-    provisional: bool = False,
-) -> Iterator[DecodeEvent]:
-    device = model.device
-    B, Bs = len(rows), block_size
-    for i, r in enumerate(rows):
-        if r.params.max_new_tokens == 0:
-            r._finish("length")
-            yield DecodeEvent("finish", i, [], [])
-    if all(r.finished for r in rows):
-        return
-    gens = [make_generator(r.params.seed, device) for r in rows]
-    committed = [list(r.prompt) for r in rows]  # what the cache holds (recompute: what to rebuild)
-    pending = [list(r.prompt) for r in rows]  # to commit in the next forward
-    blk = torch.full((B, Bs), mask_id, dtype=torch.long, device=device)
-    masked = torch.ones(B, Bs, dtype=torch.bool, device=device)
-    dec_step = torch.zeros(B, Bs, dtype=torch.long, device=device)
-    step = [0] * B
-    block_no = [0] * B
-    need = [min(Bs, r.remaining) for r in rows]  # positions that must be decoded in this block
-    first_logits = None
-    cache = None
-    if not recompute:
-        longest = max(len(p) for p in committed) + max(r.params.max_new_tokens for r in rows) + 2 * Bs
-        cache = model.make_cache(B, longest)
+class DiffusionEngine(BatchEngine):
+    def __init__(self, model, *, block_size: int, threshold: float, mask_id: int, pad_id: int = 0,
+                 recompute: bool = False, provisional: bool = False, expert_budget: int | None = None) -> None:
+        super().__init__(model, pad_id=pad_id)
+        self.block_size, self.threshold, self.mask_id = block_size, threshold, mask_id
+        self.recompute, self.provisional, self.expert_budget = recompute, provisional, expert_budget
 
-    while not all(r.finished for r in rows):
-        if recompute:
-            cache = model.make_cache(B, max(len(c) for c in committed) + Bs)
-            commit_src = committed
+    def _capacity(self, row: RowState) -> int:
+        return len(row.prompt) + row.params.max_new_tokens + 2 * self.block_size
+
+    def _init_row(self, row: RowState) -> None:
+        super()._init_row(row)
+        row.committed = list(row.prompt) if self.recompute else []
+        row.first_logits = None
+        row.block_no = 0
+        self._new_block(row)
+
+    def _new_block(self, row: RowState) -> None:
+        Bs = self.block_size
+        row.blk = torch.full((Bs,), self.mask_id, dtype=torch.long, device=self.device)
+        row.masked = torch.ones(Bs, dtype=torch.bool, device=self.device)
+        row.dec_step = torch.zeros(Bs, dtype=torch.long, device=self.device)
+        row.step = 0
+        row.need = min(Bs, row.remaining)  # positions that must be decoded in this block
+
+    def add(self, row: RowState) -> list[DecodeEvent]:
+        if self.recompute:  # no persistent cache: just track the row
+            if row.params.max_new_tokens == 0:
+                row._finish("length")
+                return [DecodeEvent("finish", -1, [], [], row_state=row)]
+            self._init_row(row)
+            self.rows.append(row)
+            return []
+        return super().add(row)
+
+    def _drop_finished(self) -> None:
+        if self.recompute:
+            self.rows = [r for r in self.rows if not r.finished]
         else:
-            commit_src = [p if not r.finished else [] for p, r in zip(pending, rows)]
+            super()._drop_finished()
+
+    @torch.inference_mode()
+    def step(self) -> list[DecodeEvent]:
+        Bs, rows = self.block_size, self.rows
+        if self.recompute:
+            cache = self.model.make_cache(len(rows), max(len(r.committed) for r in rows) + Bs)
+            commit_src = [r.committed for r in rows]
+        else:
+            cache = self.cache
+            commit_src = [r.pending for r in rows]
         has_commit = any(commit_src)
-        commit_ids, n_commit = pad_right(commit_src, pad_id, device) if has_commit else (None, None)
-        out = model.step(
+        commit_ids, n_commit = pad_right(commit_src, self.pad_id, self.device) if has_commit else (None, None)
+        out = self.model.step(
             cache,
             commit_ids=commit_ids,
             n_commit=n_commit,
-            denoise_ids=blk,
-            expert_budget=rows[0].params.expert_budget,
+            denoise_ids=torch.stack([r.blk for r in rows]),
+            expert_budget=self.expert_budget,
             track_experts=True,
         )
-        if has_commit:
-            fresh = out.commit_logits
-            if first_logits is None:
-                first_logits = fresh.clone()
-            else:
-                for i, src in enumerate(commit_src):
-                    if src:
-                        first_logits[i] = fresh[i]
-        for i, src in enumerate(commit_src):
-            if src and not recompute:
-                committed[i].extend(src)
-                pending[i] = []
-        # position 0 from the commit part, position j >= 1 from block position j-1
-        logits = torch.cat([first_logits[:, None], out.denoise_logits[:, : Bs - 1]], dim=1)
-
+        events: list[DecodeEvent] = []
         for i, r in enumerate(rows):
-            if r.finished:
-                continue
+            if commit_src[i]:
+                r.first_logits = out.commit_logits[i]
+                r.pending = []
+            # position 0 from the commit part, position j >= 1 from block position j-1
+            logits = torch.cat([r.first_logits[None], out.denoise_logits[i, : Bs - 1]], dim=0)
             r.forwards += 1
             r.experts_touched.extend(out.experts_touched)
-            step[i] += 1
-            cand = (masked[i, : need[i]]).nonzero().squeeze(-1)
-            tails = None
-            if r.params.repetition_penalty != 1.0 or r.params.presence_penalty or r.params.no_repeat_ngram_size:
-                block_now = [None if masked[i, j] else int(blk[i, j]) for j in range(Bs)]
-                tails = [block_now[:j] for j in cand.tolist()]
-            toks, conf = next_tokens(r, logits[i, cand], gens[i], tails)
-            conf_t = torch.tensor(conf)
-            take = (conf_t >= threshold).nonzero().squeeze(-1)
-            if take.numel() == 0:
-                take = conf_t.argmax().reshape(1)
-            pos = cand[take]
-            blk[i, pos] = torch.tensor([toks[t] for t in take.tolist()], dtype=torch.long, device=device)
-            masked[i, pos] = False
-            dec_step[i, pos] = step[i]
-            if not r.params.ignore_eos and r.eos_ids:
-                eos_hits = [j for j in pos.tolist() if int(blk[i, j]) in r.eos_ids]
-                if eos_hits:  # everything after the first accepted EOS becomes EOS
-                    e = min(eos_hits)
-                    eos_tok = int(blk[i, e])
-                    later = torch.arange(e + 1, Bs, device=device)
-                    fill = later[masked[i, e + 1 :] | (blk[i, e + 1 :] != eos_tok)]
-                    blk[i, fill] = eos_tok
-                    dec_step[i, fill[masked[i, fill]]] = step[i]
-                    masked[i, fill] = False
-            if provisional:
-                yield DecodeEvent(
-                    "provisional",
-                    i,
-                    [None if masked[i, j] else int(blk[i, j]) for j in range(Bs)],
-                    dec_step[i].tolist(),
-                    block=block_no[i],
-                    step=step[i],
-                )
-            if bool(masked[i, : need[i]].any()):
-                continue
-            # block finished: emit it, then queue it for commit with the next block's first step
-            tokens = blk[i, : need[i]].tolist()
-            r.block_steps.append(step[i])
-            kept = r.accept(tokens, dec_step[i, : need[i]].tolist())
-            if kept:
-                yield DecodeEvent("commit", i, kept, r.steps[len(r.tokens) - len(kept) :], block=block_no[i], step=step[i])
-            if r.finished:
-                yield DecodeEvent("finish", i, [], [])
-                continue
-            if recompute:
-                committed[i].extend(blk[i].tolist())
-            else:
-                pending[i] = blk[i].tolist()
-            blk[i] = mask_id
-            masked[i] = True
-            dec_step[i] = 0
-            step[i] = 0
-            block_no[i] += 1
-            need[i] = min(Bs, r.remaining)
+            events.extend(self._denoise_row(i, r, logits))
+        self._drop_finished()
+        return events
+
+    def _denoise_row(self, i: int, r: RowState, logits: torch.Tensor) -> list[DecodeEvent]:
+        Bs = self.block_size
+        events = []
+        r.step += 1
+        cand = r.masked[: r.need].nonzero().squeeze(-1)
+        tails = None
+        if r.params.repetition_penalty != 1.0 or r.params.presence_penalty or r.params.no_repeat_ngram_size:
+            block_now = [None if r.masked[j] else int(r.blk[j]) for j in range(Bs)]
+            tails = [block_now[:j] for j in cand.tolist()]
+        toks, conf = next_tokens(r, logits[cand], r.gen, tails)
+        conf_t = torch.tensor(conf)
+        take = (conf_t >= self.threshold).nonzero().squeeze(-1)
+        if take.numel() == 0:
+            take = conf_t.argmax().reshape(1)
+        pos = cand[take]
+        r.blk[pos] = torch.tensor([toks[t] for t in take.tolist()], dtype=torch.long, device=self.device)
+        r.masked[pos] = False
+        r.dec_step[pos] = r.step
+        if not r.params.ignore_eos and r.eos_ids:
+            eos_hits = [j for j in pos.tolist() if int(r.blk[j]) in r.eos_ids]
+            if eos_hits:  # everything after the first accepted EOS becomes EOS
+                e = min(eos_hits)
+                eos_tok = int(r.blk[e])
+                later = torch.arange(e + 1, Bs, device=self.device)
+                fill = later[r.masked[e + 1 :] | (r.blk[e + 1 :] != eos_tok)]
+                r.blk[fill] = eos_tok
+                r.dec_step[fill[r.masked[fill]]] = r.step
+                r.masked[fill] = False
+        if self.provisional:
+            events.append(DecodeEvent(
+                "provisional", i, [None if r.masked[j] else int(r.blk[j]) for j in range(Bs)],
+                r.dec_step.tolist(), block=r.block_no, step=r.step, row_state=r,
+            ))
+        if bool(r.masked[: r.need].any()):
+            return events
+        # block finished: emit it, then queue it for commit with the next block's first step
+        r.block_steps.append(r.step)
+        kept = r.accept(r.blk[: r.need].tolist(), r.dec_step[: r.need].tolist())
+        if kept:
+            events.append(DecodeEvent("commit", i, kept, r.steps[len(r.tokens) - len(kept) :],
+                                      block=r.block_no, step=r.step, row_state=r))
+        if r.finished:
+            events.append(DecodeEvent("finish", i, [], [], row_state=r))
+            return events
+        if self.recompute:
+            r.committed.extend(r.blk.tolist())
+        else:
+            r.pending = r.blk.tolist()
+        r.block_no += 1
+        self._new_block(r)
+        return events
+
+
+def diffusion_decode(model, rows: list[RowState], *, block_size: int, threshold: float, mask_id: int,
+                     pad_id: int = 0, recompute: bool = False, provisional: bool = False) -> Iterator[DecodeEvent]:
+    engine = DiffusionEngine(model, block_size=block_size, threshold=threshold, mask_id=mask_id, pad_id=pad_id,
+                             recompute=recompute, provisional=provisional,
+                             expert_budget=rows[0].params.expert_budget if rows else None)
+    for r in rows:
+        yield from engine.add(r)
+    yield from engine.run()

@@ -34,6 +34,7 @@ the torch code.
 from __future__ import annotations
 
 import math
+import threading
 from typing import Optional, Tuple
 
 import torch
@@ -168,6 +169,7 @@ def naive_gated_delta_rule(
     _check_shapes(q, k, v, g, beta)
     B, T, _, K = q.shape
     H, V = v.shape[2], v.shape[3]
+    out_dtype = v.dtype
     q, k = _expand_heads(q, k, H)
     q, k, v, g, beta = (x.float() for x in (q, k, v, g, beta))
     if use_qk_l2norm_in_kernel:
@@ -191,7 +193,7 @@ def naive_gated_delta_rule(
         o = torch.stack(outs, dim=1)
     else:
         o = torch.zeros(B, 0, H, V, dtype=torch.float32, device=v.device)
-    return o.to(v.dtype), (S if output_final_state else None)
+    return o.to(out_dtype), (S if output_final_state else None)
 
 
 # ---------------------------------------------------------------------------
@@ -322,20 +324,73 @@ def _fill_chunks(dst: torch.Tensor, x: torch.Tensor) -> None:
         view[:, full, :rest].copy_(x[:, full * C :])
 
 
-def _slab(x: torch.Tensor, t0: int, t1: int, nc: int, C: int) -> torch.Tensor:
+class _Workspace:
+    """Scratch buffers reused from slab to slab (inference path only).
+
+    Fresh multi-megabyte allocations are costly on small VMs (the pages are
+    faulted in on first touch), so every per-slab temporary is carved from a
+    buffer allocated for the first slab.  With ``None`` in place of a
+    workspace, plain allocations are used (needed under autograd)."""
+
+    def __init__(self, device):
+        self.device = device
+        self.bufs = {}
+
+    def get(self, name, shape):
+        n = math.prod(shape)
+        buf = self.bufs.get(name)
+        if buf is None or buf.numel() < n:
+            buf = torch.empty(n, dtype=torch.float32, device=self.device)
+            self.bufs[name] = buf
+        return buf[:n].view(shape)
+
+
+_WS_LOCAL = threading.local()
+_WS_KEEP_BYTES = 96 * 2**20  # keep a thread's scratch between calls up to this size
+
+
+def _workspace(device) -> _Workspace:
+    """Per-thread, per-device scratch kept between calls (layers reuse it)."""
+    cache = getattr(_WS_LOCAL, "cache", None)
+    if cache is None:
+        cache = _WS_LOCAL.cache = {}
+    key = str(device)
+    ws = cache.pop(key, None) or _Workspace(device)  # popped: a nested call gets its own
+    return ws
+
+
+def _release_workspace(ws: _Workspace) -> None:
+    if sum(b.numel() * b.element_size() for b in ws.bufs.values()) <= _WS_KEEP_BYTES:
+        _WS_LOCAL.cache[str(ws.device)] = ws
+
+
+def _slab(x: torch.Tensor, t0: int, t1: int, nc: int, C: int, ws=None, name="") -> torch.Tensor:
     """x[:, t0:t1] ([B, L, H, D]) -> float32 [nc*B*H, C, D], zero padded."""
     B, _, H, D = x.shape
     shape = (nc, B, H, C, D)
-    if t1 - t0 == nc * C:
-        buf = torch.empty(shape, dtype=torch.float32, device=x.device)
-    else:
+    padded = t1 - t0 != nc * C
+    if ws is not None:
+        buf = ws.get(name, shape)
+        if padded:
+            buf.zero_()
+    elif padded:
         buf = torch.zeros(shape, dtype=torch.float32, device=x.device)
+    else:
+        buf = torch.empty(shape, dtype=torch.float32, device=x.device)
     _fill_chunks(buf, x[:, t0:t1])
     return buf.view(nc * B * H, C, D)
 
 
-def _unit_lower_inverse(a: torch.Tensor) -> torch.Tensor:
-    """(I + strictly_lower(a))^{-1} for a batch [n, C, C].
+def _bmm(a, b, out=None):
+    return torch.bmm(a, b) if out is None else torch.bmm(a, b, out=out)
+
+
+def _mul(a, b, out=None):
+    return torch.mul(a, b) if out is None else torch.mul(a, b, out=out)
+
+
+def _unit_lower_inverse(a: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """(I + strictly_lower(a))^{-1} for a batch [n, C, C] (written to ``out`` if given).
 
     The diagonal and upper triangle of ``a`` are ignored.  Blocks larger than 16
     are split in two: both diagonal blocks are inverted in one batched call and
@@ -346,13 +401,21 @@ def _unit_lower_inverse(a: torch.Tensor) -> torch.Tensor:
     h = C // 2
     if C <= 16 or C != 2 * h:
         eye = torch.eye(C, dtype=a.dtype, device=a.device).expand(n, C, C)
-        return torch.linalg.solve_triangular(a, eye, upper=False, unitriangular=True)
+        if out is None:
+            return torch.linalg.solve_triangular(a, eye, upper=False, unitriangular=True)
+        return torch.linalg.solve_triangular(a, eye, upper=False, unitriangular=True, out=out)
     diag = _unit_lower_inverse(torch.cat([a[:, :h, :h], a[:, h:, h:]], 0))
     x11, x22 = diag[:n], diag[n:]
-    x21 = torch.bmm(torch.bmm(x22, a[:, h:, :h]), x11).neg_()
-    top = torch.cat([x11, torch.zeros_like(x11)], dim=2)
-    bottom = torch.cat([x21, x22], dim=2)
-    return torch.cat([top, bottom], dim=1)
+    x21 = torch.bmm(torch.bmm(x22, a[:, h:, :h]), x11)
+    if out is None:
+        top = torch.cat([x11, torch.zeros_like(x11)], dim=2)
+        bottom = torch.cat([-x21, x22], dim=2)
+        return torch.cat([top, bottom], dim=1)
+    out[:, :h, :h].copy_(x11)
+    out[:, :h, h:].zero_()
+    out[:, h:, :h].copy_(x21).neg_()
+    out[:, h:, h:].copy_(x22)
+    return out
 
 
 def _chunk_core(q, k, v, g, beta, scale, initial_state, chunk_size, use_qk_l2norm_in_kernel, keep_states):
@@ -395,6 +458,7 @@ def _chunk_core(q, k, v, g, beta, scale, initial_state, chunk_size, use_qk_l2nor
 
     per_slab = max(1, _SLAB_ROWS // (BH * C))
     states = work = None
+    ws = None if grad else _workspace(dev)
     if grad:
         o_parts, st_parts = [], []
         states = None
@@ -405,7 +469,7 @@ def _chunk_core(q, k, v, g, beta, scale, initial_state, chunk_size, use_qk_l2nor
             states = torch.empty(N + 1, BH, K, V, dtype=f32, device=dev)
             states[0].copy_(S)
         else:
-            work = torch.empty(min(per_slab, N) + 1, BH, K, V, dtype=f32, device=dev)
+            work = ws.get("work", (min(per_slab, N) + 1, BH, K, V))
             work[0].copy_(S)
 
     for n0 in range(0, N, per_slab):
@@ -413,9 +477,13 @@ def _chunk_core(q, k, v, g, beta, scale, initial_state, chunk_size, use_qk_l2nor
         nc = n1 - n0
         NB = nc * BH
         t0, t1 = n0 * C, min(T, n1 * C)
-        qc = _slab(q, t0, t1, nc, C)
-        kc = _slab(k, t0, t1, nc, C)
-        vc = _slab(v, t0, t1, nc, C)
+        qc = _slab(q, t0, t1, nc, C, ws, "q")
+        kc = _slab(k, t0, t1, nc, C, ws, "k")
+        vc = _slab(v, t0, t1, nc, C, ws, "v")
+
+        def scratch(name, shape):
+            return None if ws is None else ws.get(name, shape)
+
         gc = gc_all[n0 * BH : n1 * BH]
         bc = bc_all[n0 * BH : n1 * BH]
 
@@ -434,8 +502,8 @@ def _chunk_core(q, k, v, g, beta, scale, initial_state, chunk_size, use_qk_l2nor
         if rk is not None:
             dmat = dmat * rk.unsqueeze(-2)  # column factor rk_j, shared by both products
         kt = kc.transpose(-1, -2)
-        amat = torch.bmm(kc, kt)  # strictly-lower part is A of the unit-triangular system
-        attn = torch.bmm(qc, kt)  # intra-chunk attention (lower triangle incl. diagonal)
+        amat = _bmm(kc, kt, scratch("amat", (NB, C, C)))  # strictly-lower part: A of the unit-triangular system
+        attn = _bmm(qc, kt, scratch("attn", (NB, C, C)))  # intra-chunk attention (lower triangle incl. diagonal)
         if grad:
             amat = amat * dmat * a_row.unsqueeze(-1)
             attn = attn * dmat * (rq.unsqueeze(-1) if rq is not None else scale)
@@ -444,10 +512,11 @@ def _chunk_core(q, k, v, g, beta, scale, initial_state, chunk_size, use_qk_l2nor
             attn.mul_(dmat).mul_(rq.unsqueeze(-1) if rq is not None else scale)
 
         # Tinv = (I + A)^{-1};  U0 = Tinv diag(beta) v ;  W = Tinv diag(beta * gamma * rk) k
-        tinv = _unit_lower_inverse(amat)
+        tinv = _unit_lower_inverse(amat, scratch("tinv", (NB, C, C)))
         gamma = gc.exp()
-        u0 = torch.bmm(tinv * bc.unsqueeze(-2), vc)
-        w = torch.bmm(tinv * (a_row * gamma).unsqueeze(-2), kc)
+        tb = scratch("tb", (NB, C, C))
+        u0 = _bmm(_mul(tinv, bc.unsqueeze(-2), tb), vc, scratch("u", (NB, C, V)))
+        w = _bmm(_mul(tinv, (a_row * gamma).unsqueeze(-2), tb), kc, scratch("w", (NB, C, K)))
 
         # keys decayed to the end of their chunk, queries decayed from its start
         gl = gc[:, -1:]
@@ -488,7 +557,11 @@ def _chunk_core(q, k, v, g, beta, scale, initial_state, chunk_size, use_qk_l2nor
             S = st_full[nc]
 
         # outputs for the whole slab: o = Qdec S_n + attn U_n
-        o = torch.baddbmm(torch.bmm(attn, u_all.view(NB, C, V)), qdec, st.reshape(NB, K, V))
+        if grad:
+            o = torch.baddbmm(torch.bmm(attn, u_all.view(NB, C, V)), qdec, st.reshape(NB, K, V))
+        else:
+            o = torch.bmm(attn, u_all.view(NB, C, V), out=scratch("o", (NB, C, V)))
+            o.baddbmm_(qdec, st.reshape(NB, K, V))
         o = o.view(nc, B, H, C, V)
         if grad:
             o_parts.append(o.permute(1, 0, 3, 2, 4).reshape(B, nc * C, H, V))
@@ -510,7 +583,9 @@ def _chunk_core(q, k, v, g, beta, scale, initial_state, chunk_size, use_qk_l2nor
     elif keep_states:
         states = states[:N]
     else:
-        S = S.clone()  # do not hand out a view of the work buffer
+        S = S.clone()  # do not hand out a view of the scratch buffer
+    if ws is not None:
+        _release_workspace(ws)
     return out, S, states
 
 

@@ -1,0 +1,149 @@
+"""Training checkpoints: safetensors + JSON only (never pickle).
+
+A checkpoint is a directory `ckpt/step-00001234/` holding
+- `config.json` + `model.safetensors` (fp32 master weights; the folder loads with `load_model`),
+- `optimizer.safetensors`: every optimizer state tensor as `state.<param name>.<key>`,
+- `rng-rank<r>.safetensors`: torch RNG states (global CPU generator and the training generator) as
+  uint8 tensors, one file per data-parallel rank,
+- `trainer.json`: step, tokens seen, optimizer param-group scalars, each rank's data-stream state
+  and Python RNG state, the recipe. Written last; a directory without it is incomplete.
+Directories are written under a temporary name and renamed, so a crash never leaves a
+half-written `step-*` behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from ..checkpoint import save_model
+
+STATE_FILE = "trainer.json"
+OPT_FILE = "optimizer.safetensors"
+
+
+def step_dir_name(step: int) -> str:
+    return f"step-{step:08d}"
+
+
+def list_checkpoints(ckpt_root: str | Path) -> list[Path]:
+    root = Path(ckpt_root)
+    if not root.is_dir():
+        return []
+    found = [p for p in root.glob("step-*") if p.is_dir() and (p / STATE_FILE).is_file()]
+    return sorted(found, key=lambda p: int(p.name.split("-")[1]))
+
+
+def latest_checkpoint(ckpt_root: str | Path) -> Path | None:
+    found = list_checkpoints(ckpt_root)
+    return found[-1] if found else None
+
+
+def optimizer_tensors(opt: torch.optim.Optimizer, names: dict[int, str]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """Flatten `opt.state_dict()`: tensors keyed by parameter name, scalars to JSON."""
+    sd = opt.state_dict()
+    tensors: dict[str, torch.Tensor] = {}
+    scalars: dict[str, dict[str, Any]] = {}
+    for idx, st in sd["state"].items():
+        pname = names[idx]
+        for key, val in st.items():
+            if torch.is_tensor(val):
+                tensors[f"state.{pname}.{key}"] = val.detach().contiguous().clone()
+            else:
+                scalars.setdefault(pname, {})[key] = val
+    groups = []
+    for g in sd["param_groups"]:
+        gg = {k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items() if k != "params"}
+        gg["params"] = [names[i] for i in g["params"]]
+        groups.append(gg)
+    return tensors, {"param_groups": groups, "scalars": scalars}
+
+
+def load_optimizer(opt: torch.optim.Optimizer, names: dict[int, str], tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
+    index = {n: i for i, n in names.items()}
+    state: dict[int, dict[str, Any]] = {}
+    for key, t in tensors.items():
+        assert key.startswith("state.")
+        pname, field = key[len("state.") :].rsplit(".", 1)
+        state.setdefault(index[pname], {})[field] = t
+    for pname, sc in meta.get("scalars", {}).items():
+        state.setdefault(index[pname], {}).update(sc)
+    groups = []
+    for g in meta["param_groups"]:
+        gg = dict(g)
+        gg["params"] = [index[n] for n in g["params"]]
+        if "betas" in gg:
+            gg["betas"] = tuple(gg["betas"])
+        groups.append(gg)
+    opt.load_state_dict({"state": state, "param_groups": groups})
+
+
+def rng_tensors(gen: torch.Generator) -> dict[str, torch.Tensor]:
+    return {"torch_cpu": torch.get_rng_state().clone(), "train_gen": gen.get_state().clone()}
+
+
+def restore_rng(tensors: dict[str, torch.Tensor], gen: torch.Generator) -> None:
+    torch.set_rng_state(tensors["torch_cpu"])
+    gen.set_state(tensors["train_gen"])
+
+
+def python_rng_state() -> list:
+    v, internal, gauss = random.getstate()
+    return [v, list(internal), gauss]
+
+
+def restore_python_rng(state: list) -> None:
+    v, internal, gauss = state
+    random.setstate((v, tuple(internal), gauss))
+
+
+def write_checkpoint(
+    ckpt_root: Path,
+    step: int,
+    *,
+    model,
+    opt: torch.optim.Optimizer,
+    names: dict[int, str],
+    rank_states: list[dict[str, Any]],
+    rng_by_rank: list[dict[str, torch.Tensor]],
+    extra: dict[str, Any],
+    keep: int,
+) -> Path:
+    """Single-process writer (rank 0, after gathering the per-rank pieces)."""
+    ckpt_root.mkdir(parents=True, exist_ok=True)
+    final = ckpt_root / step_dir_name(step)
+    tmp = ckpt_root / (".tmp-" + step_dir_name(step))
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    save_model(model, tmp)
+    tensors, opt_meta = optimizer_tensors(opt, names)
+    save_file(tensors, str(tmp / OPT_FILE), metadata={"format": "pt"})
+    for r, rng in enumerate(rng_by_rank):
+        save_file(rng, str(tmp / f"rng-rank{r}.safetensors"))
+    state = {"step": step, "optimizer": opt_meta, "ranks": rank_states, **extra}
+    (tmp / STATE_FILE).write_text(json.dumps(state, indent=1) + "\n")
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    for old in list_checkpoints(ckpt_root)[:-keep] if keep > 0 else []:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def read_checkpoint(path: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """(trainer.json, model tensors, optimizer tensors)."""
+    state = json.loads((path / STATE_FILE).read_text())
+    model = load_file(str(path / "model.safetensors"))
+    opt = load_file(str(path / OPT_FILE))
+    return state, model, opt
+
+
+def read_rng(path: Path, rank: int) -> dict[str, torch.Tensor]:
+    return load_file(str(path / f"rng-rank{rank}.safetensors"))

@@ -1,0 +1,206 @@
+"""Training losses: AR next-token CE, the router load-balancing loss, and the block-diffusion loss.
+
+Block-diffusion (stage 2, design §6). For each sequence of the batch a block size B is drawn from
+`block_sizes`; the sequence is cut into blocks of B tokens and every block gets its own mask ratio
+t ~ U(min_mask_ratio, 1]; each position of the block is masked with probability t. With
+`complementary=True` the batch holds every sequence twice, once with mask m and once with 1 - m,
+so every token is masked exactly once per step. Masked positions hold `mask_token_id` in the noisy
+stream.
+
+Targets follow the shift-by-one convention: the hidden state at position i predicts token i+1.
+A masked token at position j of a block (j > 0 inside the block) is predicted by the noisy stream's
+logits at j-1; a masked token at the first position of a block is predicted by the clean stream's
+logits at the position before the block (the last committed position, as in the decoding engine).
+The very first token of a sequence has no predictor and never counts.
+
+Normalisation: the masked CE is the mean over all masked (and predictable) tokens of the batch --
+with complementary masks every token is counted once per pair, so this is the plain per-token
+average and does not need the 1/t weighting of single-mask ELBO estimates.
+
+Total loss = masked_ce + ar_weight * ar_ce(clean stream) + aux_coef * router_aux.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+def ar_loss(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Mean next-token CE: logits [B, T, V] at position i predict ids[:, i+1]."""
+    V = logits.shape[-1]
+    return F.cross_entropy(logits[:, :-1].reshape(-1, V).float(), ids[:, 1:].reshape(-1))
+
+
+def router_aux_loss(router_logits: list[torch.Tensor], top_k: int) -> torch.Tensor:
+    """Switch-style load balancing, averaged over MoE layers.
+
+    Per layer with router logits [N, E]: E * sum_e f_e * P_e, where f_e is the fraction of the N*k
+    routing slots sent to expert e (top-k of the softmax) and P_e the mean router probability of
+    e. It equals 1 for perfectly uniform routing."""
+    if not router_logits:
+        return torch.zeros(())
+    total = 0.0
+    for logits in router_logits:
+        probs = torch.softmax(logits.float(), dim=-1)
+        E = probs.shape[-1]
+        idx = probs.topk(top_k, dim=-1).indices
+        frac = torch.bincount(idx.reshape(-1), minlength=E).to(probs.dtype) / idx.numel()
+        total = total + E * (frac * probs.mean(0)).sum()
+    return total / len(router_logits)
+
+
+@dataclass
+class DiffusionBatch:
+    clean: torch.Tensor  # [N, T] clean ids (each sequence twice when complementary)
+    noisy: torch.Tensor  # [N, T] with mask_token_id at masked positions
+    mask: torch.Tensor  # [N, T] bool, True where masked
+    block_size: int
+
+
+def sample_block_sizes(n: int, block_sizes: tuple[int, ...], gen: torch.Generator) -> list[int]:
+    choice = torch.randint(len(block_sizes), (n,), generator=gen)
+    return [int(block_sizes[i]) for i in choice.tolist()]
+
+
+def make_masks(
+    ids: torch.Tensor,
+    block_size: int,
+    gen: torch.Generator,
+    *,
+    mask_token_id: int,
+    complementary: bool = True,
+    min_mask_ratio: float = 1e-3,
+) -> DiffusionBatch:
+    """Per-block mask ratios t ~ U(min_mask_ratio, 1], per-position Bernoulli(t) masks."""
+    B, T = ids.shape
+    if T % block_size:
+        raise ValueError(f"sequence length {T} is not a multiple of block size {block_size}")
+    nb = T // block_size
+    t = min_mask_ratio + (1.0 - min_mask_ratio) * (1.0 - torch.rand(B, nb, 1, generator=gen))  # (min, 1]
+    u = torch.rand(B, nb, block_size, generator=gen)
+    mask = (u < t).reshape(B, T)
+    clean = ids
+    if complementary:
+        clean = torch.cat([ids, ids], 0)
+        mask = torch.cat([mask, ~mask], 0)
+    noisy = clean.masked_fill(mask, mask_token_id)
+    return DiffusionBatch(clean=clean, noisy=noisy, mask=mask, block_size=block_size)
+
+
+def masked_diffusion_ce(
+    clean_logits: torch.Tensor,
+    noisy_logits: torch.Tensor,
+    clean: torch.Tensor,
+    mask: torch.Tensor,
+    block_size: int,
+    *,
+    reduction: str = "sum",
+) -> tuple[torch.Tensor, int]:
+    """CE over masked positions with shift-by-one; returns (loss summed or averaged, count)."""
+    N, T, V = noisy_logits.shape
+    pos = torch.arange(T, device=clean.device)
+    target_mask = mask.clone()
+    target_mask[:, 0] = False  # position 0 has no predictor
+    b, j = target_mask.nonzero(as_tuple=True)
+    if b.numel() == 0:
+        return noisy_logits.sum() * 0.0, 0
+    at_start = (pos[j] % block_size) == 0
+    src = torch.where(at_start[:, None], clean_logits[b, j - 1], noisy_logits[b, j - 1])
+    loss = F.cross_entropy(src.float(), clean[b, j], reduction="sum")
+    n = int(b.numel())
+    if reduction == "mean":
+        loss = loss / n
+    return loss, n
+
+
+def call_block_diffusion(model, clean: torch.Tensor, noisy: torch.Tensor, block_size: int, router_logits: list | None):
+    """model.forward_block_diffusion, passing router_logits only if the method accepts it."""
+    fn = model.forward_block_diffusion
+    try:
+        accepts = "router_logits" in inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # pragma: no cover
+        accepts = False
+    if accepts and router_logits is not None:
+        return fn(clean, noisy, block_size, router_logits=router_logits)
+    return fn(clean, noisy, block_size)
+
+
+def diffusion_step_loss(
+    model,
+    ids: torch.Tensor,
+    gen: torch.Generator,
+    *,
+    mask_token_id: int,
+    block_sizes: tuple[int, ...],
+    ar_weight: float,
+    aux_coef: float,
+    top_k: int,
+    complementary: bool = True,
+    min_mask_ratio: float = 1e-3,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """The stage-2 loss of one batch `ids [B, T]`; block sizes are drawn per sequence and sequences
+    sharing a block size go through one forward."""
+    B, T = ids.shape
+    sizes = sample_block_sizes(B, block_sizes, gen)
+    groups: dict[int, list[int]] = {}
+    for i, s in enumerate(sizes):
+        groups.setdefault(s, []).append(i)
+    batches = []
+    for s in sorted(groups):
+        rows = torch.tensor(groups[s], dtype=torch.long)
+        batches.append(make_masks(ids[rows], s, gen, mask_token_id=mask_token_id,
+                                  complementary=complementary, min_mask_ratio=min_mask_ratio))
+    rl: list = []
+    diff_sum = 0.0
+    n_masked = 0
+    ar_sum = 0.0
+    n_ar = 0
+    for db in batches:
+        clean_logits, noisy_logits = call_block_diffusion(model, db.clean, db.noisy, db.block_size, rl)
+        d, n = masked_diffusion_ce(clean_logits, noisy_logits, db.clean, db.mask, db.block_size, reduction="sum")
+        diff_sum = diff_sum + d
+        n_masked += n
+        V = clean_logits.shape[-1]
+        ar_sum = ar_sum + F.cross_entropy(
+            clean_logits[:, :-1].reshape(-1, V).float(), db.clean[:, 1:].reshape(-1), reduction="sum"
+        )
+        n_ar += db.clean.shape[0] * (T - 1)
+    diff = diff_sum / max(n_masked, 1)
+    ar = ar_sum / max(n_ar, 1)
+    aux = router_aux_loss(rl, top_k)
+    loss = diff + ar_weight * ar + aux_coef * aux
+    stats = {
+        "loss": float(loss.detach()),
+        "diff_loss": float(diff.detach()),
+        "ar_loss": float(ar.detach()),
+        "aux": float(aux.detach()) if torch.is_tensor(aux) else float(aux),
+        "masked": n_masked,
+    }
+    return loss, stats
+
+
+def ar_step_loss(model, ids: torch.Tensor, *, aux_coef: float, top_k: int) -> tuple[torch.Tensor, dict[str, float]]:
+    rl: list = []
+    logits = model(ids, router_logits=rl)
+    ar = ar_loss(logits, ids)
+    aux = router_aux_loss(rl, top_k)
+    loss = ar + aux_coef * aux
+    return loss, {"loss": float(loss.detach()), "ar_loss": float(ar.detach()), "aux": float(aux.detach())}
+
+
+def reference_block_diffusion(model, clean: torch.Tensor, noisy: torch.Tensor, block_size: int, router_logits=None):
+    """A slow stand-in with the forward_block_diffusion signature (tests only): clean logits from the
+    causal forward; each noisy block is run causally after its clean prefix (no bidirectional
+    attention inside the block, so it is *not* the Clover denoise mode; it exercises the loss
+    plumbing)."""
+    clean_logits = model(clean, router_logits=router_logits)
+    T = clean.shape[1]
+    outs = []
+    for s in range(0, T, block_size):
+        seq = torch.cat([clean[:, :s], noisy[:, s : s + block_size]], 1)
+        outs.append(model(seq, router_logits=router_logits)[:, s:])
+    return clean_logits, torch.cat(outs, 1)

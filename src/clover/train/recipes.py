@@ -1,0 +1,198 @@
+"""Training recipes: one TOML (or JSON) file describing a run.
+
+A recipe has a few top-level keys and one table per concern::
+
+    name = "clover-tiny-ar"      # run name; default output dir /work/runs/<name> (see [run].out)
+    stage = "ar"                 # "ar" (next-token pretraining) | "diffusion" (AR -> Clover conversion)
+    seed = 0
+    init = ""                    # optional model directory to start from (config.json + safetensors)
+
+    [model]      # CloverConfig fields (config.json keys), used when `init` is empty
+    [data]       # tokenizer, seq_len, batch_size (global, split over ranks), task_fraction, ...
+    [optim]      # lr, betas, weight_decay, eps, grad_clip, aux_loss_coef, steps, warmup_steps, schedule, ...
+    [diffusion]  # block_sizes, ar_weight, complementary, min_mask_ratio (stage "diffusion" only)
+    [run]        # out, threads, log_every, ckpt_every_s, ckpt_every_steps, keep, progress
+
+Relative paths inside a recipe are resolved against the recipe file's directory first, then the
+current working directory. Unknown keys are an error (typos should not pass silently).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+try:  # Python >= 3.11
+    import tomllib
+except ModuleNotFoundError:  # pragma: no cover
+    tomllib = None  # type: ignore[assignment]
+
+STAGES = ("ar", "diffusion")
+SCHEDULES = ("cosine", "wsd", "constant")
+
+
+class RecipeError(ValueError):
+    """A recipe file that does not describe a run."""
+
+
+@dataclass
+class DataSpec:
+    tokenizer: str = "build/tokenizer"
+    seq_len: int = 256
+    batch_size: int = 16  # global batch (sequences per optimizer step, summed over ranks)
+    task_fraction: float = 0.6
+    cache_dir: str | None = None
+    max_files: int | None = None  # first N stdlib files only (tests)
+
+
+@dataclass
+class OptimSpec:
+    lr: float = 2.5e-3
+    min_lr_ratio: float = 0.1
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    aux_loss_coef: float = 0.01
+    steps: int = 1000
+    warmup_steps: int = 100
+    schedule: str = "cosine"
+    decay_fraction: float = 0.2  # "wsd": length of the final linear decay, as a fraction of steps
+
+
+@dataclass
+class DiffusionSpec:
+    block_sizes: tuple[int, ...] = (8, 16, 32, 64)
+    ar_weight: float = 0.5
+    complementary: bool = True
+    min_mask_ratio: float = 1e-3  # t ~ U(min_mask_ratio, 1]
+
+
+@dataclass
+class RunSpec:
+    out: str | None = None
+    threads: int = 2
+    log_every: int = 10
+    ckpt_every_s: float = 300.0
+    ckpt_every_steps: int = 0  # 0 = time-based only
+    keep: int = 2
+    progress: bool = True
+
+
+@dataclass
+class Recipe:
+    name: str = "run"
+    stage: str = "ar"
+    seed: int = 0
+    init: str = ""
+    model: dict[str, Any] = field(default_factory=dict)
+    data: DataSpec = field(default_factory=DataSpec)
+    optim: OptimSpec = field(default_factory=OptimSpec)
+    diffusion: DiffusionSpec = field(default_factory=DiffusionSpec)
+    run: RunSpec = field(default_factory=RunSpec)
+    source: str | None = None  # the file it came from (not a recipe key)
+
+    def validate(self) -> None:
+        if self.stage not in STAGES:
+            raise RecipeError(f"stage must be one of {STAGES}, got {self.stage!r}")
+        if self.optim.schedule not in SCHEDULES:
+            raise RecipeError(f"optim.schedule must be one of {SCHEDULES}, got {self.optim.schedule!r}")
+        if not self.init and not self.model:
+            raise RecipeError("a recipe needs either `init` (a model directory) or a [model] table")
+        if self.optim.steps <= 0:
+            raise RecipeError("optim.steps must be positive")
+        if self.data.seq_len < 2 or self.data.batch_size < 1:
+            raise RecipeError("data.seq_len must be >= 2 and data.batch_size >= 1")
+        if self.stage == "diffusion":
+            for b in self.diffusion.block_sizes:
+                if b < 1 or self.data.seq_len % b:
+                    raise RecipeError(f"block size {b} must divide data.seq_len ({self.data.seq_len})")
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d.pop("source")
+        return d
+
+    @property
+    def out_dir(self) -> Path:
+        return Path(self.run.out) if self.run.out else Path("/work/runs") / self.name
+
+
+def _build(cls, raw: dict[str, Any], where: str):
+    if not isinstance(raw, dict):
+        raise RecipeError(f"[{where}] must be a table")
+    names = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(raw) - set(names))
+    if unknown:
+        raise RecipeError(f"unknown key(s) in [{where}]: {', '.join(unknown)}; known: {', '.join(sorted(names))}")
+    kw = {}
+    for k, v in raw.items():
+        if isinstance(v, list):
+            v = tuple(v)
+        kw[k] = v
+    return cls(**kw)
+
+
+def recipe_from_dict(raw: dict[str, Any], *, base: Path | None = None, source: str | None = None) -> Recipe:
+    raw = dict(raw)
+    sub = {
+        "data": DataSpec,
+        "optim": OptimSpec,
+        "diffusion": DiffusionSpec,
+        "run": RunSpec,
+    }
+    kw: dict[str, Any] = {}
+    for key, cls in sub.items():
+        kw[key] = _build(cls, raw.pop(key, {}), key)
+    model = raw.pop("model", {})
+    if not isinstance(model, dict):
+        raise RecipeError("[model] must be a table")
+    top = {f.name for f in dataclasses.fields(Recipe)} - set(sub) - {"model", "source"}
+    unknown = sorted(set(raw) - top)
+    if unknown:
+        raise RecipeError(f"unknown top-level key(s): {', '.join(unknown)}")
+    r = Recipe(model=dict(model), source=source, **kw, **raw)
+    if base is not None:
+        r.data.tokenizer = _resolve(r.data.tokenizer, base)
+        if r.init:
+            r.init = _resolve(r.init, base)
+    r.validate()
+    return r
+
+
+def _resolve(p: str, base: Path) -> str:
+    path = Path(p)
+    if path.is_absolute():
+        return str(path)
+    for root in (base, Path.cwd()):
+        if (root / path).exists():
+            return str((root / path).resolve())
+    return p
+
+
+def load_recipe(path: str | Path, overrides: dict[str, Any] | None = None) -> Recipe:
+    """Read a .toml or .json recipe; `overrides` maps dotted keys ("optim.steps") to values."""
+    path = Path(path)
+    if not path.is_file():
+        raise RecipeError(f"{path}: no such recipe file")
+    text = path.read_text()
+    if path.suffix == ".json":
+        raw = json.loads(text)
+    else:
+        if tomllib is None:  # pragma: no cover
+            raise RecipeError("TOML recipes need Python >= 3.11 (tomllib); use a .json recipe")
+        raw = tomllib.loads(text)
+    for key, value in (overrides or {}).items():
+        apply_override(raw, key, value)
+    return recipe_from_dict(raw, base=path.resolve().parent, source=str(path))
+
+
+def apply_override(raw: dict[str, Any], dotted: str, value: Any) -> None:
+    parts = dotted.split(".")
+    d = raw
+    for p in parts[:-1]:
+        d = d.setdefault(p, {})
+    d[parts[-1]] = value

@@ -1,0 +1,415 @@
+"""The training loop: stage "ar" (next-token pretraining) and stage "diffusion" (AR -> Clover).
+
+Data-parallel: run under `torchrun --nproc_per_node N`; ranks join a gloo process group, each reads
+its own data stream (seed + rank) with `batch_size / N` rows, and gradients are averaged with one
+flattened all-reduce per step before clipping. (An explicit all-reduce rather than the DDP wrapper:
+stage 2 calls `forward_block_diffusion`, which a wrapper would not see, and MoE experts or Clover
+parameters that receive no tokens simply contribute zeros.)
+
+Resume is exact: model, optimizer, each rank's data-stream position and RNG states are restored,
+so an interrupted run continues with the same losses as an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..checkpoint import load_model
+from ..config import CloverConfig
+from ..model import build_model
+from . import checkpointing as ck
+from .losses import ar_step_loss, diffusion_step_loss
+from .recipes import Recipe
+
+CLOVER_ONLY = ("conv1d_right", "intra_scale", "block_gain_a", "block_gain_b")
+
+
+def lr_at(step: int, recipe: Recipe) -> float:
+    """Learning rate for optimizer step `step` (0-based)."""
+    o = recipe.optim
+    if o.warmup_steps and step < o.warmup_steps:
+        return o.lr * (step + 1) / o.warmup_steps
+    floor = o.lr * o.min_lr_ratio
+    if o.schedule == "constant":
+        return o.lr
+    if o.schedule == "wsd":
+        decay = max(1, int(o.steps * o.decay_fraction))
+        start = o.steps - decay
+        if step < start:
+            return o.lr
+        frac = min(1.0, (step - start + 1) / decay)
+        return o.lr + (floor - o.lr) * frac
+    span = max(1, o.steps - o.warmup_steps)
+    frac = min(1.0, (step - o.warmup_steps) / span)
+    return floor + 0.5 * (o.lr - floor) * (1.0 + math.cos(math.pi * frac))
+
+
+# --------------------------------------------------------------------------- distributed
+class Dist:
+    def __init__(self) -> None:
+        self.world = int(os.environ.get("WORLD_SIZE", "1"))
+        self.rank = int(os.environ.get("RANK", "0"))
+        self.active = self.world > 1
+        if self.active and not dist.is_initialized():
+            dist.init_process_group("gloo")
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+    def all_reduce_grads(self, params: list[torch.nn.Parameter]) -> None:
+        if not self.active:
+            return
+        grads = []
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            grads.append(p.grad)
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat)
+        flat /= self.world
+        off = 0
+        for g in grads:
+            n = g.numel()
+            g.copy_(flat[off : off + n].view_as(g))
+            off += n
+
+    def mean(self, values: dict[str, float]) -> dict[str, float]:
+        if not self.active:
+            return values
+        keys = sorted(values)
+        t = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64)
+        dist.all_reduce(t)
+        t /= self.world
+        return {k: float(v) for k, v in zip(keys, t.tolist())}
+
+    def flag(self, value: bool) -> bool:
+        """Rank 0's decision, broadcast (e.g. 'checkpoint now')."""
+        if not self.active:
+            return value
+        t = torch.tensor([1 if value else 0])
+        dist.broadcast(t, 0)
+        return bool(t.item())
+
+    def gather(self, obj: Any) -> list[Any]:
+        if not self.active:
+            return [obj]
+        out: list[Any] = [None] * self.world
+        dist.all_gather_object(out, obj)
+        return out
+
+    def barrier(self) -> None:
+        if self.active:
+            dist.barrier()
+
+    def close(self) -> None:
+        if self.active and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+# --------------------------------------------------------------------------- model / data
+def build_or_load_model(recipe: Recipe, tokenizer_ids: dict[str, int]):
+    if recipe.init:
+        model = load_model(recipe.init, dtype=torch.float32)
+        cfg = model.config
+        if recipe.stage == "diffusion" and not cfg.is_clover:
+            model = to_clover(model, tokenizer_ids.get("<|mask|>"))
+        model.train()
+        return model
+    fields = dict(recipe.model)
+    fields.setdefault("eos_token_id", tokenizer_ids.get("<|endoftext|>"))
+    fields.setdefault("pad_token_id", tokenizer_ids.get("<|pad|>"))
+    if fields.get("model_type", "clover") == "clover":
+        fields.setdefault("model_type", "clover")
+        fields.setdefault("mask_token_id", tokenizer_ids.get("<|mask|>"))
+    cfg = CloverConfig.from_dict(fields, source=f"recipe {recipe.source or recipe.name} [model]")
+    model = build_model(cfg, device="cpu", dtype=torch.float32)
+    model.init_weights(seed=recipe.seed)
+    model.train()
+    return model
+
+
+def to_clover(model, mask_token_id: int | None):
+    """An AR (qwen3_5_moe) model -> a clover model with the zero-initialised Clover parameters."""
+    if mask_token_id is None:
+        raise ValueError("converting to clover needs a mask token id (<|mask|> in the tokenizer)")
+    cfg = model.config.replace(model_type="clover", mask_token_id=mask_token_id)
+    new = build_model(cfg, device="cpu", dtype=torch.float32)
+    new.init_weights(seed=0)  # sets the Clover parameters to their defined initial values
+    missing, unexpected = new.load_state_dict(model.state_dict(), strict=False)
+    bad = [k for k in missing if not any(s in k for s in CLOVER_ONLY)]
+    if bad or unexpected:
+        raise ValueError(f"conversion to clover: missing {bad[:5]}, unexpected {list(unexpected)[:5]}")
+    return new
+
+
+def make_stream(recipe: Recipe, rank: int, world: int, tokenizer: str):
+    from ..data.mix import PackedStream
+
+    if recipe.data.batch_size % world:
+        raise ValueError(f"data.batch_size {recipe.data.batch_size} is not divisible by the {world} ranks")
+    return PackedStream(
+        tokenizer,
+        "train",
+        seq_len=recipe.data.seq_len,
+        batch_size=recipe.data.batch_size // world,
+        task_fraction=recipe.data.task_fraction,
+        seed=recipe.seed * 1000 + rank,
+        cache_dir=recipe.data.cache_dir,
+        max_files=recipe.data.max_files,
+    )
+
+
+def tokenizer_special_ids(path: str) -> dict[str, int]:
+    from ..data.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(path)
+    return {t: tok.token_to_id(t) for t in ("<|endoftext|>", "<|pad|>", "<|mask|>") if tok.token_to_id(t) is not None}
+
+
+def param_groups(model, weight_decay: float) -> tuple[list[dict], list[torch.nn.Parameter], dict[int, str]]:
+    decay, no_decay = [], []
+    for n, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        (decay if p.ndim >= 2 else no_decay).append((n, p))
+    groups = [
+        {"params": [p for _, p in decay], "weight_decay": weight_decay},
+        {"params": [p for _, p in no_decay], "weight_decay": 0.0},
+    ]
+    ordered = decay + no_decay
+    names = {i: n for i, (n, _) in enumerate(ordered)}
+    return groups, [p for _, p in ordered], names
+
+
+# --------------------------------------------------------------------------- trainer
+class Trainer:
+    def __init__(self, recipe: Recipe, *, resume: bool | None = None, quiet: bool = False) -> None:
+        self.recipe = recipe
+        self.dist = Dist()
+        self.quiet = quiet
+        torch.set_num_threads(max(1, recipe.run.threads))
+        torch.manual_seed(recipe.seed)
+        self.out = recipe.out_dir
+        self.ckpt_root = self.out / "ckpt"
+        latest = ck.latest_checkpoint(self.ckpt_root)
+        if resume is True and latest is None:
+            raise FileNotFoundError(f"--resume: no checkpoint under {self.ckpt_root}")
+        self.resume_from = latest if resume is not False else None
+        if self.dist.main:
+            self.out.mkdir(parents=True, exist_ok=True)
+        self.dist.barrier()
+        self.tokenizer = self._tokenizer_dir()
+        ids = tokenizer_special_ids(self.tokenizer)
+        self.model = build_or_load_model(recipe, ids)
+        cfg = self.model.config
+        if recipe.stage == "ar":
+            for n, p in self.model.named_parameters():  # unused in commit mode
+                if any(s in n for s in CLOVER_ONLY):
+                    p.requires_grad_(False)
+        else:
+            if not cfg.is_clover or cfg.mask_token_id is None:
+                raise ValueError("stage 'diffusion' needs a clover model with mask_token_id")
+            if not hasattr(self.model, "forward_block_diffusion"):
+                raise RuntimeError("this model has no forward_block_diffusion(clean_ids, noisy_ids, block_size)")
+        o = recipe.optim
+        groups, self.params, self.names = param_groups(self.model, o.weight_decay)
+        self.opt = torch.optim.AdamW(groups, lr=o.lr, betas=tuple(o.betas), eps=o.eps, foreach=True)
+        self.stream = make_stream(recipe, self.dist.rank, self.dist.world, self.tokenizer)
+        self.gen = torch.Generator().manual_seed(recipe.seed * 7919 + 17 + self.dist.rank)
+        self.step = 0
+        self.tokens = 0
+        self.elapsed = 0.0
+        if self.resume_from is not None:
+            self._load(self.resume_from)
+        self.losses: list[float] = []
+
+    # -- setup helpers
+    def _tokenizer_dir(self) -> str:
+        """Copy the tokenizer into the run directory once, so the run is self-contained."""
+        src = Path(self.recipe.data.tokenizer)
+        dst = self.out / "tokenizer"
+        if self.dist.main and not (dst / "tokenizer.json").is_file():
+            if not (src / "tokenizer.json").is_file():
+                raise FileNotFoundError(
+                    f"tokenizer {src} not found; build it with `python -m clover.data.tokenizer {src} --vocab-size 4096`"
+                )
+            dst.mkdir(parents=True, exist_ok=True)
+            for f in src.iterdir():
+                if f.is_file():
+                    shutil.copy2(f, dst / f.name)
+        self.dist.barrier()
+        return str(dst)
+
+    def _load(self, path: Path) -> None:
+        state, model_t, opt_t = ck.read_checkpoint(path)
+        if state.get("world_size", 1) != self.dist.world:
+            raise ValueError(f"{path} was written by {state.get('world_size')} ranks; this run has {self.dist.world}")
+        self.model.load_state_dict(model_t, strict=True)
+        ck.load_optimizer(self.opt, self.names, opt_t, state["optimizer"])
+        r = state["ranks"][self.dist.rank]
+        self.stream.load_state_dict(r["stream"])
+        ck.restore_python_rng(r["python_rng"])
+        ck.restore_rng(ck.read_rng(path, self.dist.rank), self.gen)
+        self.step = int(state["step"])
+        self.tokens = int(state.get("tokens", 0))
+        self.elapsed = float(state.get("elapsed_s", 0.0))
+        self._log_text(f"resumed from {path} at step {self.step}")
+
+    def save(self) -> Path | None:
+        mine = {"stream": self.stream.state_dict(), "python_rng": ck.python_rng_state()}
+        rngs = ck.rng_tensors(self.gen)
+        gathered = self.dist.gather((mine, rngs))
+        path = None
+        if self.dist.main:
+            path = ck.write_checkpoint(
+                self.ckpt_root,
+                self.step,
+                model=self.model,
+                opt=self.opt,
+                names=self.names,
+                rank_states=[g[0] for g in gathered],
+                rng_by_rank=[g[1] for g in gathered],
+                extra={
+                    "tokens": self.tokens,
+                    "elapsed_s": self.elapsed,
+                    "world_size": self.dist.world,
+                    "recipe": self.recipe.to_dict(),
+                },
+                keep=self.recipe.run.keep,
+            )
+            self._log_text(f"checkpoint {path}")
+        self.dist.barrier()
+        return path
+
+    # -- logging
+    def _log_text(self, line: str) -> None:
+        if not self.dist.main:
+            return
+        stamp = time.strftime("%Y-%m-%d %H:%M:%S")
+        with open(self.out / "train.log", "a") as f:
+            f.write(f"{stamp} {line}\n")
+
+    def _log_json(self, rec: dict[str, Any]) -> None:
+        if not self.dist.main:
+            return
+        with open(self.out / "log.jsonl", "a") as f:
+            f.write(json.dumps(rec) + "\n")
+
+    # -- one optimizer step
+    def train_step(self, ids: torch.Tensor) -> dict[str, float]:
+        r, cfg = self.recipe, self.model.config
+        lr = lr_at(self.step, r)
+        for g in self.opt.param_groups:
+            g["lr"] = lr
+        if r.stage == "ar":
+            loss, stats = ar_step_loss(self.model, ids, aux_coef=r.optim.aux_loss_coef, top_k=cfg.num_experts_per_tok)
+        else:
+            d = r.diffusion
+            loss, stats = diffusion_step_loss(
+                self.model, ids, self.gen,
+                mask_token_id=cfg.mask_token_id, block_sizes=tuple(d.block_sizes), ar_weight=d.ar_weight,
+                aux_coef=r.optim.aux_loss_coef, top_k=cfg.num_experts_per_tok,
+                complementary=d.complementary, min_mask_ratio=d.min_mask_ratio,
+            )
+        loss.backward()
+        self.dist.all_reduce_grads(self.params)
+        gn = torch.nn.utils.clip_grad_norm_(self.params, r.optim.grad_clip) if r.optim.grad_clip > 0 else None
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        stats["lr"] = lr
+        if gn is not None:
+            stats["grad_norm"] = float(gn)
+        return stats
+
+    def train(self, steps: int | None = None) -> list[dict[str, float]]:
+        """Run until `steps` (default recipe.optim.steps); returns the per-step stats of this call."""
+        r = self.recipe
+        total = steps if steps is not None else r.optim.steps
+        if self.dist.main and self.step == 0:
+            (self.out / "recipe.json").write_text(json.dumps(r.to_dict(), indent=2) + "\n")
+            pc = self.model.config.parameter_counts()
+            self._log_text(
+                f"start {r.name} stage={r.stage} world={self.dist.world} params total={pc['total']} active={pc['active']} "
+                f"bf16_MB={pc['total'] * 2 / 1e6:.2f} steps={total}"
+            )
+        bar = None
+        if self.dist.main and r.run.progress and not self.quiet:
+            from tqdm import tqdm
+
+            bar = tqdm(total=total, initial=self.step, desc=r.name, dynamic_ncols=True, file=sys.stderr)
+        history: list[dict[str, float]] = []
+        last_ckpt = time.time()
+        window: list[dict[str, float]] = []
+        t_window = time.time()
+        tok_window = 0
+        per_step_tokens = r.data.batch_size * r.data.seq_len
+        while self.step < total:
+            t0 = time.time()
+            ids = self.stream.next_batch()
+            stats = self.train_step(ids)
+            self.step += 1
+            self.tokens += per_step_tokens
+            tok_window += per_step_tokens
+            self.elapsed += time.time() - t0
+            history.append(stats)
+            window.append(stats)
+            if self.step % r.run.log_every == 0 or self.step == total:
+                mean = {k: sum(s[k] for s in window) / len(window) for k in window[0] if k not in ("lr",)}
+                mean = self.dist.mean(mean)
+                dt = max(time.time() - t_window, 1e-9)
+                rec = {"step": self.step, "tokens": self.tokens, "lr": stats["lr"], **mean,
+                       "tokens_per_s": tok_window / dt, "elapsed_s": round(self.elapsed, 1)}
+                self._log_json(rec)
+                self._log_text(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in rec.items()))
+                if bar is not None:
+                    bar.set_postfix(loss=f"{mean['loss']:.3f}", tok_s=f"{rec['tokens_per_s']:.0f}")
+                window, tok_window, t_window = [], 0, time.time()
+            if bar is not None:
+                bar.update(1)
+            due = (r.run.ckpt_every_steps and self.step % r.run.ckpt_every_steps == 0) or (
+                r.run.ckpt_every_s and time.time() - last_ckpt >= r.run.ckpt_every_s
+            )
+            if self.dist.flag(bool(due)) and self.step < total:
+                self.save()
+                last_ckpt = time.time()
+        if bar is not None:
+            bar.close()
+        if self.step >= total and (self.resume_from is None or history):
+            self.save()
+        return history
+
+    def close(self) -> None:
+        self.dist.close()
+
+
+def export_model(ckpt: str | Path, out: str | Path, *, dtype: str = "bfloat16", tokenizer: str | Path | None = None) -> Path:
+    """A training checkpoint (or any model dir) -> a model directory in `dtype` with the tokenizer."""
+    from ..checkpoint import parse_dtype, save_model
+
+    ckpt, out = Path(ckpt), Path(out)
+    model = load_model(ckpt, dtype=torch.float32)
+    model.to(parse_dtype(dtype))
+    model.config.torch_dtype = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}.get(dtype, dtype)
+    save_model(model, out)
+    tok = Path(tokenizer) if tokenizer else None
+    if tok is None:
+        for cand in (ckpt.parent.parent / "tokenizer", ckpt / "tokenizer"):
+            if (cand / "tokenizer.json").is_file():
+                tok = cand
+                break
+    if tok is not None:
+        for f in tok.iterdir():
+            if f.is_file():
+                shutil.copy2(f, out / f.name)
+    return out
