@@ -89,7 +89,11 @@ class LLM:
             raise ValueError(
                 f"expert_budget: must lie in [{self.config.num_experts_per_tok}, {self.config.num_experts}], got {params.expert_budget}"
             )
-        if mode in ("diffusion", "naive", "speculative") and self.tokenizer.mask_token_id is None:
+        if mode == "speculative":
+            from .decoding.speculative import check_speculative_params
+
+            check_speculative_params(params)
+        if mode in ("diffusion", "naive", "speculative") and self.config.mask_token_id is None:
             raise ValueError(f"mode {mode!r} needs a mask token; this is a plain AR checkpoint — convert it with `clover convert`")
         return params
 
@@ -132,7 +136,10 @@ class LLM:
         if mode == "speculative":
             from .decoding.speculative import speculative_decode
 
-            return speculative_decode(self.model, rows, draft_length=params.draft_length or params.block_size, mask_id=self.tokenizer.mask_token_id, pad_id=pad)
+            draft = params.draft_length or params.block_size
+            if draft > params.block_size:
+                raise ValueError(f"draft_length: must be <= block_size ({params.block_size}), got {draft}")
+            return speculative_decode(self.model, rows, draft_length=draft, mask_id=self.config.mask_token_id, pad_id=pad)
         from .decoding.diffusion import diffusion_decode
 
         return diffusion_decode(
@@ -140,7 +147,7 @@ class LLM:
             rows,
             block_size=params.block_size,
             threshold=params.threshold,
-            mask_id=self.tokenizer.mask_token_id,
+            mask_id=self.config.mask_token_id,
             pad_id=pad,
             recompute=mode == "naive",
             provisional=provisional,

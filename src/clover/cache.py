@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from .config import CloverConfig
+from .kernels import chunk_gated_delta_rule
 
 
 @dataclass
@@ -65,6 +66,8 @@ class HybridCache:
                     dtype=torch.float32,
                     device=self.device,
                 )
+        # while recording, GDN layers keep their commit inputs so a partial accept can be rolled back
+        self.record: dict[int, tuple] | None = None
 
     # ----------------------------------------------------------------- sizing
     def ensure_capacity(self, needed: int, *, exact: bool = False) -> None:
@@ -127,6 +130,34 @@ class HybridCache:
         for i, t in snap.recurrent.items():
             self.recurrent[i].copy_(t)
 
+    def start_recording(self) -> CacheSnapshot:
+        """Snapshot, then have GDN layers keep (q, k, v, g, beta, conv window) of the next commit."""
+        self.record = {}
+        return self.snapshot()
+
+    def rollback(self, snap: CacheSnapshot, keep: torch.Tensor) -> None:
+        """Keep only the first `keep[b]` tokens committed since `snap` (taken by `start_recording`).
+
+        Attention: lower the lengths. GDN: re-run the recurrence from the snapshot state over exactly
+        the kept tokens' recorded inputs (no projections, no prefix recompute); the conv state is the
+        last K-1 pre-conv inputs ending at the last kept token."""
+        if self.record is None:
+            raise RuntimeError("rollback needs start_recording() before the commit")
+        keep = torch.as_tensor(keep, dtype=torch.long, device=self.device).expand(self.batch_size)
+        for i, (q, k, v, g, beta, window) in self.record.items():
+            T = q.shape[1]
+            valid = (torch.arange(T, device=self.device)[None, :] < keep[:, None])[..., None]
+            _, state = chunk_gated_delta_rule(
+                q, k, v, g * valid, beta * valid,
+                initial_state=snap.recurrent[i], output_final_state=True, use_qk_l2norm_in_kernel=True,
+            )
+            self.recurrent[i] = state
+            K1 = self.conv[i].shape[2]
+            idx = (keep[:, None, None] + torch.arange(K1, device=self.device)[None, None, :]).expand(-1, window.shape[1], -1)
+            self.conv[i] = window.gather(2, idx).contiguous()
+        self.lengths.copy_(snap.lengths + keep)
+        self.record = None
+
     def truncate(self, lengths: torch.Tensor | int) -> None:
         """Lower row lengths. Valid as a full rollback only for a cache without GDN layers, or
         combined with `restore`/re-derivation of the GDN state."""
@@ -141,6 +172,7 @@ class HybridCache:
         out = HybridCache.__new__(HybridCache)
         out.config, out.capacity, out.dtype, out.device = self.config, self.capacity, self.dtype, self.device
         out.batch_size = len(idx)
+        out.record = None
         out.lengths = self.lengths[idx].clone()
         out.keys = {i: t[idx].clone() for i, t in self.keys.items()}
         out.values = {i: t[idx].clone() for i, t in self.values.items()}
@@ -158,6 +190,7 @@ class HybridCache:
         out = HybridCache.__new__(HybridCache)
         out.config, out.capacity, out.dtype, out.device = first.config, cap, first.dtype, first.device
         out.batch_size = sum(c.batch_size for c in caches)
+        out.record = None
         out.lengths = torch.cat([c.lengths for c in caches])
         out.keys = {i: torch.cat([c.keys[i] for c in caches]) for i in first.keys}
         out.values = {i: torch.cat([c.values[i] for c in caches]) for i in first.values}

@@ -261,6 +261,8 @@ class GatedDeltaNet(nn.Module):
                 valid = torch.arange(Tc, device=x.device)[None, :] < ctx.n_commit[:, None]
                 gc = gc * valid[..., None]
                 bc = bc * valid[..., None]
+            if cache is not None and cache.record is not None:
+                cache.record[self.layer_idx] = (q, k, v, gc, bc, window)
             state = cache.recurrent[self.layer_idx] if cache is not None else None
             kernel = recurrent_gated_delta_rule if (Tc == 1 and cache is not None) else chunk_gated_delta_rule
             o, new_state = kernel(

@@ -88,8 +88,9 @@ def process_logits(
     eos_ids: list[int],
 ) -> torch.Tensor:
     """Penalties and biases, in fp32. logits [N, V]; history[n] = the tokens position n follows
-    (for penalties: all seen tokens; for no-repeat n-grams: the last tokens, in order)."""
-    logits = logits.float()
+    (for penalties: all seen tokens; for no-repeat n-grams: the last tokens, in order).
+    Never modifies its input."""
+    logits = logits.float().clone()
     if history is not None and (params.repetition_penalty != 1.0 or params.presence_penalty):
         for n, seen in enumerate(history):
             known = {t for t in seen if t is not None}

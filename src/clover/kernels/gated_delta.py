@@ -257,21 +257,24 @@ def _recurrent_torch(q, k, v, g, beta, scale, initial_state, output_final_state,
         S = initial_state.reshape(BH, K, V).to(f32)
 
     if inplace:
-        out = torch.empty(T, BH, 1, V, dtype=f32, device=dev)
-        pred = torch.empty(BH, 1, V, dtype=f32, device=dev)
+        # One read of the old state per token: with P = [q; k] S_old,
+        #   S^T k after decay = d * P_k,   delta = beta * (v - d * P_k)
+        #   o = S_new^T q = d * P_q + delta * (k . q)
+        # then S_new = d * S_old + k delta^T (written in place after step 0).
+        qk = torch.stack([qf, kf], dim=2)  # [T, BH, 2, K]
+        kq = (qf * kf).sum(-1, keepdim=True)  # [T, BH, 1]
+        dcol = decay.unsqueeze(-1)  # [T, BH, 1]
+        bcol = bf.unsqueeze(-1)
+        out = torch.empty(T, BH, V, dtype=f32, device=dev)
+        P = torch.empty(BH, 2, V, dtype=f32, device=dev)
         for t in range(T):
-            k_t = kf[t]
+            torch.bmm(qk[t], S, out=P)
+            delta = torch.mul(P[:, 1], dcol[t]).neg_().add_(vf[t]).mul_(bcol[t])  # [BH, V]
+            torch.mul(P[:, 0], dcol[t], out=out[t]).addcmul_(delta, kq[t])
             # the first multiply allocates a fresh state, so the caller's
-            # initial_state is left untouched; later steps update it in place
-            if t == 0:
-                S = S * decay[0].view(BH, 1, 1)
-            else:
-                S.mul_(decay[t].view(BH, 1, 1))
-            torch.bmm(k_t.unsqueeze(1), S, out=pred)  # [BH,1,V] = k^T S
-            delta = torch.sub(vf[t].unsqueeze(1), pred, out=pred)
-            delta.mul_(bf[t].view(BH, 1, 1))
-            S.baddbmm_(k_t.unsqueeze(2), delta)  # rank-1 update
-            torch.bmm(qf[t].unsqueeze(1), S, out=out[t])
+            # initial_state is never modified
+            S = S * dcol[t].unsqueeze(-1) if t == 0 else S.mul_(dcol[t].unsqueeze(-1))
+            S.baddbmm_(kf[t].unsqueeze(2), delta.unsqueeze(1))  # rank-1 update
         if T == 0 and initial_state is not None:
             S = S.clone()
         o = out.view(T, B, H, V).transpose(0, 1)

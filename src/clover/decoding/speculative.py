@@ -1,0 +1,103 @@
+"""Lossless self-speculative decoding: the model drafts a block with one denoise pass and verifies
+it with one causal (commit) pass of the same weights.
+
+Per row, each forward carries a commit part and an all-masked denoise block of `draft_length`:
+- a row with a fresh draft commits the draft (the *verify* pass) — position j-1 of the causal logits
+  verifies draft token j; the longest agreeing prefix is kept, plus the causal token at the first
+  mismatch (or the bonus token after a full accept) as the next draft's first token;
+- the same forward's denoise block is the *next draft*, valid when the whole draft was accepted; after
+  a partial accept the cache is rolled back to the accepted length (K/V truncated, GDN state re-derived
+  from the recorded inputs of exactly the accepted tokens) and the next forward drafts again.
+Draft token 0 always comes from causal logits, so every iteration gains at least one token, and greedy
+output is identical to AR greedy decoding. Sampling (temperature > 0) is refused: the output
+distribution would not match AR sampling without a rejection-sampling rule.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+import torch
+
+from .ar import BatchEngine, pad_right
+from .base import DecodeEvent, RowState
+from .sampling import process_logits
+
+
+def check_speculative_params(params) -> None:
+    if not params.greedy:
+        raise ValueError("temperature: speculative mode is greedy-only (lossless w.r.t. AR greedy); use mode 'ar' or 'diffusion' to sample")
+    if params.repetition_penalty != 1.0 or params.presence_penalty or params.no_repeat_ngram_size:
+        raise ValueError("repetition_penalty: history-dependent penalties are not supported in speculative mode")
+
+
+class SpeculativeEngine(BatchEngine):
+    def __init__(self, model, *, draft_length: int, mask_id: int, pad_id: int = 0) -> None:
+        super().__init__(model, pad_id=pad_id)
+        self.draft_length, self.mask_id = draft_length, mask_id
+
+    def _capacity(self, row: RowState) -> int:
+        return len(row.prompt) + row.params.max_new_tokens + 2 * self.draft_length + 1
+
+    def _init_row(self, row: RowState) -> None:
+        check_speculative_params(row.params)
+        super()._init_row(row)
+        row.first_logits = None
+        row.draft = None
+
+    def _argmax(self, row: RowState, logits: torch.Tensor) -> list[int]:
+        return process_logits(logits, row.params, None, sorted(row.eos_ids)).argmax(-1).tolist()
+
+    @torch.inference_mode()
+    def step(self) -> list[DecodeEvent]:
+        D, rows = self.draft_length, self.rows
+        commit_src = [r.draft if r.draft is not None else r.pending for r in rows]
+        has_commit = any(commit_src)
+        commit_ids, n_commit = pad_right(commit_src, self.pad_id, self.device) if has_commit else (None, None)
+        snap = self.cache.start_recording()
+        block = torch.full((len(rows), D), self.mask_id, dtype=torch.long, device=self.device)
+        out = self.model.step(self.cache, commit_ids=commit_ids, n_commit=n_commit, denoise_ids=block,
+                              all_logits=True, track_experts=True)
+        keep = n_commit.clone() if has_commit else torch.zeros(len(rows), dtype=torch.long, device=self.device)
+        events: list[DecodeEvent] = []
+        for i, r in enumerate(rows):
+            r.forwards += 1
+            r.experts_touched.extend(out.experts_touched)
+            next_draft_ok = True
+            if r.draft is not None:  # verify
+                causal = self._argmax(r, out.commit_logits[i, :D])  # causal[j] = AR token after draft[:j+1]
+                m = 1
+                while m < D and r.draft[m] == causal[m - 1]:
+                    m += 1
+                accepted = r.draft[:m]
+                r.accept_lengths.append(m)
+                keep[i] = m
+                r.first_logits = out.commit_logits[i, m - 1]
+                next_draft_ok = m == D
+                kept = r.accept(accepted, [1] * m)
+                if kept:
+                    events.append(DecodeEvent("commit", i, kept, [1] * len(kept), block=len(r.accept_lengths) - 1, row_state=r))
+            elif r.pending:  # prompt prefill rides with the first draft
+                r.first_logits = out.commit_logits[i, len(r.pending) - 1]
+                r.pending = []
+            r.draft = None
+            if r.finished:
+                events.append(DecodeEvent("finish", i, [], [], row_state=r))
+                continue
+            if next_draft_ok:
+                first = self._argmax(r, r.first_logits[None])
+                rest = self._argmax(r, out.denoise_logits[i, : D - 1]) if D > 1 else []
+                r.draft = first + rest
+        if any(int(keep[i]) != (int(n_commit[i]) if has_commit else 0) for i in range(len(rows))):
+            self.cache.rollback(snap, keep)
+        else:
+            self.cache.record = None
+        self._drop_finished()
+        return events
+
+
+def speculative_decode(model, rows: list[RowState], *, draft_length: int, mask_id: int, pad_id: int = 0) -> Iterator[DecodeEvent]:
+    engine = SpeculativeEngine(model, draft_length=draft_length, mask_id=mask_id, pad_id=pad_id)
+    for r in rows:
+        yield from engine.add(r)
+    yield from engine.run()

@@ -1,0 +1,574 @@
+"""The OpenAI-compatible HTTP API: `create_app(llm, ...)` and the `clover serve` entry points.
+
+Endpoints: POST /v1/completions, POST /v1/chat/completions (both with SSE streaming),
+GET /v1/models, GET /health, GET /metrics, POST /tokenize, POST /detokenize.
+Generation goes through the `Scheduler` (one engine thread batching rows of all requests)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import importlib.util
+import json
+import logging
+import re
+import secrets
+import time
+import uuid
+from typing import AsyncIterator
+
+import torch
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from ..decoding.sampling import SamplingParams
+from .metrics import Metrics
+from .scheduler import NotAccepting, QueueFull, Scheduler, ServeRequest, ServeRow
+from .schemas import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, message_text
+
+log = logging.getLogger("clover.serve")
+
+COMPLETION_DEFAULT_MAX_TOKENS = 16  # as OpenAI's legacy completions endpoint
+CHAT_DEFAULT_MAX_TOKENS = 512  # clipped to what the context leaves
+# SamplingParams' names that differ from the request's
+_PARAM_NAMES = {"max_new_tokens": "max_tokens"}
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None, headers: dict | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.headers = headers or {}
+
+    def response(self) -> JSONResponse:
+        body = {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+        return JSONResponse(body, status_code=self.status, headers=self.headers)
+
+
+def _value_error(e: Exception, *, prompt_param: str = "prompt") -> APIError:
+    """A ValueError "field: why" from SamplingParams / LLM -> 400 naming the request field."""
+    msg = str(e)
+    if "context length" in msg:
+        return APIError(400, msg, param=prompt_param, code="context_length_exceeded")
+    m = re.match(r"^(\w+)[: ]", msg)
+    param = m.group(1) if m else None
+    if param == "prompt":
+        param = prompt_param
+    param = _PARAM_NAMES.get(param, param)
+    if param:
+        msg = re.sub(r"^max_new_tokens\b", "max_tokens", msg)
+    return APIError(400, msg, param=param, code="invalid_value")
+
+
+def _finish_reason(reason: str | None) -> str:
+    return {"cancelled": "abort", None: "length"}.get(reason, reason)
+
+
+class Server:
+    """The state behind one app: the model, its scheduler and metrics."""
+
+    def __init__(self, llm, *, model_name: str, max_batch: int, max_queue: int, api_key: str | None,
+                 drain_timeout: float = 10.0) -> None:
+        self.llm = llm
+        self.tok = llm.tokenizer
+        self.model_name = model_name
+        self.aliases = {model_name} | ({str(llm.path)} if getattr(llm, "path", None) else set())
+        self.api_key = api_key
+        self.drain_timeout = drain_timeout
+        self.metrics = Metrics()
+        self.scheduler = Scheduler(llm, max_batch=max_batch, max_queue=max_queue, metrics=self.metrics)
+        self.default_mode = "diffusion" if self.tok.mask_token_id is not None else "ar"
+        self.created = int(time.time())
+        eos = set(llm.config.eos_token_ids)
+        if self.tok.eos_token_id is not None:
+            eos.add(self.tok.eos_token_id)
+        self.eos = eos
+        im_end = self.tok.hf.convert_tokens_to_ids("<|im_end|>") if hasattr(self.tok, "hf") else None
+        self.chat_stop_ids = [im_end] if isinstance(im_end, int) and im_end != self.tok.hf.unk_token_id else []
+
+    # ----------------------------------------------------------------- checks
+    def check_auth(self, request: Request) -> None:
+        if not self.api_key:
+            return
+        got = request.headers.get("authorization", "")
+        scheme, _, token = got.partition(" ")
+        if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip(), self.api_key):
+            raise APIError(401, "invalid API key: send `Authorization: Bearer <key>`", type="authentication_error",
+                           code="invalid_api_key")
+
+    def check_model(self, name: str | None) -> None:
+        if name and name not in self.aliases:
+            raise APIError(404, f"the model {name!r} does not exist; this server serves {self.model_name!r}",
+                           param="model", code="model_not_found")
+
+    def encode(self, prompt, param: str = "prompt") -> list[int]:
+        try:
+            return self.llm.encode_prompt(prompt)
+        except (ValueError, TypeError) as e:
+            raise APIError(400, f"{param}: {str(e).split(': ', 1)[-1]}", param=param, code="invalid_value") from None
+
+    # ------------------------------------------------------------ generation
+    def params(self, body, prompts: list[list[int]], *, default_max: int, prompt_param: str,
+               extra_stop_ids: list[int] = ()) -> tuple[str, SamplingParams, tuple]:
+        mode = body.mode or self.default_mode
+        if body.frequency_penalty:
+            raise APIError(400, "frequency_penalty: not supported; use presence_penalty or repetition_penalty",
+                           param="frequency_penalty", code="invalid_value")
+        if mode == "speculative" and importlib.util.find_spec("clover.decoding.speculative") is None:
+            raise APIError(400, "mode: 'speculative' is not available in this build", param="mode", code="invalid_value")
+        max_tokens = getattr(body, "max_completion_tokens", None)
+        max_tokens = body.max_tokens if body.max_tokens is not None else max_tokens
+        stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+        kw = dict(
+            max_new_tokens=max_tokens if max_tokens is not None else default_max,
+            temperature=body.temperature, top_p=body.top_p, top_k=max(0, body.top_k), seed=body.seed, stop=stop,
+            stop_token_ids=list(body.stop_token_ids) + [t for t in extra_stop_ids if t not in body.stop_token_ids],
+            ignore_eos=body.ignore_eos, repetition_penalty=body.repetition_penalty,
+            presence_penalty=body.presence_penalty, eos_penalty=body.eos_penalty,
+            no_repeat_ngram_size=body.no_repeat_ngram_size, block_size=body.block_size, threshold=body.threshold,
+            confidence=body.confidence, expert_budget=body.expert_budget, draft_length=body.draft_length,
+        )
+        try:
+            params = self.llm._params(mode, kw)
+            if max_tokens is None:  # the default length, clipped to what the context leaves
+                extra = params.block_size if mode != "ar" else 0
+                room = self.llm.context_length - max(len(p) for p in prompts) - extra
+                params.max_new_tokens = max(0, min(default_max, room))
+            for p in prompts:
+                self.llm._check_length(len(p), params, mode)
+        except ValueError as e:
+            raise _value_error(e, prompt_param=prompt_param) from None
+        except TypeError as e:
+            raise APIError(400, str(e), code="invalid_value") from None
+        bad = [t for t in params.stop_token_ids if not 0 <= t < self.llm.config.vocab_size]
+        if bad:
+            raise APIError(400, f"stop_token_ids: {bad[0]} is outside the vocabulary", param="stop_token_ids",
+                           code="invalid_value")
+        if mode == "ar":
+            group = ("ar",)
+        elif mode == "speculative":
+            group = ("speculative", params.draft_length or params.block_size, params.expert_budget)
+        else:
+            group = (mode, params.block_size, params.threshold, params.expert_budget)
+        return mode, params, group
+
+    def submit(self, prompts: list[list[int]], params: SamplingParams, group: tuple, n: int) -> ServeRequest:
+        rows = []
+        for p in prompts:
+            for i in range(n):
+                pi = dataclasses.replace(params, seed=params.seed + i) if params.seed is not None else params
+                rows.append(ServeRow(list(p), pi, set(self.eos), decode=self.tok.decode))
+        req = ServeRequest(rows, group, asyncio.get_running_loop())
+        if len(rows) > self.scheduler.capacity():
+            raise APIError(400, f"n: {len(rows)} rows exceed what this server holds ({self.scheduler.capacity()})",
+                           param="n", code="invalid_value")
+        self.scheduler.start()
+        try:
+            self.scheduler.submit(req)
+        except QueueFull as e:
+            raise APIError(429, f"{e}; retry later", type="rate_limit_error", code="queue_full",
+                           headers={"Retry-After": "1"}) from None
+        except NotAccepting as e:
+            raise APIError(503, str(e), type="server_error", code="shutting_down") from None
+        self.metrics.prompt_tokens.inc(sum(len(p) for p in prompts))
+        return req
+
+    async def collect(self, request: Request, req: ServeRequest) -> list:
+        """Wait for every row of `req`: [(Generation, stop_token)] in row order. A client that
+        disconnects meanwhile has its rows cancelled."""
+        out: list = [None] * len(req.rows)
+        left = len(req.rows)
+        try:
+            while left:
+                try:
+                    item = await asyncio.wait_for(req.queue.get(), timeout=0.5)
+                except asyncio.TimeoutError:
+                    if await request.is_disconnected():
+                        self.scheduler.cancel(req)
+                        raise APIError(499, "client disconnected", code="cancelled") from None
+                    continue
+                if item[0] == "finish":
+                    out[item[1]] = (item[2], item[3])
+                    left -= 1
+                elif item[0] == "error":
+                    raise APIError(500, item[1], type="server_error", code="engine_error")
+        finally:
+            if left:
+                self.scheduler.cancel(req)
+        return out
+
+    async def logprobs(self, seqs: list[list[int]], k: int) -> list[tuple[list, list]]:
+        """Per sequence: (logprob of each token given the ones before — None for the first —,
+        the top-k (token id, logprob) at each position), from one causal (commit-mode) forward."""
+        model = self.llm.model
+
+        def run():
+            res = []
+            with torch.inference_mode():
+                for ids in seqs:
+                    x = torch.tensor([ids], dtype=torch.long, device=model.device)
+                    lp = model(x)[0].float().log_softmax(-1)[:-1]
+                    nxt = torch.tensor(ids[1:], dtype=torch.long, device=lp.device)
+                    chosen = lp.gather(-1, nxt[:, None]).squeeze(-1).tolist()
+                    if k:
+                        v, i = lp.topk(min(k, lp.shape[-1]), dim=-1)
+                        tops = [list(zip(ii, vv)) for ii, vv in zip(i.tolist(), v.tolist())]
+                    else:
+                        tops = [[] for _ in chosen]
+                    res.append(([None] + chosen, [None] + tops))
+            return res
+
+        return await self.scheduler.call(run)
+
+    def piece(self, t: int) -> str:
+        return self.tok.decode([t])
+
+    def usage(self, prompts: list[list[int]], gens: list) -> dict:
+        p = sum(len(x) for x in prompts)
+        c = sum(len(g.token_ids) for g in gens)
+        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+
+
+class _CountRequests:
+    """ASGI middleware: clover_requests{endpoint, status} (a plain ASGI wrapper, so streaming and
+    disconnect detection pass through untouched)."""
+
+    def __init__(self, app, metrics: Metrics) -> None:
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        status = [500]
+
+        async def send_wrapped(message):
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_wrapped)
+        finally:
+            route = scope.get("route")
+            endpoint = getattr(route, "path", None) or "other"
+            self.metrics.requests.labels(endpoint, str(status[0])).inc()
+
+
+def _held_back(text: str, stop: list[str]) -> int:
+    """How much of `text` a stream may emit now: not a trailing incomplete UTF-8 sequence, nor a
+    tail that could be the start of a stop string."""
+    n = len(text)
+    while n and text[n - 1] == "\ufffd":
+        n -= 1
+    cut = n
+    for s in stop:
+        for k in range(min(len(s) - 1, n), 0, -1):
+            if text[:n].endswith(s[:k]):
+                cut = min(cut, n - k)
+                break
+    return cut
+
+
+def _sse(obj) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+def create_app(llm, *, model_name: str = "clover", max_batch: int = 16, max_queue: int = 64,
+               api_key: str | None = None, drain_timeout: float = 10.0) -> FastAPI:
+    """The FastAPI app serving `llm` (a `clover.LLM`). `max_batch`: rows in flight at once;
+    `max_queue`: rows that may wait beyond those (more answers 429); `api_key`: required as
+    `Authorization: Bearer KEY` on /v1/*, /tokenize and /detokenize when set."""
+    srv = Server(llm, model_name=model_name, max_batch=max_batch, max_queue=max_queue, api_key=api_key,
+                 drain_timeout=drain_timeout)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        srv.scheduler.start()
+        yield
+        await asyncio.to_thread(srv.scheduler.stop, srv.drain_timeout)
+
+    app = FastAPI(title="clover", lifespan=lifespan)
+    app.state.server = srv
+    app.state.scheduler = srv.scheduler
+
+    # ----------------------------------------------------------------- errors
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError):
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request: Request, exc: RequestValidationError):
+        errs = exc.errors()
+        first = errs[0] if errs else {}
+        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+        param = loc[0] if loc else None
+        where = ".".join(loc) or "body"
+        msg = f"{where}: {first.get('msg', 'invalid request')}"
+        if len(errs) > 1:
+            msg += f" (and {len(errs) - 1} more)"
+        return APIError(400, msg, param=param, code="invalid_value").response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException):
+        return APIError(exc.status_code, str(exc.detail), code=None).response()
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, exc: Exception):
+        log.exception("internal error")
+        return APIError(500, f"internal error: {type(exc).__name__}: {exc}", type="server_error").response()
+
+    app.add_middleware(_CountRequests, metrics=srv.metrics)
+
+    # -------------------------------------------------------------- simple routes
+    @app.get("/health")
+    async def health():
+        return {"status": "ok", "model": srv.model_name, **srv.scheduler.stats()}
+
+    @app.get("/metrics")
+    async def metrics():
+        data, ctype = srv.metrics.render()
+        return Response(data, media_type=ctype)
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        srv.check_auth(request)
+        return {"object": "list", "data": [{
+            "id": srv.model_name, "object": "model", "created": srv.created, "owned_by": "clover",
+            "max_model_len": llm.context_length,
+        }]}
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest, request: Request):
+        srv.check_auth(request)
+        srv.check_model(body.model)
+        if body.messages is not None:
+            try:
+                ids = srv.tok.apply_chat_template([{"role": m.role, "content": message_text(m.content)} for m in body.messages],
+                                                  add_generation_prompt=body.add_generation_prompt)
+            except ValueError as e:
+                raise APIError(400, f"messages: {e}", param="messages") from None
+        elif body.prompt is not None:
+            ids = srv.tok.encode(body.prompt)
+        else:
+            raise APIError(400, "prompt: give `prompt` or `messages`", param="prompt")
+        return {"tokens": ids, "count": len(ids), "max_model_len": llm.context_length}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest, request: Request):
+        srv.check_auth(request)
+        srv.check_model(body.model)
+        bad = [t for t in body.tokens if not 0 <= t < llm.config.vocab_size]
+        if bad:
+            raise APIError(400, f"tokens: {bad[0]} is outside the vocabulary (size {llm.config.vocab_size})", param="tokens")
+        return {"prompt": srv.tok.decode(body.tokens)}
+
+    # ---------------------------------------------------------------- completions
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        srv.check_auth(request)
+        srv.check_model(body.model)
+        p = body.prompt
+        if isinstance(p, str) or (isinstance(p, list) and p and all(isinstance(t, int) for t in p)):
+            raw = [p]
+        elif isinstance(p, list) and p:
+            raw = list(p)
+        else:
+            raise APIError(400, "prompt: empty; give at least one token", param="prompt")
+        prompts = [srv.encode(x) for x in raw]
+        mode, params, group = srv.params(body, prompts, default_max=COMPLETION_DEFAULT_MAX_TOKENS, prompt_param="prompt")
+        if body.stream and body.logprobs is not None:
+            raise APIError(400, "logprobs: not supported with stream; send a non-streaming request", param="logprobs")
+        req = srv.submit(prompts, params, group, body.n)
+        rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+        if body.stream:
+            return _stream(srv, request, req, prompts, params, body, rid, created, chat=False)
+        results = await srv.collect(request, req)
+        gens = [g for g, _ in results]
+        lps = None
+        if body.logprobs is not None:
+            seqs = []
+            for r, (g, stop_tok) in zip(req.rows, results):
+                ids = list(r.prompt) + list(g.token_ids)
+                if stop_tok is not None and len(ids) < llm.context_length:
+                    ids.append(stop_tok)
+                seqs.append(ids)
+            lps = await srv.logprobs(seqs, body.logprobs)
+        choices = []
+        for i, (r, g) in enumerate(zip(req.rows, gens)):
+            text = (srv.tok.decode(r.prompt) if body.echo else "") + g.text
+            lp = None
+            if lps is not None:
+                start = 0 if body.echo else len(r.prompt)
+                ids = seqs[i][start:]
+                chosen, tops = lps[i][0][start:], lps[i][1][start:]
+                pieces = [srv.piece(t) for t in ids]
+                offsets, off = [], 0 if body.echo else len(srv.tok.decode(r.prompt))
+                for s in pieces:
+                    offsets.append(off)
+                    off += len(s)
+                lp = {
+                    "tokens": pieces,
+                    "token_logprobs": chosen,
+                    "top_logprobs": [None if t is None else {srv.piece(a): b for a, b in t} for t in tops],
+                    "text_offset": offsets,
+                }
+            choices.append({"index": i, "text": text, "logprobs": lp, "finish_reason": _finish_reason(g.finish_reason)})
+        return {
+            "id": rid, "object": "text_completion", "created": created, "model": srv.model_name,
+            "choices": choices, "usage": srv.usage(prompts, gens),
+            "clover": {"mode": mode, "stats": [g.stats.as_dict() for g in gens]},
+        }
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        srv.check_auth(request)
+        srv.check_model(body.model)
+        msgs = [{"role": m.role, "content": message_text(m.content)} for m in body.messages]
+        try:
+            ids = srv.tok.apply_chat_template(msgs, add_generation_prompt=body.add_generation_prompt)
+        except ValueError as e:
+            raise APIError(400, f"messages: {e}", param="messages") from None
+        if not ids:
+            raise APIError(400, "messages: the chat template produced no tokens", param="messages")
+        prompts = [ids]
+        mode, params, group = srv.params(body, prompts, default_max=CHAT_DEFAULT_MAX_TOKENS, prompt_param="messages",
+                                         extra_stop_ids=srv.chat_stop_ids)
+        if body.stream and body.logprobs:
+            raise APIError(400, "logprobs: not supported with stream; send a non-streaming request", param="logprobs")
+        req = srv.submit(prompts, params, group, body.n)
+        rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        if body.stream:
+            return _stream(srv, request, req, prompts, params, body, rid, created, chat=True)
+        results = await srv.collect(request, req)
+        gens = [g for g, _ in results]
+        lps = None
+        if body.logprobs:
+            lps = await srv.logprobs([list(r.prompt) + list(g.token_ids) for r, g in zip(req.rows, gens)],
+                                     body.top_logprobs or 0)
+        choices = []
+        for i, (r, g) in enumerate(zip(req.rows, gens)):
+            lp = None
+            if lps is not None:
+                start = len(r.prompt)
+                content = []
+                for t, c, top in zip(g.token_ids, lps[i][0][start:], lps[i][1][start:]):
+                    s = srv.piece(t)
+                    content.append({"token": s, "logprob": c, "bytes": list(s.encode()),
+                                    "top_logprobs": [{"token": srv.piece(a), "logprob": b, "bytes": list(srv.piece(a).encode())}
+                                                     for a, b in top]})
+                lp = {"content": content}
+            choices.append({"index": i, "message": {"role": "assistant", "content": g.text}, "logprobs": lp,
+                            "finish_reason": _finish_reason(g.finish_reason)})
+        return {
+            "id": rid, "object": "chat.completion", "created": created, "model": srv.model_name,
+            "choices": choices, "usage": srv.usage(prompts, gens),
+            "clover": {"mode": mode, "stats": [g.stats.as_dict() for g in gens]},
+        }
+
+    return app
+
+
+def _stream(srv: Server, request: Request, req: ServeRequest, prompts, params: SamplingParams, body, rid: str,
+            created: int, *, chat: bool) -> StreamingResponse:
+    obj = "chat.completion.chunk" if chat else "text_completion"
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    stop = list(params.stop)
+
+    def chunk(index: int, text: str | None, finish: str | None = None, role: bool = False) -> str:
+        if chat:
+            delta = {}
+            if role:
+                delta["role"] = "assistant"
+            if text is not None:
+                delta["content"] = text
+            choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
+        else:
+            choice = {"index": index, "text": text or "", "logprobs": None, "finish_reason": finish}
+        out = {"id": rid, "object": obj, "created": created, "model": srv.model_name, "choices": [choice]}
+        if include_usage:
+            out["usage"] = None
+        return _sse(out)
+
+    async def events() -> AsyncIterator[str]:
+        emitted = [0] * len(req.rows)
+        gens: list = [None] * len(req.rows)
+        left = len(req.rows)
+        try:
+            for i, r in enumerate(req.rows):
+                if chat:
+                    yield chunk(i, "", role=True)
+                elif getattr(body, "echo", False):
+                    yield chunk(i, srv.tok.decode(r.prompt))
+            while left:
+                item = await req.queue.get()
+                if item[0] == "commit":
+                    _, i, text, finished = item
+                    if finished:
+                        continue  # the finish item carries the final text
+                    end = _held_back(text, stop)
+                    if end > emitted[i]:
+                        yield chunk(i, text[emitted[i]:end])
+                        emitted[i] = end
+                elif item[0] == "finish":
+                    _, i, gen, _stop_tok = item
+                    gens[i] = gen
+                    left -= 1
+                    rest = gen.text[emitted[i]:] if len(gen.text) > emitted[i] else ""
+                    if rest:
+                        yield chunk(i, rest)
+                    yield chunk(i, None if chat else "", finish=_finish_reason(gen.finish_reason))
+                else:  # engine error
+                    left = 0
+                    yield _sse({"error": {"message": item[1], "type": "server_error", "param": None, "code": "engine_error"}})
+                    return
+            if include_usage:
+                yield _sse({"id": rid, "object": obj, "created": created, "model": srv.model_name, "choices": [],
+                            "usage": srv.usage(prompts, [g for g in gens if g is not None])})
+            yield "data: [DONE]\n\n"
+        finally:
+            if left:
+                srv.scheduler.cancel(req)
+
+    return StreamingResponse(events(), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+# ------------------------------------------------------------------------- entry points
+def serve(model_dir=None, host: str = "127.0.0.1", port: int = 8000, max_batch: int = 16, max_queue: int = 64,
+          api_key: str | None = None, device: str | None = None, dtype: str | None = None,
+          model_name: str | None = None, log_level: str = "info") -> None:
+    """Load a model directory and serve it until interrupted."""
+    from ..api import load
+
+    llm = load(model_dir, dtype=dtype, device=device)
+    run_app(llm, host=host, port=port, max_batch=max_batch, max_queue=max_queue, api_key=api_key,
+            model_name=model_name, log_level=log_level)
+
+
+def run_app(llm, *, host: str, port: int, max_batch: int, max_queue: int, api_key: str | None,
+            model_name: str | None = None, log_level: str = "info") -> None:
+    import uvicorn
+
+    name = model_name or (llm.path.name if getattr(llm, "path", None) else "clover")
+    app = create_app(llm, model_name=name, max_batch=max_batch, max_queue=max_queue, api_key=api_key)
+    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=15)
+
+
+def main_serve(args) -> int:
+    """`clover serve`: args has model (or model_pos), device, dtype, host, port, max_batch, max_queue,
+    api_key (and optionally served_model_name)."""
+    from ..cli import load_llm
+
+    if getattr(args, "max_batch", 16) < 1:
+        raise ValueError(f"--max-batch: must be >= 1, got {args.max_batch}")
+    if getattr(args, "max_queue", 64) < 0:
+        raise ValueError(f"--max-queue: must be >= 0, got {args.max_queue}")
+    llm = load_llm(args)
+    run_app(llm, host=getattr(args, "host", "127.0.0.1"), port=getattr(args, "port", 8000),
+            max_batch=getattr(args, "max_batch", 16), max_queue=getattr(args, "max_queue", 64),
+            api_key=getattr(args, "api_key", None), model_name=getattr(args, "served_model_name", None))
+    return 0

@@ -1,0 +1,333 @@
+"""The engine loop: one background thread owns every decoding engine and the model.
+
+Requests arrive from the asyncio side as `ServeRequest`s (one or more rows). Rows wait in a FIFO
+queue; before each forward the loop admits waiting rows (up to `max_batch` rows in flight across all
+engines) into the engine of their group — rows can only share a forward when they decode the same
+way (mode, block size, threshold, expert budget). Engines with rows take turns, one `step()` (one
+forward) each, so different groups alternate fairly. Events are routed back to each request's
+asyncio queue with `loop.call_soon_threadsafe`.
+
+Items put on a request's queue:
+  ("commit", index, text_so_far, finished)   after a row committed tokens
+  ("finish", index, Generation, stop_token)   the row is done (stop_token: the EOS / stop id that ended it)
+  ("error", message)                          the engine failed; the request is over
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import itertools
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+from ..decoding.base import DecodeEvent, RowState
+
+log = logging.getLogger("clover.serve")
+
+
+class QueueFull(Exception):
+    """The server holds as many rows as it accepts; answer 429."""
+
+
+class NotAccepting(Exception):
+    """The server is shutting down."""
+
+
+@dataclass(eq=False)
+class ServeRow(RowState):
+    """A row that also remembers the token that ended it (EOS or a stop token id), which the
+    engine drops from the output but logprobs (echo) report, as OpenAI-style servers do."""
+
+    stop_token: int | None = None
+
+    def accept(self, new: list[int], steps: list[int]) -> list[int]:
+        if self.finished:  # cancelled while its forward was in flight: keep nothing more
+            return []
+        before = len(self.tokens)
+        kept = super().accept(new, steps)
+        if self.finish_reason == "stop" and self.stop_token is None:
+            n = len(self.tokens) - before
+            if n < len(new) and (new[n] in self.eos_ids or new[n] in self.params.stop_token_ids):
+                self.stop_token = new[n]
+        return kept
+
+
+class ServeRequest:
+    _ids = itertools.count()
+
+    def __init__(self, rows: list[ServeRow], group: tuple, loop: asyncio.AbstractEventLoop) -> None:
+        self.id = next(self._ids)
+        self.rows = rows
+        self.group = group
+        self.loop = loop
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.cancelled = False
+        self.arrival = time.perf_counter()
+        self.first_token: float | None = None
+        self.open_rows = len(rows)
+        for i, r in enumerate(rows):
+            r.request_id = (self, i)
+
+    def put(self, item) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:  # the event loop is gone
+            pass
+
+
+class Scheduler:
+    def __init__(self, llm, *, max_batch: int = 16, max_queue: int = 64, metrics=None) -> None:
+        if max_batch < 1:
+            raise ValueError(f"max_batch: must be >= 1, got {max_batch}")
+        if max_queue < 0:
+            raise ValueError(f"max_queue: must be >= 0, got {max_queue}")
+        self.llm = llm
+        self.max_batch = max_batch
+        self.max_queue = max_queue
+        self.metrics = metrics
+        self.pad_id = llm.tokenizer.pad_token_id or 0
+        self.cv = threading.Condition()
+        self.waiting: collections.deque[ServeRow] = collections.deque()
+        self.calls: collections.deque = collections.deque()
+        self.engines: dict[tuple, object] = {}
+        self.running = 0  # rows in the engines
+        self.accepting = True
+        self._stop = False
+        self._turn = 0
+        self.thread: threading.Thread | None = None
+        # stats (read by /health and tests)
+        self.forwards = 0
+        self.max_batch_seen = 0
+        self.rows_done = 0
+
+    # ------------------------------------------------------------------ async side
+    def start(self) -> None:
+        if self.thread is None:
+            self.thread = threading.Thread(target=self._loop, name="clover-engine", daemon=True)
+            self.thread.start()
+
+    def capacity(self) -> int:
+        return self.max_batch + self.max_queue
+
+    def submit(self, req: ServeRequest) -> None:
+        """Queue a request's rows, or raise QueueFull / NotAccepting."""
+        with self.cv:
+            if not self.accepting:
+                raise NotAccepting("the server is shutting down")
+            free = self.max_batch - self.running
+            if len(self.waiting) + len(req.rows) > self.max_queue + max(0, free):
+                raise QueueFull(f"the server is at capacity ({self.running} rows running, {len(self.waiting)} waiting)")
+            self.waiting.extend(req.rows)
+            self._gauges()
+            self.cv.notify()
+
+    def cancel(self, req: ServeRequest) -> None:
+        """The client went away: its rows leave the queue / their engine before the next forward."""
+        if req.open_rows <= 0 or req.cancelled:
+            return
+        req.cancelled = True
+        with self.cv:
+            self.cv.notify()
+
+    async def call(self, fn: Callable):
+        """Run `fn()` on the engine thread between forwards (the model is used by one thread only)."""
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        with self.cv:
+            self.calls.append((fn, fut))
+            self.cv.notify()
+        return await asyncio.wrap_future(fut)
+
+    def stats(self) -> dict:
+        with self.cv:
+            return {
+                "running": self.running,
+                "waiting": len(self.waiting),
+                "max_batch": self.max_batch,
+                "max_queue": self.max_queue,
+                "forwards": self.forwards,
+                "max_batch_seen": self.max_batch_seen,
+                "engines": [list(map(str, k)) for k in self.engines],
+            }
+
+    def stop(self, drain_timeout: float = 10.0) -> None:
+        """Stop accepting; let in-flight and queued rows finish for up to `drain_timeout` seconds,
+        then cancel what is left (its requests finish with reason "abort") and end the thread."""
+        with self.cv:
+            self.accepting = False
+            self.cv.notify()
+        deadline = time.monotonic() + drain_timeout
+        while time.monotonic() < deadline:
+            with self.cv:
+                if not self.waiting and not self.running:
+                    break
+            time.sleep(0.02)
+        with self.cv:
+            self._stop = True
+            self.cv.notify()
+        if self.thread is not None:
+            self.thread.join(timeout=30)
+            self.thread = None
+
+    # ----------------------------------------------------------------- engine thread
+    def _gauges(self) -> None:
+        if self.metrics is not None:
+            self.metrics.queue_depth.set(len(self.waiting))
+            self.metrics.running.set(self.running)
+
+    def _make_engine(self, group: tuple):
+        mode = group[0]
+        model, tok = self.llm.model, self.llm.tokenizer
+        if mode == "ar":
+            from ..decoding.ar import AREngine
+
+            return AREngine(model, pad_id=self.pad_id)
+        if mode == "speculative":
+            from ..decoding.speculative import SpeculativeEngine  # noqa: the app checks availability first
+
+            _, draft_length, expert_budget = group
+            return SpeculativeEngine(model, draft_length=draft_length, mask_id=tok.mask_token_id, pad_id=self.pad_id)
+        from ..decoding.diffusion import DiffusionEngine
+
+        _, block_size, threshold, expert_budget = group
+        return DiffusionEngine(model, block_size=block_size, threshold=threshold, mask_id=tok.mask_token_id,
+                               pad_id=self.pad_id, recompute=mode == "naive", expert_budget=expert_budget)
+
+    def _loop(self) -> None:
+        while True:
+            with self.cv:
+                while not (self._stop or self.waiting or self.calls or self.running
+                           or any(e.rows for e in self.engines.values())):
+                    self.cv.wait(timeout=0.5)
+                if self._stop:
+                    break
+                calls = list(self.calls)
+                self.calls.clear()
+            for fn, fut in calls:
+                if fut.set_running_or_notify_cancel():
+                    try:
+                        fut.set_result(fn())
+                    except BaseException as e:  # noqa: BLE001 - handed to the awaiting request
+                        fut.set_exception(e)
+            self._drop_cancelled()
+            self._admit()
+            self._step_one()
+        self._abort_all()
+
+    def _drop_cancelled(self) -> None:
+        with self.cv:
+            if any(r.request_id[0].cancelled for r in self.waiting):
+                self.waiting = collections.deque(r for r in self.waiting if not r.request_id[0].cancelled)
+        for key, eng in list(self.engines.items()):
+            gone = [r for r in eng.rows if r.request_id[0].cancelled]
+            for r in gone:
+                r._finish("cancelled")
+            if gone:
+                eng._drop_finished()
+                self._rows_left(len(gone))
+                for r in gone:
+                    r.request_id[0].open_rows -= 1
+
+    def _rows_left(self, n: int) -> None:
+        with self.cv:
+            self.running -= n
+            self._gauges()
+
+    def _admit(self) -> None:
+        while True:
+            with self.cv:
+                if not self.waiting or self.running >= self.max_batch:
+                    return
+                row = self.waiting.popleft()
+                self.running += 1
+                self._gauges()
+            req = row.request_id[0]
+            eng = self.engines.get(req.group)
+            if eng is None:
+                try:
+                    eng = self.engines[req.group] = self._make_engine(req.group)
+                except Exception as e:  # noqa: BLE001
+                    self._rows_left(1)
+                    self._fail(req, f"cannot build the decoding engine: {e}")
+                    continue
+            self._route(eng.add(row))
+
+    def _step_one(self) -> None:
+        busy = [k for k, e in self.engines.items() if e.rows]
+        for k in [k for k, e in self.engines.items() if not e.rows]:
+            del self.engines[k]
+        if not busy:
+            return
+        key = busy[self._turn % len(busy)]
+        self._turn += 1
+        eng = self.engines[key]
+        n = len(eng.rows)
+        try:
+            events = eng.step()
+        except Exception as e:  # noqa: BLE001 - the engine's rows fail; the server goes on
+            log.exception("engine step failed")
+            rows = list(eng.rows)
+            del self.engines[key]
+            self._rows_left(len(rows))
+            for req in {r.request_id[0] for r in rows}:
+                self._fail(req, f"decoding failed: {type(e).__name__}: {e}")
+            return
+        self.forwards += 1
+        self.max_batch_seen = max(self.max_batch_seen, n)
+        if self.metrics is not None:
+            self.metrics.forwards.inc()
+            self.metrics.batch_size.observe(n)
+        self._route(events)
+
+    def _route(self, events: list[DecodeEvent]) -> None:
+        for ev in events:
+            row = ev.row_state
+            if row is None or row.request_id is None:
+                continue
+            req, idx = row.request_id
+            if ev.kind == "commit" and not req.cancelled:
+                if req.first_token is None:
+                    req.first_token = time.perf_counter()
+                    if self.metrics is not None:
+                        self.metrics.ttft.observe(req.first_token - req.arrival)
+                req.put(("commit", idx, row.text(), row.finished))
+            elif ev.kind == "finish":
+                self._finished(req, idx, row)
+
+    def _finished(self, req: ServeRequest, idx: int, row: ServeRow) -> None:
+        # every admitted row held a slot, including one that finished inside add() (max_tokens=0)
+        self._rows_left(1)
+        self.rows_done += 1
+        req.open_rows -= 1
+        gen = self.llm._result(row)
+        if self.metrics is not None:
+            self.metrics.completion_tokens.inc(len(row.tokens))
+            if row.forwards:
+                self.metrics.tokens_per_forward.observe(len(row.tokens) / row.forwards)
+            if req.open_rows == 0:
+                self.metrics.latency.observe(time.perf_counter() - req.arrival)
+        req.put(("finish", idx, gen, row.stop_token))
+
+    def _fail(self, req: ServeRequest, message: str) -> None:
+        req.open_rows = 0
+        req.put(("error", message))
+
+    def _abort_all(self) -> None:
+        with self.cv:
+            left = list(self.waiting)
+            self.waiting.clear()
+        for eng in self.engines.values():
+            left.extend(eng.rows)
+        self.engines.clear()
+        for row in left:
+            row._finish("abort")
+            req, idx = row.request_id
+            req.open_rows -= 1
+            req.put(("finish", idx, self.llm._result(row), None))
+        with self.cv:
+            self.running = 0
+            self._gauges()

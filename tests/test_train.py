@@ -1,0 +1,225 @@
+"""Fast tests of clover.train: recipes, losses, the trainer, exact resume, 2-process gloo, export."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from clover.tiny import tiny_config
+from clover.tokenizer import write_byte_tokenizer
+from clover.train import main as train_main
+from clover.train import losses
+from clover.train.recipes import RecipeError, load_recipe, recipe_from_dict
+from clover.train.trainer import Trainer, lr_at
+
+MICRO_MODEL = dict(
+    hidden_size=32,
+    num_hidden_layers=4,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    head_dim=16,
+    linear_num_key_heads=1,
+    linear_num_value_heads=2,
+    linear_key_head_dim=16,
+    linear_value_head_dim=16,
+    num_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=16,
+    shared_expert_intermediate_size=16,
+    max_position_embeddings=512,
+)
+
+
+@pytest.fixture(scope="module")
+def byte_tok(tmp_path_factory):
+    d = tmp_path_factory.mktemp("bytetok")
+    write_byte_tokenizer(d)
+    return d
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("datacache")
+
+
+def micro_raw(tok, cache, out, *, stage="ar", steps=6, **run) -> dict:
+    cfg = tiny_config(**MICRO_MODEL).to_dict()
+    cfg.pop("architectures", None)
+    return {
+        "name": "micro",
+        "stage": stage,
+        "seed": 3,
+        "model": cfg,
+        "data": {"tokenizer": str(tok), "seq_len": 32, "batch_size": 4, "task_fraction": 0.5,
+                 "cache_dir": str(cache), "max_files": 3},
+        "optim": {"lr": 3e-3, "steps": steps, "warmup_steps": 2, "aux_loss_coef": 0.01},
+        "diffusion": {"block_sizes": [8, 16]},
+        "run": {"out": str(out), "threads": 1, "log_every": 1, "ckpt_every_s": 0, "progress": False, **run},
+    }
+
+
+@pytest.fixture
+def standin(monkeypatch):
+    """Until the model has forward_block_diffusion, exercise the stage-2 loss with a stand-in."""
+    from clover.model import CloverForCausalLM
+
+    if not hasattr(CloverForCausalLM, "forward_block_diffusion"):
+        monkeypatch.setattr(CloverForCausalLM, "forward_block_diffusion", losses.reference_block_diffusion, raising=False)
+
+
+# ----------------------------------------------------------------------------- recipes
+def test_recipe_toml_and_errors(tmp_path, byte_tok):
+    p = tmp_path / "r.toml"
+    p.write_text(
+        'name = "x"\nstage = "ar"\n[model]\nvocab_size = 264\n[data]\nseq_len = 64\n[optim]\nsteps = 5\nbetas = [0.9, 0.99]\n'
+    )
+    r = load_recipe(p, {"optim.lr": 1e-3})
+    assert r.optim.steps == 5 and r.optim.lr == 1e-3 and r.optim.betas == (0.9, 0.99)
+    assert r.data.seq_len == 64 and r.run.threads >= 1
+    with pytest.raises(RecipeError, match="unknown key"):
+        recipe_from_dict({"model": {"a": 1}, "optim": {"lrr": 1}})
+    with pytest.raises(RecipeError, match="stage"):
+        recipe_from_dict({"model": {"a": 1}, "stage": "foo"})
+    with pytest.raises(RecipeError, match="divide"):
+        recipe_from_dict({"model": {"a": 1}, "stage": "diffusion", "data": {"seq_len": 40}})
+
+
+def test_bundled_recipes_parse():
+    root = Path(__file__).resolve().parents[1] / "recipes"
+    found = sorted(root.glob("*.toml")) + sorted(root.glob("*.json"))
+    assert found
+    for p in found:
+        r = load_recipe(p)
+        if r.model:
+            from clover.config import CloverConfig
+
+            cfg = CloverConfig.from_dict({**r.model, "model_type": r.model.get("model_type", "clover")})
+            assert cfg.parameter_counts()["total"] * 2 <= 25 * 2**20
+
+
+def test_lr_schedules():
+    r = recipe_from_dict({"model": {"a": 1}, "optim": {"lr": 1.0, "steps": 100, "warmup_steps": 10, "min_lr_ratio": 0.1}})
+    assert lr_at(0, r) == pytest.approx(0.1) and lr_at(9, r) == pytest.approx(1.0)
+    assert lr_at(99, r) == pytest.approx(0.1, abs=1e-3)
+    r.optim.schedule = "wsd"
+    r.optim.decay_fraction = 0.2
+    assert lr_at(50, r) == 1.0 and lr_at(79, r) == 1.0 and lr_at(99, r) == pytest.approx(0.1)
+
+
+# ----------------------------------------------------------------------------- losses
+def test_router_aux_uniform_is_one():
+    assert float(losses.router_aux_loss([torch.zeros(64, 8)], 2)) == pytest.approx(1.0, abs=0.3)
+    skewed = torch.zeros(64, 8)
+    skewed[:, 0] = 10.0
+    skewed[:, 1] = 9.0
+    assert float(losses.router_aux_loss([skewed], 2)) > 3.0
+
+
+def test_masks_complementary_and_shift():
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(5, 50, (3, 32))
+    db = losses.make_masks(ids, 8, g, mask_token_id=2)
+    assert db.clean.shape == (6, 32)
+    assert torch.equal(db.mask[:3], ~db.mask[3:])  # every token masked exactly once per pair
+    assert torch.equal(db.noisy[db.mask], torch.full((int(db.mask.sum()),), 2))
+    assert torch.equal(db.noisy[~db.mask], db.clean[~db.mask])
+    # the fast gather equals the definition (loop over masked positions)
+    V = 50
+    cl, nl = torch.randn(6, 32, V), torch.randn(6, 32, V)
+    got, n = losses.masked_diffusion_ce(cl, nl, db.clean, db.mask, 8, reduction="sum")
+    ref, m = 0.0, 0
+    for b in range(6):
+        for j in range(1, 32):
+            if db.mask[b, j]:
+                src = cl[b, j - 1] if j % 8 == 0 else nl[b, j - 1]
+                ref += float(torch.nn.functional.cross_entropy(src[None], db.clean[b, j][None]))
+                m += 1
+    assert n == m and float(got) == pytest.approx(ref, rel=1e-5)
+
+
+# ----------------------------------------------------------------------------- training
+def _fixed_batch_losses(trainer: Trainer, steps: int) -> list[float]:
+    ids = trainer.stream.next_batch()
+    return [trainer.train_step(ids)["loss"] for _ in range(steps)]
+
+
+def test_ar_loss_goes_down(tmp_path, byte_tok, cache_dir):
+    r = recipe_from_dict(micro_raw(byte_tok, cache_dir, tmp_path / "run", steps=20))
+    t = Trainer(r, resume=False, quiet=True)
+    ls = _fixed_batch_losses(t, 20)
+    assert ls[-1] < ls[0] - 1.0, ls
+    # AR stage: the Clover-only parameters are frozen (unused in commit mode)
+    frozen = [n for n, p in t.model.named_parameters() if not p.requires_grad]
+    assert frozen and all(("conv1d_right" in n or "intra_scale" in n or "block_gain" in n) for n in frozen)
+
+
+def test_diffusion_loss_goes_down(tmp_path, byte_tok, cache_dir, standin):
+    r = recipe_from_dict(micro_raw(byte_tok, cache_dir, tmp_path / "run", stage="diffusion", steps=20))
+    t = Trainer(r, resume=False, quiet=True)
+    ids = t.stream.next_batch()
+    first = last = None
+    for i in range(20):
+        st = t.train_step(ids)
+        first = st if first is None else first
+        last = st
+    assert last["diff_loss"] < first["diff_loss"] - 0.5 and last["ar_loss"] < first["ar_loss"] - 0.5
+
+
+@pytest.mark.parametrize("stage", ["ar", "diffusion"])
+def test_resume_equals_uninterrupted(tmp_path, byte_tok, cache_dir, standin, stage):
+    full = Trainer(recipe_from_dict(micro_raw(byte_tok, cache_dir, tmp_path / "a", stage=stage, steps=6)), quiet=True)
+    ref = [s["loss"] for s in full.train()]
+    first = Trainer(recipe_from_dict(micro_raw(byte_tok, cache_dir, tmp_path / "b", stage=stage, steps=6)), quiet=True)
+    part1 = [s["loss"] for s in first.train(steps=3)]  # stops after step 3 and checkpoints
+    del first
+    second = Trainer(recipe_from_dict(micro_raw(byte_tok, cache_dir, tmp_path / "b", stage=stage, steps=6)), quiet=True)
+    assert second.step == 3
+    part2 = [s["loss"] for s in second.train()]
+    torch.testing.assert_close(torch.tensor(part1 + part2), torch.tensor(ref), rtol=0, atol=0)
+    # checkpoints: safetensors + json only, newest `keep` kept, loadable as a model directory
+    ck_root = tmp_path / "b" / "ckpt"
+    dirs = sorted(ck_root.iterdir())
+    assert [d.name for d in dirs] == ["step-00000003", "step-00000006"]
+    for d in dirs:
+        for f in d.iterdir():
+            assert f.suffix in (".safetensors", ".json"), f
+    lines = [json.loads(x) for x in (tmp_path / "b" / "log.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in lines] == list(range(1, 7))
+
+
+def test_cli_and_export(tmp_path, byte_tok, cache_dir):
+    raw = micro_raw(byte_tok, cache_dir, tmp_path / "run", steps=2)
+    p = tmp_path / "r.json"
+    p.write_text(json.dumps(raw))
+    assert train_main([str(p), "--quiet"]) == 0
+    ck = tmp_path / "run" / "ckpt" / "step-00000002"
+    assert ck.is_dir()
+    assert train_main([str(tmp_path / "run"), "--steps", "3", "--quiet", "--resume"]) == 0  # continue from the run dir
+    assert (tmp_path / "run" / "ckpt" / "step-00000003").is_dir()
+    assert train_main(["export", str(tmp_path / "run" / "ckpt" / "step-00000003"), str(tmp_path / "model")]) == 0
+    from clover.checkpoint import load_model
+
+    m = load_model(tmp_path / "model")
+    assert m.dtype == torch.bfloat16 and (tmp_path / "model" / "tokenizer.json").is_file()
+
+
+def test_two_process_gloo(tmp_path, byte_tok, cache_dir):
+    raw = micro_raw(byte_tok, cache_dir, tmp_path / "run", steps=3)
+    p = tmp_path / "r.json"
+    p.write_text(json.dumps(raw))
+    env = dict(os.environ, OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "0",
+           "-m", "clover.train", str(p), "--quiet"]
+    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr[-3000:]
+    state = json.loads((tmp_path / "run" / "ckpt" / "step-00000003" / "trainer.json").read_text())
+    assert state["world_size"] == 2 and len(state["ranks"]) == 2
+    assert state["ranks"][0]["stream"]["config"]["seed"] != state["ranks"][1]["stream"]["config"]["seed"]
+    assert state["ranks"][0]["stream"]["config"]["batch_size"] == 2  # global batch 4 split over 2 ranks
+    assert (tmp_path / "run" / "ckpt" / "step-00000003" / "rng-rank1.safetensors").is_file()
