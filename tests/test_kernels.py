@@ -131,6 +131,26 @@ def test_naive_matches_literal_recurrence():
         assert_close(s[0, h], S, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("l2", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_single_token_decode(l2, dtype):
+    (q, k, v, g, beta), s0 = make_inputs(2, 1, 4, 16, 8, Hk=2, seed=37, dtype=dtype, with_state=True)
+    s0_copy = s0.clone()
+    ref = naive_gated_delta_rule(q, k, v, g, beta, scale=0.3, initial_state=s0, output_final_state=True,
+                                 use_qk_l2norm_in_kernel=l2)
+    o, s = recurrent_gated_delta_rule(q, k, v, g, beta, scale=0.3, initial_state=s0, output_final_state=True,
+                                      use_qk_l2norm_in_kernel=l2)
+    assert torch.equal(s0, s0_copy)
+    assert o.dtype == dtype and s.dtype == torch.float32
+    tol = dict(atol=ATOL, rtol=RTOL) if dtype == torch.float32 else dict(atol=1e-2, rtol=1e-2)
+    assert_close(o, ref[0], **tol)
+    assert_close(s, ref[1], atol=ATOL, rtol=RTOL)
+    o2, s2 = recurrent_gated_delta_rule(q, k, v, g, beta, scale=0.3, use_qk_l2norm_in_kernel=l2)
+    assert s2 is None
+    ref0 = naive_gated_delta_rule(q, k, v, g, beta, scale=0.3, use_qk_l2norm_in_kernel=l2)
+    assert_close(o2, ref0[0], **tol)
+
+
 def test_bf16_inputs():
     (q, k, v, g, beta), s0 = make_inputs(1, 90, 2, 32, 32, seed=13, dtype=torch.bfloat16, with_state=True)
     kw = dict(initial_state=s0, output_final_state=True, use_qk_l2norm_in_kernel=True)

@@ -69,7 +69,9 @@ def test_missing_directory_and_pickle_only(tmp_path):
         load_model(tmp_path / "nope")
     d = tmp_path / "pkl"
     d.mkdir()
-    (d / "config.json").write_text(json.dumps(clover.tiny.tiny_config().to_dict()))
+    from clover.tiny import tiny_config
+
+    (d / "config.json").write_text(json.dumps(tiny_config().to_dict()))
     (d / "pytorch_model.bin").write_bytes(b"x")
     with pytest.raises(CheckpointError, match="pickle"):
         load_model(d)

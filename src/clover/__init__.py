@@ -1,20 +1,37 @@
-"""clover: block-diffusion language models on the Qwen3.5/3.6-MoE hybrid backbone."""
+"""clover: block-diffusion language models on the Qwen3.5/3.6-MoE hybrid backbone.
 
-from .api import LLM, Generation, StreamEvent, load
-from .config import CloverConfig, ConfigError
-from .checkpoint import CheckpointError
-from .decoding.base import GenerationStats
-from .tiny import build_tiny_checkpoint
+    import clover
+    llm = clover.load()                      # the bundled model (or a directory)
+    out = llm.generate("def fibonacci(n):", mode="diffusion", max_new_tokens=64)
+    print(out.text, out.stats.tokens_per_forward)
 
-__all__ = [
-    "LLM",
-    "Generation",
-    "GenerationStats",
-    "StreamEvent",
-    "load",
-    "CloverConfig",
-    "ConfigError",
-    "CheckpointError",
-    "build_tiny_checkpoint",
-]
+Names are imported lazily so `clover --help` does not pay for importing torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+
 __version__ = "0.1.0"
+
+_EXPORTS = {
+    "LLM": "clover.api",
+    "Generation": "clover.api",
+    "StreamEvent": "clover.api",
+    "load": "clover.api",
+    "CloverConfig": "clover.config",
+    "ConfigError": "clover.config",
+    "CheckpointError": "clover.checkpoint",
+    "GenerationStats": "clover.decoding.base",
+    "build_tiny_checkpoint": "clover.tiny",
+}
+
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(_EXPORTS[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'clover' has no attribute {name!r}")

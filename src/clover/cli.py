@@ -602,6 +602,25 @@ register("tiny", "write a tiny random checkpoint (for demos and bug reports)", c
 register("demo", "generate with the default model in AR and diffusion mode and compare", configure_demo, run_demo)
 
 
+def configure_convert(p: argparse.ArgumentParser) -> None:
+    p.add_argument("src", help="a Qwen3.5/3.6-MoE checkpoint directory (safetensors + tokenizer)")
+    p.add_argument("dst", help="where to write the Clover checkpoint")
+    p.add_argument("--block-size", type=int, default=32, help="default block size stored in the config (32)")
+    p.add_argument("--threshold", type=float, default=0.95, help="default confidence threshold stored in the config (0.95)")
+
+
+def run_convert(args: argparse.Namespace) -> int:
+    from .convert import convert_to_clover
+
+    cfg = convert_to_clover(args.src, args.dst, block_size=args.block_size, threshold=args.threshold)
+    print(f"wrote {args.dst}: model_type clover, mask token id {cfg.mask_token_id}, vocab {cfg.vocab_size}")
+    return 0
+
+
+register("convert", "turn a Qwen3.5-MoE checkpoint into a Clover one (mask token + zero-initialised new parameters)",
+         configure_convert, run_convert)
+
+
 # -------------------------------------------------------------------------------------- main
 def build_parser(selected: str | None = None) -> argparse.ArgumentParser:
     """The argument parser. Lazily-registered commands are configured only when `selected`."""

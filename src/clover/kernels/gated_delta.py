@@ -223,7 +223,46 @@ def recurrent_gated_delta_rule(
     )
     if res is not None:
         return res
+    if q.shape[1] == 1 and not _needs_grad(q, k, v, g, beta, initial_state):
+        return _decode_step(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel)
     return _recurrent_torch(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel)
+
+
+def _decode_step(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel):
+    """Single token, no autograd: as few kernel launches and state passes as possible.
+
+    With P = [q; k] S_old (one read of the old state), decay d and beta b:
+        delta = b * (v - d * P_k),   o = d * P_q + delta * (k . q),
+        S_new = d * S_old + k delta^T.
+    """
+    B, _, Hk, K = q.shape
+    H, V = v.shape[2], v.shape[3]
+    BH = B * H
+    f32 = torch.float32
+    q, k = _expand_heads(q, k, H)
+    qk = torch.stack((q.reshape(BH, K), k.reshape(BH, K)), dim=1)  # [BH, 2, K]
+    if qk.dtype != f32:
+        qk = qk.to(f32)
+    if use_qk_l2norm_in_kernel:
+        qk = qk * torch.rsqrt(qk.square().sum(-1, keepdim=True).add_(_L2_EPS))
+    qk[:, 0].mul_(K**-0.5 if scale is None else scale)
+    if initial_state is None:
+        S0 = torch.zeros(BH, K, V, dtype=f32, device=v.device)
+    else:
+        S0 = initial_state.reshape(BH, K, V)
+        if S0.dtype != f32:
+            S0 = S0.to(f32)
+    d = g.reshape(BH, 1).to(f32).exp()
+    b = beta.reshape(BH, 1).to(f32)
+    P = torch.bmm(qk, S0)  # [BH, 2, V]
+    kq = torch.bmm(qk, qk.transpose(1, 2))[:, 0, 1:]  # [BH, 1] = q . k
+    delta = (P[:, 1] * d).neg_().add_(v.reshape(BH, V)).mul_(b)
+    o = (P[:, 0] * d).addcmul_(delta, kq)
+    final = None
+    if output_final_state:
+        final = (S0 * d.unsqueeze(-1)).baddbmm_(qk[:, 1].unsqueeze(2), delta.unsqueeze(1))
+        final = final.view(B, H, K, V)
+    return o.view(B, 1, H, V).to(v.dtype), final
 
 
 def _recurrent_torch(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel):

@@ -549,13 +549,28 @@ def serve(model_dir=None, host: str = "127.0.0.1", port: int = 8000, max_batch: 
             model_name=model_name, log_level=log_level)
 
 
-def run_app(llm, *, host: str, port: int, max_batch: int, max_queue: int, api_key: str | None,
-            model_name: str | None = None, log_level: str = "info") -> None:
+def uvicorn_server(app: FastAPI, *, host: str, port: int, log_level: str = "info", graceful: float | None = 30.0):
+    """A uvicorn.Server for `app` whose shutdown first drains the scheduler (in-flight rows finish
+    for up to the app's drain timeout, then end with finish_reason "abort", so every open request
+    gets an answer) and only then waits for the connections to close."""
     import uvicorn
 
+    class _Server(uvicorn.Server):
+        async def shutdown(self, sockets=None):
+            srv: Server = app.state.server
+            await asyncio.to_thread(srv.scheduler.stop, srv.drain_timeout)
+            await super().shutdown(sockets)
+
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on",
+                            timeout_graceful_shutdown=graceful)
+    return _Server(config)
+
+
+def run_app(llm, *, host: str, port: int, max_batch: int, max_queue: int, api_key: str | None,
+            model_name: str | None = None, log_level: str = "info") -> None:
     name = model_name or (llm.path.name if getattr(llm, "path", None) else "clover")
     app = create_app(llm, model_name=name, max_batch=max_batch, max_queue=max_queue, api_key=api_key)
-    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=15)
+    uvicorn_server(app, host=host, port=port, log_level=log_level).run()
 
 
 def main_serve(args) -> int:
