@@ -214,7 +214,7 @@ def test_two_process_gloo(tmp_path, byte_tok, cache_dir):
     p = tmp_path / "r.json"
     p.write_text(json.dumps(raw))
     env = dict(os.environ, OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "0",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
            "-m", "clover.train", str(p), "--quiet"]
     res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr[-3000:]

@@ -37,6 +37,9 @@ CHAT_DEFAULT_MAX_TOKENS = 512  # clipped to what the context leaves
 _PARAM_NAMES = {"max_new_tokens": "max_tokens"}
 
 
+_REQUEST_FIELDS = set(CompletionRequest.model_fields) | set(ChatCompletionRequest.model_fields)
+
+
 class APIError(Exception):
     def __init__(self, status: int, message: str, *, type: str = "invalid_request_error", param: str | None = None,
                  code: str | None = None, headers: dict | None = None) -> None:
@@ -55,12 +58,12 @@ def _value_error(e: Exception, *, prompt_param: str = "prompt") -> APIError:
     if "context length" in msg:
         return APIError(400, msg, param=prompt_param, code="context_length_exceeded")
     m = re.match(r"^(\w+)[: ]", msg)
-    param = m.group(1) if m else None
+    param = _PARAM_NAMES.get(m.group(1), m.group(1)) if m else None
     if param == "prompt":
         param = prompt_param
-    param = _PARAM_NAMES.get(param, param)
-    if param:
-        msg = re.sub(r"^max_new_tokens\b", "max_tokens", msg)
+    if param not in _REQUEST_FIELDS:
+        param = None
+    msg = re.sub(r"^max_new_tokens\b", "max_tokens", msg)
     return APIError(400, msg, param=param, code="invalid_value")
 
 

@@ -1,0 +1,66 @@
+"""MoE dispatch and block expert sharing."""
+
+import pytest
+import torch
+
+from clover.model import Experts
+from clover.moe import grouped_expert_forward, reference_expert_forward, route
+
+
+def _experts(E=16, H=24, I=12, seed=0):
+    ex = Experts(E, H, I)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        ex.gate_up_proj.copy_(torch.randn(ex.gate_up_proj.shape, generator=g) * 0.2)
+        ex.down_proj.copy_(torch.randn(ex.down_proj.shape, generator=g) * 0.2)
+    return ex
+
+
+@pytest.mark.parametrize("N,k", [(1, 2), (5, 2), (33, 4), (64, 1)])
+def test_grouped_dispatch_equals_reference(N, k):
+    ex = _experts()
+    g = torch.Generator().manual_seed(N)
+    x = torch.randn(N, 24, generator=g)
+    logits = torch.randn(N, 16, generator=g)
+    w, idx = route(logits, k)
+    with torch.no_grad():
+        torch.testing.assert_close(grouped_expert_forward(ex, x, idx, w), reference_expert_forward(ex, x, idx, w), atol=1e-5, rtol=1e-5)
+    assert torch.unique(idx).numel() < 16 or N * k >= 16  # some experts receive no token for small N
+
+
+def test_route_is_softmax_topk_renormalised():
+    logits = torch.randn(7, 10)
+    w, idx = route(logits, 3)
+    p = logits.softmax(-1)
+    top = p.topk(3, -1)
+    torch.testing.assert_close(idx, top.indices)
+    torch.testing.assert_close(w, top.values / top.values.sum(-1, keepdim=True))
+
+
+def test_block_sharing_limits_experts_and_is_identity_when_budget_covers_all():
+    B, Tc, Bd, E, k = 2, 3, 8, 16, 2
+    logits = torch.randn(B * (Tc + Bd), E)
+    w0, i0 = route(logits, k)
+    w1, i1 = route(logits, k, (B, Tc + Bd, Tc, Bd, E))  # budget == number of experts: sharing is a no-op
+    torch.testing.assert_close(w0, w1)
+    assert torch.equal(i0, i1)
+    for m in (k, 3, 5):
+        w, idx = route(logits, k, (B, Tc + Bd, Tc, Bd, m))
+        idx = idx.view(B, Tc + Bd, k)
+        assert torch.equal(idx[:, :Tc], i0.view(B, Tc + Bd, k)[:, :Tc])  # commit tokens route freely
+        for b in range(B):
+            assert torch.unique(idx[b, Tc:]).numel() <= m
+        torch.testing.assert_close(w.sum(-1), torch.ones(B * (Tc + Bd)))
+
+
+def test_expert_budget_in_generation(tiny_llm):
+    E, k = tiny_llm.config.num_experts, tiny_llm.config.num_experts_per_tok
+    kw = dict(mode="diffusion", max_new_tokens=16, block_size=8, threshold=0.5, ignore_eos=True)
+    off = tiny_llm.generate([1, 2, 3], **kw)
+    full = tiny_llm.generate([1, 2, 3], expert_budget=E, **kw)
+    assert off.token_ids == full.token_ids
+    small = tiny_llm.generate([1, 2, 3], expert_budget=k, **kw)
+    assert small.stats.experts_touched is not None
+    assert small.stats.experts_touched < off.stats.experts_touched
+    with pytest.raises(ValueError, match="expert_budget"):
+        tiny_llm.generate([1, 2, 3], expert_budget=E + 1, **kw)
