@@ -101,6 +101,23 @@ def test_long_sequence_multiple_slabs():
         gd._SLAB_ROWS = old
 
 
+@pytest.mark.parametrize("decay", ["none", "strong"])
+def test_extreme_decay(decay):
+    (q, k, v, g, beta), s0 = make_inputs(2, 150, 2, 16, 16, seed=53, with_state=True)
+    if decay == "none":
+        g = torch.zeros_like(g)
+    else:
+        g = g * 8.0
+        g[:, 70:80] = -200.0  # exp underflows to 0: the state is wiped
+    kw = dict(initial_state=s0, output_final_state=True, use_qk_l2norm_in_kernel=True)
+    o_ref, s_ref = naive_gated_delta_rule(q, k, v, g, beta, **kw)
+    for fn in (chunk_gated_delta_rule, recurrent_gated_delta_rule):
+        o, s = fn(q, k, v, g, beta, **kw)
+        assert torch.isfinite(o).all()
+        assert_close(o, o_ref, atol=1e-4, rtol=1e-3)
+        assert_close(s, s_ref, atol=ATOL, rtol=RTOL)
+
+
 def test_final_state_none_and_scale():
     (q, k, v, g, beta), _ = make_inputs(1, 50, 2, 16, 8, seed=7)
     o_ref, _ = naive_gated_delta_rule(q, k, v, g, beta, scale=0.37)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -216,8 +217,14 @@ def test_two_process_gloo(tmp_path, byte_tok, cache_dir):
     env = dict(os.environ, OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
            "-m", "clover.train", str(p), "--quiet"]
-    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
-    assert res.returncode == 0, res.stderr[-3000:]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        _, err = proc.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # the launcher and both workers
+        proc.communicate()
+        pytest.fail("2-process gloo run timed out")
+    assert proc.returncode == 0, err[-3000:]
     state = json.loads((tmp_path / "run" / "ckpt" / "step-00000003" / "trainer.json").read_text())
     assert state["world_size"] == 2 and len(state["ranks"]) == 2
     assert state["ranks"][0]["stream"]["config"]["seed"] != state["ranks"][1]["stream"]["config"]["seed"]

@@ -93,6 +93,8 @@ class LLM:
             from .decoding.speculative import check_speculative_params
 
             check_speculative_params(params)
+            if (params.draft_length or params.block_size) > params.block_size:
+                raise ValueError(f"draft_length: must be <= block_size ({params.block_size}), got {params.draft_length}")
         if mode in ("diffusion", "naive", "speculative") and self.config.mask_token_id is None:
             raise ValueError(f"mode {mode!r} needs a mask token; this is a plain AR checkpoint — convert it with `clover convert`")
         return params
@@ -136,10 +138,7 @@ class LLM:
         if mode == "speculative":
             from .decoding.speculative import speculative_decode
 
-            draft = params.draft_length or params.block_size
-            if draft > params.block_size:
-                raise ValueError(f"draft_length: must be <= block_size ({params.block_size}), got {draft}")
-            return speculative_decode(self.model, rows, draft_length=draft, mask_id=self.config.mask_token_id, pad_id=pad)
+            return speculative_decode(self.model, rows, draft_length=params.draft_length or params.block_size, mask_id=self.config.mask_token_id, pad_id=pad)
         from .decoding.diffusion import diffusion_decode
 
         return diffusion_decode(

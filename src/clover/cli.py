@@ -617,6 +617,23 @@ def run_convert(args: argparse.Namespace) -> int:
     return 0
 
 
+def configure_serve(p: argparse.ArgumentParser) -> None:
+    add_model_arguments(p)
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    p.add_argument("--max-batch", type=int, default=8, help="rows decoded together (default 8)")
+    p.add_argument("--max-queue", type=int, default=64, help="rows waiting beyond the batch before 429 (default 64)")
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
+    p.add_argument("--served-model-name", default=None, help="the model id clients send (default: the directory name)")
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    from .serve import main_serve
+
+    return main_serve(args)
+
+
+register("serve", "an OpenAI-compatible HTTP server with batching across requests", configure_serve, run_serve)
 register("convert", "turn a Qwen3.5-MoE checkpoint into a Clover one (mask token + zero-initialised new parameters)",
          configure_convert, run_convert)
 

@@ -42,6 +42,7 @@ class StepContext:
     track_experts: bool = False
     router_logits: list[torch.Tensor] | None = None  # collected for the load-balancing loss
     train_block_size: int | None = None  # set: x is [clean stream | noisy stream] (block-diffusion training)
+    cached_attn_mask: torch.Tensor | None = None  # built by the first attention layer of a cached forward
 
     @property
     def ragged(self) -> bool:
@@ -156,32 +157,40 @@ class GatedAttention(nn.Module):
 
     def _cached(self, q, k, v, ctx: StepContext, cache: HybridCache) -> torch.Tensor:
         Tc, Bd = ctx.commit_len, ctx.denoise_len
-        start = cache.lengths  # [B] committed length before this forward
         if Tc:
             keys, vals = cache.write_kv(self.layer_idx, k[:, :, :Tc], v[:, :, :Tc])
         else:
             keys, vals = cache.read_kv(self.layer_idx)
-        Lk = keys.shape[2]
-        j = torch.arange(Lk, device=q.device)
-        masks = []
-        if Tc:
-            t = torch.arange(Tc, device=q.device)
-            masks.append(j[None, None, :] <= (start[:, None, None] + t[None, :, None]))  # causal over prefix+commit
         if Bd:
-            # block queries see the whole committed prefix (after this forward's commit) and the whole block
-            n = ctx.n_commit if ctx.n_commit is not None else torch.full_like(start, Tc)
-            prefix = (j[None, None, :] < (start + n)[:, None, None]).expand(-1, Bd, -1)
-            masks.append(prefix)
-        mask = torch.cat(masks, dim=1)  # [B, Tc+Bd, Lk]
-        if Bd:
-            block_cols = torch.zeros(mask.shape[0], Tc + Bd, Bd, dtype=torch.bool, device=q.device)
-            block_cols[:, Tc:] = True
-            mask = torch.cat([mask, block_cols], dim=2)
             keys = torch.cat([keys, k[:, :, Tc:]], dim=2)
             vals = torch.cat([vals, v[:, :, Tc:]], dim=2)
+        if ctx.cached_attn_mask is None:  # the same for every attention layer of this forward
+            ctx.cached_attn_mask = cached_attention_mask(cache.lengths, ctx, keys.shape[2] - Bd)
         return F.scaled_dot_product_attention(
-            q, keys, vals, attn_mask=mask[:, None], enable_gqa=self.num_kv_heads != self.num_heads
+            q, keys, vals, attn_mask=ctx.cached_attn_mask, enable_gqa=self.num_kv_heads != self.num_heads
         )
+
+
+def cached_attention_mask(start: torch.Tensor, ctx: StepContext, Lk: int) -> torch.Tensor:
+    """[B, 1, Tc+Bd, Lk+Bd] boolean: commit queries see the prefix and earlier commit tokens
+    (causal); block queries see the whole committed prefix (after this forward's commit) and the
+    whole block; commit queries never see the block."""
+    Tc, Bd = ctx.commit_len, ctx.denoise_len
+    dev = start.device
+    j = torch.arange(Lk, device=dev)
+    parts = []
+    if Tc:
+        t = torch.arange(Tc, device=dev)
+        parts.append(j[None, None, :] <= (start[:, None, None] + t[None, :, None]))
+    if Bd:
+        n = ctx.n_commit if ctx.n_commit is not None else torch.full_like(start, Tc)
+        parts.append((j[None, None, :] < (start + n)[:, None, None]).expand(-1, Bd, -1))
+    mask = torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
+    if Bd:
+        block_cols = torch.zeros(mask.shape[0], Tc + Bd, Bd, dtype=torch.bool, device=dev)
+        block_cols[:, Tc:] = True
+        mask = torch.cat([mask, block_cols], dim=2)
+    return mask[:, None]
 
 
 # --------------------------------------------------------------------------- gated deltanet

@@ -76,6 +76,11 @@ class BatchEngine:
         row.gen = make_generator(row.params.seed, self.device)
         row.pending = list(row.prompt)
 
+    def cancel(self, row: RowState, reason: str = "abort") -> None:
+        """Finish a row now (e.g. its client went away) and release its cache slot."""
+        row.cancel(reason)
+        self._drop_finished()
+
     def _drop_finished(self) -> None:
         keep = [i for i, r in enumerate(self.rows) if not r.finished]
         if len(keep) == len(self.rows):

@@ -44,6 +44,7 @@ class RowState:
     ended: float | None = None
     accept_lengths: list[int] = field(default_factory=list)
     request_id: object = None  # whoever owns the row (a server request, a batch index)
+    stop_token: int | None = None  # the EOS / stop token id that ended the row (not in `tokens`)
 
     @property
     def remaining(self) -> int:
@@ -52,6 +53,8 @@ class RowState:
     def accept(self, new: list[int], steps: list[int]) -> list[int]:
         """Append tokens, applying EOS / stop tokens / stop strings / the length limit.
         Returns the tokens actually kept (what a stream should emit)."""
+        if self.finished:
+            return []
         kept, kept_steps = [], []
         stop_ids = set(self.params.stop_token_ids)
         for tok, st in zip(new, steps):
@@ -59,6 +62,7 @@ class RowState:
                 self._finish("length")
                 break
             if (tok in self.eos_ids and not self.params.ignore_eos) or tok in stop_ids:
+                self.stop_token = tok
                 self._finish("stop")
                 break
             kept.append(tok)
@@ -84,7 +88,8 @@ class RowState:
             return None
         end = min(hits)
         for n in range(1, len(self.tokens) + 1):  # shortest prefix whose text covers the stop string
-            if len(self.decode(self.tokens[:n])) >= end:
+            # a prefix ending inside a multi-byte character decodes with replacement chars: ignore them
+            if len(self.decode(self.tokens[:n]).rstrip("\ufffd")) >= end:
                 return n
         return len(self.tokens)
 
@@ -95,6 +100,10 @@ class RowState:
             if hits:
                 text = text[: min(hits)]
         return text
+
+    def cancel(self, reason: str = "abort") -> None:
+        """Stop the row; the engine drops it before its next forward."""
+        self._finish(reason)
 
     def _finish(self, reason: str) -> None:
         if not self.finished:

@@ -235,7 +235,7 @@ def _decode_step(q, k, v, g, beta, scale, initial_state, output_final_state, use
         delta = b * (v - d * P_k),   o = d * P_q + delta * (k . q),
         S_new = d * S_old + k delta^T.
     """
-    B, _, Hk, K = q.shape
+    B, _, _, K = q.shape
     H, V = v.shape[2], v.shape[3]
     BH = B * H
     f32 = torch.float32

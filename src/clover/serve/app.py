@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import importlib.util
 import json
 import logging
 import re
@@ -121,8 +120,6 @@ class Server:
         if body.frequency_penalty:
             raise APIError(400, "frequency_penalty: not supported; use presence_penalty or repetition_penalty",
                            param="frequency_penalty", code="invalid_value")
-        if mode == "speculative" and importlib.util.find_spec("clover.decoding.speculative") is None:
-            raise APIError(400, "mode: 'speculative' is not available in this build", param="mode", code="invalid_value")
         max_tokens = getattr(body, "max_completion_tokens", None)
         max_tokens = body.max_tokens if body.max_tokens is not None else max_tokens
         stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
@@ -185,21 +182,23 @@ class Server:
         disconnects meanwhile has its rows cancelled."""
         out: list = [None] * len(req.rows)
         left = len(req.rows)
+        gone = asyncio.ensure_future(_disconnected(request))
         try:
             while left:
-                try:
-                    item = await asyncio.wait_for(req.queue.get(), timeout=0.5)
-                except asyncio.TimeoutError:
-                    if await request.is_disconnected():
-                        self.scheduler.cancel(req)
-                        raise APIError(499, "client disconnected", code="cancelled") from None
-                    continue
+                get = asyncio.ensure_future(req.queue.get())
+                await asyncio.wait({get, gone}, return_when=asyncio.FIRST_COMPLETED)
+                if not get.done():
+                    get.cancel()
+                    self.scheduler.cancel(req)
+                    raise APIError(499, "client disconnected", code="cancelled")
+                item = get.result()
                 if item[0] == "finish":
                     out[item[1]] = (item[2], item[3])
                     left -= 1
                 elif item[0] == "error":
                     raise APIError(500, item[1], type="server_error", code="engine_error")
         finally:
+            gone.cancel()
             if left:
                 self.scheduler.cancel(req)
         return out
@@ -259,6 +258,14 @@ class _CountRequests:
             route = scope.get("route")
             endpoint = getattr(route, "path", None) or "other"
             self.metrics.requests.labels(endpoint, str(status[0])).inc()
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns once the client has gone away (the request body has been read by then)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
 
 
 def _held_back(text: str, stop: list[str]) -> int:

@@ -187,14 +187,14 @@ class Scheduler:
 
             return AREngine(model, pad_id=self.pad_id)
         if mode == "speculative":
-            from ..decoding.speculative import SpeculativeEngine  # noqa: the app checks availability first
+            from ..decoding.speculative import SpeculativeEngine
 
             _, draft_length, expert_budget = group
-            return SpeculativeEngine(model, draft_length=draft_length, mask_id=tok.mask_token_id, pad_id=self.pad_id)
+            return SpeculativeEngine(model, draft_length=draft_length, mask_id=self.llm.config.mask_token_id, pad_id=self.pad_id)
         from ..decoding.diffusion import DiffusionEngine
 
         _, block_size, threshold, expert_budget = group
-        return DiffusionEngine(model, block_size=block_size, threshold=threshold, mask_id=tok.mask_token_id,
+        return DiffusionEngine(model, block_size=block_size, threshold=threshold, mask_id=self.llm.config.mask_token_id,
                                pad_id=self.pad_id, recompute=mode == "naive", expert_budget=expert_budget)
 
     def _loop(self) -> None:
@@ -225,9 +225,7 @@ class Scheduler:
         for key, eng in list(self.engines.items()):
             gone = [r for r in eng.rows if r.request_id[0].cancelled]
             for r in gone:
-                r._finish("cancelled")
-            if gone:
-                eng._drop_finished()
+                eng.cancel(r, "cancelled")
                 self._rows_left(len(gone))
                 for r in gone:
                     r.request_id[0].open_rows -= 1
@@ -324,7 +322,7 @@ class Scheduler:
             left.extend(eng.rows)
         self.engines.clear()
         for row in left:
-            row._finish("abort")
+            row.cancel("abort")
             req, idx = row.request_id
             req.open_rows -= 1
             req.put(("finish", idx, self.llm._result(row), None))

@@ -1,0 +1,410 @@
+"""`clover bench decode`: every decoding mode on the same weights and the same held-out prompts.
+
+Workloads
+- `tasks`: held-out task prompts (`assert <expr> == `); the answer is the generated text up to the
+  first newline, scored by exact match (`check_answer`).
+- `code`: held-out `def` headers from the stdlib split; the generated body is cut where the function
+  ends (first line indented at or left of the header) and, when the length limit cut it, trimmed to
+  whole statements (the last partial line and, if that still does not parse, the last body-level
+  statement are dropped). Reported: parse rate (`ast.parse` of header + body) and edit similarity
+  (`difflib.SequenceMatcher.ratio`) to the held-out body — the whole body when the generation ended
+  the function, else the body's first lines, as many as were generated.
+
+Protocol: greedy, batch 1, one warm-up generation per mode, then for each prompt every mode in turn
+(interleaved, so background load on a shared machine hits all modes alike). Per mode: tokens/s over
+prompts (median, IQR, min/max), total forwards, tokens/forward, ms/forward, cache bytes (and CUDA
+peak memory), experts touched, quality, and ratios to AR.
+"""
+
+from __future__ import annotations
+
+import ast
+import difflib
+import textwrap
+from dataclasses import dataclass, field
+from typing import Callable, Iterable
+
+import torch
+
+from .common import machine, max_rss_bytes, spread, synchronize, timed
+
+SCHEMA = "clover.bench.decode/1"
+ALL_MODES = ("ar", "diffusion", "naive", "speculative")
+NEEDS_MASK = ("diffusion", "naive", "speculative")
+WORKLOADS = ("tasks", "code", "both")
+
+
+# ------------------------------------------------------------------------------ workloads
+@dataclass
+class Item:
+    workload: str  # "tasks" | "code"
+    prompt: str
+    reference: str  # the task's answer, or the held-out function body
+    task: object = None  # clover.data.tasks.Task for the tasks workload
+
+    def as_dict(self) -> dict:
+        return {"workload": self.workload, "prompt": self.prompt, "reference": self.reference}
+
+
+def load_items(workload: str, n: int, *, seed: int = 0) -> list[Item]:
+    """n held-out prompts per workload ("both": n of each, tasks first)."""
+    if workload not in WORKLOADS:
+        raise ValueError(f"workload: must be one of {', '.join(WORKLOADS)}, got {workload!r}")
+    if n <= 0:
+        raise ValueError(f"prompts: must be a positive integer, got {n}")
+    items: list[Item] = []
+    if workload in ("tasks", "both"):
+        from ..data.tasks import heldout_tasks
+
+        items += [Item("tasks", t.prompt, t.answer, t) for t in heldout_tasks(n)]
+    if workload in ("code", "both"):
+        from ..data.corpus import heldout_functions
+
+        items += [Item("code", h, b) for h, b in heldout_functions(n, seed=seed)]
+    return items
+
+
+# -------------------------------------------------------------------------------- scoring
+def _indent(line: str) -> int:
+    return len(line) - len(line.lstrip(" \t"))
+
+
+def _parses(src: str) -> bool:
+    try:
+        ast.parse(textwrap.dedent(src))
+        return True
+    except (SyntaxError, ValueError, MemoryError, RecursionError):
+        return False
+
+
+def trim_body(header: str, text: str, *, truncated: bool) -> tuple[str, bool, bool]:
+    """Generated continuation of `header` -> (body, parses, ended).
+
+    `ended`: the function visibly ended (a line at or left of the header's indent) or generation
+    stopped on its own; `truncated`: the length limit cut it (the last line may be partial)."""
+    h_ind = _indent(header.splitlines()[0]) if header.strip() else 0
+    lines = text.split("\n")
+    if truncated and lines:
+        lines = lines[:-1]  # the partial last line (or the empty string after a final newline)
+    body_lines: list[str] = []
+    ended = not truncated
+    for ln in lines:
+        if ln.strip() and _indent(ln) <= h_ind:
+            ended = True
+            break
+        body_lines.append(ln)
+    while body_lines and not body_lines[-1].strip():
+        body_lines.pop()
+    if not any(ln.strip() for ln in body_lines):
+        return "", False, ended
+    body = "\n".join(body_lines) + "\n"
+    if _parses(header + body):
+        return body, True, ended
+    if not ended:  # drop the last body-level statement: the limit may have cut it mid-way
+        b_ind = min(_indent(ln) for ln in body_lines if ln.strip())
+        starts = [i for i, ln in enumerate(body_lines) if ln.strip() and _indent(ln) == b_ind]
+        if len(starts) > 1:
+            cut = "\n".join(body_lines[: starts[-1]]).rstrip("\n") + "\n"
+            if _parses(header + cut):
+                return cut, True, ended
+    return body, False, ended
+
+
+def score(item: Item, text: str, finish_reason: str) -> dict:
+    if item.workload == "tasks":
+        from ..data.tasks import check_answer
+
+        return {"exact": bool(check_answer(item.task, text)), "answer": text.split("\n", 1)[0]}
+    body, ok, ended = trim_body(item.prompt, text, truncated=finish_reason == "length")
+    ref = item.reference
+    if not ended:
+        n = max(1, len(body.splitlines()))
+        ref = "".join(item.reference.splitlines(keepends=True)[:n])
+    sim = difflib.SequenceMatcher(None, body, ref).ratio() if body else 0.0
+    return {"parses": ok, "similarity": round(sim, 4), "ended": ended}
+
+
+def quality(runs: list[dict]) -> dict:
+    """Quality of one mode's runs, per workload."""
+    out: dict = {}
+    tasks = [r["score"] for r in runs if r["workload"] == "tasks"]
+    code = [r["score"] for r in runs if r["workload"] == "code"]
+    if tasks:
+        out["tasks"] = {"n": len(tasks), "exact_match": sum(s["exact"] for s in tasks) / len(tasks)}
+    if code:
+        out["code"] = {
+            "n": len(code),
+            "parse_rate": sum(s["parses"] for s in code) / len(code),
+            "edit_similarity": sum(s["similarity"] for s in code) / len(code),
+        }
+    return out
+
+
+# ------------------------------------------------------------------------------- measuring
+class CacheProbe:
+    """Records the largest decoding cache (bytes) the engines build while active."""
+
+    def __init__(self, model) -> None:
+        self.model = model
+        self.peak = 0
+        self._last = None
+
+    def __enter__(self) -> "CacheProbe":
+        original = self.model.make_cache
+
+        def make_cache(batch_size: int, capacity: int):
+            cache = original(batch_size, capacity)
+            self.peak = max(self.peak, cache.nbytes())
+            self._last = cache
+            return cache
+
+        self.model.make_cache = make_cache  # instance attribute shadows the method
+        return self
+
+    def __exit__(self, *exc) -> None:
+        del self.model.make_cache
+        if self._last is not None:  # a cache may have grown after it was made
+            self.peak = max(self.peak, self._last.nbytes())
+        self._last = None
+
+
+def generate_once(llm, item: Item, mode: str, kwargs: dict) -> dict:
+    """One generation with its timing, cache bytes and (CUDA) peak memory."""
+    device = llm.model.device
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(device)
+    with CacheProbe(llm.model) as probe:
+        gen, seconds = timed(lambda: llm.generate(item.prompt, mode=mode, **kwargs), device)
+    s = gen.stats
+    rec = {
+        "workload": item.workload,
+        "mode": mode,
+        "tokens": s.tokens,
+        "forwards": s.forwards,
+        "seconds": seconds,
+        "tokens_per_second": s.tokens / seconds if seconds > 0 else 0.0,
+        "tokens_per_forward": s.tokens / s.forwards if s.forwards else 0.0,
+        "experts_touched": s.experts_touched,
+        "block_steps": list(s.block_steps),
+        "accept_lengths": list(s.accept_lengths),
+        "finish_reason": gen.finish_reason,
+        "cache_bytes": probe.peak,
+        "cuda_peak_bytes": torch.cuda.max_memory_allocated(device) if cuda else None,
+        "text": gen.text,
+        "token_ids": list(gen.token_ids),
+    }
+    rec["score"] = score(item, gen.text, gen.finish_reason)
+    return rec
+
+
+def summarize(runs: list[dict], modes: Iterable[str], key: str = "mode") -> dict:
+    """Per-mode aggregates and ratios to AR from the per-(prompt, mode) records. `key` names the
+    record field that groups runs (the sweep groups by configuration label; "ar" is the baseline)."""
+    modes = list(modes)
+    per: dict[str, dict] = {}
+    for m in modes:
+        rs = [r for r in runs if r[key] == m]
+        if not rs:
+            continue
+        tokens = sum(r["tokens"] for r in rs)
+        forwards = sum(r["forwards"] for r in rs)
+        seconds = sum(r["seconds"] for r in rs)
+        et = [r["experts_touched"] for r in rs if r["experts_touched"] is not None]
+        cuda = [r["cuda_peak_bytes"] for r in rs if r["cuda_peak_bytes"] is not None]
+        per[m] = {
+            "prompts": len(rs),
+            "tokens": tokens,
+            "forwards": forwards,
+            "seconds": seconds,
+            "tokens_per_forward": tokens / forwards if forwards else 0.0,
+            "ms_per_forward": 1e3 * seconds / forwards if forwards else None,
+            "tokens_per_second": dict(spread([r["tokens_per_second"] for r in rs]),
+                                      aggregate=tokens / seconds if seconds > 0 else 0.0),
+            "experts_touched": sum(et) / len(et) if et else None,
+            "cache_bytes": max(r["cache_bytes"] for r in rs),
+            "cuda_peak_bytes": max(cuda) if cuda else None,
+            "quality": quality(rs),
+        }
+    if "ar" in per:
+        ar = per["ar"]
+        ar_by_item = {r.get("item", i): r for i, r in enumerate(r for r in runs if r[key] == "ar")}
+        for m, s in per.items():
+            mine = {r.get("item", i): r for i, r in enumerate(r for r in runs if r[key] == m)}
+            pairs = [(ar_by_item[k], b) for k, b in mine.items() if k in ar_by_item]
+            paired = [b["tokens_per_second"] / a["tokens_per_second"] for a, b in pairs if a["tokens_per_second"] > 0]
+            s["vs_ar"] = {
+                "tokens_per_second": s["tokens_per_second"]["aggregate"] / ar["tokens_per_second"]["aggregate"]
+                if ar["tokens_per_second"]["aggregate"] else None,
+                "tokens_per_second_paired_median": spread(paired)["median"],
+                "forwards": s["forwards"] / ar["forwards"] if ar["forwards"] else None,
+                "tokens_per_forward": s["tokens_per_forward"] / ar["tokens_per_forward"] if ar["tokens_per_forward"] else None,
+            }
+            if s_mode(m, runs, key) == "speculative":  # lossless: greedy speculative must give AR's tokens
+                same = [a["token_ids"] == b["token_ids"] for a, b in pairs]
+                s["matches_ar"] = sum(same) / len(same) if same else None
+    return per
+
+
+def s_mode(label: str, runs: list[dict], key: str) -> str | None:
+    """The decoding mode behind a group label."""
+    for r in runs:
+        if r[key] == label:
+            return r["mode"]
+    return None
+
+
+# ----------------------------------------------------------------------------------- driver
+def usable_modes(llm, modes: Iterable[str]) -> tuple[list[str], list[str]]:
+    modes = list(dict.fromkeys(modes))
+    bad = [m for m in modes if m not in ALL_MODES]
+    if bad:
+        raise ValueError(f"modes: unknown mode {bad[0]!r}; choose from {', '.join(ALL_MODES)}")
+    if llm.config.mask_token_id is None:
+        return [m for m in modes if m not in NEEDS_MASK], [m for m in modes if m in NEEDS_MASK]
+    return modes, []
+
+
+def decode_kwargs(max_new_tokens: int, block_size: int | None, threshold: float | None, stop_newline: bool = False) -> dict:
+    kw: dict = {"max_new_tokens": max_new_tokens}
+    if block_size is not None:
+        kw["block_size"] = block_size
+    if threshold is not None:
+        kw["threshold"] = threshold
+    if stop_newline:
+        kw["stop"] = ["\n"]
+    return kw
+
+
+def run_decode(
+    llm,
+    *,
+    workload: str = "both",
+    prompts: int = 8,
+    max_new_tokens: int = 64,
+    modes: Iterable[str] = ALL_MODES,
+    block_size: int | None = None,
+    threshold: float | None = None,
+    stop_newline: bool = False,
+    items: list[Item] | None = None,
+    warmup: bool = True,
+    progress: Callable[[str], None] | None = None,
+    model_note: str | None = None,
+) -> dict:
+    """The decode benchmark; returns the JSON-ready result (schema `SCHEMA`)."""
+    if max_new_tokens <= 0:
+        raise ValueError(f"max_new_tokens: must be a positive integer, got {max_new_tokens}")
+    modes, skipped = usable_modes(llm, modes)
+    if not modes:
+        raise ValueError("modes: none of the requested modes can run on this (AR-only) checkpoint")
+    items = items if items is not None else load_items(workload, prompts)
+    block_size = block_size if block_size is not None else llm.config.block_size
+    threshold = threshold if threshold is not None else llm.config.threshold
+    kw = decode_kwargs(max_new_tokens, block_size, threshold, stop_newline)
+    if warmup and items:
+        warm = dict(kw, max_new_tokens=min(max_new_tokens, 2 * block_size))
+        for m in modes:
+            llm.generate(items[0].prompt, mode=m, **warm)
+        synchronize(llm.model.device)
+    runs = []
+    for i, item in enumerate(items):
+        for m in modes:
+            rec = generate_once(llm, item, m, kw)
+            rec["item"] = i
+            runs.append(rec)
+        if progress:
+            progress(f"prompt {i + 1}/{len(items)}")
+    c = llm.config
+    return {
+        "schema": SCHEMA,
+        "model": str(llm.path),
+        "model_note": model_note,
+        "config": {
+            "hidden_size": c.hidden_size, "num_hidden_layers": c.num_hidden_layers, "num_experts": c.num_experts,
+            "num_experts_per_tok": c.num_experts_per_tok, "vocab_size": c.vocab_size,
+            "parameters": c.parameter_counts(), "dtype": str(llm.model.dtype).replace("torch.", ""),
+        },
+        "settings": {
+            "workload": workload, "prompts": len(items), "max_new_tokens": max_new_tokens, "modes": modes,
+            "skipped_modes": skipped, "block_size": block_size, "threshold": threshold, "greedy": True,
+            "batch_size": 1, "stop_newline": stop_newline, "interleaved": True, "warmup": warmup,
+        },
+        "machine": machine(llm.model.device),
+        "max_rss_bytes": max_rss_bytes(),
+        "modes": summarize(runs, modes),
+        "items": [it.as_dict() for it in items],
+        "runs": runs,
+    }
+
+
+# ---------------------------------------------------------------------------------- output
+def _fmt(x, spec: str = ".2f", none: str = "-") -> str:
+    return none if x is None else format(x, spec)
+
+
+def quality_text(q: dict) -> str:
+    parts = []
+    if "tasks" in q:
+        parts.append(f"EM {q['tasks']['exact_match']:.0%}")
+    if "code" in q:
+        parts.append(f"parse {q['code']['parse_rate']:.0%} · sim {q['code']['edit_similarity']:.2f}")
+    return " · ".join(parts) or "-"
+
+
+def decode_table(result: dict):
+    """A rich Table of the per-mode summary."""
+    from rich.table import Table
+
+    s = result["settings"]
+    title = (f"clover bench decode · {result['model']} · {s['workload']} × {s['prompts']} prompts · "
+             f"{s['max_new_tokens']} new tokens · block {s['block_size']} · threshold {s['threshold']}")
+    t = Table(title=title, title_justify="left")
+    for col in ("mode", "tok/s median", "IQR", "×AR", "forwards", "tok/fwd", "ms/fwd", "experts", "cache MiB", "quality"):
+        t.add_column(col, justify="left" if col in ("mode", "quality") else "right")
+    for m, r in result["modes"].items():
+        tps = r["tokens_per_second"]
+        vs = r.get("vs_ar", {})
+        mem = r["cuda_peak_bytes"] if r["cuda_peak_bytes"] is not None else r["cache_bytes"]
+        q = quality_text(r["quality"])
+        if "matches_ar" in r:
+            q += f" · =AR {r['matches_ar']:.0%}"
+        t.add_row(
+            m, _fmt(tps["median"], ".1f"), f"{_fmt(tps['q1'], '.1f')}–{_fmt(tps['q3'], '.1f')}",
+            _fmt(vs.get("tokens_per_second"), ".2f"), str(r["forwards"]), _fmt(r["tokens_per_forward"]),
+            _fmt(r["ms_per_forward"], ".1f"), _fmt(r["experts_touched"], ".1f"), f"{mem / 2**20:.2f}", q,
+        )
+    return t
+
+
+def plot_decode(result: dict, directory) -> str:
+    """decode.png in `directory`: tokens/s (median, IQR bars) and tokens/forward per mode."""
+    from pathlib import Path
+
+    import matplotlib
+
+    matplotlib.use("Agg", force=False)
+    import matplotlib.pyplot as plt
+
+    d = Path(directory)
+    d.mkdir(parents=True, exist_ok=True)
+    modes = list(result["modes"])
+    rs = [result["modes"][m] for m in modes]
+    med = [r["tokens_per_second"]["median"] for r in rs]
+    lo = [m - r["tokens_per_second"]["q1"] for m, r in zip(med, rs)]
+    hi = [r["tokens_per_second"]["q3"] - m for m, r in zip(med, rs)]
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(8, 3), dpi=100)
+    a1.bar(modes, med, yerr=[lo, hi], color="#4c72b0", capsize=3)
+    a1.set_ylabel("tokens/s (median, IQR)")
+    a2.bar(modes, [r["tokens_per_forward"] for r in rs], color="#55a868")
+    a2.set_ylabel("tokens / forward")
+    for ax, r_vals in ((a2, rs),):
+        for x, r in enumerate(r_vals):
+            ax.text(x, r["tokens_per_forward"], quality_text(r["quality"]).replace(" · ", "\n"),
+                    ha="center", va="bottom", fontsize=6)
+    fig.suptitle(f"{Path(result['model']).name} · {result['settings']['workload']} · "
+                 f"{result['machine']['device']} ({result['machine']['torch_threads']} threads)", fontsize=8)
+    fig.tight_layout()
+    path = d / "decode.png"
+    fig.savefig(path)
+    plt.close(fig)
+    return str(path)

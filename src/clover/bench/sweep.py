@@ -1,0 +1,172 @@
+"""`clover bench sweep`: how diffusion decoding trades speed for quality.
+
+Two one-dimensional sweeps over the same held-out prompts, interleaved per prompt like `decode`:
+the confidence threshold at the default block size, and the block size at the default threshold,
+plus the AR baseline. Each configuration reports tokens/forward, tokens/s and quality (exact match
+on tasks; parse rate and edit similarity on code); `plot_sweep` draws the speed/quality curves.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable, Iterable
+
+from .common import machine, max_rss_bytes, synchronize
+from .decode import Item, decode_kwargs, generate_once, load_items, summarize
+
+SCHEMA = "clover.bench.sweep/1"
+DEFAULT_THRESHOLDS = (0.5, 0.7, 0.8, 0.9, 0.95, 0.99)
+DEFAULT_BLOCK_SIZES = (4, 8, 16, 32, 64)
+
+
+def configurations(thresholds: Iterable[float], block_sizes: Iterable[int], block_size: int, threshold: float) -> list[dict]:
+    """AR, then threshold sweep (at `block_size`), then block sweep (at `threshold`); the point both
+    sweeps share is measured once."""
+    out = [{"label": "ar", "mode": "ar", "block_size": None, "threshold": None, "sweep": "baseline"}]
+    seen = set()
+    for t in thresholds:
+        if t <= 0:
+            raise ValueError(f"thresholds: must be > 0, got {t}")
+        out.append({"label": f"B{block_size}/t{t:g}", "mode": "diffusion", "block_size": block_size, "threshold": t, "sweep": "threshold"})
+        seen.add((block_size, t))
+    for b in block_sizes:
+        if b <= 0:
+            raise ValueError(f"block sizes: must be positive, got {b}")
+        if (b, threshold) in seen:
+            for c in out:
+                if c["block_size"] == b and c["threshold"] == threshold:
+                    c["sweep"] = "both"
+            continue
+        out.append({"label": f"B{b}/t{threshold:g}", "mode": "diffusion", "block_size": b, "threshold": threshold, "sweep": "block"})
+    return out
+
+
+def run_sweep(
+    llm,
+    *,
+    workload: str = "tasks",
+    prompts: int = 8,
+    max_new_tokens: int = 64,
+    thresholds: Iterable[float] = DEFAULT_THRESHOLDS,
+    block_sizes: Iterable[int] = DEFAULT_BLOCK_SIZES,
+    block_size: int | None = None,
+    threshold: float | None = None,
+    stop_newline: bool = False,
+    items: list[Item] | None = None,
+    progress: Callable[[str], None] | None = None,
+    model_note: str | None = None,
+) -> dict:
+    if llm.config.mask_token_id is None:
+        raise ValueError("this is a plain AR checkpoint (no mask token): there is no diffusion mode to sweep")
+    if max_new_tokens <= 0:
+        raise ValueError(f"max_new_tokens: must be a positive integer, got {max_new_tokens}")
+    block_size = block_size or llm.config.block_size
+    threshold = threshold or llm.config.threshold
+    configs = configurations(thresholds, block_sizes, block_size, threshold)
+    items = items if items is not None else load_items(workload, prompts)
+
+    def kwargs(c: dict) -> dict:
+        return decode_kwargs(max_new_tokens, c["block_size"], c["threshold"], stop_newline)
+
+    # warm-up: one short generation per distinct block size (and AR)
+    for c in configs:
+        if c["sweep"] in ("baseline", "block", "both") and items:
+            llm.generate(items[0].prompt, mode=c["mode"], **dict(kwargs(c), max_new_tokens=min(max_new_tokens, 16)))
+    synchronize(llm.model.device)
+    runs = []
+    for i, item in enumerate(items):
+        for c in configs:
+            rec = generate_once(llm, item, c["mode"], kwargs(c))
+            rec.update(item=i, label=c["label"])
+            rec.pop("text", None)
+            runs.append(rec)
+        if progress:
+            progress(f"prompt {i + 1}/{len(items)}")
+    labels = [c["label"] for c in configs]
+    summary = summarize(runs, labels, key="label")
+    points = []
+    for c in configs:
+        s = summary[c["label"]]
+        points.append(dict(c, **{k: s[k] for k in ("tokens_per_forward", "ms_per_forward", "forwards", "tokens", "quality")},
+                           tokens_per_second=s["tokens_per_second"]["median"],
+                           speedup=s.get("vs_ar", {}).get("tokens_per_second")))
+    return {
+        "schema": SCHEMA,
+        "model": str(llm.path),
+        "model_note": model_note,
+        "settings": {"workload": workload, "prompts": len(items), "max_new_tokens": max_new_tokens,
+                     "block_size": block_size, "threshold": threshold, "thresholds": list(thresholds),
+                     "block_sizes": list(block_sizes), "stop_newline": stop_newline, "greedy": True, "batch_size": 1},
+        "machine": machine(llm.model.device),
+        "max_rss_bytes": max_rss_bytes(),
+        "points": points,
+        "runs": runs,
+    }
+
+
+def quality_value(q: dict) -> tuple[float | None, str]:
+    """The quality number a curve plots: exact match on tasks, else edit similarity on code."""
+    if "tasks" in q:
+        return q["tasks"]["exact_match"], "exact match (tasks)"
+    if "code" in q:
+        return q["code"]["edit_similarity"], "edit similarity (code)"
+    return None, "quality"
+
+
+def sweep_table(result: dict):
+    from rich.table import Table
+
+    from .decode import quality_text
+
+    s = result["settings"]
+    t = Table(title=f"clover bench sweep · {result['model']} · {s['workload']} × {s['prompts']} prompts · "
+                    f"{s['max_new_tokens']} new tokens", title_justify="left")
+    for col in ("config", "sweep", "tok/fwd", "tok/s", "×AR", "ms/fwd", "quality"):
+        t.add_column(col, justify="left" if col in ("config", "sweep", "quality") else "right")
+    for p in result["points"]:
+        t.add_row(p["label"], p["sweep"], f"{p['tokens_per_forward']:.2f}", f"{p['tokens_per_second']:.1f}",
+                  "-" if p["speedup"] is None else f"{p['speedup']:.2f}", f"{p['ms_per_forward']:.1f}",
+                  quality_text(p["quality"]))
+    return t
+
+
+def plot_sweep(result: dict, path) -> str:
+    """Two panels — quality vs tokens/forward and quality vs tokens/s — with one curve per sweep
+    (points labelled by the swept value) and the AR point. Small PNG (dpi 100)."""
+    import matplotlib
+
+    matplotlib.use("Agg", force=False)
+    import matplotlib.pyplot as plt
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pts = result["points"]
+    _, ylabel = quality_value(pts[0]["quality"])
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.4), dpi=100)
+    series = (
+        ("threshold", "#4c72b0", "o", lambda p: f"{p['threshold']:g}"),
+        ("block", "#dd8452", "s", lambda p: f"B{p['block_size']}"),
+    )
+    for ax, xkey, xlabel in zip(axes, ("tokens_per_forward", "tokens_per_second"), ("tokens / forward", "tokens / s (median)")):
+        for sweep, colour, marker, lab in series:
+            ps = [p for p in pts if p["sweep"] in (sweep, "both")]
+            ps.sort(key=lambda p: p["threshold"] if sweep == "threshold" else p["block_size"])
+            xs = [p[xkey] for p in ps]
+            ys = [quality_value(p["quality"])[0] for p in ps]
+            ax.plot(xs, ys, marker=marker, color=colour, label=f"{sweep} sweep", lw=1, ms=4)
+            for p, x, y in zip(ps, xs, ys):
+                ax.annotate(lab(p), (x, y), textcoords="offset points", xytext=(3, 3), fontsize=6, color=colour)
+        ar = [p for p in pts if p["mode"] == "ar"]
+        if ar:
+            ax.scatter([ar[0][xkey]], [quality_value(ar[0]["quality"])[0]], marker="*", s=60, color="k", label="AR", zorder=3)
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=7)
+    note = result.get("model_note")
+    fig.suptitle(f"{Path(result['model']).name}{' (' + note + ')' if note else ''} · {result['settings']['workload']} · "
+                 f"{result['machine']['device']}, {result['machine']['torch_threads']} threads", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return str(path)
