@@ -406,3 +406,19 @@ def test_load_fla_handles_missing_package(monkeypatch):
     monkeypatch.setattr(builtins, "__import__", fake_import)
     monkeypatch.setattr("importlib.import_module", lambda name: fake_import(name))
     assert gd._load_fla("chunk_gated_delta_rule") is None
+
+
+def test_scratch_reuse_across_inference_mode():
+    """Scratch buffers made under inference mode must not be reused (and written) outside it."""
+    from clover.kernels import chunk_gated_delta_rule
+
+    g = torch.Generator().manual_seed(0)
+    q, k = torch.randn(1, 130, 2, 16, generator=g), torch.randn(1, 130, 2, 16, generator=g)
+    v = torch.randn(1, 130, 2, 16, generator=g)
+    gate = -torch.rand(1, 130, 2, generator=g)
+    beta = torch.rand(1, 130, 2, generator=g)
+    with torch.inference_mode():
+        a, _ = chunk_gated_delta_rule(q, k, v, gate, beta, use_qk_l2norm_in_kernel=True)
+    with torch.no_grad():
+        b, _ = chunk_gated_delta_rule(q, k, v, gate, beta, use_qk_l2norm_in_kernel=True)
+    torch.testing.assert_close(a, b)

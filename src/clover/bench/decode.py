@@ -356,7 +356,8 @@ def decode_table(result: dict):
     from rich.table import Table
 
     s = result["settings"]
-    title = (f"clover bench decode · {result['model']} · {s['workload']} × {s['prompts']} prompts · "
+    note = f" ({result['model_note']})" if result.get("model_note") else ""
+    title = (f"clover bench decode · {result['model']}{note} · {s['workload']} · {s['prompts']} prompts · "
              f"{s['max_new_tokens']} new tokens · block {s['block_size']} · threshold {s['threshold']}")
     t = Table(title=title, title_justify="left")
     for col in ("mode", "tok/s median", "IQR", "×AR", "forwards", "tok/fwd", "ms/fwd", "experts", "cache MiB", "quality"):

@@ -396,14 +396,16 @@ def _workspace(device) -> _Workspace:
     cache = getattr(_WS_LOCAL, "cache", None)
     if cache is None:
         cache = _WS_LOCAL.cache = {}
-    key = str(device)
+    # buffers made under inference mode are inference tensors and cannot be written outside it
+    key = (str(device), torch.is_inference_mode_enabled())
     ws = cache.pop(key, None) or _Workspace(device)  # popped: a nested call gets its own
+    ws.key = key
     return ws
 
 
 def _release_workspace(ws: _Workspace) -> None:
     if sum(b.numel() * b.element_size() for b in ws.bufs.values()) <= _WS_KEEP_BYTES:
-        _WS_LOCAL.cache[str(ws.device)] = ws
+        _WS_LOCAL.cache[ws.key] = ws
 
 
 def _slab(x: torch.Tensor, t0: int, t1: int, nc: int, C: int, ws=None, name="") -> torch.Tensor:

@@ -1,0 +1,150 @@
+"""`clover bench`: decode JSON schema and consistency on a tiny checkpoint, the sweep PNG, and the
+quick kernels / roofline runs. Everything here is sized to finish in well under a minute."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from clover import cli
+from clover.bench import cli as bench_cli
+from clover.bench.decode import Item, load_items, score, summarize, trim_body
+
+if "bench" not in cli.COMMANDS:  # until clover.cli registers it
+    cli.register("bench", bench_cli.HELP, "clover.bench.cli:configure", "clover.bench.cli:run")
+
+MODES = ["ar", "diffusion", "naive", "speculative"]
+
+
+def bench(capsys, *argv) -> tuple[int, str, str]:
+    rc = cli.main(["bench", *[str(a) for a in argv]])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+@pytest.fixture(scope="module")
+def decode_result(tmp_path_factory, tiny_dir):
+    out = tmp_path_factory.mktemp("bench") / "decode.json"
+    rc = cli.main(["bench", "decode", "--model", str(tiny_dir), "--prompts", "2", "--workload", "both",
+                   "-n", "16", "--block-size", "8", "--json", str(out), "--threads", "1"])
+    assert rc == 0
+    return json.loads(out.read_text())
+
+
+def test_decode_schema_and_consistency(decode_result):
+    r = decode_result
+    assert r["schema"] == "clover.bench.decode/1"
+    assert list(r["modes"]) == MODES
+    assert r["settings"]["prompts"] == 4 and r["settings"]["block_size"] == 8
+    assert len(r["runs"]) == 4 * len(MODES)
+    assert r["max_rss_bytes"] > 0
+    for m, s in r["modes"].items():
+        runs = [x for x in r["runs"] if x["mode"] == m]
+        assert s["tokens"] == sum(x["tokens"] for x in runs)
+        assert s["forwards"] == sum(x["forwards"] for x in runs)
+        assert s["tokens_per_forward"] == pytest.approx(s["tokens"] / s["forwards"])
+        assert s["ms_per_forward"] == pytest.approx(1e3 * s["seconds"] / s["forwards"])
+        tps = s["tokens_per_second"]
+        assert tps["min"] <= tps["q1"] <= tps["median"] <= tps["q3"] <= tps["max"]
+        assert s["cache_bytes"] > 0
+        assert set(s["quality"]) == {"tasks", "code"}
+        assert 0 <= s["quality"]["tasks"]["exact_match"] <= 1
+        assert 0 <= s["quality"]["code"]["edit_similarity"] <= 1
+        assert "vs_ar" in s
+        for x in runs:
+            assert x["tokens_per_forward"] == pytest.approx(x["tokens"] / x["forwards"])
+            assert x["tokens"] == len(x["token_ids"])
+    assert r["modes"]["ar"]["vs_ar"]["tokens_per_second"] == pytest.approx(1.0)
+    # greedy speculative decoding is lossless: the same tokens as AR, prompt by prompt
+    ar = {x["item"]: x["token_ids"] for x in r["runs"] if x["mode"] == "ar"}
+    spec = {x["item"]: x["token_ids"] for x in r["runs"] if x["mode"] == "speculative"}
+    assert spec == ar and r["modes"]["speculative"]["matches_ar"] == 1.0
+    assert r["modes"]["speculative"]["tokens"] == r["modes"]["ar"]["tokens"]
+    # naive recomputation decodes exactly what cached diffusion decodes
+    dif = {x["item"]: x["token_ids"] for x in r["runs"] if x["mode"] == "diffusion"}
+    naive = {x["item"]: x["token_ids"] for x in r["runs"] if x["mode"] == "naive"}
+    assert dif == naive
+
+
+def test_decode_table_and_plot(tiny_dir, tmp_path, capsys):
+    rc, out, err = bench(capsys, "decode", "--model", tiny_dir, "--prompts", "1", "--workload", "tasks", "-n", "8",
+                         "--block-size", "8", "--modes", "ar,diffusion", "--plot", tmp_path)
+    assert rc == 0, err
+    assert "diffusion" in out and "tok/s" in out
+    assert (tmp_path / "decode.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_decode_bad_flags(tiny_dir, capsys):
+    rc, _, err = bench(capsys, "decode", "--model", tiny_dir, "--modes", "ar,fast")
+    assert rc == 2 and "--modes" in err
+    rc, _, err = bench(capsys, "decode", "--model", tiny_dir, "--prompts", "0")
+    assert rc == 2 and "--prompts" in err
+
+
+def test_sweep_writes_png(tiny_dir, tmp_path, capsys):
+    png, js = tmp_path / "sweep.png", tmp_path / "sweep.json"
+    rc, out, err = bench(capsys, "sweep", "--model", tiny_dir, "--prompts", "1", "-n", "8", "--thresholds", "0.5,0.9",
+                         "--block-sizes", "4,8", "--block-size", "8", "--plot", png, "--json", js)
+    assert rc == 0, err
+    assert png.read_bytes()[:4] == b"\x89PNG"
+    r = json.loads(js.read_text())
+    labels = [p["label"] for p in r["points"]]
+    assert labels == ["ar", "B8/t0.5", "B8/t0.9", "B4/t0.95", "B8/t0.95"]
+    for p in r["points"]:
+        assert p["tokens_per_forward"] == pytest.approx(p["tokens"] / p["forwards"])
+
+
+def test_kernels_quick(capsys):
+    rc, out, err = bench(capsys, "kernels", "--quick", "--repeat", "1", "--json", "-")
+    assert rc == 0, err
+    r = json.loads(out)
+    groups = {row["group"] for row in r["rows"]}
+    assert groups == {"gdn", "attention", "moe"}
+    for row in r["rows"]:
+        for name, diff in row["max_abs_diff"].items():
+            assert diff < 1e-3, (row["case"], name, diff)
+    moe_cases = [row["case"] for row in r["rows"] if row["group"] == "moe"]
+    assert moe_cases[0].startswith("1 ") and moe_cases[1].startswith("32 ")
+
+
+def test_roofline_quick(capsys):
+    rc, out, err = bench(capsys, "roofline", "--quick", "--json", "-")
+    assert rc == 0, err
+    r = json.loads(out)
+    assert r["bandwidth"]["read_gbps"] > 0
+    ar, dn = r["steps"]["ar_step"], r["steps"]["denoise_step_B32"]
+    assert ar["tokens"] == 1 and dn["tokens"] == 32
+    assert 0 < ar["experts_touched_per_layer"] <= r["config"]["num_experts_per_tok"]
+    assert 0 < dn["experts_touched_per_layer"] <= r["config"]["num_experts"]
+    for s in (ar, dn):
+        assert s["weight_bytes"] >= r["weight_bytes"]["dense"] + r["weight_bytes"]["lm_head"]
+        assert s["pct_of_read_bandwidth"] == pytest.approx(100 * s["achieved_gbps"] / r["bandwidth"]["read_gbps"])
+
+
+def test_code_scoring():
+    header = "    def f(self, x):\n"
+    body = "        y = x + 1\n        if y:\n            return y\n        return 0\n"
+    item = Item("code", header, body)
+    assert score(item, body + "\n    def g(self):\n        pass\n", "length") == {"parses": True, "similarity": 1.0, "ended": True}
+    # cut by the length limit inside the `if`: the unfinished statement is dropped
+    trimmed, ok, ended = trim_body(header, "        y = x + 1\n        if y:\n            ret", truncated=True)
+    assert ok and not ended and trimmed == "        y = x + 1\n"
+    assert score(item, "", "length")["parses"] is False
+    task_items = load_items("tasks", 2)
+    assert score(task_items[0], task_items[0].reference + "\nassert", "length")["exact"] is True
+
+
+def test_summarize_ratios():
+    runs = [
+        {"item": 0, "mode": "ar", "workload": "tasks", "tokens": 10, "forwards": 10, "seconds": 1.0, "tokens_per_second": 10.0,
+         "experts_touched": 2.0, "cache_bytes": 1, "cuda_peak_bytes": None, "token_ids": [1] * 10, "score": {"exact": True}},
+        {"item": 0, "mode": "diffusion", "workload": "tasks", "tokens": 10, "forwards": 4, "seconds": 0.5,
+         "tokens_per_second": 20.0, "experts_touched": 4.0, "cache_bytes": 2, "cuda_peak_bytes": None,
+         "token_ids": [1] * 10, "score": {"exact": False}},
+    ]
+    s = summarize(runs, ["ar", "diffusion"])
+    assert s["diffusion"]["vs_ar"]["tokens_per_second"] == pytest.approx(2.0)
+    assert s["diffusion"]["vs_ar"]["forwards"] == pytest.approx(0.4)
+    assert s["diffusion"]["tokens_per_forward"] == pytest.approx(2.5)
+    assert s["ar"]["quality"]["tasks"]["exact_match"] == 1.0
