@@ -229,8 +229,7 @@ class CloverConfig:
             + self.num_attention_heads * self.head_dim * h
             + 2 * self.head_dim
         )
-        hk, hv = self.linear_num_key_heads, self.linear_num_value_heads
-        dk, dv = self.linear_key_head_dim, self.linear_value_head_dim
+        hv, dv = self.linear_num_value_heads, self.linear_value_head_dim
         conv_dim = self.linear_conv_dim
         gdn = h * conv_dim + h * hv * dv + 2 * h * hv + conv_dim * self.linear_conv_kernel_dim + 2 * hv + dv + hv * dv * h
         if self.is_clover:

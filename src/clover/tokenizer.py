@@ -6,13 +6,17 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-SPECIAL_TOKENS = ("<|endoftext|>", "<|pad|>", "<|mask|>", "<|im_start|>", "<|im_end|>")
+EOS_TOKEN, PAD_TOKEN, MASK_TOKEN = "<|endoftext|>", "<|pad|>", "<|mask|>"
+IM_START, IM_END = "<|im_start|>", "<|im_end|>"
+SPECIAL_TOKENS = (EOS_TOKEN, PAD_TOKEN, MASK_TOKEN, IM_START, IM_END)
 
 CHAT_TEMPLATE = (
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}"
+    "{{- '<|im_start|>assistant\\n' }}"
+    "{%- endif %}"
 )
 
 
@@ -73,22 +77,37 @@ def write_byte_tokenizer(directory: str | Path, specials: tuple[str, ...] = SPEC
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens(list(specials))
     tok.save(str(directory / "tokenizer.json"))
-    ids = {t: tok.token_to_id(t) for t in specials}
-    write_tokenizer_config(directory, mask="<|mask|>" in specials)
-    return ids
+    write_tokenizer_config(directory, tok)
+    return {t: tok.token_to_id(t) for t in specials}
 
 
-def write_tokenizer_config(directory: str | Path, mask: bool = True) -> None:
+def write_tokenizer_config(directory: str | Path, tok) -> None:
+    """tokenizer_config.json + special_tokens_map.json for a raw `tokenizers.Tokenizer` holding our
+    special tokens, so transformers loads the directory as a fast tokenizer with the chat template."""
+    present = [t for t in SPECIAL_TOKENS if tok.token_to_id(t) is not None]
+    added = {
+        str(tok.token_to_id(t)): {"content": t, "lstrip": False, "normalized": False, "rstrip": False,
+                                  "single_word": False, "special": True}
+        for t in present
+    }
+    named = {"eos_token": EOS_TOKEN, "pad_token": PAD_TOKEN, "mask_token": MASK_TOKEN}
+    named = {k: v for k, v in named.items() if v in present}
+    extra = [t for t in (IM_START, IM_END) if t in present]
     cfg = {
         "tokenizer_class": "PreTrainedTokenizerFast",
-        "eos_token": "<|endoftext|>",
-        "pad_token": "<|pad|>",
-        "mask_token": "<|mask|>",
-        "additional_special_tokens": ["<|im_start|>", "<|im_end|>"],
-        "chat_template": CHAT_TEMPLATE,
+        "added_tokens_decoder": added,
+        "bos_token": None,
+        "unk_token": None,
+        **named,
+        "additional_special_tokens": extra,
+        "add_bos_token": False,
+        "add_eos_token": False,
         "clean_up_tokenization_spaces": False,
         "model_max_length": 1_000_000,
+        "padding_side": "right",
+        "chat_template": CHAT_TEMPLATE,
     }
-    if not mask:
-        cfg.pop("mask_token")
-    (Path(directory) / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    directory = Path(directory)
+    (directory / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2, ensure_ascii=False) + "\n")
+    smap = {**named, "additional_special_tokens": extra}
+    (directory / "special_tokens_map.json").write_text(json.dumps(smap, indent=2) + "\n")

@@ -31,26 +31,20 @@ from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, train
 
 from . import corpus, tasks
 
-EOS_TOKEN = "<|endoftext|>"
-PAD_TOKEN = "<|pad|>"
-MASK_TOKEN = "<|mask|>"
-IM_START = "<|im_start|>"
-IM_END = "<|im_end|>"
-SPECIAL_TOKENS = (EOS_TOKEN, PAD_TOKEN, MASK_TOKEN, IM_START, IM_END)
+from ..tokenizer import (  # noqa: F401  (re-exported: the special tokens have one home)
+    CHAT_TEMPLATE,
+    EOS_TOKEN,
+    IM_END,
+    IM_START,
+    MASK_TOKEN,
+    PAD_TOKEN,
+    SPECIAL_TOKENS,
+    write_tokenizer_config,
+)
 
 DEFAULT_VOCAB_SIZE = 4096
 DEFAULT_MAX_CHARS = 24_000_000
 DEFAULT_TASK_LINES = 40_000
-
-CHAT_TEMPLATE = (
-    "{%- for message in messages %}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}"
-    "{{- '<|im_start|>assistant\\n' }}"
-    "{%- endif %}"
-)
-
 
 def build_pre_tokenizer() -> pre_tokenizers.PreTokenizer:
     return pre_tokenizers.Sequence(
@@ -130,41 +124,7 @@ def save_tokenizer(tok: Tokenizer, out_dir: str | Path) -> Path:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tok.save(str(out / "tokenizer.json"), pretty=True)
-    added = {}
-    for t in SPECIAL_TOKENS:
-        added[str(tok.token_to_id(t))] = {
-            "content": t,
-            "lstrip": False,
-            "normalized": False,
-            "rstrip": False,
-            "single_word": False,
-            "special": True,
-        }
-    config = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "added_tokens_decoder": added,
-        "bos_token": None,
-        "eos_token": EOS_TOKEN,
-        "pad_token": PAD_TOKEN,
-        "mask_token": MASK_TOKEN,
-        "unk_token": None,
-        "additional_special_tokens": [IM_START, IM_END],
-        "extra_special_tokens": {},
-        "add_bos_token": False,
-        "add_eos_token": False,
-        "clean_up_tokenization_spaces": False,
-        "model_max_length": 1_000_000,
-        "padding_side": "right",
-        "chat_template": CHAT_TEMPLATE,
-    }
-    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
-    smap = {
-        "eos_token": EOS_TOKEN,
-        "pad_token": PAD_TOKEN,
-        "mask_token": MASK_TOKEN,
-        "additional_special_tokens": [IM_START, IM_END],
-    }
-    (out / "special_tokens_map.json").write_text(json.dumps(smap, indent=2) + "\n")
+    write_tokenizer_config(out, tok)
     return out
 
 
