@@ -8,11 +8,8 @@ import json
 import pytest
 
 from clover import cli
-from clover.bench import cli as bench_cli
 from clover.bench.decode import Item, load_items, score, summarize, trim_body
 
-if "bench" not in cli.COMMANDS:  # until clover.cli registers it
-    cli.register("bench", bench_cli.HELP, "clover.bench.cli:configure", "clover.bench.cli:run")
 
 MODES = ["ar", "diffusion", "naive", "speculative"]
 

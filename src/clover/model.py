@@ -110,6 +110,21 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.cat((xr * cos + rotated * sin, xp), dim=-1)
 
 
+def depthwise_conv(window: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Depthwise conv, no padding: window [B, C, K-1+T], weight [C, 1, K] -> [B, C, T].
+
+    For short inference windows, K shifted multiply-adds beat conv1d's per-call overhead on CPU
+    (measured -11% per AR and denoise step; docs/benchmarks.md); identical results in fp32."""
+    K = weight.shape[-1]
+    T = window.shape[-1] - K + 1
+    if torch.is_grad_enabled() or window.numel() > 1 << 16 or window.device.type != "cpu":
+        return F.conv1d(window, weight, groups=weight.shape[0])
+    out = window[:, :, :T] * weight[:, :, 0]
+    for j in range(1, K):
+        out.addcmul_(window[:, :, j : j + T], weight[:, :, j])
+    return out
+
+
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
 
@@ -240,7 +255,7 @@ class GatedDeltaNet(nn.Module):
 
     def _causal_conv(self, window: torch.Tensor) -> torch.Tensor:
         """window [B, C, K-1+T] (left context then new inputs) -> pre-activation [B, C, T]."""
-        return F.conv1d(window, self.conv1d.weight, groups=self.conv_dim)
+        return depthwise_conv(window, self.conv1d.weight)
 
     def forward(
         self,
@@ -311,7 +326,7 @@ class GatedDeltaNet(nn.Module):
         conv = self._causal_conv(window)
         if self.has_denoise_params:
             later = F.pad(pre, (0, K1))[:, :, 1:]  # x_{i+1} ... x_{i+K-1}, zero past the block end
-            conv = conv + F.conv1d(later, self.conv1d_right.weight, groups=self.conv_dim)
+            conv = conv + depthwise_conv(later, self.conv1d_right.weight)
         act = F.silu(conv).transpose(1, 2)
         q, k, v = self._split_heads(act)
         q_hat, k_hat = l2norm(q.float()), l2norm(k.float())

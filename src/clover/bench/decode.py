@@ -402,7 +402,8 @@ def plot_decode(result: dict, directory) -> str:
         for x, r in enumerate(r_vals):
             ax.text(x, r["tokens_per_forward"], quality_text(r["quality"]).replace(" · ", "\n"),
                     ha="center", va="bottom", fontsize=6)
-    fig.suptitle(f"{Path(result['model']).name} · {result['settings']['workload']} · "
+    note = f" ({result['model_note']})" if result.get("model_note") else ""
+    fig.suptitle(f"{Path(result['model']).name}{note} · {result['settings']['workload']} · "
                  f"{result['machine']['device']} ({result['machine']['torch_threads']} threads)", fontsize=8)
     fig.tight_layout()
     path = d / "decode.png"

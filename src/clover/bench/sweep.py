@@ -161,6 +161,7 @@ def plot_sweep(result: dict, path) -> str:
             ax.scatter([ar[0][xkey]], [quality_value(ar[0]["quality"])[0]], marker="*", s=60, color="k", label="AR", zorder=3)
         ax.set_xlabel(xlabel)
         ax.set_ylabel(ylabel)
+        ax.set_ylim(-0.05, 1.05)
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=7)
     note = result.get("model_note")

@@ -45,6 +45,7 @@ class RowState:
     accept_lengths: list[int] = field(default_factory=list)
     request_id: object = None  # whoever owns the row (a server request, a batch index)
     stop_token: int | None = None  # the EOS / stop token id that ended the row (not in `tokens`)
+    _new_tokens: int = 0
 
     @property
     def remaining(self) -> int:
@@ -69,6 +70,7 @@ class RowState:
             kept_steps.append(st)
         self.tokens.extend(kept)
         self.steps.extend(kept_steps)
+        self._new_tokens = len(kept)
         if self.params.stop and kept:
             cut = self._stop_string_cut()
             if cut is not None:
@@ -82,6 +84,12 @@ class RowState:
 
     def _stop_string_cut(self) -> int | None:
         """Number of tokens to keep so the text reaches the end of the first stop string, or None."""
+        # cheap check on the tail first (a stop string can only complete in the newest tokens);
+        # a character may span up to 4 byte tokens
+        tail_n = self._new_tokens + 4 * max(len(s) for s in self.params.stop) + 4
+        tail = self.decode(self.tokens[-tail_n:])
+        if not any(s in tail for s in self.params.stop):
+            return None
         text = self.decode(self.tokens)
         hits = [text.find(s) + len(s) for s in self.params.stop if s in text]
         if not hits:

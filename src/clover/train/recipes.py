@@ -80,6 +80,8 @@ class RunSpec:
     ckpt_every_steps: int = 0  # 0 = time-based only
     keep: int = 2
     progress: bool = True
+    eval_every: int = 0  # steps; 0 = off. Held-out task-answer metrics (teacher-forced) to log.jsonl
+    eval_tasks: int = 100
 
 
 @dataclass

@@ -112,6 +112,21 @@ class Dist:
         if self.active:
             dist.barrier()
 
+    def evaluate(self) -> dict[str, Any] | None:
+        """Held-out task-answer metrics on rank 0 (teacher-forced AR), logged as {"step", "eval"}."""
+        out = None
+        if self.dist.main:
+            from .evaluate import task_answer_metrics
+
+            self.model.eval()
+            out = task_answer_metrics(self.model, self.tokenizer, n_tasks=self.recipe.run.eval_tasks,
+                                      threshold=self.model.config.threshold)
+            self.model.train()
+            self._log_json({"step": self.step, "eval": out})
+            self._log_text(f"eval step={self.step} " + json.dumps({k: v for k, v in out.items() if k != "exact_by_kind"}))
+        self.dist.barrier()
+        return out
+
     def close(self) -> None:
         if self.active and dist.is_initialized():
             dist.destroy_process_group()
@@ -375,6 +390,8 @@ class Trainer:
                 if bar is not None:
                     bar.set_postfix(loss=f"{mean['loss']:.3f}", tok_s=f"{rec['tokens_per_s']:.0f}")
                 window, tok_window, t_window = [], 0, time.time()
+            if r.run.eval_every and self.step % r.run.eval_every == 0:
+                self.evaluate()
             if bar is not None:
                 bar.update(1)
             due = (r.run.ckpt_every_steps and self.step % r.run.ckpt_every_steps == 0) or (
@@ -388,6 +405,21 @@ class Trainer:
         if self.step >= total and (self.resume_from is None or history):
             self.save()
         return history
+
+    def evaluate(self) -> dict[str, Any] | None:
+        """Held-out task-answer metrics on rank 0 (teacher-forced AR), logged as {"step", "eval"}."""
+        out = None
+        if self.dist.main:
+            from .evaluate import task_answer_metrics
+
+            self.model.eval()
+            out = task_answer_metrics(self.model, self.tokenizer, n_tasks=self.recipe.run.eval_tasks,
+                                      threshold=self.model.config.threshold)
+            self.model.train()
+            self._log_json({"step": self.step, "eval": out})
+            self._log_text(f"eval step={self.step} " + json.dumps({k: v for k, v in out.items() if k != "exact_by_kind"}))
+        self.dist.barrier()
+        return out
 
     def close(self) -> None:
         self.dist.close()
