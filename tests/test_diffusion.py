@@ -145,6 +145,8 @@ def test_stop_strings_cut_text(llm, mode):
     assert cut.finish_reason == "stop"
     assert cut.text == text[: text.find(stop)]
     assert stop not in cut.text
+    # the row ends as soon as the decoded prefix of a block holds the stop string
+    assert cut.stats.forwards <= full.stats.forwards
 
 
 def test_stream_matches_generate(llm):

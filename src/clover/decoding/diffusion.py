@@ -101,6 +101,10 @@ class DiffusionEngine(BatchEngine):
         self._drop_finished()
         return events
 
+    @staticmethod
+    def _prefix_ends_row(r: RowState, n: int) -> bool:
+        return _prefix_ends_row_impl(r, r.blk[:n].tolist())
+
     def _denoise_row(self, i: int, r: RowState, logits: torch.Tensor) -> list[DecodeEvent]:
         Bs = self.block_size
         events = []
@@ -134,11 +138,15 @@ class DiffusionEngine(BatchEngine):
                 "provisional", i, [None if r.masked[j] else int(r.blk[j]) for j in range(Bs)],
                 r.dec_step.tolist(), block=r.block_no, step=r.step, row_state=r,
             ))
-        if bool(r.masked[: r.need].any()):
+        open_pos = r.masked[: r.need].nonzero()
+        done = r.need if open_pos.numel() == 0 else int(open_pos[0])  # decoded contiguous prefix
+        if done < r.need and not (done and self._prefix_ends_row(r, done)):
             return events
-        # block finished: emit it, then queue it for commit with the next block's first step
+        # block finished (or its decoded prefix already ends the row: EOS, a stop token or stop
+        # string — the positions after it cannot change the output): emit it, then queue it for
+        # commit with the next block's first step
         r.block_steps.append(r.step)
-        kept = r.accept(r.blk[: r.need].tolist(), r.dec_step[: r.need].tolist())
+        kept = r.accept(r.blk[:done].tolist(), r.dec_step[:done].tolist())
         if kept:
             events.append(DecodeEvent("commit", i, kept, r.steps[len(r.tokens) - len(kept) :],
                                       block=r.block_no, step=r.step, row_state=r))
@@ -146,12 +154,25 @@ class DiffusionEngine(BatchEngine):
             events.append(DecodeEvent("finish", i, [], [], row_state=r))
             return events
         if self.recompute:
-            r.committed.extend(r.blk.tolist())
+            r.committed.extend(r.blk[:done].tolist())
         else:
-            r.pending = r.blk.tolist()
+            r.pending = r.blk[:done].tolist()
         r.block_no += 1
         self._new_block(r)
         return events
+
+
+def _prefix_ends_row_impl(r: RowState, prefix: list[int]) -> bool:
+    p = r.params
+    if not p.ignore_eos and any(t in r.eos_ids for t in prefix):
+        return True
+    if p.stop_token_ids and any(t in p.stop_token_ids for t in prefix):
+        return True
+    if p.stop:
+        n = len(prefix) + 4 * max(len(x) for x in p.stop) + 4
+        text = r.decode((r.tokens + prefix)[-n:])
+        return any(x in text for x in p.stop)
+    return False
 
 
 def diffusion_decode(model, rows: list[RowState], *, block_size: int, threshold: float, mask_id: int,

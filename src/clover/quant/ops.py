@@ -49,15 +49,16 @@ def dequantize_int8(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     return q.float() * scales.float()[..., None]
 
 
-def _int8_fast_available(device: torch.device) -> bool:
-    return device.type == "cpu" and hasattr(torch.ops.aten, "_weight_int8pack_mm")
+def _int8_fast_available(device: torch.device, k: int) -> bool:
+    # the CPU kernel reads past the row (wrong results or a crash) unless K is a multiple of 16
+    return device.type == "cpu" and k % 16 == 0 and hasattr(torch.ops.aten, "_weight_int8pack_mm")
 
 
 def int8_matmul(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, *, fast: bool = True) -> torch.Tensor:
     """x [M, K] @ (q * scales)^T -> [M, N] in x.dtype. Per-channel scales factor out of the sum, so the
     fallback multiplies the integer weights (exact in any float dtype) and scales the output."""
     s = scales if scales.dtype == x.dtype else scales.to(x.dtype)
-    if fast and x.shape[0] > 0 and x.dtype in (torch.float32, torch.bfloat16, torch.float16) and _int8_fast_available(x.device):
+    if fast and x.shape[0] > 0 and x.dtype in (torch.float32, torch.bfloat16, torch.float16) and _int8_fast_available(x.device, x.shape[-1]):
         return torch.ops.aten._weight_int8pack_mm(x.contiguous(), q, s)
     return F.linear(x, q.to(x.dtype)) * s
 
