@@ -636,6 +636,8 @@ def run_serve(args: argparse.Namespace) -> int:
 register("serve", "an OpenAI-compatible HTTP server with batching across requests", configure_serve, run_serve)
 register("bench", "benchmarks: decode modes, speed/quality sweeps, kernels, roofline",
          "clover.bench.cli:configure", "clover.bench.cli:run")
+register("eval", "evaluate a checkpoint: held-out tasks and code, every mode on the same weights",
+         "clover.eval:configure", "clover.eval:run")
 register("convert", "turn a Qwen3.5-MoE checkpoint into a Clover one (mask token + zero-initialised new parameters)",
          configure_convert, run_convert)
 

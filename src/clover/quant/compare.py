@@ -158,6 +158,18 @@ def perplexity(model, ids: list[int], window: int = 256):
     return math.exp(nll / max(count, 1)), preds
 
 
+def _current_rss() -> int:
+    try:
+        import os
+
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        import resource
+
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
 def _worker(spec: dict) -> dict:
     """Runs in its own process: load, perplexity, AR + diffusion generation; peak RSS at the end."""
     import resource
@@ -167,8 +179,12 @@ def _worker(spec: dict) -> dict:
 
     torch.set_num_threads(spec.get("threads", 1))
     import clover
+    import clover.api  # noqa: F401  (the runtime's imports, so the baseline holds them)
+    import clover.tokenizer  # noqa: F401
+    import transformers  # noqa: F401
 
-    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    torch.ones(8) @ torch.ones(8)
+    base = _current_rss()
     t0 = time.perf_counter()
     llm = clover.load(spec["dir"], device=spec.get("device"))
     load_s = time.perf_counter() - t0
@@ -179,11 +195,12 @@ def _worker(spec: dict) -> dict:
            "dtype": str(llm.model.dtype).replace("torch.", "")}
     modes = ["ar"] + (["diffusion"] if llm.config.mask_token_id is not None else [])
     for mode in modes:
-        llm.generate(PROMPTS[0], mode=mode, max_new_tokens=4)  # warm-up
+        gen_kw = {"eos_penalty": 1e4} if spec.get("fixed_length", True) else {}
+        llm.generate(PROMPTS[0], mode=mode, max_new_tokens=4, **gen_kw)  # warm-up
         tokens = forwards = 0
         seconds = 0.0
         for p in PROMPTS:
-            g = llm.generate(p, mode=mode, max_new_tokens=spec["max_new_tokens"])
+            g = llm.generate(p, mode=mode, max_new_tokens=spec["max_new_tokens"], **gen_kw)
             tokens += g.stats.tokens
             forwards += g.stats.forwards
             seconds += g.stats.seconds
@@ -207,10 +224,13 @@ def compare(
     workdir: str | Path | None = None,
     threads: int = 1,
     device: str | None = None,
+    fixed_length: bool = True,
     progress: bool = False,
 ) -> list[dict]:
     """One row per variant: size on disk, peak RSS, tokens/s and tokens/forward (AR, diffusion),
-    held-out perplexity and top-1 agreement with the first variant's next-token predictions."""
+    held-out perplexity and top-1 agreement with the first variant's next-token predictions.
+    fixed_length: suppress EOS (eos_penalty) so every variant generates exactly max_new_tokens per
+    prompt, greedy; False measures generations as they end naturally."""
     from .writer import quantize_checkpoint
 
     model_dir = Path(model_dir)
@@ -230,7 +250,8 @@ def compare(
                 quantize_checkpoint(model_dir, d, bits=bits, group_size=g, progress=progress)
             else:
                 raise ValueError(f"unknown variant {v!r}; use fp32, bf16, fp16, int8, int4 or int4-gN")
-            spec = {"dir": str(d), "text": text or HELD_OUT, "max_new_tokens": max_new_tokens, "threads": threads, "device": device}
+            spec = {"dir": str(d), "text": text or HELD_OUT, "max_new_tokens": max_new_tokens, "threads": threads, "device": device,
+                    "fixed_length": fixed_length}
             proc = subprocess.run(
                 [sys.executable, "-m", "clover.quant.compare", "--worker", json.dumps(spec)],
                 capture_output=True, text=True, check=False,
@@ -280,6 +301,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workdir", help="keep the variant checkpoints here (default: a temporary folder)")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--device")
+    p.add_argument("--natural-length", action="store_true", help="let generations stop at EOS (default: EOS suppressed, fixed length)")
     p.add_argument("--json", action="store_true")
     p.add_argument("--footprint", action="store_true", help="print the full-size 35B-A3B footprint table and exit")
     p.add_argument("--worker", help=argparse.SUPPRESS)
@@ -294,7 +316,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error("MODEL_DIR is required")
     text = Path(args.text_file).read_text() if args.text_file else None
     rows = compare(args.model_dir, variants=tuple(args.variants), group_size=args.group_size, text=text,
-                   max_new_tokens=args.max_new_tokens, workdir=args.workdir, threads=args.threads, device=args.device)
+                   max_new_tokens=args.max_new_tokens, workdir=args.workdir, threads=args.threads, device=args.device,
+                   fixed_length=not args.natural_length)
     print(json.dumps(rows, indent=2) if args.json else format_table(rows))
     return 0
 

@@ -29,7 +29,7 @@ class _QuantLinear(nn.Module):
         super().__init__()
         self.in_features, self.out_features, self.has_bias = in_features, out_features, bias
         _placeholder(self, dtype)
-        self.bias = None
+        self.register_buffer("bias", None)
 
     def _set_bias(self, bias: torch.Tensor | None, dtype: torch.dtype) -> None:
         if self.has_bias:

@@ -351,8 +351,9 @@ class Trainer:
         """Run until `steps` (default recipe.optim.steps); returns the per-step stats of this call."""
         r = self.recipe
         total = steps if steps is not None else r.optim.steps
-        if self.dist.main and self.step == 0:
+        if self.dist.main:  # the recipe as run now (with overrides), so `clover train <out>` continues it
             (self.out / "recipe.json").write_text(json.dumps(r.to_dict(), indent=2) + "\n")
+        if self.dist.main and self.step == 0:
             pc = self.model.config.parameter_counts()
             self._log_text(
                 f"start {r.name} stage={r.stage} world={self.dist.world} params total={pc['total']} active={pc['active']} "

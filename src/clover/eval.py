@@ -1,0 +1,170 @@
+"""`clover eval`: the evaluation of a Clover checkpoint, all modes on the same weights in one run,
+one table per regime.
+
+- tasks: held-out verifiable task prompts, greedy, the answer is the generated line (compared as a
+  literal, never executed): exact match, tokens/forward, tokens/s for AR, diffusion, naive (and
+  speculative), plus a threshold sweep of diffusion;
+- code: held-out stdlib files — AR perplexity (teacher-forced) and diffusion masked-token accuracy
+  (blocks masked at t ~ U(0,1], the training layout); bodies generated from held-out `def` headers by
+  each mode — parse rate, edit similarity, tokens/forward, tokens/s.
+
+Generation runs reuse the benchmark harness (`clover.bench.decode`), so the numbers are comparable.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+
+import torch
+
+from .bench.decode import load_items, run_decode
+from .bench.sweep import run_sweep
+
+
+@torch.inference_mode()
+def teacher_forced(llm, *, files: int = 8, seq_len: int = 256, block_size: int = 32, seed: int = 0, max_seqs: int = 64) -> dict:
+    """AR perplexity and next-token accuracy on held-out stdlib text; diffusion masked-token accuracy
+    (and the share of masked tokens predicted with p >= threshold) with the training layout."""
+    from .data.corpus import read_text, stdlib_files
+
+    paths = stdlib_files("heldout")[:files]
+    ids: list[int] = []
+    for p in paths:
+        text = read_text(p)
+        if text:
+            ids += llm.tokenizer.encode(text) + [llm.tokenizer.eos_token_id]
+    seq_len -= seq_len % block_size
+    n = min(max_seqs, len(ids) // seq_len)
+    if n == 0:
+        raise ValueError("not enough held-out text for one sequence")
+    x = torch.tensor(ids[: n * seq_len]).view(n, seq_len)
+    g = torch.Generator().manual_seed(seed)
+    nll = correct = count = 0.0
+    m_correct = m_conf = m_count = 0.0
+    thr = llm.config.threshold
+    mask_id = llm.config.mask_token_id
+    for i in range(n):
+        seq = x[i : i + 1]
+        if mask_id is None:
+            logits = llm.model(seq)
+        else:
+            t = torch.rand(1, seq_len // block_size, 1, generator=g).clamp_min(1e-3)
+            masked = (torch.rand(1, seq_len // block_size, block_size, generator=g) < t).view(1, seq_len)
+            noisy = seq.masked_fill(masked, mask_id)
+            logits, noisy_logits = llm.model.forward_block_diffusion(seq, noisy, block_size)
+            # shift-by-one: block position 0 is predicted by the clean stream just before the block
+            pred = noisy_logits.clone()
+            starts = torch.arange(0, seq_len, block_size)
+            pred[:, starts[1:]] = logits[:, starts[1:] - 1]
+            tgt_pos = masked[0].nonzero().squeeze(-1)
+            tgt_pos = tgt_pos[tgt_pos > 0]
+            src_pos = torch.where(tgt_pos % block_size == 0, tgt_pos, tgt_pos - 1)
+            probs = pred[0, src_pos].float().softmax(-1)
+            tgt = seq[0, tgt_pos]
+            m_correct += (probs.argmax(-1) == tgt).sum().item()
+            m_conf += (probs.max(-1).values >= thr).sum().item()
+            m_count += len(tgt_pos)
+        lp = logits[0, :-1].float().log_softmax(-1)
+        tgt = seq[0, 1:]
+        nll += -lp.gather(-1, tgt[:, None]).sum().item()
+        correct += (lp.argmax(-1) == tgt).sum().item()
+        count += len(tgt)
+    out = {"sequences": n, "seq_len": seq_len, "ar_perplexity": math.exp(nll / count), "ar_accuracy": correct / count}
+    if m_count:
+        out.update(masked_accuracy=m_correct / m_count, masked_confident=m_conf / m_count, masked_tokens=int(m_count))
+    return out
+
+
+def run_eval(llm, *, task_prompts: int = 100, code_prompts: int = 20, max_new_tokens: int = 64, sweep: bool = True,
+             modes=("ar", "diffusion", "naive", "speculative"), progress=None) -> dict:
+    modes = [m for m in modes if m == "ar" or llm.config.mask_token_id is not None]
+    result: dict = {"model": str(llm.path)}
+    tasks = load_items("tasks", task_prompts)
+    result["tasks"] = run_decode(llm, items=tasks, workload="tasks", max_new_tokens=32, modes=modes,
+                                 stop_newline=True, progress=progress)
+    if sweep and llm.config.mask_token_id is not None:
+        result["tasks_sweep"] = run_sweep(llm, items=tasks[: max(8, task_prompts // 4)], workload="tasks",
+                                          max_new_tokens=32, stop_newline=True, block_sizes=(8, 16, 32, 64),
+                                          progress=progress)
+    code = load_items("code", code_prompts)
+    result["code"] = run_decode(llm, items=code, workload="code", max_new_tokens=max_new_tokens, modes=modes,
+                                progress=progress)
+    result["teacher_forced"] = teacher_forced(llm, block_size=llm.config.block_size)
+    for key in ("tasks", "code"):  # keep the JSON small: per-run texts are in the bench output if needed
+        for r in result[key]["runs"]:
+            r.pop("token_ids", None)
+    return result
+
+
+def markdown(result: dict) -> str:
+    lines = []
+    t = result["tasks"]["modes"]
+    lines.append(f"**Tasks** ({result['tasks']['settings']['prompts']} held-out prompts, greedy, answer = first line)\n")
+    lines.append("| mode | exact match | tokens/forward | tokens/s | vs AR tokens/s |")
+    lines.append("|---|---:|---:|---:|---:|")
+    for m, s in t.items():
+        em = s["quality"].get("tasks", {}).get("exact_match")
+        ratio = s.get("vs_ar", {}).get("tokens_per_second")
+        lines.append(f"| {m} | {em:.1%} | {s['tokens_per_forward']:.2f} | {s['tokens_per_second']['aggregate']:.1f} | "
+                     f"{ratio:.2f}x |" if ratio is not None else f"| {m} | {em:.1%} | {s['tokens_per_forward']:.2f} | "
+                     f"{s['tokens_per_second']['aggregate']:.1f} | - |")
+    if "tasks_sweep" in result:
+        lines.append("\n**Diffusion sweep on tasks** (threshold at the default block size; block size at the default threshold)\n")
+        lines.append("| configuration | exact match | tokens/forward | tokens/s |")
+        lines.append("|---|---:|---:|---:|")
+        for p in result["tasks_sweep"]["points"]:
+            em = p["quality"].get("tasks", {}).get("exact_match")
+            lines.append(f"| {p['label']} | {em:.1%} | {p['tokens_per_forward']:.2f} | {p['tokens_per_second']:.1f} |")
+    c = result["code"]["modes"]
+    lines.append(f"\n**Code** ({result['code']['settings']['prompts']} held-out `def` headers, "
+                 f"{result['code']['settings']['max_new_tokens']} new tokens)\n")
+    lines.append("| mode | parse rate | edit similarity | tokens/forward | tokens/s |")
+    lines.append("|---|---:|---:|---:|---:|")
+    for m, s in c.items():
+        q = s["quality"].get("code", {})
+        lines.append(f"| {m} | {q.get('parse_rate', 0):.1%} | {q.get('edit_similarity', 0):.3f} | "
+                     f"{s['tokens_per_forward']:.2f} | {s['tokens_per_second']['aggregate']:.1f} |")
+    tf = result["teacher_forced"]
+    lines.append(f"\nHeld-out stdlib text ({tf['sequences']} x {tf['seq_len']} tokens): AR perplexity "
+                 f"{tf['ar_perplexity']:.2f}, next-token accuracy {tf['ar_accuracy']:.1%}"
+                 + (f"; diffusion masked-token accuracy {tf['masked_accuracy']:.1%}, masked tokens at p >= threshold "
+                    f"{tf['masked_confident']:.1%}" if "masked_accuracy" in tf else ""))
+    return "\n".join(lines)
+
+
+def configure(p: argparse.ArgumentParser) -> None:
+    from .cli import add_model_arguments
+
+    add_model_arguments(p)
+    p.add_argument("--task-prompts", type=int, default=100, help="held-out task prompts (default 100)")
+    p.add_argument("--code-prompts", type=int, default=20, help="held-out def headers (default 20)")
+    p.add_argument("--max-new-tokens", type=int, default=64, help="tokens per code generation (default 64)")
+    p.add_argument("--no-sweep", action="store_true", help="skip the threshold/block-size sweep")
+    p.add_argument("--modes", default="ar,diffusion,naive,speculative", help="comma-separated modes")
+    p.add_argument("--threads", type=int, help="torch CPU threads")
+    p.add_argument("--json", metavar="FILE", help="write the full result as JSON")
+
+
+def run(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from .cli import UsageError, load_llm
+
+    if args.task_prompts <= 0 or args.code_prompts <= 0:
+        raise UsageError("--task-prompts/--code-prompts: must be positive")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    llm = load_llm(args)
+    bar = tqdm(desc="eval", unit="prompt", file=sys.stderr)
+    result = run_eval(llm, task_prompts=args.task_prompts, code_prompts=args.code_prompts,
+                      max_new_tokens=args.max_new_tokens, sweep=not args.no_sweep,
+                      modes=[m for m in args.modes.split(",") if m], progress=lambda _: bar.update(1))
+    bar.close()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1, default=str)
+    print(markdown(result))
+    return 0
