@@ -213,8 +213,12 @@ class LLM:
 
 def load(path: str | os.PathLike | None = None, *, dtype: str | torch.dtype | None = None, device: str | None = None) -> LLM:
     """Load a model directory (config.json + safetensors + tokenizer). None = the bundled model."""
+    bundled = path is None
     path = Path(path) if path is not None else default_model_path()
-    model = load_model(path, dtype=parse_dtype(dtype), device=device)
+    dtype = parse_dtype(dtype)
+    if dtype is None and bundled and (device is None or str(device) == "cpu"):
+        dtype = torch.float32  # the bundled model is stored in bf16; fp32 matmuls are faster on CPUs
+    model = load_model(path, dtype=dtype, device=device)
     tokenizer = Tokenizer.from_dir(
         path,
         eos_token_id=model.config.eos_token_ids[0] if model.config.eos_token_ids else None,

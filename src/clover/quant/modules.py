@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..moe import grouped_expert_forward
-from .ops import Int4Weights, dequantize_int4, int8_matmul, padded_k
+from .ops import Int4Weights, dequantize_int4, int8_matmul
 
 
 def _placeholder(module: nn.Module, dtype: torch.dtype, device: torch.device | str = "cpu") -> None:
@@ -54,7 +54,7 @@ class Int8Linear(_QuantLinear):
     def set_quantized(self, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None, *, dtype: torch.dtype) -> None:
         device = qweight.device
         _placeholder(self, dtype, device)
-        self.register_buffer("qweight", qweight.contiguous())
+        self.register_buffer("qweight", qweight.clone(memory_format=torch.contiguous_format))  # fresh, aligned
         self.register_buffer("scales", scales.to(dtype).contiguous())
         self._set_bias(bias, dtype)
 
@@ -128,7 +128,7 @@ class QuantExperts(nn.Module):
             raise KeyError(part)
         _placeholder(self, dtype, tensors["qweight"].device)
         if self.bits == 8:
-            self.register_buffer(f"{part}_q", tensors["qweight"].contiguous())
+            self.register_buffer(f"{part}_q", tensors["qweight"].clone(memory_format=torch.contiguous_format))
             self.register_buffer(f"{part}_scales", tensors["scales"].to(dtype).contiguous())
         else:
             _, k = self.part_shape(part)
@@ -189,6 +189,3 @@ class QuantEmbedding(nn.Module):
         kind = "int8 per-row" if self.bits == 8 else f"int4 group {self.group_size}"
         return f"{self.num_embeddings}, {self.embedding_dim}, {kind}"
 
-
-def int4_padded(k: int, group_size: int) -> int:
-    return padded_k(k, group_size)

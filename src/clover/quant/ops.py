@@ -32,6 +32,9 @@ INT4_KERNEL_GROUPS = (32, 64, 128, 256)
 GROUP_SIZES = (32, 64, 128)  # what `clover quantize` offers
 INT4_SCALE_DTYPE = torch.bfloat16
 INT8_SCALE_DTYPE = torch.float32
+# the CPU int8 kernel crashes on weights or activations that are not 16/32-byte aligned; it is
+# only used on ALIGNMENT-aligned operands (weights are copied to fresh, aligned memory at load)
+ALIGNMENT = 64
 # The CPU int8/int4 kernels are fast with 16-bit activations and 10-30x slower with fp32 ones (slower
 # than the float matmul they replace). With this True, fp32 activations are rounded to bf16 for the
 # low-bit matmul only (the output returns in fp32): an error at or below the weight quantization
@@ -54,6 +57,17 @@ def dequantize_int8(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     return q.float() * scales.float()[..., None]
 
 
+def _aligned(t: torch.Tensor) -> bool:
+    return t.data_ptr() % ALIGNMENT == 0
+
+
+def _aligned_copy(t: torch.Tensor) -> torch.Tensor:
+    """Contiguous and ALIGNMENT-aligned (a fresh allocation is; a slice or a tensor read from a
+    safetensors file may not be)."""
+    t = t.contiguous()
+    return t if _aligned(t) else t.clone()
+
+
 def _int8_fast_available(device: torch.device, k: int) -> bool:
     # the CPU kernel reads past the row (wrong results or a crash) unless K is a multiple of 16
     return device.type == "cpu" and k % 16 == 0 and hasattr(torch.ops.aten, "_weight_int8pack_mm")
@@ -62,13 +76,13 @@ def _int8_fast_available(device: torch.device, k: int) -> bool:
 def int8_matmul(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, *, fast: bool = True) -> torch.Tensor:
     """x [M, K] @ (q * scales)^T -> [M, N] in x.dtype. Per-channel scales factor out of the sum, so the
     fallback multiplies the integer weights (exact in any float dtype) and scales the output."""
-    if fast and x.shape[0] > 0 and _int8_fast_available(x.device, x.shape[-1]):
+    if fast and x.shape[0] > 0 and _int8_fast_available(x.device, x.shape[-1]) and _aligned(q):
         if x.dtype in (torch.bfloat16, torch.float16):
             s = scales if scales.dtype == x.dtype else scales.to(x.dtype)
-            return torch.ops.aten._weight_int8pack_mm(x.contiguous(), q, s)
+            return torch.ops.aten._weight_int8pack_mm(_aligned_copy(x), q, s)
         if x.dtype == torch.float32 and FP32_VIA_BF16:
             s = scales if scales.dtype == torch.bfloat16 else scales.to(torch.bfloat16)
-            return torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16).contiguous(), q, s).float()
+            return torch.ops.aten._weight_int8pack_mm(_aligned_copy(x.to(torch.bfloat16)), q, s).float()
     s = scales if scales.dtype == x.dtype else scales.to(x.dtype)
     return F.linear(x, q.to(x.dtype)) * s
 
