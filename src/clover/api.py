@@ -213,8 +213,8 @@ class LLM:
 
 def load(path: str | os.PathLike | None = None, *, dtype: str | torch.dtype | None = None, device: str | None = None) -> LLM:
     """Load a model directory (config.json + safetensors + tokenizer). None = the bundled model."""
-    bundled = path is None
     path = Path(path) if path is not None else default_model_path()
+    bundled = path.resolve() == BUNDLED_MODEL.resolve()
     dtype = parse_dtype(dtype)
     if dtype is None and bundled and (device is None or str(device) == "cpu"):
         dtype = torch.float32  # the bundled model is stored in bf16; fp32 matmuls are faster on CPUs
