@@ -124,6 +124,17 @@ def test_int4_pack_and_error_bounds():
 
 
 @pytest.mark.parametrize("bits,group", LAYOUTS, ids=LAYOUT_IDS)
+def test_row_blocked_quantization_is_identical(bits, group):
+    """Large weights are quantized in row blocks to bound temporaries; the result must not change."""
+    w = torch.randn(3, 37, 100, generator=torch.Generator().manual_seed(2))
+    whole = quantize_tensor(w, bits, group)
+    blocked = quantize_tensor(w, bits, group, chunk_elems=1000)
+    assert whole.keys() == blocked.keys()
+    for k in whole:
+        assert torch.equal(whole[k], blocked[k]), k
+
+
+@pytest.mark.parametrize("bits,group", LAYOUTS, ids=LAYOUT_IDS)
 def test_linear_modules(bits, group, exact_fp32):
     g = torch.Generator().manual_seed(bits)
     lin = torch.nn.Linear(96, 48, bias=True)
@@ -190,7 +201,7 @@ def _dequantized_float_model(float_dir, quant_dir):
     with torch.no_grad():
         for name in qc["modules"]:
             for wname, shape in targets[name].weight_shapes().items():
-                base = wname[: -len(".weight")] if wname.endswith(".weight") else wname
+                base = wname.removesuffix(".weight")
                 if qc["bits"] == 8:
                     w = ops.dequantize_int8(st[base + ".qweight"], st[base + ".scales"])
                 else:
@@ -219,7 +230,7 @@ def test_on_disk_format_round_trip(float_dir, quant_dirs, name):
         specs = tensor_specs(targets[m], bits, group)
         expected_keys |= set(specs)
         for wname in targets[m].weight_shapes():
-            base = wname[: -len(".weight")] if wname.endswith(".weight") else wname
+            base = wname.removesuffix(".weight")
             for k, v in quantize_tensor(fl[wname], bits, group).items():
                 key = f"{base}.{k}"
                 assert on_disk[key].dtype == specs[key][0] and tuple(on_disk[key].shape) == specs[key][1]

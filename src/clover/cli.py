@@ -507,7 +507,11 @@ def format_info(info: dict) -> str:
     else:
         rows.append(("diffusion", "no mask token: autoregressive only"))
     q = info["quantization"]
-    rows.append(("quantization", ", ".join(f"{k}={v}" for k, v in q.items()) if isinstance(q, dict) else "none"))
+    if isinstance(q, dict):
+        shown = {k: (f"{len(v)} modules" if isinstance(v, list) and k == "modules" else v) for k, v in q.items()}
+        rows.append(("quantization", ", ".join(f"{k}={v}" for k, v in shown.items())))
+    else:
+        rows.append(("quantization", "none"))
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
 
@@ -638,6 +642,8 @@ register("bench", "benchmarks: decode modes, speed/quality sweeps, kernels, roof
          "clover.bench.cli:configure", "clover.bench.cli:run")
 register("eval", "evaluate a checkpoint: held-out tasks and code, every mode on the same weights",
          "clover.eval:configure", "clover.eval:run")
+register("quantize", "weight-only INT8/INT4 quantization of a model directory",
+         "clover.quant.cli:configure", "clover.quant.cli:run")
 register("convert", "turn a Qwen3.5-MoE checkpoint into a Clover one (mask token + zero-initialised new parameters)",
          configure_convert, run_convert)
 

@@ -55,7 +55,7 @@ def footprint(config, *, bits: int | None = None, group_size: int = 64, include_
     Returns {"params", "quantized_params", "disk_bytes", "memory_bytes"}; memory assumes a 16-bit
     compute dtype for the int8 scales and the int4 scales/zeros (as the kernels hold them) and
     counts weights only (no KV/GDN cache, no activations)."""
-    from .format import select_modules, quantizable
+    from .format import quantizable, select_modules
 
     total = config.parameter_counts()["total"]
     if bits is None:
@@ -178,10 +178,12 @@ def _worker(spec: dict) -> dict:
     import torch
 
     torch.set_num_threads(spec.get("threads", 1))
-    import clover
-    import clover.api  # noqa: F401  (the runtime's imports, so the baseline holds them)
-    import clover.tokenizer  # noqa: F401
+    # the runtime's imports first, so the baseline RSS holds them
     import transformers  # noqa: F401
+
+    import clover
+    import clover.api
+    import clover.tokenizer
 
     torch.ones(8) @ torch.ones(8)
     base = _current_rss()
@@ -277,8 +279,8 @@ def format_table(rows: list[dict]) -> str:
         return f"{n / 2**20:.2f} MiB"
 
     out = [
-        "| variant | compute dtype | size on disk | peak RSS (over baseline) | tokens/s AR | tokens/s diffusion | "
-        "tokens/forward diffusion | held-out ppl | top-1 agree vs first | parse rate |",
+        ("| variant | compute dtype | size on disk | peak RSS (over baseline) | tokens/s AR | tokens/s diffusion | "
+         "tokens/forward diffusion | held-out ppl | top-1 agree vs first | parse rate |"),
         "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:

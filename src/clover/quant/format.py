@@ -17,7 +17,14 @@ from dataclasses import dataclass
 import torch
 
 from ..config import CloverConfig
-from .ops import GROUP_SIZES, INT4_SCALE_DTYPE, INT8_SCALE_DTYPE, padded_k, quantize_int4, quantize_int8
+from .ops import (
+    GROUP_SIZES,
+    INT4_SCALE_DTYPE,
+    INT8_SCALE_DTYPE,
+    padded_k,
+    quantize_int4,
+    quantize_int8,
+)
 
 QUANT_METHOD = "clover-weight-only"
 FORMAT_VERSION = 1
@@ -160,7 +167,7 @@ def tensor_specs(target: Target, bits: int, group_size: int | None) -> dict[str,
     """{on-disk key: (dtype, shape)} of a quantized module (bias excluded: it stays float)."""
     out = {}
     for weight_name, shape in target.weight_shapes().items():
-        base = weight_name[: -len(".weight")] if weight_name.endswith(".weight") else weight_name
+        base = weight_name.removesuffix(".weight")
         *lead, n, k = shape
         if bits == 8:
             out[f"{base}.qweight"] = (torch.int8, (*lead, n, k))
@@ -179,7 +186,8 @@ def quantize_tensor(w: torch.Tensor, bits: int, group_size: int | None, *, chunk
     if w.numel() > chunk_elems and w.shape[-2] > 1:
         rows = max(1, chunk_elems // max(1, w.numel() // w.shape[-2]))
         parts = [quantize_tensor(c, bits, group_size, chunk_elems=chunk_elems) for c in w.split(rows, dim=-2)]
-        return {k: torch.cat([p[k] for p in parts], dim=-2 if k == "qweight" or p[k].dim() == w.dim() else -1) for k in parts[0]}
+        # qweight and int4 scales/zeros are [..., N, x]: rows on dim -2; int8 scales are [..., N]
+        return {k: torch.cat([p[k] for p in parts], dim=-2 if parts[0][k].dim() == w.dim() else -1) for k in parts[0]}
     if bits == 8:
         q, s = quantize_int8(w)
         return {"qweight": q, "scales": s}

@@ -12,7 +12,8 @@ On-disk layouts (format_version 1), for a weight W [N, K] (N output rows, K inpu
 
 Expert weights stack the same layout per expert: [E, N, ...].
 
-Fast paths (`int8_matmul`, `Int4Weights`): `aten._weight_int8pack_mm` on CPU;
+Fast paths (`int8_matmul`, `Int4Weights`): `aten._weight_int8pack_mm` on CPU (K a multiple of 16,
+aligned operands);
 `aten._convert_weight_to_int4pack_for_cpu` + `aten._weight_int4pack_mm_for_cpu` on CPU (N a multiple
 of 16, G in {32, 64, 128, 256}); `aten._convert_weight_to_int4pack` + `aten._weight_int4pack_mm` on
 CUDA (bf16 activations, N a multiple of 8, Kp a multiple of 32). Each fast path is checked once
@@ -223,7 +224,7 @@ class Int4Weights:
         dtype: torch.dtype,
         *,
         kernel: str | None | bool = True,
-    ) -> "Int4Weights":
+    ) -> Int4Weights:
         """packed/scales/zeros: the on-disk tensors (already on the target device). kernel=True picks
         the fast path for the device when it is available; False forces the fallback."""
         device = packed.device

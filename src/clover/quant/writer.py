@@ -19,9 +19,24 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from ..checkpoint import INDEX_FILE, SINGLE_FILE, CheckpointError, _PER_EXPERT, canonical_name, iter_tensors, shard_files
+from ..checkpoint import (
+    _PER_EXPERT,
+    INDEX_FILE,
+    SINGLE_FILE,
+    CheckpointError,
+    canonical_name,
+    iter_tensors,
+    shard_files,
+)
 from ..config import CloverConfig
-from .format import EXPERT_PARTS, GROUP_SIZES, make_quantization_config, quantizable, quantize_tensor, select_modules
+from .format import (
+    EXPERT_PARTS,
+    GROUP_SIZES,
+    make_quantization_config,
+    quantizable,
+    quantize_tensor,
+    select_modules,
+)
 
 WEIGHT_FILES = {INDEX_FILE, "config.json"}
 
@@ -102,9 +117,8 @@ def quantize_checkpoint(
         for path, out_name in zip(files, out_names):
             out: dict[str, torch.Tensor] = {}
 
-            def emit(name: str, tensors: dict[str, torch.Tensor]) -> None:
-                for k, v in tensors.items():
-                    out[k] = v.contiguous()
+            def emit(tensors: dict[str, torch.Tensor], out: dict[str, torch.Tensor] = out) -> None:
+                out.update({k: v.contiguous() for k, v in tensors.items()})
 
             for key, t in iter_tensors(path, None):
                 bar.update(1)
@@ -137,9 +151,9 @@ def quantize_checkpoint(
                     raise CheckpointError(f"{path}: key {key!r} has shape {tuple(t.shape)} but the config implies {tuple(expected[name])}")
                 seen.add(name)
                 if name in quant_weights:
-                    module, part = quant_weights[name]
-                    base = name[: -len(".weight")] if part is None else name
-                    emit(base, {f"{base}.{k}": v for k, v in quantize_tensor(t, bits, gs).items()})
+                    part = quant_weights[name][1]
+                    base = name.removesuffix(".weight") if part is None else name
+                    emit({f"{base}.{k}": v for k, v in quantize_tensor(t, bits, gs).items()})
                 else:
                     out[name] = t
             # per-expert pieces completed in this shard were emitted by _finish_experts
@@ -177,7 +191,7 @@ def _finish_experts(prefix: str, experts: dict[int, dict], quantized: bool, emit
     if not quantized:
         gate_up = torch.stack([torch.cat([experts[e]["gate_proj"], experts[e]["up_proj"]], 0) for e in range(n)])
         down = torch.stack([experts[e]["down_proj"] for e in range(n)])
-        emit(prefix, {f"{prefix}.gate_up_proj": gate_up, f"{prefix}.down_proj": down})
+        emit({f"{prefix}.gate_up_proj": gate_up, f"{prefix}.down_proj": down})
         return
     keys = experts[0]["down_proj"].keys()
     for part in EXPERT_PARTS:
@@ -189,4 +203,4 @@ def _finish_experts(prefix: str, experts: dict[int, dict], quantized: bool, emit
                 )
             else:
                 tensors[f"{prefix}.{part}.{k}"] = torch.stack([experts[e]["down_proj"][k] for e in range(n)])
-        emit(prefix, tensors)
+        emit(tensors)
