@@ -642,6 +642,23 @@ register("bench", "benchmarks: decode modes, speed/quality sweeps, kernels, roof
          "clover.bench.cli:configure", "clover.bench.cli:run")
 register("eval", "evaluate a checkpoint: held-out tasks and code, every mode on the same weights",
          "clover.eval:configure", "clover.eval:run")
+def configure_train(p: argparse.ArgumentParser) -> None:
+    p.add_argument("train_args", nargs=argparse.REMAINDER,
+                   help="RECIPE [--out DIR] [--steps N] [--resume|--no-resume] [--set KEY=VALUE]... | RUN_DIR | export CKPT OUT "
+                        "(see docs/training.md; `clover train -- --help` for all options)")
+
+
+def run_train(args: argparse.Namespace) -> int:
+    from .train import main as train_main
+
+    argv = [a for a in args.train_args if a != "--"] if args.train_args[:1] == ["--"] else list(args.train_args)
+    if not argv:
+        raise UsageError("train: give a recipe file (e.g. recipes/clover-tiny-ar.toml) or a run directory")
+    return train_main(argv)
+
+
+register("train", "train: AR pretraining or AR -> Clover block-diffusion conversion, from a recipe",
+         configure_train, run_train)
 register("quantize", "weight-only INT8/INT4 quantization of a model directory",
          "clover.quant.cli:configure", "clover.quant.cli:run")
 register("convert", "turn a Qwen3.5-MoE checkpoint into a Clover one (mask token + zero-initialised new parameters)",
