@@ -205,7 +205,12 @@ def test_cli_and_export(tmp_path, byte_tok, cache_dir):
     assert evals and evals[0]["eval"]["tasks"] == 8 and 0 <= evals[0]["eval"]["exact_match"] <= 1
     assert train_main([str(tmp_path / "run"), "--steps", "3", "--quiet", "--resume"]) == 0  # continue from the run dir
     assert (tmp_path / "run" / "ckpt" / "step-00000003").is_dir()
-    assert train_main(["export", str(tmp_path / "run" / "ckpt" / "step-00000003"), str(tmp_path / "model")]) == 0
+    # an annealing phase with another data mix: the stream is rebuilt, everything else resumes
+    assert train_main([str(tmp_path / "run"), "--steps", "4", "--quiet", "--reset-data",
+                       "--set", "data.task_fraction=1.0", "--set", "data.seed=9"]) == 0
+    st = json.loads((tmp_path / "run" / "ckpt" / "step-00000004" / "trainer.json").read_text())
+    assert st["ranks"][0]["stream"]["config"]["task_fraction"] == 1.0 and st["ranks"][0]["stream"]["config"]["seed"] == 9000
+    assert train_main(["export", str(tmp_path / "run" / "ckpt" / "step-00000004"), str(tmp_path / "model")]) == 0
     from clover.checkpoint import load_model
 
     m = load_model(tmp_path / "model")

@@ -2,7 +2,7 @@
 
 CLI (also `python -m clover.train`)::
 
-    clover train RECIPE [--out DIR] [--steps N] [--resume | --no-resume] [--set KEY=VALUE ...]
+    clover train RECIPE [--out DIR] [--steps N] [--resume | --no-resume] [--reset-data] [--set KEY=VALUE ...]
     clover train RUN_DIR                      # continue a run from its recipe.json
     clover train export CKPT OUT [--dtype bfloat16] [--tokenizer DIR]
 
@@ -50,6 +50,9 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--resume", action="store_true", default=None, help="require a checkpoint to resume from")
     g.add_argument("--no-resume", dest="resume", action="store_false", help="start fresh even if checkpoints exist")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a recipe key, e.g. optim.lr=1e-3")
+    p.add_argument("--reset-data", action="store_true",
+                   help="on resume, start a fresh data stream instead of restoring it (needed after changing [data], "
+                        "e.g. --set data.task_fraction=0.9 --set data.seed=7 for an annealing phase)")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     a = p.parse_args(argv)
@@ -82,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from .trainer import Trainer
 
-    trainer = Trainer(recipe, resume=a.resume, quiet=a.quiet)
+    trainer = Trainer(recipe, resume=a.resume, quiet=a.quiet, reset_data=a.reset_data)
     try:
         trainer.train()
     finally:

@@ -44,6 +44,7 @@ class DataSpec:
     seq_len: int = 256
     batch_size: int = 16  # global batch (sequences per optimizer step, summed over ranks)
     task_fraction: float = 0.6
+    seed: int | None = None  # data-stream seed (default: the recipe seed); rank r reads seed*1000 + r
     cache_dir: str | None = None
     max_files: int | None = None  # first N stdlib files only (tests)
 

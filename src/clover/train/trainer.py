@@ -179,7 +179,7 @@ def make_stream(recipe: Recipe, rank: int, world: int, tokenizer: str):
         seq_len=recipe.data.seq_len,
         batch_size=recipe.data.batch_size // world,
         task_fraction=recipe.data.task_fraction,
-        seed=recipe.seed * 1000 + rank,
+        seed=(recipe.seed if recipe.data.seed is None else recipe.data.seed) * 1000 + rank,
         cache_dir=recipe.data.cache_dir,
         max_files=recipe.data.max_files,
     )
@@ -190,6 +190,9 @@ def tokenizer_special_ids(path: str) -> dict[str, int]:
 
     tok = load_tokenizer(path)
     return {t: tok.token_to_id(t) for t in ("<|endoftext|>", "<|pad|>", "<|mask|>") if tok.token_to_id(t) is not None}
+
+
+CLOVER_GAIN_PARAMS = ("block_gain_a", "block_gain_b", "intra_scale")
 
 
 def param_groups(model, weight_decay: float) -> tuple[list[dict], list[torch.nn.Parameter], dict[int, str]]:
@@ -209,8 +212,9 @@ def param_groups(model, weight_decay: float) -> tuple[list[dict], list[torch.nn.
 
 # --------------------------------------------------------------------------- trainer
 class Trainer:
-    def __init__(self, recipe: Recipe, *, resume: bool | None = None, quiet: bool = False) -> None:
+    def __init__(self, recipe: Recipe, *, resume: bool | None = None, quiet: bool = False, reset_data: bool = False) -> None:
         self.recipe = recipe
+        self.reset_data = reset_data
         self.dist = Dist()
         self.quiet = quiet
         torch.set_num_threads(max(1, recipe.run.threads))
@@ -273,7 +277,10 @@ class Trainer:
         self.model.load_state_dict(model_t, strict=True)
         ck.load_optimizer(self.opt, self.names, opt_t, state["optimizer"])
         r = state["ranks"][self.dist.rank]
-        self.stream.load_state_dict(r["stream"])
+        if self.reset_data:  # a deliberate change of the data (e.g. an annealing mix): the new stream starts fresh
+            self._log_text(f"data stream reset: {self.stream.state_dict()['config']}")
+        else:
+            self.stream.load_state_dict(r["stream"])
         ck.restore_python_rng(r["python_rng"])
         ck.restore_rng(ck.read_rng(path, self.dist.rank), self.gen)
         self.step = int(state["step"])
@@ -339,7 +346,17 @@ class Trainer:
             )
         loss.backward()
         self.dist.all_reduce_grads(self.params)
-        gn = torch.nn.utils.clip_grad_norm_(self.params, r.optim.grad_clip) if r.optim.grad_clip > 0 else None
+        gn = None
+        if r.optim.grad_clip > 0:
+            # Clover's zero-initialised gains see gradients orders of magnitude above the rest (the
+            # GDN output norm amplifies them while the prefix readout is small): clipped together,
+            # they would scale every other update down to nothing, so each family is clipped alone.
+            is_gain = [self.names[i].rsplit(".", 1)[-1] in CLOVER_GAIN_PARAMS for i in range(len(self.params))]
+            new = [p for p, g in zip(self.params, is_gain) if g]
+            base = [p for p, g in zip(self.params, is_gain) if not g]
+            gn = torch.nn.utils.clip_grad_norm_(base, r.optim.grad_clip)
+            if new:
+                stats["gain_grad_norm"] = float(torch.nn.utils.clip_grad_norm_(new, r.optim.grad_clip))
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
         stats["lr"] = lr
