@@ -145,3 +145,12 @@ def test_summarize_ratios():
     assert s["diffusion"]["vs_ar"]["forwards"] == pytest.approx(0.4)
     assert s["diffusion"]["tokens_per_forward"] == pytest.approx(2.5)
     assert s["ar"]["quality"]["tasks"]["exact_match"] == 1.0
+
+
+def test_bench_experts_ablation(tiny_dir, capsys):
+    from clover import cli
+
+    rc = cli.main(["bench", "experts", "--model", str(tiny_dir), "--prompts", "1", "--max-new-tokens", "8", "--workload", "tasks"])
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert "| off |" in out and "| budget 2 |" in out and "| ar |" in out

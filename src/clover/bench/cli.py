@@ -61,6 +61,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--threshold", type=float, metavar="X", help="threshold of the block sweep (default: the model's)")
     p.add_argument("--plot", metavar="FILE", default="build/bench/sweep.png", help="PNG path (default: build/bench/sweep.png)")
 
+    p = sub.add_parser("experts", help="block expert sharing ablation: budget off, 4k, 3k, 2k, k",
+                       description="Diffusion with the block's tokens sharing `expert_budget` experts, against sharing "
+                                   "off and AR, on the same held-out prompts (interleaved).")
+    _model_arguments(p)
+    _workload_arguments(p, workload="tasks", prompts=8, max_new_tokens=64)
+
     p = sub.add_parser("kernels", help="GDN / attention / MoE-dispatch micro-benchmarks vs references",
                        description="GDN chunk kernel vs the transformers torch fallback, our cached attention vs bare "
                                    "SDPA and eager, MoE grouped dispatch vs a per-expert loop and the per-token reference.")
@@ -134,7 +140,26 @@ def _load(args):
 def run(args: argparse.Namespace) -> int:
     set_threads(getattr(args, "threads", None))
     return {"decode": run_decode_cmd, "sweep": run_sweep_cmd, "kernels": run_kernels_cmd,
-            "roofline": run_roofline_cmd}[args.bench_command](args)
+            "roofline": run_roofline_cmd, "experts": run_experts_cmd}[args.bench_command](args)
+
+
+def run_experts_cmd(args) -> int:
+    from .experts import experts_markdown, run_experts
+
+    _positive("--prompts", args.prompts)
+    _positive("--max-new-tokens", args.max_new_tokens)
+    llm, note = _load(args)
+    result = run_experts(llm, workload=args.workload, prompts=args.prompts, max_new_tokens=args.max_new_tokens,
+                         stop_newline=args.stop_newline, progress=_progress(args.json))
+    result["model_note"] = note
+    if args.json and args.json != "-":
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(result, indent=1, default=str) + "\n")
+    if args.json == "-":
+        json.dump(result, sys.stdout, indent=1, default=str)
+    else:
+        print(experts_markdown(result))
+    return 0
 
 
 def run_decode_cmd(args) -> int:

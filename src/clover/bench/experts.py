@@ -1,0 +1,70 @@
+"""`clover bench experts`: the block expert sharing ablation.
+
+Diffusion decoding with the block's tokens restricted to a shared set of `expert_budget` experts
+(off, 4k, 3k, 2k, k for top-k routing), on the same held-out prompts, interleaved per prompt, with
+AR as the baseline: experts touched per MoE layer per forward, tokens/forward, tokens/s, quality.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from .common import machine, synchronize
+from .decode import Item, decode_kwargs, generate_once, load_items, summarize
+
+SCHEMA = "clover.bench.experts/1"
+
+
+def budgets(k: int, num_experts: int) -> list[int | None]:
+    """off, 4k, 3k, 2k, k — dropping budgets that do not restrict anything (>= num_experts)."""
+    out: list[int | None] = [None]
+    for m in (4 * k, 3 * k, 2 * k, k):
+        if m < num_experts and m not in out:
+            out.append(m)
+    return out
+
+
+def run_experts(llm, *, workload: str = "tasks", prompts: int = 8, max_new_tokens: int = 64,
+                stop_newline: bool = False, items: list[Item] | None = None,
+                progress: Callable[[str], None] | None = None) -> dict:
+    c = llm.config
+    if c.mask_token_id is None:
+        raise ValueError("this is a plain AR checkpoint (no mask token): block expert sharing applies to diffusion")
+    items = items if items is not None else load_items(workload, prompts)
+    configs = [{"label": "ar", "mode": "ar", "expert_budget": None}]
+    configs += [{"label": "off" if m is None else f"budget {m}", "mode": "diffusion", "expert_budget": m}
+                for m in budgets(c.num_experts_per_tok, c.num_experts)]
+    base = decode_kwargs(max_new_tokens, None, None, stop_newline)
+    for cfg in configs:  # warm-up
+        llm.generate(items[0].prompt, mode=cfg["mode"], **dict(base, max_new_tokens=8, expert_budget=cfg["expert_budget"]))
+    synchronize(llm.model.device)
+    runs = []
+    for i, item in enumerate(items):
+        for cfg in configs:
+            rec = generate_once(llm, item, cfg["mode"], dict(base, expert_budget=cfg["expert_budget"]))
+            rec.update(item=i, label=cfg["label"])
+            rec.pop("text", None)
+            runs.append(rec)
+        if progress:
+            progress(f"prompt {i + 1}/{len(items)}")
+    summary = summarize(runs, [cfg["label"] for cfg in configs], key="label")
+    return {"schema": SCHEMA, "model": str(llm.path), "machine": machine(llm.model.device),
+            "settings": {"workload": workload, "prompts": len(items), "max_new_tokens": max_new_tokens,
+                         "num_experts": c.num_experts, "top_k": c.num_experts_per_tok, "stop_newline": stop_newline},
+            "configs": configs, "summary": summary}
+
+
+def experts_markdown(result: dict) -> str:
+    lines = ["| routing | experts touched / layer / forward | tokens/forward | tokens/s | vs AR tokens/s | quality |",
+             "|---|---:|---:|---:|---:|---|"]
+    for cfg in result["configs"]:
+        s = result["summary"][cfg["label"]]
+        q = s["quality"]
+        qual = (f"exact match {q['tasks']['exact_match']:.1%}" if "tasks" in q else
+                f"parse {q['code']['parse_rate']:.1%}, similarity {q['code']['edit_similarity']:.3f}" if "code" in q else "-")
+        et = f"{s['experts_touched']:.2f}" if s["experts_touched"] is not None else "-"
+        ratio = s.get("vs_ar", {}).get("tokens_per_second")
+        lines.append(f"| {cfg['label']} | {et} | {s['tokens_per_forward']:.2f} | {s['tokens_per_second']['aggregate']:.1f} | "
+                     f"{ratio:.2f}x | {qual} |" if ratio else f"| {cfg['label']} | {et} | {s['tokens_per_forward']:.2f} | "
+                     f"{s['tokens_per_second']['aggregate']:.1f} | - | {qual} |")
+    return "\n".join(lines)
