@@ -49,19 +49,17 @@ def grouped_expert_forward(experts, x: torch.Tensor, top_idx: torch.Tensor, top_
     flat_idx = top_idx.reshape(-1)
     order = torch.argsort(flat_idx, stable=True)  # slots grouped by expert
     token_of_slot = order // k
+    weight_of_slot = top_w.reshape(-1).index_select(0, order).unsqueeze(-1)
     counts = torch.bincount(flat_idx, minlength=experts.num_experts).tolist()
-    xs = x.index_select(0, token_of_slot)
-    ws = top_w.reshape(-1).index_select(0, order).unsqueeze(-1)
-    outs = []
+    out = torch.zeros_like(x)
     start = 0
     for e, c in enumerate(counts):
         if c == 0:
             continue
-        outs.append(experts.expert_forward(e, xs[start : start + c]))
+        tok = token_of_slot[start : start + c]
+        y = experts.expert_forward(e, x.index_select(0, tok)) * weight_of_slot[start : start + c]
+        out.index_add_(0, tok, y.to(x.dtype))  # per expert: no [N*k, H] staging buffer
         start += c
-    y = torch.cat(outs, dim=0) * ws
-    out = torch.zeros_like(x)
-    out.index_add_(0, token_of_slot, y.to(x.dtype))
     return out
 
 
