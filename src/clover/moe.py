@@ -6,7 +6,7 @@ block's tokens are summed, the block keeps its `budget` most probable experts, a
 its top-k within that shared set (renormalised).
 
 `grouped_expert_forward` runs only the experts that received tokens, with the tokens grouped by
-expert (one sort, contiguous slices, one matmul pair per touched expert, one scatter-add back).
+expert (one sort, then per touched expert: gather its tokens, one matmul pair, scatter-add back).
 `reference_expert_forward` is the obviously-correct per-token loop it is tested against.
 """
 
