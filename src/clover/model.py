@@ -545,9 +545,11 @@ class CloverForCausalLM(nn.Module):
         expert_budget: int | None = None,
         all_logits: bool = False,
         track_experts: bool = False,
+        denoise_need: torch.Tensor | None = None,
     ) -> StepOutput:
         """One forward. `commit_ids [B, Tc]` (right-padded, `n_commit[b]` valid; None = all valid) are
-        appended to `cache`; `denoise_ids [B, Bd]` is one block denoised against the updated cache."""
+        appended to `cache`; `denoise_ids [B, Bd]` is one block denoised against the updated cache.
+        `denoise_need [B, Bd]` (bool) limits the denoise logits to those positions (others are garbage)."""
         parts = [p for p in (commit_ids, denoise_ids) if p is not None]
         if not parts:
             raise ValueError("step needs commit_ids, denoise_ids or both")
@@ -586,7 +588,12 @@ class CloverForCausalLM(nn.Module):
                 last = x[torch.arange(B, device=x.device), n - 1]  # [B, H]
                 commit_logits = self.lm_head(self.model.norm(last))
         if Bd:
-            denoise_logits = self.lm_head(self.model.norm(x[:, Tc:]))
+            if denoise_need is None:
+                denoise_logits = self.lm_head(self.model.norm(x[:, Tc:]))
+            else:  # only the positions whose predictions are still needed (masked next positions)
+                h = x[:, Tc:][denoise_need]
+                denoise_logits = x.new_empty(B, Bd, self.config.vocab_size)
+                denoise_logits[denoise_need] = self.lm_head(self.model.norm(h))
         return StepOutput(commit_logits, denoise_logits, ctx.experts_touched)
 
     # -- initialisation for random/tiny models and training from scratch

@@ -80,6 +80,10 @@ class DiffusionEngine(BatchEngine):
             commit_src = [r.pending for r in rows]
         has_commit = any(commit_src)
         commit_ids, n_commit = pad_right(commit_src, self.pad_id, self.device) if has_commit else (None, None)
+        # block position j is predicted by position j-1: only those whose next position is masked matter
+        need = torch.zeros(len(rows), Bs, dtype=torch.bool, device=self.device)
+        for i, r in enumerate(rows):
+            need[i, : r.need - 1] = r.masked[1 : r.need]
         out = self.model.step(
             cache,
             commit_ids=commit_ids,
@@ -87,6 +91,7 @@ class DiffusionEngine(BatchEngine):
             denoise_ids=torch.stack([r.blk for r in rows]),
             expert_budget=self.expert_budget,
             track_experts=True,
+            denoise_need=need,
         )
         events: list[DecodeEvent] = []
         for i, r in enumerate(rows):
