@@ -17,12 +17,14 @@ export OMP_NUM_THREADS=${THREADS:-2}
 echo "== eval"
 $BIN/clover eval --model "$OUT" --threads "${THREADS:-2}" --task-prompts "${TASKS:-100}" --code-prompts "${CODE:-16}" \
   --json "$FIG/eval.json" | tee "$FIG/eval.md"
+if [ "${SKIP_DECODE:-0}" != 1 ]; then
 echo "== bench decode (tasks)"
 $BIN/clover bench decode --model "$OUT" --workload tasks --prompts "${BENCH:-24}" --stop-newline -n 32 --threads "${THREADS:-2}" \
   --json "$FIG/decode-tasks.json" | tee "$FIG/decode-tasks.txt"
 echo "== bench decode (code)"
 $BIN/clover bench decode --model "$OUT" --workload code --prompts "${BENCH_CODE:-8}" -n 64 --threads "${THREADS:-2}" \
   --json "$FIG/decode-code.json" | tee "$FIG/decode-code.txt"
+fi
 echo "== bench sweep"
 $BIN/clover bench sweep --model "$OUT" --workload tasks --prompts "${SMALL:-16}" --stop-newline -n 32 --threads "${THREADS:-2}" \
   --plot docs/img/sweep-tasks.png --json "$FIG/sweep.json" | tee "$FIG/sweep.txt"
