@@ -112,21 +112,6 @@ class Dist:
         if self.active:
             dist.barrier()
 
-    def evaluate(self) -> dict[str, Any] | None:
-        """Held-out task-answer metrics on rank 0 (teacher-forced AR), logged as {"step", "eval"}."""
-        out = None
-        if self.dist.main:
-            from .evaluate import task_answer_metrics
-
-            self.model.eval()
-            out = task_answer_metrics(self.model, self.tokenizer, n_tasks=self.recipe.run.eval_tasks,
-                                      threshold=self.model.config.threshold)
-            self.model.train()
-            self._log_json({"step": self.step, "eval": out})
-            self._log_text(f"eval step={self.step} " + json.dumps({k: v for k, v in out.items() if k != "exact_by_kind"}))
-        self.dist.barrier()
-        return out
-
     def close(self) -> None:
         if self.active and dist.is_initialized():
             dist.destroy_process_group()
