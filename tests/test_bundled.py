@@ -31,3 +31,21 @@ def test_cli_generate_on_bundled_model():
                              capture_output=True, text=True, timeout=300)
         assert out.returncode == 0, out.stderr
         assert "tokens/forward" in out.stderr or "tokens/fwd" in out.stderr or out.stdout
+
+
+@pytest.mark.slow
+def test_bundled_modes_agree_on_heldout_prompts(tmp_path):
+    """Opt-in (CLOVER_SLOW=1): on held-out prompts of both workloads, speculative == AR and
+    naive == diffusion token for token on the bundled model."""
+    import json
+
+    from clover import cli
+
+    out = tmp_path / "decode.json"
+    assert cli.main(["bench", "decode", "--workload", "both", "--prompts", "4", "-n", "48", "--json", str(out)]) == 0
+    res = json.loads(out.read_text())
+    runs = res["runs"]
+    for item in {r["item"] for r in runs}:
+        by = {r["mode"]: r for r in runs if r["item"] == item}
+        assert by["speculative"]["token_ids"] == by["ar"]["token_ids"]
+        assert by["naive"]["token_ids"] == by["diffusion"]["token_ids"]
