@@ -23,15 +23,20 @@ def pad_right(seqs: list[list[int]], pad: int, device) -> tuple[torch.Tensor, to
     return ids, torch.tensor([len(s) for s in seqs], dtype=torch.long, device=device)
 
 
-def next_tokens(row: RowState, logits: torch.Tensor, generator, history_tail: list | None = None) -> tuple[list[int], list[float]]:
-    """Process and propose for the positions of one row. logits [N, V]."""
+def propose_tokens(row: RowState, logits: torch.Tensor, generator, history_tail: list | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Process and propose for the positions of one row. logits [N, V] -> (tokens [N], confidences [N])."""
     p = row.params
     history = None
     if p.repetition_penalty != 1.0 or p.presence_penalty or p.no_repeat_ngram_size:
         base = row.prompt + row.tokens
         history = [base + list(h) for h in (history_tail or [[]] * logits.shape[0])]
     processed = process_logits(logits, p, history, sorted(row.eos_ids))
-    toks, conf = propose(processed, p, generator)
+    return propose(processed, p, generator)
+
+
+def next_tokens(row: RowState, logits: torch.Tensor, generator, history_tail: list | None = None) -> tuple[list[int], list[float]]:
+    """`propose_tokens` as Python lists."""
+    toks, conf = propose_tokens(row, logits, generator, history_tail)
     return toks.tolist(), conf.tolist()
 
 

@@ -24,7 +24,7 @@ from typing import Iterator
 
 import torch
 
-from .ar import BatchEngine, next_tokens, pad_right
+from .ar import BatchEngine, pad_right, propose_tokens
 from .base import DecodeEvent, RowState
 
 
@@ -119,13 +119,12 @@ class DiffusionEngine(BatchEngine):
         if r.params.repetition_penalty != 1.0 or r.params.presence_penalty or r.params.no_repeat_ngram_size:
             block_now = [None if r.masked[j] else int(r.blk[j]) for j in range(Bs)]
             tails = [block_now[:j] for j in cand.tolist()]
-        toks, conf = next_tokens(r, logits[cand], r.gen, tails)
-        conf_t = torch.tensor(conf)
-        take = (conf_t >= self.threshold).nonzero().squeeze(-1)
+        toks, conf = propose_tokens(r, logits[cand], r.gen, tails)  # stay tensors: no list round trip
+        take = (conf >= self.threshold).nonzero().squeeze(-1)
         if take.numel() == 0:
-            take = conf_t.argmax().reshape(1)
+            take = conf.argmax().reshape(1)
         pos = cand[take]
-        r.blk[pos] = torch.tensor([toks[t] for t in take.tolist()], dtype=torch.long, device=self.device)
+        r.blk[pos] = toks[take].to(r.blk.device)
         r.masked[pos] = False
         r.dec_step[pos] = r.step
         if not r.params.ignore_eos and r.eos_ids:
