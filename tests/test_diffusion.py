@@ -49,6 +49,28 @@ def test_training_forward_equals_engine_denoise(llm):
             torch.testing.assert_close(out.denoise_logits, noisy_logits[:, s : s + Bs], atol=1e-4, rtol=1e-4)
 
 
+def test_training_forward_copies_share_one_clean_stream(llm):
+    """k noisy copies in one row (complementary masks) == k separate forwards, and copies never mix."""
+    model = llm.model
+    Bs, L = 8, 32
+    g = torch.Generator().manual_seed(1)
+    clean = torch.randint(0, 256, (2, L), generator=g)
+    copies = []
+    for _ in range(3):
+        c = clean.clone()
+        c[torch.rand(2, L, generator=g) < 0.6] = llm.tokenizer.mask_token_id
+        copies.append(c)
+    with torch.no_grad():
+        cl, nl = model.forward_block_diffusion(clean, torch.cat(copies, 1), Bs)
+        assert nl.shape[:2] == (2, 3 * L)
+        for i, c in enumerate(copies):
+            cl1, nl1 = model.forward_block_diffusion(clean, c, Bs)
+            torch.testing.assert_close(cl, cl1, atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(nl[:, i * L : (i + 1) * L], nl1, atol=1e-4, rtol=1e-4)
+    with pytest.raises(ValueError, match="k\\*L"):
+        model.forward_block_diffusion(clean, torch.cat(copies, 1)[:, :-3], Bs)
+
+
 def test_fused_commit_and_denoise_equals_separate(llm):
     model = llm.model
     ids = torch.randint(0, 256, (1, 20))

@@ -87,6 +87,8 @@ def test_recipe_toml_and_errors(tmp_path, byte_tok):
         recipe_from_dict({"model": {"a": 1}, "optim": {"lrr": 1}})
     with pytest.raises(RecipeError, match="stage"):
         recipe_from_dict({"model": {"a": 1}, "stage": "foo"})
+    with pytest.raises(RecipeError, match="autocast"):
+        recipe_from_dict({"model": {"a": 1}, "run": {"autocast": "fp8"}})
     with pytest.raises(RecipeError, match="divide"):
         recipe_from_dict({"model": {"a": 1}, "stage": "diffusion", "data": {"seq_len": 40}})
 
@@ -126,21 +128,23 @@ def test_masks_complementary_and_shift():
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(5, 50, (3, 32))
     db = losses.make_masks(ids, 8, g, mask_token_id=2)
-    assert db.clean.shape == (6, 32)
-    assert torch.equal(db.mask[:3], ~db.mask[3:])  # every token masked exactly once per pair
+    assert db.clean.shape == (3, 32) and db.noisy.shape == (3, 64) and db.copies == 2
+    assert torch.equal(db.mask[:, :32], ~db.mask[:, 32:])  # every token masked exactly once per pair
     assert torch.equal(db.noisy[db.mask], torch.full((int(db.mask.sum()),), 2))
-    assert torch.equal(db.noisy[~db.mask], db.clean[~db.mask])
-    # the fast gather equals the definition (loop over masked positions)
+    both = torch.cat([ids, ids], 1)
+    assert torch.equal(db.noisy[~db.mask], both[~db.mask])
+    # the fast gather equals the definition (loop over copies and masked positions)
     V = 50
-    cl, nl = torch.randn(6, 32, V), torch.randn(6, 32, V)
+    cl, nl = torch.randn(3, 32, V), torch.randn(3, 64, V)
     got, n = losses.masked_diffusion_ce(cl, nl, db.clean, db.mask, 8, reduction="sum")
     ref, m = 0.0, 0
-    for b in range(6):
-        for j in range(1, 32):
-            if db.mask[b, j]:
-                src = cl[b, j - 1] if j % 8 == 0 else nl[b, j - 1]
-                ref += float(torch.nn.functional.cross_entropy(src[None], db.clean[b, j][None]))
-                m += 1
+    for b in range(3):
+        for c in range(2):
+            for j in range(1, 32):
+                if db.mask[b, c * 32 + j]:
+                    src = cl[b, j - 1] if j % 8 == 0 else nl[b, c * 32 + j - 1]
+                    ref += float(torch.nn.functional.cross_entropy(src[None], ids[b, j][None]))
+                    m += 1
     assert n == m and float(got) == pytest.approx(ref, rel=1e-5)
 
 
@@ -160,8 +164,9 @@ def test_ar_loss_goes_down(tmp_path, byte_tok, cache_dir):
     assert frozen and all(("conv1d_right" in n or "intra_scale" in n or "block_gain" in n) for n in frozen)
 
 
-def test_diffusion_loss_goes_down(tmp_path, byte_tok, cache_dir, standin):
-    r = recipe_from_dict(micro_raw(byte_tok, cache_dir, tmp_path / "run", stage="diffusion", steps=20))
+@pytest.mark.parametrize("autocast", ["none", "bf16"])
+def test_diffusion_loss_goes_down(tmp_path, byte_tok, cache_dir, standin, autocast):
+    r = recipe_from_dict(micro_raw(byte_tok, cache_dir, tmp_path / "run", stage="diffusion", steps=20, autocast=autocast))
     t = Trainer(r, resume=False, quiet=True)
     ids = t.stream.next_batch()
     first = last = None

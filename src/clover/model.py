@@ -270,7 +270,7 @@ class GatedDeltaNet(nn.Module):
         g, beta = self._gates(x)
         K1 = self.kernel_size - 1
         if ctx.train_block_size is not None:
-            o = self._train_streams(mixed, g, beta, ctx.train_block_size)
+            o = self._train_streams(mixed, g, beta, ctx.train_block_size, ctx.commit_len)
             return self.out_proj(self.norm(o, z).reshape(B, T, self.value_dim))
         outs = []
         if Tc:
@@ -338,28 +338,30 @@ class GatedDeltaNet(nn.Module):
         gain = self.block_gain_a.float() + self.block_gain_b.float() * log2_block_ratio(Bs)
         return (prefix + gain[None, None, :, None] * intra).to(pre.dtype)
 
-    def _train_streams(self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, Bs: int) -> torch.Tensor:
-        """Block-diffusion training: mixed [B, C, 2L] = [clean | noisy]. The clean stream runs causally
-        (chunked with chunk = block size, keeping the state at every block boundary); every noisy block
-        is denoised against the clean prefix before it. Returns [B, 2L, Hv, dv]."""
-        B, C, T2 = mixed.shape
-        L = T2 // 2
+    def _train_streams(self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, Bs: int, L: int) -> torch.Tensor:
+        """Block-diffusion training: mixed [B, C, (k+1)L] = [clean | noisy copy 1 | ... | copy k]. The
+        clean stream runs causally (chunked with chunk = block size, keeping the state at every block
+        boundary); every noisy block of every copy is denoised against the clean prefix before it.
+        Returns [B, (k+1)L, Hv, dv]."""
+        B, C, T = mixed.shape
+        k = T // L - 1
         N, K1 = L // Bs, self.kernel_size - 1
         clean = mixed[:, :, :L]
         padded = F.pad(clean, (K1, 0))  # zeros before the sequence start
         act = F.silu(self._causal_conv(padded)).transpose(1, 2)
-        q, k, v = self._split_heads(act)
+        q, kk, v = self._split_heads(act)
         o_clean, states = chunk_gated_delta_rule_with_states(
-            q, k, v, g[:, :L], beta[:, :L], chunk_size=Bs, use_qk_l2norm_in_kernel=True
+            q, kk, v, g[:, :L], beta[:, :L], chunk_size=Bs, use_qk_l2norm_in_kernel=True
         )  # states [B, N, Hv, dk, dv]: the state before each block
         # the K-1 clean pre-conv inputs before each block start
         idx = torch.arange(N, device=mixed.device)[:, None] * Bs + torch.arange(K1, device=mixed.device)[None, :]
-        ctx_in = padded[:, :, idx]  # [B, C, N, K-1]
-        conv_ctx = ctx_in.permute(0, 2, 1, 3).reshape(B * N, C, K1)
-        noisy = mixed[:, :, L:].reshape(B, C, N, Bs).permute(0, 2, 1, 3).reshape(B * N, C, Bs)
-        g_noisy = g[:, L:].reshape(B * N, Bs, self.hv)
-        o_noisy = self.denoise_block(noisy, conv_ctx, g_noisy, states.reshape(B * N, self.hv, self.dk, self.dv))
-        o_noisy = o_noisy.reshape(B, L, self.hv, self.dv)
+        ctx_in = padded[:, :, idx].permute(0, 2, 1, 3)  # [B, N, C, K-1]
+        M = B * k * N
+        conv_ctx = ctx_in[:, None].expand(B, k, N, C, K1).reshape(M, C, K1)
+        st = states[:, None].expand(B, k, *states.shape[1:]).reshape(M, self.hv, self.dk, self.dv)
+        noisy = mixed[:, :, L:].reshape(B, C, k, N, Bs).permute(0, 2, 3, 1, 4).reshape(M, C, Bs)
+        g_noisy = g[:, L:].reshape(M, Bs, self.hv)
+        o_noisy = self.denoise_block(noisy, conv_ctx, g_noisy, st).reshape(B, k * L, self.hv, self.dv)
         return torch.cat([o_clean.to(o_noisy.dtype), o_noisy], dim=1)
 
 
@@ -503,31 +505,37 @@ class CloverForCausalLM(nn.Module):
         *,
         router_logits: list | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """clean_ids, noisy_ids [B, L] (L a multiple of block_size) -> (clean_logits, noisy_logits) [B, L, V].
+        """clean_ids [B, L], noisy_ids [B, k*L] (L a multiple of block_size; k >= 1 noisy copies of the
+        sequence, e.g. k = 2 for complementary masks) -> (clean_logits [B, L, V], noisy_logits [B, k*L, V]).
 
-        Clean stream: causal, exactly commit mode. Noisy block b (positions [b*Bs, (b+1)*Bs)) sees the
-        clean prefix before it (attention: clean keys; GDN: the clean state and conv inputs at the block
-        boundary) and itself bidirectionally — exactly what the engine's denoise step computes with
-        that prefix committed."""
+        Clean stream: causal, exactly commit mode, computed once however many noisy copies there are.
+        Noisy block b of every copy (positions [b*Bs, (b+1)*Bs) of that copy) sees the clean prefix
+        before it (attention: clean keys; GDN: the clean state and conv inputs at the block boundary)
+        and itself bidirectionally -- exactly what the engine's denoise step computes with that prefix
+        committed. Copies never see each other."""
         B, L = clean_ids.shape
-        if noisy_ids.shape != clean_ids.shape:
-            raise ValueError(f"clean_ids {tuple(clean_ids.shape)} and noisy_ids {tuple(noisy_ids.shape)} differ")
+        if noisy_ids.shape[0] != B or noisy_ids.shape[1] == 0 or noisy_ids.shape[1] % max(L, 1):
+            raise ValueError(
+                f"noisy_ids {tuple(noisy_ids.shape)} must be [B, k*L] for clean_ids {tuple(clean_ids.shape)}"
+            )
         if L % block_size:
             raise ValueError(f"sequence length {L} is not a multiple of block_size {block_size}")
+        k = noisy_ids.shape[1] // L
         dev = clean_ids.device
         pos = torch.arange(L, device=dev)
-        positions = torch.cat([pos, pos]).expand(B, 2 * L)
+        positions = pos.repeat(k + 1).expand(B, (k + 1) * L)
         blk = pos // block_size
         causal = pos[None, :] <= pos[:, None]
         clean_before_block = pos[None, :] < (blk * block_size)[:, None]
-        same_block = blk[None, :] == blk[:, None]
-        top = torch.cat([causal, torch.zeros(L, L, dtype=torch.bool, device=dev)], dim=1)
-        bottom = torch.cat([clean_before_block, same_block], dim=1)
-        mask = torch.cat([top, bottom], dim=0)[None, None]  # [1, 1, 2L, 2L]
+        same_block = (blk[None, :] == blk[:, None]).to(torch.uint8)
+        top = torch.cat([causal, torch.zeros(L, k * L, dtype=torch.bool, device=dev)], dim=1)
+        own_copy = torch.kron(torch.eye(k, dtype=torch.uint8, device=dev), same_block).bool()  # [kL, kL]
+        bottom = torch.cat([clean_before_block.repeat(k, 1), own_copy], dim=1)
+        mask = torch.cat([top, bottom], dim=0)[None, None]  # [1, 1, (k+1)L, (k+1)L]
         x = self.model.embed_tokens(torch.cat([clean_ids, noisy_ids], dim=1))
         cos, sin = self.model.rotary_emb(positions, x.dtype)
         ctx = StepContext(
-            commit_len=L, denoise_len=L, cos=cos, sin=sin, router_logits=router_logits, train_block_size=block_size
+            commit_len=L, denoise_len=k * L, cos=cos, sin=sin, router_logits=router_logits, train_block_size=block_size
         )
         for layer in self.model.layers:
             x = layer(x, ctx, None, attn_mask=mask)

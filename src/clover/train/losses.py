@@ -55,10 +55,14 @@ def router_aux_loss(router_logits: list[torch.Tensor], top_k: int) -> torch.Tens
 
 @dataclass
 class DiffusionBatch:
-    clean: torch.Tensor  # [N, T] clean ids (each sequence twice when complementary)
-    noisy: torch.Tensor  # [N, T] with mask_token_id at masked positions
-    mask: torch.Tensor  # [N, T] bool, True where masked
+    clean: torch.Tensor  # [B, T] clean ids
+    noisy: torch.Tensor  # [B, k*T]: k noisy copies side by side (k = 2 when complementary), mask_token_id where masked
+    mask: torch.Tensor  # [B, k*T] bool, True where masked
     block_size: int
+
+    @property
+    def copies(self) -> int:
+        return self.noisy.shape[1] // self.clean.shape[1]
 
 
 def sample_block_sizes(n: int, block_sizes: tuple[int, ...], gen: torch.Generator) -> list[int]:
@@ -83,12 +87,10 @@ def make_masks(
     t = min_mask_ratio + (1.0 - min_mask_ratio) * (1.0 - torch.rand(B, nb, 1, generator=gen))  # (min, 1]
     u = torch.rand(B, nb, block_size, generator=gen)
     mask = (u < t).reshape(B, T)
-    clean = ids
     if complementary:
-        clean = torch.cat([ids, ids], 0)
-        mask = torch.cat([mask, ~mask], 0)
-    noisy = clean.masked_fill(mask, mask_token_id)
-    return DiffusionBatch(clean=clean, noisy=noisy, mask=mask, block_size=block_size)
+        mask = torch.cat([mask, ~mask], 1)
+    noisy = ids.repeat(1, mask.shape[1] // T).masked_fill(mask, mask_token_id)
+    return DiffusionBatch(clean=ids, noisy=noisy, mask=mask, block_size=block_size)
 
 
 def masked_diffusion_ce(
@@ -100,16 +102,18 @@ def masked_diffusion_ce(
     *,
     reduction: str = "sum",
 ) -> tuple[torch.Tensor, int]:
-    """CE over masked positions with shift-by-one; returns (loss summed or averaged, count)."""
-    N, T, V = noisy_logits.shape
-    pos = torch.arange(T, device=clean.device)
-    target_mask = mask.clone()
-    target_mask[:, 0] = False  # position 0 has no predictor
-    b, j = target_mask.nonzero(as_tuple=True)
+    """CE over masked positions with shift-by-one; returns (loss summed or averaged, count).
+
+    clean_logits [B, T, V], clean [B, T]; noisy_logits [B, k*T, V] and mask [B, k*T] for k noisy copies."""
+    B, T = clean.shape
+    k = mask.shape[1] // T
+    target_mask = mask.reshape(B, k, T).clone()
+    target_mask[:, :, 0] = False  # position 0 has no predictor
+    b, c, j = target_mask.nonzero(as_tuple=True)
     if b.numel() == 0:
         return noisy_logits.sum() * 0.0, 0
-    at_start = (pos[j] % block_size) == 0
-    src = torch.where(at_start[:, None], clean_logits[b, j - 1], noisy_logits[b, j - 1])
+    at_start = (j % block_size) == 0
+    src = torch.where(at_start[:, None], clean_logits[b, j - 1], noisy_logits[b, c * T + j - 1])
     loss = F.cross_entropy(src.float(), clean[b, j], reduction="sum")
     n = int(b.numel())
     if reduction == "mean":
@@ -168,7 +172,7 @@ def diffusion_step_loss(
         ar_sum = ar_sum + F.cross_entropy(
             clean_logits[:, :-1].reshape(-1, V).float(), db.clean[:, 1:].reshape(-1), reduction="sum"
         )
-        n_ar += db.clean.shape[0] * (T - 1)
+        n_ar += db.clean.shape[0] * (T - 1)  # the clean stream once per sequence, however many copies
     diff = diff_sum / max(n_masked, 1)
     ar = ar_sum / max(n_ar, 1)
     aux = router_aux_loss(rl, top_k)
@@ -194,13 +198,15 @@ def ar_step_loss(model, ids: torch.Tensor, *, aux_coef: float, top_k: int) -> tu
 
 def reference_block_diffusion(model, clean: torch.Tensor, noisy: torch.Tensor, block_size: int, router_logits=None):
     """A slow stand-in with the forward_block_diffusion signature (tests only): clean logits from the
-    causal forward; each noisy block is run causally after its clean prefix (no bidirectional
-    attention inside the block, so it is *not* the Clover denoise mode; it exercises the loss
-    plumbing)."""
+    causal forward; each noisy block of each copy is run causally after its clean prefix (no
+    bidirectional attention inside the block, so it is *not* the Clover denoise mode; it exercises
+    the loss plumbing)."""
     clean_logits = model(clean, router_logits=router_logits)
     T = clean.shape[1]
     outs = []
-    for s in range(0, T, block_size):
-        seq = torch.cat([clean[:, :s], noisy[:, s : s + block_size]], 1)
-        outs.append(model(seq, router_logits=router_logits)[:, s:])
+    for c in range(noisy.shape[1] // T):
+        copy = noisy[:, c * T : (c + 1) * T]
+        for s in range(0, T, block_size):
+            seq = torch.cat([clean[:, :s], copy[:, s : s + block_size]], 1)
+            outs.append(model(seq, router_logits=router_logits)[:, s:])
     return clean_logits, torch.cat(outs, 1)

@@ -83,6 +83,7 @@ class RunSpec:
     progress: bool = True
     eval_every: int = 0  # steps; 0 = off. Held-out task-answer metrics (teacher-forced) to log.jsonl
     eval_tasks: int = 100
+    autocast: str = "none"  # "bf16": matmuls in bfloat16 under torch.autocast (fp32 master weights and loss)
 
 
 @dataclass
@@ -109,6 +110,8 @@ class Recipe:
             raise RecipeError("optim.steps must be positive")
         if self.data.seq_len < 2 or self.data.batch_size < 1:
             raise RecipeError("data.seq_len must be >= 2 and data.batch_size >= 1")
+        if self.run.autocast not in ("none", "bf16"):
+            raise RecipeError(f"run.autocast must be 'none' or 'bf16', not {self.run.autocast!r}")
         if self.stage == "diffusion":
             for b in self.diffusion.block_sizes:
                 if b < 1 or self.data.seq_len % b:

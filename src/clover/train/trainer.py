@@ -314,11 +314,8 @@ class Trainer:
             f.write(json.dumps(rec) + "\n")
 
     # -- one optimizer step
-    def train_step(self, ids: torch.Tensor) -> dict[str, float]:
+    def _loss(self, ids: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
         r, cfg = self.recipe, self.model.config
-        lr = lr_at(self.step, r)
-        for g in self.opt.param_groups:
-            g["lr"] = lr
         if r.stage == "ar":
             loss, stats = ar_step_loss(self.model, ids, aux_coef=r.optim.aux_loss_coef, top_k=cfg.num_experts_per_tok)
         else:
@@ -329,6 +326,15 @@ class Trainer:
                 aux_coef=r.optim.aux_loss_coef, top_k=cfg.num_experts_per_tok,
                 complementary=d.complementary, min_mask_ratio=d.min_mask_ratio,
             )
+        return loss, stats
+
+    def train_step(self, ids: torch.Tensor) -> dict[str, float]:
+        r, cfg = self.recipe, self.model.config
+        lr = lr_at(self.step, r)
+        for g in self.opt.param_groups:
+            g["lr"] = lr
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=r.run.autocast == "bf16"):
+            loss, stats = self._loss(ids)
         loss.backward()
         self.dist.all_reduce_grads(self.params)
         gn = None
