@@ -296,3 +296,29 @@ def test_packed_stream_content(stream_args):
     heldp = {t.prompt for t in tasks.heldout_tasks()}
     for line in doc.split("\n")[:-1]:
         assert line[: line.index("== ") + 3] in heldp
+
+
+def test_task_weights_skew_training_kinds_only(stream_args):
+    import collections
+    import random
+
+    w = tasks.check_task_weights({"add": 9.0, "sum": 0})
+    assert w["add"] == 9.0 and w["sum"] == 0.0 and w["sorted"] == 1.0
+    counts = collections.Counter(t.kind for t, _ in zip(tasks.iter_tasks(random.Random(0), weights={"add": 9.0, "sum": 0}), range(3000)))
+    assert counts["sum"] == 0
+    assert counts["add"] > 5 * counts["sorted"]  # expected 9x
+    assert tasks.check_task_weights(None) is None and tasks.check_task_weights({}) is None
+    with pytest.raises(ValueError, match="unknown task kind"):
+        tasks.check_task_weights({"addition": 2.0})
+    with pytest.raises(ValueError, match=">= 0"):
+        tasks.check_task_weights({"add": -1})
+    pytest.importorskip("torch")
+    from clover.data.mix import PackedStream
+
+    with pytest.raises(ValueError, match="training streams only"):
+        PackedStream(**{**stream_args, "split": "heldout", "max_files": None}, task_weights={"add": 2.0})
+    s = PackedStream(**stream_args, task_weights={"add": 2.0})
+    plain = PackedStream(**stream_args)
+    state = s.state_dict()
+    with pytest.raises(ValueError, match="mismatch"):
+        plain.load_state_dict(state)  # a changed mix is not silently resumed

@@ -146,6 +146,7 @@ class PackedStream:
         cache_dir: str | Path | None = None,
         max_files: int | None = None,
         verbose: bool = False,
+        task_weights: dict[str, float] | None = None,
     ):
         if split not in ("train", "heldout"):
             raise ValueError(f"split must be 'train' or 'heldout', not {split!r}")
@@ -160,6 +161,9 @@ class PackedStream:
         self.batch_size = int(batch_size)
         self.task_fraction = float(task_fraction)
         self.seed = int(seed)
+        if task_weights and split == "heldout":
+            raise ValueError("task_weights apply to training streams only; held-out tasks are uniform over kinds")
+        self.task_weights = tasks.check_task_weights(task_weights)
         self.tokens, self.offsets, self.files = load_file_tokens(
             self.tok, split, cache_dir=cache_dir, max_files=max_files, verbose=verbose
         )
@@ -192,7 +196,7 @@ class PackedStream:
         if self._heldout is not None:
             group = [rng.choice(self._heldout) for _ in range(k)]
         else:
-            it = tasks.iter_tasks(rng, exclude_heldout=True)
+            it = tasks.iter_tasks(rng, exclude_heldout=True, weights=self.task_weights)
             group = [next(it) for _ in range(k)]
         text = "\n".join(tasks.task_line(t) for t in group) + "\n"
         ids = self.tok.encode(text, add_special_tokens=False).ids
@@ -269,6 +273,7 @@ class PackedStream:
             "seed": self.seed,
             "tokenizer_hash": tokenizer_hash(self.tok),
             "n_files": self.n_files,
+            **({"task_weights": self.task_weights} if self.task_weights else {}),
         }
 
     def state_dict(self) -> dict[str, Any]:

@@ -150,9 +150,30 @@ GENERATORS: dict[str, Callable[[random.Random], Task]] = {
 KINDS: tuple[str, ...] = tuple(GENERATORS)
 
 
-def sample_task(rng: random.Random) -> Task:
-    """One task of a uniformly chosen kind, drawn with ``rng``."""
-    return GENERATORS[rng.choice(KINDS)](rng)
+def check_task_weights(weights: dict[str, float] | None) -> dict[str, float] | None:
+    """Validate per-kind sampling weights (unlisted kinds weigh 1); None or {} = uniform."""
+    if not weights:
+        return None
+    unknown = sorted(set(weights) - set(KINDS))
+    if unknown:
+        raise ValueError(f"unknown task kind(s) {unknown}; known: {', '.join(KINDS)}")
+    bad = {k: w for k, w in weights.items() if not (isinstance(w, (int, float)) and w >= 0)}
+    if bad:
+        raise ValueError(f"task weights must be numbers >= 0, got {bad}")
+    full = {k: float(weights.get(k, 1.0)) for k in KINDS}
+    if sum(full.values()) <= 0:
+        raise ValueError("task weights are all zero")
+    return full
+
+
+def sample_task(rng: random.Random, weights: dict[str, float] | None = None) -> Task:
+    """One task drawn with ``rng``: kind uniform, or by ``weights`` (a full map from
+    :func:`check_task_weights`; training mixes only -- held-out tasks are always uniform)."""
+    if weights is None:
+        kind = rng.choice(KINDS)
+    else:
+        kind = rng.choices(KINDS, weights=[weights[k] for k in KINDS])[0]
+    return GENERATORS[kind](rng)
 
 
 def generate_tasks(n: int, seed: int, exclude: Iterable[str] | None = None) -> list[Task]:
@@ -202,11 +223,12 @@ def train_tasks(n: int, seed: int = TRAIN_SEED) -> list[Task]:
     return generate_tasks(n, seed, exclude=heldout_prompts())
 
 
-def iter_tasks(rng: random.Random, exclude_heldout: bool = True) -> Iterator[Task]:
-    """Endless task stream drawn from ``rng`` (held-out prompts skipped)."""
+def iter_tasks(rng: random.Random, exclude_heldout: bool = True, weights: dict[str, float] | None = None) -> Iterator[Task]:
+    """Endless task stream drawn from ``rng`` (held-out prompts skipped), kinds by ``weights``."""
     ex = heldout_prompts() if exclude_heldout else frozenset()
+    w = check_task_weights(weights)
     while True:
-        t = sample_task(rng)
+        t = sample_task(rng, w)
         if t.prompt not in ex:
             yield t
 

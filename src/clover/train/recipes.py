@@ -47,6 +47,7 @@ class DataSpec:
     seed: int | None = None  # data-stream seed (default: the recipe seed); rank r reads seed*1000 + r
     cache_dir: str | None = None
     max_files: int | None = None  # first N stdlib files only (tests)
+    task_weights: dict[str, float] = field(default_factory=dict)  # per-kind sampling weights (default 1 each)
 
 
 @dataclass
@@ -110,6 +111,12 @@ class Recipe:
             raise RecipeError("optim.steps must be positive")
         if self.data.seq_len < 2 or self.data.batch_size < 1:
             raise RecipeError("data.seq_len must be >= 2 and data.batch_size >= 1")
+        try:
+            from ..data.tasks import check_task_weights
+
+            check_task_weights(self.data.task_weights)
+        except ValueError as e:
+            raise RecipeError(f"data.task_weights: {e}") from None
         if self.run.autocast not in ("none", "bf16"):
             raise RecipeError(f"run.autocast must be 'none' or 'bf16', not {self.run.autocast!r}")
         if self.stage == "diffusion":
