@@ -36,12 +36,22 @@ and quality figures have a trained model behind them. It is a small model: expec
 - Data: the Python standard library of the training interpreter (CPython 3.11; tests, idlelib and
   generated tables excluded; 2% of files held out by a hash of the path) and seeded verifiable
   code-shaped tasks (`assert sorted([31, 7, 19]) == [7, 19, 31]`, 15 kinds; held-out by seed).
-- Stage 1 (`recipes/clover-tiny-ar.toml`): AR next-token pretraining, seq 256 × batch 8, 60% task tokens,
-  AdamW lr 2e-3, router load-balancing loss; stopped at step 1572 (3.2M tokens, ~56 min, 1 thread).
-- Stage 2 (`recipes/clover-tiny-diffusion.toml`): block-diffusion conversion from the stage-1 checkpoint —
-  clean + noisy streams, complementary masks, block sizes {{8, 16, 32, 64}}, masked-token CE (shift-by-one)
-  + 0.5 × AR loss + router loss, 70% task tokens, lr 1e-3 with a final linear decay, Clover's gains
-  clipped separately; 370 steps (~45 min).
+
+Four phases, each resumable, each a recipe (`clover train RECIPE`; the `init` of each is the last
+checkpoint of the one before):
+
+1. `recipes/clover-tiny-ar.toml` — AR next-token pretraining from scratch, seq 256 × batch 8, 60% task
+   tokens, AdamW lr 2e-3, router load-balancing loss; 1572 steps (3.2M tokens, ~56 min, 1 core).
+2. `recipes/clover-tiny-diffusion.toml` — first block-diffusion conversion (what v0 shipped after 370
+   steps); continued to 640 steps (~75 min, 1 core).
+3. `recipes/clover-tiny-ar-tasks.toml` — AR again on a task-heavy mix (90% task tokens; from step 593 the
+   five arithmetic kinds drawn 3x as often), 2 ranks × 8 × 256, bf16 autocast, lr 1.5e-3; 1250 steps
+   (5.1M tokens, ~40 min on 2 cores). AR steps cost a third of a diffusion step per token, so the skills
+   are learned here.
+4. `recipes/clover-tiny-diffusion-tasks.toml` — block diffusion on the same mix: clean + noisy streams,
+   complementary masks (both copies behind one clean stream), block sizes {{8, 16, 32, 64}}, masked-token
+   CE (shift-by-one) + 0.5 × AR loss + router loss, lr 1e-3 with a linear decay over the last 30%,
+   Clover's gains clipped separately; 740 steps (3.0M tokens, ~83 min on 2 cores).
 {notes}
 ## Evaluation (`clover eval`, this machine, one run)
 
