@@ -171,6 +171,33 @@ def test_stop_strings_cut_text(llm, mode):
     assert cut.stats.forwards <= full.stats.forwards
 
 
+def test_decoded_stop_caps_the_block(llm):
+    """Once a block position holds a stop token (or a token whose text is a stop string), later
+    positions are never decoded: with one token per step the block ends after exactly the positions
+    up to the stop."""
+    kw = dict(mode="diffusion", max_new_tokens=16, block_size=16, threshold=2.0, ignore_eos=True)
+    checked = 0
+    for prompt in ("abc", "hello", "xyz", "clover", "12345", "def f", "import os", "qwerty"):
+        free = llm.generate(prompt, **kw)
+        p = free.decode_steps.index(1)  # the position decoded first
+        tok = free.token_ids[p]
+        if p < 1 or tok in free.token_ids[:p]:
+            continue
+        ch = llm.tokenizer.decode([tok])
+        stops = [dict(stop_token_ids=[tok])]
+        if len(ch) == 1 and ch != "\ufffd" and ch not in llm.tokenizer.decode(free.token_ids[:p]):
+            stops.append(dict(stop=[ch]))
+        for stop in stops:
+            cut = llm.generate(prompt, **stop, **kw)
+            assert cut.finish_reason == "stop"
+            assert (ch not in cut.text) if "stop" in stop else (tok not in cut.token_ids)
+            assert cut.stats.forwards <= p + 1 < free.stats.forwards
+            naive = llm.generate(prompt, **stop, **{**kw, "mode": "naive"})
+            assert naive.token_ids == cut.token_ids and naive.stats.forwards == cut.stats.forwards
+            checked += 1
+    assert checked >= 2
+
+
 def test_stream_matches_generate(llm):
     kw = dict(mode="diffusion", max_new_tokens=20, block_size=8, threshold=0.3, ignore_eos=True)
     g = llm.generate("hello", **kw)

@@ -11,6 +11,10 @@ Shift-by-one: the hidden state at position i predicts token i+1, so block positi
 by the last committed position (the commit part of the forward) and position j >= 1 by block
 position j-1 (the denoise part).
 
+A decoded stop caps its block: once a position holds a stop token or a token whose text contains a
+stop string, the output ends at or before it, so later positions of the block are never decoded
+(EOS does the same by filling the rest of the block with EOS).
+
 Rows advance independently: each forward carries, per row, whatever it has to commit (a prompt, a
 finished block, or nothing) plus its current block, so rows can join or leave at any forward.
 
@@ -137,6 +141,14 @@ class DiffusionEngine(BatchEngine):
                 r.blk[fill] = eos_tok
                 r.dec_step[fill[r.masked[fill]]] = r.step
                 r.masked[fill] = False
+        if r.params.stop or r.params.stop_token_ids:
+            # a decoded token that ends the output by itself (a stop token, or a token whose text holds
+            # a stop string) caps the block: the output ends at or before it, so the positions after
+            # it are never decoded -- no forward is spent on text that would be cut away
+            for j in sorted(pos.tolist()):
+                if j < r.need and _token_stops(r, int(r.blk[j])):
+                    r.need = j + 1
+                    break
         if self.provisional:
             events.append(DecodeEvent(
                 "provisional", i, [None if r.masked[j] else int(r.blk[j]) for j in range(Bs)],
@@ -164,6 +176,16 @@ class DiffusionEngine(BatchEngine):
         r.block_no += 1
         self._new_block(r)
         return events
+
+
+def _token_stops(r: RowState, tok: int) -> bool:
+    p = r.params
+    if p.stop_token_ids and tok in p.stop_token_ids:
+        return True
+    if p.stop:
+        text = r.decode([tok])
+        return any(x in text for x in p.stop)
+    return False
 
 
 def _prefix_ends_row_impl(r: RowState, prefix: list[int]) -> bool:
