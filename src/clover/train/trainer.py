@@ -330,7 +330,7 @@ class Trainer:
         return loss, stats
 
     def train_step(self, ids: torch.Tensor) -> dict[str, float]:
-        r, cfg = self.recipe, self.model.config
+        r = self.recipe
         lr = lr_at(self.step, r)
         for g in self.opt.param_groups:
             g["lr"] = lr
