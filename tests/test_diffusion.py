@@ -161,6 +161,7 @@ def test_eos_ends_generation(llm, mode):
 def test_stop_strings_cut_text(llm, mode):
     kw = dict(mode=mode, max_new_tokens=30, block_size=8, threshold=0.3, ignore_eos=True)
     full = llm.generate("abc", **kw)
+    assert llm.generate("abc", stop=None, **kw).token_ids == full.token_ids  # None = no stop strings
     text = full.text
     stop = text[10:12]
     cut = llm.generate("abc", stop=[stop], **kw)

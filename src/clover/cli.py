@@ -23,7 +23,7 @@ from typing import Callable, Sequence
 
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
-DEMO_PROMPTS = ("def fibonacci(n):", "assert sorted([9, 2, 5]) == ")
+DEMO_PROMPTS = ("def fibonacci(n):", "assert sorted([9, 2, 5]) == ", "assert [x * 2 for x in [14, 3, 25, 7]] == ")
 DEMO_TINY_DIR = Path("build") / "demo-tiny"
 CHAT_STOP = "<|im_end|>"
 
@@ -587,7 +587,9 @@ def run_demo(args: argparse.Namespace) -> int:
         table.add_column(col, justify="left" if col in ("prompt", "mode", "finish") else "right")
     for prompt in DEMO_PROMPTS:
         for mode in modes:
-            gen = llm.generate(prompt, mode=mode, max_new_tokens=args.max_new_tokens)
+            # a task prompt's answer is the rest of its line: stop there, as `clover eval` does
+            stop = ["\n"] if prompt.endswith("== ") else None
+            gen = llm.generate(prompt, mode=mode, max_new_tokens=args.max_new_tokens, stop=stop)
             s = gen.stats
             console.rule(f"{mode} · {prompt!r}", align="left")
             console.print(viz.printable_text(prompt + gen.text), markup=False, highlight=False)

@@ -37,6 +37,8 @@ class SamplingParams:
         def bad(name: str, why: str) -> None:
             raise ValueError(f"{name}: {why}")
 
+        if self.stop is None:  # as in the OpenAI API: null = no stop strings
+            self.stop = []
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = [s for s in self.stop if s]
