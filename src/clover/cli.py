@@ -576,6 +576,7 @@ def run_demo(args: argparse.Namespace) -> int:
     from rich.table import Table
 
     from . import viz
+    from .data.tasks import PROMPT_SEP
 
     if args.max_new_tokens <= 0:
         raise UsageError("--max-new-tokens: must be a positive integer")
@@ -588,7 +589,7 @@ def run_demo(args: argparse.Namespace) -> int:
     for prompt in DEMO_PROMPTS:
         for mode in modes:
             # a task prompt's answer is the rest of its line: stop there, as `clover eval` does
-            stop = ["\n"] if prompt.endswith("== ") else None
+            stop = ["\n"] if prompt.endswith(PROMPT_SEP) else None
             gen = llm.generate(prompt, mode=mode, max_new_tokens=args.max_new_tokens, stop=stop)
             s = gen.stats
             console.rule(f"{mode} · {prompt!r}", align="left")

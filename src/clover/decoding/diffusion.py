@@ -145,8 +145,8 @@ class DiffusionEngine(BatchEngine):
             # a decoded token that ends the output by itself (a stop token, or a token whose text holds
             # a stop string) caps the block: the output ends at or before it, so the positions after
             # it are never decoded -- no forward is spent on text that would be cut away
-            for j in sorted(pos.tolist()):
-                if j < r.need and _token_stops(r, int(r.blk[j])):
+            for j in pos.tolist():  # ascending, all < r.need (candidates come from masked[:need])
+                if _token_stops(r, int(r.blk[j])):
                     r.need = j + 1
                     break
         if self.provisional:

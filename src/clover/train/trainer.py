@@ -167,7 +167,7 @@ def make_stream(recipe: Recipe, rank: int, world: int, tokenizer: str):
         seed=(recipe.seed if recipe.data.seed is None else recipe.data.seed) * 1000 + rank,
         cache_dir=recipe.data.cache_dir,
         max_files=recipe.data.max_files,
-        task_weights=recipe.data.task_weights or None,
+        task_weights=recipe.data.task_weights,
     )
 
 
