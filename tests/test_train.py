@@ -17,7 +17,7 @@ from clover.tokenizer import write_byte_tokenizer
 from clover.train import main as train_main
 from clover.train import losses
 from clover.train.recipes import RecipeError, load_recipe, recipe_from_dict
-from clover.train.trainer import Trainer, lr_at
+from clover.train.trainer import Trainer, lr_at, resolve_device
 
 MICRO_MODEL = dict(
     hidden_size=32,
@@ -89,6 +89,8 @@ def test_recipe_toml_and_errors(tmp_path, byte_tok):
         recipe_from_dict({"model": {"a": 1}, "stage": "foo"})
     with pytest.raises(RecipeError, match="autocast"):
         recipe_from_dict({"model": {"a": 1}, "run": {"autocast": "fp8"}})
+    with pytest.raises(RecipeError, match="run.device"):
+        recipe_from_dict({"model": {"a": 1}, "run": {"device": "tpu"}})
     with pytest.raises(RecipeError, match="divide"):
         recipe_from_dict({"model": {"a": 1}, "stage": "diffusion", "data": {"seq_len": 40}})
 
@@ -113,6 +115,18 @@ def test_lr_schedules():
     r.optim.schedule = "wsd"
     r.optim.decay_fraction = 0.2
     assert lr_at(50, r) == 1.0 and lr_at(79, r) == 1.0 and lr_at(99, r) == pytest.approx(0.1)
+
+
+def test_device_resolution(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert resolve_device("auto") == torch.device("cpu") == resolve_device("cpu", 3)
+    with pytest.raises(RuntimeError, match="CUDA is not available"):
+        resolve_device("cuda")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert resolve_device("auto", 1) == torch.device("cuda", 1)  # one GPU per torchrun rank
+    with pytest.raises(RuntimeError, match="LOCAL_RANK=2 has no GPU"):
+        resolve_device("cuda", 2)
 
 
 # ----------------------------------------------------------------------------- losses
@@ -208,7 +222,8 @@ def test_cli_and_export(tmp_path, byte_tok, cache_dir):
     assert ck.is_dir()
     evals = [json.loads(x) for x in (tmp_path / "run" / "log.jsonl").read_text().splitlines() if '"eval"' in x]
     assert evals and evals[0]["eval"]["tasks"] == 8 and 0 <= evals[0]["eval"]["exact_match"] <= 1
-    assert train_main([str(tmp_path / "run"), "--steps", "3", "--quiet", "--resume"]) == 0  # continue from the run dir
+    assert train_main([str(tmp_path / "run"), "--steps", "3", "--quiet", "--resume", "--device", "cpu"]) == 0  # continue from the run dir
+    assert json.loads((tmp_path / "run" / "recipe.json").read_text())["run"]["device"] == "cpu"
     assert (tmp_path / "run" / "ckpt" / "step-00000003").is_dir()
     # an annealing phase with another data mix: the stream is rebuilt, everything else resumes
     assert train_main([str(tmp_path / "run"), "--steps", "4", "--quiet", "--reset-data",

@@ -187,7 +187,7 @@ def save_state_dict(
         if shards[-1] and size + nbytes > max_shard_bytes:
             shards.append({})
             size = 0
-        shards[-1][name] = t.detach().contiguous()
+        shards[-1][name] = t.detach().to("cpu").contiguous()
         size += nbytes
         total += nbytes
     if len(shards) == 1:

@@ -6,7 +6,8 @@ CLI (also `python -m clover.train`)::
     clover train RUN_DIR                      # continue a run from its recipe.json
     clover train export CKPT OUT [--dtype bfloat16] [--tokenizer DIR]
 
-Multi-process data-parallel: `torchrun --nproc_per_node N -m clover.train RECIPE` (gloo).
+Multi-process data-parallel: `torchrun --nproc_per_node N -m clover.train RECIPE` (gloo on CPU,
+nccl with one GPU per rank when `run.device` / `--device` resolves to CUDA).
 """
 
 from __future__ import annotations
@@ -54,6 +55,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="on resume, start a fresh data stream instead of restoring it (needed after changing [data], "
                         "e.g. --set data.task_fraction=0.9 --set data.seed=7 for an annealing phase)")
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default=None,
+                   help="run.device: auto (CUDA when available), cpu or cuda (one GPU per torchrun rank)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     a = p.parse_args(argv)
     overrides = {}
@@ -68,6 +71,8 @@ def main(argv: list[str] | None = None) -> int:
         overrides["optim.steps"] = a.steps
     if a.threads:
         overrides["run.threads"] = a.threads
+    if a.device:
+        overrides["run.device"] = a.device
     src = Path(a.recipe)
     try:
         if src.is_dir():

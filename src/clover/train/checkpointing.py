@@ -55,7 +55,7 @@ def optimizer_tensors(opt: torch.optim.Optimizer, names: dict[int, str]) -> tupl
         pname = names[idx]
         for key, val in st.items():
             if torch.is_tensor(val):
-                tensors[f"state.{pname}.{key}"] = val.detach().contiguous().clone()
+                tensors[f"state.{pname}.{key}"] = val.detach().to("cpu", copy=True).contiguous()
             else:
                 scalars.setdefault(pname, {})[key] = val
     groups = []

@@ -31,7 +31,7 @@ def heldout_lm(model, tokenizer, *, batches: int = 8, seq_len: int = 256, batch_
     stream = PackedStream(tokenizer, "heldout", seq_len=seq_len, batch_size=batch_size, task_fraction=task_fraction, seed=seed)
     tot_loss, tot_correct, n = 0.0, 0, 0
     for _ in range(batches):
-        ids = stream.next_batch()
+        ids = stream.next_batch().to(model.device)
         logits = model(ids)[:, :-1].float()
         tgt = ids[:, 1:]
         tot_loss += float(F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tgt.reshape(-1), reduction="sum"))
@@ -60,7 +60,7 @@ def task_answer_metrics(model, tokenizer, *, n_tasks: int = 500, threshold: floa
         ids = torch.zeros(len(chunk), L, dtype=torch.long)  # right-padded; causal, so padding is harmless
         for r, (_, p, a) in enumerate(chunk):
             ids[r, : len(p) + len(a)] = torch.tensor(p + a)
-        probs = model(ids).float().softmax(-1)
+        probs = model(ids.to(model.device)).float().softmax(-1).cpu()
         for r, (kind, p, a) in enumerate(chunk):
             pos = torch.arange(len(p) - 1, len(p) + len(a) - 1)
             tgt = torch.tensor(a)

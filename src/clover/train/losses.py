@@ -86,7 +86,7 @@ def make_masks(
     nb = T // block_size
     t = min_mask_ratio + (1.0 - min_mask_ratio) * (1.0 - torch.rand(B, nb, 1, generator=gen))  # (min, 1]
     u = torch.rand(B, nb, block_size, generator=gen)
-    mask = (u < t).reshape(B, T)
+    mask = (u < t).reshape(B, T).to(ids.device)  # drawn on the CPU generator whatever the device
     if complementary:
         mask = torch.cat([mask, ~mask], 1)
     noisy = ids.repeat(1, mask.shape[1] // T).masked_fill(mask, mask_token_id)

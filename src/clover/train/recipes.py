@@ -11,7 +11,8 @@ A recipe has a few top-level keys and one table per concern::
     [data]       # tokenizer, seq_len, batch_size (global, split over ranks), task_fraction, ...
     [optim]      # lr, betas, weight_decay, eps, grad_clip, aux_loss_coef, steps, warmup_steps, schedule, ...
     [diffusion]  # block_sizes, ar_weight, complementary, min_mask_ratio (stage "diffusion" only)
-    [run]        # out, threads, log_every, ckpt_every_s, ckpt_every_steps, keep, progress
+    [run]        # out, threads, log_every, ckpt_every_s, ckpt_every_steps, keep, progress, eval_every,
+                 # eval_tasks, autocast ("none" | "bf16"), device ("auto" | "cpu" | "cuda")
 
 Relative paths inside a recipe are resolved against the recipe file's directory first, then the
 current working directory. Unknown keys are an error (typos should not pass silently).
@@ -32,6 +33,7 @@ except ModuleNotFoundError:  # pragma: no cover
 
 STAGES = ("ar", "diffusion")
 SCHEDULES = ("cosine", "wsd", "constant")
+DEVICES = ("auto", "cpu", "cuda")
 
 
 class RecipeError(ValueError):
@@ -85,6 +87,7 @@ class RunSpec:
     eval_every: int = 0  # steps; 0 = off. Held-out task-answer metrics (teacher-forced) to log.jsonl
     eval_tasks: int = 100
     autocast: str = "none"  # "bf16": matmuls in bfloat16 under torch.autocast (fp32 master weights and loss)
+    device: str = "auto"  # "auto" (CUDA when available), "cpu" or "cuda"; under torchrun rank r takes cuda:LOCAL_RANK
 
 
 @dataclass
@@ -119,6 +122,8 @@ class Recipe:
             raise RecipeError(f"data.task_weights: {e}") from None
         if self.run.autocast not in ("none", "bf16"):
             raise RecipeError(f"run.autocast must be 'none' or 'bf16', not {self.run.autocast!r}")
+        if self.run.device not in DEVICES:
+            raise RecipeError(f"run.device must be one of {DEVICES}, not {self.run.device!r}")
         if self.stage == "diffusion":
             for b in self.diffusion.block_sizes:
                 if b < 1 or self.data.seq_len % b:

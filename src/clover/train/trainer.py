@@ -1,8 +1,9 @@
 """The training loop: stage "ar" (next-token pretraining) and stage "diffusion" (AR -> Clover).
 
-Data-parallel: run under `torchrun --nproc_per_node N`; ranks join a gloo process group, each reads
-its own data stream (seed + rank) with `batch_size / N` rows, and gradients are averaged with one
-flattened all-reduce per step before clipping. (An explicit all-reduce rather than the DDP wrapper:
+Data-parallel: run under `torchrun --nproc_per_node N`; ranks join a process group (gloo on CPU,
+nccl with rank r on cuda:LOCAL_RANK when `run.device` resolves to CUDA), each reads its own data
+stream (seed + rank) with `batch_size / N` rows, and gradients are averaged with one flattened
+all-reduce per step before clipping. (An explicit all-reduce rather than the DDP wrapper:
 stage 2 calls `forward_block_diffusion`, which a wrapper would not see, and MoE experts or Clover
 parameters that receive no tokens simply contribute zeros.)
 
@@ -55,13 +56,34 @@ def lr_at(step: int, recipe: Recipe) -> float:
 
 
 # --------------------------------------------------------------------------- distributed
+def resolve_device(spec: str, local_rank: int = 0) -> torch.device:
+    """`run.device` -> this rank's device: "auto" is CUDA when available, else the CPU."""
+    if spec == "auto":
+        spec = "cuda" if torch.cuda.is_available() else "cpu"
+    if spec == "cpu":
+        return torch.device("cpu")
+    if spec != "cuda":
+        raise ValueError(f"run.device must be 'auto', 'cpu' or 'cuda', not {spec!r}")
+    if not torch.cuda.is_available():
+        raise RuntimeError("run.device = 'cuda' but CUDA is not available here; use --device cpu (or auto)")
+    if local_rank >= torch.cuda.device_count():
+        raise RuntimeError(
+            f"rank with LOCAL_RANK={local_rank} has no GPU ({torch.cuda.device_count()} visible); "
+            "start at most one process per GPU (torchrun --nproc_per_node)"
+        )
+    return torch.device("cuda", local_rank)
+
+
 class Dist:
-    def __init__(self) -> None:
+    def __init__(self, device_spec: str = "cpu") -> None:
         self.world = int(os.environ.get("WORLD_SIZE", "1"))
         self.rank = int(os.environ.get("RANK", "0"))
+        self.device = resolve_device(device_spec, int(os.environ.get("LOCAL_RANK", "0")))
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
         self.active = self.world > 1
         if self.active and not dist.is_initialized():
-            dist.init_process_group("gloo")
+            dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo")
 
     @property
     def main(self) -> bool:
@@ -88,7 +110,7 @@ class Dist:
         if not self.active:
             return values
         keys = sorted(values)
-        t = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64)
+        t = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64, device=self.device)
         dist.all_reduce(t)
         t /= self.world
         return {k: float(v) for k, v in zip(keys, t.tolist())}
@@ -97,7 +119,7 @@ class Dist:
         """Rank 0's decision, broadcast (e.g. 'checkpoint now')."""
         if not self.active:
             return value
-        t = torch.tensor([1 if value else 0])
+        t = torch.tensor([1 if value else 0], device=self.device)
         dist.broadcast(t, 0)
         return bool(t.item())
 
@@ -201,7 +223,8 @@ class Trainer:
     def __init__(self, recipe: Recipe, *, resume: bool | None = None, quiet: bool = False, reset_data: bool = False) -> None:
         self.recipe = recipe
         self.reset_data = reset_data
-        self.dist = Dist()
+        self.dist = Dist(recipe.run.device)
+        self.device = self.dist.device
         self.quiet = quiet
         torch.set_num_threads(max(1, recipe.run.threads))
         torch.manual_seed(recipe.seed)
@@ -216,7 +239,7 @@ class Trainer:
         self.dist.barrier()
         self.tokenizer = self._tokenizer_dir()
         ids = tokenizer_special_ids(self.tokenizer)
-        self.model = build_or_load_model(recipe, ids)
+        self.model = build_or_load_model(recipe, ids).to(self.device)
         cfg = self.model.config
         if recipe.stage == "ar":
             for n, p in self.model.named_parameters():  # unused in commit mode
@@ -334,7 +357,7 @@ class Trainer:
         lr = lr_at(self.step, r)
         for g in self.opt.param_groups:
             g["lr"] = lr
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=r.run.autocast == "bf16"):
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=r.run.autocast == "bf16"):
             loss, stats = self._loss(ids)
         loss.backward()
         self.dist.all_reduce_grads(self.params)
@@ -381,7 +404,7 @@ class Trainer:
         per_step_tokens = r.data.batch_size * r.data.seq_len
         while self.step < total:
             t0 = time.time()
-            ids = self.stream.next_batch()
+            ids = self.stream.next_batch().to(self.device, non_blocking=True)
             stats = self.train_step(ids)
             self.step += 1
             self.tokens += per_step_tokens
