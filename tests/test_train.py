@@ -257,3 +257,25 @@ def test_two_process_gloo(tmp_path, byte_tok, cache_dir):
     assert state["ranks"][0]["stream"]["config"]["seed"] != state["ranks"][1]["stream"]["config"]["seed"]
     assert state["ranks"][0]["stream"]["config"]["batch_size"] == 2  # global batch 4 split over 2 ranks
     assert (tmp_path / "run" / "ckpt" / "step-00000003" / "rng-rank1.safetensors").is_file()
+
+
+def test_plot_training_curves(tmp_path):
+    from clover.train.plot import moving_average, read_run_log
+
+    run = tmp_path / "run"
+    run.mkdir()
+    recs = [{"step": s, "tokens": 100 * s, "ar_loss": 3.0 / s, "diff_loss": 4.0 / s} for s in (5, 10, 15)]
+    recs.append({"step": 10, "eval": {"tasks": 8, "exact_match": 0.25, "answer_tokens_p>=0.95": 0.5}})
+    recs.append({"step": 10, "tokens": 1000, "ar_loss": 0.123, "diff_loss": 0.5})  # re-logged after a resume: wins
+    (run / "log.jsonl").write_text("\n".join(json.dumps(r) for r in recs) + "\n")
+    log = read_run_log(run)
+    assert [r["step"] for r in log.train] == [5, 10, 15] and log.train[1]["ar_loss"] == 0.123
+    assert log.evals == [{"step": 10, "tokens": 1000, "tasks": 8, "exact_match": 0.25, "answer_tokens_p>=0.95": 0.5}]
+    assert moving_average([1.0, 2.0, 3.0, 4.0], 3) == [1.5, 2.0, 3.0, 3.5] and moving_average([1.0, 5.0], 1) == [1.0, 5.0]
+    out = tmp_path / "c.png"
+    assert train_main(["plot", str(run), str(run), "--chain", "--labels", "a,b", "--out", str(out)]) == 0
+    assert out.stat().st_size > 1000 and out.read_bytes()[:4] == b"\x89PNG"
+    assert train_main(["plot", str(tmp_path / "nope"), "--out", str(out)]) == 2  # a clear one-line error
+    (run / "log.jsonl").write_text('{"step": 5, "tokens": 1')
+    with pytest.raises(ValueError, match="truncated"):
+        read_run_log(run)

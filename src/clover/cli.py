@@ -647,7 +647,7 @@ register("eval", "evaluate a checkpoint: held-out tasks and code, every mode on 
          "clover.eval:configure", "clover.eval:run")
 def configure_train(p: argparse.ArgumentParser) -> None:
     p.add_argument("train_args", nargs=argparse.REMAINDER,
-                   help="RECIPE [--out DIR] [--steps N] [--resume|--no-resume] [--set KEY=VALUE]... | RUN_DIR | export CKPT OUT "
+                   help="RECIPE [--out DIR] [--steps N] [--resume|--no-resume] [--set KEY=VALUE]... | RUN_DIR | export CKPT OUT | plot RUN_DIR... "
                         "(see docs/training.md; `clover train -- --help` for all options)")
 
 

@@ -5,6 +5,7 @@ CLI (also `python -m clover.train`)::
     clover train RECIPE [--out DIR] [--steps N] [--resume | --no-resume] [--reset-data] [--set KEY=VALUE ...]
     clover train RUN_DIR                      # continue a run from its recipe.json
     clover train export CKPT OUT [--dtype bfloat16] [--tokenizer DIR]
+    clover train plot RUN_DIR [RUN_DIR ...] [--out curves.png] [--chain]   # loss / held-out curves
 
 Multi-process data-parallel: `torchrun --nproc_per_node N -m clover.train RECIPE` (gloo on CPU,
 nccl with one GPU per rank when `run.device` / `--device` resolves to CUDA).
@@ -31,6 +32,14 @@ def _parse_value(text: str):
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "plot":
+        from .plot import main as plot_main
+
+        try:
+            return plot_main(argv[1:])
+        except (OSError, ValueError) as e:
+            print(f"clover train plot: {e}", file=sys.stderr)
+            return 2
     if argv and argv[0] == "export":
         p = argparse.ArgumentParser(prog="clover train export", description="checkpoint -> model directory (bf16 by default)")
         p.add_argument("ckpt")
