@@ -178,6 +178,28 @@ def test_ar_loss_goes_down(tmp_path, byte_tok, cache_dir):
     assert frozen and all(("conv1d_right" in n or "intra_scale" in n or "block_gain" in n) for n in frozen)
 
 
+def test_grad_accum_equals_full_batch_for_ar(tmp_path, byte_tok, cache_dir):
+    """Two micro-batches of 2 rows give the gradient one batch of 4 rows gives (AR without the router
+    loss, which is not additive over micro-batches: mean of equal-size means)."""
+    runs = []
+    for accum in (1, 2):
+        raw = micro_raw(byte_tok, cache_dir, tmp_path / f"run{accum}", steps=2)
+        raw["optim"].update(grad_accum=accum, aux_loss_coef=0.0)
+        t = Trainer(recipe_from_dict(raw), resume=False, quiet=True)
+        ids = t.stream.next_batch()
+        assert ids.shape[0] == 4  # the stream is the same whatever the accumulation
+        grads = {}
+        t.opt.step = lambda: grads.update({t.names[i]: p.grad.clone() for i, p in enumerate(t.params) if p.grad is not None})
+        runs.append((t.train_step(ids), grads))
+    (st1, g1), (st2, g2) = runs
+    assert st1["loss"] == pytest.approx(st2["loss"], rel=1e-5) and st1["grad_norm"] == pytest.approx(st2["grad_norm"], rel=1e-4)
+    assert g1.keys() == g2.keys() and g1
+    for n in g1:
+        torch.testing.assert_close(g2[n], g1[n], rtol=1e-4, atol=1e-7, msg=n)
+    with pytest.raises(RecipeError, match="grad_accum"):
+        recipe_from_dict({"model": {"a": 1}, "data": {"batch_size": 6}, "optim": {"grad_accum": 4}})
+
+
 @pytest.mark.parametrize("autocast", ["none", "bf16"])
 def test_diffusion_loss_goes_down(tmp_path, byte_tok, cache_dir, standin, autocast):
     r = recipe_from_dict(micro_raw(byte_tok, cache_dir, tmp_path / "run", stage="diffusion", steps=20, autocast=autocast))

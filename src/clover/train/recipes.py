@@ -60,6 +60,7 @@ class OptimSpec:
     eps: float = 1e-8
     weight_decay: float = 0.1
     grad_clip: float = 1.0
+    grad_accum: int = 1  # micro-batches per optimizer step: each rank's rows are split in this many forwards
     aux_loss_coef: float = 0.01
     steps: int = 1000
     warmup_steps: int = 100
@@ -114,6 +115,10 @@ class Recipe:
             raise RecipeError("optim.steps must be positive")
         if self.data.seq_len < 2 or self.data.batch_size < 1:
             raise RecipeError("data.seq_len must be >= 2 and data.batch_size >= 1")
+        if self.optim.grad_accum < 1 or self.data.batch_size % self.optim.grad_accum:
+            raise RecipeError(
+                f"optim.grad_accum ({self.optim.grad_accum}) must be >= 1 and divide data.batch_size ({self.data.batch_size})"
+            )
         try:
             from ..data.tasks import check_task_weights
 

@@ -178,8 +178,11 @@ def to_clover(model, mask_token_id: int | None):
 def make_stream(recipe: Recipe, rank: int, world: int, tokenizer: str):
     from ..data.mix import PackedStream
 
-    if recipe.data.batch_size % world:
-        raise ValueError(f"data.batch_size {recipe.data.batch_size} is not divisible by the {world} ranks")
+    if recipe.data.batch_size % (world * recipe.optim.grad_accum):
+        raise ValueError(
+            f"data.batch_size {recipe.data.batch_size} is not divisible by {world} ranks x "
+            f"optim.grad_accum {recipe.optim.grad_accum}"
+        )
     return PackedStream(
         tokenizer,
         "train",
@@ -353,13 +356,21 @@ class Trainer:
         return loss, stats
 
     def train_step(self, ids: torch.Tensor) -> dict[str, float]:
+        """One optimizer step on this rank's rows `ids`, in `optim.grad_accum` micro-batches (each
+        micro-batch's loss is its own mean, so the step minimises the mean of the micro-batch means:
+        for the AR loss exactly the full-batch mean)."""
         r = self.recipe
         lr = lr_at(self.step, r)
         for g in self.opt.param_groups:
             g["lr"] = lr
-        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=r.run.autocast == "bf16"):
-            loss, stats = self._loss(ids)
-        loss.backward()
+        n = r.optim.grad_accum
+        stats: dict[str, float] = {}
+        for mb in ids.chunk(n) if n > 1 else (ids,):
+            with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=r.run.autocast == "bf16"):
+                loss, st = self._loss(mb)
+            (loss / n if n > 1 else loss).backward()
+            for k, v in st.items():  # counts add up, losses average
+                stats[k] = stats.get(k, 0.0) + (v if k == "masked" else v / n)
         self.dist.all_reduce_grads(self.params)
         gn = None
         if r.optim.grad_clip > 0:
