@@ -12,6 +12,7 @@ def test_eval_tiny(tiny_dir, tmp_path, capsys):
     assert rc == 0
     text = capsys.readouterr().out
     assert "**Tasks**" in text and "**Code**" in text and "perplexity" in text
+    assert "**Tasks by kind**" in text and "| diffusion tok/fwd |" in text
     res = json.loads(out.read_text())
     assert set(res["tasks"]["modes"]) == {"ar", "diffusion"}
     tf = res["teacher_forced"]

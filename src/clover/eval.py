@@ -111,6 +111,17 @@ def markdown(result: dict) -> str:
         lines.append(f"| {m} | {em:.1%} | {s['tokens_per_forward']:.2f} | {s['tokens_per_second']['aggregate']:.1f} | "
                      f"{ratio:.2f}x |" if ratio is not None else f"| {m} | {em:.1%} | {s['tokens_per_forward']:.2f} | "
                      f"{s['tokens_per_second']['aggregate']:.1f} | - |")
+    kinds = next(iter(t.values()), {}).get("quality", {}).get("tasks", {}).get("by_kind")
+    if kinds:
+        lines.append("\n**Tasks by kind** (exact match per mode; tokens/forward of the parallel modes)\n")
+        par = [m for m in t if m != "ar"]
+        lines.append("| kind | n | " + " | ".join(f"{m} EM" for m in t) + "".join(f" | {m} tok/fwd" for m in par) + " |")
+        lines.append("|---|---:|" + "---:|" * (len(t) + len(par)))
+        for k in kinds:
+            row = [k, str(kinds[k]["n"])]
+            row += [f"{t[m]['quality']['tasks']['by_kind'][k]['exact_match']:.0%}" for m in t]
+            row += [f"{t[m]['quality']['tasks']['by_kind'][k]['tokens_per_forward']:.2f}" for m in par]
+            lines.append("| " + " | ".join(row) + " |")
     if "tasks_sweep" in result:
         lines.append("\n**Diffusion sweep on tasks** (threshold at the default block size; block size at the default threshold)\n")
         lines.append("| configuration | exact match | tokens/forward | tokens/s |")

@@ -114,7 +114,7 @@ def score(item: Item, text: str, finish_reason: str) -> dict:
     if item.workload == "tasks":
         from ..data.tasks import check_answer
 
-        return {"exact": bool(check_answer(item.task, text)), "answer": text.split("\n", 1)[0]}
+        return {"exact": bool(check_answer(item.task, text)), "answer": text.split("\n", 1)[0], "kind": item.task.kind}
     body, ok, ended = trim_body(item.prompt, text, truncated=finish_reason == "length")
     ref = item.reference
     if not ended:
@@ -127,10 +127,25 @@ def score(item: Item, text: str, finish_reason: str) -> dict:
 def quality(runs: list[dict]) -> dict:
     """Quality of one mode's runs, per workload."""
     out: dict = {}
-    tasks = [r["score"] for r in runs if r["workload"] == "tasks"]
+    task_runs = [r for r in runs if r["workload"] == "tasks"]
+    tasks = [r["score"] for r in task_runs]
     code = [r["score"] for r in runs if r["workload"] == "code"]
     if tasks:
-        out["tasks"] = {"n": len(tasks), "exact_match": sum(s["exact"] for s in tasks) / len(tasks)}
+        by_kind: dict[str, list[dict]] = {}
+        for r in task_runs:
+            by_kind.setdefault(r["score"].get("kind", "?"), []).append(r)
+        out["tasks"] = {
+            "n": len(tasks),
+            "exact_match": sum(s["exact"] for s in tasks) / len(tasks),
+            "by_kind": {
+                k: {
+                    "n": len(rs),
+                    "exact_match": sum(r["score"]["exact"] for r in rs) / len(rs),
+                    "tokens_per_forward": sum(r["tokens"] for r in rs) / max(1, sum(r["forwards"] for r in rs)),
+                }
+                for k, rs in sorted(by_kind.items())
+            },
+        }
     if code:
         out["code"] = {
             "n": len(code),
