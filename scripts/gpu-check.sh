@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# The prepared check for a lent CUDA machine (one short run, ~5 minutes on an H200):
+#   1. the GPU-only tests (tests/test_cuda.py): GDN kernels vs the naive reference, the bundled
+#      model's logits and greedy AR / diffusion / speculative decoding on CUDA vs the CPU, training
+#      steps on CUDA whose checkpoint resumes on the CPU;
+#   2. the decode benchmark of the bundled model on CUDA (tasks, every mode, bf16 and fp32).
+# Everything lands in $OUT (the device tool's folder) or ./gpu-check.
+#
+# The machine's image has torch, transformers, tokenizers, safetensors, pytest, matplotlib, rich and
+# tqdm but not flash-linear-attention; to test the fla path, fetch its wheels here first
+# (`python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 -d .whl
+#  flash-linear-attention fla-core`, with .whl listed in .git/info/exclude) and carry `.whl`: they
+# are installed below when present. Without them the torch kernels run on CUDA.
+set -uo pipefail
+OUT=${OUT:-gpu-check}
+mkdir -p "$OUT"
+if compgen -G ".whl/*.whl" >/dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+        && export PYTHONPATH=/tmp/site
+fi
+export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+{
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+    python3 -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name(0))"
+    python3 -c "import fla; print('fla', getattr(fla, '__version__', '?'))" 2>/dev/null || echo "fla: not installed (torch kernels on CUDA)"
+} 2>&1 | tee "$OUT/env.txt"
+timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py 2>&1 | tee "$OUT/pytest.txt"
+rc=${PIPESTATUS[0]}
+for dtype in bfloat16 float32; do
+    timeout 120 python3 -m clover bench decode --device cuda --dtype "$dtype" --workload tasks --prompts 16 \
+        --stop-newline -n 32 --json "$OUT/decode-$dtype.json" 2>&1 | tail -n 20 | tee "$OUT/bench-$dtype.txt"
+done
+exit "$rc"
