@@ -322,3 +322,24 @@ def test_task_weights_skew_training_kinds_only(stream_args):
     state = s.state_dict()
     with pytest.raises(ValueError, match="mismatch"):
         plain.load_state_dict(state)  # a changed mix is not silently resumed
+
+
+def test_lists_mix_single_digits_and_two_digits(stream_args):
+    import random
+
+    rng = random.Random(0)
+    lists = [tasks._ints(rng) for _ in range(4000)]
+    small = sum(max(xs) < 10 for xs in lists) / len(lists)
+    assert 0.22 < small < 0.30  # SMALL_LIST_FRACTION, plus the odd two-digit list that drew only digits
+    assert all(2 <= len(xs) <= 8 and max(xs) < 100 for xs in lists)
+    held = [t for t in tasks.heldout_tasks(400) if t.kind == "sorted"]
+    assert any(max(ast.literal_eval(t.answer)) < 10 for t in held)  # single-digit lists are held out too
+    pytest.importorskip("torch")
+    from clover.data.mix import PackedStream
+
+    s = PackedStream(**stream_args)
+    state = s.state_dict()
+    assert state["config"]["tasks_version"] == tasks.TASKS_VERSION
+    state["config"]["tasks_version"] = tasks.TASKS_VERSION - 1  # saved by older generators
+    with pytest.raises(ValueError, match="mismatch"):
+        PackedStream(**stream_args).load_state_dict(state)

@@ -274,6 +274,7 @@ class PackedStream:
             "tokenizer_hash": tokenizer_hash(self.tok),
             "n_files": self.n_files,
             **({"task_weights": self.task_weights} if self.task_weights else {}),
+            **({"tasks_version": tasks.TASKS_VERSION} if self.task_fraction > 0 else {}),
         }
 
     def state_dict(self) -> dict[str, Any]:
