@@ -67,6 +67,10 @@ def test_training_forward_copies_share_one_clean_stream(llm):
             cl1, nl1 = model.forward_block_diffusion(clean, c, Bs)
             torch.testing.assert_close(cl, cl1, atol=1e-4, rtol=1e-4)
             torch.testing.assert_close(nl[:, i * L : (i + 1) * L], nl1, atol=1e-4, rtol=1e-4)
+        at = torch.rand(2, 3 * L, generator=g) < 0.4  # noisy logits at selected positions only, packed
+        cl2, packed = model.forward_block_diffusion(clean, torch.cat(copies, 1), Bs, noisy_logits_at=at)
+        torch.testing.assert_close(cl2, cl)
+        torch.testing.assert_close(packed, nl[at])
     with pytest.raises(ValueError, match="k\\*L"):
         model.forward_block_diffusion(clean, torch.cat(copies, 1)[:, :-3], Bs)
 

@@ -160,6 +160,11 @@ def test_masks_complementary_and_shift():
                     ref += float(torch.nn.functional.cross_entropy(src[None], ids[b, j][None]))
                     m += 1
     assert n == m and float(got) == pytest.approx(ref, rel=1e-5)
+    # the packed form: noisy logits only where the loss reads them
+    need = losses.noisy_sources(db.mask, 32, 8)
+    assert int(need.sum()) == sum(1 for b in range(3) for c in range(2) for j in range(1, 32) if db.mask[b, c * 32 + j] and j % 8)
+    got2, n2 = losses.masked_diffusion_ce(cl, nl[need], db.clean, db.mask, 8, reduction="sum")
+    assert n2 == n and float(got2) == pytest.approx(float(got), rel=1e-6)
 
 
 # ----------------------------------------------------------------------------- training

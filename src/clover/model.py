@@ -504,9 +504,12 @@ class CloverForCausalLM(nn.Module):
         block_size: int,
         *,
         router_logits: list | None = None,
+        noisy_logits_at: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """clean_ids [B, L], noisy_ids [B, k*L] (L a multiple of block_size; k >= 1 noisy copies of the
         sequence, e.g. k = 2 for complementary masks) -> (clean_logits [B, L, V], noisy_logits [B, k*L, V]).
+        `noisy_logits_at` (bool [B, k*L]) computes the noisy logits only there: noisy_logits is then
+        [N, V], the selected positions in row-major order (the LM head is a large share of training).
 
         Clean stream: causal, exactly commit mode, computed once however many noisy copies there are.
         Noisy block b of every copy (positions [b*Bs, (b+1)*Bs) of that copy) sees the clean prefix
@@ -539,8 +542,10 @@ class CloverForCausalLM(nn.Module):
         )
         for layer in self.model.layers:
             x = layer(x, ctx, None, attn_mask=mask)
-        logits = self.lm_head(self.model.norm(x))
-        return logits[:, :L], logits[:, L:]
+        clean_x, noisy_x = x[:, :L], x[:, L:]
+        if noisy_logits_at is not None:
+            noisy_x = noisy_x[noisy_logits_at]
+        return self.lm_head(self.model.norm(clean_x)), self.lm_head(self.model.norm(noisy_x))
 
     # -- the cached step: commit and/or denoise in one forward
     def step(

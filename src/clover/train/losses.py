@@ -104,7 +104,8 @@ def masked_diffusion_ce(
 ) -> tuple[torch.Tensor, int]:
     """CE over masked positions with shift-by-one; returns (loss summed or averaged, count).
 
-    clean_logits [B, T, V], clean [B, T]; noisy_logits [B, k*T, V] and mask [B, k*T] for k noisy copies."""
+    clean_logits [B, T, V], clean [B, T]; noisy_logits [B, k*T, V] and mask [B, k*T] for k noisy copies,
+    or noisy_logits [N, V]: only the positions `noisy_sources(mask, T, block_size)` selects, in order."""
     B, T = clean.shape
     k = mask.shape[1] // T
     target_mask = mask.reshape(B, k, T).clone()
@@ -113,7 +114,12 @@ def masked_diffusion_ce(
     if b.numel() == 0:
         return noisy_logits.sum() * 0.0, 0
     at_start = (j % block_size) == 0
-    src = torch.where(at_start[:, None], clean_logits[b, j - 1], noisy_logits[b, c * T + j - 1])
+    if noisy_logits.dim() == 2:  # packed: row r is the source of the r-th target inside a block
+        src = noisy_logits.new_empty(b.numel(), noisy_logits.shape[-1])
+        src[at_start] = clean_logits[b[at_start], j[at_start] - 1]
+        src[~at_start] = noisy_logits
+    else:
+        src = torch.where(at_start[:, None], clean_logits[b, j - 1], noisy_logits[b, c * T + j - 1])
     loss = F.cross_entropy(src.float(), clean[b, j], reduction="sum")
     n = int(b.numel())
     if reduction == "mean":
@@ -121,16 +127,35 @@ def masked_diffusion_ce(
     return loss, n
 
 
-def call_block_diffusion(model, clean: torch.Tensor, noisy: torch.Tensor, block_size: int, router_logits: list | None):
-    """model.forward_block_diffusion, passing router_logits only if the method accepts it."""
+def noisy_sources(mask: torch.Tensor, T: int, block_size: int) -> torch.Tensor:
+    """bool [B, k*T]: the noisy positions whose logits the masked CE reads -- j-1 for every masked j
+    that is not the first position of a block (those read the clean stream)."""
+    B = mask.shape[0]
+    m = mask.reshape(B, -1, T)
+    inner = (torch.arange(T, device=mask.device) % block_size) != 0  # excludes position 0 as well
+    src = torch.zeros_like(m)
+    src[:, :, :-1] = m[:, :, 1:] & inner[1:]
+    return src.reshape(B, -1)
+
+
+def call_block_diffusion(model, clean: torch.Tensor, noisy: torch.Tensor, block_size: int, router_logits: list | None,
+                         noisy_logits_at: torch.Tensor | None = None):
+    """model.forward_block_diffusion, passing router_logits / noisy_logits_at only if the method takes
+    them; with `noisy_logits_at` the noisy logits come back packed [N, V] either way."""
     fn = model.forward_block_diffusion
     try:
-        accepts = "router_logits" in inspect.signature(fn).parameters
+        params = inspect.signature(fn).parameters
     except (TypeError, ValueError):  # pragma: no cover
-        accepts = False
-    if accepts and router_logits is not None:
-        return fn(clean, noisy, block_size, router_logits=router_logits)
-    return fn(clean, noisy, block_size)
+        params = {}
+    kw: dict = {}
+    if "router_logits" in params and router_logits is not None:
+        kw["router_logits"] = router_logits
+    if "noisy_logits_at" in params and noisy_logits_at is not None:
+        kw["noisy_logits_at"] = noisy_logits_at
+    clean_logits, noisy_logits = fn(clean, noisy, block_size, **kw)
+    if noisy_logits_at is not None and noisy_logits.dim() == 3:
+        noisy_logits = noisy_logits[noisy_logits_at]
+    return clean_logits, noisy_logits
 
 
 def diffusion_step_loss(
@@ -164,7 +189,8 @@ def diffusion_step_loss(
     ar_sum = 0.0
     n_ar = 0
     for db in batches:
-        clean_logits, noisy_logits = call_block_diffusion(model, db.clean, db.noisy, db.block_size, rl)
+        need = noisy_sources(db.mask, T, db.block_size)
+        clean_logits, noisy_logits = call_block_diffusion(model, db.clean, db.noisy, db.block_size, rl, need)
         d, n = masked_diffusion_ce(clean_logits, noisy_logits, db.clean, db.mask, db.block_size, reduction="sum")
         diff_sum = diff_sum + d
         n_masked += n
