@@ -1,6 +1,6 @@
 """Write the bundled model's card (README.md next to its weights) from the recipes and eval output.
 
-    python scripts/model_card.py src/clover/assets/clover-tiny build/figures/eval.md
+    python scripts/model_card.py src/clover/assets/clover-tiny build/figures/eval.md [NOTES_MD] [PHASE5_TEXT]
 """
 
 import json
@@ -16,6 +16,7 @@ from clover.config import CloverConfig  # noqa: E402
 
 counts = CloverConfig.from_dict(cfg).parameter_counts()
 notes = Path(sys.argv[3]).read_text() if len(sys.argv) > 3 else ""
+PHASE5 = sys.argv[4] if len(sys.argv) > 4 else "see docs/training.md"
 card = f"""# clover-tiny
 
 The default model bundled with clover: a {counts['total'] / 1e6:.1f}M-parameter ({counts['active'] / 1e6:.1f}M active)
@@ -37,7 +38,7 @@ and quality figures have a trained model behind them. It is a small model: expec
   generated tables excluded; 2% of files held out by a hash of the path) and seeded verifiable
   code-shaped tasks (`assert sorted([31, 7, 19]) == [7, 19, 31]`, 15 kinds; held-out by seed).
 
-Four phases, each resumable, each a recipe (`clover train RECIPE`; the `init` of each is the last
+Five phases, each resumable, each a recipe (`clover train RECIPE`; the `init` of each is the last
 checkpoint of the one before):
 
 1. `recipes/clover-tiny-ar.toml` — AR next-token pretraining from scratch, seq 256 × batch 8, 60% task
@@ -51,7 +52,12 @@ checkpoint of the one before):
 4. `recipes/clover-tiny-diffusion-tasks.toml` — block diffusion on the same mix: clean + noisy streams,
    complementary masks (both copies behind one clean stream), block sizes {{8, 16, 32, 64}}, masked-token
    CE (shift-by-one) + 0.5 × AR loss + router loss, lr 1e-3 with a linear decay over the last 30%,
-   Clover's gains clipped separately; 740 steps (3.0M tokens, ~83 min on 2 cores).
+   Clover's gains clipped separately; 740 steps (3.0M tokens, ~83 min on 2 cores). This was v1.
+5. `recipes/clover-tiny-diffusion-tasks-cont.toml` — stage 2 continued from v1 with a fresh optimizer
+   (lr 1e-3, linear decay over the last 30%), a new data seed, the task generators of version 2 (a
+   quarter of the lists hold single digits: v1 sorted none of them right) and a mix that draws the
+   kinds still being learned (set_len, index: 3x; mul, double, len, reversed, slice_rev, sorted_desc,
+   dict_get: 2x) instead of add/sub/sum at 3x (still near 0% after 2000+ steps); {PHASE5}.
 {notes}
 ## Evaluation (`clover eval`, this machine, one run)
 
