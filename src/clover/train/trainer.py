@@ -365,10 +365,10 @@ class Trainer:
             g["lr"] = lr
         n = r.optim.grad_accum
         stats: dict[str, float] = {}
-        for mb in ids.chunk(n) if n > 1 else (ids,):
+        for mb in ids.chunk(n):
             with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=r.run.autocast == "bf16"):
                 loss, st = self._loss(mb)
-            (loss / n if n > 1 else loss).backward()
+            (loss / n).backward()
             for k, v in st.items():  # counts add up, losses average
                 stats[k] = stats.get(k, 0.0) + (v if k == "masked" else v / n)
         self.dist.all_reduce_grads(self.params)
