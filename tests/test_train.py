@@ -65,15 +65,6 @@ def micro_raw(tok, cache, out, *, stage="ar", steps=6, **run) -> dict:
     }
 
 
-@pytest.fixture
-def standin(monkeypatch):
-    """Until the model has forward_block_diffusion, exercise the stage-2 loss with a stand-in."""
-    from clover.model import CloverForCausalLM
-
-    if not hasattr(CloverForCausalLM, "forward_block_diffusion"):
-        monkeypatch.setattr(CloverForCausalLM, "forward_block_diffusion", losses.reference_block_diffusion, raising=False)
-
-
 # ----------------------------------------------------------------------------- recipes
 def test_recipe_toml_and_errors(tmp_path, byte_tok):
     p = tmp_path / "r.toml"
@@ -206,7 +197,7 @@ def test_grad_accum_equals_full_batch_for_ar(tmp_path, byte_tok, cache_dir):
 
 
 @pytest.mark.parametrize("autocast", ["none", "bf16"])
-def test_diffusion_loss_goes_down(tmp_path, byte_tok, cache_dir, standin, autocast):
+def test_diffusion_loss_goes_down(tmp_path, byte_tok, cache_dir, autocast):
     r = recipe_from_dict(micro_raw(byte_tok, cache_dir, tmp_path / "run", stage="diffusion", steps=20, autocast=autocast))
     t = Trainer(r, resume=False, quiet=True)
     ids = t.stream.next_batch()
@@ -219,7 +210,7 @@ def test_diffusion_loss_goes_down(tmp_path, byte_tok, cache_dir, standin, autoca
 
 
 @pytest.mark.parametrize("stage", ["ar", "diffusion"])
-def test_resume_equals_uninterrupted(tmp_path, byte_tok, cache_dir, standin, stage):
+def test_resume_equals_uninterrupted(tmp_path, byte_tok, cache_dir, stage):
     full = Trainer(recipe_from_dict(micro_raw(byte_tok, cache_dir, tmp_path / "a", stage=stage, steps=6)), quiet=True)
     ref = [s["loss"] for s in full.train()]
     first = Trainer(recipe_from_dict(micro_raw(byte_tok, cache_dir, tmp_path / "b", stage=stage, steps=6)), quiet=True)

@@ -18,7 +18,7 @@ import json
 import sys
 from pathlib import Path
 
-from .recipes import Recipe, RecipeError, load_recipe, recipe_from_dict
+from .recipes import DEVICES, Recipe, RecipeError, load_recipe, recipe_from_dict
 
 __all__ = ["main", "Recipe", "RecipeError", "load_recipe", "recipe_from_dict"]
 
@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="on resume, start a fresh data stream instead of restoring it (needed after changing [data], "
                         "e.g. --set data.task_fraction=0.9 --set data.seed=7 for an annealing phase)")
     p.add_argument("--threads", type=int, default=None)
-    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default=None,
+    p.add_argument("--device", choices=DEVICES, default=None,
                    help="run.device: auto (CUDA when available), cpu or cuda (one GPU per torchrun rank)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     a = p.parse_args(argv)

@@ -22,7 +22,6 @@ Total loss = masked_ce + ar_weight * ar_ce(clean stream) + aux_coef * router_aux
 
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass
 
 import torch
@@ -138,26 +137,6 @@ def noisy_sources(mask: torch.Tensor, T: int, block_size: int) -> torch.Tensor:
     return src.reshape(B, -1)
 
 
-def call_block_diffusion(model, clean: torch.Tensor, noisy: torch.Tensor, block_size: int, router_logits: list | None,
-                         noisy_logits_at: torch.Tensor | None = None):
-    """model.forward_block_diffusion, passing router_logits / noisy_logits_at only if the method takes
-    them; with `noisy_logits_at` the noisy logits come back packed [N, V] either way."""
-    fn = model.forward_block_diffusion
-    try:
-        params = inspect.signature(fn).parameters
-    except (TypeError, ValueError):  # pragma: no cover
-        params = {}
-    kw: dict = {}
-    if "router_logits" in params and router_logits is not None:
-        kw["router_logits"] = router_logits
-    if "noisy_logits_at" in params and noisy_logits_at is not None:
-        kw["noisy_logits_at"] = noisy_logits_at
-    clean_logits, noisy_logits = fn(clean, noisy, block_size, **kw)
-    if noisy_logits_at is not None and noisy_logits.dim() == 3:
-        noisy_logits = noisy_logits[noisy_logits_at]
-    return clean_logits, noisy_logits
-
-
 def diffusion_step_loss(
     model,
     ids: torch.Tensor,
@@ -190,7 +169,9 @@ def diffusion_step_loss(
     n_ar = 0
     for db in batches:
         need = noisy_sources(db.mask, T, db.block_size)
-        clean_logits, noisy_logits = call_block_diffusion(model, db.clean, db.noisy, db.block_size, rl, need)
+        clean_logits, noisy_logits = model.forward_block_diffusion(
+            db.clean, db.noisy, db.block_size, router_logits=rl, noisy_logits_at=need
+        )
         d, n = masked_diffusion_ce(clean_logits, noisy_logits, db.clean, db.mask, db.block_size, reduction="sum")
         diff_sum = diff_sum + d
         n_masked += n
@@ -220,19 +201,3 @@ def ar_step_loss(model, ids: torch.Tensor, *, aux_coef: float, top_k: int) -> tu
     aux = router_aux_loss(rl, top_k)
     loss = ar + aux_coef * aux
     return loss, {"loss": float(loss.detach()), "ar_loss": float(ar.detach()), "aux": float(aux.detach())}
-
-
-def reference_block_diffusion(model, clean: torch.Tensor, noisy: torch.Tensor, block_size: int, router_logits=None):
-    """A slow stand-in with the forward_block_diffusion signature (tests only): clean logits from the
-    causal forward; each noisy block of each copy is run causally after its clean prefix (no
-    bidirectional attention inside the block, so it is *not* the Clover denoise mode; it exercises
-    the loss plumbing)."""
-    clean_logits = model(clean, router_logits=router_logits)
-    T = clean.shape[1]
-    outs = []
-    for c in range(noisy.shape[1] // T):
-        copy = noisy[:, c * T : (c + 1) * T]
-        for s in range(0, T, block_size):
-            seq = torch.cat([clean[:, :s], copy[:, s : s + block_size]], 1)
-            outs.append(model(seq, router_logits=router_logits)[:, s:])
-    return clean_logits, torch.cat(outs, 1)
