@@ -21,7 +21,7 @@ from __future__ import annotations
 import ast
 import difflib
 import textwrap
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Iterable
 
 import torch
