@@ -1,6 +1,8 @@
 """Write the bundled model's card (README.md next to its weights) from the recipes and eval output.
 
-    python scripts/model_card.py src/clover/assets/clover-tiny build/figures/eval.md [NOTES_MD] [PHASE5_TEXT]
+    python scripts/model_card.py src/clover/assets/clover-tiny build/figures/eval.md [NOTES_MD] [PHASE5_TEXT] [LATER_PHASE]...
+
+PHASE5_TEXT ends phase 5's entry (its length and time); each LATER_PHASE is one more numbered entry.
 """
 
 import json
@@ -17,6 +19,9 @@ from clover.config import CloverConfig  # noqa: E402
 counts = CloverConfig.from_dict(cfg).parameter_counts()
 notes = Path(sys.argv[3]).read_text() if len(sys.argv) > 3 else ""
 PHASE5 = sys.argv[4] if len(sys.argv) > 4 else "see docs/training.md"
+LATER = sys.argv[5:]
+NUMBERS = ["Five", "Six", "Seven", "Eight", "Nine"]
+later_md = "".join(f"{i}. {text}\n" for i, text in enumerate(LATER, start=6))
 card = f"""# clover-tiny
 
 The default model bundled with clover: a {counts['total'] / 1e6:.1f}M-parameter ({counts['active'] / 1e6:.1f}M active)
@@ -38,7 +43,7 @@ and quality figures have a trained model behind them. It is a small model: expec
   generated tables excluded; 2% of files held out by a hash of the path) and seeded verifiable
   code-shaped tasks (`assert sorted([31, 7, 19]) == [7, 19, 31]`, 15 kinds; held-out by seed).
 
-Five phases, each resumable, each a recipe (`clover train RECIPE`; the `init` of each is the last
+{NUMBERS[len(LATER)]} phases, each resumable, each a recipe (`clover train RECIPE`; the `init` of each is the last
 checkpoint of the one before):
 
 1. `recipes/clover-tiny-ar.toml` — AR next-token pretraining from scratch, seq 256 × batch 8, 60% task
@@ -58,7 +63,7 @@ checkpoint of the one before):
    quarter of the lists hold single digits: v1 sorted none of them right) and a mix that draws the
    kinds still being learned (set_len, index: 3x; mul, double, len, reversed, slice_rev, sorted_desc,
    dict_get: 2x) instead of add/sub/sum at 3x (still near 0% after 2000+ steps); {PHASE5}.
-{notes}
+{later_md}{notes}
 ## Evaluation (`clover eval`, this machine, one run)
 
 {eval_md.read_text()}

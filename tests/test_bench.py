@@ -7,6 +7,7 @@ import json
 
 import pytest
 
+import clover
 from clover import cli
 from clover.bench.decode import Item, load_items, score, summarize, trim_body
 
@@ -86,14 +87,26 @@ def test_decode_bad_flags(tiny_dir, capsys):
 def test_sweep_writes_png(tiny_dir, tmp_path, capsys):
     png, js = tmp_path / "sweep.png", tmp_path / "sweep.json"
     rc, out, err = bench(capsys, "sweep", "--model", tiny_dir, "--prompts", "1", "-n", "8", "--thresholds", "0.5,0.9",
-                         "--block-sizes", "4,8", "--block-size", "8", "--plot", png, "--json", js)
+                         "--block-sizes", "4,8", "--block-size", "8", "--confidences", "prob, entropy,margin",
+                         "--plot", png, "--json", js)
     assert rc == 0, err
     assert png.read_bytes()[:4] == b"\x89PNG"
     r = json.loads(js.read_text())
     labels = [p["label"] for p in r["points"]]
-    assert labels == ["ar", "B8/t0.5", "B8/t0.9", "B4/t0.95", "B8/t0.95"]
+    assert labels == ["ar", "B8/t0.5", "B8/t0.9", "B4/t0.95", "B8/t0.95", "B8/t0.95/entropy", "B8/t0.95/margin"]
+    assert r["settings"]["confidences"] == ["prob", "entropy", "margin"]
     for p in r["points"]:
         assert p["tokens_per_forward"] == pytest.approx(p["tokens"] / p["forwards"])
+    # the measure reaches the decoder: the same prompt decoded directly with that measure
+    llm = clover.load(tiny_dir)
+    item = load_items("tasks", 1)[0]
+    for p in r["points"][-2:]:
+        gen = llm.generate(item.prompt, mode="diffusion", max_new_tokens=8, block_size=8, threshold=0.95,
+                           confidence=p["confidence"])
+        run = next(x for x in r["runs"] if x["label"] == p["label"])
+        assert run["token_ids"] == list(gen.token_ids) and run["forwards"] == gen.stats.forwards
+    rc, _, err = bench(capsys, "sweep", "--model", tiny_dir, "--prompts", "1", "--confidences", "prob,softmax")
+    assert rc == 2 and "confidences" in err and "softmax" in err
 
 
 def test_kernels_quick(capsys):

@@ -59,6 +59,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--block-sizes", default="4,8,16,32,64", help="comma-separated")
     p.add_argument("--block-size", type=int, metavar="N", help="block size of the threshold sweep (default: the model's)")
     p.add_argument("--threshold", type=float, metavar="X", help="threshold of the block sweep (default: the model's)")
+    p.add_argument("--confidences", default="prob", metavar="LIST",
+                   help="confidence measures compared at the default block size and threshold, comma-separated among "
+                        "prob,margin,entropy (default: prob only; the other sweeps always use prob)")
     p.add_argument("--plot", metavar="FILE", default="build/bench/sweep.png", help="PNG path (default: build/bench/sweep.png)")
 
     p = sub.add_parser("experts", help="block expert sharing ablation: budget off, 4k, 3k, 2k, k",
@@ -198,10 +201,12 @@ def run_sweep_cmd(args) -> int:
     _positive("--block-size", args.block_size)
     thresholds = parse_list(args.thresholds, float, "--thresholds")
     block_sizes = parse_list(args.block_sizes, int, "--block-sizes")
+    confidences = parse_list(args.confidences, str, "--confidences")
     llm, note = _load(args)
     result = run_sweep(llm, workload=args.workload, prompts=args.prompts, max_new_tokens=args.max_new_tokens,
                        thresholds=thresholds, block_sizes=block_sizes, block_size=args.block_size,
-                       threshold=args.threshold, stop_newline=args.stop_newline, progress=_progress(args.json),
+                       threshold=args.threshold, confidences=confidences, stop_newline=args.stop_newline,
+                       progress=_progress(args.json),
                        model_note=note)
     if _progress(args.json):
         print(file=sys.stderr)

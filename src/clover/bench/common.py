@@ -97,7 +97,7 @@ def set_threads(n: int | None) -> None:
 def parse_list(text: str, kind: type, name: str) -> list:
     """'0.5,0.9' -> [0.5, 0.9]; a one-line ValueError naming the flag otherwise."""
     try:
-        out = [kind(x) for x in str(text).split(",") if x.strip()]
+        out = [kind(x.strip()) for x in str(text).split(",") if x.strip()]
     except ValueError:
         raise ValueError(f"{name}: expected a comma-separated list of {kind.__name__}, got {text!r}") from None
     if not out:

@@ -1,8 +1,9 @@
 """`clover bench sweep`: how diffusion decoding trades speed for quality.
 
-Two one-dimensional sweeps over the same held-out prompts, interleaved per prompt like `decode`:
-the confidence threshold at the default block size, and the block size at the default threshold,
-plus the AR baseline. Each configuration reports tokens/forward, tokens/s and quality (exact match
+One-dimensional sweeps over the same held-out prompts, interleaved per prompt like `decode`:
+the confidence threshold at the default block size, the block size at the default threshold and,
+when asked, the confidence measure (max probability, margin, entropy) at both defaults, plus the AR
+baseline. Each configuration reports tokens/forward, tokens/s and quality (exact match
 on tasks; parse rate and edit similarity on code); `plot_sweep` draws the speed/quality curves.
 """
 
@@ -11,17 +12,21 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Callable, Iterable
 
+from ..decoding.sampling import CONFIDENCE_KINDS
 from .common import machine, max_rss_bytes, synchronize
 from .decode import Item, decode_kwargs, generate_once, load_items, summarize
 
 SCHEMA = "clover.bench.sweep/1"
 DEFAULT_THRESHOLDS = (0.5, 0.7, 0.8, 0.9, 0.95, 0.99)
 DEFAULT_BLOCK_SIZES = (4, 8, 16, 32, 64)
+DEFAULT_CONFIDENCE = "prob"
 
 
-def configurations(thresholds: Iterable[float], block_sizes: Iterable[int], block_size: int, threshold: float) -> list[dict]:
-    """AR, then threshold sweep (at `block_size`), then block sweep (at `threshold`); the point both
-    sweeps share is measured once."""
+def configurations(thresholds: Iterable[float], block_sizes: Iterable[int], block_size: int, threshold: float,
+                   confidences: Iterable[str] = ()) -> list[dict]:
+    """AR, then threshold sweep (at `block_size`), block sweep (at `threshold`), then the other
+    confidence measures at both; every other point uses max probability. The point two sweeps share
+    is measured once."""
     out = [{"label": "ar", "mode": "ar", "block_size": None, "threshold": None, "sweep": "baseline"}]
     seen = set()
     for t in thresholds:
@@ -38,6 +43,12 @@ def configurations(thresholds: Iterable[float], block_sizes: Iterable[int], bloc
                     c["sweep"] = "both"
             continue
         out.append({"label": f"B{b}/t{threshold:g}", "mode": "diffusion", "block_size": b, "threshold": threshold, "sweep": "block"})
+    for c in dict.fromkeys(confidences):
+        if c not in CONFIDENCE_KINDS:
+            raise ValueError(f"confidences: must be among {', '.join(CONFIDENCE_KINDS)}, got {c!r}")
+        if c != DEFAULT_CONFIDENCE:
+            out.append({"label": f"B{block_size}/t{threshold:g}/{c}", "mode": "diffusion", "block_size": block_size,
+                        "threshold": threshold, "confidence": c, "sweep": "confidence"})
     return out
 
 
@@ -51,6 +62,7 @@ def run_sweep(
     block_sizes: Iterable[int] = DEFAULT_BLOCK_SIZES,
     block_size: int | None = None,
     threshold: float | None = None,
+    confidences: Iterable[str] = (),
     stop_newline: bool = False,
     items: list[Item] | None = None,
     progress: Callable[[str], None] | None = None,
@@ -62,11 +74,12 @@ def run_sweep(
         raise ValueError(f"max_new_tokens: must be a positive integer, got {max_new_tokens}")
     block_size = block_size or llm.config.block_size
     threshold = threshold or llm.config.threshold
-    configs = configurations(thresholds, block_sizes, block_size, threshold)
+    configs = configurations(thresholds, block_sizes, block_size, threshold, confidences)
     items = items if items is not None else load_items(workload, prompts)
 
     def kwargs(c: dict) -> dict:
-        return decode_kwargs(max_new_tokens, c["block_size"], c["threshold"], stop_newline)
+        kw = decode_kwargs(max_new_tokens, c["block_size"], c["threshold"], stop_newline)
+        return dict(kw, confidence=c["confidence"]) if "confidence" in c else kw
 
     # warm-up: one short generation per distinct block size (and AR)
     for c in configs:
@@ -96,7 +109,9 @@ def run_sweep(
         "model_note": model_note,
         "settings": {"workload": workload, "prompts": len(items), "max_new_tokens": max_new_tokens,
                      "block_size": block_size, "threshold": threshold, "thresholds": list(thresholds),
-                     "block_sizes": list(block_sizes), "stop_newline": stop_newline, "greedy": True, "batch_size": 1},
+                     "block_sizes": list(block_sizes),
+                     "confidences": [DEFAULT_CONFIDENCE] + [c["confidence"] for c in configs if "confidence" in c],
+                     "stop_newline": stop_newline, "greedy": True, "batch_size": 1},
         "machine": machine(llm.model.device),
         "max_rss_bytes": max_rss_bytes(),
         "points": points,
@@ -156,6 +171,12 @@ def plot_sweep(result: dict, path) -> str:
             ax.plot(xs, ys, marker=marker, color=colour, label=f"{sweep} sweep", lw=1, ms=4)
             for p, x, y in zip(ps, xs, ys):
                 ax.annotate(lab(p), (x, y), textcoords="offset points", xytext=(3, 3), fontsize=6, color=colour)
+        conf = [p for p in pts if p["sweep"] == "confidence"]
+        if conf:
+            xs, ys = [p[xkey] for p in conf], [quality_value(p["quality"])[0] for p in conf]
+            ax.scatter(xs, ys, marker="^", s=24, color="#55a868", label="confidence measure", zorder=3)
+            for p, x, y in zip(conf, xs, ys):
+                ax.annotate(p["confidence"], (x, y), textcoords="offset points", xytext=(3, -8), fontsize=6, color="#55a868")
         ar = [p for p in pts if p["mode"] == "ar"]
         if ar:
             ax.scatter([ar[0][xkey]], [quality_value(ar[0]["quality"])[0]], marker="*", s=60, color="k", label="AR", zorder=3)
