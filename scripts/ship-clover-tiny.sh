@@ -31,6 +31,7 @@ $BIN/clover bench decode --model "$OUT" --workload code --prompts "${BENCH_CODE:
 fi
 echo "== bench sweep"
 $BIN/clover bench sweep --model "$OUT" --workload tasks --prompts "${SMALL:-16}" --stop-newline -n 32 --threads "${THREADS:-1}" \
+  --confidences prob,margin,entropy \
   --plot docs/img/sweep-tasks.png --json "$FIG/sweep.json" | tee "$FIG/sweep.txt"
 echo "== bench experts"
 $BIN/clover bench experts --model "$OUT" --workload tasks --prompts "${SMALL:-16}" --stop-newline -n 32 --threads "${THREADS:-1}" \
