@@ -152,18 +152,19 @@ def test_code_scoring():
 def test_summarize_ratios():
     runs = [
         {"item": 0, "mode": "ar", "workload": "tasks", "tokens": 10, "forwards": 10, "seconds": 1.0, "tokens_per_second": 10.0,
-         "experts_touched": 2.0, "cache_bytes": 1, "cuda_peak_bytes": None, "token_ids": [1] * 10, "score": {"exact": True, "kind": "max"}},
+         "forced_steps": 0, "experts_touched": 2.0, "cache_bytes": 1, "cuda_peak_bytes": None, "token_ids": [1] * 10, "score": {"exact": True, "kind": "max"}},
         {"item": 0, "mode": "diffusion", "workload": "tasks", "tokens": 10, "forwards": 4, "seconds": 0.5,
-         "tokens_per_second": 20.0, "experts_touched": 4.0, "cache_bytes": 2, "cuda_peak_bytes": None,
+         "tokens_per_second": 20.0, "forced_steps": 3, "experts_touched": 4.0, "cache_bytes": 2, "cuda_peak_bytes": None,
          "token_ids": [1] * 10, "score": {"exact": False, "kind": "add"}},
         {"item": 1, "mode": "diffusion", "workload": "tasks", "tokens": 6, "forwards": 1, "seconds": 0.5,
-         "tokens_per_second": 12.0, "experts_touched": 4.0, "cache_bytes": 2, "cuda_peak_bytes": None,
+         "tokens_per_second": 12.0, "forced_steps": 0, "experts_touched": 4.0, "cache_bytes": 2, "cuda_peak_bytes": None,
          "token_ids": [1] * 6, "score": {"exact": True, "kind": "add"}},
     ]
     s = summarize(runs, ["ar", "diffusion"])
     assert s["diffusion"]["vs_ar"]["tokens_per_second"] == pytest.approx(1.6)  # aggregate: 16 tokens in 1 s vs 10
     assert s["diffusion"]["vs_ar"]["forwards"] == pytest.approx(0.5)
     assert s["diffusion"]["tokens_per_forward"] == pytest.approx(16 / 5)
+    assert s["diffusion"]["forced_share"] == pytest.approx(3 / 5) and s["ar"]["forced_share"] is None
     assert s["diffusion"]["quality"]["tasks"]["by_kind"] == {"add": {"n": 2, "exact_match": 0.5, "tokens_per_forward": 16 / 5}}
     assert s["ar"]["quality"]["tasks"]["by_kind"]["max"] == {"n": 1, "exact_match": 1.0, "tokens_per_forward": 1.0}
     assert s["ar"]["quality"]["tasks"]["exact_match"] == 1.0

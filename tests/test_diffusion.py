@@ -118,6 +118,33 @@ def test_threshold_above_one_decodes_one_token_per_step(llm):
     assert g.stats.forwards == 16 and g.stats.tokens_per_forward == 1.0
     assert g.stats.block_steps == [8, 8]
     assert sorted(g.decode_steps[:8]) == list(range(1, 9))
+    assert g.stats.forced_steps == 16  # nothing can reach 1.5: every step commits its best position
+
+
+def test_forced_steps_count_steps_without_a_confident_position(llm, monkeypatch):
+    import clover.decoding.diffusion as engine
+
+    kw = dict(max_new_tokens=24, block_size=8, ignore_eos=True)
+    easy = llm.generate([5, 6, 7], mode="diffusion", threshold=1e-6, **kw)
+    assert easy.stats.forced_steps == 0 and easy.stats.forwards == 3  # every position passes at once
+    best = []  # the highest confidence each denoise step saw
+    propose = engine.propose_tokens
+
+    def spy(*a, **k):
+        toks, conf = propose(*a, **k)
+        best.append(float(conf.max()))
+        return toks, conf
+
+    monkeypatch.setattr(engine, "propose_tokens", spy)
+    mixed = []
+    for threshold in (0.05, 0.1, 0.3):
+        best.clear()
+        g = llm.generate([5, 6, 7], mode="diffusion", threshold=threshold, **kw)
+        assert len(best) == g.stats.forwards
+        assert g.stats.forced_steps == sum(b < threshold for b in best)
+        assert g.as_dict()["stats"]["forced_steps"] == g.stats.forced_steps
+        mixed.append(0 < g.stats.forced_steps < g.stats.forwards)
+    assert any(mixed)  # some step passed the threshold, some did not
 
 
 def test_block_size_one_equals_ar_greedy(llm):

@@ -20,7 +20,7 @@ import sys
 
 import torch
 
-from .bench.decode import load_items, run_decode
+from .bench.decode import fmt, load_items, run_decode
 from .bench.sweep import run_sweep
 
 
@@ -103,14 +103,13 @@ def markdown(result: dict) -> str:
     lines = []
     t = result["tasks"]["modes"]
     lines.append(f"**Tasks** ({result['tasks']['settings']['prompts']} held-out prompts, greedy, answer = first line)\n")
-    lines.append("| mode | exact match | tokens/forward | tokens/s | vs AR tokens/s |")
-    lines.append("|---|---:|---:|---:|---:|")
+    lines.append("| mode | exact match | tokens/forward | forced steps | tokens/s | vs AR tokens/s |")
+    lines.append("|---|---:|---:|---:|---:|---:|")
     for m, s in t.items():
         em = s["quality"].get("tasks", {}).get("exact_match")
         ratio = s.get("vs_ar", {}).get("tokens_per_second")
-        lines.append(f"| {m} | {em:.1%} | {s['tokens_per_forward']:.2f} | {s['tokens_per_second']['aggregate']:.1f} | "
-                     f"{ratio:.2f}x |" if ratio is not None else f"| {m} | {em:.1%} | {s['tokens_per_forward']:.2f} | "
-                     f"{s['tokens_per_second']['aggregate']:.1f} | - |")
+        lines.append(f"| {m} | {em:.1%} | {s['tokens_per_forward']:.2f} | {fmt(s['forced_share'], '.0%')} | "
+                     f"{s['tokens_per_second']['aggregate']:.1f} | {fmt(ratio, '.2f')}{'x' if ratio is not None else ''} |")
     kinds = next(iter(t.values()), {}).get("quality", {}).get("tasks", {}).get("by_kind")
     if kinds:
         lines.append("\n**Tasks by kind** (exact match per mode; tokens/forward of the parallel modes)\n")
@@ -124,11 +123,12 @@ def markdown(result: dict) -> str:
             lines.append("| " + " | ".join(row) + " |")
     if "tasks_sweep" in result:
         lines.append("\n**Diffusion sweep on tasks** (threshold at the default block size; block size at the default threshold)\n")
-        lines.append("| configuration | exact match | tokens/forward | tokens/s |")
-        lines.append("|---|---:|---:|---:|")
+        lines.append("| configuration | exact match | tokens/forward | forced steps | tokens/s |")
+        lines.append("|---|---:|---:|---:|---:|")
         for p in result["tasks_sweep"]["points"]:
             em = p["quality"].get("tasks", {}).get("exact_match")
-            lines.append(f"| {p['label']} | {em:.1%} | {p['tokens_per_forward']:.2f} | {p['tokens_per_second']:.1f} |")
+            lines.append(f"| {p['label']} | {em:.1%} | {p['tokens_per_forward']:.2f} | {fmt(p['forced_share'], '.0%')} | "
+                         f"{p['tokens_per_second']:.1f} |")
     c = result["code"]["modes"]
     lines.append(f"\n**Code** ({result['code']['settings']['prompts']} held-out `def` headers, "
                  f"{result['code']['settings']['max_new_tokens']} new tokens)\n")

@@ -31,6 +31,7 @@ from .common import machine, max_rss_bytes, spread, synchronize, timed
 SCHEMA = "clover.bench.decode/1"
 ALL_MODES = ("ar", "diffusion", "naive", "speculative")
 NEEDS_MASK = ("diffusion", "naive", "speculative")
+THRESHOLD_MODES = ("diffusion", "naive")  # commit by the confidence threshold
 WORKLOADS = ("tasks", "code", "both")
 
 
@@ -202,6 +203,7 @@ def generate_once(llm, item: Item, mode: str, kwargs: dict) -> dict:
         "tokens_per_forward": s.tokens / s.forwards if s.forwards else 0.0,
         "experts_touched": s.experts_touched,
         "block_steps": list(s.block_steps),
+        "forced_steps": s.forced_steps,
         "accept_lengths": list(s.accept_lengths),
         "finish_reason": gen.finish_reason,
         "cache_bytes": probe.peak,
@@ -237,6 +239,9 @@ def summarize(runs: list[dict], modes: Iterable[str], key: str = "mode") -> dict
             "tokens_per_second": dict(spread([r["tokens_per_second"] for r in rs]),
                                       aggregate=tokens / seconds if seconds > 0 else 0.0),
             "experts_touched": sum(et) / len(et) if et else None,
+            # share of forwards that committed one position below the threshold (diffusion, naive)
+            "forced_share": sum(r["forced_steps"] for r in rs) / forwards
+            if forwards and s_mode(m, runs, key) in THRESHOLD_MODES else None,
             "cache_bytes": max(r["cache_bytes"] for r in rs),
             "cuda_peak_bytes": max(cuda) if cuda else None,
             "quality": quality(rs),
@@ -353,7 +358,7 @@ def run_decode(
 
 
 # ---------------------------------------------------------------------------------- output
-def _fmt(x, spec: str = ".2f", none: str = "-") -> str:
+def fmt(x, spec: str = ".2f", none: str = "-") -> str:
     return none if x is None else format(x, spec)
 
 
@@ -375,7 +380,8 @@ def decode_table(result: dict):
     title = (f"clover bench decode · {result['model']}{note} · {s['workload']} · {s['prompts']} prompts · "
              f"{s['max_new_tokens']} new tokens · block {s['block_size']} · threshold {s['threshold']}")
     t = Table(title=title, title_justify="left")
-    for col in ("mode", "tok/s median", "IQR", "×AR", "forwards", "tok/fwd", "ms/fwd", "experts", "cache MiB", "quality"):
+    for col in ("mode", "tok/s median", "IQR", "×AR", "forwards", "tok/fwd", "forced", "ms/fwd", "experts", "cache MiB",
+                "quality"):
         t.add_column(col, justify="left" if col in ("mode", "quality") else "right")
     for m, r in result["modes"].items():
         tps = r["tokens_per_second"]
@@ -385,9 +391,9 @@ def decode_table(result: dict):
         if "matches_ar" in r:
             q += f" · =AR {r['matches_ar']:.0%}"
         t.add_row(
-            m, _fmt(tps["median"], ".1f"), f"{_fmt(tps['q1'], '.1f')}–{_fmt(tps['q3'], '.1f')}",
-            _fmt(vs.get("tokens_per_second"), ".2f"), str(r["forwards"]), _fmt(r["tokens_per_forward"]),
-            _fmt(r["ms_per_forward"], ".1f"), _fmt(r["experts_touched"], ".1f"), f"{mem / 2**20:.2f}", q,
+            m, fmt(tps["median"], ".1f"), f"{fmt(tps['q1'], '.1f')}–{fmt(tps['q3'], '.1f')}",
+            fmt(vs.get("tokens_per_second"), ".2f"), str(r["forwards"]), fmt(r["tokens_per_forward"]),
+            fmt(r["forced_share"], ".0%"), fmt(r["ms_per_forward"], ".1f"), fmt(r["experts_touched"], ".1f"), f"{mem / 2**20:.2f}", q,
         )
     return t
 

@@ -100,7 +100,7 @@ def run_sweep(
     points = []
     for c in configs:
         s = summary[c["label"]]
-        points.append(dict(c, **{k: s[k] for k in ("tokens_per_forward", "ms_per_forward", "forwards", "tokens", "quality")},
+        points.append(dict(c, **{k: s[k] for k in ("tokens_per_forward", "forced_share", "ms_per_forward", "forwards", "tokens", "quality")},
                            tokens_per_second=s["tokens_per_second"]["median"],
                            speedup=s.get("vs_ar", {}).get("tokens_per_second")))
     return {
@@ -131,15 +131,16 @@ def quality_value(q: dict) -> tuple[float | None, str]:
 def sweep_table(result: dict):
     from rich.table import Table
 
-    from .decode import quality_text
+    from .decode import fmt, quality_text
 
     s = result["settings"]
     t = Table(title=f"clover bench sweep · {result['model']} · {s['workload']} × {s['prompts']} prompts · "
                     f"{s['max_new_tokens']} new tokens", title_justify="left")
-    for col in ("config", "sweep", "tok/fwd", "tok/s", "×AR", "ms/fwd", "quality"):
+    for col in ("config", "sweep", "tok/fwd", "forced", "tok/s", "×AR", "ms/fwd", "quality"):
         t.add_column(col, justify="left" if col in ("config", "sweep", "quality") else "right")
     for p in result["points"]:
-        t.add_row(p["label"], p["sweep"], f"{p['tokens_per_forward']:.2f}", f"{p['tokens_per_second']:.1f}",
+        t.add_row(p["label"], p["sweep"], f"{p['tokens_per_forward']:.2f}", fmt(p["forced_share"], ".0%"),
+                  f"{p['tokens_per_second']:.1f}",
                   "-" if p["speedup"] is None else f"{p['speedup']:.2f}", f"{p['ms_per_forward']:.1f}",
                   quality_text(p["quality"]))
     return t

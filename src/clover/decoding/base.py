@@ -40,6 +40,7 @@ class RowState:
     forwards: int = 0
     experts_touched: list[int] = field(default_factory=list)
     block_steps: list[int] = field(default_factory=list)
+    forced_steps: int = 0  # denoise steps where no position reached the threshold (diffusion)
     started: float = field(default_factory=time.perf_counter)
     ended: float | None = None
     accept_lengths: list[int] = field(default_factory=list)
@@ -127,6 +128,7 @@ class GenerationStats:
     seconds: float
     experts_touched: float | None = None  # mean unique experts per MoE layer per forward
     block_steps: list[int] = field(default_factory=list)  # denoise steps per block (diffusion)
+    forced_steps: int = 0  # denoise steps that committed their most confident position below the threshold
     accept_lengths: list[int] = field(default_factory=list)  # tokens per iteration (speculative)
 
     @property
@@ -147,6 +149,7 @@ class GenerationStats:
             "tokens_per_second": round(self.tokens_per_second, 3),
             "experts_touched": self.experts_touched,
             "block_steps": self.block_steps,
+            "forced_steps": self.forced_steps,
         }
 
     @classmethod
@@ -160,5 +163,6 @@ class GenerationStats:
             seconds=end - row.started,
             experts_touched=et,
             block_steps=list(row.block_steps),
+            forced_steps=row.forced_steps,
             accept_lengths=list(row.accept_lengths),
         )

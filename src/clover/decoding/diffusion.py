@@ -127,6 +127,7 @@ class DiffusionEngine(BatchEngine):
         take = (conf >= self.threshold).nonzero().squeeze(-1)
         if take.numel() == 0:
             take = conf.argmax().reshape(1)
+            r.forced_steps += 1
         pos = cand[take]
         r.blk[pos] = toks[take].to(r.blk.device)
         r.masked[pos] = False
