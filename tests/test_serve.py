@@ -205,9 +205,25 @@ def test_metrics(http):
     text = http.get("/metrics").text
     for name in ("clover_requests_total", "clover_prompt_tokens_total", "clover_completion_tokens_total",
                  "clover_tokens_per_forward", "clover_time_to_first_token_seconds", "clover_request_latency_seconds",
-                 "clover_queue_depth", "clover_batch_size"):
+                 "clover_queue_depth", "clover_batch_size", "clover_forced_step_share"):
         assert name in text, name
     assert 'status="401"' in text and 'status="200"' in text
+
+
+def _metric(text: str, name: str) -> float:
+    return float(next(line.split()[-1] for line in text.splitlines() if line.startswith(name + " ")))
+
+
+def test_forced_step_share_metric(http, client):
+    before = http.get("/metrics").text
+    # threshold above 1: no position can pass, so every denoise step of the row is forced (share 1)
+    client.completions.create(model=MODEL, prompt="abc", max_tokens=6, temperature=0,
+                              extra_body={"mode": "diffusion", "threshold": 1.5, "ignore_eos": True})
+    client.completions.create(model=MODEL, prompt="abc", max_tokens=6, temperature=0,
+                              extra_body={"mode": "ar", "ignore_eos": True})  # AR rows are not observed
+    after = http.get("/metrics").text
+    assert _metric(after, "clover_forced_step_share_count") == _metric(before, "clover_forced_step_share_count") + 1
+    assert _metric(after, "clover_forced_step_share_sum") == pytest.approx(_metric(before, "clover_forced_step_share_sum") + 1)
 
 
 # ---------------------------------------------------------------------------------- batching

@@ -18,6 +18,10 @@ class Metrics:
         self.tokens_per_forward = Histogram(
             "clover_tokens_per_forward", "per finished row: generated tokens / forwards",
             buckets=(0.5, 1, 1.5, 2, 3, 4, 6, 8, 12, 16, 32), registry=r)
+        self.forced_share = Histogram(
+            "clover_forced_step_share", "per finished diffusion row: share of its denoise steps where no position "
+            "reached the threshold (the most confident one was committed below it)",
+            buckets=(0, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1), registry=r)
         self.ttft = Histogram("clover_time_to_first_token_seconds", "request arrival to its first committed token",
                               buckets=_LATENCY_BUCKETS, registry=r)
         self.latency = Histogram("clover_request_latency_seconds", "request arrival to its last row finishing",

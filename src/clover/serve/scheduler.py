@@ -306,6 +306,8 @@ class Scheduler:
             self.metrics.completion_tokens.inc(len(row.tokens))
             if row.forwards:
                 self.metrics.tokens_per_forward.observe(len(row.tokens) / row.forwards)
+                if row.block_steps:  # a threshold-decoded (diffusion) row
+                    self.metrics.forced_share.observe(row.forced_steps / row.forwards)
             if req.open_rows == 0:
                 self.metrics.latency.observe(time.perf_counter() - req.arrival)
         req.put(("finish", idx, gen, row.stop_token))
