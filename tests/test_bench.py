@@ -149,6 +149,19 @@ def test_code_scoring():
     assert score(task_items[0], task_items[0].reference + "\nassert", "length")["exact"] is True
 
 
+def test_divergence_from_ar():
+    from clover.bench.decode import divergence
+
+    ar = [{"token_ids": [1, 2, 3, 4]}] * 4
+    runs = [{"token_ids": [1, 2, 3, 4], "forced_tokens": [2]},  # same as AR
+            {"token_ids": [1, 9, 3, 4], "forced_tokens": [1]},  # first difference at 1, a forced commit
+            {"token_ids": [1, 2, 9, 9], "forced_tokens": [3]},  # at 2, committed confidently
+            {"token_ids": [1, 2], "forced_tokens": [0, 1]}]     # ended early: the difference is past its tokens
+    d = divergence(list(zip(ar, runs)))
+    assert d == {"prompts": 4, "diverged": 0.75, "first_at_forced_commit": pytest.approx(1 / 3)}
+    assert divergence([(ar[0], runs[0])])["first_at_forced_commit"] is None
+
+
 def test_summarize_ratios():
     runs = [
         {"item": 0, "mode": "ar", "workload": "tasks", "tokens": 10, "forwards": 10, "seconds": 1.0, "tokens_per_second": 10.0,
@@ -165,6 +178,7 @@ def test_summarize_ratios():
     assert s["diffusion"]["vs_ar"]["forwards"] == pytest.approx(0.5)
     assert s["diffusion"]["tokens_per_forward"] == pytest.approx(16 / 5)
     assert s["diffusion"]["forced_share"] == pytest.approx(3 / 5) and s["ar"]["forced_share"] is None
+    assert s["diffusion"]["vs_ar"]["divergence"] == {"prompts": 1, "diverged": 0.0, "first_at_forced_commit": None}
     assert s["diffusion"]["quality"]["tasks"]["by_kind"] == {"add": {"n": 2, "exact_match": 0.5, "tokens_per_forward": 16 / 5}}
     assert s["ar"]["quality"]["tasks"]["by_kind"]["max"] == {"n": 1, "exact_match": 1.0, "tokens_per_forward": 1.0}
     assert s["ar"]["quality"]["tasks"]["exact_match"] == 1.0

@@ -102,6 +102,7 @@ def test_cached_equals_naive(llm, block_size, prompt_len):
         naive = llm.generate(prompt, mode="naive", **kw)
         assert cached.token_ids == naive.token_ids
         assert cached.decode_steps == naive.decode_steps
+        assert cached.forced_tokens == naive.forced_tokens
         assert cached.stats.forwards == naive.stats.forwards
         assert len(cached.token_ids) == kw["max_new_tokens"]
 
@@ -119,6 +120,7 @@ def test_threshold_above_one_decodes_one_token_per_step(llm):
     assert g.stats.block_steps == [8, 8]
     assert sorted(g.decode_steps[:8]) == list(range(1, 9))
     assert g.stats.forced_steps == 16  # nothing can reach 1.5: every step commits its best position
+    assert g.forced_tokens == list(range(16))
 
 
 def test_forced_steps_count_steps_without_a_confident_position(llm, monkeypatch):
@@ -143,6 +145,8 @@ def test_forced_steps_count_steps_without_a_confident_position(llm, monkeypatch)
         assert len(best) == g.stats.forwards
         assert g.stats.forced_steps == sum(b < threshold for b in best)
         assert g.as_dict()["stats"]["forced_steps"] == g.stats.forced_steps
+        assert len(g.forced_tokens) == g.stats.forced_steps  # a forced step commits exactly one token
+        assert g.forced_tokens == sorted(set(g.forced_tokens)) and all(0 <= k < len(g.token_ids) for k in g.forced_tokens)
         mixed.append(0 < g.stats.forced_steps < g.stats.forwards)
     assert any(mixed)  # some step passed the threshold, some did not
 
@@ -199,6 +203,7 @@ def test_stop_strings_cut_text(llm, mode):
     assert cut.finish_reason == "stop"
     assert cut.text == text[: text.find(stop)]
     assert stop not in cut.text
+    assert all(k < len(cut.token_ids) for k in cut.forced_tokens)  # the cut tokens leave the forced list too
     # the row ends as soon as the decoded prefix of a block holds the stop string
     assert cut.stats.forwards <= full.stats.forwards
 

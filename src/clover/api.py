@@ -37,6 +37,7 @@ class Generation:
     stats: GenerationStats
     prompt_token_ids: list[int] = field(default_factory=list)
     decode_steps: list[int] = field(default_factory=list)  # per token: the denoise step that decoded it
+    forced_tokens: list[int] = field(default_factory=list)  # token indices committed below the threshold (diffusion)
 
     def as_dict(self) -> dict:
         return {
@@ -160,6 +161,7 @@ class LLM:
             stats=GenerationStats.from_row(row),
             prompt_token_ids=list(row.prompt),
             decode_steps=list(row.steps),
+            forced_tokens=list(row.forced),
         )
 
     # ------------------------------------------------------------------- API

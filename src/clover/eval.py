@@ -110,6 +110,12 @@ def markdown(result: dict) -> str:
         ratio = s.get("vs_ar", {}).get("tokens_per_second")
         lines.append(f"| {m} | {em:.1%} | {s['tokens_per_forward']:.2f} | {fmt(s['forced_share'], '.0%')} | "
                      f"{s['tokens_per_second']['aggregate']:.1f} | {fmt(ratio, '.2f')}{'x' if ratio is not None else ''} |")
+    for m, s in t.items():
+        d = s.get("vs_ar", {}).get("divergence")
+        if d and d["diverged"] and m != "naive":  # naive decodes diffusion's tokens (tested), at a higher cost
+            lines.append(f"\n{m}: output differs from AR's on {d['diverged']:.0%} of the prompts; in "
+                         f"{d['first_at_forced_commit']:.0%} of those the first differing token was a forced commit "
+                         "(a step where no position reached the threshold).")
     kinds = next(iter(t.values()), {}).get("quality", {}).get("tasks", {}).get("by_kind")
     if kinds:
         lines.append("\n**Tasks by kind** (exact match per mode; tokens/forward of the parallel modes)\n")

@@ -204,6 +204,7 @@ def generate_once(llm, item: Item, mode: str, kwargs: dict) -> dict:
         "experts_touched": s.experts_touched,
         "block_steps": list(s.block_steps),
         "forced_steps": s.forced_steps,
+        "forced_tokens": list(gen.forced_tokens),
         "accept_lengths": list(s.accept_lengths),
         "finish_reason": gen.finish_reason,
         "cache_bytes": probe.peak,
@@ -263,7 +264,25 @@ def summarize(runs: list[dict], modes: Iterable[str], key: str = "mode") -> dict
             if s_mode(m, runs, key) == "speculative":  # lossless: greedy speculative must give AR's tokens
                 same = [a["token_ids"] == b["token_ids"] for a, b in pairs]
                 s["matches_ar"] = sum(same) / len(same) if same else None
+            elif s_mode(m, runs, key) in THRESHOLD_MODES and pairs:
+                s["vs_ar"]["divergence"] = divergence(pairs)
     return per
+
+
+def divergence(pairs: list[tuple[dict, dict]]) -> dict:
+    """Where a threshold decode leaves greedy AR on the same prompt: the share of prompts whose tokens
+    differ, and of those the share whose first differing token was a forced commit (no position had
+    reached the threshold). A high forced share says the gap is in the steps the model was unsure of."""
+    diverged = at_forced = 0
+    for a, b in pairs:
+        x, y = a["token_ids"], b["token_ids"]
+        if x == y:
+            continue
+        diverged += 1
+        first = next((i for i, (u, v) in enumerate(zip(x, y)) if u != v), min(len(x), len(y)))
+        at_forced += first in set(b.get("forced_tokens", ()))
+    return {"prompts": len(pairs), "diverged": diverged / len(pairs),
+            "first_at_forced_commit": at_forced / diverged if diverged else None}
 
 
 def s_mode(label: str, runs: list[dict], key: str) -> str | None:
@@ -390,6 +409,10 @@ def decode_table(result: dict):
         q = quality_text(r["quality"])
         if "matches_ar" in r:
             q += f" · =AR {r['matches_ar']:.0%}"
+        d = vs.get("divergence")
+        if d:
+            q += f" · ≠AR {d['diverged']:.0%}" + (f" ({d['first_at_forced_commit']:.0%} at forced)"
+                                                   if d["first_at_forced_commit"] is not None else "")
         t.add_row(
             m, fmt(tps["median"], ".1f"), f"{fmt(tps['q1'], '.1f')}–{fmt(tps['q3'], '.1f')}",
             fmt(vs.get("tokens_per_second"), ".2f"), str(r["forwards"]), fmt(r["tokens_per_forward"]),

@@ -41,6 +41,7 @@ class RowState:
     experts_touched: list[int] = field(default_factory=list)
     block_steps: list[int] = field(default_factory=list)
     forced_steps: int = 0  # denoise steps where no position reached the threshold (diffusion)
+    forced: list[int] = field(default_factory=list)  # indices into `tokens` committed by such a step
     started: float = field(default_factory=time.perf_counter)
     ended: float | None = None
     accept_lengths: list[int] = field(default_factory=list)

@@ -54,6 +54,7 @@ class DiffusionEngine(BatchEngine):
         row.blk = torch.full((Bs,), self.mask_id, dtype=torch.long, device=self.device)
         row.masked = torch.ones(Bs, dtype=torch.bool, device=self.device)
         row.dec_step = torch.zeros(Bs, dtype=torch.long, device=self.device)
+        row.dec_forced = torch.zeros(Bs, dtype=torch.bool, device=self.device)
         row.step = 0
         row.need = min(Bs, row.remaining)  # positions that must be decoded in this block
 
@@ -128,6 +129,7 @@ class DiffusionEngine(BatchEngine):
         if take.numel() == 0:
             take = conf.argmax().reshape(1)
             r.forced_steps += 1
+            r.dec_forced[cand[take]] = True
         pos = cand[take]
         r.blk[pos] = toks[take].to(r.blk.device)
         r.masked[pos] = False
@@ -163,7 +165,11 @@ class DiffusionEngine(BatchEngine):
         # string — the positions after it cannot change the output): emit it, then queue it for
         # commit with the next block's first step
         r.block_steps.append(r.step)
+        start = len(r.tokens)
         kept = r.accept(r.blk[:done].tolist(), r.dec_step[:done].tolist())
+        n = len(r.tokens)  # a stop string may have cut into earlier blocks too
+        forced_here = r.dec_forced[: max(0, n - start)].nonzero().flatten().tolist()
+        r.forced = [k for k in r.forced if k < n] + [start + j for j in forced_here]
         if kept:
             events.append(DecodeEvent("commit", i, kept, r.steps[len(r.tokens) - len(kept) :],
                                       block=r.block_no, step=r.step, row_state=r))
