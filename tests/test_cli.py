@@ -189,9 +189,11 @@ def test_timeline_html_holds_the_tokens(capsys, model, tmp_path):
     import clover
 
     tok = clover.load(model).tokenizer
-    for t in gen_json(capsys, model)["token_ids"]:
+    g = gen_json(capsys, model)
+    for t in g["token_ids"]:
         assert html.escape(viz.visible(tok.decode([t]))) in page
     assert page.count('class="row"') == 1  # 8 tokens, block size 8
+    assert page.count('class="tok forced"') == g["stats"]["forced_steps"]  # the CLI passes the forced tokens
 
 
 def test_timeline_blocks_and_html_escaping(tmp_path):
@@ -206,6 +208,15 @@ def test_timeline_blocks_and_html_escaping(tmp_path):
     assert out.read_text().startswith("<?xml")
     with pytest.raises(ValueError):
         viz.timeline_blocks(["a"], [1, 2], 2)
+
+
+def test_timeline_outlines_forced_tokens(tmp_path):
+    blocks = viz.timeline_blocks(["a", "b", "c"], [1, 2, 1], 2, forced=[1, 2])
+    assert [b.forced for b in blocks] == [[False, True], [True]]
+    page = viz.timeline_html(blocks, 2)
+    assert page.count('class="tok forced"') == 2 and "2 forced (outlined)" in page
+    assert "forced" not in viz.timeline_html(viz.timeline_blocks(["a"], [1], 2), 2).split("</style>")[1]
+    assert viz.render_timeline(tmp_path / "f.png", ["a", "b", "c"], [1, 2, 1], 2, forced=[1]).stat().st_size > 0
 
 
 # ---------------------------------------------------------------------------------------- info

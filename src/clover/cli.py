@@ -215,7 +215,8 @@ def write_timeline(llm, gen, mode: str, block_size: int, path: str) -> Path:
     else:  # one forward per token (speculative: approximate)
         forwards = [len(tokens[i : i + block_size]) for i in range(0, len(tokens), block_size)]
     title = f"{Path(str(llm.path)).name} · {mode} · block {block_size}"
-    return viz.render_timeline(path, tokens, steps, block_size, forwards_per_block=forwards, title=title)
+    return viz.render_timeline(path, tokens, steps, block_size, forwards_per_block=forwards,
+                               forced=gen.forced_tokens, title=title)
 
 
 def generation_record(llm, gen, mode: str, block_size: int | None, threshold: float | None) -> dict:

@@ -92,6 +92,7 @@ class TimelineBlock:
     tokens: list[str]
     steps: list[int]
     forwards: int  # denoise steps spent on the block (AR: one per token)
+    forced: list[bool] | None = None  # per token: committed below the threshold (a forced step)
 
     @property
     def tokens_per_forward(self) -> float:
@@ -103,16 +104,19 @@ def timeline_blocks(
     steps: Sequence[int],
     block_size: int,
     forwards_per_block: Sequence[int] | None = None,
+    forced: Sequence[int] = (),
 ) -> list[TimelineBlock]:
     """Split a generation into consecutive blocks of `block_size` tokens.
 
     `forwards_per_block[b]` (e.g. `GenerationStats.block_steps`) is the number of forwards block b
     cost; when missing, the largest step inside the block is used (the step at which the block
-    completed, for diffusion decoding)."""
+    completed, for diffusion decoding). `forced` (e.g. `Generation.forced_tokens`) holds the indices
+    of tokens committed below the threshold; the pictures outline them."""
     if block_size <= 0:
         raise ValueError(f"block_size: must be a positive integer, got {block_size!r}")
     if len(tokens) != len(steps):
         raise ValueError(f"tokens ({len(tokens)}) and steps ({len(steps)}) must have the same length")
+    forced = set(forced)
     blocks = []
     for b, start in enumerate(range(0, len(tokens), block_size)):
         toks = [str(t) for t in tokens[start : start + block_size]]
@@ -121,14 +125,17 @@ def timeline_blocks(
             fw = int(forwards_per_block[b])
         else:
             fw = max(st) if st else 0
-        blocks.append(TimelineBlock(b, toks, st, max(fw, 1)))
+        flags = [start + i in forced for i in range(len(toks))]
+        blocks.append(TimelineBlock(b, toks, st, max(fw, 1), flags))
     return blocks
 
 
 def _summary(blocks: list[TimelineBlock]) -> str:
     n = sum(len(b.tokens) for b in blocks)
     f = sum(b.forwards for b in blocks)
-    return f"{n} tokens · {len(blocks)} blocks · {f} forwards · {n / f if f else 0:.2f} tokens/forward"
+    k = sum(sum(b.forced or ()) for b in blocks)
+    return (f"{n} tokens · {len(blocks)} blocks · {f} forwards · {n / f if f else 0:.2f} tokens/forward"
+            + (f" · {k} forced (outlined)" if k else ""))
 
 
 def render_timeline(
@@ -138,12 +145,13 @@ def render_timeline(
     block_size: int,
     *,
     forwards_per_block: Sequence[int] | None = None,
+    forced: Sequence[int] = (),
     title: str | None = None,
 ) -> Path:
     """Write the timeline to `path`: HTML when the suffix is .html/.htm, otherwise an image in the
     format matplotlib infers from the suffix (PNG, SVG, PDF)."""
     path = Path(path)
-    blocks = timeline_blocks(tokens, steps, block_size, forwards_per_block)
+    blocks = timeline_blocks(tokens, steps, block_size, forwards_per_block, forced)
     if path.suffix.lower() in (".html", ".htm"):
         path.write_text(timeline_html(blocks, block_size, title=title), encoding="utf-8")
     else:
@@ -161,9 +169,11 @@ def timeline_html(blocks: list[TimelineBlock], block_size: int, *, title: str | 
         cells = []
         for pos, (tok, st) in enumerate(zip(b.tokens, b.steps)):
             rgb = step_rgb(st, max_step)
+            forced = bool(b.forced and b.forced[pos])
             cells.append(
-                f'<span class="tok" style="background:{step_colour(st, max_step)};color:{text_colour_on(rgb)}" '
-                f'title="block {b.index} · position {pos} · step {st} · {esc(repr(tok), quote=True)}">{esc(visible(tok))}</span>'
+                f'<span class="tok{" forced" if forced else ""}" style="background:{step_colour(st, max_step)};'
+                f'color:{text_colour_on(rgb)}" title="block {b.index} · position {pos} · step {st}'
+                f'{" · forced (below the threshold)" if forced else ""} · {esc(repr(tok), quote=True)}">{esc(visible(tok))}</span>'
             )
         rows.append(
             f'<div class="row"><span class="label">block {b.index}</span><span class="toks">{"".join(cells)}</span>'
@@ -188,6 +198,7 @@ h1 {{ font-size: 1.2em; margin-bottom: 0.2em; }}
 .toks {{ display: flex; flex-wrap: wrap; }}
 .tok {{ font-family: ui-monospace, monospace; font-size: 0.85em; padding: 1px 3px; margin: 1px;
         border-radius: 3px; white-space: pre; min-width: 0.8em; text-align: center; }}
+.forced {{ outline: 2px solid #d62728; outline-offset: -2px; }}
 .tpf {{ margin-left: 1em; color: #444; font-size: 0.85em; flex: none; }}
 .legend {{ margin-top: 1em; font-size: 0.85em; color: #555; }}
 </style>
@@ -242,9 +253,11 @@ def timeline_figure(
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # missing glyphs for odd bytes
         for y, (b, start) in enumerate(lines):
-            for x, (tok, st) in enumerate(zip(b.tokens[start : start + cols], b.steps[start : start + cols])):
+            flags = (b.forced or [False] * len(b.tokens))[start : start + cols]
+            for x, (tok, st, forced) in enumerate(zip(b.tokens[start : start + cols], b.steps[start : start + cols], flags)):
                 rgb = step_rgb(st, max_step)
-                ax.add_patch(Rectangle((x + 0.04, y + 0.06), 0.92, 0.88, facecolor=rgb, edgecolor="none"))
+                ax.add_patch(Rectangle((x + 0.04, y + 0.06), 0.92, 0.88, facecolor=rgb,
+                                       edgecolor="#d62728" if forced else "none", linewidth=1.5 if forced else 0))
                 label = visible(tok)
                 if len(label) > 4:
                     label = label[:3] + "…"
