@@ -416,7 +416,8 @@ def decode_table(result: dict):
         t.add_row(
             m, fmt(tps["median"], ".1f"), f"{fmt(tps['q1'], '.1f')}–{fmt(tps['q3'], '.1f')}",
             fmt(vs.get("tokens_per_second"), ".2f"), str(r["forwards"]), fmt(r["tokens_per_forward"]),
-            fmt(r["forced_share"], ".0%"), fmt(r["ms_per_forward"], ".1f"), fmt(r["experts_touched"], ".1f"), f"{mem / 2**20:.2f}", q,
+            fmt(r["forced_share"], ".0%"), fmt(r["ms_per_forward"], ".1f"), fmt(r["experts_touched"], ".1f"),
+            f"{mem / 2**20:.2f}", q,
         )
     return t
 

@@ -100,7 +100,8 @@ def run_sweep(
     points = []
     for c in configs:
         s = summary[c["label"]]
-        points.append(dict(c, **{k: s[k] for k in ("tokens_per_forward", "forced_share", "ms_per_forward", "forwards", "tokens", "quality")},
+        keep = ("tokens_per_forward", "forced_share", "ms_per_forward", "forwards", "tokens", "quality")
+        points.append(dict(c, **{k: s[k] for k in keep},
                            tokens_per_second=s["tokens_per_second"]["median"],
                            speedup=s.get("vs_ar", {}).get("tokens_per_second")))
     return {

@@ -181,7 +181,7 @@ class Scheduler:
 
     def _make_engine(self, group: tuple):
         mode = group[0]
-        model, tok = self.llm.model, self.llm.tokenizer
+        model = self.llm.model
         if mode == "ar":
             from ..decoding.ar import AREngine
 
