@@ -261,10 +261,11 @@ def summarize(runs: list[dict], modes: Iterable[str], key: str = "mode") -> dict
                 "forwards": s["forwards"] / ar["forwards"] if ar["forwards"] else None,
                 "tokens_per_forward": s["tokens_per_forward"] / ar["tokens_per_forward"] if ar["tokens_per_forward"] else None,
             }
-            if s_mode(m, runs, key) == "speculative":  # lossless: greedy speculative must give AR's tokens
+            mode = s_mode(m, runs, key)
+            if mode == "speculative":  # lossless: greedy speculative must give AR's tokens
                 same = [a["token_ids"] == b["token_ids"] for a, b in pairs]
                 s["matches_ar"] = sum(same) / len(same) if same else None
-            elif s_mode(m, runs, key) in THRESHOLD_MODES and pairs:
+            elif mode in THRESHOLD_MODES and pairs:
                 s["vs_ar"]["divergence"] = divergence(pairs)
     return per
 
