@@ -92,7 +92,7 @@ class TimelineBlock:
     tokens: list[str]
     steps: list[int]
     forwards: int  # denoise steps spent on the block (AR: one per token)
-    forced: list[bool] | None = None  # per token: committed below the threshold (a forced step)
+    forced: list[bool]  # per token: committed below the threshold (a forced step)
 
     @property
     def tokens_per_forward(self) -> float:
@@ -133,7 +133,7 @@ def timeline_blocks(
 def _summary(blocks: list[TimelineBlock]) -> str:
     n = sum(len(b.tokens) for b in blocks)
     f = sum(b.forwards for b in blocks)
-    k = sum(sum(b.forced or ()) for b in blocks)
+    k = sum(sum(b.forced) for b in blocks)
     return (f"{n} tokens · {len(blocks)} blocks · {f} forwards · {n / f if f else 0:.2f} tokens/forward"
             + (f" · {k} forced (outlined)" if k else ""))
 
@@ -167,9 +167,8 @@ def timeline_html(blocks: list[TimelineBlock], block_size: int, *, title: str | 
     rows = []
     for b in blocks:
         cells = []
-        for pos, (tok, st) in enumerate(zip(b.tokens, b.steps)):
+        for pos, (tok, st, forced) in enumerate(zip(b.tokens, b.steps, b.forced)):
             rgb = step_rgb(st, max_step)
-            forced = bool(b.forced and b.forced[pos])
             cells.append(
                 f'<span class="tok{" forced" if forced else ""}" style="background:{step_colour(st, max_step)};'
                 f'color:{text_colour_on(rgb)}" title="block {b.index} · position {pos} · step {st}'
@@ -253,8 +252,8 @@ def timeline_figure(
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # missing glyphs for odd bytes
         for y, (b, start) in enumerate(lines):
-            flags = (b.forced or [False] * len(b.tokens))[start : start + cols]
-            for x, (tok, st, forced) in enumerate(zip(b.tokens[start : start + cols], b.steps[start : start + cols], flags)):
+            cells = zip(b.tokens[start : start + cols], b.steps[start : start + cols], b.forced[start : start + cols])
+            for x, (tok, st, forced) in enumerate(cells):
                 rgb = step_rgb(st, max_step)
                 ax.add_patch(Rectangle((x + 0.04, y + 0.06), 0.92, 0.88, facecolor=rgb,
                                        edgecolor="#d62728" if forced else "none", linewidth=1.5 if forced else 0))
