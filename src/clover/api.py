@@ -197,8 +197,8 @@ class LLM:
             elif ev.kind == "commit":
                 held_ids += ev.token_ids
                 held_steps += ev.steps
-                text = row.text()
-                if text.endswith("\ufffd") and not row.finished:  # an incomplete UTF-8 sequence: wait
+                text = row.stream_text()  # never a partial UTF-8 character or a possible stop-string start
+                if len(text) <= len(emitted):
                     continue
                 delta, emitted = text[len(emitted) :], text
                 yield StreamEvent("block", text=delta, token_ids=held_ids, steps=held_steps, block=ev.block, step=ev.step)

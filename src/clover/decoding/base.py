@@ -55,34 +55,38 @@ class RowState:
 
     def accept(self, new: list[int], steps: list[int]) -> list[int]:
         """Append tokens, applying EOS / stop tokens / stop strings / the length limit.
-        Returns the tokens actually kept (what a stream should emit)."""
+        Returns the tokens actually kept (what a stream should emit).
+
+        This is the one place that decides where a row's output ends and why, for every mode: a
+        mode that commits k tokens at once gets exactly the result AR gets committing them one by
+        one. The first of these to occur wins: an EOS / stop token (not kept; `stop`), a stop
+        string completed by a kept token (`stop`, the text trimmed to before it), the length
+        limit (`length`)."""
         if self.finished:
             return []
-        kept, kept_steps = [], []
-        stop_ids = set(self.params.stop_token_ids)
-        for tok, st in zip(new, steps):
-            if len(self.tokens) + len(kept) >= self.params.max_new_tokens:
-                self._finish("length")
-                break
+        room = self.params.max_new_tokens - len(self.tokens)
+        stop_ids = self.params.stop_token_ids
+        n, reason, stop_token = 0, None, None
+        for tok in new[: max(0, room)]:
             if (tok in self.eos_ids and not self.params.ignore_eos) or tok in stop_ids:
-                self.stop_token = tok
-                self._finish("stop")
+                reason, stop_token = "stop", tok
                 break
-            kept.append(tok)
-            kept_steps.append(st)
-        self.tokens.extend(kept)
-        self.steps.extend(kept_steps)
-        self._new_tokens = len(kept)
-        if self.params.stop and kept:
+            n += 1
+        start = len(self.tokens)
+        self.tokens.extend(new[:n])
+        self.steps.extend(steps[:n])
+        self._new_tokens = n
+        if self.params.stop and n:
             cut = self._stop_string_cut()
-            if cut is not None:
-                drop = len(self.tokens) - cut
-                kept = kept[: max(0, len(kept) - drop)]
+            if cut is not None:  # the stop string ends before any EOS / stop token after it
                 del self.tokens[cut:], self.steps[cut:]
-                self._finish("stop")
-        if not self.finished and len(self.tokens) >= self.params.max_new_tokens:
-            self._finish("length")
-        return kept
+                reason, stop_token = "stop", None
+        if reason is None and len(self.tokens) >= self.params.max_new_tokens:
+            reason = "length"
+        if reason is not None:
+            self.stop_token = stop_token
+            self._finish(reason)
+        return self.tokens[start:]
 
     def _stop_string_cut(self) -> int | None:
         """Number of tokens to keep so the text reaches the end of the first stop string, or None."""
@@ -111,6 +115,13 @@ class RowState:
                 text = text[: min(hits)]
         return text
 
+    def stream_text(self) -> str:
+        """The text a stream may have emitted so far: all of `text()` once the row is finished;
+        before that, not a trailing incomplete UTF-8 sequence nor a tail that could be the start of
+        a stop string (so what a stream emits is always a prefix of the final text)."""
+        text = self.text()
+        return text if self.finished else text[: held_back(text, self.params.stop)]
+
     def cancel(self, reason: str = "abort") -> None:
         """Stop the row; the engine drops it before its next forward."""
         self._finish(reason)
@@ -119,6 +130,21 @@ class RowState:
         if not self.finished:
             self.finished, self.finish_reason = True, reason
             self.ended = time.perf_counter()
+
+
+def held_back(text: str, stop: list[str]) -> int:
+    """How much of `text` a stream may emit now: not a trailing incomplete UTF-8 sequence (shown
+    as U+FFFD), nor a tail that could be the start of a stop string."""
+    n = len(text)
+    while n and text[n - 1] == "\ufffd":
+        n -= 1
+    cut = n
+    for s in stop:
+        for k in range(min(len(s) - 1, n), 0, -1):
+            if text[:n].endswith(s[:k]):
+                cut = min(cut, n - k)
+                break
+    return cut
 
 
 @dataclass
