@@ -1,0 +1,167 @@
+#!/usr/bin/env bash
+# Build llama.cpp (CPU) from the llama-cpp-python source distribution, for the GGUF cross-check
+# (tests/test_gguf.py, docs/gguf.md).
+#
+#   scripts/build-llama-cpp.sh            # about 4-6 minutes on 2 cores; a second run is a no-op
+#
+# Everything lives in a cache dir, never in the repository:
+#   ${CLOVER_LLAMA_CPP_DIR:-${XDG_CACHE_HOME:-~/.cache}/clover/llama.cpp}/
+#     sdist/   llama_cpp_python-$VERSION.tar.gz      (pip download --no-deps --no-binary :all:)
+#     src/     the unpacked sdist; its vendor/llama.cpp is the matching llama.cpp tree
+#     build/   cmake build; build/bin/ holds llama-simple, llama-tokenize, llama-bench, libllama.so
+#     bin/     clover-llama-probe (tokenize / greedy / logits, for the tests) + READY marker
+# Environment: PYTHON (the interpreter whose pip downloads; default: python3), JOBS (default: nproc).
+set -euo pipefail
+
+VERSION="0.3.36"
+CACHE="${CLOVER_LLAMA_CPP_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/clover/llama.cpp}"
+PYTHON="${PYTHON:-python3}"
+JOBS="${JOBS:-$(nproc)}"
+SRC="$CACHE/src/llama_cpp_python-$VERSION"
+LLAMA="$SRC/vendor/llama.cpp"
+BUILD="$CACHE/build"
+BIN="$CACHE/bin"
+READY="$BIN/READY"
+
+if [[ -f "$READY" && "$(cat "$READY")" == "llama-cpp-python==$VERSION" ]]; then
+  echo "llama.cpp already built: $BUILD/bin (remove $READY to rebuild)"
+  exit 0
+fi
+for tool in cmake c++ tar; do
+  command -v "$tool" >/dev/null || { echo "error: $tool not found (needed to build llama.cpp)" >&2; exit 1; }
+done
+
+mkdir -p "$CACHE/sdist" "$CACHE/src" "$BIN"
+SDIST="$CACHE/sdist/llama_cpp_python-$VERSION.tar.gz"
+if [[ ! -f "$SDIST" ]]; then
+  echo "== downloading llama-cpp-python==$VERSION (source distribution)"
+  "$PYTHON" -m pip download --no-deps --no-binary :all: "llama-cpp-python==$VERSION" -d "$CACHE/sdist"
+fi
+if [[ ! -f "$LLAMA/CMakeLists.txt" ]]; then
+  echo "== unpacking into $CACHE/src"
+  tar xzf "$SDIST" -C "$CACHE/src"
+fi
+
+echo "== configuring llama.cpp (CPU, Release, shared libs)"
+GEN=()
+command -v ninja >/dev/null && GEN=(-G Ninja)
+cmake -S "$LLAMA" -B "$BUILD" "${GEN[@]}" \
+  -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=ON \
+  -DGGML_NATIVE=ON -DGGML_OPENMP=OFF \
+  -DLLAMA_OPENSSL=OFF -DLLAMA_CURL=OFF \
+  -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_APP=OFF \
+  -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_EXAMPLES=ON >"$CACHE/cmake-configure.log"
+
+echo "== building llama-simple llama-tokenize llama-bench ($JOBS jobs; log: $CACHE/cmake-build.log)"
+cmake --build "$BUILD" --config Release -j "$JOBS" --target llama-simple llama-tokenize llama-bench >"$CACHE/cmake-build.log"
+
+echo "== building clover-llama-probe"
+cat >"$BIN/clover-llama-probe.cpp" <<'EOF'
+// clover-llama-probe MODEL.gguf MODE [ARG]: the three things the GGUF cross-check needs from llama.cpp.
+//   tokenize          stdin: UTF-8 text        -> stdout: token ids (special tokens parsed, no BOS)
+//   greedy N          stdin: prompt token ids  -> stdout: N greedy (argmax) token ids, EOS not special
+//   logits OUT.f32    stdin: token ids         -> OUT.f32: float32 [n_tokens, n_vocab], one causal pass
+// Environment: CLOVER_PROBE_THREADS (default 2).
+#include "llama.h"
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <iostream>
+#include <iterator>
+#include <string>
+#include <vector>
+
+static std::vector<llama_token> read_ids() {
+    std::vector<llama_token> ids;
+    long v;
+    while (std::cin >> v) ids.push_back((llama_token) v);
+    return ids;
+}
+
+static void quiet(enum ggml_log_level level, const char * text, void *) {
+    if (level >= GGML_LOG_LEVEL_ERROR) fputs(text, stderr);
+}
+
+int main(int argc, char ** argv) {
+    if (argc < 3) { fprintf(stderr, "usage: %s MODEL.gguf tokenize|greedy N|logits OUT\n", argv[0]); return 2; }
+    const std::string mode = argv[2];
+    llama_log_set(quiet, nullptr);
+    llama_backend_init();
+    llama_model_params mp = llama_model_default_params();
+    llama_model * model = llama_model_load_from_file(argv[1], mp);
+    if (!model) { fprintf(stderr, "error: cannot load %s\n", argv[1]); return 1; }
+    const llama_vocab * vocab = llama_model_get_vocab(model);
+    const int n_vocab = llama_vocab_n_tokens(vocab);
+
+    if (mode == "tokenize") {
+        std::string text((std::istreambuf_iterator<char>(std::cin)), std::istreambuf_iterator<char>());
+        int n = -llama_tokenize(vocab, text.data(), (int) text.size(), nullptr, 0, false, true);
+        std::vector<llama_token> ids(n);
+        if (n > 0 && llama_tokenize(vocab, text.data(), (int) text.size(), ids.data(), n, false, true) != n) return 1;
+        for (size_t i = 0; i < ids.size(); i++) printf(i ? " %d" : "%d", ids[i]);
+        printf("\n");
+        llama_model_free(model);
+        return 0;
+    }
+
+    std::vector<llama_token> ids = read_ids();
+    if (ids.empty()) { fprintf(stderr, "error: no token ids on stdin\n"); return 1; }
+    const int n_new = mode == "greedy" ? atoi(argc > 3 ? argv[3] : "64") : 0;
+    const int threads = getenv("CLOVER_PROBE_THREADS") ? atoi(getenv("CLOVER_PROBE_THREADS")) : 2;
+    llama_context_params cp = llama_context_default_params();
+    cp.n_ctx = (uint32_t) (ids.size() + n_new + 16);
+    cp.n_batch = cp.n_ctx;
+    cp.n_ubatch = cp.n_ctx;
+    cp.n_threads = threads;
+    cp.n_threads_batch = threads;
+    cp.no_perf = true;
+    llama_context * ctx = llama_init_from_model(model, cp);
+    if (!ctx) { fprintf(stderr, "error: cannot create a context\n"); return 1; }
+
+    llama_batch batch = llama_batch_init((int) ids.size(), 0, 1);
+    batch.n_tokens = (int) ids.size();
+    const bool all = mode == "logits";
+    for (int i = 0; i < batch.n_tokens; i++) {
+        batch.token[i] = ids[i];
+        batch.pos[i] = i;
+        batch.n_seq_id[i] = 1;
+        batch.seq_id[i][0] = 0;
+        batch.logits[i] = all || i == batch.n_tokens - 1;
+    }
+    if (llama_decode(ctx, batch)) { fprintf(stderr, "error: llama_decode failed\n"); return 1; }
+
+    if (all) {
+        if (argc < 4) { fprintf(stderr, "error: logits needs an output path\n"); return 2; }
+        FILE * f = fopen(argv[3], "wb");
+        if (!f) { perror(argv[3]); return 1; }
+        for (int i = 0; i < batch.n_tokens; i++) fwrite(llama_get_logits_ith(ctx, i), sizeof(float), n_vocab, f);
+        fclose(f);
+    } else if (mode == "greedy") {
+        int pos = batch.n_tokens;
+        for (int k = 0; k < n_new; k++) {
+            const float * lg = llama_get_logits_ith(ctx, -1);
+            llama_token best = 0;
+            for (int t = 1; t < n_vocab; t++) if (lg[t] > lg[best]) best = t;
+            printf(k ? " %d" : "%d", best);
+            llama_batch one = llama_batch_get_one(&best, 1);
+            (void) pos;
+            if (llama_decode(ctx, one)) { fprintf(stderr, "error: llama_decode failed\n"); return 1; }
+            pos++;
+        }
+        printf("\n");
+    } else {
+        fprintf(stderr, "error: unknown mode %s\n", mode.c_str());
+        return 2;
+    }
+    llama_batch_free(batch);
+    llama_free(ctx);
+    llama_model_free(model);
+    return 0;
+}
+EOF
+c++ -O2 -std=c++17 "$BIN/clover-llama-probe.cpp" -o "$BIN/clover-llama-probe" \
+  -I "$LLAMA/include" -I "$LLAMA/ggml/include" -L "$BUILD/bin" -lllama -lggml -lggml-base \
+  -Wl,-rpath,"$BUILD/bin"
+
+echo "llama-cpp-python==$VERSION" >"$READY"
+echo "done: $BUILD/bin (llama-simple, llama-tokenize, llama-bench), $BIN/clover-llama-probe"

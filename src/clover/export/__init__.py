@@ -1,0 +1,1 @@
+"""Exporting checkpoints to other runtimes' formats (`clover export-gguf`: llama.cpp's GGUF)."""

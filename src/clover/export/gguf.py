@@ -1,0 +1,696 @@
+"""Export a checkpoint to GGUF for llama.cpp (`clover export-gguf SRC DST.gguf`).
+
+The backbone is written as llama.cpp's `qwen35moe` architecture, so stock llama.cpp runs it in AR
+mode. The tensor mapping is declarative (`LAYER_TENSORS`, `GLOBAL_TENSORS`); the transforms are the
+ones llama.cpp's own converter (`Qwen3_5MoeTextModel` in `convert_hf_to_gguf.py`) applies:
+
+- zero-centred RMSNorm weights (`(1 + w)`) are stored as `1 + w` (llama.cpp multiplies by the plain
+  weight); the GDN output norm (`linear_attn.norm`, a plain weight) is stored as is;
+- `A_log` is stored as `ssm_a = -exp(A_log)`; `dt_bias` as `ssm_dt.bias`;
+- the depthwise conv `[C, 1, K]` is stored as `[C, K]`;
+- GDN value heads are reordered from grouped-by-key-head (`[k0: v0 v1 | k1: v0 v1]`, what
+  `repeat_interleave` expects) to tiled (`[k0 v0, k1 v0, k0 v1, k1 v1]`, what ggml's broadcast
+  expects), in every tensor with a value-head axis: the V rows of `in_proj_qkv` and of the conv,
+  `in_proj_z`, `in_proj_a`, `in_proj_b`, `A_log`, `dt_bias`, the columns of `out_proj`, and Clover's
+  per-head tensors;
+- fused experts `gate_up_proj [E, 2I, H]` are split into `ffn_gate_exps` and `ffn_up_exps`;
+  per-expert checkpoints are stacked first;
+- `shared_expert_gate [1, H]` is stored as `[H]`.
+
+Clover's own tensors (`conv1d_right`, `intra_scale`, `block_gain_a/b`) cannot live in the main file:
+llama.cpp refuses a file holding tensors its architecture does not load ("wrong number of
+tensors"). By default they go to a sidecar GGUF next to it (`DST.clover.gguf`); `clover_tensors=
+"inline"` writes them into the main file for a llama.cpp port that knows them; `"none"` drops them.
+The `clover.*` metadata (format version, block size, threshold, mask token, where the extras are)
+is in both files.
+
+Work is shard by shard: a planning pass reads only the safetensors headers (and runs the mapping on
+`meta` tensors to learn every output name, shape and type), the writing pass then converts one
+tensor at a time. See docs/gguf.md for the table, the tokenizer and the measured agreement with
+llama.cpp.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterator
+
+import numpy as np
+import torch
+
+from ..checkpoint import CheckpointError, canonical_name, shard_files
+from ..config import CloverConfig
+
+ARCH = "qwen35moe"
+FORMAT_VERSION = 1
+DTYPES = ("f32", "bf16", "f16", "q8_0")
+CLOVER_TENSOR_MODES = ("sidecar", "inline", "none")
+SIDECAR_SUFFIX = ".clover.gguf"
+# Clover-specific tensors: our parameter leaf -> GGUF tensor name (per block)
+CLOVER_TENSORS = {
+    "linear_attn.conv1d_right.weight": "blk.{bid}.clover_conv1d_right.weight",
+    "linear_attn.intra_scale": "blk.{bid}.clover_intra_scale",
+    "linear_attn.block_gain_a": "blk.{bid}.clover_block_gain_a",
+    "linear_attn.block_gain_b": "blk.{bid}.clover_block_gain_b",
+}
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+_PER_EXPERT = re.compile(r"^mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+
+
+class GGUFExportError(ValueError):
+    """An input the GGUF export cannot represent (the message says what and why)."""
+
+
+# ------------------------------------------------------------------------------- the transforms
+def _tile_v_heads(t: torch.Tensor, dim: int, n_k: int, per_k: int, head_dim: int) -> torch.Tensor:
+    """Reorder a value-head axis from grouped ([k0: v0..v{r-1}, k1: ...]) to tiled ([k0 v0, k1 v0, ...])."""
+    shape = list(t.shape)
+    dim %= len(shape)
+    t = t.reshape(*shape[:dim], n_k, per_k, head_dim, *shape[dim + 1 :])
+    return t.transpose(dim, dim + 1).reshape(shape)
+
+
+@dataclass(frozen=True)
+class _Heads:
+    n_k: int
+    n_v: int
+    dk: int
+    dv: int
+
+    @property
+    def per_k(self) -> int:
+        return self.n_v // self.n_k
+
+    def v(self, t: torch.Tensor, dim: int, head_dim: int) -> torch.Tensor:
+        if self.n_k == self.n_v:
+            return t
+        return _tile_v_heads(t, dim, self.n_k, self.per_k, head_dim)
+
+
+Transform = Callable[[torch.Tensor, _Heads], torch.Tensor]
+
+
+def _same(t: torch.Tensor, h: _Heads) -> torch.Tensor:
+    return t
+
+
+def _norm_offset(t: torch.Tensor, h: _Heads) -> torch.Tensor:
+    return t + 1.0  # zero-centred RMSNorm: (1 + w)
+
+
+def _qkv_rows(t: torch.Tensor, h: _Heads) -> torch.Tensor:
+    qk = 2 * h.n_k * h.dk
+    return torch.cat([t[:qk], h.v(t[qk:], 0, h.dv)], dim=0)
+
+
+def _v_rows(t: torch.Tensor, h: _Heads) -> torch.Tensor:
+    return h.v(t, 0, h.dv)
+
+
+def _head_rows(t: torch.Tensor, h: _Heads) -> torch.Tensor:
+    return h.v(t, 0, 1)
+
+
+def _neg_exp_heads(t: torch.Tensor, h: _Heads) -> torch.Tensor:
+    return h.v(-torch.exp(t), 0, 1)
+
+
+def _conv(t: torch.Tensor, h: _Heads) -> torch.Tensor:
+    t = t.squeeze(1)  # [C, 1, K] -> [C, K]
+    qk = 2 * h.n_k * h.dk
+    return torch.cat([t[:qk], h.v(t[qk:], 0, h.dv)], dim=0)
+
+
+def _v_cols(t: torch.Tensor, h: _Heads) -> torch.Tensor:
+    return h.v(t, 1, h.dv)
+
+
+def _squeeze0(t: torch.Tensor, h: _Heads) -> torch.Tensor:
+    return t.reshape(t.shape[-1])
+
+
+# our parameter name (after `model.layers.N.`) -> (GGUF name with {bid}, transform)
+LAYER_TENSORS: dict[str, tuple[str, Transform]] = {
+    "input_layernorm.weight": ("blk.{bid}.attn_norm.weight", _norm_offset),
+    "post_attention_layernorm.weight": ("blk.{bid}.post_attention_norm.weight", _norm_offset),
+    # gated attention (full-attention layers)
+    "self_attn.q_proj.weight": ("blk.{bid}.attn_q.weight", _same),  # per head [query | gate], as llama.cpp reads it
+    "self_attn.k_proj.weight": ("blk.{bid}.attn_k.weight", _same),
+    "self_attn.v_proj.weight": ("blk.{bid}.attn_v.weight", _same),
+    "self_attn.o_proj.weight": ("blk.{bid}.attn_output.weight", _same),
+    "self_attn.q_norm.weight": ("blk.{bid}.attn_q_norm.weight", _norm_offset),
+    "self_attn.k_norm.weight": ("blk.{bid}.attn_k_norm.weight", _norm_offset),
+    # Gated DeltaNet (linear-attention layers)
+    "linear_attn.in_proj_qkv.weight": ("blk.{bid}.attn_qkv.weight", _qkv_rows),
+    "linear_attn.in_proj_z.weight": ("blk.{bid}.attn_gate.weight", _v_rows),
+    "linear_attn.in_proj_a.weight": ("blk.{bid}.ssm_alpha.weight", _head_rows),
+    "linear_attn.in_proj_b.weight": ("blk.{bid}.ssm_beta.weight", _head_rows),
+    "linear_attn.A_log": ("blk.{bid}.ssm_a", _neg_exp_heads),
+    "linear_attn.dt_bias": ("blk.{bid}.ssm_dt.bias", _head_rows),
+    "linear_attn.conv1d.weight": ("blk.{bid}.ssm_conv1d.weight", _conv),
+    "linear_attn.norm.weight": ("blk.{bid}.ssm_norm.weight", _same),  # plain weight: no offset
+    "linear_attn.out_proj.weight": ("blk.{bid}.ssm_out.weight", _v_cols),
+    # mixture of experts
+    "mlp.gate.weight": ("blk.{bid}.ffn_gate_inp.weight", _same),
+    "mlp.experts.down_proj": ("blk.{bid}.ffn_down_exps.weight", _same),
+    "mlp.shared_expert.gate_proj.weight": ("blk.{bid}.ffn_gate_shexp.weight", _same),
+    "mlp.shared_expert.up_proj.weight": ("blk.{bid}.ffn_up_shexp.weight", _same),
+    "mlp.shared_expert.down_proj.weight": ("blk.{bid}.ffn_down_shexp.weight", _same),
+    "mlp.shared_expert_gate.weight": ("blk.{bid}.ffn_gate_inp_shexp.weight", _squeeze0),
+    # Clover (the denoise mode); stock llama.cpp does not load these
+    "linear_attn.conv1d_right.weight": (CLOVER_TENSORS["linear_attn.conv1d_right.weight"], _conv),
+    "linear_attn.intra_scale": (CLOVER_TENSORS["linear_attn.intra_scale"], _head_rows),
+    "linear_attn.block_gain_a": (CLOVER_TENSORS["linear_attn.block_gain_a"], _head_rows),
+    "linear_attn.block_gain_b": (CLOVER_TENSORS["linear_attn.block_gain_b"], _head_rows),
+}
+FUSED_GATE_UP = "mlp.experts.gate_up_proj"  # [E, 2I, H], gate first -> ffn_gate_exps + ffn_up_exps
+GLOBAL_TENSORS: dict[str, tuple[str, Transform]] = {
+    "model.embed_tokens.weight": ("token_embd.weight", _same),
+    "model.norm.weight": ("output_norm.weight", _norm_offset),
+    "lm_head.weight": ("output.weight", _same),
+}
+# kept in float32 whatever --dtype says (llama.cpp's converter does the same; its ops expect f32 here)
+_F32_ALWAYS = re.compile(r"(_norm\.weight|ffn_gate_inp\.weight|ffn_gate_inp_shexp\.weight|ssm_conv1d\.weight|clover_conv1d_right\.weight)$")
+
+
+def is_clover_tensor(gguf_name: str) -> bool:
+    return ".clover_" in gguf_name
+
+
+class _Mapper:
+    """Our tensors in, (GGUF name, tensor) out. Works the same on real and on `meta` tensors, which
+    is how the planning pass learns every output without reading any weights."""
+
+    def __init__(self, config: CloverConfig) -> None:
+        c = config
+        self.config = c
+        self.heads = _Heads(c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim)
+        self._experts: dict[int, dict[tuple[int, str], torch.Tensor]] = {}
+
+    def __call__(self, name: str, t: torch.Tensor, origin: str) -> list[tuple[str, torch.Tensor]]:
+        if name in GLOBAL_TENSORS:
+            gname, fn = GLOBAL_TENSORS[name]
+            return [(gname, fn(t, self.heads))]
+        m = _LAYER.match(name)
+        if not m:
+            raise GGUFExportError(f"{origin}: unexpected key {name!r}; GGUF export knows the Qwen3.5-MoE / Clover parameters only")
+        bid, leaf = int(m.group(1)), m.group(2)
+        if bid >= self.config.num_hidden_layers:
+            raise GGUFExportError(f"{origin}: key {name!r} is past the {self.config.num_hidden_layers} layers in config.json")
+        if leaf == FUSED_GATE_UP:
+            if t.ndim != 3 or t.shape[1] % 2:
+                raise GGUFExportError(f"{origin}: {name!r} has shape {tuple(t.shape)}; expected [experts, 2*intermediate, hidden]")
+            n = t.shape[1] // 2
+            return [(f"blk.{bid}.ffn_gate_exps.weight", t[:, :n]), (f"blk.{bid}.ffn_up_exps.weight", t[:, n:])]
+        pe = _PER_EXPERT.match(leaf)
+        if pe:
+            return self._per_expert(bid, int(pe.group(1)), pe.group(2), t, origin)
+        if leaf not in LAYER_TENSORS:
+            raise GGUFExportError(f"{origin}: unexpected key {name!r}; GGUF export knows the Qwen3.5-MoE / Clover parameters only")
+        gname, fn = LAYER_TENSORS[leaf]
+        return [(gname.format(bid=bid), fn(t, self.heads))]
+
+    def _per_expert(self, bid: int, e: int, kind: str, t: torch.Tensor, origin: str) -> list[tuple[str, torch.Tensor]]:
+        n_exp = self.config.num_experts
+        if e >= n_exp:
+            raise GGUFExportError(f"{origin}: expert {e} of layer {bid} is past num_experts={n_exp}")
+        got = self._experts.setdefault(bid, {})
+        got[(e, kind)] = t
+        if len(got) < 3 * n_exp:
+            return []
+        del self._experts[bid]
+        out = []
+        for kind, gname in (("gate_proj", "ffn_gate_exps"), ("up_proj", "ffn_up_exps"), ("down_proj", "ffn_down_exps")):
+            out.append((f"blk.{bid}.{gname}.weight", torch.stack([got[(i, kind)] for i in range(n_exp)])))
+        return out
+
+    def finish(self, src: Path) -> None:
+        for bid, got in self._experts.items():
+            have = sorted({e for e, _ in got})
+            raise GGUFExportError(f"{src}: layer {bid} has per-expert weights for {len(have)} of {self.config.num_experts} experts "
+                                  "(each needs gate_proj, up_proj and down_proj); the checkpoint is incomplete")
+
+
+# ------------------------------------------------------------------------------------ dtypes
+def _ggml_type(name: str, shape: tuple[int, ...], dtype: str):
+    import gguf
+
+    Q = gguf.GGMLQuantizationType
+    if dtype == "f32" or len(shape) <= 1 or _F32_ALWAYS.search(name) or not name.endswith(".weight"):
+        return Q.F32
+    if dtype == "f16":
+        return Q.F16
+    if dtype == "bf16":
+        return Q.BF16
+    # q8_0 works on rows of 32; narrower rows fall back to f16 (as llama.cpp's converter does)
+    return Q.Q8_0 if shape[-1] % 32 == 0 else Q.F16
+
+
+def _file_type(dtype: str):
+    import gguf
+
+    F = gguf.LlamaFileType
+    return {"f32": F.ALL_F32, "f16": F.MOSTLY_F16, "bf16": F.MOSTLY_BF16, "q8_0": F.MOSTLY_Q8_0}[dtype]
+
+
+def _encode(t: torch.Tensor, qtype) -> np.ndarray:
+    import gguf
+
+    a = t.detach().to(torch.float32).contiguous().numpy()
+    if qtype == gguf.GGMLQuantizationType.F32:
+        return a
+    if qtype == gguf.GGMLQuantizationType.F16:
+        return a.astype(np.float16)
+    return gguf.quants.quantize(a, qtype)
+
+
+def _nbytes(shape: tuple[int, ...], qtype) -> tuple[tuple[int, ...], np.dtype, int]:
+    """(shape to declare, numpy dtype to declare, bytes) for add_tensor_info."""
+    import gguf
+
+    Q = gguf.GGMLQuantizationType
+    n = int(np.prod(shape)) if shape else 1
+    if qtype == Q.F32:
+        return shape, np.dtype(np.float32), 4 * n
+    if qtype == Q.F16:
+        return shape, np.dtype(np.float16), 2 * n
+    byte_shape = tuple(gguf.quant_shape_to_byte_shape(shape, qtype))
+    return byte_shape, np.dtype(np.uint8), int(np.prod(byte_shape))
+
+
+# --------------------------------------------------------------------------------- tokenizer
+# Our pre-tokenizers, as `tokenizers` serialises them, and the llama.cpp pre-tokenizer type whose
+# regexes come closest. "smollm" = isolate each digit (\p{N}), then the GPT-2 regex: exactly
+# `Digits(individual) + ByteLevel`, and no space clean-up on decode.
+_PRE_SPLIT_OURS = {"type": "Split", "pattern": {"Regex": "\\n|== "}, "behavior": "MergedWithPrevious", "invert": False}
+_PRE_DIGITS = {"type": "Digits", "individual_digits": True}
+_QWEN35_REGEX = ("(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?[\\p{L}\\p{M}]+|\\p{N}| ?[^\\s\\p{L}\\p{M}\\p{N}]+[\\r\\n]*"
+                 "|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+")
+_QWEN2_REGEX = ("(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*"
+                "|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+")
+# what llama.cpp's "smollm" does not reproduce of our clover-tiny pre-tokenizer (see docs/gguf.md)
+CLOVER_PRE_TOKENIZER_GAPS = (
+    "`== ` followed by a letter, bracket or quote: ours keeps the space alone (`==`, ` `, `x`), llama.cpp joins it (`==`, ` x`)",
+    "spaces before a newline that is followed by text: ours keeps `  \\n` together, llama.cpp splits `  `, `\\n`",
+)
+
+
+def _is_byte_level(p: dict, use_regex: bool) -> bool:
+    return p.get("type") == "ByteLevel" and bool(p.get("use_regex", True)) == use_regex and not p.get("add_prefix_space", False)
+
+
+def detect_pre_tokenizer(tokenizer_json: dict) -> tuple[str, bool]:
+    """(llama.cpp pre-tokenizer type, exact) for a tokenizer.json, or GGUFExportError."""
+    pre = tokenizer_json.get("pre_tokenizer") or {}
+    merges = tokenizer_json.get("model", {}).get("merges") or []
+    steps = pre.get("pretokenizers", []) if pre.get("type") == "Sequence" else [pre]
+    if not merges and all(s.get("type") in ("ByteLevel", "Split", "Digits") for s in steps):
+        return "gpt-2", True  # no merges: every byte is its own token, however the text is split
+    if len(steps) == 1 and _is_byte_level(steps[0], True):
+        return "gpt-2", True
+    if len(steps) == 2 and steps[0] == _PRE_DIGITS and _is_byte_level(steps[1], True):
+        return "smollm", True
+    if len(steps) == 3 and steps[0] == _PRE_SPLIT_OURS and steps[1] == _PRE_DIGITS and _is_byte_level(steps[2], True):
+        return "smollm", False
+    if len(steps) == 2 and steps[0].get("type") == "Split" and _is_byte_level(steps[1], False):
+        regex = steps[0].get("pattern", {}).get("Regex")
+        if regex == _QWEN35_REGEX:
+            return "qwen35", True
+        if regex == _QWEN2_REGEX:
+            return "qwen2", True
+    raise GGUFExportError(
+        "the tokenizer's pre-tokenizer matches no llama.cpp pre-tokenizer type this exporter knows "
+        f"({json.dumps(pre)[:200]}); pass pre_tokenizer= / --pre-tokenizer NAME to pick one (tokenization may then differ)")
+
+
+@dataclass
+class TokenizerMetadata:
+    tokens: list[str]
+    types: list[int]
+    merges: list[str]
+    pre: str
+    pre_exact: bool
+    eos_id: int | None
+    pad_id: int | None
+    bos_id: int | None
+    mask_id: int | None
+    chat_template: str | None
+    placeholder_merge: bool = False
+
+
+def read_tokenizer(src: Path, config: CloverConfig, *, pre_tokenizer: str | None = None) -> TokenizerMetadata:
+    import gguf
+
+    path = src / "tokenizer.json"
+    if not path.exists():
+        raise GGUFExportError(f"{src}: no tokenizer.json; GGUF export needs the fast (byte-level BPE) tokenizer")
+    tj = json.loads(path.read_text())
+    model = tj.get("model", {})
+    if model.get("type") != "BPE":
+        raise GGUFExportError(f"{path}: tokenizer model {model.get('type')!r} is not supported; only byte-level BPE (GPT-2 style)")
+    if model.get("byte_fallback") or tj.get("normalizer") is not None:
+        raise GGUFExportError(f"{path}: byte_fallback / a normalizer are not supported; only GPT-2-style byte-level BPE")
+    decoder = tj.get("decoder") or {}
+    if decoder.get("type") != "ByteLevel":
+        raise GGUFExportError(f"{path}: decoder {decoder.get('type')!r} is not ByteLevel; only GPT-2-style byte-level BPE")
+    if pre_tokenizer is None:
+        pre, exact = detect_pre_tokenizer(tj)
+    else:
+        pre, exact = pre_tokenizer, False
+    id_to_token: dict[int, str] = {i: t for t, i in model.get("vocab", {}).items()}
+    added = {a["id"]: a for a in tj.get("added_tokens", [])}
+    for i, a in added.items():
+        id_to_token[i] = a["content"]
+    n_tok = max(id_to_token) + 1 if id_to_token else 0
+    if n_tok > config.vocab_size:
+        raise GGUFExportError(f"{path}: the tokenizer has ids up to {n_tok - 1} but the model's vocab_size is {config.vocab_size}")
+    T = gguf.TokenType
+    tokens, types = [], []
+    for i in range(config.vocab_size):
+        if i not in id_to_token:
+            tokens.append(f"[PAD{i}]")
+            types.append(T.UNUSED)
+        elif i in added:
+            tokens.append(id_to_token[i])
+            types.append(T.CONTROL if added[i].get("special", False) else T.USER_DEFINED)
+        else:
+            tokens.append(id_to_token[i])
+            types.append(T.NORMAL)
+    merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges") or []]
+    placeholder = False
+    if not merges:
+        # llama.cpp insists on a merges array and gguf cannot write an empty one: one merge of two
+        # multi-character special tokens, which never occur inside a pre-tokenized piece, is inert
+        specials = [a["content"] for a in added.values() if " " not in a["content"] and len(a["content"]) > 1]
+        if not specials:
+            raise GGUFExportError(f"{path}: a tokenizer without merges needs a special token for the placeholder merge")
+        merges = [f"{specials[0]} {specials[0]}"]
+        placeholder = True
+    template = None
+    tc_path = src / "tokenizer_config.json"
+    if tc_path.exists():
+        template = json.loads(tc_path.read_text()).get("chat_template")
+    if template is None and (src / "chat_template.jinja").exists():
+        template = (src / "chat_template.jinja").read_text()
+    if isinstance(template, list):  # [{"name": ..., "template": ...}]: keep the default one
+        template = next((t["template"] for t in template if t.get("name") == "default"), None)
+    mask = config.mask_token_id
+    if mask is None:
+        mask = next((i for i, a in added.items() if a["content"] == "<|mask|>"), None)
+    eos = config.eos_token_ids[0] if config.eos_token_ids else None
+    return TokenizerMetadata(tokens, [int(t) for t in types], merges, pre, exact, eos, config.pad_token_id,
+                             config.bos_token_id, mask, template, placeholder)
+
+
+# ---------------------------------------------------------------------------------- metadata
+def mrope_sections(rotary_dim: int) -> list[int]:
+    """Sections for llama.cpp's interleaved M-RoPE that cover every rotary pair. With text-only
+    positions (all streams equal) interleaved M-RoPE is plain NeoX RoPE over `rotary_dim` dims, as
+    long as no pair is left to the 4th stream (position 0, no rotation)."""
+    n = rotary_dim // 2
+    s0 = -(-n // 3)
+    s1 = -(-(n - s0) // 2)
+    s = [s0, s1, n - s0 - s1, 0]
+    covered = [(j % 3 == 0 and j < 3 * s[0]) or (j % 3 == 1 and j < 3 * s[1]) or (j % 3 == 2 and j < 3 * s[2]) for j in range(n)]
+    if n < 2 or not all(covered):
+        raise GGUFExportError(f"rotary dim {rotary_dim} cannot be expressed as llama.cpp interleaved M-RoPE sections")
+    return s
+
+
+def check_supported(config: CloverConfig, src: Path) -> None:
+    c = config
+    problems = []
+    if c.quantization_config:
+        problems.append("the checkpoint is quantized (clover quantize); export the unquantized checkpoint and pick --dtype q8_0")
+    if c.linear_key_head_dim != c.linear_value_head_dim:
+        problems.append(f"llama.cpp's qwen35moe needs linear_key_head_dim == linear_value_head_dim (got {c.linear_key_head_dim} and {c.linear_value_head_dim})")
+    if c.attention_bias:
+        problems.append("attention_bias=true is not supported by llama.cpp's qwen35moe")
+    if c.shared_expert_intermediate_size <= 0:
+        problems.append("llama.cpp's qwen35moe requires a shared expert (shared_expert_intermediate_size > 0)")
+    if c.hidden_act != "silu":
+        problems.append(f"hidden_act {c.hidden_act!r} is not supported (silu only)")
+    if problems:
+        raise GGUFExportError(f"{src}: cannot export to GGUF: " + "; ".join(problems))
+    mrope_sections(c.rotary_dim)
+
+
+def _write_metadata(w, config: CloverConfig, tok: TokenizerMetadata, *, name: str, dtype: str, clover: dict) -> None:
+    import gguf
+
+    c = config
+    w.add_name(name)
+    w.add_type(gguf.GGUFType.MODEL)
+    w.add_file_type(_file_type(dtype))
+    if dtype == "q8_0":
+        w.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    w.add_context_length(c.max_position_embeddings)
+    w.add_embedding_length(c.hidden_size)
+    w.add_block_count(c.num_hidden_layers)
+    w.add_head_count(c.num_attention_heads)
+    w.add_head_count_kv(c.num_key_value_heads)
+    w.add_key_length(c.head_dim)
+    w.add_value_length(c.head_dim)
+    w.add_rope_freq_base(float(c.rope_theta))
+    w.add_rope_dimension_count(c.rotary_dim)
+    w.add_rope_dimension_sections(mrope_sections(c.rotary_dim))
+    w.add_layer_norm_rms_eps(float(c.rms_norm_eps))
+    w.add_expert_count(c.num_experts)
+    w.add_expert_used_count(c.num_experts_per_tok)
+    w.add_expert_feed_forward_length(c.moe_intermediate_size)
+    w.add_expert_shared_feed_forward_length(c.shared_expert_intermediate_size)
+    w.add_ssm_conv_kernel(c.linear_conv_kernel_dim)
+    w.add_ssm_state_size(c.linear_key_head_dim)
+    w.add_ssm_group_count(c.linear_num_key_heads)
+    w.add_ssm_time_step_rank(c.linear_num_value_heads)
+    w.add_ssm_inner_size(c.linear_value_head_dim * c.linear_num_value_heads)
+    w.add_full_attention_interval(c.full_attention_interval)
+    w.add_array(f"{ARCH}.attention.recurrent_layers", [t == "linear_attention" for t in c.layer_types])
+    # tokenizer
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre(tok.pre)
+    w.add_token_list(tok.tokens)
+    w.add_token_types(tok.types)
+    w.add_token_merges(tok.merges)
+    for value, add in ((tok.eos_id, w.add_eos_token_id), (tok.pad_id, w.add_pad_token_id),
+                       (tok.bos_id, w.add_bos_token_id), (tok.mask_id, w.add_mask_token_id)):
+        if value is not None:
+            add(int(value))
+    w.add_add_bos_token(False)
+    if tok.chat_template:
+        w.add_chat_template(tok.chat_template)
+    # clover.*
+    for key, value in clover.items():
+        if isinstance(value, bool):
+            w.add_bool(f"clover.{key}", value)
+        elif isinstance(value, int):
+            w.add_uint32(f"clover.{key}", value)
+        elif isinstance(value, float):
+            w.add_float32(f"clover.{key}", value)
+        elif value is not None:
+            w.add_string(f"clover.{key}", str(value))
+
+
+# ------------------------------------------------------------------------------------ export
+@dataclass
+class ExportResult:
+    path: Path
+    sidecar: Path | None
+    tensors: int
+    clover_tensors: int
+    bytes: int
+    pre_tokenizer: str
+    pre_tokenizer_exact: bool
+    notes: list[str] = field(default_factory=list)
+
+
+def sidecar_path(dst: Path) -> Path:
+    return dst.with_name((dst.name[: -len(".gguf")] if dst.name.endswith(".gguf") else dst.name) + SIDECAR_SUFFIX)
+
+
+def _source_tensors(shards: list[Path], *, meta: bool) -> Iterator[tuple[Path, str, torch.Tensor, int]]:
+    """(shard, our name, tensor as float32 or on meta, bytes on disk) for every key we keep."""
+    from safetensors import safe_open
+
+    itemsize = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
+    for path in shards:
+        try:
+            f = safe_open(str(path), framework="pt", device="cpu")
+            keys = list(f.keys())
+        except Exception as e:  # noqa: BLE001 - truncated or not safetensors
+            raise CheckpointError(f"{path}: cannot read safetensors header ({e}); the file is truncated or corrupt") from None
+        for key in keys:
+            name = canonical_name(key)
+            if name is None:
+                continue
+            sl = f.get_slice(key)
+            shape = tuple(sl.get_shape())
+            nbytes = int(np.prod(shape)) * itemsize.get(sl.get_dtype(), 4)
+            if meta:
+                t = torch.empty(shape, dtype=torch.float32, device="meta")
+            else:
+                try:
+                    t = f.get_tensor(key).to(torch.float32)
+                except Exception as e:  # noqa: BLE001
+                    raise CheckpointError(f"{path}: cannot read tensor {key!r} ({e}); the file is truncated or corrupt") from None
+            yield path, name, t, nbytes
+
+
+def _expected(config: CloverConfig) -> dict[str, tuple[int, ...]]:
+    from ..checkpoint import expected_shapes
+    from ..model import build_model
+
+    return {k: tuple(v) for k, v in expected_shapes(build_model(config, device="meta")).items()}
+
+
+def export_gguf(
+    src: str | Path,
+    dst: str | Path,
+    *,
+    dtype: str = "f32",
+    clover_tensors: str = "sidecar",
+    pre_tokenizer: str | None = None,
+    progress: bool = True,
+) -> ExportResult:
+    """Write `src` (a clover / Qwen3.5-MoE model directory) as GGUF `dst`; see the module docstring."""
+    import gguf
+    from tqdm import tqdm
+
+    src, dst = Path(src), Path(dst)
+    if dtype not in DTYPES:
+        raise GGUFExportError(f"unknown dtype {dtype!r}; use one of {', '.join(DTYPES)}")
+    if clover_tensors not in CLOVER_TENSOR_MODES:
+        raise GGUFExportError(f"unknown clover_tensors {clover_tensors!r}; use one of {', '.join(CLOVER_TENSOR_MODES)}")
+    if not src.is_dir():
+        raise GGUFExportError(f"{src}: not a directory; pass the folder holding config.json and the safetensors")
+    if dst.is_dir():
+        raise GGUFExportError(f"{dst}: is a directory; give the GGUF file to write (e.g. {dst / 'model.gguf'})")
+    config = CloverConfig.from_file(src)
+    check_supported(config, src)
+    tok = read_tokenizer(src, config, pre_tokenizer=pre_tokenizer)
+    shards = shard_files(src)
+
+    # -- plan: names, shapes and types of every output tensor, from the headers alone
+    expected = _expected(config)
+    seen: set[str] = set()
+    plan: list[tuple[str, tuple[int, ...]]] = []
+    src_bytes = 0
+    mapper = _Mapper(config)
+    for path, name, t, nbytes in _source_tensors(shards, meta=True):
+        src_bytes += nbytes
+        m = _LAYER.match(name)
+        if m and _PER_EXPERT.match(m.group(2)):
+            seen.update(f"model.layers.{m.group(1)}.mlp.experts.{p}" for p in ("gate_up_proj", "down_proj"))
+        elif name not in expected:
+            raise GGUFExportError(f"{path}: unexpected key {name!r} (no such parameter in this model); is config.json the one these weights were saved with?")
+        elif tuple(t.shape) != expected[name]:
+            raise GGUFExportError(f"{path}: {name!r} has shape {tuple(t.shape)} but config.json implies {expected[name]}; the weights and config disagree")
+        else:
+            seen.add(name)
+        plan += [(g, tuple(o.shape)) for g, o in mapper(name, t, str(path))]
+    mapper.finish(src)
+    missing = sorted(set(expected) - seen - ({"lm_head.weight"} if config.tie_word_embeddings else set()))
+    if missing:
+        shown = ", ".join(repr(k) for k in missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        raise GGUFExportError(f"{src}: missing key(s) {shown}; the checkpoint is incomplete or for another model")
+    has_clover = any(is_clover_tensor(g) for g, _ in plan)
+
+    # -- writers
+    mode = clover_tensors if has_clover else "none"
+    side = sidecar_path(dst) if mode == "sidecar" else None
+    clover_meta = {
+        "format_version": FORMAT_VERSION,
+        "model_type": config.model_type,
+        "block_size": config.block_size if config.is_clover else None,
+        "threshold": float(config.threshold) if config.is_clover else None,
+        "mask_token_id": tok.mask_id,
+        "expert_budget": config.expert_budget,
+        "tensors": mode,
+        "tensors_file": side.name if side else None,
+        "v_head_order": "tiled",
+        "pre_tokenizer_exact": tok.pre_exact,
+    }
+    name = src.resolve().name
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dst.with_name(dst.name + ".partial")
+    writers = {"main": gguf.GGUFWriter(tmp, ARCH)}
+    _write_metadata(writers["main"], config, tok, name=name, dtype=dtype, clover=clover_meta)
+    if side is not None:
+        side_tmp = side.with_name(side.name + ".partial")
+        writers["side"] = gguf.GGUFWriter(side_tmp, ARCH)
+        _write_metadata(writers["side"], config, tok, name=name + " (clover tensors)", dtype=dtype, clover=clover_meta)
+
+    def target(gname: str) -> str | None:
+        if not is_clover_tensor(gname):
+            return "main"
+        return {"inline": "main", "sidecar": "side", "none": None}[mode]
+
+    kinds = {}
+    total = 0
+    counts = {"main": 0, "side": 0}
+    for gname, shape in plan:
+        where = target(gname)
+        if where is None:
+            continue
+        qtype = _ggml_type(gname, shape, dtype)
+        kinds[gname] = qtype
+        decl_shape, np_dtype, nbytes = _nbytes(shape, qtype)
+        writers[where].add_tensor_info(gname, decl_shape, np_dtype, nbytes, raw_dtype=None if qtype in (
+            gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16) else qtype)
+        counts["main" if where == "main" else "side"] += 1
+        total += nbytes
+    try:
+        for w in writers.values():
+            w.write_header_to_file()
+            w.write_kv_data_to_file()
+            w.write_ti_data_to_file()
+
+        # -- write: one tensor at a time, in plan order
+        mapper = _Mapper(config)
+        order = iter(plan)
+        bar = tqdm(total=src_bytes, unit="B", unit_scale=True, desc="export-gguf", disable=not progress)
+        current = None
+        for path, name, t, nbytes in _source_tensors(shards, meta=False):
+            if path != current:
+                current = path
+                bar.set_postfix_str(f"shard {shards.index(path) + 1}/{len(shards)}: {path.name}")
+            for gname, out in mapper(name, t, str(path)):
+                want, shape = next(order)
+                assert gname == want and tuple(out.shape) == shape, (gname, want)
+                where = target(gname)
+                if where is not None:
+                    writers[where].write_tensor_data(_encode(out, kinds[gname]))
+            bar.update(nbytes)
+        bar.close()
+        for w in writers.values():
+            w.close()
+        os.replace(tmp, dst)
+        if side is not None:
+            os.replace(side_tmp, side)
+    except BaseException:
+        for w in writers.values():
+            try:
+                w.close()
+            except Exception:  # noqa: BLE001
+                pass
+        for p in (tmp, side.with_name(side.name + ".partial") if side else None):
+            if p is not None and p.exists():
+                p.unlink()
+        raise
+    notes = []
+    if not tok.pre_exact:
+        notes.append(f"tokenizer: llama.cpp pre-tokenizer {tok.pre!r} is the closest match but not exact; "
+                     "see docs/gguf.md (pass prompts as token ids for bit-exact inputs)")
+    if tok.placeholder_merge:
+        notes.append("tokenizer: no merges; one inert placeholder merge written (llama.cpp requires the array)")
+    if mode == "inline":
+        notes.append("clover tensors inline: stock llama.cpp refuses this file (it holds tensors qwen35moe does not load)")
+    q8_fallback = [g for g, q in kinds.items() if dtype == "q8_0" and q == gguf.GGMLQuantizationType.F16]
+    if q8_fallback:
+        notes.append(f"q8_0: {len(q8_fallback)} tensor(s) with rows not a multiple of 32 written as f16")
+    return ExportResult(dst, side, counts["main"], counts["side"] if side else sum(is_clover_tensor(g) for g in kinds),
+                        total, tok.pre, tok.pre_exact, notes)
