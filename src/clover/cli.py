@@ -667,6 +667,8 @@ register("quantize", "weight-only INT8/INT4 quantization of a model directory",
          "clover.quant.cli:configure", "clover.quant.cli:run")
 register("convert", "turn a Qwen3.5-MoE checkpoint into a Clover one (mask token + zero-initialised new parameters)",
          configure_convert, run_convert)
+register("export-gguf", "write a checkpoint as GGUF for llama.cpp (arch qwen35moe; see docs/gguf.md)",
+         "clover.export.cli:configure", "clover.export.cli:run")
 
 
 # -------------------------------------------------------------------------------------- main
