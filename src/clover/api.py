@@ -77,7 +77,7 @@ class LLM:
     def _params(self, mode: str, kwargs: dict) -> SamplingParams:
         if mode not in MODES:
             raise ValueError(f"mode: must be one of {', '.join(MODES)}, got {mode!r}")
-        params = SamplingParams.from_kwargs(**kwargs)
+        params = SamplingParams.from_kwargs(**kwargs).check_model(self.config.vocab_size)
         if params.block_size is None:
             params.block_size = self.config.block_size
         if params.threshold is None:

@@ -9,6 +9,136 @@ import torch
 
 CONFIDENCE_KINDS = ("prob", "margin", "entropy")
 MODES = ("ar", "diffusion", "naive", "speculative")
+SEED_MAX = 2**64 - 1
+MAX_N = 64  # completions per request (the server's `n`)
+
+
+def _num(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() else f"{x:g}"
+
+
+@dataclass(frozen=True)
+class Limit:
+    """The accepted values of one generation option. The one description of each option's limits:
+    `SamplingParams.validate` checks them, the server's request schema (and so its OpenAPI document)
+    states them, and docs/serving.md lists them (`limits_table`)."""
+
+    kind: type  # int, float, str, bool or list (of `item`)
+    ge: float | None = None
+    gt: float | None = None
+    le: float | None = None
+    item: type | None = None  # list items
+    max_items: int | None = None
+    max_chars: int | None = None  # per string (a str option, or each item of a list of str)
+    choices: tuple = ()
+    nullable: bool = False  # None means: the model's default
+    doc: str = ""
+
+    def field(self) -> dict:
+        """Keyword arguments for a pydantic `Field` stating the same bounds."""
+        out = {k: getattr(self, k) for k in ("ge", "gt", "le") if getattr(self, k) is not None}
+        if self.kind is list and self.max_items is not None:
+            out["max_length"] = self.max_items
+        if self.kind is str and self.max_chars is not None:
+            out["max_length"] = self.max_chars
+        return out
+
+    def describe(self) -> str:
+        if self.choices:
+            return "one of " + ", ".join(map(str, self.choices))
+        if self.kind is bool:
+            return "true or false"
+        parts = []
+        lo = f"{_num(self.ge)} <=" if self.ge is not None else f"{_num(self.gt)} <" if self.gt is not None else None
+        if lo or self.le is not None:
+            what = "finite number" if self.kind is float else "integer"
+            parts.append(" ".join(x for x in (lo, "x" if lo or self.le is not None else None,
+                                               f"<= {_num(self.le)}" if self.le is not None else None) if x) + f" ({what})")
+        if self.kind is list:
+            parts.append(f"at most {self.max_items} items" + (f" of at most {self.max_chars} characters" if self.max_chars else ""))
+        if self.nullable:
+            parts.append("or null")
+        return "; ".join(parts)
+
+    def check(self, name: str, value):
+        """The value, normalised; or ValueError("name: what is wrong and what is accepted")."""
+        def bad(why: str):
+            raise ValueError(f"{name}: {why}, got {value!r}"[:300])
+
+        if value is None:
+            if self.nullable:
+                return None
+            bad("must be given")
+        if self.kind is bool:
+            if not isinstance(value, bool):
+                bad("must be true or false")
+            return value
+        if self.choices:
+            if value not in self.choices:
+                bad(f"must be one of {', '.join(map(str, self.choices))}")
+            return value
+        if self.kind is list:
+            if not isinstance(value, (list, tuple)):
+                bad("must be a list")
+            if self.max_items is not None and len(value) > self.max_items:
+                raise ValueError(f"{name}: at most {self.max_items} items, got {len(value)}")
+            return [Limit(self.item, ge=self.ge, gt=self.gt, le=self.le, max_chars=self.max_chars).check(name, v)
+                    for i, v in enumerate(value)]
+        if self.kind is str:
+            if not isinstance(value, str):
+                bad("must be a string")
+            if self.max_chars is not None and len(value) > self.max_chars:
+                raise ValueError(f"{name}: at most {self.max_chars} characters, got {len(value)}")
+            return value
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            bad(f"must be {'an integer' if self.kind is int else 'a number'}")
+        if self.kind is int:
+            if isinstance(value, float):
+                if not value.is_integer():
+                    bad("must be an integer")
+                value = int(value)
+        else:
+            value = float(value)
+            if not math.isfinite(value):
+                bad("must be a finite number")
+        if self.ge is not None and not value >= self.ge:
+            bad(f"must be >= {_num(self.ge)}" + (f" and <= {_num(self.le)}" if self.le is not None else ""))
+        if self.gt is not None and not value > self.gt:
+            bad(f"must be > {_num(self.gt)}" + (f" and <= {_num(self.le)}" if self.le is not None else ""))
+        if self.le is not None and not value <= self.le:
+            low = f">= {_num(self.ge)} and " if self.ge is not None else f"> {_num(self.gt)} and " if self.gt is not None else ""
+            bad(f"must be {low}<= {_num(self.le)}")
+        return value
+
+
+LIMITS: dict[str, Limit] = {
+    "max_new_tokens": Limit(int, ge=0, doc="tokens to generate; prompt + this (+ one block) must fit the context"),
+    "temperature": Limit(float, ge=0, le=100, doc="0 = greedy"),
+    "top_p": Limit(float, gt=0, le=1, doc="nucleus sampling (1 = off)"),
+    "top_k": Limit(int, ge=-1, le=1 << 20, doc="-1 or 0 = off"),
+    "seed": Limit(int, ge=0, le=SEED_MAX, nullable=True, doc="sampling seed (null = unseeded); row i of a request with n > 1 uses seed + i"),
+    "stop": Limit(list, item=str, max_items=64, max_chars=256, doc="stop strings (not included in the text)"),
+    "stop_token_ids": Limit(list, item=int, ge=0, max_items=256, doc="token ids that end the output (ids in the vocabulary)"),
+    "ignore_eos": Limit(bool, doc="keep generating past EOS"),
+    "repetition_penalty": Limit(float, gt=0, le=10, doc="1 = off"),
+    "presence_penalty": Limit(float, ge=-2, le=2, doc="subtracted from the logits of tokens already seen"),
+    "eos_penalty": Limit(float, ge=-100, le=100, doc="subtracted from the EOS logits"),
+    "no_repeat_ngram_size": Limit(int, ge=0, le=64, doc="0 = off"),
+    "block_size": Limit(int, ge=1, le=1024, nullable=True, doc="diffusion / speculative block (null = the model's)"),
+    "threshold": Limit(float, gt=0, le=2, nullable=True, doc="confidence to accept a token (null = the model's); above 1: one token per step"),
+    "confidence": Limit(str, choices=CONFIDENCE_KINDS, doc="confidence measure"),
+    "expert_budget": Limit(int, ge=1, le=1 << 16, nullable=True,
+                           doc="experts per block forward, within [experts per token, experts] of the model (null = the model's)"),
+    "draft_length": Limit(int, ge=1, le=1024, nullable=True, doc="speculative draft, <= block_size (null = block_size)"),
+}
+
+
+def limits_table() -> str:
+    """The generation options and their limits as a Markdown table (docs/serving.md shows it)."""
+    rows = ["| option | accepted values | meaning |", "|---|---|---|"]
+    for name, lim in LIMITS.items():
+        rows.append(f"| `{name}` | {lim.describe()} | {lim.doc} |")
+    return "\n".join(rows)
 
 
 @dataclass
@@ -34,34 +164,25 @@ class SamplingParams:
     draft_length: int | None = None
 
     def validate(self) -> "SamplingParams":
-        def bad(name: str, why: str) -> None:
-            raise ValueError(f"{name}: {why}")
-
+        """Check every option against `LIMITS` (ValueError "option: what is wrong"), and normalise:
+        a single stop string becomes a list, empty stop strings are dropped, top_k -1 becomes 0."""
         if self.stop is None:  # as in the OpenAI API: null = no stop strings
             self.stop = []
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        if self.stop_token_ids is None:
+            self.stop_token_ids = []
+        for name, lim in LIMITS.items():
+            setattr(self, name, lim.check(name, getattr(self, name)))
         self.stop = [s for s in self.stop if s]
-        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 0:
-            bad("max_new_tokens", f"must be an integer >= 0, got {self.max_new_tokens!r}")
-        if not (self.temperature >= 0 and math.isfinite(self.temperature)):
-            bad("temperature", f"must be >= 0, got {self.temperature!r}")
-        if not (0 < self.top_p <= 1):
-            bad("top_p", f"must be in (0, 1], got {self.top_p!r}")
-        if self.top_k < 0:
-            bad("top_k", f"must be >= 0 (0 = off), got {self.top_k!r}")
-        if not (self.repetition_penalty > 0):
-            bad("repetition_penalty", f"must be > 0 (1 = off), got {self.repetition_penalty!r}")
-        if self.no_repeat_ngram_size < 0:
-            bad("no_repeat_ngram_size", f"must be >= 0, got {self.no_repeat_ngram_size!r}")
-        if self.block_size is not None and (not isinstance(self.block_size, int) or self.block_size <= 0):
-            bad("block_size", f"must be a positive integer, got {self.block_size!r}")
-        if self.threshold is not None and not (self.threshold > 0):
-            bad("threshold", f"must be > 0 (values > 1 decode one token per step), got {self.threshold!r}")
-        if self.confidence not in CONFIDENCE_KINDS:
-            bad("confidence", f"must be one of {', '.join(CONFIDENCE_KINDS)}, got {self.confidence!r}")
-        if self.draft_length is not None and self.draft_length <= 0:
-            bad("draft_length", f"must be a positive integer, got {self.draft_length!r}")
+        self.top_k = max(0, self.top_k)
+        return self
+
+    def check_model(self, vocab_size: int) -> "SamplingParams":
+        """The checks that need the model: token ids inside the vocabulary."""
+        bad = [t for t in self.stop_token_ids if t >= vocab_size]
+        if bad:
+            raise ValueError(f"stop_token_ids: {bad[0]} is outside the vocabulary (size {vocab_size})")
         return self
 
     @classmethod
@@ -80,7 +201,8 @@ class SamplingParams:
 def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator | None:
     if seed is None:
         return None
-    return torch.Generator(device=device).manual_seed(int(seed))
+    # any integer seed maps into the generator's 64-bit range (row i of a request uses seed + i)
+    return torch.Generator(device=device).manual_seed(int(seed) % (SEED_MAX + 1))
 
 
 def process_logits(

@@ -3,9 +3,20 @@ sampling extras and Clover's decoding options ride along as extra top-level fiel
 
 from __future__ import annotations
 
-from typing import Literal, Union
+from typing import Annotated, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field
+
+from ..decoding.sampling import CONFIDENCE_KINDS, LIMITS, MAX_N, MODES
+
+
+def _f(name: str, default=None, **extra):
+    """A pydantic Field stating the limits `LIMITS[name]` states (one description of each option)."""
+    return Field(default=default, **LIMITS[name].field(), **extra)
+
+
+_Stop = Annotated[str, Field(max_length=LIMITS["stop"].max_chars)]
+_TokenId = Annotated[int, Field(ge=0)]
 
 
 class StreamOptions(BaseModel):
@@ -13,39 +24,48 @@ class StreamOptions(BaseModel):
 
 
 class _Sampling(BaseModel):
-    """Fields shared by /v1/completions and /v1/chat/completions."""
+    """Fields shared by /v1/completions and /v1/chat/completions. The sampling and decoding fields'
+    bounds come from `clover.decoding.sampling.LIMITS`, which `SamplingParams` checks too."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
-    model: str | None = None
-    max_tokens: int | None = Field(default=None, ge=0)
-    temperature: float = Field(default=1.0, ge=0)
-    top_p: float = Field(default=1.0, gt=0, le=1)
-    seed: int | None = None
-    stop: Union[str, list[str], None] = None
-    n: int = Field(default=1, ge=1, le=64)
+    model: str | None = Field(default=None, max_length=256)
+    max_tokens: int | None = _f("max_new_tokens")
+    temperature: float = _f("temperature", 1.0)
+    top_p: float = _f("top_p", 1.0)
+    seed: int | None = _f("seed")
+    stop: Union[_Stop, Annotated[list[_Stop], Field(max_length=LIMITS["stop"].max_items)], None] = None
+    n: int = Field(default=1, ge=1, le=MAX_N)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None
-    frequency_penalty: float = 0.0
+    user: str | None = Field(default=None, max_length=256)
+    frequency_penalty: float = Field(default=0.0, ge=-2, le=2)
     # vLLM-style extras
-    top_k: int = Field(default=0, ge=-1)  # -1 or 0: off
-    repetition_penalty: float = Field(default=1.0, gt=0)
-    presence_penalty: float = 0.0
-    stop_token_ids: list[int] = Field(default_factory=list)
+    top_k: int = _f("top_k", 0)
+    repetition_penalty: float = _f("repetition_penalty", 1.0)
+    presence_penalty: float = _f("presence_penalty", 0.0)
+    stop_token_ids: list[_TokenId] = Field(default_factory=list, max_length=LIMITS["stop_token_ids"].max_items)
     ignore_eos: bool = False
     # Clover's decoding options
-    mode: Literal["ar", "diffusion", "naive", "speculative"] | None = None
-    block_size: int | None = Field(default=None, gt=0)
-    threshold: float | None = Field(default=None, gt=0)
-    confidence: Literal["prob", "margin", "entropy"] = "prob"
-    eos_penalty: float = 0.0
-    no_repeat_ngram_size: int = Field(default=0, ge=0)
-    expert_budget: int | None = None
-    draft_length: int | None = Field(default=None, gt=0)
+    mode: Literal[MODES] | None = None  # type: ignore[valid-type]
+    block_size: int | None = _f("block_size")
+    threshold: float | None = _f("threshold")
+    confidence: Literal[CONFIDENCE_KINDS] = "prob"  # type: ignore[valid-type]
+    eos_penalty: float = _f("eos_penalty", 0.0)
+    no_repeat_ngram_size: int = _f("no_repeat_ngram_size", 0)
+    expert_budget: int | None = _f("expert_budget")
+    draft_length: int | None = _f("draft_length")
 
 
-PromptType = Union[str, list[str], list[int], list[list[int]]]
+MAX_PROMPTS = 64  # prompts in one completions request
+_Text = Annotated[str, Field(min_length=1)]
+_Ids = Annotated[list[_TokenId], Field(min_length=1)]
+PromptType = Union[
+    _Text,
+    Annotated[list[_Text], Field(min_length=1, max_length=MAX_PROMPTS)],
+    _Ids,
+    Annotated[list[_Ids], Field(min_length=1, max_length=MAX_PROMPTS)],
+]
 
 
 class CompletionRequest(_Sampling):
