@@ -4,6 +4,7 @@ transformers' fast tokenizer, behind the small interface the engine needs."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 EOS_TOKEN, PAD_TOKEN, MASK_TOKEN = "<|endoftext|>", "<|pad|>", "<|mask|>"
@@ -18,6 +19,10 @@ CHAT_TEMPLATE = (
     "{{- '<|im_start|>assistant\\n' }}"
     "{%- endif %}"
 )
+
+
+class ChatTemplateError(ValueError):
+    """The chat template cannot render these messages (or the tokenizer has none)."""
 
 
 class Tokenizer:
@@ -51,12 +56,64 @@ class Tokenizer:
         return self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False)
 
     def apply_chat_template(self, messages: list[dict], *, add_generation_prompt: bool = True) -> list[int]:
+        """The chat prompt's token ids. Control tokens (the special tokens) written in message
+        content are encoded as text: only the template itself writes control tokens, so user text
+        cannot open or close turns (transformers' `sanitize_control_tokens=True`; vLLM does the same).
+        Raises `ChatTemplateError` (a ValueError) when there is no template or it fails to render."""
         if not getattr(self.hf, "chat_template", None):
-            raise ValueError("this model's tokenizer has no chat template; use a plain prompt instead")
-        out = self.hf.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True)
+            raise ChatTemplateError("this model's tokenizer has no chat template; use a plain prompt instead")
+        try:
+            if self._sanitize_supported():
+                out = self.hf.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True,
+                                                  sanitize_control_tokens=True)
+            else:
+                out = self._encode_rendered(messages, add_generation_prompt)
+        except ChatTemplateError:
+            raise
+        except Exception as e:  # noqa: BLE001 - jinja2.TemplateError, raise_exception(), a TypeError in the template
+            raise ChatTemplateError(f"the chat template failed: {type(e).__name__}: {e}") from None
         if isinstance(out, dict) or hasattr(out, "input_ids"):
             out = out["input_ids"]
         return list(out)
+
+    def _sanitize_supported(self) -> bool:
+        if not hasattr(self, "_sanitize"):
+            import inspect
+
+            self._sanitize = "sanitize_control_tokens" in inspect.signature(self.hf.apply_chat_template).parameters
+        return self._sanitize
+
+    def _encode_rendered(self, messages: list[dict], add_generation_prompt: bool) -> list[int]:
+        """For transformers without `sanitize_control_tokens`: control tokens in the messages are
+        swapped for private-use placeholders before rendering; the rendered text is split at the
+        control tokens the template wrote, and each piece between them is encoded with special
+        tokens read as text, the placeholders turned back into the text they stand for."""
+        specials = sorted({t.content for t in self.hf.added_tokens_decoder.values() if t.special}, key=len, reverse=True)
+        if not specials:
+            return self.hf.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True)
+        used = "".join(str(v) for m in messages for v in m.values())
+        lead = next(chr(c) for c in range(0xE000, 0xF8FF) if chr(c) not in used)
+        marks = {s: f"{lead}{chr(0xF000 + i)}" for i, s in enumerate(specials)}
+        pattern = re.compile("|".join(map(re.escape, specials)))
+
+        def mark(v):
+            return pattern.sub(lambda m: marks[m.group(0)], v) if isinstance(v, str) else v
+
+        text = self.hf.apply_chat_template([{k: mark(v) for k, v in m.items()} for m in messages],
+                                           add_generation_prompt=add_generation_prompt, tokenize=False)
+        back = {v: k for k, v in marks.items()}
+        ids: list[int] = []
+        pos = 0
+        for m in list(pattern.finditer(text)) + [None]:
+            piece = text[pos : m.start() if m else len(text)]
+            if piece:
+                for k, v in back.items():
+                    piece = piece.replace(k, v)
+                ids += self.hf.encode(piece, add_special_tokens=False, split_special_tokens=True)
+            if m:
+                ids.append(self.hf.convert_tokens_to_ids(m.group(0)))
+                pos = m.end()
+        return ids
 
     def __repr__(self) -> str:
         return f"Tokenizer(vocab={self.vocab_size}, eos={self.eos_token_id}, mask={self.mask_token_id})"

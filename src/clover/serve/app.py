@@ -2,11 +2,17 @@
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions (both with SSE streaming),
 GET /v1/models, GET /health, GET /metrics, POST /tokenize, POST /detokenize.
-Generation goes through the `Scheduler` (one engine thread batching rows of all requests)."""
+Generation goes through the `Scheduler` (one engine thread batching rows of all requests).
+
+Before a route runs, `_Guard` checks the API key and reads the body up to `max_body_bytes` (413
+beyond), so neither an unauthenticated nor an oversized body is ever parsed. Tokenization, chat
+templates and parameter checks run on one worker thread (`Server.off_loop`), never on the event
+loop. Every error is OpenAI-shaped with a non-null `code` (see `ERROR_CODES`)."""
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import dataclasses
 import json
@@ -20,12 +26,15 @@ from typing import AsyncIterator
 import torch
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.openapi.utils import get_openapi
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..decoding.sampling import SamplingParams
 from .metrics import Metrics
-from .scheduler import NotAccepting, QueueFull, Scheduler, ServeRequest, ServeRow
+from ..tokenizer import ChatTemplateError
+from .scheduler import EngineDead, NotAccepting, QueueFull, Scheduler, ServeRequest, ServeRow
 from .schemas import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, message_text
 
 log = logging.getLogger("clover.serve")
@@ -34,6 +43,52 @@ COMPLETION_DEFAULT_MAX_TOKENS = 16  # as OpenAI's legacy completions endpoint
 CHAT_DEFAULT_MAX_TOKENS = 512  # clipped to what the context leaves
 # SamplingParams' names that differ from the request's
 _PARAM_NAMES = {"max_new_tokens": "max_tokens"}
+MAX_BODY_BYTES = 4 * 1024 * 1024  # default request body limit (413 beyond)
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "function")
+SEED_MOD = 2**64  # choice i of n samples with (seed + i) mod 2^64
+
+# The `code` of every error this server answers, by status (an error without its own code gets
+# its status's first one).
+ERROR_CODES = {
+    400: ("invalid_value", "invalid_json", "missing_required_parameter", "context_length_exceeded",
+          "chat_template_error"),
+    401: ("invalid_api_key",),
+    404: ("not_found", "model_not_found"),
+    405: ("method_not_allowed",),
+    413: ("request_too_large",),
+    429: ("queue_full",),
+    499: ("cancelled",),
+    500: ("internal_error", "engine_error"),
+    503: ("service_unavailable", "shutting_down", "engine_dead"),
+}
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str
+
+
+class ErrorResponse(BaseModel):
+    """OpenAI's error shape."""
+
+    error: ErrorDetail
+
+
+_ERROR_DOCS = {
+    400: "a bad value (`param` names the field) or malformed JSON",
+    401: "missing or wrong `Authorization: Bearer` key",
+    404: "unknown model",
+    413: "the request body exceeds the server's limit",
+    429: "the server is full; retry after `Retry-After` seconds",
+    500: "decoding failed for this request",
+    503: "the server is shutting down or its engine has died",
+}
+
+
+def _errors(*statuses: int) -> dict:
+    return {s: {"model": ErrorResponse, "description": _ERROR_DOCS[s]} for s in statuses}
 
 
 _REQUEST_FIELDS = set(CompletionRequest.model_fields) | set(ChatCompletionRequest.model_fields)
@@ -43,6 +98,7 @@ class APIError(Exception):
     def __init__(self, status: int, message: str, *, type: str = "invalid_request_error", param: str | None = None,
                  code: str | None = None, headers: dict | None = None) -> None:
         super().__init__(message)
+        code = code or ERROR_CODES.get(status, ("invalid_value" if status < 500 else "internal_error",))[0]
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
         self.headers = headers or {}
 
@@ -74,7 +130,7 @@ class Server:
     """The state behind one app: the model, its scheduler and metrics."""
 
     def __init__(self, llm, *, model_name: str, max_batch: int, max_queue: int, api_key: str | None,
-                 drain_timeout: float = 10.0) -> None:
+                 drain_timeout: float = 10.0, max_body_bytes: int = MAX_BODY_BYTES) -> None:
         self.llm = llm
         self.tok = llm.tokenizer
         self.model_name = model_name
@@ -91,21 +147,58 @@ class Server:
         self.eos = eos
         im_end = self.tok.hf.convert_tokens_to_ids("<|im_end|>") if hasattr(self.tok, "hf") else None
         self.chat_stop_ids = [im_end] if isinstance(im_end, int) and im_end != self.tok.hf.unk_token_id else []
+        if max_body_bytes < 1:
+            raise ValueError(f"max_body_bytes: must be >= 1, got {max_body_bytes}")
+        self.max_body_bytes = max_body_bytes
+        # A prompt longer than this many characters cannot fit the context whatever it encodes to
+        # (no token spans more characters than the longest vocabulary entry; x2 for normalizers
+        # that merge characters), so it is refused before tokenization.
+        vocab = self.tok.hf.get_vocab() if hasattr(self.tok, "hf") else {}
+        self.max_prompt_chars = 2 * llm.context_length * max((len(t) for t in vocab), default=64)
+        # tokenization, chat templates and parameter checks: one worker (the tokenizer is not
+        # safe to encode from several threads at once), off the event loop
+        self.pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="clover-prepare")
+
+    async def off_loop(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
 
     # ----------------------------------------------------------------- checks
-    def check_auth(self, request: Request) -> None:
+    def authorized(self, header: str) -> bool:
         if not self.api_key:
-            return
-        got = request.headers.get("authorization", "")
-        scheme, _, token = got.partition(" ")
-        if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip(), self.api_key):
-            raise APIError(401, "invalid API key: send `Authorization: Bearer <key>`", type="authentication_error",
-                           code="invalid_api_key")
+            return True
+        scheme, _, token = header.partition(" ")
+        return scheme.lower() == "bearer" and secrets.compare_digest(token.strip().encode(), self.api_key.encode())
 
     def check_model(self, name: str | None) -> None:
+        """An absent or empty `model` means the served one (as vLLM); another name is a 404."""
         if name and name not in self.aliases:
             raise APIError(404, f"the model {name!r} does not exist; this server serves {self.model_name!r}",
                            param="model", code="model_not_found")
+
+    def check_prompt_size(self, prompts: list, param: str) -> None:
+        """Refuse, before tokenizing, prompts that cannot fit the context whatever they encode to."""
+        for p in prompts:
+            too_long = len(p) > self.max_prompt_chars if isinstance(p, str) else len(p) > self.llm.context_length
+            if too_long:
+                unit = "characters" if isinstance(p, str) else "tokens"
+                raise APIError(400, f"{param}: {len(p)} {unit} cannot fit the context length {self.llm.context_length}",
+                               param=param, code="context_length_exceeded")
+
+    def chat_messages(self, messages) -> list[dict]:
+        msgs = []
+        for i, m in enumerate(messages):
+            if m.role not in CHAT_ROLES:
+                raise APIError(400, f"messages.{i}.role: {m.role!r} is not a chat role; use one of {', '.join(CHAT_ROLES)}",
+                               param="messages", code="invalid_value")
+            msgs.append({"role": m.role, "content": message_text(m.content)})
+        self.check_prompt_size(["".join(m["content"] for m in msgs)], "messages")
+        return msgs
+
+    def chat_ids(self, msgs: list[dict], add_generation_prompt: bool) -> list[int]:
+        try:
+            return self.tok.apply_chat_template(msgs, add_generation_prompt=add_generation_prompt)
+        except ChatTemplateError as e:
+            raise APIError(400, f"messages: {e}", param="messages", code="chat_template_error") from None
 
     def encode(self, prompt, param: str = "prompt") -> list[int]:
         try:
@@ -160,7 +253,7 @@ class Server:
         rows = []
         for p in prompts:
             for i in range(n):
-                pi = dataclasses.replace(params, seed=params.seed + i) if params.seed is not None else params
+                pi = dataclasses.replace(params, seed=(params.seed + i) % SEED_MOD) if params.seed is not None and i else params
                 rows.append(ServeRow(list(p), pi, set(self.eos), decode=self.tok.decode))
         req = ServeRequest(rows, group, asyncio.get_running_loop())
         if len(rows) > self.scheduler.capacity():
@@ -174,6 +267,8 @@ class Server:
                            headers={"Retry-After": "1"}) from None
         except NotAccepting as e:
             raise APIError(503, str(e), type="server_error", code="shutting_down") from None
+        except EngineDead as e:
+            raise APIError(503, str(e), type="server_error", code="engine_dead") from None
         self.metrics.prompt_tokens.inc(sum(len(p) for p in prompts))
         return req
 
@@ -224,7 +319,10 @@ class Server:
                     res.append(([None] + chosen, [None] + tops))
             return res
 
-        return await self.scheduler.call(run)
+        try:
+            return await self.scheduler.call(run)
+        except EngineDead as e:
+            raise APIError(503, str(e), type="server_error", code="engine_dead") from None
 
     def piece(self, t: int) -> str:
         return self.tok.decode([t])
@@ -260,6 +358,53 @@ class _CountRequests:
             self.metrics.requests.labels(endpoint, str(status[0])).inc()
 
 
+def _protected(path: str) -> bool:
+    return path.startswith("/v1/") or path in ("/tokenize", "/detokenize")
+
+
+class _Guard:
+    """ASGI middleware, before any route: the API key (on /v1/*, /tokenize, /detokenize) is checked
+    before a byte of the body is read, then the body is read up to `max_body_bytes` (413 beyond,
+    by Content-Length or as it arrives) and handed on to the route."""
+
+    def __init__(self, app, srv: Server) -> None:
+        self.app, self.srv = app, srv
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = {k.lower(): v for k, v in scope.get("headers", ())}
+        if _protected(scope["path"]) and not self.srv.authorized(headers.get(b"authorization", b"").decode("latin-1")):
+            err = APIError(401, "invalid API key: send `Authorization: Bearer <key>`", type="authentication_error",
+                           code="invalid_api_key")
+            return await err.response()(scope, receive, send)
+        if scope["method"] not in ("POST", "PUT", "PATCH"):
+            return await self.app(scope, receive, send)
+        limit = self.srv.max_body_bytes
+        too_large = APIError(413, f"the request body exceeds {limit} bytes", code="request_too_large")
+        length = headers.get(b"content-length", b"")
+        if length.isdigit() and int(length) > limit:
+            return await too_large.response()(scope, receive, send)
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > limit:
+                return await too_large.response()(scope, receive, send)
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+        pending = [{"type": "http.request", "body": b"".join(chunks), "more_body": False}]
+
+        async def replay():
+            return pending.pop() if pending else await receive()
+
+        return await self.app(scope, replay, send)
+
+
 async def _disconnected(request: Request) -> None:
     """Returns once the client has gone away (the request body has been read by then)."""
     while True:
@@ -288,20 +433,38 @@ def _sse(obj) -> str:
 
 
 def create_app(llm, *, model_name: str = "clover", max_batch: int = 16, max_queue: int = 64,
-               api_key: str | None = None, drain_timeout: float = 10.0) -> FastAPI:
+               api_key: str | None = None, drain_timeout: float = 10.0, max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
     """The FastAPI app serving `llm` (a `clover.LLM`). `max_batch`: rows in flight at once;
     `max_queue`: rows that may wait beyond those (more answers 429); `api_key`: required as
-    `Authorization: Bearer KEY` on /v1/*, /tokenize and /detokenize when set."""
+    `Authorization: Bearer KEY` on /v1/*, /tokenize and /detokenize when set; `max_body_bytes`:
+    the largest request body (413 beyond)."""
     srv = Server(llm, model_name=model_name, max_batch=max_batch, max_queue=max_queue, api_key=api_key,
-                 drain_timeout=drain_timeout)
+                 drain_timeout=drain_timeout, max_body_bytes=max_body_bytes)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         srv.scheduler.start()
         yield
         await asyncio.to_thread(srv.scheduler.stop, srv.drain_timeout)
+        srv.pool.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="clover", lifespan=lifespan)
+
+    def openapi() -> dict:
+        """FastAPI's schema, less the 422 it declares for validation errors: this server answers
+        those with 400 and the error model, as each route declares."""
+        if app.openapi_schema is None:
+            schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+            for item in schema.get("paths", {}).values():
+                for op in item.values():
+                    op.get("responses", {}).pop("422", None)
+            comps = schema.get("components", {}).get("schemas", {})
+            for name in ("HTTPValidationError", "ValidationError"):
+                comps.pop(name, None)
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi
     app.state.server = srv
     app.state.scheduler = srv.scheduler
 
@@ -314,72 +477,81 @@ def create_app(llm, *, model_name: str = "clover", max_batch: int = 16, max_queu
     async def _validation(request: Request, exc: RequestValidationError):
         errs = exc.errors()
         first = errs[0] if errs else {}
+        if first.get("type") == "json_invalid":
+            ctx = first.get("ctx") or {}
+            where = f" at character {first['loc'][1]}" if len(first.get("loc", ())) > 1 else ""
+            return APIError(400, f"body: invalid JSON{where}: {ctx.get('error', first.get('msg', ''))}",
+                            code="invalid_json").response()
         loc = [str(x) for x in first.get("loc", ()) if x != "body"]
         param = loc[0] if loc else None
         where = ".".join(loc) or "body"
         msg = f"{where}: {first.get('msg', 'invalid request')}"
         if len(errs) > 1:
             msg += f" (and {len(errs) - 1} more)"
-        return APIError(400, msg, param=param, code="invalid_value").response()
+        code = "missing_required_parameter" if first.get("type") == "missing" else "invalid_value"
+        return APIError(400, msg, param=param, code=code).response()
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException):
-        return APIError(exc.status_code, str(exc.detail), code=None).response()
+        code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(exc.status_code)
+        return APIError(exc.status_code, str(exc.detail), code=code, headers=dict(exc.headers or {})).response()
 
     @app.exception_handler(Exception)
     async def _internal(request: Request, exc: Exception):
         log.exception("internal error")
-        return APIError(500, f"internal error: {type(exc).__name__}: {exc}", type="server_error").response()
+        return APIError(500, f"internal error: {type(exc).__name__}: {exc}", type="server_error",
+                        code="internal_error").response()
 
-    app.add_middleware(_CountRequests, metrics=srv.metrics)
+    app.add_middleware(_Guard, srv=srv)
+    app.add_middleware(_CountRequests, metrics=srv.metrics)  # outermost: counts the guard's answers too
 
     # -------------------------------------------------------------- simple routes
-    @app.get("/health")
+    @app.get("/health", responses={503: {"description": "the engine thread has died: restart the server"}})
     async def health():
-        return {"status": "ok", "model": srv.model_name, **srv.scheduler.stats()}
+        """`status: "ok"`, or 503 with `status: "unhealthy"` and `error` once the engine has died."""
+        stats = srv.scheduler.stats()
+        if not stats["healthy"]:
+            return JSONResponse({"status": "unhealthy", "error": srv.scheduler.dead or "the engine thread is not running",
+                                 "model": srv.model_name, **stats}, status_code=503)
+        return {"status": "ok", "model": srv.model_name, **stats}
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse,
+             responses={200: {"description": "Prometheus text format", "content": {"text/plain": {"schema": {"type": "string"}}}}})
     async def metrics():
         data, ctype = srv.metrics.render()
         return Response(data, media_type=ctype)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses=_errors(401))
     async def models(request: Request):
-        srv.check_auth(request)
         return {"object": "list", "data": [{
             "id": srv.model_name, "object": "model", "created": srv.created, "owned_by": "clover",
             "max_model_len": llm.context_length,
         }]}
 
-    @app.post("/tokenize")
+    @app.post("/tokenize", responses=_errors(400, 401, 404, 413))
     async def tokenize(body: TokenizeRequest, request: Request):
-        srv.check_auth(request)
         srv.check_model(body.model)
         if body.messages is not None:
-            try:
-                ids = srv.tok.apply_chat_template([{"role": m.role, "content": message_text(m.content)} for m in body.messages],
-                                                  add_generation_prompt=body.add_generation_prompt)
-            except ValueError as e:
-                raise APIError(400, f"messages: {e}", param="messages") from None
+            msgs = srv.chat_messages(body.messages)
+            ids = await srv.off_loop(srv.chat_ids, msgs, body.add_generation_prompt)
         elif body.prompt is not None:
-            ids = srv.tok.encode(body.prompt)
+            srv.check_prompt_size([body.prompt], "prompt")
+            ids = await srv.off_loop(srv.tok.encode, body.prompt)
         else:
-            raise APIError(400, "prompt: give `prompt` or `messages`", param="prompt")
+            raise APIError(400, "prompt: give `prompt` or `messages`", param="prompt", code="missing_required_parameter")
         return {"tokens": ids, "count": len(ids), "max_model_len": llm.context_length}
 
-    @app.post("/detokenize")
+    @app.post("/detokenize", responses=_errors(400, 401, 404, 413))
     async def detokenize(body: DetokenizeRequest, request: Request):
-        srv.check_auth(request)
         srv.check_model(body.model)
         bad = [t for t in body.tokens if not 0 <= t < llm.config.vocab_size]
         if bad:
             raise APIError(400, f"tokens: {bad[0]} is outside the vocabulary (size {llm.config.vocab_size})", param="tokens")
-        return {"prompt": srv.tok.decode(body.tokens)}
+        return {"prompt": await srv.off_loop(srv.tok.decode, body.tokens)}
 
     # ---------------------------------------------------------------- completions
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", responses=_errors(400, 401, 404, 413, 429, 500, 503))
     async def completions(body: CompletionRequest, request: Request):
-        srv.check_auth(request)
         srv.check_model(body.model)
         p = body.prompt
         if isinstance(p, str) or (isinstance(p, list) and p and all(isinstance(t, int) for t in p)):
@@ -388,10 +560,15 @@ def create_app(llm, *, model_name: str = "clover", max_batch: int = 16, max_queu
             raw = list(p)
         else:
             raise APIError(400, "prompt: empty; give at least one token", param="prompt")
-        prompts = [srv.encode(x) for x in raw]
-        mode, params, group = srv.params(body, prompts, default_max=COMPLETION_DEFAULT_MAX_TOKENS, prompt_param="prompt")
         if body.stream and body.logprobs is not None:
             raise APIError(400, "logprobs: not supported with stream; send a non-streaming request", param="logprobs")
+        srv.check_prompt_size(raw, "prompt")
+
+        def prepare():
+            prompts = [srv.encode(x) for x in raw]
+            return (prompts, *srv.params(body, prompts, default_max=COMPLETION_DEFAULT_MAX_TOKENS, prompt_param="prompt"))
+
+        prompts, mode, params, group = await srv.off_loop(prepare)
         req = srv.submit(prompts, params, group, body.n)
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         if body.stream:
@@ -433,22 +610,22 @@ def create_app(llm, *, model_name: str = "clover", max_batch: int = 16, max_queu
             "clover": {"mode": mode, "stats": [g.stats.as_dict() for g in gens]},
         }
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", responses=_errors(400, 401, 404, 413, 429, 500, 503))
     async def chat_completions(body: ChatCompletionRequest, request: Request):
-        srv.check_auth(request)
         srv.check_model(body.model)
-        msgs = [{"role": m.role, "content": message_text(m.content)} for m in body.messages]
-        try:
-            ids = srv.tok.apply_chat_template(msgs, add_generation_prompt=body.add_generation_prompt)
-        except ValueError as e:
-            raise APIError(400, f"messages: {e}", param="messages") from None
-        if not ids:
-            raise APIError(400, "messages: the chat template produced no tokens", param="messages")
-        prompts = [ids]
-        mode, params, group = srv.params(body, prompts, default_max=CHAT_DEFAULT_MAX_TOKENS, prompt_param="messages",
-                                         extra_stop_ids=srv.chat_stop_ids)
         if body.stream and body.logprobs:
             raise APIError(400, "logprobs: not supported with stream; send a non-streaming request", param="logprobs")
+        msgs = srv.chat_messages(body.messages)
+
+        def prepare():
+            ids = srv.chat_ids(msgs, body.add_generation_prompt)
+            if not ids:
+                raise APIError(400, "messages: the chat template produced no tokens", param="messages",
+                               code="chat_template_error")
+            return ([ids], *srv.params(body, [ids], default_max=CHAT_DEFAULT_MAX_TOKENS, prompt_param="messages",
+                                       extra_stop_ids=srv.chat_stop_ids))
+
+        prompts, mode, params, group = await srv.off_loop(prepare)
         req = srv.submit(prompts, params, group, body.n)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         if body.stream:
@@ -550,13 +727,13 @@ def _stream(srv: Server, request: Request, req: ServeRequest, prompts, params: S
 # ------------------------------------------------------------------------- entry points
 def serve(model_dir=None, host: str = "127.0.0.1", port: int = 8000, max_batch: int = 16, max_queue: int = 64,
           api_key: str | None = None, device: str | None = None, dtype: str | None = None,
-          model_name: str | None = None, log_level: str = "info") -> None:
+          model_name: str | None = None, log_level: str = "info", max_body_bytes: int = MAX_BODY_BYTES) -> None:
     """Load a model directory and serve it until interrupted."""
     from ..api import load
 
     llm = load(model_dir, dtype=dtype, device=device)
     run_app(llm, host=host, port=port, max_batch=max_batch, max_queue=max_queue, api_key=api_key,
-            model_name=model_name, log_level=log_level)
+            model_name=model_name, log_level=log_level, max_body_bytes=max_body_bytes)
 
 
 def uvicorn_server(app: FastAPI, *, host: str, port: int, log_level: str = "info", graceful: float | None = 30.0):
@@ -577,9 +754,10 @@ def uvicorn_server(app: FastAPI, *, host: str, port: int, log_level: str = "info
 
 
 def run_app(llm, *, host: str, port: int, max_batch: int, max_queue: int, api_key: str | None,
-            model_name: str | None = None, log_level: str = "info") -> None:
+            model_name: str | None = None, log_level: str = "info", max_body_bytes: int = MAX_BODY_BYTES) -> None:
     name = model_name or (llm.path.name if getattr(llm, "path", None) else "clover")
-    app = create_app(llm, model_name=name, max_batch=max_batch, max_queue=max_queue, api_key=api_key)
+    app = create_app(llm, model_name=name, max_batch=max_batch, max_queue=max_queue, api_key=api_key,
+                     max_body_bytes=max_body_bytes)
     uvicorn_server(app, host=host, port=port, log_level=log_level).run()
 
 
@@ -595,5 +773,6 @@ def main_serve(args) -> int:
     llm = load_llm(args)
     run_app(llm, host=getattr(args, "host", "127.0.0.1"), port=getattr(args, "port", 8000),
             max_batch=getattr(args, "max_batch", 16), max_queue=getattr(args, "max_queue", 64),
-            api_key=getattr(args, "api_key", None), model_name=getattr(args, "served_model_name", None))
+            api_key=getattr(args, "api_key", None), model_name=getattr(args, "served_model_name", None),
+            max_body_bytes=getattr(args, "max_body_bytes", None) or MAX_BODY_BYTES)
     return 0

@@ -10,7 +10,19 @@ asyncio queue with `loop.call_soon_threadsafe`.
 Items put on a request's queue:
   ("commit", index, text_so_far, finished)   after a row committed tokens
   ("finish", index, Generation, stop_token)   the row is done (stop_token: the EOS / stop id that ended it)
-  ("error", message)                          the engine failed; the request is over
+  ("error", message)                          the row could not be admitted or its forward failed, or
+                                              the engine thread died; the request is over
+
+Failures stay as small as they can: a row whose admission raises (e.g. building its sampler) fails
+its own request; a forward that raises fails the requests with rows in that engine; the other rows
+go on. Anything else that escapes the loop ends the engine thread: every open request gets an
+error, `dead` says why, and `submit` / `call` raise `EngineDead` from then on (the server answers
+503 and `/health` turns unhealthy, so a supervisor can restart it).
+
+Admission is first come, first served: rows enter the batch in arrival order. A request refused
+with 429 because it has more rows than the free room leaves a reservation of its size for a short
+while (`RESERVE_S`): requests with fewer rows that would eat into that room are refused too, so a
+large request that retries is not starved by a stream of small ones.
 """
 
 from __future__ import annotations
@@ -18,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
+import contextlib
 import itertools
 import logging
 import threading
@@ -36,6 +49,13 @@ class QueueFull(Exception):
 
 class NotAccepting(Exception):
     """The server is shutting down."""
+
+
+class EngineDead(Exception):
+    """The engine thread has died; nothing more can be generated."""
+
+
+RESERVE_S = 3.0  # how long a refused request's room is held for its retry (Retry-After + slack)
 
 
 @dataclass(eq=False)
@@ -67,6 +87,7 @@ class ServeRequest:
         self.loop = loop
         self.queue: asyncio.Queue = asyncio.Queue()
         self.cancelled = False
+        self.failed = False
         self.arrival = time.perf_counter()
         self.first_token: float | None = None
         self.open_rows = len(rows)
@@ -100,6 +121,8 @@ class Scheduler:
         self._stop = False
         self._turn = 0
         self.thread: threading.Thread | None = None
+        self.dead: str | None = None  # why the engine thread died
+        self.reserve: tuple[int, float] | None = None  # (rows, until): room held for a refused request
         # stats (read by /health and tests)
         self.forwards = 0
         self.max_batch_seen = 0
@@ -114,14 +137,27 @@ class Scheduler:
     def capacity(self) -> int:
         return self.max_batch + self.max_queue
 
+    def healthy(self) -> bool:
+        return self.dead is None and (self.thread is None or self.thread.is_alive() or self._stop)
+
     def submit(self, req: ServeRequest) -> None:
-        """Queue a request's rows, or raise QueueFull / NotAccepting."""
+        """Queue a request's rows, or raise QueueFull / NotAccepting / EngineDead."""
         with self.cv:
+            if self.dead is not None:
+                raise EngineDead(f"the engine has stopped ({self.dead})")
             if not self.accepting:
                 raise NotAccepting("the server is shutting down")
-            free = self.max_batch - self.running
-            if len(self.waiting) + len(req.rows) > self.max_queue + max(0, free):
+            n = len(req.rows)
+            room = self.max_queue + max(0, self.max_batch - self.running) - len(self.waiting)
+            if self.reserve is not None and (time.monotonic() > self.reserve[1] or self.reserve[0] > self.capacity()):
+                self.reserve = None
+            held = self.reserve[0] if self.reserve is not None and n < self.reserve[0] else 0
+            if n > room or (held and room - n < held):
+                if n > room and n <= self.capacity() and (self.reserve is None or n >= self.reserve[0]):
+                    self.reserve = (n, time.monotonic() + RESERVE_S)
                 raise QueueFull(f"the server is at capacity ({self.running} rows running, {len(self.waiting)} waiting)")
+            if self.reserve is not None and n >= self.reserve[0]:
+                self.reserve = None  # (perhaps) the refused request, back: its room is its own
             self.waiting.extend(req.rows)
             self._gauges()
             self.cv.notify()
@@ -138,6 +174,8 @@ class Scheduler:
         """Run `fn()` on the engine thread between forwards (the model is used by one thread only)."""
         fut: concurrent.futures.Future = concurrent.futures.Future()
         with self.cv:
+            if self.dead is not None:
+                raise EngineDead(f"the engine has stopped ({self.dead})")
             self.calls.append((fn, fut))
             self.cv.notify()
         return await asyncio.wrap_future(fut)
@@ -145,6 +183,7 @@ class Scheduler:
     def stats(self) -> dict:
         with self.cv:
             return {
+                "healthy": self.healthy(),
                 "running": self.running,
                 "waiting": len(self.waiting),
                 "max_batch": self.max_batch,
@@ -161,7 +200,7 @@ class Scheduler:
             self.accepting = False
             self.cv.notify()
         deadline = time.monotonic() + drain_timeout
-        while time.monotonic() < deadline:
+        while time.monotonic() < deadline and self.thread is not None and self.thread.is_alive():
             with self.cv:
                 if not self.waiting and not self.running:
                     break
@@ -170,7 +209,7 @@ class Scheduler:
             self._stop = True
             self.cv.notify()
         if self.thread is not None:
-            self.thread.join(timeout=30)
+            self.thread.join(timeout=30 if self.thread.is_alive() else 0)
             self.thread = None
 
     # ----------------------------------------------------------------- engine thread
@@ -198,6 +237,17 @@ class Scheduler:
                                pad_id=self.pad_id, recompute=mode == "naive", expert_budget=expert_budget)
 
     def _loop(self) -> None:
+        try:
+            self._serve()
+        except BaseException as e:  # noqa: BLE001 - the thread is dying: answer everyone first
+            log.exception("the engine thread died")
+            with self.cv:
+                self.dead = f"{type(e).__name__}: {e}"
+            self._fail_all(f"the engine stopped: {self.dead}")
+            return
+        self._abort_all()
+
+    def _serve(self) -> None:
         while True:
             with self.cv:
                 while not (self._stop or self.waiting or self.calls or self.running
@@ -216,7 +266,6 @@ class Scheduler:
             self._drop_cancelled()
             self._admit()
             self._step_one()
-        self._abort_all()
 
     def _drop_cancelled(self) -> None:
         with self.cv:
@@ -224,11 +273,12 @@ class Scheduler:
                 self.waiting = collections.deque(r for r in self.waiting if not r.request_id[0].cancelled)
         for key, eng in list(self.engines.items()):
             gone = [r for r in eng.rows if r.request_id[0].cancelled]
+            if not gone:
+                continue
             for r in gone:
                 eng.cancel(r, "cancelled")
-                self._rows_left(len(gone))
-                for r in gone:
-                    r.request_id[0].open_rows -= 1
+                r.request_id[0].open_rows -= 1
+            self._rows_left(len(gone))
 
     def _rows_left(self, n: int) -> None:
         with self.cv:
@@ -249,10 +299,20 @@ class Scheduler:
                 try:
                     eng = self.engines[req.group] = self._make_engine(req.group)
                 except Exception as e:  # noqa: BLE001
+                    log.exception("cannot build a decoding engine")
                     self._rows_left(1)
-                    self._fail(req, f"cannot build the decoding engine: {e}")
+                    self._fail(req, f"cannot build the decoding engine: {type(e).__name__}: {e}")
                     continue
-            self._route(eng.add(row))
+            try:
+                events = eng.add(row)
+            except Exception as e:  # noqa: BLE001 - this row's request fails; the others go on
+                log.exception("cannot admit a row")
+                if row in eng.rows:
+                    eng.cancel(row, "abort")
+                self._rows_left(1)
+                self._fail(req, f"cannot start the row: {type(e).__name__}: {e}")
+                continue
+            self._route(events)
 
     def _step_one(self) -> None:
         busy = [k for k, e in self.engines.items() if e.rows]
@@ -271,7 +331,7 @@ class Scheduler:
             rows = list(eng.rows)
             del self.engines[key]
             self._rows_left(len(rows))
-            for req in {r.request_id[0] for r in rows}:
+            for req in {r.request_id[0]: None for r in rows}:
                 self._fail(req, f"decoding failed: {type(e).__name__}: {e}")
             return
         self.forwards += 1
@@ -287,21 +347,33 @@ class Scheduler:
             if row is None or row.request_id is None:
                 continue
             req, idx = row.request_id
-            if ev.kind == "commit" and not req.cancelled:
-                if req.first_token is None:
-                    req.first_token = time.perf_counter()
-                    if self.metrics is not None:
-                        self.metrics.ttft.observe(req.first_token - req.arrival)
-                req.put(("commit", idx, row.text(), row.finished))
-            elif ev.kind == "finish":
+            if ev.kind == "finish":
                 self._finished(req, idx, row)
+                continue
+            try:
+                if ev.kind == "commit" and not req.cancelled:
+                    if req.first_token is None:
+                        req.first_token = time.perf_counter()
+                        if self.metrics is not None:
+                            self.metrics.ttft.observe(req.first_token - req.arrival)
+                    req.put(("commit", idx, row.text(), row.finished))
+            except Exception as e:  # noqa: BLE001 - e.g. decoding the text: this request fails
+                log.exception("cannot report a commit")
+                self._fail(req, f"cannot report the row: {type(e).__name__}: {e}")
 
     def _finished(self, req: ServeRequest, idx: int, row: ServeRow) -> None:
         # every admitted row held a slot, including one that finished inside add() (max_tokens=0)
         self._rows_left(1)
         self.rows_done += 1
         req.open_rows -= 1
-        gen = self.llm._result(row)
+        if req.failed:
+            return
+        try:
+            gen = self.llm._result(row)
+        except Exception as e:  # noqa: BLE001
+            log.exception("cannot build a row's result")
+            self._fail(req, f"cannot report the row: {type(e).__name__}: {e}")
+            return
         if self.metrics is not None:
             self.metrics.completion_tokens.inc(len(row.tokens))
             if row.forwards:
@@ -313,8 +385,33 @@ class Scheduler:
         req.put(("finish", idx, gen, row.stop_token))
 
     def _fail(self, req: ServeRequest, message: str) -> None:
-        req.open_rows = 0
+        """`req` is over with an error; its other rows leave the queue / their engines before the
+        next forward (as if its client had gone away)."""
+        if req.failed:
+            return
+        req.failed = req.cancelled = True
         req.put(("error", message))
+
+    def _fail_all(self, message: str) -> None:
+        """The thread is dying: every open request gets an error (nothing here may raise)."""
+        with self.cv:
+            self.accepting = False
+            rows = list(self.waiting)
+            self.waiting.clear()
+            for eng in self.engines.values():
+                rows.extend(getattr(eng, "rows", []))
+            self.engines.clear()
+            self.running = 0
+            calls = list(self.calls)
+            self.calls.clear()
+        for req in {r.request_id[0]: None for r in rows if r.request_id is not None}:
+            with contextlib.suppress(Exception):
+                self._fail(req, message)
+        for _, fut in calls:
+            with contextlib.suppress(Exception):
+                fut.set_exception(EngineDead(message))
+        with contextlib.suppress(Exception):
+            self._gauges()
 
     def _abort_all(self) -> None:
         with self.cv:
@@ -327,7 +424,12 @@ class Scheduler:
             row.cancel("abort")
             req, idx = row.request_id
             req.open_rows -= 1
-            req.put(("finish", idx, self.llm._result(row), None))
+            if req.failed:
+                continue
+            try:
+                req.put(("finish", idx, self.llm._result(row), None))
+            except Exception as e:  # noqa: BLE001
+                self._fail(req, f"cannot report the row: {type(e).__name__}: {e}")
         with self.cv:
             self.running = 0
             self._gauges()
