@@ -45,16 +45,22 @@ def _error(r: httpx.Response) -> dict:
 def test_row_failure_fails_only_its_request(server, http, monkeypatch):
     """A row whose admission raises (as `torch.Generator.manual_seed` did on seed >= 2^64) fails its
     own request with an error; a row running meanwhile finishes, and the server goes on."""
-    import clover.decoding.ar as ar
+    sched = server.scheduler
+    make_engine = sched._make_engine
 
-    real = ar.make_generator
+    def failing_engine(group):
+        eng = make_engine(group)
+        add = eng.add
 
-    def make_generator(seed, device="cpu"):
-        if seed == 4242:
-            raise OverflowError("seed out of range")
-        return real(seed, device)
+        def add_row(row):
+            if row.params.seed == 4242:
+                raise OverflowError("seed out of range")
+            return add(row)
 
-    monkeypatch.setattr(ar, "make_generator", make_generator)
+        eng.add = add_row
+        return eng
+
+    monkeypatch.setattr(sched, "_make_engine", failing_engine)
     long = {"prompt": "long", "max_tokens": 300, "temperature": 0, "ignore_eos": True, "mode": "ar"}
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         running = pool.submit(http.post, "/v1/completions", json=long)
