@@ -11,7 +11,8 @@ import torch
 
 from .checkpoint import load_model, parse_dtype
 from .decoding.base import DecodeEvent, GenerationStats, RowState
-from .decoding.sampling import MODES, SamplingParams
+from .decoding import get_mode
+from .decoding.sampling import SamplingParams
 from .tokenizer import Tokenizer
 
 BUNDLED_MODEL = Path(__file__).parent / "assets" / "clover-tiny"
@@ -74,9 +75,10 @@ class LLM:
     def context_length(self) -> int:
         return self.config.max_position_embeddings
 
-    def _params(self, mode: str, kwargs: dict) -> SamplingParams:
-        if mode not in MODES:
-            raise ValueError(f"mode: must be one of {', '.join(MODES)}, got {mode!r}")
+    def params(self, mode: str, kwargs: dict) -> SamplingParams:
+        """The generation options for `mode`, checked (ValueError "option: why" / TypeError for an
+        unknown option), with the model's defaults filled in."""
+        m = get_mode(mode)
         params = SamplingParams.from_kwargs(**kwargs).check_model(self.config.vocab_size)
         if params.block_size is None:
             params.block_size = self.config.block_size
@@ -90,14 +92,9 @@ class LLM:
             raise ValueError(
                 f"expert_budget: must lie in [{self.config.num_experts_per_tok}, {self.config.num_experts}], got {params.expert_budget}"
             )
-        if mode == "speculative":
-            from .decoding.speculative import check_speculative_params
-
-            check_speculative_params(params)
-            if (params.draft_length or params.block_size) > params.block_size:
-                raise ValueError(f"draft_length: must be <= block_size ({params.block_size}), got {params.draft_length}")
-        if mode in ("diffusion", "naive", "speculative") and self.config.mask_token_id is None:
-            raise ValueError(f"mode {mode!r} needs a mask token; this is a plain AR checkpoint — convert it with `clover convert`")
+        if m.needs_mask and self.config.mask_token_id is None:
+            raise ValueError(f"mode: {mode!r} needs a mask token; this is a plain AR checkpoint — convert it with `clover convert`")
+        m.check(params)
         return params
 
     def encode_prompt(self, prompt: str | Sequence[int]) -> list[int]:
@@ -114,8 +111,9 @@ class LLM:
             raise ValueError("prompt: empty; give at least one token")
         return ids
 
-    def _check_length(self, prompt_len: int, params: SamplingParams, mode: str) -> None:
-        extra = params.block_size if mode in ("diffusion", "naive", "speculative") else 0
+    def check_length(self, prompt_len: int, params: SamplingParams, mode: str) -> None:
+        """ValueError (naming `prompt`) when the prompt plus what `mode` generates does not fit."""
+        extra = get_mode(mode).extra_positions(params)
         total = prompt_len + params.max_new_tokens + extra
         if prompt_len >= self.context_length or total > self.context_length:
             raise ValueError(
@@ -124,36 +122,29 @@ class LLM:
                 + f" exceeds the context length {self.context_length}; shorten the prompt or lower max_new_tokens"
             )
 
+    def room(self, prompt_len: int, params: SamplingParams, mode: str) -> int:
+        """The most tokens `mode` can generate after a prompt of `prompt_len` tokens."""
+        return max(0, self.context_length - prompt_len - get_mode(mode).extra_positions(params))
+
     def _rows(self, prompts: list[list[int]], params: SamplingParams) -> list[RowState]:
         eos = set(self.config.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
         return [RowState(p, params, eos, decode=self.tokenizer.decode) for p in prompts]
 
+    def engine(self, params: SamplingParams, mode: str, provisional: bool = False):
+        """A fresh batch engine for `mode` (rows join it with `add`, `run()` yields events)."""
+        return get_mode(mode).make_engine(self.model, params, mask_id=self.config.mask_token_id,
+                                          pad_id=self.tokenizer.pad_token_id or 0, provisional=provisional)
+
     def _events(self, rows: list[RowState], params: SamplingParams, mode: str, provisional: bool = False) -> Iterator[DecodeEvent]:
-        pad = self.tokenizer.pad_token_id or 0
-        if mode == "ar":
-            from .decoding.ar import ar_decode
+        engine = self.engine(params, mode, provisional)
+        for r in rows:
+            yield from engine.add(r)
+        yield from engine.run()
 
-            return ar_decode(self.model, rows, pad_id=pad)
-        if mode == "speculative":
-            from .decoding.speculative import speculative_decode
-
-            return speculative_decode(self.model, rows, draft_length=params.draft_length or params.block_size, mask_id=self.config.mask_token_id, pad_id=pad)
-        from .decoding.diffusion import diffusion_decode
-
-        return diffusion_decode(
-            self.model,
-            rows,
-            block_size=params.block_size,
-            threshold=params.threshold,
-            mask_id=self.config.mask_token_id,
-            pad_id=pad,
-            recompute=mode == "naive",
-            provisional=provisional,
-        )
-
-    def _result(self, row: RowState) -> Generation:
+    def result(self, row: RowState) -> Generation:
+        """The finished (or cancelled) row as a `Generation`."""
         return Generation(
             text=row.text(),
             token_ids=list(row.tokens),
@@ -170,22 +161,22 @@ class LLM:
         -> list[Generation], decoded together as one batch."""
         batched = isinstance(prompt, (list, tuple)) and prompt and not all(isinstance(t, int) for t in prompt)
         prompts = list(prompt) if batched else [prompt]
-        params = self._params(mode, kwargs)
+        params = self.params(mode, kwargs)
         ids = [self.encode_prompt(p) for p in prompts]
         for p in ids:
-            self._check_length(len(p), params, mode)
+            self.check_length(len(p), params, mode)
         rows = self._rows(ids, params)
         for _ in self._events(rows, params, mode):
             pass
-        results = [self._result(r) for r in rows]
+        results = [self.result(r) for r in rows]
         return results if batched else results[0]
 
     def stream(self, prompt, *, mode: str = "ar", provisional: bool = False, **kwargs) -> Iterator[StreamEvent]:
         """Yield a "block" event per committed block (AR: per token) with the text delta, optional
         "provisional" events after each denoise step, and a final "done" event."""
-        params = self._params(mode, kwargs)
+        params = self.params(mode, kwargs)
         ids = self.encode_prompt(prompt)
-        self._check_length(len(ids), params, mode)
+        self.check_length(len(ids), params, mode)
         rows = self._rows([ids], params)
         row = rows[0]
         emitted = ""
@@ -203,10 +194,12 @@ class LLM:
                 delta, emitted = text[len(emitted) :], text
                 yield StreamEvent("block", text=delta, token_ids=held_ids, steps=held_steps, block=ev.block, step=ev.step)
                 held_ids, held_steps = [], []
-        final = self._result(row)
+        final = self.result(row)
         if len(final.text) > len(emitted) or held_ids:
             yield StreamEvent("block", text=final.text[len(emitted) :], token_ids=held_ids, steps=held_steps, block=-1)
         yield StreamEvent("done", generation=final)
+
+    _params, _check_length, _result = params, check_length, result  # TEMP: until serve/ moves to the public names
 
     def __repr__(self) -> str:
         c = self.config

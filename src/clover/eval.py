@@ -21,6 +21,7 @@ import sys
 import torch
 
 from .bench.decode import fmt, load_items, run_decode
+from .decoding import get_mode, mode_names
 from .bench.sweep import run_sweep
 
 
@@ -79,8 +80,9 @@ def teacher_forced(llm, *, files: int = 8, seq_len: int = 256, block_size: int =
 
 
 def run_eval(llm, *, task_prompts: int = 100, code_prompts: int = 20, max_new_tokens: int = 64, sweep: bool = True,
-             modes=("ar", "diffusion", "naive", "speculative"), progress=None) -> dict:
-    modes = [m for m in modes if m == "ar" or llm.config.mask_token_id is not None]
+             modes=None, progress=None) -> dict:
+    modes = [m for m in (mode_names() if modes is None else modes)
+             if not get_mode(m).needs_mask or llm.config.mask_token_id is not None]
     result: dict = {"model": str(llm.path)}
     tasks = load_items("tasks", task_prompts)
     result["tasks"] = run_decode(llm, items=tasks, workload="tasks", max_new_tokens=32, modes=modes,
@@ -112,7 +114,7 @@ def markdown(result: dict) -> str:
                      f"{s['tokens_per_second']['aggregate']:.1f} | {fmt(ratio, '.2f')}{'x' if ratio is not None else ''} |")
     for m, s in t.items():
         d = s.get("vs_ar", {}).get("divergence")
-        if d and d["diverged"] and m != "naive":  # naive decodes diffusion's tokens (tested), at a higher cost
+        if d and d["diverged"] and not get_mode(m).reference:  # a lossless mode repeats its reference's tokens
             lines.append(f"\n{m}: output differs from AR's on {d['diverged']:.0%} of the prompts; in "
                          f"{d['first_at_forced_commit']:.0%} of those the first differing token was a forced commit "
                          "(a step where no position reached the threshold).")

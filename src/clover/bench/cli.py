@@ -45,7 +45,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
                                    "greedy, batch 1, interleaved per prompt after one warm-up.")
     _model_arguments(p)
     _workload_arguments(p, workload="both", prompts=8, max_new_tokens=64)
-    p.add_argument("--modes", default="ar,diffusion,naive,speculative", help="comma-separated (default: all four)")
+    p.add_argument("--modes", help="comma-separated (default: every registered mode)")
     p.add_argument("--block-size", type=int, metavar="N", help="diffusion block / speculative draft length (default: the model's)")
     p.add_argument("--threshold", type=float, metavar="X", help="diffusion confidence threshold (default: the model's)")
     p.add_argument("--plot", metavar="DIR", help="write DIR/decode.png")
@@ -166,17 +166,20 @@ def run_experts_cmd(args) -> int:
 
 
 def run_decode_cmd(args) -> int:
-    from .decode import ALL_MODES, decode_table, plot_decode, run_decode
+    from ..decoding import get_mode, mode_names
+    from .decode import decode_table, plot_decode, run_decode
 
     _positive("--prompts", args.prompts)
     _positive("--max-new-tokens", args.max_new_tokens)
     _positive("--block-size", args.block_size)
     if args.threshold is not None and not args.threshold > 0:
         raise ValueError(f"--threshold: must be > 0, got {args.threshold}")
-    modes = parse_list(args.modes, str, "--modes")
-    bad = [m for m in modes if m not in ALL_MODES]
-    if bad:
-        raise ValueError(f"--modes: unknown mode {bad[0]!r}; choose from {', '.join(ALL_MODES)}")
+    modes = parse_list(args.modes, str, "--modes") if args.modes else list(mode_names())
+    for m in modes:
+        try:
+            get_mode(m)
+        except ValueError as e:
+            raise ValueError(f"--modes: {str(e).split(': ', 1)[1]}") from None
     llm, note = _load(args)
     result = run_decode(llm, workload=args.workload, prompts=args.prompts, max_new_tokens=args.max_new_tokens,
                         modes=modes, block_size=args.block_size, threshold=args.threshold,

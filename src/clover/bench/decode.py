@@ -26,12 +26,10 @@ from typing import Callable, Iterable
 
 import torch
 
+from ..decoding import get_mode, mode_names
 from .common import machine, max_rss_bytes, spread, synchronize, timed
 
 SCHEMA = "clover.bench.decode/1"
-ALL_MODES = ("ar", "diffusion", "naive", "speculative")
-NEEDS_MASK = ("diffusion", "naive", "speculative")
-THRESHOLD_MODES = ("diffusion", "naive")  # commit by the confidence threshold
 WORKLOADS = ("tasks", "code", "both")
 
 
@@ -242,7 +240,7 @@ def summarize(runs: list[dict], modes: Iterable[str], key: str = "mode") -> dict
             "experts_touched": sum(et) / len(et) if et else None,
             # share of forwards that committed one position below the threshold (diffusion, naive)
             "forced_share": sum(r["forced_steps"] for r in rs) / forwards
-            if forwards and s_mode(m, runs, key) in THRESHOLD_MODES else None,
+            if forwards and get_mode(s_mode(m, runs, key)).threshold_commit else None,
             "cache_bytes": max(r["cache_bytes"] for r in rs),
             "cuda_peak_bytes": max(cuda) if cuda else None,
             "quality": quality(rs),
@@ -261,11 +259,11 @@ def summarize(runs: list[dict], modes: Iterable[str], key: str = "mode") -> dict
                 "forwards": s["forwards"] / ar["forwards"] if ar["forwards"] else None,
                 "tokens_per_forward": s["tokens_per_forward"] / ar["tokens_per_forward"] if ar["tokens_per_forward"] else None,
             }
-            mode = s_mode(m, runs, key)
-            if mode == "speculative":  # lossless: greedy speculative must give AR's tokens
+            mode = get_mode(s_mode(m, runs, key))
+            if mode.reference == "ar":  # lossless: its greedy tokens must be AR's
                 same = [a["token_ids"] == b["token_ids"] for a, b in pairs]
                 s["matches_ar"] = sum(same) / len(same) if same else None
-            elif mode in THRESHOLD_MODES and pairs:
+            elif mode.threshold_commit and pairs:
                 s["vs_ar"]["divergence"] = divergence(pairs)
     return per
 
@@ -297,11 +295,10 @@ def s_mode(label: str, runs: list[dict], key: str) -> str | None:
 # ----------------------------------------------------------------------------------- driver
 def usable_modes(llm, modes: Iterable[str]) -> tuple[list[str], list[str]]:
     modes = list(dict.fromkeys(modes))
-    bad = [m for m in modes if m not in ALL_MODES]
-    if bad:
-        raise ValueError(f"modes: unknown mode {bad[0]!r}; choose from {', '.join(ALL_MODES)}")
+    for m in modes:
+        get_mode(m)  # ValueError naming the registered modes
     if llm.config.mask_token_id is None:
-        return [m for m in modes if m not in NEEDS_MASK], [m for m in modes if m in NEEDS_MASK]
+        return [m for m in modes if not get_mode(m).needs_mask], [m for m in modes if get_mode(m).needs_mask]
     return modes, []
 
 
@@ -322,7 +319,7 @@ def run_decode(
     workload: str = "both",
     prompts: int = 8,
     max_new_tokens: int = 64,
-    modes: Iterable[str] = ALL_MODES,
+    modes: Iterable[str] | None = None,
     block_size: int | None = None,
     threshold: float | None = None,
     stop_newline: bool = False,
@@ -334,7 +331,7 @@ def run_decode(
     """The decode benchmark; returns the JSON-ready result (schema `SCHEMA`)."""
     if max_new_tokens <= 0:
         raise ValueError(f"max_new_tokens: must be a positive integer, got {max_new_tokens}")
-    modes, skipped = usable_modes(llm, modes)
+    modes, skipped = usable_modes(llm, mode_names() if modes is None else modes)
     if not modes:
         raise ValueError("modes: none of the requested modes can run on this (AR-only) checkpoint")
     items = items if items is not None else load_items(workload, prompts)

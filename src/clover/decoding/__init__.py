@@ -1,1 +1,7 @@
-"""Decoding strategies: one file each (ar, diffusion, naive, speculative), sharing sampling and base."""
+"""Decoding modes: one file each, registered in `modes` (the registry every front end reads).
+Each import below registers one mode."""
+
+from . import ar, diffusion, naive, speculative  # noqa: F401 - registration
+from .modes import Mode, get_mode, mode_names, register
+
+__all__ = ["Mode", "get_mode", "mode_names", "register"]

@@ -24,12 +24,10 @@ committed sequence from scratch with the same block and acceptance rules.
 
 from __future__ import annotations
 
-from typing import Iterator
-
 import torch
 
-from .ar import BatchEngine, pad_right, propose_tokens
-from .base import DecodeEvent, RowState
+from .base import BatchEngine, DecodeEvent, RowState, pad_right, propose_tokens
+from .modes import Mode, register
 
 
 class DiffusionEngine(BatchEngine):
@@ -208,11 +206,23 @@ def _prefix_ends_row_impl(r: RowState, prefix: list[int]) -> bool:
     return False
 
 
-def diffusion_decode(model, rows: list[RowState], *, block_size: int, threshold: float, mask_id: int,
-                     pad_id: int = 0, recompute: bool = False, provisional: bool = False) -> Iterator[DecodeEvent]:
-    engine = DiffusionEngine(model, block_size=block_size, threshold=threshold, mask_id=mask_id, pad_id=pad_id,
-                             recompute=recompute, provisional=provisional,
-                             expert_budget=rows[0].params.expert_budget if rows else None)
-    for r in rows:
-        yield from engine.add(r)
-    yield from engine.run()
+class Diffusion(Mode):
+    name = "diffusion"
+    needs_mask = True
+    threshold_commit = True
+    summary = "block diffusion with the cache: every position whose confidence passes the threshold commits"
+    recompute = False
+
+    def extra_positions(self, params) -> int:
+        return params.block_size
+
+    def group(self, params) -> tuple:
+        return (self.name, params.block_size, params.threshold, params.expert_budget)
+
+    def make_engine(self, model, params, *, mask_id, pad_id, provisional=False):
+        return DiffusionEngine(model, block_size=params.block_size, threshold=params.threshold, mask_id=mask_id,
+                               pad_id=pad_id, recompute=self.recompute, provisional=provisional,
+                               expert_budget=params.expert_budget)
+
+
+register(Diffusion())

@@ -4,8 +4,15 @@ so the two must produce the same tokens; only the cost differs."""
 
 from __future__ import annotations
 
-from functools import partial
+from .diffusion import Diffusion
+from .modes import register
 
-from .diffusion import diffusion_decode
 
-naive_decode = partial(diffusion_decode, recompute=True)
+class Naive(Diffusion):
+    name = "naive"
+    reference = "diffusion"
+    summary = "block diffusion recomputing the whole sequence every step (the uncached reference)"
+    recompute = True
+
+
+register(Naive())

@@ -15,12 +15,10 @@ distribution would not match AR sampling without a rejection-sampling rule.
 
 from __future__ import annotations
 
-from typing import Iterator
-
 import torch
 
-from .ar import BatchEngine, pad_right
-from .base import DecodeEvent, RowState
+from .base import BatchEngine, DecodeEvent, RowState, pad_right
+from .modes import Mode, register
 from .sampling import process_logits
 
 
@@ -32,9 +30,10 @@ def check_speculative_params(params) -> None:
 
 
 class SpeculativeEngine(BatchEngine):
-    def __init__(self, model, *, draft_length: int, mask_id: int, pad_id: int = 0) -> None:
+    def __init__(self, model, *, draft_length: int, mask_id: int, pad_id: int = 0,
+                 expert_budget: int | None = None) -> None:
         super().__init__(model, pad_id=pad_id)
-        self.draft_length, self.mask_id = draft_length, mask_id
+        self.draft_length, self.mask_id, self.expert_budget = draft_length, mask_id, expert_budget
 
     def _capacity(self, row: RowState) -> int:
         return len(row.prompt) + row.params.max_new_tokens + 2 * self.draft_length + 1
@@ -57,7 +56,7 @@ class SpeculativeEngine(BatchEngine):
         snap = self.cache.start_recording()
         block = torch.full((len(rows), D), self.mask_id, dtype=torch.long, device=self.device)
         out = self.model.step(self.cache, commit_ids=commit_ids, n_commit=n_commit, denoise_ids=block,
-                              all_logits=True, track_experts=True)
+                              all_logits=True, track_experts=True, expert_budget=self.expert_budget)
         keep = n_commit.clone() if has_commit else torch.zeros(len(rows), dtype=torch.long, device=self.device)
         events: list[DecodeEvent] = []
         for i, r in enumerate(rows):
@@ -96,8 +95,26 @@ class SpeculativeEngine(BatchEngine):
         return events
 
 
-def speculative_decode(model, rows: list[RowState], *, draft_length: int, mask_id: int, pad_id: int = 0) -> Iterator[DecodeEvent]:
-    engine = SpeculativeEngine(model, draft_length=draft_length, mask_id=mask_id, pad_id=pad_id)
-    for r in rows:
-        yield from engine.add(r)
-    yield from engine.run()
+class Speculative(Mode):
+    name = "speculative"
+    needs_mask = True
+    reference = "ar"
+    summary = "self-speculative: drafts a block by denoising, verifies it causally (greedy == AR greedy)"
+
+    def check(self, params) -> None:
+        check_speculative_params(params)
+        if (params.draft_length or params.block_size) > params.block_size:
+            raise ValueError(f"draft_length: must be <= block_size ({params.block_size}), got {params.draft_length}")
+
+    def extra_positions(self, params) -> int:
+        return params.block_size
+
+    def group(self, params) -> tuple:
+        return (self.name, params.draft_length or params.block_size, params.expert_budget)
+
+    def make_engine(self, model, params, *, mask_id, pad_id, provisional=False):
+        return SpeculativeEngine(model, draft_length=params.draft_length or params.block_size, mask_id=mask_id,
+                                 pad_id=pad_id, expert_budget=params.expert_budget)
+
+
+register(Speculative())

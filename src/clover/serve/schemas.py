@@ -5,14 +5,24 @@ from __future__ import annotations
 
 from typing import Annotated, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
-from ..decoding.sampling import CONFIDENCE_KINDS, LIMITS, MAX_N, MODES
+from ..decoding import get_mode, mode_names
+from ..decoding.sampling import CONFIDENCE_KINDS, LIMITS, MAX_N
 
 
 def _f(name: str, default=None, **extra):
     """A pydantic Field stating the limits `LIMITS[name]` states (one description of each option)."""
     return Field(default=default, **LIMITS[name].field(), **extra)
+
+
+def _registered_mode(name: str) -> str:
+    get_mode(name)  # ValueError "mode: must be one of ..." for an unknown mode
+    return name
+
+
+def _mode_enum(schema: dict) -> None:
+    schema["enum"] = list(mode_names())  # the registry at the time the schema is built
 
 
 _Stop = Annotated[str, Field(max_length=LIMITS["stop"].max_chars)]
@@ -47,7 +57,7 @@ class _Sampling(BaseModel):
     stop_token_ids: list[_TokenId] = Field(default_factory=list, max_length=LIMITS["stop_token_ids"].max_items)
     ignore_eos: bool = False
     # Clover's decoding options
-    mode: Literal[MODES] | None = None  # type: ignore[valid-type]
+    mode: Annotated[str, AfterValidator(_registered_mode), Field(json_schema_extra=_mode_enum)] | None = None
     block_size: int | None = _f("block_size")
     threshold: float | None = _f("threshold")
     confidence: Literal[CONFIDENCE_KINDS] = "prob"  # type: ignore[valid-type]
