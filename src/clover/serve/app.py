@@ -31,6 +31,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from ..decoding import get_mode
 from ..decoding.sampling import SamplingParams
 from .metrics import Metrics
 from ..tokenizer import ChatTemplateError
@@ -226,13 +227,11 @@ class Server:
             confidence=body.confidence, expert_budget=body.expert_budget, draft_length=body.draft_length,
         )
         try:
-            params = self.llm._params(mode, kw)
+            params = self.llm.params(mode, kw)
             if max_tokens is None:  # the default length, clipped to what the context leaves
-                extra = params.block_size if mode != "ar" else 0
-                room = self.llm.context_length - max(len(p) for p in prompts) - extra
-                params.max_new_tokens = max(0, min(default_max, room))
+                params.max_new_tokens = min(default_max, self.llm.room(max(len(p) for p in prompts), params, mode))
             for p in prompts:
-                self.llm._check_length(len(p), params, mode)
+                self.llm.check_length(len(p), params, mode)
         except ValueError as e:
             raise _value_error(e, prompt_param=prompt_param) from None
         except TypeError as e:
@@ -241,13 +240,7 @@ class Server:
         if bad:
             raise APIError(400, f"stop_token_ids: {bad[0]} is outside the vocabulary", param="stop_token_ids",
                            code="invalid_value")
-        if mode == "ar":
-            group = ("ar",)
-        elif mode == "speculative":
-            group = ("speculative", params.draft_length or params.block_size, params.expert_budget)
-        else:
-            group = (mode, params.block_size, params.threshold, params.expert_budget)
-        return mode, params, group
+        return mode, params, get_mode(mode).group(params)
 
     def submit(self, prompts: list[list[int]], params: SamplingParams, group: tuple, n: int) -> ServeRequest:
         rows = []
@@ -485,7 +478,8 @@ def create_app(llm, *, model_name: str = "clover", max_batch: int = 16, max_queu
         loc = [str(x) for x in first.get("loc", ()) if x != "body"]
         param = loc[0] if loc else None
         where = ".".join(loc) or "body"
-        msg = f"{where}: {first.get('msg', 'invalid request')}"
+        why = str(first.get("msg", "invalid request")).removeprefix("Value error, ")
+        msg = why if param and why.startswith(f"{param}: ") else f"{where}: {why}"
         if len(errs) > 1:
             msg += f" (and {len(errs) - 1} more)"
         code = "missing_required_parameter" if first.get("type") == "missing" else "invalid_value"

@@ -111,7 +111,6 @@ class Scheduler:
         self.max_batch = max_batch
         self.max_queue = max_queue
         self.metrics = metrics
-        self.pad_id = llm.tokenizer.pad_token_id or 0
         self.cv = threading.Condition()
         self.waiting: collections.deque[ServeRow] = collections.deque()
         self.calls: collections.deque = collections.deque()
@@ -218,23 +217,10 @@ class Scheduler:
             self.metrics.queue_depth.set(len(self.waiting))
             self.metrics.running.set(self.running)
 
-    def _make_engine(self, group: tuple):
-        mode = group[0]
-        model = self.llm.model
-        if mode == "ar":
-            from ..decoding.ar import AREngine
-
-            return AREngine(model, pad_id=self.pad_id)
-        if mode == "speculative":
-            from ..decoding.speculative import SpeculativeEngine
-
-            _, draft_length, expert_budget = group
-            return SpeculativeEngine(model, draft_length=draft_length, mask_id=self.llm.config.mask_token_id, pad_id=self.pad_id)
-        from ..decoding.diffusion import DiffusionEngine
-
-        _, block_size, threshold, expert_budget = group
-        return DiffusionEngine(model, block_size=block_size, threshold=threshold, mask_id=self.llm.config.mask_token_id,
-                               pad_id=self.pad_id, recompute=mode == "naive", expert_budget=expert_budget)
+    def _make_engine(self, group: tuple, params):
+        """The engine for a group (its mode's batching key, the mode's name first), built from the
+        options of the row that opens it (rows of one group share what the engine is built from)."""
+        return self.llm.engine(params, group[0])
 
     def _loop(self) -> None:
         try:
@@ -297,7 +283,7 @@ class Scheduler:
             eng = self.engines.get(req.group)
             if eng is None:
                 try:
-                    eng = self.engines[req.group] = self._make_engine(req.group)
+                    eng = self.engines[req.group] = self._make_engine(req.group, row.params)
                 except Exception as e:  # noqa: BLE001
                     log.exception("cannot build a decoding engine")
                     self._rows_left(1)
@@ -369,7 +355,7 @@ class Scheduler:
         if req.failed:
             return
         try:
-            gen = self.llm._result(row)
+            gen = self.llm.result(row)
         except Exception as e:  # noqa: BLE001
             log.exception("cannot build a row's result")
             self._fail(req, f"cannot report the row: {type(e).__name__}: {e}")
@@ -427,7 +413,7 @@ class Scheduler:
             if req.failed:
                 continue
             try:
-                req.put(("finish", idx, self.llm._result(row), None))
+                req.put(("finish", idx, self.llm.result(row), None))
             except Exception as e:  # noqa: BLE001
                 self._fail(req, f"cannot report the row: {type(e).__name__}: {e}")
         with self.cv:
