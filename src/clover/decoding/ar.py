@@ -15,19 +15,19 @@ from .modes import Mode, register
 class AREngine(BatchEngine):
     @torch.inference_mode()
     def step(self) -> list[DecodeEvent]:
-        ids, n = pad_right([r.pending for r in self.rows], self.pad_id, self.device)
+        ids, n = pad_right([r.state.pending for r in self.rows], self.pad_id, self.device)
         out = self.model.step(self.cache, commit_ids=ids, n_commit=n, track_experts=True)
         events = []
         for i, r in enumerate(self.rows):
             r.forwards += 1
             r.experts_touched.extend(out.experts_touched)
-            toks, _ = next_tokens(r, out.commit_logits[i : i + 1], r.gen)
+            toks = next_tokens(r, out.commit_logits[i : i + 1])
             kept = r.accept(toks, [1])
             if kept:
                 events.append(DecodeEvent("commit", i, kept, [1], block=len(r.tokens) - 1, row_state=r))
             if r.finished:
                 events.append(DecodeEvent("finish", i, [], [], row_state=r))
-            r.pending = toks
+            r.state.pending = toks
         self._drop_finished()
         return events
 

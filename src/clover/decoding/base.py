@@ -9,7 +9,7 @@ from typing import Iterator
 
 import torch
 
-from .sampling import SamplingParams, make_generator, process_logits, propose
+from .sampling import Sampler, SamplingParams, make_generator
 
 
 @dataclass
@@ -49,6 +49,7 @@ class RowState:
     ended: float | None = None
     accept_lengths: list[int] = field(default_factory=list)
     request_id: object = None  # whoever owns the row (a server request, a batch index)
+    state: "EngineRow | None" = None  # what the row's engine keeps between forwards
     stop_token: int | None = None  # the EOS / stop token id that ended the row (not in `tokens`)
     _new_tokens: int = 0
 
@@ -208,25 +209,34 @@ def pad_right(seqs: list[list[int]], pad: int, device) -> tuple[torch.Tensor, to
     return ids, torch.tensor([len(s) for s in seqs], dtype=torch.long, device=device)
 
 
-def propose_tokens(row: RowState, logits: torch.Tensor, generator, history_tail: list | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Process and propose for the positions of one row. logits [N, V] -> (tokens [N], confidences [N])."""
-    p = row.params
+def propose_tokens(row: RowState, logits: torch.Tensor, history_tail: list | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Process and propose for positions of one row. logits [N, V] -> (tokens [N], confidences [N]);
+    `history_tail[n]`: what position n follows inside the current block (for the penalties)."""
+    sampler = row.state.sampler
     history = None
-    if p.repetition_penalty != 1.0 or p.presence_penalty or p.no_repeat_ngram_size:
+    if sampler.uses_history:
         base = row.prompt + row.tokens
         history = [base + list(h) for h in (history_tail or [[]] * logits.shape[0])]
-    processed = process_logits(logits, p, history, sorted(row.eos_ids))
-    return propose(processed, p, generator)
+    return sampler(logits, history)
 
 
-def next_tokens(row: RowState, logits: torch.Tensor, generator, history_tail: list | None = None) -> tuple[list[int], list[float]]:
-    """`propose_tokens` as Python lists."""
-    toks, conf = propose_tokens(row, logits, generator, history_tail)
-    return toks.tolist(), conf.tolist()
+def next_tokens(row: RowState, logits: torch.Tensor) -> list[int]:
+    """`propose_tokens`' tokens as a Python list."""
+    return propose_tokens(row, logits)[0].tolist()
+
+
+@dataclass(eq=False)
+class EngineRow:
+    """What an engine keeps per row between forwards; each engine declares its own subclass."""
+
+    sampler: Sampler | None = None  # the row's logits processing and proposal (with its generator)
+    pending: list[int] = field(default_factory=list)  # tokens to commit with the next forward
 
 
 class BatchEngine:
     """Rows in flight over one cache; subclasses define what a forward feeds and how it is read."""
+
+    row_type: type = EngineRow
 
     def __init__(self, model, *, pad_id: int = 0) -> None:
         self.model = model
@@ -263,8 +273,8 @@ class BatchEngine:
         return []
 
     def _init_row(self, row: RowState) -> None:
-        row.gen = make_generator(row.params.seed, self.device)
-        row.pending = list(row.prompt)
+        sampler = Sampler(row.params, row.eos_ids, make_generator(row.params.seed, self.device))
+        row.state = self.row_type(sampler=sampler, pending=list(row.prompt))
 
     def cancel(self, row: RowState, reason: str = "abort") -> None:
         """Finish a row now (e.g. its client went away) and release its cache slot."""

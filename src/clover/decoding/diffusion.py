@@ -24,13 +24,31 @@ committed sequence from scratch with the same block and acceptance rules.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 
-from .base import BatchEngine, DecodeEvent, RowState, pad_right, propose_tokens
+from .acceptance import threshold_rule
+from .base import BatchEngine, DecodeEvent, EngineRow, RowState, pad_right, propose_tokens
 from .modes import Mode, register
 
 
+@dataclass(eq=False)
+class DiffusionRow(EngineRow):
+    committed: list[int] = field(default_factory=list)  # naive (recompute): the whole committed sequence
+    first_logits: torch.Tensor | None = None  # logits of the last committed position (predicts block position 0)
+    block_no: int = 0
+    blk: torch.Tensor | None = None  # [Bs] the current block (mask id where still masked)
+    masked: torch.Tensor | None = None  # [Bs] bool
+    dec_step: torch.Tensor | None = None  # [Bs] the step that decoded each position (0 = not yet)
+    dec_forced: torch.Tensor | None = None  # [Bs] bool: decoded by a forced step
+    step: int = 0  # denoise steps spent on the current block
+    need: int = 0  # positions that must be decoded in this block
+
+
 class DiffusionEngine(BatchEngine):
+    row_type = DiffusionRow
+
     def __init__(self, model, *, block_size: int, threshold: float, mask_id: int, pad_id: int = 0,
                  recompute: bool = False, provisional: bool = False, expert_budget: int | None = None) -> None:
         super().__init__(model, pad_id=pad_id)
@@ -42,19 +60,17 @@ class DiffusionEngine(BatchEngine):
 
     def _init_row(self, row: RowState) -> None:
         super()._init_row(row)
-        row.committed = list(row.prompt) if self.recompute else []
-        row.first_logits = None
-        row.block_no = 0
+        row.state.committed = list(row.prompt) if self.recompute else []
         self._new_block(row)
 
     def _new_block(self, row: RowState) -> None:
         Bs = self.block_size
-        row.blk = torch.full((Bs,), self.mask_id, dtype=torch.long, device=self.device)
-        row.masked = torch.ones(Bs, dtype=torch.bool, device=self.device)
-        row.dec_step = torch.zeros(Bs, dtype=torch.long, device=self.device)
-        row.dec_forced = torch.zeros(Bs, dtype=torch.bool, device=self.device)
-        row.step = 0
-        row.need = min(Bs, row.remaining)  # positions that must be decoded in this block
+        row.state.blk = torch.full((Bs,), self.mask_id, dtype=torch.long, device=self.device)
+        row.state.masked = torch.ones(Bs, dtype=torch.bool, device=self.device)
+        row.state.dec_step = torch.zeros(Bs, dtype=torch.long, device=self.device)
+        row.state.dec_forced = torch.zeros(Bs, dtype=torch.bool, device=self.device)
+        row.state.step = 0
+        row.state.need = min(Bs, row.remaining)  # positions that must be decoded in this block
 
     def add(self, row: RowState) -> list[DecodeEvent]:
         if self.recompute:  # no persistent cache: just track the row
@@ -76,22 +92,22 @@ class DiffusionEngine(BatchEngine):
     def step(self) -> list[DecodeEvent]:
         Bs, rows = self.block_size, self.rows
         if self.recompute:
-            cache = self.model.make_cache(len(rows), max(len(r.committed) for r in rows) + Bs)
-            commit_src = [r.committed for r in rows]
+            cache = self.model.make_cache(len(rows), max(len(r.state.committed) for r in rows) + Bs)
+            commit_src = [r.state.committed for r in rows]
         else:
             cache = self.cache
-            commit_src = [r.pending for r in rows]
+            commit_src = [r.state.pending for r in rows]
         has_commit = any(commit_src)
         commit_ids, n_commit = pad_right(commit_src, self.pad_id, self.device) if has_commit else (None, None)
         # block position j is predicted by position j-1: only those whose next position is masked matter
         need = torch.zeros(len(rows), Bs, dtype=torch.bool, device=self.device)
         for i, r in enumerate(rows):
-            need[i, : r.need - 1] = r.masked[1 : r.need]
+            need[i, : r.state.need - 1] = r.state.masked[1 : r.state.need]
         out = self.model.step(
             cache,
             commit_ids=commit_ids,
             n_commit=n_commit,
-            denoise_ids=torch.stack([r.blk for r in rows]),
+            denoise_ids=torch.stack([r.state.blk for r in rows]),
             expert_budget=self.expert_budget,
             track_experts=True,
             denoise_need=need,
@@ -99,10 +115,10 @@ class DiffusionEngine(BatchEngine):
         events: list[DecodeEvent] = []
         for i, r in enumerate(rows):
             if commit_src[i]:
-                r.first_logits = out.commit_logits[i]
-                r.pending = []
+                r.state.first_logits = out.commit_logits[i]
+                r.state.pending = []
             # position 0 from the commit part, position j >= 1 from block position j-1
-            logits = torch.cat([r.first_logits[None], out.denoise_logits[i, : Bs - 1]], dim=0)
+            logits = torch.cat([r.state.first_logits[None], out.denoise_logits[i, : Bs - 1]], dim=0)
             r.forwards += 1
             r.experts_touched.extend(out.experts_touched)
             events.extend(self._denoise_row(i, r, logits))
@@ -111,74 +127,73 @@ class DiffusionEngine(BatchEngine):
 
     @staticmethod
     def _prefix_ends_row(r: RowState, n: int) -> bool:
-        return _prefix_ends_row_impl(r, r.blk[:n].tolist())
+        return _prefix_ends_row_impl(r, r.state.blk[:n].tolist())
 
     def _denoise_row(self, i: int, r: RowState, logits: torch.Tensor) -> list[DecodeEvent]:
         Bs = self.block_size
         events = []
-        r.step += 1
-        cand = r.masked[: r.need].nonzero().squeeze(-1)
+        r.state.step += 1
+        cand = r.state.masked[: r.state.need].nonzero().squeeze(-1)
         tails = None
         if r.params.repetition_penalty != 1.0 or r.params.presence_penalty or r.params.no_repeat_ngram_size:
-            block_now = [None if r.masked[j] else int(r.blk[j]) for j in range(Bs)]
+            block_now = [None if r.state.masked[j] else int(r.state.blk[j]) for j in range(Bs)]
             tails = [block_now[:j] for j in cand.tolist()]
-        toks, conf = propose_tokens(r, logits[cand], r.gen, tails)  # stay tensors: no list round trip
-        take = (conf >= self.threshold).nonzero().squeeze(-1)
-        if take.numel() == 0:
-            take = conf.argmax().reshape(1)
+        toks, conf = propose_tokens(r, logits[cand], tails)  # stay tensors: no list round trip
+        take, forced = threshold_rule(conf, self.threshold)
+        if forced:
             r.forced_steps += 1
-            r.dec_forced[cand[take]] = True
+            r.state.dec_forced[cand[take]] = True
         pos = cand[take]
-        r.blk[pos] = toks[take].to(r.blk.device)
-        r.masked[pos] = False
-        r.dec_step[pos] = r.step
+        r.state.blk[pos] = toks[take].to(r.state.blk.device)
+        r.state.masked[pos] = False
+        r.state.dec_step[pos] = r.state.step
         if not r.params.ignore_eos and r.eos_ids:
-            eos_hits = [j for j in pos.tolist() if int(r.blk[j]) in r.eos_ids]
+            eos_hits = [j for j in pos.tolist() if int(r.state.blk[j]) in r.eos_ids]
             if eos_hits:  # everything after the first accepted EOS becomes EOS
                 e = min(eos_hits)
-                eos_tok = int(r.blk[e])
+                eos_tok = int(r.state.blk[e])
                 later = torch.arange(e + 1, Bs, device=self.device)
-                fill = later[r.masked[e + 1 :] | (r.blk[e + 1 :] != eos_tok)]
-                r.blk[fill] = eos_tok
-                r.dec_step[fill[r.masked[fill]]] = r.step
-                r.masked[fill] = False
+                fill = later[r.state.masked[e + 1 :] | (r.state.blk[e + 1 :] != eos_tok)]
+                r.state.blk[fill] = eos_tok
+                r.state.dec_step[fill[r.state.masked[fill]]] = r.state.step
+                r.state.masked[fill] = False
         if r.params.stop or r.params.stop_token_ids:
             # a decoded token that ends the output by itself (a stop token, or a token whose text holds
             # a stop string) caps the block: the output ends at or before it, so the positions after
             # it are never decoded -- no forward is spent on text that would be cut away
-            for j in pos.tolist():  # ascending, all < r.need (candidates come from masked[:need])
-                if _token_stops(r, int(r.blk[j])):
-                    r.need = j + 1
+            for j in pos.tolist():  # ascending, all < r.state.need (candidates come from masked[:need])
+                if _token_stops(r, int(r.state.blk[j])):
+                    r.state.need = j + 1
                     break
         if self.provisional:
             events.append(DecodeEvent(
-                "provisional", i, [None if r.masked[j] else int(r.blk[j]) for j in range(Bs)],
-                r.dec_step.tolist(), block=r.block_no, step=r.step, row_state=r,
+                "provisional", i, [None if r.state.masked[j] else int(r.state.blk[j]) for j in range(Bs)],
+                r.state.dec_step.tolist(), block=r.state.block_no, step=r.state.step, row_state=r,
             ))
-        open_pos = r.masked[: r.need].nonzero()
-        done = r.need if open_pos.numel() == 0 else int(open_pos[0])  # decoded contiguous prefix
-        if done < r.need and not (done and self._prefix_ends_row(r, done)):
+        open_pos = r.state.masked[: r.state.need].nonzero()
+        done = r.state.need if open_pos.numel() == 0 else int(open_pos[0])  # decoded contiguous prefix
+        if done < r.state.need and not (done and self._prefix_ends_row(r, done)):
             return events
         # block finished (or its decoded prefix already ends the row: EOS, a stop token or stop
         # string — the positions after it cannot change the output): emit it, then queue it for
         # commit with the next block's first step
-        r.block_steps.append(r.step)
+        r.block_steps.append(r.state.step)
         start = len(r.tokens)
-        kept = r.accept(r.blk[:done].tolist(), r.dec_step[:done].tolist())
+        kept = r.accept(r.state.blk[:done].tolist(), r.state.dec_step[:done].tolist())
         n = len(r.tokens)  # a stop string may have cut into earlier blocks too
-        forced_here = r.dec_forced[: max(0, n - start)].nonzero().flatten().tolist()
+        forced_here = r.state.dec_forced[: max(0, n - start)].nonzero().flatten().tolist()
         r.forced = [k for k in r.forced if k < n] + [start + j for j in forced_here]
         if kept:
             events.append(DecodeEvent("commit", i, kept, r.steps[len(r.tokens) - len(kept) :],
-                                      block=r.block_no, step=r.step, row_state=r))
+                                      block=r.state.block_no, step=r.state.step, row_state=r))
         if r.finished:
             events.append(DecodeEvent("finish", i, [], [], row_state=r))
             return events
         if self.recompute:
-            r.committed.extend(r.blk[:done].tolist())
+            r.state.committed.extend(r.state.blk[:done].tolist())
         else:
-            r.pending = r.blk[:done].tolist()
-        r.block_no += 1
+            r.state.pending = r.state.blk[:done].tolist()
+        r.state.block_no += 1
         self._new_block(r)
         return events
 

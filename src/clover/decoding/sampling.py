@@ -205,6 +205,25 @@ def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torc
     return torch.Generator(device=device).manual_seed(int(seed) % (SEED_MAX + 1))
 
 
+class Sampler:
+    """One row's logits processing and token proposal, built once from its options (which
+    processors apply is decided here, not at every step)."""
+
+    def __init__(self, params: SamplingParams, eos_ids, generator: torch.Generator | None = None) -> None:
+        self.params = params
+        self.eos = sorted(eos_ids)
+        self.generator = generator
+        self.uses_history = bool(params.repetition_penalty != 1.0 or params.presence_penalty
+                                 or params.no_repeat_ngram_size)
+
+    def process(self, logits: torch.Tensor, history: list[list[int]] | None = None) -> torch.Tensor:
+        return process_logits(logits, self.params, history if self.uses_history else None, self.eos)
+
+    def __call__(self, logits: torch.Tensor, history: list[list[int]] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """logits [N, V] -> (tokens [N], confidences [N]); `history[n]`: the tokens position n follows."""
+        return propose(self.process(logits, history), self.params, self.generator)
+
+
 def process_logits(
     logits: torch.Tensor,
     params: SamplingParams,

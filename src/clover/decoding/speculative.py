@@ -15,11 +15,12 @@ distribution would not match AR sampling without a rejection-sampling rule.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from .base import BatchEngine, DecodeEvent, RowState, pad_right
+from .base import BatchEngine, DecodeEvent, EngineRow, RowState, pad_right
 from .modes import Mode, register
-from .sampling import process_logits
 
 
 def check_speculative_params(params) -> None:
@@ -29,7 +30,15 @@ def check_speculative_params(params) -> None:
         raise ValueError("repetition_penalty: history-dependent penalties are not supported in speculative mode")
 
 
+@dataclass(eq=False)
+class SpeculativeRow(EngineRow):
+    first_logits: torch.Tensor | None = None  # causal logits after the last accepted token
+    draft: list[int] | None = None  # a draft awaiting verification by the next forward
+
+
 class SpeculativeEngine(BatchEngine):
+    row_type = SpeculativeRow
+
     def __init__(self, model, *, draft_length: int, mask_id: int, pad_id: int = 0,
                  expert_budget: int | None = None) -> None:
         super().__init__(model, pad_id=pad_id)
@@ -41,16 +50,14 @@ class SpeculativeEngine(BatchEngine):
     def _init_row(self, row: RowState) -> None:
         check_speculative_params(row.params)
         super()._init_row(row)
-        row.first_logits = None
-        row.draft = None
 
     def _argmax(self, row: RowState, logits: torch.Tensor) -> list[int]:
-        return process_logits(logits, row.params, None, sorted(row.eos_ids)).argmax(-1).tolist()
+        return row.state.sampler.process(logits).argmax(-1).tolist()
 
     @torch.inference_mode()
     def step(self) -> list[DecodeEvent]:
         D, rows = self.draft_length, self.rows
-        commit_src = [r.draft if r.draft is not None else r.pending for r in rows]
+        commit_src = [r.state.draft if r.state.draft is not None else r.state.pending for r in rows]
         has_commit = any(commit_src)
         commit_ids, n_commit = pad_right(commit_src, self.pad_id, self.device) if has_commit else (None, None)
         snap = self.cache.start_recording()
@@ -63,30 +70,30 @@ class SpeculativeEngine(BatchEngine):
             r.forwards += 1
             r.experts_touched.extend(out.experts_touched)
             next_draft_ok = True
-            if r.draft is not None:  # verify
+            if r.state.draft is not None:  # verify
                 causal = self._argmax(r, out.commit_logits[i, :D])  # causal[j] = AR token after draft[:j+1]
                 m = 1
-                while m < D and r.draft[m] == causal[m - 1]:
+                while m < D and r.state.draft[m] == causal[m - 1]:
                     m += 1
-                accepted = r.draft[:m]
+                accepted = r.state.draft[:m]
                 r.accept_lengths.append(m)
                 keep[i] = m
-                r.first_logits = out.commit_logits[i, m - 1]
+                r.state.first_logits = out.commit_logits[i, m - 1]
                 next_draft_ok = m == D
                 kept = r.accept(accepted, [1] * m)
                 if kept:
                     events.append(DecodeEvent("commit", i, kept, [1] * len(kept), block=len(r.accept_lengths) - 1, row_state=r))
-            elif r.pending:  # prompt prefill rides with the first draft
-                r.first_logits = out.commit_logits[i, len(r.pending) - 1]
-                r.pending = []
-            r.draft = None
+            elif r.state.pending:  # prompt prefill rides with the first draft
+                r.state.first_logits = out.commit_logits[i, len(r.state.pending) - 1]
+                r.state.pending = []
+            r.state.draft = None
             if r.finished:
                 events.append(DecodeEvent("finish", i, [], [], row_state=r))
                 continue
             if next_draft_ok:
-                first = self._argmax(r, r.first_logits[None])
+                first = self._argmax(r, r.state.first_logits[None])
                 rest = self._argmax(r, out.denoise_logits[i, : D - 1]) if D > 1 else []
-                r.draft = first + rest
+                r.state.draft = first + rest
         if any(int(keep[i]) != (int(n_commit[i]) if has_commit else 0) for i in range(len(rows))):
             self.cache.rollback(snap, keep)
         else:
