@@ -367,19 +367,24 @@ def test_cuda_dispatch_to_fla(monkeypatch, public, fla_name):
 
 
 @pytest.mark.parametrize("public", [chunk_gated_delta_rule, recurrent_gated_delta_rule])
-def test_cuda_dispatch_falls_back(monkeypatch, public):
+def test_cuda_dispatch_fails_loudly_or_falls_back(monkeypatch, public):
     (q, k, v, g, beta), s0 = make_inputs(1, 5, 2, 8, 8, with_state=True)
     kw = dict(initial_state=s0, output_final_state=True)
     o_ref, s_ref = naive_gated_delta_rule(q, k, v, g, beta, **kw)
     monkeypatch.setattr(gd, "_fla_eligible", lambda x: True)
-    # fla kernel raising -> torch path
+    # fla installed but its kernel raising -> a loud error naming the kernel and the way out
     monkeypatch.setattr(gd, "_load_fla", lambda name: _FakeFla(fail=True))
-    o, s = public(q, k, v, g, beta, **kw)
-    assert_close(o, o_ref, atol=ATOL, rtol=RTOL)
+    with pytest.raises(RuntimeError, match="CLOVER_GDN_BACKEND=torch"):
+        public(q, k, v, g, beta, **kw)
     # fla not importable -> torch path
     monkeypatch.setattr(gd, "_load_fla", lambda name: None)
     o, s = public(q, k, v, g, beta, **kw)
     assert_close(s, s_ref, atol=ATOL, rtol=RTOL)
+
+
+def test_backend_env_keeps_cuda_on_torch(monkeypatch):
+    monkeypatch.setenv("CLOVER_GDN_BACKEND", "torch")
+    assert not gd._fla_eligible(torch.empty(0))
 
 
 def test_cpu_never_consults_fla(monkeypatch):

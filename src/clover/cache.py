@@ -158,14 +158,6 @@ class HybridCache:
         self.lengths.copy_(snap.lengths + keep)
         self.record = None
 
-    def truncate(self, lengths: torch.Tensor | int) -> None:
-        """Lower row lengths. Valid as a full rollback only for a cache without GDN layers, or
-        combined with `restore`/re-derivation of the GDN state."""
-        new = torch.as_tensor(lengths, device=self.device).expand_as(self.lengths)
-        if bool((new > self.lengths).any()):
-            raise ValueError("truncate can only shorten rows")
-        self.lengths.copy_(new)
-
     def select_rows(self, rows: list[int] | torch.Tensor) -> "HybridCache":
         """A new cache holding copies of the given rows (used to split or reorder a batch)."""
         idx = torch.as_tensor(rows, dtype=torch.long, device=self.device)

@@ -34,6 +34,7 @@ the torch code.
 from __future__ import annotations
 
 import math
+import os
 import threading
 from typing import Optional, Tuple
 
@@ -111,12 +112,13 @@ def _load_fla(name: str):
 
 
 def _fla_eligible(x: torch.Tensor) -> bool:
-    """The fla kernels are Triton/CUDA only."""
-    return x.is_cuda
+    """The fla kernels are Triton/CUDA only; CLOVER_GDN_BACKEND=torch keeps CUDA on the torch path."""
+    return x.is_cuda and os.environ.get("CLOVER_GDN_BACKEND", "auto") != "torch"
 
 
 def _try_fla(name, q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel):
-    """Run the fla kernel; return None when unavailable or when it fails."""
+    """Run the fla kernel; None when it does not apply (not CUDA, or fla not installed). When fla is
+    installed and its kernel fails, that is an error, not a silent switch to a slower path."""
     if not _fla_eligible(q):
         return None
     fn = _load_fla(name)
@@ -138,8 +140,12 @@ def _try_fla(name, q, k, v, g, beta, scale, initial_state, output_final_state, u
             output_final_state=output_final_state,
             use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
         )
-    except Exception:
-        return None
+    except Exception as e:
+        raise RuntimeError(
+            f"flash-linear-attention's {name} failed ({type(e).__name__}: {e}) on q {tuple(q.shape)} "
+            f"{q.dtype}, v {tuple(v.shape)}; fix the fla install or set CLOVER_GDN_BACKEND=torch to use "
+            "clover's torch kernels"
+        ) from e
     if o.dtype != v.dtype:
         o = o.to(v.dtype)
     if not output_final_state:
