@@ -2,7 +2,11 @@
 # Build llama.cpp (CPU) from the llama-cpp-python source distribution, for the GGUF cross-check
 # (tests/test_gguf.py, docs/gguf.md).
 #
-#   scripts/build-llama-cpp.sh            # about 4-6 minutes on 2 cores; a second run is a no-op
+#   scripts/build-llama-cpp.sh            # a second run is a no-op
+#
+# A first build takes a while: 26 minutes measured here (JOBS=2, nice -n 10, on 2 cores other work was
+# using); most of it is llama.cpp's `common` library, which llama-tokenize and llama-bench need.
+# TARGETS=llama-simple builds only libllama + llama-simple, enough for the tests' probe.
 #
 # Everything lives in a cache dir, never in the repository:
 #   ${CLOVER_LLAMA_CPP_DIR:-${XDG_CACHE_HOME:-~/.cache}/clover/llama.cpp}/
@@ -10,13 +14,15 @@
 #     src/     the unpacked sdist; its vendor/llama.cpp is the matching llama.cpp tree
 #     build/   cmake build; build/bin/ holds llama-simple, llama-tokenize, llama-bench, libllama.so
 #     bin/     clover-llama-probe (tokenize / greedy / logits, for the tests) + READY marker
-# Environment: PYTHON (the interpreter whose pip downloads; default: python3), JOBS (default: nproc).
+# Environment: PYTHON (the interpreter whose pip downloads; default: python3), JOBS (default: nproc),
+# TARGETS (default: llama-simple llama-tokenize llama-bench).
 set -euo pipefail
 
 VERSION="0.3.36"
 CACHE="${CLOVER_LLAMA_CPP_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/clover/llama.cpp}"
 PYTHON="${PYTHON:-python3}"
 JOBS="${JOBS:-$(nproc)}"
+TARGETS="${TARGETS:-llama-simple llama-tokenize llama-bench}"
 SRC="$CACHE/src/llama_cpp_python-$VERSION"
 LLAMA="$SRC/vendor/llama.cpp"
 BUILD="$CACHE/build"
@@ -52,14 +58,15 @@ cmake -S "$LLAMA" -B "$BUILD" "${GEN[@]}" \
   -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_APP=OFF \
   -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_EXAMPLES=ON >"$CACHE/cmake-configure.log"
 
-echo "== building llama-simple llama-tokenize llama-bench ($JOBS jobs; log: $CACHE/cmake-build.log)"
-cmake --build "$BUILD" --config Release -j "$JOBS" --target llama-simple llama-tokenize llama-bench >"$CACHE/cmake-build.log"
+echo "== building $TARGETS ($JOBS jobs; log: $CACHE/cmake-build.log)"
+cmake --build "$BUILD" --config Release -j "$JOBS" --target $TARGETS >"$CACHE/cmake-build.log"
 
 echo "== building clover-llama-probe"
 cat >"$BIN/clover-llama-probe.cpp" <<'EOF'
 // clover-llama-probe MODEL.gguf MODE [ARG]: the three things the GGUF cross-check needs from llama.cpp.
 //   tokenize          stdin: UTF-8 text        -> stdout: token ids (special tokens parsed, no BOS)
-//   greedy N          stdin: prompt token ids  -> stdout: N greedy (argmax) token ids, EOS not special
+//   greedy N [BAN..]  stdin: prompt token ids  -> stdout: N greedy (argmax) token ids; EOS is an ordinary
+//                     token, the BAN ids are never picked (clover's ignore_eos bans its EOS ids the same way)
 //   logits OUT.f32    stdin: token ids         -> OUT.f32: float32 [n_tokens, n_vocab], one causal pass
 // Environment: CLOVER_PROBE_THREADS (default 2).
 #include "llama.h"
@@ -68,6 +75,7 @@ cat >"$BIN/clover-llama-probe.cpp" <<'EOF'
 #include <cstring>
 #include <iostream>
 #include <iterator>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -88,6 +96,7 @@ int main(int argc, char ** argv) {
     llama_log_set(quiet, nullptr);
     llama_backend_init();
     llama_model_params mp = llama_model_default_params();
+    mp.progress_callback = [](float, void *) { return true; };  // no loading dots on stderr
     llama_model * model = llama_model_load_from_file(argv[1], mp);
     if (!model) { fprintf(stderr, "error: cannot load %s\n", argv[1]); return 1; }
     const llama_vocab * vocab = llama_model_get_vocab(model);
@@ -137,16 +146,18 @@ int main(int argc, char ** argv) {
         for (int i = 0; i < batch.n_tokens; i++) fwrite(llama_get_logits_ith(ctx, i), sizeof(float), n_vocab, f);
         fclose(f);
     } else if (mode == "greedy") {
-        int pos = batch.n_tokens;
+        std::set<llama_token> banned;
+        for (int a = 4; a < argc; a++) banned.insert((llama_token) atoi(argv[a]));
         for (int k = 0; k < n_new; k++) {
             const float * lg = llama_get_logits_ith(ctx, -1);
-            llama_token best = 0;
-            for (int t = 1; t < n_vocab; t++) if (lg[t] > lg[best]) best = t;
+            llama_token best = -1;
+            for (int t = 0; t < n_vocab; t++) {
+                if (banned.count(t)) continue;
+                if (best < 0 || lg[t] > lg[best]) best = t;
+            }
             printf(k ? " %d" : "%d", best);
             llama_batch one = llama_batch_get_one(&best, 1);
-            (void) pos;
             if (llama_decode(ctx, one)) { fprintf(stderr, "error: llama_decode failed\n"); return 1; }
-            pos++;
         }
         printf("\n");
     } else {
@@ -164,4 +175,4 @@ c++ -O2 -std=c++17 "$BIN/clover-llama-probe.cpp" -o "$BIN/clover-llama-probe" \
   -Wl,-rpath,"$BUILD/bin"
 
 echo "llama-cpp-python==$VERSION" >"$READY"
-echo "done: $BUILD/bin (llama-simple, llama-tokenize, llama-bench), $BIN/clover-llama-probe"
+echo "done: $BUILD/bin ($TARGETS), $BIN/clover-llama-probe"

@@ -356,8 +356,8 @@ def llama(probe: Path, model: Path, mode: str, stdin: str, *args: str) -> str:
     return r.stdout.decode()
 
 
-def llama_greedy(probe, model, ids: list[int], n: int) -> list[int]:
-    return [int(x) for x in llama(probe, model, "greedy", " ".join(map(str, ids)), str(n)).split()]
+def llama_greedy(probe, model, ids: list[int], n: int, banned: list[int] = ()) -> list[int]:
+    return [int(x) for x in llama(probe, model, "greedy", " ".join(map(str, ids)), str(n), *map(str, banned)).split()]
 
 
 def llama_logits(probe, model, ids: list[int], tmp: Path, n_vocab: int) -> np.ndarray:
@@ -394,7 +394,7 @@ def compare_with_llama(probe, src: Path, gguf_path: Path, tmp: Path, prompts: li
     same, first_diff = 0, []
     for ids in prompts:
         ours = llm.generate(ids, mode="ar", max_new_tokens=GREEDY_TOKENS, ignore_eos=True, temperature=0.0).token_ids
-        theirs = llama_greedy(probe, gguf_path, ids, GREEDY_TOKENS)
+        theirs = llama_greedy(probe, gguf_path, ids, GREEDY_TOKENS, banned=llm.config.eos_token_ids)  # as ignore_eos
         same += ours == theirs
         if ours != theirs:
             first_diff.append(next(i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b))
@@ -460,3 +460,16 @@ def test_llama_cpp_matches_clover_random_multimodal(probe, tmp_path):
     s = compare_with_llama(probe, mm, out, tmp_path, prompts, held_out_text(tok, LOGIT_TOKENS))
     assert s["greedy_equal"] == GREEDY_PROMPTS, s
     assert s["within_tolerance"], s
+
+
+@pytest.mark.slow
+def test_llama_cpp_tokenization_known_gap(probe, bundled_f32):
+    """docs/gguf.md: llama.cpp's "smollm" joins the space after `== ` to a following letter or
+    bracket, ours keeps it alone. If this starts to pass, update the docs."""
+    from clover.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_dir(BUNDLED)
+    for s in ("x == y", "assert f(1) == [1, 2]"):
+        ours = tok.encode(s)
+        theirs = [int(x) for x in llama(probe, bundled_f32, "tokenize", s).split()]
+        assert ours != theirs and len(theirs) == len(ours) - 1, (s, ours, theirs)

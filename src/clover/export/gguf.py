@@ -294,8 +294,10 @@ _QWEN2_REGEX = ("(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{
                 "|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+")
 # what llama.cpp's "smollm" does not reproduce of our clover-tiny pre-tokenizer (see docs/gguf.md)
 CLOVER_PRE_TOKENIZER_GAPS = (
-    "`== ` followed by a letter, bracket or quote: ours keeps the space alone (`==`, ` `, `x`), llama.cpp joins it (`==`, ` x`)",
-    "spaces before a newline that is followed by text: ours keeps `  \\n` together, llama.cpp splits `  `, `\\n`",
+    "`== ` followed by a letter, bracket or quote: ours keeps the space alone (`==`, ` `, `[`), llama.cpp joins it "
+    "to what follows (`==`, ` [`); prompts that end in `== ` tokenize the same",
+    "spaces before a newline that is followed by text: ours keeps `  \\n` one piece, llama.cpp splits `  `, `\\n`; "
+    "no effect with the bundled vocabulary (none of its merges joins a newline to anything)",
 )
 
 
