@@ -1,7 +1,12 @@
 """Config parsing and checkpoint errors: every failure names the file and what to do."""
 
+import contextlib
 import json
+import os
 import shutil
+import subprocess
+import sys
+import time
 
 import pytest
 import torch
@@ -145,3 +150,228 @@ def test_cache_snapshot_restore_and_rows(tiny_llm):
         c = m.step(one, commit_ids=ids[1:, :1]).commit_logits
         d = m.step(cache, commit_ids=ids[:, :1]).commit_logits[1:]
         torch.testing.assert_close(c, d, atol=1e-5, rtol=1e-5)
+
+
+# ------------------------------------------------------------------ corrupted checkpoints (issue 16)
+def _rewrite(d, **changes):
+    """Rewrite d/model.safetensors with some tensors changed (None deletes)."""
+    state = load_file(str(d / "model.safetensors"))
+    for k, v in changes.items():
+        if v is None:
+            del state[k]
+        else:
+            state[k] = v
+    save_file(state, str(d / "model.safetensors"))
+
+
+def _poison(state_key, fn):
+    def apply(d):
+        t = load_file(str(d / "model.safetensors"))[state_key].clone()
+        fn(t)
+        _rewrite(d, **{state_key: t})
+    return apply
+
+
+NON_FINITE = {
+    "nan-embedding": ("model.embed_tokens.weight", _poison("model.embed_tokens.weight", lambda t: t[5].__setitem__(3, float("nan")))),
+    "nan-lm-head-row": ("lm_head.weight", _poison("lm_head.weight", lambda t: t[7].fill_(float("nan")))),
+    "inf-final-norm": ("model.norm.weight", _poison("model.norm.weight", lambda t: t.__setitem__(0, float("inf")))),
+}
+
+
+@pytest.mark.parametrize("case", sorted(NON_FINITE))
+def test_non_finite_weights_refused_with_opt_out(tiny_dir, tmp_path, case):
+    key, corrupt = NON_FINITE[case]
+    d = _copy(tiny_dir, tmp_path / "m")
+    corrupt(d)
+    with pytest.raises(CheckpointError) as e:
+        load_model(d)
+    msg = str(e.value)
+    assert key in msg and "model.safetensors" in msg and "non-finite" in msg and "check_finite" in msg
+    with pytest.raises(CheckpointError, match="non-finite"):
+        clover.load(d)
+    m = load_model(d, check_finite=False)  # the opt-out loads it as it is
+    assert not torch.isfinite(m.state_dict()[key]).all()
+    from clover.checkpoint import finite_check
+
+    with finite_check(False):  # the default for callers that do not pass check_finite (clover.load)
+        assert clover.load(d).model is not None
+
+
+def test_non_finite_after_dtype_conversion(tiny_dir, tmp_path):
+    d = _copy(tiny_dir, tmp_path / "m")
+    _poison("model.norm.weight", lambda t: t.__setitem__(1, 1e6))(d)  # finite in float32, inf in float16
+    load_model(d)
+    with pytest.raises(CheckpointError, match="float16") as e:
+        load_model(d, dtype="float16")
+    assert "model.norm.weight" in str(e.value)
+
+
+def test_finite_scan_is_chunked_and_exact():
+    from clover.checkpoint import first_non_finite
+
+    t = torch.zeros(3, 1000)
+    assert first_non_finite(t, chunk=257) is None
+    t[2, 999] = float("-inf")
+    assert first_non_finite(t, chunk=257) == (2, 999)
+    assert first_non_finite(torch.zeros(4, dtype=torch.int32)) is None
+
+
+def test_non_float_weight_named(tiny_dir, tmp_path):
+    d = _copy(tiny_dir, tmp_path / "m")
+    emb = load_file(str(d / "model.safetensors"))["model.embed_tokens.weight"]
+    _rewrite(d, **{"model.embed_tokens.weight": emb.to(torch.int32)})
+    with pytest.raises(CheckpointError) as e:
+        load_model(d)
+    assert "model.embed_tokens.weight" in str(e.value) and "int32" in str(e.value)
+
+
+@contextlib.contextmanager
+def fifo_watchdog(fifo, after=8.0):
+    """Opening a FIFO blocks the reader until a writer comes, and safetensors holds the GIL while it
+    waits, so no thread of this process could help: a separate process opens `fifo` for writing
+    after `after` seconds (and again every 0.2 s), which lets a blocked reader go. Yields a function: True if no blocking happened."""
+    code = ("import os, sys, time\ntime.sleep(float(sys.argv[2]))\nwhile True:\n"
+            "    try:\n        os.close(os.open(sys.argv[1], os.O_WRONLY | os.O_NONBLOCK))\n"
+            "    except OSError:\n        pass\n    time.sleep(0.2)\n")
+    watchdog = subprocess.Popen([sys.executable, "-c", code, str(fifo), str(after)])
+    t0 = time.monotonic()
+    try:
+        yield lambda: time.monotonic() - t0 < after
+    finally:
+        watchdog.kill()
+        watchdog.wait()
+
+
+@pytest.mark.parametrize("name", ["model.safetensors", "config.json", "tokenizer.json"])
+def test_fifo_in_model_dir_refused(tiny_dir, tmp_path, name):
+    d = _copy(tiny_dir, tmp_path / "m")
+    (d / name).unlink()
+    os.mkfifo(d / name)
+    with fifo_watchdog(d / name) as never_blocked:
+        with pytest.raises((CheckpointError, ConfigError, FileNotFoundError, ValueError)) as e:
+            clover.load(d)
+        assert never_blocked(), f"clover.load blocked on a FIFO named {name}"
+    assert name in str(e.value) and "not a regular file" in str(e.value)
+
+
+@pytest.mark.parametrize("shard", ["../../etc/hostname", "/dev/zero", "sub/../../outside.safetensors"])
+def test_index_shard_outside_model_dir_refused(tiny_dir, tmp_path, shard):
+    d = _copy(tiny_dir, tmp_path / "m")
+    (d / "model.safetensors").rename(d / "model-00001-of-00001.safetensors")
+    weight_map = {k: "model-00001-of-00001.safetensors" for k in load_file(str(d / "model-00001-of-00001.safetensors"))}
+    weight_map["model.norm.weight"] = shard
+    (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    with pytest.raises(CheckpointError) as e:
+        load_model(d)
+    msg = str(e.value)
+    assert "model.norm.weight" in msg and shard in msg and "outside" in msg
+
+
+def test_index_shard_in_subfolder_loads(tiny_dir, tmp_path):
+    d = _copy(tiny_dir, tmp_path / "m")
+    (d / "shards").mkdir()
+    (d / "model.safetensors").rename(d / "shards" / "a.safetensors")
+    weight_map = {k: "shards/a.safetensors" for k in load_file(str(d / "shards" / "a.safetensors"))}
+    (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    assert load_model(d) is not None
+
+
+def test_sharded_missing_tensor_names_its_shard(tiny_dir, tmp_path):
+    from clover.checkpoint import save_state_dict
+
+    d = _copy(tiny_dir, tmp_path / "m")
+    state = load_file(str(d / "model.safetensors"))
+    save_state_dict(state, d, max_shard_bytes=200_000)
+    index = json.loads((d / "model.safetensors.index.json").read_text())["weight_map"]
+    shard = index["model.norm.weight"]
+    part = load_file(str(d / shard))
+    del part["model.norm.weight"]
+    save_file(part, str(d / shard))
+    with pytest.raises(CheckpointError) as e:
+        load_model(d)
+    assert "model.norm.weight" in str(e.value) and shard in str(e.value)
+
+
+CONFIG_TYPES = [
+    ("rms_norm_eps", "small", "a number"),
+    ("max_position_embeddings", "big", "an integer"),
+    ("hidden_size", "256", "an integer"),
+    ("threshold", "high", "a number"),
+    ("num_experts", 8.0, "an integer"),
+    ("tie_word_embeddings", "false", "true or false"),
+    ("attention_bias", 0, "true or false"),
+    ("layer_types", "linear_attention", "a list"),
+    ("eos_token_id", "<|endoftext|>", "an integer"),
+    ("mask_token_id", True, "an integer"),
+    ("head_dim", [16], "an integer"),
+    ("quantization_config", "int4", "an object"),
+    ("hidden_act", 3, "a string"),
+    ("rope_theta", None, "a number"),
+    ("rms_norm_eps", float("nan"), "finite"),
+    ("rope_theta", float("inf"), "finite"),
+]
+
+
+@pytest.mark.parametrize("key, value, expected", CONFIG_TYPES, ids=[f"{k}={v!r}" for k, v, _ in CONFIG_TYPES])
+def test_config_types_checked_at_load(tiny_dir, tmp_path, key, value, expected):
+    d = _copy(tiny_dir, tmp_path / "m")
+    raw = json.loads((d / "config.json").read_text())
+    raw.pop("rope_parameters", None) if key == "rope_theta" else None
+    raw[key] = value
+    (d / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(ConfigError) as e:
+        clover.load(d)
+    msg = str(e.value)
+    assert "config.json" in msg and repr(key) in msg and expected in msg and repr(value) in msg, msg
+
+
+def test_config_types_in_text_config_name_the_nested_key():
+    base = dict(vocab_size=100, hidden_size=32, num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2,
+                num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16)
+    with pytest.raises(ConfigError, match=r"x/config.json: 'text_config.hidden_size'"):
+        CloverConfig.from_dict({"model_type": "qwen3_5_moe", "text_config": {**base, "hidden_size": "32"}},
+                               source="x/config.json")
+    ok = CloverConfig.from_dict({**base, "rope_theta": 10000, "rms_norm_eps": 1e-6})  # an int where a float goes
+    assert ok.rope_theta == 10000
+
+
+@pytest.mark.parametrize("raw, match", [
+    ({"full_attention_interval": 0}, "full_attention_interval"),
+    ({"rms_norm_eps": 0.0}, "rms_norm_eps"),
+    ({"max_position_embeddings": -1}, "max_position_embeddings"),
+    ({"partial_rotary_factor": 1.5}, "partial_rotary_factor"),
+    ({"num_attention_heads": 0}, "num_attention_heads"),
+    ({"linear_key_head_dim": -4}, "linear_key_head_dim"),
+])
+def test_config_values_checked(raw, match):
+    base = dict(vocab_size=100, hidden_size=32, num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2,
+                num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16)
+    with pytest.raises(ConfigError, match=match):
+        CloverConfig.from_dict({**base, **raw}, source="config.json")
+
+
+def test_unknown_torch_dtype_names_the_key(tiny_dir, tmp_path):
+    d = _copy(tiny_dir, tmp_path / "m")
+    raw = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**raw, "torch_dtype": "float8"}))
+    with pytest.raises(ConfigError, match=r"config.json: 'torch_dtype' is 'float8'"):
+        load_model(d)
+    assert load_model(d, dtype="float32") is not None  # an explicit dtype does not need it
+
+
+def test_missing_tokenizer_json_says_what_to_do(tiny_dir, tmp_path):
+    d = _copy(tiny_dir, tmp_path / "m")
+    (d / "tokenizer.json").unlink()
+    with pytest.raises(FileNotFoundError) as e:
+        clover.load(d)
+    msg = str(e.value)
+    assert "tokenizer.json" in msg and str(d) in msg and "sentencepiece" not in msg and "copy" in msg
+
+
+def test_broken_tokenizer_json_named(tiny_dir, tmp_path):
+    d = _copy(tiny_dir, tmp_path / "m")
+    (d / "tokenizer.json").write_text("{not json")
+    with pytest.raises(ValueError) as e:
+        clover.load(d)
+    assert "tokenizer.json" in str(e.value)

@@ -9,21 +9,30 @@ A directory holds `config.json` and either `model.safetensors` or shards listed 
   (`mlp.experts.N.{gate,up,down}_proj.weight`), stacked at load.
 Weights are read shard by shard from memory-mapped files and assigned into a model built on `meta`,
 so a large model never exists twice in memory.
+
+Loading refuses what would hang or silently corrupt a generation: a weight file that is not a
+regular file (a FIFO or device would block on open), a shard path in the index that leaves the
+model directory, a weight stored in a non-float dtype, and weights holding NaN or Inf (a chunked
+scan per tensor, after the conversion to the load dtype; opt out with `check_finite=False`).
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import json
+import os
 import re
+import stat
 from collections import defaultdict
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Iterator
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from .config import CloverConfig
+from .config import CloverConfig, ConfigError
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -46,6 +55,66 @@ class CheckpointError(ValueError):
     """A model directory whose files do not form a loadable checkpoint."""
 
 
+# The default of `check_finite` for loads that do not pass it (clover.load, the quantized loader).
+_CHECK_FINITE: contextvars.ContextVar[bool] = contextvars.ContextVar("clover_check_finite", default=True)
+FINITE_SCAN_CHUNK = 1 << 24  # elements per isfinite() call: bounds the temporary bool mask at 16 MiB
+NO_CHECK_HINT = "pass check_finite=False (CLI: --no-check-finite) to load it anyway"
+
+
+@contextlib.contextmanager
+def finite_check(enabled: bool) -> Iterator[None]:
+    """Within the block, loads that do not pass `check_finite` scan (True) or skip the scan (False)
+    for non-finite weights: `with finite_check(False): clover.load(path)`."""
+    token = _CHECK_FINITE.set(bool(enabled))
+    try:
+        yield
+    finally:
+        _CHECK_FINITE.reset(token)
+
+
+def require_regular_file(path: Path, what: str = "weight file") -> None:
+    """Raise CheckpointError unless `path` is a regular file (symlinks to one are fine). Opening a
+    FIFO blocks until a writer comes, and a device never ends, so neither is ever opened."""
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: {what} does not exist") from None
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot read the {what} ({e.strerror})") from None
+    if not stat.S_ISREG(mode):
+        kind = "a directory" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode) else "a device or special file"
+        raise CheckpointError(f"{path}: not a regular file ({kind}); a {what} must be a plain file")
+
+
+def first_non_finite(t: torch.Tensor, *, chunk: int = FINITE_SCAN_CHUNK) -> tuple[int, ...] | None:
+    """The index of the first NaN/Inf in `t`, or None (always None for integer tensors). Scans the
+    flattened tensor `chunk` elements at a time, so the temporary mask stays small for big weights."""
+    if not (t.is_floating_point() or t.is_complex()) or t.numel() == 0:
+        return None
+    flat = t.reshape(-1)
+    for start in range(0, flat.numel(), chunk):
+        part = flat[start : start + chunk]
+        if not bool(torch.isfinite(part).all()):
+            offset = start + int((~torch.isfinite(part)).nonzero()[0, 0])
+            return tuple(int(i) for i in torch.unravel_index(torch.tensor(offset), t.shape)) if t.dim() else ()
+    return None
+
+
+def _non_finite_error(path: Path, key: str, t: torch.Tensor, where: tuple[int, ...], stored: torch.Tensor | None) -> CheckpointError:
+    bad = ~torch.isfinite(t)
+    n_nan = int(torch.isnan(t).sum())
+    n_inf = int(bad.sum()) - n_nan
+    counts = ", ".join(f"{n} {name}" for n, name in ((n_nan, "NaN"), (n_inf, "Inf")) if n)
+    converted = ""
+    if stored is not None and first_non_finite(stored) is None:
+        converted = (f" after conversion from {str(stored.dtype).replace('torch.', '')} to {str(t.dtype).replace('torch.', '')}"
+                     " (values too large for that dtype; load in float32 or bfloat16)")
+    return CheckpointError(
+        f"{path}: tensor {key!r} holds non-finite values{converted} ({counts} of {t.numel()}, first at index {list(where)}); "
+        f"the checkpoint is corrupt. {NO_CHECK_HINT}"
+    )
+
+
 def parse_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
     if dtype is None or isinstance(dtype, torch.dtype):
         return dtype
@@ -64,30 +133,70 @@ def canonical_name(name: str) -> str | None:
     return name
 
 
-def shard_files(directory: Path) -> list[Path]:
+def read_index(directory: Path) -> dict[str, str] | None:
+    """The index's weight_map (key -> shard path relative to `directory`), or None without an index.
+    Every shard path must name a file inside the directory: no absolute paths, no '..' that leaves it."""
     index = directory / INDEX_FILE
-    if index.exists():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
-            raise CheckpointError(f"{index}: not a valid safetensors index ({e})") from None
+    if not os.path.lexists(index):
+        return None
+    require_regular_file(index, "safetensors index")
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+        if not isinstance(weight_map, dict):
+            raise TypeError(f"weight_map is {type(weight_map).__name__}, not an object")
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as e:
+        raise CheckpointError(f"{index}: not a valid safetensors index ({e})") from None
+    for key, shard in weight_map.items():
+        if not isinstance(shard, str) or not shard:
+            raise CheckpointError(f"{index}: weight_map[{key!r}] is {shard!r}, not a file name")
+        parts = PurePosixPath(shard.replace("\\", "/")).parts
+        depth = 0
+        for part in parts:
+            depth += -1 if part == ".." else 0 if part == "." else 1
+            if depth < 0:
+                break
+        if PurePosixPath(shard).is_absolute() or os.path.isabs(shard) or depth < 0 or not parts:
+            raise CheckpointError(
+                f"{index}: weight_map[{key!r}] points outside the model directory ({shard!r}); "
+                "shard paths must be relative to the directory holding the index"
+            )
+    return weight_map
+
+
+def shard_files(directory: Path) -> list[Path]:
+    weight_map = read_index(directory)
+    if weight_map is not None:
+        index = directory / INDEX_FILE
         files = sorted(set(weight_map.values()))
-        missing = [f for f in files if not (directory / f).exists()]
+        missing = [f for f in files if not os.path.lexists(directory / f)]
         if missing:
             raise CheckpointError(f"{index}: lists shard(s) that do not exist: {', '.join(missing)}")
+        for f in files:
+            require_regular_file(directory / f)
         return [directory / f for f in files]
     single = directory / SINGLE_FILE
-    if single.exists():
+    if os.path.lexists(single):
+        require_regular_file(single)
         return [single]
     found = sorted(directory.glob("*.safetensors"))
     if found:
+        for f in found:
+            require_regular_file(f)
         return found
     if list(directory.glob("*.bin")) or list(directory.glob("*.pt")):
         raise CheckpointError(f"{directory}: only pickle weights (*.bin/*.pt) found; convert them to safetensors first (pickle is never loaded)")
     raise CheckpointError(f"{directory}: no model.safetensors or {INDEX_FILE}; is this a model directory?")
 
 
-def iter_tensors(path: Path, dtype: torch.dtype | None) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_tensors(
+    path: Path, dtype: torch.dtype | None, *, check_finite: bool | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """(key, tensor) for every tensor of one safetensors file, floats converted to `dtype`.
+    With `check_finite` (default: the `finite_check` setting, on) a float tensor holding NaN/Inf
+    raises CheckpointError naming the file and key."""
+    if check_finite is None:
+        check_finite = _CHECK_FINITE.get()
+    require_regular_file(path)
     try:
         f = safe_open(str(path), framework="pt", device="cpu")
         keys = list(f.keys())
@@ -98,8 +207,13 @@ def iter_tensors(path: Path, dtype: torch.dtype | None) -> Iterator[tuple[str, t
             t = f.get_tensor(key)
         except Exception as e:
             raise CheckpointError(f"{path}: cannot read tensor {key!r} ({e}); the file is truncated or corrupt") from None
+        stored = t
         if dtype is not None and t.is_floating_point():
             t = t.to(dtype)
+        if check_finite:
+            where = first_non_finite(t)
+            if where is not None:
+                raise _non_finite_error(path, key, t, where, stored if stored.dtype != t.dtype else None)
         yield key, t
 
 
@@ -113,20 +227,27 @@ def read_state_dict(
     *,
     dtype: torch.dtype | None = None,
     allow_missing: set[str] | frozenset = frozenset(),
+    check_finite: bool | None = None,
 ) -> dict[str, torch.Tensor]:
     """Read every shard, map names, stack per-expert weights, and check the result against `expected`.
 
-    Raises CheckpointError naming the file and key for unexpected keys, shape mismatches,
-    missing keys and unreadable files."""
+    Raises CheckpointError naming the file and key for unexpected keys, shape mismatches, weights
+    stored in a non-float dtype, non-finite weights (unless `check_finite` is False), missing keys
+    and unreadable files."""
     directory = Path(directory)
     state: dict[str, torch.Tensor] = {}
     origin: dict[str, Path] = {}
     per_expert: dict[str, dict[int, dict[str, torch.Tensor]]] = defaultdict(lambda: defaultdict(dict))
     for path in shard_files(directory):
-        for key, t in iter_tensors(path, dtype):
+        for key, t in iter_tensors(path, dtype, check_finite=check_finite):
             name = canonical_name(key)
             if name is None:
                 continue
+            if not t.is_floating_point():
+                raise CheckpointError(
+                    f"{path}: tensor {key!r} is stored as {str(t.dtype).replace('torch.', '')}, but model weights are floating "
+                    "point (float32, bfloat16 or float16); the file is corrupt, or quantized without a quantization_config in config.json"
+                )
             m = _PER_EXPERT.match(name)
             if m:
                 per_expert[m.group(1)][int(m.group(2))][m.group(3)] = t
@@ -161,7 +282,10 @@ def read_state_dict(
     if missing:
         shown = ", ".join(repr(k) for k in missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
         files = ", ".join(p.name for p in shard_files(directory))
-        raise CheckpointError(f"{directory}: missing key(s) {shown} (searched {files}); the checkpoint is incomplete or for another model")
+        weight_map = read_index(directory) or {}
+        listed = sorted({weight_map[k] for k in missing if k in weight_map})
+        where = f"; {INDEX_FILE} puts them in {', '.join(listed)}" if listed else ""
+        raise CheckpointError(f"{directory}: missing key(s) {shown} (searched {files}{where}); the checkpoint is incomplete or for another model")
     return state
 
 
@@ -208,23 +332,38 @@ def load_model(
     *,
     dtype: torch.dtype | str | None = None,
     device: torch.device | str | None = None,
+    check_finite: bool | None = None,
 ):
-    """config.json + safetensors -> CloverForCausalLM in eval mode (built on meta, assigned)."""
+    """config.json + safetensors -> CloverForCausalLM in eval mode (built on meta, assigned).
+
+    `check_finite` (default: on, or what an enclosing `finite_check(...)` says) scans every weight
+    for NaN/Inf and raises CheckpointError naming the tensor and file."""
     from .model import build_model
 
     directory = Path(directory)
     if not directory.is_dir():
         raise CheckpointError(f"{directory}: not a directory; pass the folder holding config.json and the safetensors")
+    if check_finite is None:
+        check_finite = _CHECK_FINITE.get()
     config = CloverConfig.from_file(directory)
-    dtype = parse_dtype(dtype) or parse_dtype(config.torch_dtype) or torch.float32
+    dtype = parse_dtype(dtype)
+    if dtype is None:
+        try:
+            dtype = parse_dtype(config.torch_dtype) or torch.float32
+        except ValueError:
+            raise ConfigError(
+                f"{directory / 'config.json'}: 'torch_dtype' is {config.torch_dtype!r}; expected float32, bfloat16 or float16 "
+                "(or choose the load dtype: dtype=..., CLI --dtype)"
+            ) from None
     if config.quantization_config:
         from .quant import load_quantized
 
-        return load_quantized(directory, config, dtype=dtype, device=device)
+        with finite_check(check_finite):  # the quantized loader reads through iter_tensors
+            return load_quantized(directory, config, dtype=dtype, device=device)
     model = build_model(config, device="meta")
     expected = expected_shapes(model)
     allow = {"lm_head.weight"} if config.tie_word_embeddings else set()
-    state = read_state_dict(directory, expected, dtype=dtype, allow_missing=allow)
+    state = read_state_dict(directory, expected, dtype=dtype, allow_missing=allow, check_finite=check_finite)
     if device is not None and str(device) != "cpu":
         state = {k: v.to(device) for k, v in state.items()}
     model.load_state_dict(state, strict=not config.tie_word_embeddings, assign=True)

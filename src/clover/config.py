@@ -1,7 +1,9 @@
 """Model configuration: the text part of a Qwen3.5/3.6-MoE `config.json`, plus Clover's fields.
 
 Field names mirror the keys of `config.json` verbatim so a config round-trips through
-`from_dict`/`to_dict`. Unknown keys are ignored; missing required ones raise `ConfigError`.
+`from_dict`/`to_dict`. Unknown keys are ignored; missing required ones raise `ConfigError`. Every
+field's JSON type is checked against its annotation (an int is accepted where a float goes, never a
+string or a bool for a number), and the error names the file and the key.
 """
 
 from __future__ import annotations
@@ -30,6 +32,47 @@ REQUIRED_KEYS = (
 
 class ConfigError(ValueError):
     """A config.json that cannot describe a model we can build."""
+
+
+# ------------------------------------------------------------------------------ JSON types
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v: Any) -> bool:
+    return (isinstance(v, (int, float)) and not isinstance(v, bool)) and math.isfinite(v)
+
+
+# annotation piece -> (check, what config.json must hold there)
+_JSON_TYPES: dict[str, tuple[Any, str]] = {
+    "int": (_is_int, "an integer"),
+    "float": (_is_number, "a number"),
+    "bool": (lambda v: isinstance(v, bool), "true or false"),
+    "str": (lambda v: isinstance(v, str), "a string"),
+    "dict": (lambda v: isinstance(v, dict), "an object"),
+    "None": (lambda v: v is None, "null"),
+    "list[str]": (lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v), "a list of strings"),
+    "list[int]": (lambda v: isinstance(v, list) and all(_is_int(x) for x in v), "a list of integers"),
+}
+
+
+def _json_kind(v: Any) -> str:
+    return {bool: "a boolean", int: "an integer", float: "a number", str: "a string", list: "a list",
+            dict: "an object", type(None): "null"}.get(type(v), type(v).__name__)
+
+
+def check_types(values: dict[str, Any], annotations: dict[str, str], shown: dict[str, str] | None = None) -> None:
+    """Raise ConfigError for the first value whose JSON type does not match its field annotation
+    ("int | list[int] | None" style strings). `shown` maps a field to the key the user wrote."""
+    for name, value in values.items():
+        pieces = [p.strip() for p in annotations[name].split("|")]
+        if any(_JSON_TYPES[p][0](value) for p in pieces):
+            continue
+        expected = " or ".join(_JSON_TYPES[p][1] for p in pieces)
+        got = f"{value!r} ({_json_kind(value)})"
+        if isinstance(value, float) and not math.isfinite(value):
+            got = f"{value!r} (a number must be finite)"
+        raise ConfigError(f"{(shown or {}).get(name, name)!r} must be {expected}, got {got}")
 
 
 @dataclass
@@ -75,6 +118,11 @@ class CloverConfig:
     extra: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
+        check_types({k: getattr(self, k) for k in _ANNOTATIONS}, _ANNOTATIONS)
+        # what the derived fields divide by, before they are derived
+        for name in REQUIRED_KEYS + ("full_attention_interval",):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"invalid config: {name} must be positive, got {getattr(self, name)}")
         if self.head_dim is None:
             self.head_dim = self.hidden_size // self.num_attention_heads
         if self.layer_types is None:
@@ -90,9 +138,16 @@ class CloverConfig:
         def bad(msg: str) -> None:
             raise ConfigError(f"invalid config: {msg}")
 
-        for name in REQUIRED_KEYS:
-            if int(getattr(self, name)) <= 0:
+        positive = REQUIRED_KEYS + ("head_dim", "max_position_embeddings", "linear_conv_kernel_dim", "linear_key_head_dim",
+                                    "linear_value_head_dim", "linear_num_key_heads", "linear_num_value_heads",
+                                    "full_attention_interval", "rms_norm_eps", "rope_theta")
+        for name in positive:
+            if getattr(self, name) <= 0:
                 bad(f"{name} must be positive, got {getattr(self, name)}")
+        if self.shared_expert_intermediate_size < 0:
+            bad(f"shared_expert_intermediate_size must be >= 0, got {self.shared_expert_intermediate_size}")
+        if not (0 < self.partial_rotary_factor <= 1):
+            bad(f"partial_rotary_factor must lie in (0, 1], got {self.partial_rotary_factor}")
         if len(self.layer_types) != self.num_hidden_layers:
             bad(f"layer_types has {len(self.layer_types)} entries but num_hidden_layers is {self.num_hidden_layers}")
         unknown = set(self.layer_types) - {"full_attention", "linear_attention"}
@@ -141,28 +196,38 @@ class CloverConfig:
             raise ConfigError(f"{source}: expected a JSON object, got {type(raw).__name__}")
         model_type = raw.get("model_type")
         d = dict(raw)
+        shown: dict[str, str] = {}  # field -> the key as written in the file, when it differs
         if model_type == "qwen3_5_moe" or ("text_config" in raw and model_type != "clover"):
             text = raw.get("text_config")
             if not isinstance(text, dict):
                 raise ConfigError(f"{source}: model_type 'qwen3_5_moe' needs a 'text_config' object with the language model's settings")
             d = dict(text)
+            shown = {k: f"text_config.{k}" for k in text}
             # token ids sometimes live only at the top level
             for key in ("eos_token_id", "bos_token_id", "pad_token_id", "tie_word_embeddings", "quantization_config"):
                 if key not in d and key in raw:
                     d[key] = raw[key]
+                    shown.pop(key, None)
             d["model_type"] = "qwen3_5_moe_text"
         elif model_type is not None and model_type not in SUPPORTED_MODEL_TYPES:
             raise ConfigError(
                 f"{source}: model_type {model_type!r} is not supported; expected one of {', '.join(SUPPORTED_MODEL_TYPES)}"
             )
+        if not isinstance(d.get("model_type", ""), str):
+            raise ConfigError(f"{source}: 'model_type' must be a string, got {d['model_type']!r}")
         if "dtype" in d and "torch_dtype" not in d:
             d["torch_dtype"] = d["dtype"]
-        rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
-        if isinstance(rope, dict):
-            if "rope_theta" in rope and "rope_theta" not in d:
-                d["rope_theta"] = rope["rope_theta"]
-            if "partial_rotary_factor" in rope and "partial_rotary_factor" not in d:
-                d["partial_rotary_factor"] = rope["partial_rotary_factor"]
+            shown["torch_dtype"] = shown.get("dtype", "dtype")
+        rope_key = "rope_parameters" if d.get("rope_parameters") else "rope_scaling"
+        rope = d.get(rope_key) or {}
+        if not isinstance(rope, dict):
+            raise ConfigError(f"{source}: {shown.get(rope_key, rope_key)!r} must be an object, got {rope!r}")
+        if rope:
+            where = shown.get(rope_key, rope_key)
+            for key in ("rope_theta", "partial_rotary_factor"):
+                if key in rope and key not in d:
+                    d[key] = rope[key]
+                    shown[key] = f"{where}.{key}"
             rope_type = rope.get("rope_type", rope.get("type", "default"))
             if rope_type not in ("default", None):
                 raise ConfigError(f"{source}: rope type {rope_type!r} is not supported (only the default RoPE)")
@@ -173,6 +238,10 @@ class CloverConfig:
         kwargs = {k: v for k, v in d.items() if k in names}
         if d.get("model_type") == "clover":
             kwargs["model_type"] = "clover"
+        try:
+            check_types(kwargs, _ANNOTATIONS, shown)
+        except ConfigError as e:
+            raise ConfigError(f"{source}: {e}") from None
         try:
             return cls(**kwargs)
         except TypeError as e:  # wrong value types
@@ -187,9 +256,11 @@ class CloverConfig:
             path = path / "config.json"
         if not path.exists():
             raise ConfigError(f"{path}: no config.json found; a model directory needs config.json next to its safetensors")
+        if not path.is_file():  # a FIFO would block the read forever
+            raise ConfigError(f"{path}: not a regular file; config.json must be a plain JSON file")
         try:
-            raw = json.loads(path.read_text())
-        except json.JSONDecodeError as e:
+            raw = json.loads(path.read_text(encoding="utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise ConfigError(f"{path}: not valid JSON ({e})") from None
         return cls.from_dict(raw, source=str(path))
 
@@ -244,6 +315,10 @@ class CloverConfig:
             total += mixer + norms + router + shared + self.num_experts * expert
             active += mixer + norms + router + shared + self.num_experts_per_tok * expert
         return {"total": total, "active": active}
+
+
+# field -> its annotation ("int | None", ...): the JSON types config.json may hold there
+_ANNOTATIONS: dict[str, str] = {f.name: str(f.type) for f in dataclasses.fields(CloverConfig) if f.name != "extra"}
 
 
 def full_size_config() -> CloverConfig:

@@ -37,12 +37,38 @@ class Tokenizer:
 
     @classmethod
     def from_dir(cls, directory: str | Path, *, eos_token_id=None, mask_token_id=None) -> "Tokenizer":
+        """The fast tokenizer of a model directory: `tokenizer.json` (+ `tokenizer_config.json`).
+        A slow tokenizer (tokenizer.model, vocab.json + merges.txt) is never converted at load."""
         from transformers import PreTrainedTokenizerFast
 
         directory = Path(directory)
-        if not (directory / "tokenizer.json").exists() and not (directory / "tokenizer_config.json").exists():
-            raise FileNotFoundError(f"{directory}: no tokenizer.json / tokenizer_config.json in the model directory")
-        hf = PreTrainedTokenizerFast.from_pretrained(str(directory), local_files_only=True)
+        tok_file = directory / "tokenizer.json"
+        if not tok_file.exists():
+            slow = [n for n in ("tokenizer.model", "vocab.json", "merges.txt") if (directory / n).exists()]
+            raise FileNotFoundError(
+                f"{directory}: no tokenizer.json in the model directory"
+                + (f" (it has {', '.join(slow)}, a slow tokenizer, which clover does not convert)" if slow else "")
+                + "; copy tokenizer.json from the model's original repository (it sits next to config.json), "
+                "or write one with transformers: AutoTokenizer.from_pretrained(SRC).save_pretrained(DIR)"
+            )
+        for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+            path = directory / name
+            if path.exists() and not path.is_file():  # a FIFO would block the read forever
+                raise ValueError(f"{path}: not a regular file; {name} must be a plain JSON file")
+        for name in ("tokenizer_config.json", "special_tokens_map.json"):  # small: check them here, to name them
+            path = directory / name
+            if path.exists():
+                try:
+                    json.loads(path.read_text(encoding="utf-8"))
+                except (ValueError, UnicodeDecodeError) as e:
+                    raise ValueError(f"{path}: not valid JSON ({e})") from None
+        try:
+            hf = PreTrainedTokenizerFast.from_pretrained(str(directory), local_files_only=True)
+        except Exception as e:  # tokenizers reports a corrupt file as a bare Exception
+            raise ValueError(
+                f"{tok_file}: cannot load the tokenizer ({type(e).__name__}: {e}); the file is corrupt or not a "
+                "Hugging Face tokenizers file"
+            ) from None
         return cls(hf, eos_token_id=eos_token_id, mask_token_id=mask_token_id)
 
     @property
