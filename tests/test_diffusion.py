@@ -315,16 +315,3 @@ def test_convert_keeps_commit_mode_and_adds_mask(tmp_path, has_room):
     assert len(g.token_ids) == 8
     with pytest.raises(ValueError, match="already a Clover"):
         convert_to_clover(tmp_path / "clover", tmp_path / "again", progress=False)
-
-
-def test_threshold_rule_by_hand():
-    from clover.decoding.acceptance import threshold_rule
-
-    take, forced = threshold_rule(torch.tensor([0.2, 0.96, 0.5, 0.99]), 0.95)
-    assert take.tolist() == [1, 3] and not forced
-    take, forced = threshold_rule(torch.tensor([0.2, 0.9, 0.5]), 0.95)  # none passes: the best one, forced
-    assert take.tolist() == [1] and forced
-    take, forced = threshold_rule(torch.tensor([0.95]), 0.95)  # the bar is inclusive
-    assert take.tolist() == [0] and not forced
-    take, forced = threshold_rule(torch.tensor([0.3, 0.4]), 1.5)  # above 1: one token per step
-    assert take.tolist() == [1] and forced

@@ -209,7 +209,8 @@ def pad_right(seqs: list[list[int]], pad: int, device) -> tuple[torch.Tensor, to
     return ids, torch.tensor([len(s) for s in seqs], dtype=torch.long, device=device)
 
 
-def propose_tokens(row: RowState, logits: torch.Tensor, history_tail: list | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def propose_tokens(row: RowState, logits: torch.Tensor, history_tail: list | None = None,
+                   with_entropy: bool = False) -> tuple[torch.Tensor, ...]:
     """Process and propose for positions of one row. logits [N, V] -> (tokens [N], confidences [N]);
     `history_tail[n]`: what position n follows inside the current block (for the penalties)."""
     sampler = row.state.sampler
@@ -217,7 +218,7 @@ def propose_tokens(row: RowState, logits: torch.Tensor, history_tail: list | Non
     if sampler.uses_history:
         base = row.prompt + row.tokens
         history = [base + list(h) for h in (history_tail or [[]] * logits.shape[0])]
-    return sampler(logits, history)
+    return sampler(logits, history, with_entropy)
 
 
 def next_tokens(row: RowState, logits: torch.Tensor) -> list[int]:

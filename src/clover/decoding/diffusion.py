@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .acceptance import threshold_rule
+from .acceptance import accept, needs_entropy
 from .base import BatchEngine, DecodeEvent, EngineRow, RowState, pad_right, propose_tokens
 from .modes import Mode, register
 
@@ -49,10 +49,10 @@ class DiffusionRow(EngineRow):
 class DiffusionEngine(BatchEngine):
     row_type = DiffusionRow
 
-    def __init__(self, model, *, block_size: int, threshold: float, mask_id: int, pad_id: int = 0,
+    def __init__(self, model, *, block_size: int, mask_id: int, pad_id: int = 0,
                  recompute: bool = False, provisional: bool = False, expert_budget: int | None = None) -> None:
         super().__init__(model, pad_id=pad_id)
-        self.block_size, self.threshold, self.mask_id = block_size, threshold, mask_id
+        self.block_size, self.mask_id = block_size, mask_id
         self.recompute, self.provisional, self.expert_budget = recompute, provisional, expert_budget
 
     def _capacity(self, row: RowState) -> int:
@@ -102,7 +102,7 @@ class DiffusionEngine(BatchEngine):
         # block position j is predicted by position j-1: only those whose next position is masked matter
         need = torch.zeros(len(rows), Bs, dtype=torch.bool, device=self.device)
         for i, r in enumerate(rows):
-            need[i, : r.state.need - 1] = r.state.masked[1 : r.state.need]
+            need[i, : Bs - 1] = self._candidates(r)[1:]
         out = self.model.step(
             cache,
             commit_ids=commit_ids,
@@ -129,17 +129,33 @@ class DiffusionEngine(BatchEngine):
     def _prefix_ends_row(r: RowState, n: int) -> bool:
         return _prefix_ends_row_impl(r, r.state.blk[:n].tolist())
 
+    def _candidates(self, r: RowState) -> torch.Tensor:
+        """[Bs] bool: the positions this step may decode: masked, before the block's end for this row
+        and, with sub-blocks, inside the leftmost sub-block that still has a masked position."""
+        st = r.state
+        open_ = st.masked.clone()
+        open_[st.need :] = False
+        sub = r.params.sub_block
+        if sub and sub < self.block_size and bool(open_.any()):
+            first = int(open_.nonzero()[0])
+            lo = first - first % sub
+            open_[:lo] = False
+            open_[lo + sub :] = False
+        return open_
+
     def _denoise_row(self, i: int, r: RowState, logits: torch.Tensor) -> list[DecodeEvent]:
         Bs = self.block_size
         events = []
         r.state.step += 1
-        cand = r.state.masked[: r.state.need].nonzero().squeeze(-1)
+        cand = self._candidates(r).nonzero().squeeze(-1)
         tails = None
-        if r.params.repetition_penalty != 1.0 or r.params.presence_penalty or r.params.no_repeat_ngram_size:
+        if r.state.sampler.uses_history:
             block_now = [None if r.state.masked[j] else int(r.state.blk[j]) for j in range(Bs)]
             tails = [block_now[:j] for j in cand.tolist()]
-        toks, conf = propose_tokens(r, logits[cand], tails)  # stay tensors: no list round trip
-        take, forced = threshold_rule(conf, self.threshold)
+        want_ent = needs_entropy(r.params)
+        prop = propose_tokens(r, logits[cand], tails, with_entropy=want_ent)  # stay tensors: no list round trip
+        toks, conf = prop[0], prop[1]
+        take, forced = accept(r.params, conf, cand, prop[2] if want_ent else None)
         if forced:
             r.forced_steps += 1
             r.state.dec_forced[cand[take]] = True
@@ -231,11 +247,16 @@ class Diffusion(Mode):
     def extra_positions(self, params) -> int:
         return params.block_size
 
+    def check(self, params) -> None:
+        if params.policy == "hierarchy" and params.low_threshold > params.threshold:
+            raise ValueError(f"low_threshold: must be <= threshold ({params.threshold}), got {params.low_threshold}")
+
     def group(self, params) -> tuple:
-        return (self.name, params.block_size, params.threshold, params.expert_budget)
+        # what changes the forward itself; the acceptance options are per row
+        return (self.name, params.block_size, params.expert_budget)
 
     def make_engine(self, model, params, *, mask_id, pad_id, provisional=False):
-        return DiffusionEngine(model, block_size=params.block_size, threshold=params.threshold, mask_id=mask_id,
+        return DiffusionEngine(model, block_size=params.block_size, mask_id=mask_id,
                                pad_id=pad_id, recompute=self.recompute, provisional=provisional,
                                expert_budget=params.expert_budget)
 

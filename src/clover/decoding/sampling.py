@@ -7,6 +7,8 @@ from dataclasses import dataclass, field, fields
 
 import torch
 
+from .acceptance import FALLBACKS, POLICIES
+
 CONFIDENCE_KINDS = ("prob", "margin", "entropy")
 MODES = ("ar", "diffusion", "naive", "speculative")
 SEED_MAX = 2**64 - 1
@@ -127,6 +129,13 @@ LIMITS: dict[str, Limit] = {
     "block_size": Limit(int, ge=1, le=1024, nullable=True, doc="diffusion / speculative block (null = the model's)"),
     "threshold": Limit(float, gt=0, le=2, nullable=True, doc="confidence to accept a token (null = the model's); above 1: one token per step"),
     "confidence": Limit(str, choices=CONFIDENCE_KINDS, doc="confidence measure"),
+    "policy": Limit(str, choices=tuple(POLICIES), doc="acceptance rule of a denoise step (docs/diffusion.md)"),
+    "fallback": Limit(str, choices=FALLBACKS, doc="what a step commits when the rule accepts nothing (a forced step)"),
+    "factor": Limit(float, gt=0, le=10, doc="policy factor: the top n while the n-th confidence >= 1 - factor/(n+1)"),
+    "low_threshold": Limit(float, gt=0, le=1, doc="policy hierarchy: local maxima at or above this also commit (<= threshold)"),
+    "entropy_budget": Limit(float, gt=0, le=100, doc="policy entropy: summed entropy (nats) a step may commit"),
+    "sub_block": Limit(int, ge=1, le=1024, nullable=True,
+                       doc="denoise the block in sub-blocks of this size, left to right (null = the whole block)"),
     "expert_budget": Limit(int, ge=1, le=1 << 16, nullable=True,
                            doc="experts per block forward, within [experts per token, experts] of the model (null = the model's)"),
     "draft_length": Limit(int, ge=1, le=1024, nullable=True, doc="speculative draft, <= block_size (null = block_size)"),
@@ -159,6 +168,12 @@ class SamplingParams:
     block_size: int | None = None  # None: the model's config
     threshold: float | None = None  # None: the model's config
     confidence: str = "prob"
+    policy: str = "threshold"
+    fallback: str = "confident"
+    factor: float = 1.0
+    low_threshold: float = 0.5
+    entropy_budget: float = 0.3
+    sub_block: int | None = None
     expert_budget: int | None = None
     # speculative
     draft_length: int | None = None
@@ -219,9 +234,11 @@ class Sampler:
     def process(self, logits: torch.Tensor, history: list[list[int]] | None = None) -> torch.Tensor:
         return process_logits(logits, self.params, history if self.uses_history else None, self.eos)
 
-    def __call__(self, logits: torch.Tensor, history: list[list[int]] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """logits [N, V] -> (tokens [N], confidences [N]); `history[n]`: the tokens position n follows."""
-        return propose(self.process(logits, history), self.params, self.generator)
+    def __call__(self, logits: torch.Tensor, history: list[list[int]] | None = None,
+                 with_entropy: bool = False) -> tuple[torch.Tensor, ...]:
+        """logits [N, V] -> (tokens [N], confidences [N][, entropies [N]]); `history[n]`: the tokens
+        position n follows."""
+        return propose(self.process(logits, history), self.params, self.generator, with_entropy)
 
 
 def process_logits(
@@ -291,24 +308,26 @@ def propose(
     logits: torch.Tensor,
     params: SamplingParams,
     generator: torch.Generator | None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    with_entropy: bool = False,
+) -> tuple[torch.Tensor, ...]:
     """Processed logits [N, V] -> (tokens [N], confidences [N]) per `params.confidence`.
 
     Greedy takes the argmax; sampling draws from the filtered distribution. Confidence is measured
     on the distribution the token was drawn from: prob = p(token); margin = p1 - p2;
-    entropy = exp(-H) (1 for a certain prediction), so the same threshold scale applies to all three."""
+    entropy = exp(-H) (1 for a certain prediction), so the same threshold scale applies to all three.
+    with_entropy: also return each position's entropy H (nats) [N]."""
     if params.greedy:
         probs = logits.softmax(-1)
         tokens = probs.argmax(-1)
     else:
         probs = filter_logits(logits, params).softmax(-1)
         tokens = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    ent = -(probs * probs.clamp_min(1e-30).log()).sum(-1) if with_entropy or params.confidence == "entropy" else None
     if params.confidence == "prob":
         conf = probs.gather(-1, tokens[:, None]).squeeze(-1)
     elif params.confidence == "margin":
         top2 = probs.topk(2, dim=-1).values
         conf = top2[:, 0] - top2[:, 1]
     else:
-        ent = -(probs * probs.clamp_min(1e-30).log()).sum(-1)
         conf = torch.exp(-ent)
-    return tokens, conf
+    return (tokens, conf, ent) if with_entropy else (tokens, conf)

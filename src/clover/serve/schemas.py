@@ -3,12 +3,17 @@ sampling extras and Clover's decoding options ride along as extra top-level fiel
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Annotated, Literal, Union
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from ..decoding import get_mode, mode_names
-from ..decoding.sampling import CONFIDENCE_KINDS, LIMITS, MAX_N
+from ..decoding.acceptance import FALLBACKS, POLICIES
+from ..decoding.sampling import CONFIDENCE_KINDS, LIMITS, MAX_N, SamplingParams
+
+
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(SamplingParams)}  # Clover's own options keep the API's defaults
 
 
 def _f(name: str, default=None, **extra):
@@ -61,6 +66,12 @@ class _Sampling(BaseModel):
     block_size: int | None = _f("block_size")
     threshold: float | None = _f("threshold")
     confidence: Literal[CONFIDENCE_KINDS] = "prob"  # type: ignore[valid-type]
+    policy: Literal[tuple(POLICIES)] = _DEFAULTS["policy"]  # type: ignore[valid-type]
+    fallback: Literal[FALLBACKS] = _DEFAULTS["fallback"]  # type: ignore[valid-type]
+    factor: float = _f("factor", _DEFAULTS["factor"])
+    low_threshold: float = _f("low_threshold", _DEFAULTS["low_threshold"])
+    entropy_budget: float = _f("entropy_budget", _DEFAULTS["entropy_budget"])
+    sub_block: int | None = _f("sub_block")
     eos_penalty: float = _f("eos_penalty", 0.0)
     no_repeat_ngram_size: int = _f("no_repeat_ngram_size", 0)
     expert_budget: int | None = _f("expert_budget")
