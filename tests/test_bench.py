@@ -191,3 +191,19 @@ def test_bench_experts_ablation(tiny_dir, capsys):
     assert rc == 0
     out = capsys.readouterr().out
     assert "| off |" in out and "| budget 2 |" in out and "| ar |" in out
+
+
+def test_sweep_policy_specs():
+    from clover.bench.sweep import configurations, parse_policy
+
+    assert parse_policy("entropy:0.5/sub8") == {"policy": "entropy", "entropy_budget": 0.5, "sub_block": 8}
+    assert parse_policy("threshold/leftmost") == {"policy": "threshold", "fallback": "leftmost"}
+    assert parse_policy("hierarchy:0.6") == {"policy": "hierarchy", "low_threshold": 0.6}
+    for bad, needle in (("nope", "unknown policy"), ("factor:x", "not a number"), ("factor/sub", "modifier"),
+                        ("factor:-1", "factor")):
+        with pytest.raises(ValueError, match=needle):
+            parse_policy(bad)
+    cfg = configurations([0.9], [32], 32, 0.9, policies=["factor:1", "threshold:0.7/sub8"])
+    pol = [c for c in cfg if c["sweep"] == "policy"]
+    assert [c["options"] for c in pol] == [{"policy": "factor", "factor": 1.0}, {"policy": "threshold", "sub_block": 8}]
+    assert pol[1]["threshold"] == 0.7

@@ -62,6 +62,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--confidences", default="prob", metavar="LIST",
                    help="confidence measures compared at the default block size and threshold, comma-separated among "
                         "prob,margin,entropy (default: prob only; the other sweeps always use prob)")
+    p.add_argument("--policies", metavar="LIST",
+                   help="acceptance policies compared at the default block size, comma-separated specs "
+                        "POLICY[:VALUE][/subN][/leftmost], e.g. threshold/leftmost,factor:1,hierarchy:0.5,entropy:0.3/sub8")
     p.add_argument("--plot", metavar="FILE", default="build/bench/sweep.png", help="PNG path (default: build/bench/sweep.png)")
 
     p = sub.add_parser("experts", help="block expert sharing ablation: budget off, 4k, 3k, 2k, k",
@@ -205,10 +208,12 @@ def run_sweep_cmd(args) -> int:
     thresholds = parse_list(args.thresholds, float, "--thresholds")
     block_sizes = parse_list(args.block_sizes, int, "--block-sizes")
     confidences = parse_list(args.confidences, str, "--confidences")
+    policies = parse_list(args.policies, str, "--policies") if getattr(args, "policies", None) else []
     llm, note = _load(args)
     result = run_sweep(llm, workload=args.workload, prompts=args.prompts, max_new_tokens=args.max_new_tokens,
                        thresholds=thresholds, block_sizes=block_sizes, block_size=args.block_size,
-                       threshold=args.threshold, confidences=confidences, stop_newline=args.stop_newline,
+                       threshold=args.threshold, confidences=confidences, policies=policies,
+                       stop_newline=args.stop_newline,
                        progress=_progress(args.json),
                        model_note=note)
     if _progress(args.json):

@@ -3,7 +3,7 @@
 One-dimensional sweeps over the same held-out prompts, interleaved per prompt like `decode`:
 the confidence threshold at the default block size, the block size at the default threshold and,
 when asked, the confidence measure (max probability, margin, entropy) at both defaults, plus the AR
-baseline. Each configuration reports tokens/forward, tokens/s and quality (exact match
+baseline, and the acceptance policies asked for (`--policies`). Each configuration reports tokens/forward, tokens/s and quality (exact match
 on tasks; parse rate and edit similarity on code); `plot_sweep` draws the speed/quality curves.
 """
 
@@ -22,8 +22,38 @@ DEFAULT_BLOCK_SIZES = (4, 8, 16, 32, 64)
 DEFAULT_CONFIDENCE = "prob"
 
 
+POLICY_PARAM = {"threshold": "threshold", "factor": "factor", "hierarchy": "low_threshold", "entropy": "entropy_budget"}
+
+
+def parse_policy(spec: str) -> dict:
+    """`POLICY[:VALUE][/subN][/leftmost]` -> decoding options, e.g. `factor:1`, `entropy:0.5/sub8`,
+    `threshold/leftmost`; VALUE sets the rule's own parameter (threshold, factor, low_threshold,
+    entropy_budget)."""
+    from ..decoding.sampling import SamplingParams
+
+    head, *mods = spec.split("/")
+    name, _, value = head.partition(":")
+    if name not in POLICY_PARAM:
+        raise ValueError(f"policies: unknown policy {name!r} in {spec!r}; choose from {', '.join(POLICY_PARAM)}")
+    kw: dict = {"policy": name}
+    if value:
+        try:
+            kw[POLICY_PARAM[name]] = float(value)
+        except ValueError:
+            raise ValueError(f"policies: {spec!r}: {value!r} is not a number") from None
+    for m in mods:
+        if m == "leftmost":
+            kw["fallback"] = "leftmost"
+        elif m.startswith("sub") and m[3:].isdigit():
+            kw["sub_block"] = int(m[3:])
+        else:
+            raise ValueError(f"policies: {spec!r}: unknown modifier {m!r} (use subN or leftmost)")
+    SamplingParams.from_kwargs(**kw)  # the options' own limits
+    return kw
+
+
 def configurations(thresholds: Iterable[float], block_sizes: Iterable[int], block_size: int, threshold: float,
-                   confidences: Iterable[str] = ()) -> list[dict]:
+                   confidences: Iterable[str] = (), policies: Iterable[str] = ()) -> list[dict]:
     """AR, then threshold sweep (at `block_size`), block sweep (at `threshold`), then the other
     confidence measures at both; every other point uses max probability. The point two sweeps share
     is measured once."""
@@ -49,6 +79,11 @@ def configurations(thresholds: Iterable[float], block_sizes: Iterable[int], bloc
         if c != DEFAULT_CONFIDENCE:
             out.append({"label": f"B{block_size}/t{threshold:g}/{c}", "mode": "diffusion", "block_size": block_size,
                         "threshold": threshold, "confidence": c, "sweep": "confidence"})
+    for spec in dict.fromkeys(policies):
+        kw = parse_policy(spec)
+        t = kw.pop("threshold", threshold)
+        out.append({"label": f"B{block_size}/{spec}", "mode": "diffusion", "block_size": block_size,
+                    "threshold": t, "options": kw, "sweep": "policy"})
     return out
 
 
@@ -63,6 +98,7 @@ def run_sweep(
     block_size: int | None = None,
     threshold: float | None = None,
     confidences: Iterable[str] = (),
+    policies: Iterable[str] = (),
     stop_newline: bool = False,
     items: list[Item] | None = None,
     progress: Callable[[str], None] | None = None,
@@ -74,12 +110,14 @@ def run_sweep(
         raise ValueError(f"max_new_tokens: must be a positive integer, got {max_new_tokens}")
     block_size = block_size or llm.config.block_size
     threshold = threshold or llm.config.threshold
-    configs = configurations(thresholds, block_sizes, block_size, threshold, confidences)
+    configs = configurations(thresholds, block_sizes, block_size, threshold, confidences, policies)
     items = items if items is not None else load_items(workload, prompts)
 
     def kwargs(c: dict) -> dict:
         kw = decode_kwargs(max_new_tokens, c["block_size"], c["threshold"], stop_newline)
-        return dict(kw, confidence=c["confidence"]) if "confidence" in c else kw
+        if "confidence" in c:
+            kw = dict(kw, confidence=c["confidence"])
+        return dict(kw, **c.get("options", {}))
 
     # warm-up: one short generation per distinct block size (and AR)
     for c in configs:
@@ -112,6 +150,7 @@ def run_sweep(
                      "block_size": block_size, "threshold": threshold, "thresholds": list(thresholds),
                      "block_sizes": list(block_sizes),
                      "confidences": [DEFAULT_CONFIDENCE] + [c["confidence"] for c in configs if "confidence" in c],
+                     "policies": list(dict.fromkeys(policies)),
                      "stop_newline": stop_newline, "greedy": True, "batch_size": 1},
         "machine": machine(llm.model.device),
         "max_rss_bytes": max_rss_bytes(),
@@ -179,6 +218,13 @@ def plot_sweep(result: dict, path) -> str:
             ax.scatter(xs, ys, marker="^", s=24, color="#55a868", label="confidence measure", zorder=3)
             for p, x, y in zip(conf, xs, ys):
                 ax.annotate(p["confidence"], (x, y), textcoords="offset points", xytext=(3, -8), fontsize=6, color="#55a868")
+        pol = [p for p in pts if p["sweep"] == "policy"]
+        if pol:
+            xs, ys = [p[xkey] for p in pol], [quality_value(p["quality"])[0] for p in pol]
+            ax.scatter(xs, ys, marker="D", s=18, color="#c44e52", label="policy", zorder=3)
+            for p, x, y in zip(pol, xs, ys):
+                ax.annotate(p["label"].split("/", 1)[1], (x, y), textcoords="offset points", xytext=(3, -8),
+                            fontsize=6, color="#c44e52")
         ar = [p for p in pts if p["mode"] == "ar"]
         if ar:
             ax.scatter([ar[0][xkey]], [quality_value(ar[0]["quality"])[0]], marker="*", s=60, color="k", label="AR", zorder=3)
