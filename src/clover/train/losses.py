@@ -17,7 +17,9 @@ Normalisation: the masked CE is the mean over all masked (and predictable) token
 with complementary masks every token is counted once per pair, so this is the plain per-token
 average and does not need the 1/t weighting of single-mask ELBO estimates.
 
-Total loss = masked_ce + ar_weight * ar_ce(clean stream) + aux_coef * router_aux.
+Total loss = masked_ce + ar_weight * ar_ce(clean stream) + aux_coef * router_aux
+             + certainty_weight * certainty (mean entropy at T = certainty_temperature over the masked
+               positions whose argmax is already the target; `certainty_loss`).
 """
 
 from __future__ import annotations
@@ -92,16 +94,15 @@ def make_masks(
     return DiffusionBatch(clean=ids, noisy=noisy, mask=mask, block_size=block_size)
 
 
-def masked_diffusion_ce(
+def masked_logits(
     clean_logits: torch.Tensor,
     noisy_logits: torch.Tensor,
     clean: torch.Tensor,
     mask: torch.Tensor,
     block_size: int,
-    *,
-    reduction: str = "sum",
-) -> tuple[torch.Tensor, int]:
-    """CE over masked positions with shift-by-one; returns (loss summed or averaged, count).
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The logits that predict each masked (and predictable) token, and its targets: ([N, V], [N]);
+    None when nothing is masked. Shift-by-one: a block's first position reads the clean stream.
 
     clean_logits [B, T, V], clean [B, T]; noisy_logits [B, k*T, V] and mask [B, k*T] for k noisy copies,
     or noisy_logits [N, V]: only the positions `noisy_sources(mask, T, block_size)` selects, in order."""
@@ -111,7 +112,7 @@ def masked_diffusion_ce(
     target_mask[:, :, 0] = False  # position 0 has no predictor
     b, c, j = target_mask.nonzero(as_tuple=True)
     if b.numel() == 0:
-        return noisy_logits.sum() * 0.0, 0
+        return None
     at_start = (j % block_size) == 0
     if noisy_logits.dim() == 2:  # packed: row r is the source of the r-th target inside a block
         src = noisy_logits.new_empty(b.numel(), noisy_logits.shape[-1])
@@ -119,11 +120,42 @@ def masked_diffusion_ce(
         src[~at_start] = noisy_logits
     else:
         src = torch.where(at_start[:, None], clean_logits[b, j - 1], noisy_logits[b, c * T + j - 1])
-    loss = F.cross_entropy(src.float(), clean[b, j], reduction="sum")
-    n = int(b.numel())
+    return src, clean[b, j]
+
+
+def masked_diffusion_ce(
+    clean_logits: torch.Tensor,
+    noisy_logits: torch.Tensor,
+    clean: torch.Tensor,
+    mask: torch.Tensor,
+    block_size: int,
+    *,
+    reduction: str = "sum",
+) -> tuple[torch.Tensor, int]:
+    """CE over masked positions with shift-by-one; returns (loss summed or averaged, count)."""
+    got = masked_logits(clean_logits, noisy_logits, clean, mask, block_size)
+    if got is None:
+        return noisy_logits.sum() * 0.0, 0
+    src, target = got
+    loss = F.cross_entropy(src.float(), target, reduction="sum")
+    n = int(target.numel())
     if reduction == "mean":
         loss = loss / n
     return loss, n
+
+
+def certainty_loss(logits: torch.Tensor, target: torch.Tensor, *, temperature: float = 0.5) -> tuple[torch.Tensor, int]:
+    """Entropy minimisation on the masked positions the model already predicts correctly (LLaDA2's
+    CAP, dParallel's certainty forcing): sum over positions whose argmax is the target of the entropy
+    of softmax(logits / temperature); returns (sum, count). Positions predicted wrongly do not count:
+    sharpening them would make the model confidently wrong, which the threshold rule then commits.
+    logits [N, V], target [N]."""
+    right = logits.argmax(-1) == target
+    n = int(right.sum())
+    if n == 0:
+        return logits.sum() * 0.0, 0
+    logp = (logits[right].float() / temperature).log_softmax(-1)
+    return -(logp.exp() * logp).sum(), n
 
 
 def noisy_sources(mask: torch.Tensor, T: int, block_size: int) -> torch.Tensor:
@@ -149,6 +181,8 @@ def diffusion_step_loss(
     top_k: int,
     complementary: bool = True,
     min_mask_ratio: float = 1e-3,
+    certainty_weight: float = 0.0,
+    certainty_temperature: float = 0.5,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """The stage-2 loss of one batch `ids [B, T]`; block sizes are drawn per sequence and sequences
     sharing a block size go through one forward."""
@@ -167,14 +201,22 @@ def diffusion_step_loss(
     n_masked = 0
     ar_sum = 0.0
     n_ar = 0
+    cert_sum = 0.0
+    n_cert = 0
     for db in batches:
         need = noisy_sources(db.mask, T, db.block_size)
         clean_logits, noisy_logits = model.forward_block_diffusion(
             db.clean, db.noisy, db.block_size, router_logits=rl, noisy_logits_at=need
         )
-        d, n = masked_diffusion_ce(clean_logits, noisy_logits, db.clean, db.mask, db.block_size, reduction="sum")
-        diff_sum = diff_sum + d
-        n_masked += n
+        got = masked_logits(clean_logits, noisy_logits, db.clean, db.mask, db.block_size)
+        if got is not None:
+            src, target = got
+            diff_sum = diff_sum + F.cross_entropy(src.float(), target, reduction="sum")
+            n_masked += int(target.numel())
+            if certainty_weight:
+                c, nc = certainty_loss(src, target, temperature=certainty_temperature)
+                cert_sum = cert_sum + c
+                n_cert += nc
         V = clean_logits.shape[-1]
         ar_sum = ar_sum + F.cross_entropy(
             clean_logits[:, :-1].reshape(-1, V).float(), db.clean[:, 1:].reshape(-1), reduction="sum"
@@ -183,14 +225,18 @@ def diffusion_step_loss(
     diff = diff_sum / max(n_masked, 1)
     ar = ar_sum / max(n_ar, 1)
     aux = router_aux_loss(rl, top_k)
-    loss = diff + ar_weight * ar + aux_coef * aux
+    cert = cert_sum / max(n_cert, 1)
+    loss = diff + ar_weight * ar + aux_coef * aux + certainty_weight * cert
     stats = {
         "loss": float(loss.detach()),
-        "diff_loss": float(diff.detach()),
+        "diff_loss": float(diff.detach()) if torch.is_tensor(diff) else float(diff),
         "ar_loss": float(ar.detach()),
         "aux": float(aux.detach()) if torch.is_tensor(aux) else float(aux),
         "masked": n_masked,
     }
+    if certainty_weight:
+        stats["certainty"] = float(cert.detach()) if torch.is_tensor(cert) else float(cert)
+        stats["certain_share"] = n_cert / max(n_masked, 1)  # masked positions already predicted right
     return loss, stats
 
 
