@@ -16,7 +16,7 @@ from clover.tiny import tiny_config
 from clover.tokenizer import write_byte_tokenizer
 from clover.train import main as train_main
 from clover.train import losses
-from clover.train.recipes import RecipeError, load_recipe, recipe_from_dict
+from clover.train.recipes import RecipeError, load_recipe, recipe_from_dict, runs_root
 from clover.train.trainer import Trainer, lr_at, resolve_device
 
 MICRO_MODEL = dict(
@@ -86,7 +86,8 @@ def test_recipe_toml_and_errors(tmp_path, byte_tok):
         recipe_from_dict({"model": {"a": 1}, "stage": "diffusion", "data": {"seq_len": 40}})
 
 
-def test_bundled_recipes_parse():
+def test_bundled_recipes_parse(tmp_path, monkeypatch):
+    monkeypatch.setenv("CLOVER_RUNS", str(tmp_path / "runs"))  # not the user's real runs
     root = Path(__file__).resolve().parents[1] / "recipes"
     found = sorted(root.glob("*.toml")) + sorted(root.glob("*.json"))
     assert found
@@ -97,6 +98,71 @@ def test_bundled_recipes_parse():
 
             cfg = CloverConfig.from_dict({**r.model, "model_type": r.model.get("model_type", "clover")})
             assert cfg.parameter_counts()["total"] * 2 <= 25 * 2**20
+
+
+SHIPPED_RECIPES = sorted((Path(__file__).resolve().parents[1] / "recipes").glob("*.toml"))
+
+
+@pytest.mark.parametrize("path", SHIPPED_RECIPES, ids=lambda p: p.name)
+def test_shipped_recipe_has_no_machine_path(path):
+    """Shipped recipes name paths relative to the recipe or under the run root (`${runs}`), never a
+    path of the machine they were written on."""
+    tomllib = pytest.importorskip("tomllib")
+
+    def strings(node):
+        if isinstance(node, dict):
+            for v in node.values():
+                yield from strings(v)
+        elif isinstance(node, (list, tuple)):
+            for v in node:
+                yield from strings(v)
+        elif isinstance(node, str):
+            yield node
+
+    text = path.read_text()
+    for value in strings(tomllib.loads(text)):
+        assert not Path(value).is_absolute() and not value.startswith("~"), f"{path.name}: {value!r}"
+    for machine in ("/work/", "/home/", "/root/", "/Users/", "/tmp/"):
+        assert machine not in text, f"{path.name} mentions {machine}"
+
+
+def _fake_checkpoint(run: Path, step: int) -> Path:
+    d = run / "ckpt" / f"step-{step:08d}"
+    d.mkdir(parents=True)
+    (d / "trainer.json").write_text("{}")
+    return d
+
+
+def test_recipe_run_root_and_init(tmp_path, monkeypatch):
+    monkeypatch.delenv("CLOVER_RUNS", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    assert runs_root() == tmp_path / "cache" / "clover" / "runs"
+    r = recipe_from_dict({"name": "x", "model": {"a": 1}})
+    assert r.out_dir == tmp_path / "cache" / "clover" / "runs" / "x"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    assert runs_root() == Path.home() / ".cache" / "clover" / "runs"
+
+    runs = tmp_path / "runs"
+    monkeypatch.setenv("CLOVER_RUNS", str(runs))
+    assert recipe_from_dict({"name": "x", "model": {"a": 1}}).out_dir == runs / "x"
+    r = recipe_from_dict({"name": "x", "model": {"a": 1}, "run": {"out": "${runs}/y"},
+                          "data": {"tokenizer": "${runs}/a/tokenizer"}})
+    assert r.out_dir == runs / "y" and r.data.tokenizer == str(runs / "a" / "tokenizer")
+
+    # init naming a run directory means its newest finished checkpoint; a checkpoint dir is itself
+    _fake_checkpoint(runs / "a", 3)
+    newest = _fake_checkpoint(runs / "a", 10)
+    (runs / "a" / "ckpt" / "step-00000020").mkdir()  # unfinished (no trainer.json): ignored
+    assert recipe_from_dict({"init": "${runs}/a"}).init == str(newest)
+    assert recipe_from_dict({"init": "${runs}/a/ckpt/step-00000003"}).init == str(runs / "a" / "ckpt" / "step-00000003")
+    (runs / "b" / "ckpt").mkdir(parents=True)
+    with pytest.raises(RecipeError, match="without a finished checkpoint"):
+        recipe_from_dict({"init": "${runs}/b"})
+    # the shipped chain: phase 2 starts from phase 1's newest checkpoint, with phase 1's tokenizer
+    first = _fake_checkpoint(runs / "clover-tiny-ar", 1572)
+    r = load_recipe(Path(__file__).resolve().parents[1] / "recipes" / "clover-tiny-diffusion.toml")
+    assert r.init == str(first) and r.data.tokenizer == str(runs / "clover-tiny-ar" / "tokenizer")
+    assert r.out_dir == runs / "clover-tiny-diffusion"
 
 
 def test_lr_schedules():

@@ -2,10 +2,11 @@
 
 A recipe has a few top-level keys and one table per concern::
 
-    name = "clover-tiny-ar"      # run name; default output dir /work/runs/<name> (see [run].out)
+    name = "clover-tiny-ar"      # run name; default output dir <run root>/<name> (see [run].out)
     stage = "ar"                 # "ar" (next-token pretraining) | "diffusion" (AR -> Clover conversion)
     seed = 0
-    init = ""                    # optional model directory to start from (config.json + safetensors)
+    init = ""                    # optional model to start from: a model or checkpoint directory, or a
+                                 # run directory (= its newest checkpoint), e.g. "${runs}/clover-tiny-ar"
 
     [model]      # CloverConfig fields (config.json keys), used when `init` is empty
     [data]       # tokenizer, seq_len, batch_size (global, split over ranks), task_fraction, ...
@@ -14,14 +15,18 @@ A recipe has a few top-level keys and one table per concern::
     [run]        # out, threads, log_every, ckpt_every_s, ckpt_every_steps, keep, progress, eval_every,
                  # eval_tasks, autocast ("none" | "bf16"), device ("auto" | "cpu" | "cuda")
 
-Relative paths inside a recipe are resolved against the recipe file's directory first, then the
-current working directory. Unknown keys are an error (typos should not pass silently).
+Paths (`init`, `data.tokenizer`, `data.cache_dir`, `run.out`): `${runs}` stands for the run root
+(`runs_root()`: `$CLOVER_RUNS`, else `${XDG_CACHE_HOME:-~/.cache}/clover/runs`) and a leading `~` for
+the home directory. Relative `init` and `data.tokenizer` paths are resolved against the recipe file's
+directory first, then the current working directory. Unknown keys are an error (typos should not pass
+silently).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -34,6 +39,24 @@ except ModuleNotFoundError:  # pragma: no cover
 STAGES = ("ar", "diffusion")
 SCHEDULES = ("cosine", "wsd", "constant")
 DEVICES = ("auto", "cpu", "cuda")
+RUNS_ENV = "CLOVER_RUNS"  # overrides the run root
+RUNS_VAR = "${runs}"  # in a recipe path: the run root
+
+
+def runs_root() -> Path:
+    """Where run directories go by default: `$CLOVER_RUNS`, else `${XDG_CACHE_HOME:-~/.cache}/clover/runs`."""
+    env = os.environ.get(RUNS_ENV)
+    if env:
+        return Path(env).expanduser()
+    cache = os.environ.get("XDG_CACHE_HOME") or "~/.cache"
+    return Path(cache).expanduser() / "clover" / "runs"
+
+
+def expand_path(p: str) -> str:
+    """`${runs}` -> the run root, a leading `~` -> the home directory; anything else unchanged."""
+    if RUNS_VAR in p:
+        p = p.replace(RUNS_VAR, str(runs_root()))
+    return os.path.expanduser(p)
 
 
 class RecipeError(ValueError):
@@ -141,7 +164,7 @@ class Recipe:
 
     @property
     def out_dir(self) -> Path:
-        return Path(self.run.out) if self.run.out else Path("/work/runs") / self.name
+        return Path(expand_path(self.run.out)) if self.run.out else runs_root() / self.name
 
 
 def _build(cls, raw: dict[str, Any], where: str):
@@ -178,12 +201,36 @@ def recipe_from_dict(raw: dict[str, Any], *, base: Path | None = None, source: s
     if unknown:
         raise RecipeError(f"unknown top-level key(s): {', '.join(unknown)}")
     r = Recipe(model=dict(model), source=source, **kw, **raw)
+    r.data.tokenizer = expand_path(r.data.tokenizer)
+    if r.data.cache_dir:
+        r.data.cache_dir = expand_path(r.data.cache_dir)
+    if r.run.out:
+        r.run.out = expand_path(r.run.out)
+    if r.init:
+        r.init = expand_path(r.init)
     if base is not None:
         r.data.tokenizer = _resolve(r.data.tokenizer, base)
         if r.init:
             r.init = _resolve(r.init, base)
+    if r.init:
+        r.init = _newest_checkpoint_of_run(r.init)
     r.validate()
     return r
+
+
+def _newest_checkpoint_of_run(init: str) -> str:
+    """A run directory (no config.json, but ckpt/ or recipe.json) stands for its newest checkpoint."""
+    d = Path(init)
+    if not d.is_dir() or (d / "config.json").is_file():
+        return init
+    if not (d / "ckpt").is_dir() and not (d / "recipe.json").is_file():
+        return init
+    from .checkpointing import latest_checkpoint
+
+    latest = latest_checkpoint(d / "ckpt")
+    if latest is None:
+        raise RecipeError(f"init: {d} is a run directory without a finished checkpoint under {d / 'ckpt'}")
+    return str(latest)
 
 
 def _resolve(p: str, base: Path) -> str:
