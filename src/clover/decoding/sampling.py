@@ -10,7 +10,6 @@ import torch
 from .acceptance import FALLBACKS, POLICIES
 
 CONFIDENCE_KINDS = ("prob", "margin", "entropy")
-MODES = ("ar", "diffusion", "naive", "speculative")
 SEED_MAX = 2**64 - 1
 MAX_N = 64  # completions per request (the server's `n`)
 
