@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # Export the last stage-2 checkpoint as the bundled model and produce every figure the docs quote.
-# Usage: scripts/ship-clover-tiny.sh [RUN_DIR]   (default /work/runs/clover-tiny-diffusion-tasks)
+# Usage: scripts/ship-clover-tiny.sh [RUN_DIR]   (default: the last phase's run, $RUNS/clover-tiny-diffusion-tasks-cont)
 # Two lanes run side by side, THREADS (default 1) torch threads each: lane 1 is `clover eval` (the
 # model card's tables), lane 2 the benchmark figures. On a 2-core machine that beats one lane with 2
 # threads (small matrices; OpenMP threads waiting on each other).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-RUN=${1:-/work/runs/clover-tiny-diffusion-tasks}
+RUNS=${CLOVER_RUNS:-${XDG_CACHE_HOME:-$HOME/.cache}/clover/runs}
+RUN=${1:-$RUNS/clover-tiny-diffusion-tasks-cont}
+TOKENIZER=${TOKENIZER:-$RUNS/clover-tiny-ar/tokenizer}
 OUT=src/clover/assets/clover-tiny
 FIG=build/figures
 BIN=.venv/bin
@@ -14,7 +16,7 @@ mkdir -p "$FIG" docs/img
 CKPT=$(ls -d "$RUN"/ckpt/step-* | tail -1)
 echo "== export $CKPT -> $OUT"
 rm -rf "$OUT"
-$BIN/clover train export "$CKPT" "$OUT" --dtype bfloat16 --tokenizer /work/runs/clover-tiny-ar/tokenizer
+$BIN/clover train export "$CKPT" "$OUT" --dtype bfloat16 --tokenizer "$TOKENIZER"
 du -sh "$OUT"
 export OMP_NUM_THREADS=${THREADS:-1}
 echo "== eval (lane 1, in the background; log in $FIG/eval.log)"

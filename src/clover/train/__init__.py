@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     p = argparse.ArgumentParser(prog="clover train", description="train a clover model from a recipe (.toml/.json) or continue a run directory")
     p.add_argument("recipe", help="recipe file, or a run directory holding recipe.json")
-    p.add_argument("--out", default=None, help="run directory (default: [run].out or /work/runs/<name>)")
+    p.add_argument("--out", default=None, help="run directory (default: [run].out or ${CLOVER_RUNS:-~/.cache/clover/runs}/<name>)")
     p.add_argument("--steps", type=int, default=None, help="total optimizer steps (overrides optim.steps)")
     g = p.add_mutually_exclusive_group()
     g.add_argument("--resume", action="store_true", default=None, help="require a checkpoint to resume from")
