@@ -319,3 +319,87 @@ def test_subprocess_module_and_console_script(model):
     exe = [str(script)] if script.exists() else [sys.executable, "-m", "clover"]
     p = subprocess.run(exe + ["info", "/definitely/not/here"], capture_output=True, text=True, timeout=120, env=env)
     assert p.returncode == 2 and "Traceback" not in p.stderr and "no such model directory" in p.stderr
+
+
+# ------------------------------------------------------------------------- issue 16: CLI fixes
+def test_serve_without_the_extra_says_what_to_install(capsys, model, monkeypatch):
+    monkeypatch.setitem(sys.modules, "fastapi", None)  # `import fastapi` raises ImportError
+    for name in ("clover.serve", "clover.serve.app"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    rc, out, err = run(capsys, "serve", "--model", model)
+    assert rc == 2 and out == ""
+    assert "pip install 'clover[serve]'" in err and "fastapi" in err
+    assert "Traceback" not in err and err.count("\n") == 1
+
+
+@pytest.mark.parametrize(
+    "written, meant",
+    [
+        (r"\n", "\n"),
+        (r"\t|\r", "\t|\r"),
+        (r"a\\nb", "a\\nb"),
+        (r"\"q\'", "\"q'"),
+        (r"\x41\x7e", "A~"),
+        (r"\xe2\x80\x94", "\u2014"),  # bytes, as llama.cpp reads them: UTF-8 of an em dash
+        (r"\u00e9\u2014", "\u00e9\u2014"),
+        (r"\q\x4", "\\q\\x4"),  # unknown or incomplete escapes stay as written
+        ("trailing\\", "trailing\\"),
+        ("plain", "plain"),
+    ],
+)
+def test_process_escapes(written, meant):
+    assert cli.process_escapes(written) == meant
+
+
+@pytest.mark.parametrize("bad", [r"\xff", r"\ud800"])
+def test_process_escapes_refuses_invalid_text(bad):
+    with pytest.raises(cli.UsageError, match="--stop"):
+        cli.process_escapes(bad, flag="--stop")
+
+
+def test_stop_flag_processes_escapes(capsys, model):
+    args = cli.build_parser("generate").parse_args(["generate", "x", "--stop", r"\n", "--stop", r"\\n"])
+    assert cli.sampling_kwargs(args)["stop"] == ["\n", "\\n"]
+    # end to end: an escaped character as the stop string cuts the text where it first appears
+    free = gen_json(capsys, model, "--mode", "ar", "-n", "24")
+    c = next(ch for ch in free["text"][1:] if 32 <= ord(ch) < 127 and ch != "\\")
+    stopped = gen_json(capsys, model, "--mode", "ar", "-n", "24", "--stop", f"\\x{ord(c):02x}")
+    assert stopped["text"] == free["text"].split(c)[0] and stopped["finish_reason"] == "stop"
+
+
+def test_non_finite_weights_and_no_check_finite(capsys, model, tmp_path):
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    d = tmp_path / "nan"
+    shutil.copytree(model, d)
+    state = load_file(str(d / "model.safetensors"))
+    state["model.embed_tokens.weight"][3, 1] = float("nan")
+    save_file(state, str(d / "model.safetensors"))
+    rc, out, err = run(capsys, "generate", "hello", "--model", d, *FAST)
+    assert rc == 2 and out == "" and err.count("\n") == 1 and "Traceback" not in err
+    assert "model.embed_tokens.weight" in err and "non-finite" in err and "--no-check-finite" in err
+    rc, out, err = run(capsys, "generate", "hello", "--model", d, *FAST, "--no-check-finite", "--json")
+    assert rc == 0, err
+    assert torch.isnan(load_file(str(d / "model.safetensors"))["model.embed_tokens.weight"]).any()
+
+
+def test_fifo_weights_do_not_hang_the_cli(capsys, model, tmp_path):
+    import shutil
+
+    from test_loading import fifo_watchdog
+
+    d = tmp_path / "fifo"
+    shutil.copytree(model, d)
+    for name in ("model.safetensors", "tokenizer.json"):
+        (d / name).unlink()
+        os.mkfifo(d / name)
+    with fifo_watchdog(d / "model.safetensors") as never_blocked, fifo_watchdog(d / "tokenizer.json"):
+        rc_gen = cli.main(["generate", "hi", "--model", str(d), *FAST])
+        rc_info = cli.main(["info", str(d), "--json"])  # reads headers and tokenizer.json, never a FIFO
+        assert never_blocked(), "the CLI blocked opening a FIFO"
+    out, err = capsys.readouterr()
+    assert (rc_gen, rc_info) == (2, 0), err
+    assert "model.safetensors" in err and "not a regular file" in err and json.loads(out)["dtype"] == "float32"

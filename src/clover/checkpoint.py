@@ -58,7 +58,7 @@ class CheckpointError(ValueError):
 # The default of `check_finite` for loads that do not pass it (clover.load, the quantized loader).
 _CHECK_FINITE: contextvars.ContextVar[bool] = contextvars.ContextVar("clover_check_finite", default=True)
 FINITE_SCAN_CHUNK = 1 << 24  # elements per isfinite() call: bounds the temporary bool mask at 16 MiB
-NO_CHECK_HINT = "pass check_finite=False (CLI: --no-check-finite) to load it anyway"
+NO_CHECK_HINT = "to load it anyway, pass check_finite=False (CLI: --no-check-finite)"
 
 
 @contextlib.contextmanager
@@ -87,16 +87,25 @@ def require_regular_file(path: Path, what: str = "weight file") -> None:
 
 
 def first_non_finite(t: torch.Tensor, *, chunk: int = FINITE_SCAN_CHUNK) -> tuple[int, ...] | None:
-    """The index of the first NaN/Inf in `t`, or None (always None for integer tensors). Scans the
-    flattened tensor `chunk` elements at a time, so the temporary mask stays small for big weights."""
-    if not (t.is_floating_point() or t.is_complex()) or t.numel() == 0:
+    """The index of the first NaN/Inf in `t`, or None (always None for non-float tensors).
+
+    One aminmax reduction per chunk of the flattened tensor: NaN propagates to both ends and an
+    Inf is one of them, so a clean chunk costs one read and no temporary (isfinite().all() is
+    ~20x slower on CPU: it writes a bool mask). Only a dirty chunk is searched element-wise."""
+    if not t.is_floating_point() or t.numel() == 0:
         return None
     flat = t.reshape(-1)
     for start in range(0, flat.numel(), chunk):
         part = flat[start : start + chunk]
-        if not bool(torch.isfinite(part).all()):
+        try:
+            lo, hi = torch.aminmax(part)
+            clean = bool(torch.isfinite(lo)) and bool(torch.isfinite(hi))
+        except RuntimeError:  # dtypes without aminmax (float8)
+            part = part.float()
+            clean = bool(torch.isfinite(part).all())
+        if not clean:
             offset = start + int((~torch.isfinite(part)).nonzero()[0, 0])
-            return tuple(int(i) for i in torch.unravel_index(torch.tensor(offset), t.shape)) if t.dim() else ()
+            return tuple(int(i) for i in torch.unravel_index(torch.tensor(offset), t.shape))
     return None
 
 
@@ -111,7 +120,7 @@ def _non_finite_error(path: Path, key: str, t: torch.Tensor, where: tuple[int, .
                      " (values too large for that dtype; load in float32 or bfloat16)")
     return CheckpointError(
         f"{path}: tensor {key!r} holds non-finite values{converted} ({counts} of {t.numel()}, first at index {list(where)}); "
-        f"the checkpoint is corrupt. {NO_CHECK_HINT}"
+        f"the checkpoint is corrupt; {NO_CHECK_HINT}"
     )
 
 

@@ -26,6 +26,7 @@ EXIT_INTERRUPTED = 130
 DEMO_PROMPTS = ("def fibonacci(n):", "assert sorted([9, 2, 5]) == ", "assert [x * 2 for x in [14, 3, 25, 7]] == ")
 DEMO_TINY_DIR = Path("build") / "demo-tiny"
 CHAT_STOP = "<|im_end|>"
+SERVE_EXTRA = ("fastapi", "uvicorn", "pydantic", "starlette", "prometheus_client")  # pyproject's `serve` extra
 
 
 class UsageError(Exception):
@@ -69,13 +70,17 @@ def _resolve(target):
 
 
 # -------------------------------------------------------------------------- shared arguments
-def add_model_arguments(p: argparse.ArgumentParser, *, positional: bool = False) -> None:
-    """--model DIR (default: the bundled model), --device, --dtype."""
+def add_model_arguments(p: argparse.ArgumentParser, *, positional: bool = False, weights: bool = True) -> None:
+    """--model DIR (default: the bundled model), --device, --dtype, and for commands that load the
+    weights (`weights`) --no-check-finite."""
     if positional:
         p.add_argument("model_pos", nargs="?", metavar="MODEL", help="model directory (same as --model)")
     p.add_argument("--model", "-m", metavar="DIR", help="model directory (default: $CLOVER_MODEL or the bundled model)")
     p.add_argument("--device", help="torch device, e.g. cpu, cuda, cuda:1 (default: cpu)")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="weight dtype (default: the checkpoint's)")
+    if weights:
+        p.add_argument("--no-check-finite", dest="check_finite", action="store_false",
+                       help="load weights holding NaN/Inf instead of refusing them (skips the scan at load)")
 
 
 def add_sampling_arguments(p: argparse.ArgumentParser, *, max_new_tokens: int | None = None) -> None:
@@ -91,7 +96,8 @@ def add_sampling_arguments(p: argparse.ArgumentParser, *, max_new_tokens: int | 
     g.add_argument("--top-p", type=float, metavar="P")
     g.add_argument("--top-k", type=int, metavar="K")
     g.add_argument("--seed", type=int, metavar="S", help="sampling seed")
-    g.add_argument("--stop", action="append", metavar="STR", help="stop string (repeatable)")
+    g.add_argument("--stop", action="append", metavar="STR",
+                   help=r"stop string (repeatable); escapes are processed: \n \t \r \\ \" \' \xNN \uNNNN")
     g.add_argument("--repetition-penalty", type=float, metavar="X")
     g.add_argument("--presence-penalty", type=float, metavar="X")
     g.add_argument("--eos-penalty", type=float, metavar="X", help="subtracted from the EOS logit")
@@ -105,12 +111,53 @@ _SAMPLING_FLAGS = (
 )
 
 
+_SIMPLE_ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "\\": "\\", '"': '"', "'": "'"}
+_HEX = set("0123456789abcdefABCDEF")
+
+
+def process_escapes(text: str, *, flag: str = "--stop") -> str:
+    r"""Turn the escapes a shell passes through literally into the characters they name, as
+    llama.cpp's CLI does: \n \t \r \\ \" \' and \xNN (a byte: \xe2\x80\x94 is the UTF-8 of an em
+    dash), plus \uNNNN (a code point). Unknown or incomplete escapes are kept as written."""
+    if "\\" not in text:
+        return text
+    out = bytearray()
+    i, n = 0, len(text)
+    while i < n:
+        c = text[i]
+        nxt = text[i + 1] if i + 1 < n else ""
+        if c != "\\" or not nxt:
+            out += c.encode("utf-8", "surrogatepass")
+            i += 1
+        elif nxt in _SIMPLE_ESCAPES:
+            out += _SIMPLE_ESCAPES[nxt].encode()
+            i += 2
+        elif nxt == "x" and len(text[i + 2 : i + 4]) == 2 and set(text[i + 2 : i + 4]) <= _HEX:
+            out.append(int(text[i + 2 : i + 4], 16))
+            i += 4
+        elif nxt == "u" and len(text[i + 2 : i + 6]) == 4 and set(text[i + 2 : i + 6]) <= _HEX:
+            code = int(text[i + 2 : i + 6], 16)
+            if 0xD800 <= code <= 0xDFFF:
+                raise UsageError(f"{flag} {text!r}: \\u{code:04x} is a UTF-16 surrogate, not a character")
+            out += chr(code).encode()
+            i += 6
+        else:  # not an escape we know: keep the backslash
+            out += b"\\"
+            i += 1
+    try:
+        return out.decode("utf-8")
+    except UnicodeDecodeError:
+        raise UsageError(f"{flag} {text!r}: the \\x bytes do not form valid UTF-8 text") from None
+
+
 def sampling_kwargs(args: argparse.Namespace) -> dict:
     """The generation kwargs the user set (unset flags keep the API's / the model's defaults),
-    checked before any model is loaded."""
+    checked before any model is loaded. Escapes in --stop are processed (see process_escapes)."""
     from .decoding.sampling import SamplingParams
 
     kwargs = {k: getattr(args, k) for k in _SAMPLING_FLAGS if getattr(args, k, None) is not None}
+    if "stop" in kwargs:
+        kwargs["stop"] = [process_escapes(s, flag="--stop") for s in kwargs["stop"]]
     SamplingParams.from_kwargs(**kwargs)  # raises ValueError with the flag's name
     return kwargs
 
@@ -141,10 +188,10 @@ def model_dir(args: argparse.Namespace) -> Path:
 
 
 def load_llm(args: argparse.Namespace, path: Path | None = None):
-    """clover.load with the user's --model/--device/--dtype; any failure to read the directory
-    becomes a one-line error."""
+    """clover.load with the user's --model/--device/--dtype/--no-check-finite; any failure to read
+    the directory becomes a one-line error."""
     from . import api
-    from .checkpoint import CheckpointError
+    from .checkpoint import CheckpointError, finite_check
     from .config import ConfigError
 
     path = path or model_dir(args)
@@ -152,7 +199,8 @@ def load_llm(args: argparse.Namespace, path: Path | None = None):
     if not path.exists():
         raise UsageError(f"{path}: no such model directory")
     try:
-        return api.load(path, dtype=getattr(args, "dtype", None), device=getattr(args, "device", None))
+        with finite_check(getattr(args, "check_finite", True)):
+            return api.load(path, dtype=getattr(args, "dtype", None), device=getattr(args, "device", None))
     except (CheckpointError, ConfigError, FileNotFoundError, UsageError):
         raise
     except Exception as e:  # a corrupt safetensors or tokenizer file, ...
@@ -403,7 +451,7 @@ def run_chat(args: argparse.Namespace) -> int:
 
 # -------------------------------------------------------------------------------------- info
 def configure_info(p: argparse.ArgumentParser) -> None:
-    add_model_arguments(p, positional=True)
+    add_model_arguments(p, positional=True, weights=False)
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -413,7 +461,7 @@ def _disk_size(path: Path) -> int:
 
 def _stored_dtype(path: Path) -> str | None:
     """The dtype of the first tensor in the first safetensors file (reads only the header)."""
-    files = sorted(path.glob("*.safetensors"))
+    files = [f for f in sorted(path.glob("*.safetensors")) if f.is_file()]  # never open a FIFO
     if not files:
         return None
     try:
@@ -430,7 +478,7 @@ def _stored_dtype(path: Path) -> str | None:
 
 
 def _token_string(path: Path, token_id: int | None) -> str | None:
-    if token_id is None:
+    if token_id is None or not (path / "tokenizer.json").is_file():  # a FIFO would block the read
         return None
     try:
         tok = json.loads((path / "tokenizer.json").read_text())
@@ -635,9 +683,30 @@ def configure_serve(p: argparse.ArgumentParser) -> None:
     p.add_argument("--served-model-name", default=None, help="the model id clients send (default: the directory name)")
 
 
-def run_serve(args: argparse.Namespace) -> int:
-    from .serve import main_serve
+def _missing_serve_extra() -> str | None:
+    """The first module of the `serve` extra that cannot be imported, or None."""
+    import importlib.util
 
+    for name in SERVE_EXTRA:
+        try:
+            if importlib.util.find_spec(name) is None:
+                return name
+        except (ImportError, ValueError):  # a broken install, or sys.modules[name] is None
+            return name
+    return None
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    missing = _missing_serve_extra()  # before loading the model: uvicorn is only imported to run
+    if missing is None:
+        try:
+            from .serve import main_serve
+        except ImportError as e:
+            if (e.name or "").split(".")[0] not in SERVE_EXTRA:
+                raise
+            missing = e.name
+    if missing is not None:
+        raise UsageError(f"serving needs the serve extra ({missing} is not installed): pip install 'clover[serve]'")
     return main_serve(args)
 
 
