@@ -11,7 +11,8 @@ A recipe has a few top-level keys and one table per concern::
     [model]      # CloverConfig fields (config.json keys), used when `init` is empty
     [data]       # tokenizer, seq_len, batch_size (global, split over ranks), task_fraction, ...
     [optim]      # lr, betas, weight_decay, eps, grad_clip, aux_loss_coef, steps, warmup_steps, schedule, ...
-    [diffusion]  # block_sizes, ar_weight, complementary, min_mask_ratio (stage "diffusion" only)
+    [diffusion]  # block_sizes, ar_weight, complementary, min_mask_ratio, certainty_weight,
+                 # certainty_temperature (stage "diffusion" only)
     [run]        # out, threads, log_every, ckpt_every_s, ckpt_every_steps, keep, progress, eval_every,
                  # eval_tasks, autocast ("none" | "bf16"), device ("auto" | "cpu" | "cuda")
 
@@ -97,6 +98,8 @@ class DiffusionSpec:
     ar_weight: float = 0.5
     complementary: bool = True
     min_mask_ratio: float = 1e-3  # t ~ U(min_mask_ratio, 1]
+    certainty_weight: float = 0.0  # entropy minimisation on masked positions already predicted right
+    certainty_temperature: float = 0.5  # the temperature that entropy is measured at
 
 
 @dataclass
@@ -153,6 +156,8 @@ class Recipe:
         if self.run.device not in DEVICES:
             raise RecipeError(f"run.device must be one of {DEVICES}, not {self.run.device!r}")
         if self.stage == "diffusion":
+            if not (self.diffusion.certainty_weight >= 0 and self.diffusion.certainty_temperature > 0):
+                raise RecipeError("diffusion.certainty_weight must be >= 0 and diffusion.certainty_temperature > 0")
             for b in self.diffusion.block_sizes:
                 if b < 1 or self.data.seq_len % b:
                     raise RecipeError(f"block size {b} must divide data.seq_len ({self.data.seq_len})")

@@ -352,6 +352,7 @@ class Trainer:
                 mask_token_id=cfg.mask_token_id, block_sizes=tuple(d.block_sizes), ar_weight=d.ar_weight,
                 aux_coef=r.optim.aux_loss_coef, top_k=cfg.num_experts_per_tok,
                 complementary=d.complementary, min_mask_ratio=d.min_mask_ratio,
+                certainty_weight=d.certainty_weight, certainty_temperature=d.certainty_temperature,
             )
         return loss, stats
 
