@@ -104,6 +104,7 @@ def test_dead_engine_is_unhealthy_and_refuses_fast(tiny_llm):
         r = httpx.post(s.base + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}]}, timeout=5)
         assert r.status_code == 503 and _error(r)["code"] == "engine_dead"
         assert time.monotonic() - t0 < 5
+        assert "clover_engine_alive 0.0" in httpx.get(s.base + "/metrics").text
     finally:
         t0 = time.monotonic()
         s.__exit__(None, None, None)
@@ -283,6 +284,7 @@ def test_openapi_declares_errors_not_422(http):
         responses = spec["paths"][path]["post"]["responses"]
         assert {"400", "401", "404", "413", "429", "503"} <= set(responses)
         assert responses["400"]["content"]["application/json"]["schema"]["$ref"].endswith("/ErrorResponse")
+        assert set(responses["200"]["content"]) == {"application/json", "text/event-stream"}
     assert set(spec["paths"]["/metrics"]["get"]["responses"]["200"]["content"]) == {"text/plain"}
     assert "503" in spec["paths"]["/health"]["get"]["responses"]
     assert http.get("/metrics").headers["content-type"].startswith("text/plain")
@@ -377,9 +379,12 @@ def test_schemathesis_live(tiny_llm):
                         problems.append(f"{op.label} unshaped {resp.status_code} {resp.text[:200]}")
                     try:
                         case.validate_response(resp, checks=checks)
-                    except Exception as e:  # noqa: BLE001 - tallied, reported below
+                    except BaseException as e:  # noqa: BLE001 - schemathesis' FailureGroup is a BaseExceptionGroup
+                        if isinstance(e, (KeyboardInterrupt, SystemExit)):
+                            raise
                         tally["conformance"] += 1
-                        problems.append(f"{op.label} {mode.value}: {str(e).splitlines()[0][:200]}")
+                        why = " | ".join(x.strip() for x in str(e).splitlines()[1:8] if x.strip())
+                        problems.append(f"{op.label} {mode.value}: {why[:300]} <- {json.dumps(case.body)[:200]}")
 
                 try:
                     run()

@@ -92,6 +92,10 @@ def _errors(*statuses: int) -> dict:
     return {s: {"model": ErrorResponse, "description": _ERROR_DOCS[s]} for s in statuses}
 
 
+_STREAMED = {200: {"description": "the response; with `stream: true`, server-sent events (`data: {chunk}` ... `data: [DONE]`)",
+                   "content": {"text/event-stream": {"schema": {"description": "one chunk object per event, then [DONE]"}}}}}
+
+
 _REQUEST_FIELDS = set(CompletionRequest.model_fields) | set(ChatCompletionRequest.model_fields)
 
 
@@ -544,7 +548,7 @@ def create_app(llm, *, model_name: str = "clover", max_batch: int = 16, max_queu
         return {"prompt": await srv.off_loop(srv.tok.decode, body.tokens)}
 
     # ---------------------------------------------------------------- completions
-    @app.post("/v1/completions", responses=_errors(400, 401, 404, 413, 429, 500, 503))
+    @app.post("/v1/completions", responses={**_STREAMED, **_errors(400, 401, 404, 413, 429, 500, 503)})
     async def completions(body: CompletionRequest, request: Request):
         srv.check_model(body.model)
         p = body.prompt
@@ -604,7 +608,7 @@ def create_app(llm, *, model_name: str = "clover", max_batch: int = 16, max_queu
             "clover": {"mode": mode, "stats": [g.stats.as_dict() for g in gens]},
         }
 
-    @app.post("/v1/chat/completions", responses=_errors(400, 401, 404, 413, 429, 500, 503))
+    @app.post("/v1/chat/completions", responses={**_STREAMED, **_errors(400, 401, 404, 413, 429, 500, 503)})
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         srv.check_model(body.model)
         if body.stream and body.logprobs:

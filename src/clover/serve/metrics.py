@@ -28,6 +28,9 @@ class Metrics:
                                  buckets=_LATENCY_BUCKETS, registry=r)
         self.queue_depth = Gauge("clover_queue_depth", "rows waiting for a batch slot", registry=r)
         self.running = Gauge("clover_running_rows", "rows in flight in the engines", registry=r)
+        self.engine_alive = Gauge("clover_engine_alive", "1 while the engine thread can serve, 0 once it has died",
+                                  registry=r)
+        self.engine_alive.set(1)
         self.batch_size = Histogram("clover_batch_size", "rows per forward",
                                     buckets=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 128, 256), registry=r)
 

@@ -229,6 +229,8 @@ class Scheduler:
             log.exception("the engine thread died")
             with self.cv:
                 self.dead = f"{type(e).__name__}: {e}"
+            if self.metrics is not None:
+                self.metrics.engine_alive.set(0)
             self._fail_all(f"the engine stopped: {self.dead}")
             return
         self._abort_all()
