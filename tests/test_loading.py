@@ -375,3 +375,16 @@ def test_broken_tokenizer_json_named(tiny_dir, tmp_path):
     with pytest.raises(ValueError) as e:
         clover.load(d)
     assert "tokenizer.json" in str(e.value)
+
+
+def test_quantized_checkpoint_gets_the_same_scan(tiny_dir, tmp_path):
+    from clover.quant import quantize_checkpoint
+
+    q = tmp_path / "q8"
+    quantize_checkpoint(tiny_dir, q, bits=8)
+    state = load_file(str(q / "model.safetensors"))
+    state["model.norm.weight"][2] = float("nan")  # a tensor kept in float
+    save_file(state, str(q / "model.safetensors"))
+    with pytest.raises(CheckpointError, match=r"'model.norm.weight' holds non-finite"):
+        load_model(q)
+    assert load_model(q, check_finite=False) is not None
