@@ -98,3 +98,14 @@ def test_server_refuses_with_param_and_code(tiny_llm, name, value):
         r = client.post("/v1/completions", content=b'{"prompt": "x", "presence_penalty": NaN}',
                         headers={"content-type": "application/json"})
         assert r.status_code == 400 and r.json()["error"]["code"], r.text
+
+
+@pytest.mark.parametrize("kw", [
+    dict(top_p=5e-324, temperature=1.0), dict(repetition_penalty=5e-324), dict(presence_penalty=5e-324),
+    dict(temperature=5e-324), dict(temperature=1e-30, top_k=3), dict(repetition_penalty=5e-324, temperature=0.7),
+])
+def test_extreme_valid_values_decode(tiny_llm, kw):
+    """Values at the edge of the limits decode instead of producing NaN probabilities."""
+    for mode in ("ar", "diffusion"):
+        g = tiny_llm.generate([1, 2, 3], mode=mode, max_new_tokens=4, seed=0, **kw)
+        assert len(g.token_ids) <= 4

@@ -115,7 +115,7 @@ def test_dead_engine_is_unhealthy_and_refuses_fast(tiny_llm):
 def _request(llm, n: int, loop, max_new_tokens: int = 50):
     from clover.serve.scheduler import ServeRequest, ServeRow
 
-    params = llm._params("ar", dict(max_new_tokens=max_new_tokens, temperature=0, ignore_eos=True))
+    params = llm.params("ar", dict(max_new_tokens=max_new_tokens, temperature=0, ignore_eos=True))
     eos = set(llm.config.eos_token_ids)
     rows = [ServeRow(llm.tokenizer.encode("abc"), params, eos, decode=llm.tokenizer.decode) for _ in range(n)]
     return ServeRequest(rows, ("ar",), loop)

@@ -199,7 +199,6 @@ class LLM:
             yield StreamEvent("block", text=final.text[len(emitted) :], token_ids=held_ids, steps=held_steps, block=-1)
         yield StreamEvent("done", generation=final)
 
-    _params, _check_length, _result = params, check_length, result  # TEMP: until serve/ moves to the public names
 
     def __repr__(self) -> str:
         c = self.config

@@ -11,6 +11,7 @@ from .acceptance import FALLBACKS, POLICIES
 
 CONFIDENCE_KINDS = ("prob", "margin", "entropy")
 SEED_MAX = 2**64 - 1
+_FMAX = torch.finfo(torch.float32).max
 MAX_N = 64  # completions per request (the server's `n`)
 
 
@@ -270,7 +271,8 @@ def process_logits(
             banned = banned_ngram_tokens(seen, n)
             if banned:
                 logits[i, list(banned)] = -math.inf
-    return logits
+    # extreme (but valid) penalties can overflow: +inf would make the softmax NaN
+    return torch.nan_to_num(logits, nan=-math.inf, posinf=_FMAX)
 
 
 def banned_ngram_tokens(seen: list[int], n: int) -> set[int]:
@@ -290,7 +292,9 @@ def banned_ngram_tokens(seen: list[int], n: int) -> set[int]:
 
 def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """Temperature, top-k and top-p applied to fp32 logits [N, V] (sampling only)."""
-    logits = logits / params.temperature
+    # shifted so the largest is 0 first: a tiny temperature sends the others to -inf, never the max to +inf
+    # (a temperature below fp32's range is floored, since dividing by a zero would give NaN)
+    logits = (logits - logits.amax(-1, keepdim=True)) / max(params.temperature, 1e-30)
     if params.top_k and params.top_k < logits.shape[-1]:
         kth = logits.topk(params.top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, -math.inf)
@@ -298,6 +302,7 @@ def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         sorted_logits, order = logits.sort(dim=-1, descending=True)
         cum = sorted_logits.softmax(-1).cumsum(-1)
         drop = cum - sorted_logits.softmax(-1) >= params.top_p  # keep the smallest set reaching top_p
+        drop[..., 0] = False  # and always the most likely token (a top_p below fp32's range rounds to 0)
         sorted_logits = sorted_logits.masked_fill(drop, -math.inf)
         logits = torch.full_like(logits, -math.inf).scatter(-1, order, sorted_logits)
     return logits

@@ -36,7 +36,8 @@ from ..decoding.sampling import SamplingParams
 from .metrics import Metrics
 from ..tokenizer import ChatTemplateError
 from .scheduler import EngineDead, NotAccepting, QueueFull, Scheduler, ServeRequest, ServeRow
-from .schemas import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, message_text
+from .schemas import (CHAT_ROLES, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
+                      message_text)
 
 log = logging.getLogger("clover.serve")
 
@@ -45,7 +46,6 @@ CHAT_DEFAULT_MAX_TOKENS = 512  # clipped to what the context leaves
 # SamplingParams' names that differ from the request's
 _PARAM_NAMES = {"max_new_tokens": "max_tokens"}
 MAX_BODY_BYTES = 4 * 1024 * 1024  # default request body limit (413 beyond)
-CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "function")
 SEED_MOD = 2**64  # choice i of n samples with (seed + i) mod 2^64
 
 # The `code` of every error this server answers, by status (an error without its own code gets
@@ -484,6 +484,9 @@ def create_app(llm, *, model_name: str = "clover", max_batch: int = 16, max_queu
         where = ".".join(loc) or "body"
         why = str(first.get("msg", "invalid request")).removeprefix("Value error, ")
         msg = why if param and why.startswith(f"{param}: ") else f"{where}: {why}"
+        got = first.get("input")
+        if isinstance(got, (str, int, float, bool)) and "got " not in msg and first.get("type") != "missing":
+            msg += f", got {got!r}"[:200]
         if len(errs) > 1:
             msg += f" (and {len(errs) - 1} more)"
         code = "missing_required_parameter" if first.get("type") == "missing" else "invalid_value"

@@ -54,7 +54,7 @@ class _Sampling(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = Field(default=None, max_length=256)
-    frequency_penalty: float = Field(default=0.0, ge=-2, le=2)
+    frequency_penalty: float = Field(default=0.0, ge=0, le=0, description="not supported: only 0 is accepted")
     # vLLM-style extras
     top_k: int = _f("top_k", 0)
     repetition_penalty: float = _f("repetition_penalty", 1.0)
@@ -96,10 +96,13 @@ class CompletionRequest(_Sampling):
     suffix: str | None = None
 
 
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "function")
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
-    role: str
+    role: Literal[CHAT_ROLES]  # type: ignore[valid-type]
     content: Union[str, list[dict], None] = ""
     name: str | None = None
 
@@ -117,7 +120,7 @@ class TokenizeRequest(BaseModel):
 
     model: str | None = None
     prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1)
     add_generation_prompt: bool = True
 
 
