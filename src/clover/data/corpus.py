@@ -195,8 +195,13 @@ def heldout_functions(n: int, seed: int = 0, max_body_lines: int = 40) -> list[t
     is a deterministic sample given ``seed``; fewer than ``n`` pairs are
     returned if not enough exist.
     """
+    return functions("heldout", n, seed=seed, max_body_lines=max_body_lines)
+
+
+def functions(split: Split, n: int, seed: int = 0, max_body_lines: int = 40) -> list[tuple[str, str]]:
+    """``n`` ``(header, body)`` pairs from the stdlib files of ``split`` (see `heldout_functions`)."""
     candidates: list[tuple[str, str]] = []
-    for _rel, text in iter_documents("heldout"):
+    for _rel, text in iter_documents(split):
         candidates.extend(_function_pairs(text, max_body_lines))
     rng = random.Random(seed)
     if n >= len(candidates):

@@ -12,6 +12,10 @@ Document ``i`` of a row is, with a probability chosen so that about
 * the next stdlib file of the row's current epoch (a seeded permutation of
   the split's files, re-shuffled every epoch).
 
+With a self-distillation set (``distill``, see :mod:`clover.data.distill`), a
+``distill_fraction`` of the documents are drawn from it instead: 4-16 of its
+task lines, or one of its code documents.
+
 Every document is followed by the EOS token; documents are concatenated and
 cut into rows of ``seq_len`` tokens (a document may continue into the next
 batch).  The stream is infinite, and its position is captured exactly by
@@ -147,6 +151,8 @@ class PackedStream:
         max_files: int | None = None,
         verbose: bool = False,
         task_weights: dict[str, float] | None = None,
+        distill=None,
+        distill_fraction: float = 0.0,
     ):
         if split not in ("train", "heldout"):
             raise ValueError(f"split must be 'train' or 'heldout', not {split!r}")
@@ -164,6 +170,12 @@ class PackedStream:
         if task_weights and split == "heldout":
             raise ValueError("task_weights apply to training streams only; held-out tasks are uniform over kinds")
         self.task_weights = tasks.check_task_weights(task_weights)
+        if not 0.0 <= distill_fraction <= 1.0:
+            raise ValueError("distill_fraction must be in [0, 1]")
+        if distill_fraction and (distill is None or not (distill.task_lines or distill.code_docs)):
+            raise ValueError("distill_fraction > 0 needs a non-empty self-distillation set")
+        self.distill = distill if distill_fraction else None
+        self.distill_fraction = float(distill_fraction) if distill_fraction else 0.0
         self.tokens, self.offsets, self.files = load_file_tokens(
             self.tok, split, cache_dir=cache_dir, max_files=max_files, verbose=verbose
         )
@@ -212,8 +224,19 @@ class PackedStream:
             self._perm[row] = cached
         return cached[1][pos]
 
+    def _distill_doc(self, rng: random.Random) -> np.ndarray:
+        d = self.distill
+        if d.task_lines and (not d.code_docs or rng.random() < self.task_fraction):
+            text = "\n".join(rng.choice(d.task_lines) for _ in range(rng.randint(*TASK_GROUP))) + "\n"
+        else:
+            text = rng.choice(d.code_docs)
+        ids = self.tok.encode(text, add_special_tokens=False).ids
+        return np.array(ids + [self.eos_id], dtype=np.int64)
+
     def _doc(self, row: int, doc: int, files_before: int) -> tuple[np.ndarray, bool]:
         rng = random.Random(f"clover-doc:{self.seed}:{self.split}:{row}:{doc}")
+        if self.distill is not None and rng.random() < self.distill_fraction:
+            return self._distill_doc(rng), False
         if rng.random() < self.p_task:
             return self._task_doc(rng), False
         j = self._file_index(row, files_before)
@@ -275,6 +298,7 @@ class PackedStream:
             "n_files": self.n_files,
             **({"task_weights": self.task_weights} if self.task_weights else {}),
             **({"tasks_version": tasks.TASKS_VERSION} if self.task_fraction > 0 else {}),
+            **({"distill": self.distill.digest, "distill_fraction": self.distill_fraction} if self.distill else {}),
         }
 
     def state_dict(self) -> dict[str, Any]:

@@ -74,6 +74,9 @@ class DataSpec:
     cache_dir: str | None = None
     max_files: int | None = None  # first N stdlib files only (tests)
     task_weights: dict[str, float] = field(default_factory=dict)  # per-kind sampling weights (default 1 each)
+    distill_fraction: float = 0.0  # share of documents from the self-distillation set (AR greedy of `init`)
+    distill_tasks: int = 4000  # task prompts in that set
+    distill_code: int = 200  # function headers in that set
 
 
 @dataclass
@@ -141,6 +144,10 @@ class Recipe:
             raise RecipeError("optim.steps must be positive")
         if self.data.seq_len < 2 or self.data.batch_size < 1:
             raise RecipeError("data.seq_len must be >= 2 and data.batch_size >= 1")
+        if not 0.0 <= self.data.distill_fraction <= 1.0:
+            raise RecipeError(f"data.distill_fraction must be in [0, 1], got {self.data.distill_fraction}")
+        if self.data.distill_fraction and not self.init:
+            raise RecipeError("data.distill_fraction needs `init`: the set is the init model's own AR greedy output")
         if self.optim.grad_accum < 1 or self.data.batch_size % self.optim.grad_accum:
             raise RecipeError(
                 f"optim.grad_accum ({self.optim.grad_accum}) must be >= 1 and divide data.batch_size ({self.data.batch_size})"

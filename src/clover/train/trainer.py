@@ -175,7 +175,7 @@ def to_clover(model, mask_token_id: int | None):
     return new
 
 
-def make_stream(recipe: Recipe, rank: int, world: int, tokenizer: str):
+def make_stream(recipe: Recipe, rank: int, world: int, tokenizer: str, distill=None):
     from ..data.mix import PackedStream
 
     if recipe.data.batch_size % (world * recipe.optim.grad_accum):
@@ -193,6 +193,8 @@ def make_stream(recipe: Recipe, rank: int, world: int, tokenizer: str):
         cache_dir=recipe.data.cache_dir,
         max_files=recipe.data.max_files,
         task_weights=recipe.data.task_weights,
+        distill=distill,
+        distill_fraction=recipe.data.distill_fraction,
     )
 
 
@@ -256,7 +258,7 @@ class Trainer:
         o = recipe.optim
         groups, self.params, self.names = param_groups(self.model, o.weight_decay)
         self.opt = torch.optim.AdamW(groups, lr=o.lr, betas=tuple(o.betas), eps=o.eps, foreach=True)
-        self.stream = make_stream(recipe, self.dist.rank, self.dist.world, self.tokenizer)
+        self.stream = make_stream(recipe, self.dist.rank, self.dist.world, self.tokenizer, self._distill_set())
         self.gen = torch.Generator().manual_seed(recipe.seed * 7919 + 17 + self.dist.rank)
         self.step = 0
         self.tokens = 0
@@ -266,6 +268,32 @@ class Trainer:
         self.losses: list[float] = []
 
     # -- setup helpers
+    def _distill_set(self):
+        """The run's self-distillation set (built once, by rank 0, from the init model), or None."""
+        d = self.recipe.data
+        if not d.distill_fraction:
+            return None
+        from ..data.distill import ensure_distill_set, load_distill_set
+
+        def teacher():  # the weights this run starts from, decoding in AR mode
+            from ..api import LLM
+            from ..tokenizer import Tokenizer
+
+            cfg = self.model.config
+            tok = Tokenizer.from_dir(self.tokenizer, eos_token_id=cfg.eos_token_ids[0] if cfg.eos_token_ids else None,
+                                     mask_token_id=cfg.mask_token_id)
+            return LLM(self.model, tok, Path(self.recipe.init))
+
+        path = self.out / "distill"
+        if self.dist.main:
+            was_training = self.model.training
+            self.model.eval()
+            ensure_distill_set(path, teacher, n_tasks=d.distill_tasks, n_code=d.distill_code,
+                               seed=self.recipe.seed, progress=not self.quiet)
+            self.model.train(was_training)
+        self.dist.barrier()
+        return load_distill_set(path)
+
     def _tokenizer_dir(self) -> str:
         """Copy the tokenizer into the run directory once, so the run is self-contained."""
         src = Path(self.recipe.data.tokenizer)

@@ -1,0 +1,106 @@
+"""Self-distillation data (sequence-level knowledge distillation): the model's own AR greedy
+continuations of training prompts, used as stage-2 targets.
+
+A parallel decoder trained on the sequential decoder's outputs learns one mode of each answer
+instead of the spread of the real data, which is what lets it commit many positions at once; here
+the teacher is free, since it is the same weights decoding in AR mode. Prompts are training task
+prompts (never the held-out ones) and function headers from the training split of the stdlib;
+the targets are what AR greedy writes after them (tasks up to the end of the line, code up to
+`code_tokens`).
+
+A set is a directory: `distill.jsonl` (one JSON object per line: {"kind": "task" | "code",
+"text": prompt + continuation}) and `meta.json` (the teacher, the counts, a digest of the texts).
+`PackedStream(distill=...)` mixes it into the training stream; `ensure_distill_set` builds it once
+per run (so each phase distils from the model it starts from)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+from . import corpus, tasks
+
+FORMAT = "clover.distill/1"
+
+
+@dataclass
+class DistillSet:
+    task_lines: list[str]  # prompt + AR answer, one task per line (no newline)
+    code_docs: list[str]  # function header + AR continuation
+    meta: dict
+
+    @property
+    def digest(self) -> str:
+        return self.meta["digest"]
+
+
+def distill_prompts(n_tasks: int, n_code: int, seed: int = 0) -> tuple[list[str], list[str]]:
+    """Training task prompts (held-out ones excluded) and training-split function headers."""
+    rng = random.Random(f"clover-distill:{seed}")
+    it = tasks.iter_tasks(rng, exclude_heldout=True)
+    task_prompts = [next(it).prompt for _ in range(n_tasks)]
+    code_prompts = [h for h, _ in corpus.functions("train", n_code, seed=seed)] if n_code else []
+    return task_prompts, code_prompts
+
+
+def build_distill_set(llm, out: str | Path, *, n_tasks: int, n_code: int, seed: int = 0, task_tokens: int = 24,
+                      code_tokens: int = 96, batch_size: int = 16, progress: bool = True) -> DistillSet:
+    """Decode the prompts with `llm` in AR greedy mode, in batches, and write the set to `out`."""
+    from tqdm import tqdm
+
+    out = Path(out)
+    task_prompts, code_prompts = distill_prompts(n_tasks, n_code, seed)
+    jobs = [("task", p) for p in task_prompts] + [("code", p) for p in code_prompts]
+    results: list[tuple[str, str]] = []
+    bar = tqdm(total=len(jobs), desc="self-distillation (AR greedy)", unit="prompt", disable=not progress)
+    for kind, size in (("task", task_tokens), ("code", code_tokens)):
+        prompts = [p for k, p in jobs if k == kind]
+        for i in range(0, len(prompts), batch_size):
+            chunk = prompts[i : i + batch_size]
+            kw = dict(mode="ar", max_new_tokens=size, temperature=0.0)
+            if kind == "task":
+                kw["stop"] = ["\n"]
+            gens = llm.generate(chunk, **kw)
+            for p, g in zip(chunk, gens):
+                results.append((kind, p + g.text))
+            bar.update(len(chunk))
+    bar.close()
+    task_lines = [t for k, t in results if k == "task" and t.strip()]
+    code_docs = [t for k, t in results if k == "code" and t.strip()]
+    digest = hashlib.sha256("\x00".join(t for _, t in results).encode()).hexdigest()[:16]
+    meta = {"format": FORMAT, "teacher": str(getattr(llm, "path", "")), "tasks": len(task_lines),
+            "code": len(code_docs), "seed": seed, "task_tokens": task_tokens, "code_tokens": code_tokens,
+            "digest": digest}
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = out / "distill.jsonl.tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        for kind, text in results:
+            if text.strip():
+                f.write(json.dumps({"kind": kind, "text": text}, ensure_ascii=False) + "\n")
+    tmp.replace(out / "distill.jsonl")
+    (out / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
+    return DistillSet(task_lines, code_docs, meta)
+
+
+def load_distill_set(path: str | Path) -> DistillSet:
+    path = Path(path)
+    try:
+        meta = json.loads((path / "meta.json").read_text())
+        rows = [json.loads(line) for line in (path / "distill.jsonl").read_text(encoding="utf-8").splitlines() if line]
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{path}: not a self-distillation set ({e}); delete it to rebuild") from None
+    if meta.get("format") != FORMAT:
+        raise ValueError(f"{path}/meta.json: format {meta.get('format')!r}, expected {FORMAT!r}; delete it to rebuild")
+    return DistillSet([r["text"] for r in rows if r["kind"] == "task"], [r["text"] for r in rows if r["kind"] == "code"], meta)
+
+
+def ensure_distill_set(path: str | Path, teacher, **kw) -> DistillSet:
+    """The set at `path`, built with `teacher()` (a function returning a `clover.LLM`) if it is not
+    there yet."""
+    path = Path(path)
+    if (path / "meta.json").exists():
+        return load_distill_set(path)
+    return build_distill_set(teacher(), path, **kw)

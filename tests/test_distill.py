@@ -1,0 +1,65 @@
+"""Self-distillation sets: built from the model's own AR greedy output, mixed into the stream."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from clover.data import tasks
+from clover.data.distill import DistillSet, build_distill_set, distill_prompts, load_distill_set
+from clover.data.mix import PackedStream
+
+
+@pytest.fixture(scope="module")
+def bundled():
+    import clover
+
+    return clover.load()
+
+
+def test_prompts_never_held_out():
+    task_prompts, code_prompts = distill_prompts(200, 3, seed=1)
+    held = tasks.heldout_prompts()
+    assert len(task_prompts) == 200 and not set(task_prompts) & held
+    assert len(code_prompts) == 3 and all(h.lstrip().startswith(("def ", "async def ")) for h in code_prompts)
+
+
+def test_build_is_ar_greedy_and_round_trips(bundled, tmp_path):
+    d = build_distill_set(bundled, tmp_path / "set", n_tasks=6, n_code=1, task_tokens=12, code_tokens=8,
+                          batch_size=4, progress=False)
+    task_prompts, code_prompts = distill_prompts(6, 1, seed=0)
+    for p, line in zip(task_prompts, d.task_lines):
+        ref = bundled.generate(p, mode="ar", max_new_tokens=12, stop=["\n"])
+        assert line == p + ref.text and "\n" not in line  # the teacher's own greedy answer
+    assert d.code_docs[0].startswith(code_prompts[0])
+    again = load_distill_set(tmp_path / "set")
+    assert (again.task_lines, again.code_docs, again.digest) == (d.task_lines, d.code_docs, d.digest)
+    rows = [json.loads(x) for x in (tmp_path / "set" / "distill.jsonl").read_text().splitlines()]
+    assert {r["kind"] for r in rows} == {"task", "code"}
+    (tmp_path / "set" / "meta.json").write_text("{}")
+    with pytest.raises(ValueError, match="delete it to rebuild"):
+        load_distill_set(tmp_path / "set")
+
+
+def test_stream_mixes_the_set(tmp_path):
+    from clover.data import tokenizer as ctok
+
+    tok_dir = tmp_path / "tok"
+    ctok.train_tokenizer(tok_dir, vocab_size=300, max_chars=40_000, n_task_lines=100, verbose=False)
+    marker = "assert zz(1) == 777"
+    d = DistillSet([marker], [], {"digest": "abc"})
+    args = dict(tokenizer=tok_dir, seq_len=64, batch_size=2, seed=3, cache_dir=tmp_path / "c", max_files=4)
+    tok = ctok.load_tokenizer(tok_dir)
+    plain = PackedStream(**args)
+    base = plain.next_batch()
+    # fraction 0 (or no set) leaves the stream exactly as it was
+    same = PackedStream(**args, distill=d, distill_fraction=0.0)
+    assert torch.equal(same.next_batch(), base) and "distill" not in same.state_dict()["config"]
+    only = PackedStream(**args, distill=d, distill_fraction=1.0)
+    text = tok.decode(only.next_batch()[0].tolist(), skip_special_tokens=False)
+    assert marker in text and text.count(marker) >= 3
+    assert only.state_dict()["config"]["distill"] == "abc"
+    with pytest.raises(ValueError, match="non-empty"):
+        PackedStream(**args, distill=DistillSet([], [], {"digest": "x"}), distill_fraction=0.5)
