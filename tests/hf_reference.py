@@ -1,4 +1,5 @@
-"""Build transformers' Qwen3_5MoeForCausalLM reference models for parity tests."""
+"""Build transformers' Qwen3_5MoeForCausalLM (MoE) and Qwen3_5ForCausalLM (dense) reference models
+for parity tests."""
 
 from __future__ import annotations
 
@@ -35,12 +36,40 @@ def hf_config(**overrides):
     return Qwen3_5MoeTextConfig(**fields)
 
 
+def hf_dense_config(**overrides):
+    """A tiny dense Qwen3.5 text config (same hybrid stack, one SwiGLU MLP per layer)."""
+    from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5TextConfig
+
+    fields = dict(
+        vocab_size=300,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        linear_conv_kernel_dim=4,
+        max_position_embeddings=512,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+        eos_token_id=1,
+        pad_token_id=0,
+    )
+    fields.update(overrides)
+    return Qwen3_5TextConfig(**fields)
+
+
 def hf_model(config, seed: int = 0):
-    """A transformers model with every weight drawn from a seeded generator (no ties in routing)."""
-    from transformers import Qwen3_5MoeForCausalLM
+    """A transformers model (MoE or dense, after the config's type) with every weight drawn from a
+    seeded generator (no ties in routing)."""
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM
 
     torch.manual_seed(seed)
-    model = Qwen3_5MoeForCausalLM(config).eval()
+    cls = Qwen3_5ForCausalLM if config.model_type == "qwen3_5_text" else Qwen3_5MoeForCausalLM
+    model = cls(config).eval()
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():

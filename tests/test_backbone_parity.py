@@ -141,13 +141,31 @@ def test_save_roundtrip(tmp_path, tiny_dir):
 
 def test_full_size_config_on_meta():
     from clover.config import full_size_config
-    from clover.model import build_model
+    from clover.models import build_model, parameter_counts
 
     cfg = full_size_config()
     model = build_model(cfg, device="meta")
     total = sum(p.numel() for p in model.parameters())
-    counts = cfg.parameter_counts()
+    counts = parameter_counts(cfg)
+    assert counts == cfg.parameter_counts()
     assert counts["total"] == total
     assert 34e9 < total < 36.5e9, total
     assert 2.5e9 < counts["active"] < 3.6e9, counts["active"]
     assert sum(t == "full_attention" for t in cfg.layer_types) == 10
+
+
+def test_registry_covers_every_model_type():
+    """Every model_type the config accepts has an architecture, and each builds its own model class."""
+    from clover.config import SUPPORTED_MODEL_TYPES
+    from clover.models import ARCHITECTURES, architecture, build_model
+    from clover.tiny import tiny_config
+
+    assert set(ARCHITECTURES) == set(SUPPORTED_MODEL_TYPES)
+    for model_type in ARCHITECTURES:
+        assert model_type in architecture(model_type).MODEL_TYPES
+    for dense in (False, True):
+        for clover_ in (False, True):
+            cfg = tiny_config(clover=clover_, dense=dense)
+            model = build_model(cfg)
+            assert type(model).__name__ == ("Qwen3_5ForCausalLM" if dense else "Qwen3_5MoeForCausalLM")
+            assert hasattr(model.model.layers[0].linear_attn, "intra_scale") == clover_

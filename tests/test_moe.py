@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from clover.model import Experts
-from clover.moe import grouped_expert_forward, reference_expert_forward, route
+from clover.models.layers import Experts
+from clover.moe import BlockSharing, grouped_expert_forward, reference_expert_forward, route
 
 
 def _experts(E=16, H=24, I=12, seed=0):
@@ -41,11 +41,11 @@ def test_block_sharing_limits_experts_and_is_identity_when_budget_covers_all():
     B, Tc, Bd, E, k = 2, 3, 8, 16, 2
     logits = torch.randn(B * (Tc + Bd), E)
     w0, i0 = route(logits, k)
-    w1, i1 = route(logits, k, (B, Tc + Bd, Tc, Bd, E))  # budget == number of experts: sharing is a no-op
+    w1, i1 = route(logits, k, BlockSharing(budget=E, rows=B, denoise_from=Tc))  # budget == number of experts: sharing is a no-op
     torch.testing.assert_close(w0, w1)
     assert torch.equal(i0, i1)
     for m in (k, 3, 5):
-        w, idx = route(logits, k, (B, Tc + Bd, Tc, Bd, m))
+        w, idx = route(logits, k, BlockSharing(budget=m, rows=B, denoise_from=Tc))
         idx = idx.view(B, Tc + Bd, k)
         assert torch.equal(idx[:, :Tc], i0.view(B, Tc + Bd, k)[:, :Tc])  # commit tokens route freely
         for b in range(B):

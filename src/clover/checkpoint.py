@@ -1,339 +1,49 @@
-"""Reading and writing model directories in the Hugging Face layout (safetensors only, never pickle).
+"""Model directories in the Hugging Face layout: `config.json` + safetensors (+ tokenizer files).
 
-A directory holds `config.json` and either `model.safetensors` or shards listed by
-`model.safetensors.index.json`. Accepted key layouts:
-- `model.*` + `lm_head.*` (`Qwen3_5MoeForCausalLM`, clover),
-- `model.language_model.*` + `lm_head.*` (the multimodal `Qwen3_5MoeForConditionalGeneration`);
-  `model.visual.*` and `mtp.*` are skipped,
-- experts fused (`mlp.experts.gate_up_proj [E, 2I, H]`, `mlp.experts.down_proj [E, H, I]`) or per expert
-  (`mlp.experts.N.{gate,up,down}_proj.weight`), stacked at load.
-Weights are read shard by shard from memory-mapped files and assigned into a model built on `meta`,
-so a large model never exists twice in memory.
-
-Loading refuses what would hang or silently corrupt a generation: a weight file that is not a
-regular file (a FIFO or device would block on open), a shard path in the index that leaves the
-model directory, a weight stored in a non-float dtype, and weights holding NaN or Inf (a chunked
-scan per tensor, after the conversion to the load dtype; opt out with `check_finite=False`).
+`load_model` reads a directory into the model of its architecture (`clover.models`; a quantized
+checkpoint through `clover.quant`), `save_model` writes one. The safetensors files themselves —
+shards, index, dtype and finiteness checks — are `clover.weights`, whose names are re-exported here.
+A model is built on `meta` and its weights are assigned from memory-mapped files shard by shard, so
+a large model never exists twice in memory.
 """
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
-import json
-import os
-import re
-import stat
-from collections import defaultdict
-from pathlib import Path, PurePosixPath
-from typing import Iterator
+from pathlib import Path
 
 import torch
-from safetensors import safe_open
-from safetensors.torch import save_file
 
 from .config import CloverConfig, ConfigError
+from .models import build_model
+from .models.qwen3_5 import KeyLayout
+from .models.qwen3_5_moe import PER_EXPERT as _PER_EXPERT
+from .quant.loader import load_quantized
+from .weights import (  # noqa: F401  (re-exported: the names callers import from here)
+    DTYPES,
+    FINITE_SCAN_CHUNK,
+    INDEX_FILE,
+    NO_CHECK_HINT,
+    SINGLE_FILE,
+    CheckpointError,
+    _CHECK_FINITE,
+    expected_shapes,
+    finite_check,
+    first_non_finite,
+    iter_tensors,
+    parse_dtype,
+    read_index,
+    read_state_dict,
+    require_regular_file,
+    save_state_dict,
+    shard_files,
+)
 
-INDEX_FILE = "model.safetensors.index.json"
-SINGLE_FILE = "model.safetensors"
-SKIPPED_PREFIXES = ("model.visual.", "visual.", "mtp.", "model.mtp.")
-_PER_EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
-
-DTYPES = {
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "float": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-    "half": torch.float16,
-}
-
-
-class CheckpointError(ValueError):
-    """A model directory whose files do not form a loadable checkpoint."""
-
-
-# The default of `check_finite` for loads that do not pass it (clover.load, the quantized loader).
-_CHECK_FINITE: contextvars.ContextVar[bool] = contextvars.ContextVar("clover_check_finite", default=True)
-FINITE_SCAN_CHUNK = 1 << 24  # elements per isfinite() call: bounds the temporary bool mask at 16 MiB
-NO_CHECK_HINT = "to load it anyway, pass check_finite=False (CLI: --no-check-finite)"
-
-
-@contextlib.contextmanager
-def finite_check(enabled: bool) -> Iterator[None]:
-    """Within the block, loads that do not pass `check_finite` scan (True) or skip the scan (False)
-    for non-finite weights: `with finite_check(False): clover.load(path)`."""
-    token = _CHECK_FINITE.set(bool(enabled))
-    try:
-        yield
-    finally:
-        _CHECK_FINITE.reset(token)
+SKIPPED_PREFIXES = KeyLayout.skipped_prefixes
 
 
-def require_regular_file(path: Path, what: str = "weight file") -> None:
-    """Raise CheckpointError unless `path` is a regular file (symlinks to one are fine). Opening a
-    FIFO blocks until a writer comes, and a device never ends, so neither is ever opened."""
-    try:
-        mode = os.stat(path).st_mode
-    except FileNotFoundError:
-        raise CheckpointError(f"{path}: {what} does not exist") from None
-    except OSError as e:
-        raise CheckpointError(f"{path}: cannot read the {what} ({e.strerror})") from None
-    if not stat.S_ISREG(mode):
-        kind = "a directory" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode) else "a device or special file"
-        raise CheckpointError(f"{path}: not a regular file ({kind}); a {what} must be a plain file")
-
-
-def first_non_finite(t: torch.Tensor, *, chunk: int = FINITE_SCAN_CHUNK) -> tuple[int, ...] | None:
-    """The index of the first NaN/Inf in `t`, or None (always None for non-float tensors).
-
-    One aminmax reduction per chunk of the flattened tensor: NaN propagates to both ends and an
-    Inf is one of them, so a clean chunk costs one read and no temporary (isfinite().all() is
-    ~20x slower on CPU: it writes a bool mask). Only a dirty chunk is searched element-wise."""
-    if not t.is_floating_point() or t.numel() == 0:
-        return None
-    flat = t.reshape(-1)
-    for start in range(0, flat.numel(), chunk):
-        part = flat[start : start + chunk]
-        try:
-            lo, hi = torch.aminmax(part)
-            clean = bool(torch.isfinite(lo)) and bool(torch.isfinite(hi))
-        except RuntimeError:  # dtypes without aminmax (float8)
-            part = part.float()
-            clean = bool(torch.isfinite(part).all())
-        if not clean:
-            offset = start + int((~torch.isfinite(part)).nonzero()[0, 0])
-            return tuple(int(i) for i in torch.unravel_index(torch.tensor(offset), t.shape))
-    return None
-
-
-def _non_finite_error(path: Path, key: str, t: torch.Tensor, where: tuple[int, ...], stored: torch.Tensor | None) -> CheckpointError:
-    bad = ~torch.isfinite(t)
-    n_nan = int(torch.isnan(t).sum())
-    n_inf = int(bad.sum()) - n_nan
-    counts = ", ".join(f"{n} {name}" for n, name in ((n_nan, "NaN"), (n_inf, "Inf")) if n)
-    converted = ""
-    if stored is not None and first_non_finite(stored) is None:
-        converted = (f" after conversion from {str(stored.dtype).replace('torch.', '')} to {str(t.dtype).replace('torch.', '')}"
-                     " (values too large for that dtype; load in float32 or bfloat16)")
-    return CheckpointError(
-        f"{path}: tensor {key!r} holds non-finite values{converted} ({counts} of {t.numel()}, first at index {list(where)}); "
-        f"the checkpoint is corrupt; {NO_CHECK_HINT}"
-    )
-
-
-def parse_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
-    if dtype is None or isinstance(dtype, torch.dtype):
-        return dtype
-    try:
-        return DTYPES[str(dtype).lower()]
-    except KeyError:
-        raise ValueError(f"unknown dtype {dtype!r}; use one of float32, bfloat16, float16") from None
-
-
-def canonical_name(name: str) -> str | None:
-    """Map a stored key to our parameter name; None for keys we skip on purpose."""
-    if name.startswith(SKIPPED_PREFIXES):
-        return None
-    if name.startswith("model.language_model."):
-        return "model." + name[len("model.language_model.") :]
-    return name
-
-
-def read_index(directory: Path) -> dict[str, str] | None:
-    """The index's weight_map (key -> shard path relative to `directory`), or None without an index.
-    Every shard path must name a file inside the directory: no absolute paths, no '..' that leaves it."""
-    index = directory / INDEX_FILE
-    if not os.path.lexists(index):
-        return None
-    require_regular_file(index, "safetensors index")
-    try:
-        weight_map = json.loads(index.read_text())["weight_map"]
-        if not isinstance(weight_map, dict):
-            raise TypeError(f"weight_map is {type(weight_map).__name__}, not an object")
-    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as e:
-        raise CheckpointError(f"{index}: not a valid safetensors index ({e})") from None
-    for key, shard in weight_map.items():
-        if not isinstance(shard, str) or not shard:
-            raise CheckpointError(f"{index}: weight_map[{key!r}] is {shard!r}, not a file name")
-        parts = PurePosixPath(shard.replace("\\", "/")).parts
-        depth = 0
-        for part in parts:
-            depth += -1 if part == ".." else 0 if part == "." else 1
-            if depth < 0:
-                break
-        if PurePosixPath(shard).is_absolute() or os.path.isabs(shard) or depth < 0 or not parts:
-            raise CheckpointError(
-                f"{index}: weight_map[{key!r}] points outside the model directory ({shard!r}); "
-                "shard paths must be relative to the directory holding the index"
-            )
-    return weight_map
-
-
-def shard_files(directory: Path) -> list[Path]:
-    weight_map = read_index(directory)
-    if weight_map is not None:
-        index = directory / INDEX_FILE
-        files = sorted(set(weight_map.values()))
-        missing = [f for f in files if not os.path.lexists(directory / f)]
-        if missing:
-            raise CheckpointError(f"{index}: lists shard(s) that do not exist: {', '.join(missing)}")
-        for f in files:
-            require_regular_file(directory / f)
-        return [directory / f for f in files]
-    single = directory / SINGLE_FILE
-    if os.path.lexists(single):
-        require_regular_file(single)
-        return [single]
-    found = sorted(directory.glob("*.safetensors"))
-    if found:
-        for f in found:
-            require_regular_file(f)
-        return found
-    if list(directory.glob("*.bin")) or list(directory.glob("*.pt")):
-        raise CheckpointError(f"{directory}: only pickle weights (*.bin/*.pt) found; convert them to safetensors first (pickle is never loaded)")
-    raise CheckpointError(f"{directory}: no model.safetensors or {INDEX_FILE}; is this a model directory?")
-
-
-def iter_tensors(
-    path: Path, dtype: torch.dtype | None, *, check_finite: bool | None = None
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """(key, tensor) for every tensor of one safetensors file, floats converted to `dtype`.
-    With `check_finite` (default: the `finite_check` setting, on) a float tensor holding NaN/Inf
-    raises CheckpointError naming the file and key."""
-    if check_finite is None:
-        check_finite = _CHECK_FINITE.get()
-    require_regular_file(path)
-    try:
-        f = safe_open(str(path), framework="pt", device="cpu")
-        keys = list(f.keys())
-    except Exception as e:  # header unreadable: truncated or not safetensors
-        raise CheckpointError(f"{path}: cannot read safetensors header ({e}); the file is truncated or corrupt") from None
-    for key in keys:
-        try:
-            t = f.get_tensor(key)
-        except Exception as e:
-            raise CheckpointError(f"{path}: cannot read tensor {key!r} ({e}); the file is truncated or corrupt") from None
-        stored = t
-        if dtype is not None and t.is_floating_point():
-            t = t.to(dtype)
-        if check_finite:
-            where = first_non_finite(t)
-            if where is not None:
-                raise _non_finite_error(path, key, t, where, stored if stored.dtype != t.dtype else None)
-        yield key, t
-
-
-def expected_shapes(model: torch.nn.Module) -> dict[str, torch.Size]:
-    return {k: v.shape for k, v in model.state_dict(keep_vars=True).items()}
-
-
-def read_state_dict(
-    directory: str | Path,
-    expected: dict[str, torch.Size],
-    *,
-    dtype: torch.dtype | None = None,
-    allow_missing: set[str] | frozenset = frozenset(),
-    check_finite: bool | None = None,
-) -> dict[str, torch.Tensor]:
-    """Read every shard, map names, stack per-expert weights, and check the result against `expected`.
-
-    Raises CheckpointError naming the file and key for unexpected keys, shape mismatches, weights
-    stored in a non-float dtype, non-finite weights (unless `check_finite` is False), missing keys
-    and unreadable files."""
-    directory = Path(directory)
-    state: dict[str, torch.Tensor] = {}
-    origin: dict[str, Path] = {}
-    per_expert: dict[str, dict[int, dict[str, torch.Tensor]]] = defaultdict(lambda: defaultdict(dict))
-    for path in shard_files(directory):
-        for key, t in iter_tensors(path, dtype, check_finite=check_finite):
-            name = canonical_name(key)
-            if name is None:
-                continue
-            if not t.is_floating_point():
-                raise CheckpointError(
-                    f"{path}: tensor {key!r} is stored as {str(t.dtype).replace('torch.', '')}, but model weights are floating "
-                    "point (float32, bfloat16 or float16); the file is corrupt, or quantized without a quantization_config in config.json"
-                )
-            m = _PER_EXPERT.match(name)
-            if m:
-                per_expert[m.group(1)][int(m.group(2))][m.group(3)] = t
-                origin[m.group(1)] = path
-                continue
-            if name not in expected:
-                raise CheckpointError(f"{path}: unexpected key {key!r} (no such parameter in this model); is config.json the one these weights were saved with?")
-            if t.shape != expected[name]:
-                raise CheckpointError(
-                    f"{path}: key {key!r} has shape {tuple(t.shape)} but the config implies {tuple(expected[name])}; the weights and config.json disagree"
-                )
-            state[name] = t
-            origin[name] = path
-    for prefix, experts in per_expert.items():
-        n = len(experts)
-        path = origin[prefix]
-        for e in range(n):
-            if e not in experts or set(experts[e]) != {"gate_proj", "up_proj", "down_proj"}:
-                raise CheckpointError(f"{path}: expert {e} of {prefix} is incomplete (needs gate_proj, up_proj, down_proj)")
-        gate_up = torch.stack([torch.cat([experts[e]["gate_proj"], experts[e]["up_proj"]], 0) for e in range(n)])
-        down = torch.stack([experts[e]["down_proj"] for e in range(n)])
-        for name, t in ((prefix + ".gate_up_proj", gate_up), (prefix + ".down_proj", down)):
-            if name not in expected:
-                raise CheckpointError(f"{path}: unexpected per-expert weights under {prefix!r}")
-            if t.shape != expected[name]:
-                raise CheckpointError(
-                    f"{path}: per-expert weights under {prefix!r} stack to {tuple(t.shape)} but the config implies {tuple(expected[name])}"
-                )
-            state[name] = t
-        per_expert[prefix].clear()
-    missing = sorted(set(expected) - set(state) - set(allow_missing))
-    if missing:
-        shown = ", ".join(repr(k) for k in missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
-        files = ", ".join(p.name for p in shard_files(directory))
-        weight_map = read_index(directory) or {}
-        listed = sorted({weight_map[k] for k in missing if k in weight_map})
-        where = f"; {INDEX_FILE} puts them in {', '.join(listed)}" if listed else ""
-        raise CheckpointError(f"{directory}: missing key(s) {shown} (searched {files}{where}); the checkpoint is incomplete or for another model")
-    return state
-
-
-def save_state_dict(
-    state: dict[str, torch.Tensor],
-    directory: str | Path,
-    *,
-    max_shard_bytes: int = 4 * 1024**3,
-    metadata: dict[str, str] | None = None,
-) -> list[Path]:
-    """Write `state` as model.safetensors, or as shards + index when larger than max_shard_bytes."""
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    for old in list(directory.glob("model*.safetensors")) + [directory / INDEX_FILE]:
-        if old.exists():
-            old.unlink()
-    meta = {"format": "pt", **(metadata or {})}
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    size = 0
-    total = 0
-    for name, t in state.items():
-        nbytes = t.numel() * t.element_size()
-        if shards[-1] and size + nbytes > max_shard_bytes:
-            shards.append({})
-            size = 0
-        shards[-1][name] = t.detach().to("cpu").contiguous()
-        size += nbytes
-        total += nbytes
-    if len(shards) == 1:
-        save_file(shards[0], str(directory / SINGLE_FILE), metadata=meta)
-        return [directory / SINGLE_FILE]
-    paths, weight_map = [], {}
-    for i, shard in enumerate(shards):
-        fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, str(directory / fname), metadata=meta)
-        paths.append(directory / fname)
-        weight_map.update({k: fname for k in shard})
-    (directory / INDEX_FILE).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
-    return paths
+def canonical_name(key: str) -> str | None:
+    """A stored key -> our parameter name (the Qwen3.5 family's layout); None for keys skipped on purpose."""
+    return KeyLayout().name(key)
 
 
 def load_model(
@@ -343,12 +53,11 @@ def load_model(
     device: torch.device | str | None = None,
     check_finite: bool | None = None,
 ):
-    """config.json + safetensors -> CloverForCausalLM in eval mode (built on meta, assigned).
+    """config.json + safetensors -> the model of its architecture, in eval mode (built on meta,
+    weights assigned); a quantized checkpoint (`quantization_config`) goes to `clover.quant`.
 
     `check_finite` (default: on, or what an enclosing `finite_check(...)` says) scans every weight
     for NaN/Inf and raises CheckpointError naming the tensor and file."""
-    from .model import build_model
-
     directory = Path(directory)
     if not directory.is_dir():
         raise CheckpointError(f"{directory}: not a directory; pass the folder holding config.json and the safetensors")
@@ -365,14 +74,12 @@ def load_model(
                 "(or choose the load dtype: dtype=..., CLI --dtype)"
             ) from None
     if config.quantization_config:
-        from .quant import load_quantized
-
         with finite_check(check_finite):  # the quantized loader reads through iter_tensors
             return load_quantized(directory, config, dtype=dtype, device=device)
     model = build_model(config, device="meta")
     expected = expected_shapes(model)
     allow = {"lm_head.weight"} if config.tie_word_embeddings else set()
-    state = read_state_dict(directory, expected, dtype=dtype, allow_missing=allow, check_finite=check_finite)
+    state = read_state_dict(directory, expected, layout=model.key_layout, dtype=dtype, allow_missing=allow, check_finite=check_finite)
     if device is not None and str(device) != "cpu":
         state = {k: v.to(device) for k, v in state.items()}
     model.load_state_dict(state, strict=not config.tie_word_embeddings, assign=True)

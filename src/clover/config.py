@@ -1,4 +1,10 @@
-"""Model configuration: the text part of a Qwen3.5/3.6-MoE `config.json`, plus Clover's fields.
+"""Model configuration: the text part of a Qwen3.5/3.6 `config.json` (MoE or dense), plus Clover's fields.
+
+One dataclass describes the whole family: the hybrid GDN + gated-attention stack is the same, and the
+MLP is either the sparse MoE (`qwen3_5_moe_text`: `num_experts`, `num_experts_per_tok`,
+`moe_intermediate_size`, `shared_expert_intermediate_size`) or a dense SwiGLU (`qwen3_5_text`:
+`intermediate_size`). A Clover config (`model_type: "clover"`) is one of these plus the diffusion
+fields, and records which in `backbone`. Which module builds each model_type is `clover.models`.
 
 Field names mirror the keys of `config.json` verbatim so a config round-trips through
 `from_dict`/`to_dict`. Unknown keys are ignored; missing required ones raise `ConfigError`. Every
@@ -11,23 +17,23 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-SUPPORTED_MODEL_TYPES = ("qwen3_5_moe", "qwen3_5_moe_text", "clover")
+# text model_type -> its MLP ("moe" or "dense"); the text models this config describes
+BACKBONES = {"qwen3_5_moe_text": "moe", "qwen3_5_text": "dense"}
+# multimodal model_type -> the text model nested in its `text_config`
+MULTIMODAL = {"qwen3_5_moe": "qwen3_5_moe_text", "qwen3_5": "qwen3_5_text"}
+SUPPORTED_MODEL_TYPES = (*MULTIMODAL, *BACKBONES, "clover")
 
-# Keys without a sensible default: a config that lacks them is not a Qwen3.5-MoE config.
-REQUIRED_KEYS = (
-    "vocab_size",
-    "hidden_size",
-    "num_hidden_layers",
-    "num_attention_heads",
-    "num_key_value_heads",
-    "num_experts",
-    "num_experts_per_tok",
-    "moe_intermediate_size",
-)
+# Keys without a sensible default: a config that lacks them describes no model of the family.
+COMMON_KEYS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads")
+MLP_KEYS = {
+    "moe": ("num_experts", "num_experts_per_tok", "moe_intermediate_size"),
+    "dense": ("intermediate_size",),
+}
+REQUIRED_KEYS = COMMON_KEYS + MLP_KEYS["moe"]  # the MoE backbone's (the default)
 
 
 class ConfigError(ValueError):
@@ -82,10 +88,12 @@ class CloverConfig:
     num_hidden_layers: int
     num_attention_heads: int
     num_key_value_heads: int
-    num_experts: int
-    num_experts_per_tok: int
-    moe_intermediate_size: int
+    # the MLP: sparse MoE (qwen3_5_moe_text) or dense SwiGLU (qwen3_5_text); 0 where it does not apply
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
     shared_expert_intermediate_size: int = 0
+    intermediate_size: int = 0
     head_dim: int | None = None
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10_000_000.0
@@ -109,18 +117,29 @@ class CloverConfig:
     torch_dtype: str | None = None
     model_type: str = "qwen3_5_moe_text"
     # --- Clover (diffusion) fields; None/defaults for a plain AR checkpoint ---
+    backbone: str | None = None  # clover: the text model_type underneath (None = qwen3_5_moe_text)
     mask_token_id: int | None = None
     block_size: int = 32
     threshold: float = 0.95
     expert_budget: int | None = None
     # quantization metadata, passed through untouched (see clover.quant)
     quantization_config: dict | None = None
-    extra: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         check_types({k: getattr(self, k) for k in _ANNOTATIONS}, _ANNOTATIONS)
+        if self.model_type != "clover" and self.model_type not in BACKBONES:
+            raise ConfigError(
+                f"invalid config: model_type {self.model_type!r} is not a text model; expected one of "
+                f"{', '.join(BACKBONES)} or 'clover'"
+            )
+        if self.model_type == "clover" and self.backbone is None:
+            self.backbone = "qwen3_5_moe_text"  # Clover checkpoints written before dense backbones existed
+        if self.model_type != "clover":
+            self.backbone = None
+        if self.base_model_type not in BACKBONES:
+            raise ConfigError(f"invalid config: backbone {self.backbone!r} is not one of {', '.join(BACKBONES)}")
         # what the derived fields divide by, before they are derived
-        for name in REQUIRED_KEYS + ("full_attention_interval",):
+        for name in self.required_keys + ("full_attention_interval",):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"invalid config: {name} must be positive, got {getattr(self, name)}")
         if self.head_dim is None:
@@ -138,12 +157,15 @@ class CloverConfig:
         def bad(msg: str) -> None:
             raise ConfigError(f"invalid config: {msg}")
 
-        positive = REQUIRED_KEYS + ("head_dim", "max_position_embeddings", "linear_conv_kernel_dim", "linear_key_head_dim",
+        positive = self.required_keys + ("head_dim", "max_position_embeddings", "linear_conv_kernel_dim", "linear_key_head_dim",
                                     "linear_value_head_dim", "linear_num_key_heads", "linear_num_value_heads",
                                     "full_attention_interval", "rms_norm_eps", "rope_theta")
         for name in positive:
             if getattr(self, name) <= 0:
                 bad(f"{name} must be positive, got {getattr(self, name)}")
+        for name in ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "intermediate_size"):
+            if getattr(self, name) < 0:
+                bad(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.shared_expert_intermediate_size < 0:
             bad(f"shared_expert_intermediate_size must be >= 0, got {self.shared_expert_intermediate_size}")
         if not (0 < self.partial_rotary_factor <= 1):
@@ -167,6 +189,8 @@ class CloverConfig:
             bad(f"threshold must be positive, got {self.threshold}")
         if self.mask_token_id is not None and not (0 <= self.mask_token_id < self.vocab_size):
             bad(f"mask_token_id {self.mask_token_id} is outside the vocabulary (size {self.vocab_size})")
+        if self.expert_budget is not None and not self.is_moe:
+            bad("expert_budget needs a mixture-of-experts backbone; this model's MLP is dense")
         if self.expert_budget is not None and not (self.num_experts_per_tok <= self.expert_budget <= self.num_experts):
             bad(f"expert_budget must lie in [num_experts_per_tok, num_experts], got {self.expert_budget}")
 
@@ -178,6 +202,24 @@ class CloverConfig:
     @property
     def is_clover(self) -> bool:
         return self.model_type == "clover"
+
+    @property
+    def base_model_type(self) -> str:
+        """The text model's model_type: this one's, or for Clover the backbone underneath."""
+        return self.backbone if self.is_clover else self.model_type
+
+    @property
+    def mlp_kind(self) -> str:
+        """"moe" (sparse mixture of experts) or "dense" (one SwiGLU MLP)."""
+        return BACKBONES[self.base_model_type]
+
+    @property
+    def is_moe(self) -> bool:
+        return self.mlp_kind == "moe"
+
+    @property
+    def required_keys(self) -> tuple[str, ...]:
+        return COMMON_KEYS + MLP_KEYS[self.mlp_kind]
 
     @property
     def eos_token_ids(self) -> list[int]:
@@ -197,10 +239,14 @@ class CloverConfig:
         model_type = raw.get("model_type")
         d = dict(raw)
         shown: dict[str, str] = {}  # field -> the key as written in the file, when it differs
-        if model_type == "qwen3_5_moe" or ("text_config" in raw and model_type != "clover"):
+        if model_type in MULTIMODAL or ("text_config" in raw and model_type != "clover"):
+            if model_type not in MULTIMODAL:
+                raise ConfigError(
+                    f"{source}: model_type {model_type!r} is not supported; expected one of {', '.join(SUPPORTED_MODEL_TYPES)}"
+                )
             text = raw.get("text_config")
             if not isinstance(text, dict):
-                raise ConfigError(f"{source}: model_type 'qwen3_5_moe' needs a 'text_config' object with the language model's settings")
+                raise ConfigError(f"{source}: model_type {model_type!r} needs a 'text_config' object with the language model's settings")
             d = dict(text)
             shown = {k: f"text_config.{k}" for k in text}
             # token ids sometimes live only at the top level
@@ -208,7 +254,7 @@ class CloverConfig:
                 if key not in d and key in raw:
                     d[key] = raw[key]
                     shown.pop(key, None)
-            d["model_type"] = "qwen3_5_moe_text"
+            d["model_type"] = MULTIMODAL[model_type]
         elif model_type is not None and model_type not in SUPPORTED_MODEL_TYPES:
             raise ConfigError(
                 f"{source}: model_type {model_type!r} is not supported; expected one of {', '.join(SUPPORTED_MODEL_TYPES)}"
@@ -231,10 +277,12 @@ class CloverConfig:
             rope_type = rope.get("rope_type", rope.get("type", "default"))
             if rope_type not in ("default", None):
                 raise ConfigError(f"{source}: rope type {rope_type!r} is not supported (only the default RoPE)")
-        missing = [k for k in REQUIRED_KEYS if k not in d]
+        base = d.get("backbone") if d.get("model_type") == "clover" else d.get("model_type")
+        kind = BACKBONES.get(base if isinstance(base, str) else "", "moe")
+        missing = [k for k in COMMON_KEYS + MLP_KEYS[kind] if k not in d]
         if missing:
             raise ConfigError(f"{source}: missing required key(s) {', '.join(missing)}")
-        names = {f.name for f in dataclasses.fields(cls)} - {"extra"}
+        names = {f.name for f in dataclasses.fields(cls)}
         kwargs = {k: v for k, v in d.items() if k in names}
         if d.get("model_type") == "clover":
             kwargs["model_type"] = "clover"
@@ -266,7 +314,6 @@ class CloverConfig:
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
-        d.pop("extra")
         d.pop("full_attention_interval")
         d["rope_parameters"] = {
             "rope_type": "default",
@@ -276,9 +323,13 @@ class CloverConfig:
         if self.model_type == "clover":
             d["architectures"] = ["CloverForBlockDiffusion"]
         else:
-            d["architectures"] = ["Qwen3_5MoeForCausalLM"]
-            for k in ("mask_token_id", "block_size", "threshold", "expert_budget"):
+            d["architectures"] = ["Qwen3_5MoeForCausalLM" if self.is_moe else "Qwen3_5ForCausalLM"]
+            for k in ("backbone", "mask_token_id", "block_size", "threshold", "expert_budget"):
                 d.pop(k)
+        unused = ("intermediate_size",) if self.is_moe else (
+            "num_experts", "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size", "router_aux_loss_coef")
+        for k in unused:
+            d.pop(k)
         if d["quantization_config"] is None:
             d.pop("quantization_config")
         return d
@@ -292,33 +343,15 @@ class CloverConfig:
 
     # ------------------------------------------------------------- accounting
     def parameter_counts(self) -> dict[str, int]:
-        """Total and active (per token) parameter counts, computed from the shapes alone."""
-        h, v = self.hidden_size, self.vocab_size
-        attn = (
-            h * self.num_attention_heads * self.head_dim * 2
-            + 2 * h * self.num_key_value_heads * self.head_dim
-            + self.num_attention_heads * self.head_dim * h
-            + 2 * self.head_dim
-        )
-        hv, dv = self.linear_num_value_heads, self.linear_value_head_dim
-        conv_dim = self.linear_conv_dim
-        gdn = h * conv_dim + h * hv * dv + 2 * h * hv + conv_dim * self.linear_conv_kernel_dim + 2 * hv + dv + hv * dv * h
-        if self.is_clover:
-            gdn += conv_dim * (self.linear_conv_kernel_dim - 1) + 3 * hv
-        expert = 3 * h * self.moe_intermediate_size
-        shared = 3 * h * self.shared_expert_intermediate_size + h
-        router = h * self.num_experts
-        norms = 2 * h
-        total = active = v * h * (1 if self.tie_word_embeddings else 2) + h
-        for t in self.layer_types:
-            mixer = attn if t == "full_attention" else gdn
-            total += mixer + norms + router + shared + self.num_experts * expert
-            active += mixer + norms + router + shared + self.num_experts_per_tok * expert
-        return {"total": total, "active": active}
+        """{"total", "active"}: kept for callers of the config; the count is `clover.models.parameter_counts`
+        (read off a model built on `meta`)."""
+        from .models import parameter_counts  # noqa: PLC0415  (the architectures sit above the config)
+
+        return parameter_counts(self)
 
 
 # field -> its annotation ("int | None", ...): the JSON types config.json may hold there
-_ANNOTATIONS: dict[str, str] = {f.name: str(f.type) for f in dataclasses.fields(CloverConfig) if f.name != "extra"}
+_ANNOTATIONS: dict[str, str] = {f.name: str(f.type) for f in dataclasses.fields(CloverConfig)}
 
 
 def full_size_config() -> CloverConfig:

@@ -1,25 +1,27 @@
-"""Turn a Qwen3.5/3.6-MoE checkpoint into a Clover one (`clover convert SRC DST`).
+"""Turn a Qwen3.5 or Qwen3.5/3.6-MoE checkpoint into a Clover one (`clover convert SRC DST`).
 
-Shard by shard (never the whole model in memory): keys are mapped to the text-model layout
-(`model.language_model.*` -> `model.*`; vision and MTP weights dropped), the mask token is added
-(an unused id of a padded vocabulary when there is one, otherwise the vocabulary grows by one row:
-embedding = mean embedding, lm_head row = 0), and Clover's new parameters are written zero-initialised
-(`conv1d_right`, `block_gain_a/b`; `intra_scale` = sqrt(d_k)), so commit mode is unchanged and denoise
-mode starts from the AR model's prefix readout.
+Shard by shard (never the whole model in memory): keys are mapped to the text-model layout by the
+architecture's key layout (`model.language_model.*` -> `model.*`; vision and MTP weights dropped),
+the mask token is added (an unused id of a padded vocabulary when there is one, otherwise the
+vocabulary grows by one row: embedding = mean embedding, lm_head row = 0), and Clover's new
+parameters are written at their initial values (`clover.models.clover`: the config change and the
+new tensors are defined there once, for checkpoints and for models in memory alike), so commit mode
+is unchanged and denoise mode starts from the AR model's prefix readout.
 """
 
 from __future__ import annotations
 
 import json
-import math
 import shutil
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
 
-from .checkpoint import INDEX_FILE, CheckpointError, canonical_name, iter_tensors, shard_files
 from .config import CloverConfig
+from .models import build_model
+from .models.clover import clover_config, clover_parameters
+from .weights import INDEX_FILE, CheckpointError, iter_tensors, shard_files
 
 MASK_TOKEN = "<|mask|>"
 EXTRA_SHARD = "model-clover-extra.safetensors"
@@ -61,13 +63,8 @@ def convert_to_clover(
             grow = mask_id + 1 - config.vocab_size
     if tok.mask_token is None:
         tok.mask_token = MASK_TOKEN
-    new_config = config.replace(
-        model_type="clover",
-        vocab_size=config.vocab_size + grow,
-        mask_token_id=mask_id,
-        block_size=block_size,
-        threshold=threshold,
-    )
+    new_config = clover_config(config, mask_id, vocab_size=config.vocab_size + grow, block_size=block_size, threshold=threshold)
+    layout = build_model(config, device="meta").key_layout
 
     # -- weights, shard by shard
     weight_map: dict[str, str] = {}
@@ -76,7 +73,7 @@ def convert_to_clover(
     for path in tqdm(shards, desc="convert", unit="shard", disable=not progress):
         out: dict[str, torch.Tensor] = {}
         for key, t in iter_tensors(path, None):
-            name = canonical_name(key)
+            name = layout.name(key)
             if name is None:
                 continue
             if grow and name in ("model.embed_tokens.weight", "lm_head.weight"):
@@ -88,7 +85,7 @@ def convert_to_clover(
         weight_map.update({k: fname for k in out})
         total += sum(t.numel() * t.element_size() for t in out.values())
     dtype = next(iter(out.values())).dtype if out else torch.float32
-    extra = clover_init_params(new_config, dtype)
+    extra = clover_parameters(new_config, dtype)
     save_file(extra, str(dst / EXTRA_SHARD), metadata={"format": "pt"})
     weight_map.update({k: EXTRA_SHARD for k in extra})
     total += sum(t.numel() * t.element_size() for t in extra.values())
@@ -99,18 +96,3 @@ def convert_to_clover(
             shutil.copy(src / name, dst / name)
     tok.save_pretrained(str(dst))
     return new_config
-
-
-def clover_init_params(config: CloverConfig, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
-    """Clover's new per-GDN-layer parameters at their initial values."""
-    out = {}
-    c = config
-    for i, t in enumerate(c.layer_types):
-        if t != "linear_attention":
-            continue
-        p = f"model.layers.{i}.linear_attn."
-        out[p + "conv1d_right.weight"] = torch.zeros(c.linear_conv_dim, 1, c.linear_conv_kernel_dim - 1, dtype=dtype)
-        out[p + "intra_scale"] = torch.full((c.linear_num_value_heads,), math.sqrt(c.linear_key_head_dim), dtype=dtype)
-        out[p + "block_gain_a"] = torch.zeros(c.linear_num_value_heads, dtype=dtype)
-        out[p + "block_gain_b"] = torch.zeros(c.linear_num_value_heads, dtype=dtype)
-    return out

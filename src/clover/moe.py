@@ -1,7 +1,7 @@
 """Routing and expert dispatch for the sparse MoE.
 
 `route` turns router logits into top-k weights (softmax in fp32, top-k, renormalised), optionally
-with *block expert sharing* for the denoise part of a forward: the router probabilities of a
+with *block expert sharing* (`BlockSharing`) for the denoise part of a forward: the router probabilities of a
 block's tokens are summed, the block keeps its `budget` most probable experts, and each token takes
 its top-k within that shared set (renormalised).
 
@@ -12,31 +12,41 @@ expert (one sort, then per touched expert: gather its tokens, one matmul pair, s
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class BlockSharing:
+    """Block expert sharing for the denoise part of a forward: the router logits' rows are laid out
+    `[rows, T]`, the denoise block sits at columns `denoise_from:` of each row, and its tokens share
+    the `budget` most probable experts of the block."""
+
+    budget: int
+    rows: int
+    denoise_from: int
 
 
 def route(
     logits: torch.Tensor,
     top_k: int,
-    budget: tuple[int, int, int, int, int] | None = None,
+    sharing: BlockSharing | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """logits [N, E] -> (weights [N, k] fp32, indices [N, k]).
-
-    budget = (B, T, commit_len, denoise_len, m): rows of `logits` are laid out [B, T] with the
-    denoise block at columns commit_len: of each row; those tokens share m experts per block."""
+    """logits [N, E] -> (weights [N, k] fp32, indices [N, k]); with `sharing`, the denoise tokens
+    choose only among their block's shared experts."""
     probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
-    if budget is not None:
-        B, T, Tc, Bd, m = budget
+    if sharing is not None:
+        B, Tc, m = sharing.rows, sharing.denoise_from, sharing.budget
         E = probs.shape[-1]
         if m < E:
-            p = probs.view(B, T, E)
+            p = probs.view(B, -1, E)
             block = p[:, Tc:]  # [B, Bd, E]
             keep = block.sum(1).topk(m, dim=-1).indices  # [B, m] the shared expert set
             allowed = torch.zeros(B, E, dtype=torch.bool, device=p.device).scatter_(1, keep, True)
             shared = block.masked_fill(~allowed[:, None, :], 0.0)
-            p = torch.cat([p[:, :Tc], shared], dim=1)
-            probs = p.reshape(B * T, E)
+            probs = torch.cat([p[:, :Tc], shared], dim=1).reshape(-1, E)
     w, idx = probs.topk(top_k, dim=-1)
     w = w / w.sum(-1, keepdim=True)
     return w, idx

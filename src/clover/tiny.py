@@ -9,6 +9,7 @@ import torch
 
 from .checkpoint import save_model
 from .config import CloverConfig
+from .models import build_model
 from .tokenizer import SPECIAL_TOKENS, write_byte_tokenizer
 
 TINY_DEFAULTS: dict[str, Any] = dict(
@@ -33,19 +34,27 @@ TINY_DEFAULTS: dict[str, Any] = dict(
 )
 
 
-def tiny_config(*, clover: bool = True, vocab_size: int | None = None, **overrides: Any) -> CloverConfig:
-    """A small config whose vocabulary holds the byte tokenizer (256 bytes + special tokens)."""
+# the dense backbone's MLP in place of TINY_DEFAULTS' experts
+TINY_DENSE: dict[str, Any] = dict(num_experts=0, num_experts_per_tok=0, moe_intermediate_size=0,
+                                  shared_expert_intermediate_size=0, intermediate_size=96)
+
+
+def tiny_config(*, clover: bool = True, dense: bool = False, vocab_size: int | None = None, **overrides: Any) -> CloverConfig:
+    """A small config whose vocabulary holds the byte tokenizer (256 bytes + special tokens);
+    `dense` gives the dense Qwen3.5 backbone instead of the MoE one."""
     n_bytes = 256
     ids = {t: n_bytes + i for i, t in enumerate(SPECIAL_TOKENS)}
-    fields = dict(TINY_DEFAULTS)
+    fields = dict(TINY_DEFAULTS, **(TINY_DENSE if dense else {}))
+    base = "qwen3_5_text" if dense else "qwen3_5_moe_text"
     fields.update(
         vocab_size=vocab_size or n_bytes + len(SPECIAL_TOKENS) + 3,
         eos_token_id=ids["<|endoftext|>"],
         pad_token_id=ids["<|pad|>"],
-        model_type="clover" if clover else "qwen3_5_moe_text",
+        model_type="clover" if clover else base,
     )
     if clover:
         fields["mask_token_id"] = ids["<|mask|>"]
+        fields["backbone"] = base
     fields.update(overrides)
     return CloverConfig(**fields)
 
@@ -55,15 +64,14 @@ def build_tiny_checkpoint(
     *,
     seed: int = 0,
     clover: bool = True,
+    dense: bool = False,
     init_std: float = 0.08,
     dtype: torch.dtype = torch.float32,
     **overrides: Any,
 ) -> Path:
     """Write config.json, model.safetensors and a byte-level tokenizer with random weights."""
-    from .model import build_model
-
     directory = Path(directory)
-    config = tiny_config(clover=clover, **overrides)
+    config = tiny_config(clover=clover, dense=dense, **overrides)
     model = build_model(config, device="cpu", dtype=torch.float32)
     model.init_weights(seed=seed, std=init_std)
     model.to(dtype)

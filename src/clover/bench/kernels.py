@@ -120,19 +120,19 @@ def bench_attention(*, prefixes: list[int], block: int, heads: int, kv_heads: in
                     dtype=torch.float32) -> list[dict]:
     from ..cache import HybridCache
     from ..config import CloverConfig
-    from ..model import GatedAttention, StepContext
+    from ..models.layers import GatedAttention, Segments, cached_attention_mask
 
     hidden = heads * head_dim
     cfg = CloverConfig(vocab_size=8, hidden_size=hidden, num_hidden_layers=1, num_attention_heads=heads,
                        num_key_value_heads=kv_heads, head_dim=head_dim, num_experts=1, num_experts_per_tok=1,
                        moe_intermediate_size=1, layer_types=["full_attention"])
-    attn = GatedAttention(cfg, 0)
+    attn = GatedAttention(cfg)
     gen = torch.Generator().manual_seed(0)
     rep = heads // kv_heads
     scale = head_dim**-0.5
     rows = []
     for L in prefixes:
-        cache = HybridCache(cfg, 1, L + block + 1, dtype=dtype)
+        cache = HybridCache([attn.make_state(1, L + block + 1, dtype=dtype, device="cpu")], 1, L + block + 1)
         cache.keys[0][:, :, :L] = torch.randn(1, kv_heads, L, head_dim, generator=gen).to(dtype)
         cache.values[0][:, :, :L] = torch.randn(1, kv_heads, L, head_dim, generator=gen).to(dtype)
         cache.lengths.fill_(L)
@@ -140,12 +140,14 @@ def bench_attention(*, prefixes: list[int], block: int, heads: int, kv_heads: in
             q = torch.randn(1, heads, T, head_dim, generator=gen).to(dtype)
             k = torch.randn(1, kv_heads, T, head_dim, generator=gen).to(dtype)
             v = torch.randn(1, kv_heads, T, head_dim, generator=gen).to(dtype)
-            ctx = StepContext(commit_len=T if commit else 0, denoise_len=0 if commit else T, cos=None, sin=None)
+            Tc = T if commit else 0
+            mask = cached_attention_mask(cache.lengths, Segments(commit_len=Tc, denoise_len=T - Tc))
             keys = torch.cat([cache.keys[0][:, :, :L], k], dim=2)
             vals = torch.cat([cache.values[0][:, :, :L], v], dim=2)
 
             def ours():
-                return attn._cached(q, k, v, ctx, cache)  # rewrites the same slots each call when committing
+                # rewrites the same slots each call when committing
+                return attn.attend_cached(q, k, v, cache.layers[0], cache.lengths, Tc, mask)
 
             def bare():
                 return F.scaled_dot_product_attention(q, keys, vals, enable_gqa=rep > 1)
@@ -180,7 +182,7 @@ def per_expert_loop(experts, x: torch.Tensor, top_idx: torch.Tensor, top_w: torc
 
 def bench_moe(*, tokens: list[int], hidden: int, inter: int, experts: int, top_k: int, repeat: int,
               reference_max_tokens: int = 512, dtype=torch.float32) -> list[dict]:
-    from ..model import Experts
+    from ..models.layers import Experts
     from ..moe import grouped_expert_forward, reference_expert_forward, route
 
     gen = torch.Generator().manual_seed(0)

@@ -19,7 +19,7 @@ import torch
 
 
 def recipe_model(seed: int = 0):
-    from ..model import build_model
+    from ..models import build_model
     from ..tiny import tiny_config
 
     cfg = tiny_config(vocab_size=4096, hidden_size=256, num_hidden_layers=8, num_attention_heads=4,

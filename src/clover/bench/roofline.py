@@ -49,34 +49,13 @@ def roofline_config(quick: bool = False):
 
 
 def build_random_model(config, dtype: torch.dtype = torch.bfloat16, device: str = "cpu", seed: int = 0):
-    """Random weights in place, in the target dtype (no fp32 copy of the whole model): normal(0, σ)
-    for matrices, the same special cases as `init_weights` for norms and the GDN decay/step."""
-    import math
-
-    from ..model import build_model
+    """Random weights (`init_weights`: normal(0, σ) matrices, the GDN decay/step, Clover's initial
+    values), allocated directly in the target dtype on the device (no fp32 copy of the whole model)."""
+    from ..models import build_model
 
     model = build_model(config, device="meta").to(dtype)
     model = model.to_empty(device=device)
-    gen = torch.Generator(device=device).manual_seed(seed)
-    std = config.initializer_range
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            leaf = name.rsplit(".", 1)[-1]
-            if name.endswith("linear_attn.norm.weight"):
-                p.fill_(1.0)
-            elif "norm" in name or leaf in ("block_gain_a", "block_gain_b") or "conv1d_right" in name:
-                p.zero_()
-            elif leaf == "A_log":
-                p.copy_(torch.empty(p.shape).uniform_(1.0, 16.0).log())
-            elif leaf == "dt_bias":
-                dt = torch.exp(torch.empty(p.shape).uniform_(math.log(1e-3), math.log(1e-1)))
-                p.copy_(dt + torch.log(-torch.expm1(-dt)))
-            elif leaf == "intra_scale":
-                p.fill_(math.sqrt(config.linear_key_head_dim))
-            elif "conv1d" in name:
-                p.normal_(0.0, 1.0 / math.sqrt(config.linear_conv_kernel_dim), generator=gen)
-            else:
-                p.normal_(0.0, std, generator=gen)
+    model.init_weights(seed=seed)
     return model.eval()
 
 
@@ -165,7 +144,9 @@ def run_roofline(*, quick: bool = False, dtype: torch.dtype = torch.bfloat16, de
     model = build_random_model(config, dtype=dtype, device=device, seed=seed)
     build_s = time.perf_counter() - t0
     wb = weight_bytes(model)
-    counts = config.parameter_counts()
+    from ..models import parameter_counts
+
+    counts = parameter_counts(config)
     gen = torch.Generator().manual_seed(seed + 1)
     V = config.vocab_size
     prompt = torch.randint(0, V - 1, (1, prefix), generator=gen).to(device)

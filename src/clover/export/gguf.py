@@ -544,7 +544,7 @@ def _source_tensors(shards: list[Path], *, meta: bool) -> Iterator[tuple[Path, s
 
 def _expected(config: CloverConfig) -> dict[str, tuple[int, ...]]:
     from ..checkpoint import expected_shapes
-    from ..model import build_model
+    from ..models import build_model
 
     return {k: tuple(v) for k, v in expected_shapes(build_model(config, device="meta")).items()}
 

@@ -41,6 +41,9 @@ LINEAR_SUFFIXES = (
     "mlp.shared_expert.gate_proj",
     "mlp.shared_expert.up_proj",
     "mlp.shared_expert.down_proj",
+    "mlp.gate_proj",  # the dense backbone's MLP
+    "mlp.up_proj",
+    "mlp.down_proj",
 )
 EXPERTS_SUFFIX = "mlp.experts"
 EMBEDDING = "model.embed_tokens"
@@ -87,20 +90,25 @@ def quantizable(config: CloverConfig) -> dict[str, Target]:
         "mlp.shared_expert.gate_proj": (c.shared_expert_intermediate_size, c.hidden_size, False),
         "mlp.shared_expert.up_proj": (c.shared_expert_intermediate_size, c.hidden_size, False),
         "mlp.shared_expert.down_proj": (c.hidden_size, c.shared_expert_intermediate_size, False),
+        "mlp.gate_proj": (c.intermediate_size, c.hidden_size, False),
+        "mlp.up_proj": (c.intermediate_size, c.hidden_size, False),
+        "mlp.down_proj": (c.hidden_size, c.intermediate_size, False),
     }
+    mlp = ("mlp.shared_expert.",) if c.is_moe else ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
     out[EMBEDDING] = Target(EMBEDDING, "embedding", c.vocab_size, c.hidden_size)
     for i, t in enumerate(c.layer_types):
         mixer = "self_attn" if t == "full_attention" else "linear_attn"
         for suffix in LINEAR_SUFFIXES:
-            if not suffix.startswith(("mlp.", mixer + ".")):
+            if not suffix.startswith((*mlp, mixer + ".")):
                 continue
             if suffix.startswith("mlp.shared_expert") and c.shared_expert_intermediate_size <= 0:
                 continue
             n, k, bias = shapes[suffix]
             name = f"model.layers.{i}.{suffix}"
             out[name] = Target(name, "linear", n, k, bias)
-        name = f"model.layers.{i}.{EXPERTS_SUFFIX}"
-        out[name] = Target(name, "experts", c.num_experts, c.hidden_size, inter=c.moe_intermediate_size)
+        if c.is_moe:
+            name = f"model.layers.{i}.{EXPERTS_SUFFIX}"
+            out[name] = Target(name, "experts", c.num_experts, c.hidden_size, inter=c.moe_intermediate_size)
     if not c.tie_word_embeddings:
         out[LM_HEAD] = Target(LM_HEAD, "linear", c.vocab_size, c.hidden_size)
     return out
@@ -131,7 +139,7 @@ def make_quantization_config(bits: int, group_size: int | None, modules: list[st
 
 def parse_quantization_config(qc: dict, config: CloverConfig, source: str) -> tuple[int, int | None, dict[str, Target]]:
     """Validate config.json's quantization_config -> (bits, group_size, {module name: Target})."""
-    from ..checkpoint import CheckpointError
+    from ..weights import CheckpointError
 
     if not isinstance(qc, dict):
         raise CheckpointError(f"{source}: quantization_config must be an object, got {type(qc).__name__}")

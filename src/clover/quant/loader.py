@@ -1,4 +1,4 @@
-"""`load_quantized`: a quantized model directory -> CloverForCausalLM with quantized modules.
+"""`load_quantized`: a quantized model directory -> the model of its architecture with quantized modules.
 
 The model is built on `meta`, the modules named by `quantization_config` are swapped for
 Int8Linear / Int4Linear / QuantExperts / QuantEmbedding, and the safetensors are read shard by shard:
@@ -14,8 +14,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..checkpoint import CheckpointError, iter_tensors, shard_files
 from ..config import CloverConfig
+from ..models import build_model
+from ..weights import CheckpointError, expected_shapes, iter_tensors, shard_files
 from .format import EMBEDDING, LM_HEAD, Target, parse_quantization_config, tensor_specs
 from .modules import Int4Linear, Int8Linear, QuantEmbedding, QuantExperts
 
@@ -69,9 +70,6 @@ def load_quantized(
 ):
     """Build the quantized model for `config` from `directory`; `dtype` is the compute dtype of the
     activations and of every tensor kept in high precision. Returns the model in eval mode."""
-    from ..checkpoint import expected_shapes
-    from ..model import build_model
-
     directory = Path(directory)
     dtype = dtype or torch.float32
     device = torch.device(device) if device is not None else torch.device("cpu")

@@ -19,16 +19,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from ..checkpoint import (
-    _PER_EXPERT,
-    INDEX_FILE,
-    SINGLE_FILE,
-    CheckpointError,
-    canonical_name,
-    iter_tensors,
-    shard_files,
-)
 from ..config import CloverConfig
+from ..models import build_model
+from ..weights import INDEX_FILE, SINGLE_FILE, CheckpointError, expected_shapes, iter_tensors, shard_files
 from .format import (
     EXPERT_PARTS,
     GROUP_SIZES,
@@ -42,9 +35,6 @@ WEIGHT_FILES = {INDEX_FILE, "config.json"}
 
 
 def _float_state_shapes(config: CloverConfig) -> dict[str, torch.Size]:
-    from ..checkpoint import expected_shapes
-    from ..model import build_model
-
     return expected_shapes(build_model(config, device="meta"))
 
 
@@ -93,6 +83,7 @@ def quantize_checkpoint(
         for wname in t.weight_shapes():
             quant_weights[wname] = (m, wname.rsplit(".", 1)[1] if t.kind == "experts" else None)
     expected = _float_state_shapes(config)
+    layout = build_model(config, device="meta").key_layout
     if config.tie_word_embeddings:
         expected.pop("lm_head.weight", None)
 
@@ -122,12 +113,12 @@ def quantize_checkpoint(
 
             for key, t in iter_tensors(path, None):
                 bar.update(1)
-                name = canonical_name(key)
+                name = layout.name(key)
                 if name is None:
                     continue
-                m = _PER_EXPERT.match(name)
-                if m:
-                    prefix, e, proj = m.group(1), int(m.group(2)), m.group(3)
+                part = layout.expert_part(name)
+                if part is not None:
+                    prefix, e, proj = part
                     if not 0 <= e < E:
                         raise CheckpointError(f"{path}: key {key!r}: expert index {e} but the config has {E} experts")
                     fused = f"{prefix}.gate_up_proj" if proj != "down_proj" else f"{prefix}.down_proj"

@@ -27,7 +27,8 @@ import torch.distributed as dist
 
 from ..checkpoint import load_model
 from ..config import CloverConfig
-from ..model import build_model
+from ..models import build_model
+from ..models.clover import convert_model
 from . import checkpointing as ck
 from .losses import ar_step_loss, diffusion_step_loss
 from .recipes import Recipe
@@ -162,17 +163,8 @@ def build_or_load_model(recipe: Recipe, tokenizer_ids: dict[str, int]):
 
 
 def to_clover(model, mask_token_id: int | None):
-    """An AR (qwen3_5_moe) model -> a clover model with the zero-initialised Clover parameters."""
-    if mask_token_id is None:
-        raise ValueError("converting to clover needs a mask token id (<|mask|> in the tokenizer)")
-    cfg = model.config.replace(model_type="clover", mask_token_id=mask_token_id)
-    new = build_model(cfg, device="cpu", dtype=torch.float32)
-    new.init_weights(seed=0)  # sets the Clover parameters to their defined initial values
-    missing, unexpected = new.load_state_dict(model.state_dict(), strict=False)
-    bad = [k for k in missing if not any(s in k for s in CLOVER_ONLY)]
-    if bad or unexpected:
-        raise ValueError(f"conversion to clover: missing {bad[:5]}, unexpected {list(unexpected)[:5]}")
-    return new
+    """An AR model (either backbone) -> a clover model with the Clover parameters at their initial values."""
+    return convert_model(model, mask_token_id)
 
 
 def make_stream(recipe: Recipe, rank: int, world: int, tokenizer: str, distill=None):

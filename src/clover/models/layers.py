@@ -1,0 +1,466 @@
+"""The building blocks every architecture of the hybrid family shares: norms, partial RoPE, gated
+attention, the Gated DeltaNet (with Clover's bidirectional denoise branch), the dense SwiGLU MLP and
+the sparse MoE.
+
+Layers take explicit arguments and return what they produce. The layout of a forward is a
+`Segments`: per row a *commit* part `[B, Tc]` (causal; appended to the cache; right-padded,
+`n_commit[b]` valid tokens) and a *denoise* part `[B, Bd]` (one block, bidirectional inside, reading
+the cache after the commit part), or, in block-diffusion training, `[clean L | noisy k*L]` with
+blocks of `block_size`. A layer's cache entry is its own state object (`clover.cache`), declared by
+`make_state`. MLPs return `(y, ExpertStats | None)`: router logits and experts touched are outputs.
+
+Parameter names follow the Hugging Face Qwen3.5 / Qwen3.5-MoE state dicts so checkpoints map 1:1.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..cache import AttentionState, DeltaNetState
+from ..config import CloverConfig, log2_block_ratio
+from ..kernels import chunk_gated_delta_rule, chunk_gated_delta_rule_with_states, recurrent_gated_delta_rule
+from ..moe import BlockSharing, grouped_expert_forward, route
+
+
+# --------------------------------------------------------------------------- forward layout
+@dataclass(frozen=True)
+class Segments:
+    """The layout of one forward along time (an input; nothing is collected here)."""
+
+    commit_len: int  # Tc: padded length of the commit part (0 = none)
+    denoise_len: int = 0  # Bd: length of the denoise part (0 = none)
+    n_commit: torch.Tensor | None = None  # [B] valid commit tokens per row; None = all Tc valid
+    block_size: int | None = None  # set: block-diffusion training, x is [clean L | noisy k*L]
+
+    @property
+    def ragged(self) -> bool:
+        return self.n_commit is not None
+
+
+@dataclass
+class ExpertStats:
+    """What one MoE layer reports about its routing in a forward."""
+
+    router_logits: torch.Tensor  # [N, E], for the load-balancing loss
+    experts_touched: int | None = None  # unique experts that received a token (when tracked)
+
+
+# --------------------------------------------------------------------------- norms & rope
+class RMSNorm(nn.Module):
+    """Zero-centred RMSNorm: y = x * rsqrt(mean(x^2) + eps) * (1 + w), computed in fp32."""
+
+    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.zeros(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (y * (1.0 + self.weight.float())).type_as(x)
+
+
+class GatedRMSNorm(nn.Module):
+    """Plain-weight RMSNorm (w initialised to 1) followed by a SiLU gate, for the GDN output."""
+
+    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        xf = x.float()
+        y = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(dtype)
+        y = self.weight * y
+        return (y * F.silu(gate.float())).to(dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    """Partial RoPE (rotate-half convention) on the first `rotary_dim` dims of each head."""
+
+    def __init__(self, dim: int, theta: float) -> None:
+        super().__init__()
+        self.dim, self.theta = dim, theta
+        self._inv_freq: torch.Tensor | None = None  # not a buffer: nothing to load, nothing left on `meta`
+
+    def inv_freq(self, device: torch.device) -> torch.Tensor:
+        if self._inv_freq is None or self._inv_freq.device != device:
+            exponents = torch.arange(0, self.dim, 2, dtype=torch.float32, device=device) / self.dim
+            self._inv_freq = 1.0 / (self.theta**exponents)
+        return self._inv_freq
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions[..., None].float() * self.inv_freq(positions.device)  # [B, T, dim/2]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [B, H, T, D]; cos/sin: [B, T, rot]. Rotates the first `rot` dims, leaves the rest."""
+    rot = cos.shape[-1]
+    cos, sin = cos[:, None], sin[:, None]
+    xr, xp = x[..., :rot], x[..., rot:]
+    half = rot // 2
+    rotated = torch.cat((-xr[..., half:], xr[..., :half]), dim=-1)
+    return torch.cat((xr * cos + rotated * sin, xp), dim=-1)
+
+
+def depthwise_conv(window: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Depthwise conv, no padding: window [B, C, K-1+T], weight [C, 1, K] -> [B, C, T].
+
+    For short inference windows, K shifted multiply-adds beat conv1d's per-call overhead on CPU
+    (measured -11% per AR and denoise step; docs/benchmarks.md); identical results in fp32."""
+    K = weight.shape[-1]
+    T = window.shape[-1] - K + 1
+    if torch.is_grad_enabled() or window.numel() > 1 << 16 or window.device.type != "cpu":
+        return F.conv1d(window, weight, groups=weight.shape[0])
+    out = window[:, :, :T] * weight[:, :, 0]
+    for j in range(1, K):
+        out.addcmul_(window[:, :, j : j + T], weight[:, :, j])
+    return out
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+
+# --------------------------------------------------------------------------- attention
+class GatedAttention(nn.Module):
+    def __init__(self, config: CloverConfig) -> None:
+        super().__init__()
+        c = config
+        self.num_heads, self.num_kv_heads, self.head_dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        bias = c.attention_bias
+        self.q_proj = nn.Linear(c.hidden_size, self.num_heads * self.head_dim * 2, bias=bias)
+        self.k_proj = nn.Linear(c.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(c.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, c.hidden_size, bias=bias)
+        self.q_norm = RMSNorm(self.head_dim, c.rms_norm_eps)
+        self.k_norm = RMSNorm(self.head_dim, c.rms_norm_eps)
+
+    def make_state(self, batch: int, capacity: int, *, dtype: torch.dtype, device) -> AttentionState:
+        return AttentionState.empty(batch, self.num_kv_heads, capacity, self.head_dim, dtype=dtype, device=device)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        *,
+        mask: torch.Tensor | None = None,
+        state: AttentionState | None = None,
+        lengths: torch.Tensor | None = None,
+        commit_len: int = 0,
+    ) -> torch.Tensor:
+        """x [B, T, H]. Without `state`: attention over x itself (causal, or `mask`). With `state`:
+        the first `commit_len` positions are written at `lengths`, and every query attends to the
+        cached keys and the new block keys under `mask` (`cached_attention_mask`)."""
+        B, T, _ = x.shape
+        q, gate = self.q_proj(x).view(B, T, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
+        gate = gate.reshape(B, T, -1)
+        q = self.q_norm(q).transpose(1, 2)  # [B, H, T, D]
+        k = self.k_norm(self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim)).transpose(1, 2)
+        v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        cos, sin = rope
+        q = apply_rope(q, cos, sin)
+        k = apply_rope(k, cos, sin)
+        gqa = self.num_kv_heads != self.num_heads
+        if state is None:
+            if mask is None:
+                out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+            else:
+                out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+        else:
+            out = self.attend_cached(q, k, v, state, lengths, commit_len, mask)
+        out = out.transpose(1, 2).reshape(B, T, -1) * torch.sigmoid(gate)
+        return self.o_proj(out)
+
+    def attend_cached(self, q, k, v, state: AttentionState, lengths: torch.Tensor, commit_len: int, mask: torch.Tensor) -> torch.Tensor:
+        """q/k/v [B, H, T, D] after RoPE: commit the first `commit_len` keys, attend under `mask`."""
+        Tc = commit_len
+        keys, vals = state.write(k[:, :, :Tc], v[:, :, :Tc], lengths) if Tc else state.read(lengths)
+        if q.shape[2] > Tc:
+            keys = torch.cat([keys, k[:, :, Tc:]], dim=2)
+            vals = torch.cat([vals, v[:, :, Tc:]], dim=2)
+        return F.scaled_dot_product_attention(q, keys, vals, attn_mask=mask, enable_gqa=self.num_kv_heads != self.num_heads)
+
+
+def cached_attention_mask(start: torch.Tensor, segments: Segments) -> torch.Tensor:
+    """[B, 1, Tc+Bd, Lk+Bd] boolean for a cached forward, `start` the lengths before it and
+    Lk = max(start) + Tc the cached key slots: commit queries see the prefix and earlier commit
+    tokens (causal); block queries see the whole committed prefix (after this forward's commit) and
+    the whole block; commit queries never see the block. Built once per forward."""
+    Tc, Bd = segments.commit_len, segments.denoise_len
+    Lk = int(start.max()) + Tc
+    dev = start.device
+    j = torch.arange(Lk, device=dev)
+    parts = []
+    if Tc:
+        t = torch.arange(Tc, device=dev)
+        parts.append(j[None, None, :] <= (start[:, None, None] + t[None, :, None]))
+    if Bd:
+        n = segments.n_commit if segments.n_commit is not None else torch.full_like(start, Tc)
+        parts.append((j[None, None, :] < (start + n)[:, None, None]).expand(-1, Bd, -1))
+    mask = torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
+    if Bd:
+        block_cols = torch.zeros(mask.shape[0], Tc + Bd, Bd, dtype=torch.bool, device=dev)
+        block_cols[:, Tc:] = True
+        mask = torch.cat([mask, block_cols], dim=2)
+    return mask[:, None]
+
+
+def block_diffusion_mask(L: int, k: int, block_size: int, device) -> torch.Tensor:
+    """[1, 1, (k+1)L, (k+1)L] for `[clean L | noisy copy 1 | ... | copy k]`: the clean stream is
+    causal; noisy block b of every copy sees the clean prefix before the block and its own block
+    bidirectionally; copies never see each other."""
+    pos = torch.arange(L, device=device)
+    blk = pos // block_size
+    causal = pos[None, :] <= pos[:, None]
+    clean_before_block = pos[None, :] < (blk * block_size)[:, None]
+    same_block = (blk[None, :] == blk[:, None]).to(torch.uint8)
+    top = torch.cat([causal, torch.zeros(L, k * L, dtype=torch.bool, device=device)], dim=1)
+    own_copy = torch.kron(torch.eye(k, dtype=torch.uint8, device=device), same_block).bool()  # [kL, kL]
+    bottom = torch.cat([clean_before_block.repeat(k, 1), own_copy], dim=1)
+    return torch.cat([top, bottom], dim=0)[None, None]
+
+
+# --------------------------------------------------------------------------- gated deltanet
+def denoise_parameters(config: CloverConfig, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    """Clover's additions to one GDN layer at their initial values (the one place they are defined):
+    the right-side conv branch and the block gains at zero, the intra-block logit scale at sqrt(d_k).
+    With both branches at zero, denoise mode starts from the AR model's decayed prefix readout."""
+    c = config
+    hv = c.linear_num_value_heads
+    return {
+        "conv1d_right.weight": torch.zeros(c.linear_conv_dim, 1, c.linear_conv_kernel_dim - 1, dtype=dtype),
+        "intra_scale": torch.full((hv,), math.sqrt(c.linear_key_head_dim), dtype=dtype),
+        "block_gain_a": torch.zeros(hv, dtype=dtype),
+        "block_gain_b": torch.zeros(hv, dtype=dtype),
+    }
+
+
+class GatedDeltaNet(nn.Module):
+    def __init__(self, config: CloverConfig) -> None:
+        super().__init__()
+        c = config
+        self.hk, self.hv = c.linear_num_key_heads, c.linear_num_value_heads
+        self.dk, self.dv = c.linear_key_head_dim, c.linear_value_head_dim
+        self.key_dim, self.value_dim = self.hk * self.dk, self.hv * self.dv
+        self.kernel_size = c.linear_conv_kernel_dim
+        self.conv_dim = c.linear_conv_dim
+        self.in_proj_qkv = nn.Linear(c.hidden_size, self.conv_dim, bias=False)
+        self.in_proj_z = nn.Linear(c.hidden_size, self.value_dim, bias=False)
+        self.in_proj_b = nn.Linear(c.hidden_size, self.hv, bias=False)
+        self.in_proj_a = nn.Linear(c.hidden_size, self.hv, bias=False)
+        self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, self.kernel_size, groups=self.conv_dim, bias=False)
+        self.dt_bias = nn.Parameter(torch.ones(self.hv))
+        self.A_log = nn.Parameter(torch.zeros(self.hv))
+        self.norm = GatedRMSNorm(self.dv, c.rms_norm_eps)
+        self.out_proj = nn.Linear(self.value_dim, c.hidden_size, bias=False)
+        self.has_denoise_params = c.is_clover
+        if c.is_clover:
+            # Clover's bidirectional additions; their initial values: `denoise_parameters`
+            self.conv1d_right = nn.Conv1d(self.conv_dim, self.conv_dim, self.kernel_size - 1, groups=self.conv_dim, bias=False)
+            self.intra_scale = nn.Parameter(torch.empty(self.hv))
+            self.block_gain_a = nn.Parameter(torch.empty(self.hv))
+            self.block_gain_b = nn.Parameter(torch.empty(self.hv))
+
+    def make_state(self, batch: int, capacity: int, *, dtype: torch.dtype, device) -> DeltaNetState:
+        return DeltaNetState.empty(batch, self.conv_dim, self.kernel_size, self.hv, self.dk, self.dv, dtype=dtype, device=device)
+
+    # -- pieces shared by every path
+    def _split_heads(self, mixed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        B, T, _ = mixed.shape
+        q, k, v = torch.split(mixed, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        q = q.reshape(B, T, self.hk, self.dk)
+        k = k.reshape(B, T, self.hk, self.dk)
+        v = v.reshape(B, T, self.hv, self.dv)
+        if self.hv != self.hk:  # each key head serves hv/hk consecutive value heads
+            q = q.repeat_interleave(self.hv // self.hk, dim=2)
+            k = k.repeat_interleave(self.hv // self.hk, dim=2)
+        return q, k, v
+
+    def _gates(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        beta = self.in_proj_b(x).sigmoid()
+        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)
+        return g, beta
+
+    def _causal_conv(self, window: torch.Tensor) -> torch.Tensor:
+        """window [B, C, K-1+T] (left context then new inputs) -> pre-activation [B, C, T]."""
+        return depthwise_conv(window, self.conv1d.weight)
+
+    def forward(self, x: torch.Tensor, segments: Segments, state: DeltaNetState | None = None) -> torch.Tensor:
+        """x [B, T, H]. Without `state`: causal over x (or, with `segments.block_size`, the clean and
+        noisy training streams). With `state`: the commit part advances the state, the denoise part
+        reads it."""
+        B, T, _ = x.shape
+        Tc, Bd = (segments.commit_len, segments.denoise_len) if state is not None else (T, 0)
+        mixed = self.in_proj_qkv(x).transpose(1, 2)  # [B, C, T]
+        z = self.in_proj_z(x).reshape(B, T, self.hv, self.dv)
+        g, beta = self._gates(x)
+        K1 = self.kernel_size - 1
+        if segments.block_size is not None:
+            o = self._train_streams(mixed, g, beta, segments.block_size, segments.commit_len)
+            return self.out_proj(self.norm(o, z).reshape(B, T, self.value_dim))
+        outs = []
+        if Tc:
+            pre = mixed[:, :, :Tc]
+            conv_state = state.conv if state is not None else pre.new_zeros(B, self.conv_dim, K1)
+            window = torch.cat([conv_state.to(pre.dtype), pre], dim=2)
+            act = F.silu(self._causal_conv(window)).transpose(1, 2)
+            q, k, v = self._split_heads(act)
+            gc, bc = g[:, :Tc], beta[:, :Tc]
+            ragged = segments.ragged and state is not None
+            if ragged:
+                # rows commit different numbers of tokens: padded steps neither decay nor write the state
+                valid = torch.arange(Tc, device=x.device)[None, :] < segments.n_commit[:, None]
+                gc = gc * valid[..., None]
+                bc = bc * valid[..., None]
+            if state is not None and state.recording:
+                state.record = (q, k, v, gc, bc, window)
+            initial = state.recurrent if state is not None else None
+            if Tc == 1 and state is not None:
+                o, new_state = recurrent_gated_delta_rule(
+                    q, k, v, gc, bc, initial_state=initial, output_final_state=True, use_qk_l2norm_in_kernel=True
+                )
+            else:  # chunk 32 measured faster than 64 on CPU, same results (docs/kernels.md)
+                o, new_state = chunk_gated_delta_rule(
+                    q, k, v, gc, bc, initial_state=initial, output_final_state=state is not None,
+                    use_qk_l2norm_in_kernel=True, chunk_size=32,
+                )
+            outs.append(o)
+            if state is not None:
+                state.recurrent = new_state
+                if ragged:
+                    idx = segments.n_commit[:, None, None] + torch.arange(K1, device=x.device)[None, None, :]
+                    state.conv = window.gather(2, idx.expand(B, self.conv_dim, K1)).contiguous()
+                else:
+                    state.conv = window[:, :, -K1:].contiguous()
+        if Bd:
+            outs.append(self.denoise_block(mixed[:, :, Tc:], state.conv, g[:, Tc:], state.recurrent))
+        o = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+        o = self.norm(o, z)
+        return self.out_proj(o.reshape(B, T, self.value_dim))
+
+    def denoise_block(self, pre: torch.Tensor, conv_ctx: torch.Tensor, g: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
+        """Bidirectional GDN over blocks: decayed prefix readout + intra-block softmax attention.
+
+        pre [M, C, Bs] pre-conv block inputs; conv_ctx [M, C, K-1] the prefix's last pre-conv inputs;
+        g [M, Bs, Hv]; state [M, Hv, dk, dv] the prefix recurrent state. Returns [M, Bs, Hv, dv]."""
+        Bs = pre.shape[2]
+        K1 = self.kernel_size - 1
+        window = torch.cat([conv_ctx.to(pre.dtype), pre], dim=2)
+        conv = self._causal_conv(window)
+        if self.has_denoise_params:
+            later = F.pad(pre, (0, K1))[:, :, 1:]  # x_{i+1} ... x_{i+K-1}, zero past the block end
+            conv = conv + depthwise_conv(later, self.conv1d_right.weight)
+        act = F.silu(conv).transpose(1, 2)
+        q, k, v = self._split_heads(act)
+        q_hat, k_hat = l2norm(q.float()), l2norm(k.float())
+        prefix = torch.einsum("bthk,bhkv->bthv", q_hat * self.dk**-0.5, state) * g.float().exp()[..., None]
+        if not self.has_denoise_params:
+            return prefix.to(pre.dtype)
+        logits = torch.einsum("bihk,bjhk->bhij", q_hat, k_hat) * self.intra_scale.float()[None, :, None, None]
+        intra = torch.einsum("bhij,bjhv->bihv", logits.softmax(-1), v.float())
+        gain = self.block_gain_a.float() + self.block_gain_b.float() * log2_block_ratio(Bs)
+        return (prefix + gain[None, None, :, None] * intra).to(pre.dtype)
+
+    def _train_streams(self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, Bs: int, L: int) -> torch.Tensor:
+        """Block-diffusion training: mixed [B, C, (k+1)L] = [clean | noisy copy 1 | ... | copy k]. The
+        clean stream runs causally (chunked with chunk = block size, keeping the state at every block
+        boundary); every noisy block of every copy is denoised against the clean prefix before it.
+        Returns [B, (k+1)L, Hv, dv]."""
+        B, C, T = mixed.shape
+        k = T // L - 1
+        N, K1 = L // Bs, self.kernel_size - 1
+        clean = mixed[:, :, :L]
+        padded = F.pad(clean, (K1, 0))  # zeros before the sequence start
+        act = F.silu(self._causal_conv(padded)).transpose(1, 2)
+        q, kk, v = self._split_heads(act)
+        o_clean, states = chunk_gated_delta_rule_with_states(
+            q, kk, v, g[:, :L], beta[:, :L], chunk_size=Bs, use_qk_l2norm_in_kernel=True
+        )  # states [B, N, Hv, dk, dv]: the state before each block
+        # the K-1 clean pre-conv inputs before each block start
+        idx = torch.arange(N, device=mixed.device)[:, None] * Bs + torch.arange(K1, device=mixed.device)[None, :]
+        ctx_in = padded[:, :, idx].permute(0, 2, 1, 3)  # [B, N, C, K-1]
+        M = B * k * N
+        conv_ctx = ctx_in[:, None].expand(B, k, N, C, K1).reshape(M, C, K1)
+        st = states[:, None].expand(B, k, *states.shape[1:]).reshape(M, self.hv, self.dk, self.dv)
+        noisy = mixed[:, :, L:].reshape(B, C, k, N, Bs).permute(0, 2, 3, 1, 4).reshape(M, C, Bs)
+        g_noisy = g[:, L:].reshape(M, Bs, self.hv)
+        o_noisy = self.denoise_block(noisy, conv_ctx, g_noisy, st).reshape(B, k * L, self.hv, self.dv)
+        return torch.cat([o_clean.to(o_noisy.dtype), o_noisy], dim=1)
+
+
+
+# --------------------------------------------------------------------------- MLPs
+class MLP(nn.Module):
+    def __init__(self, hidden: int, inter: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, inter, bias=False)
+        self.up_proj = nn.Linear(hidden, inter, bias=False)
+        self.down_proj = nn.Linear(inter, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Experts(nn.Module):
+    """All routed experts, stored fused: gate_up_proj [E, 2I, H] (gate rows first), down_proj [E, H, I]."""
+
+    def __init__(self, num_experts: int, hidden: int, inter: int) -> None:
+        super().__init__()
+        self.num_experts, self.inter = num_experts, inter
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * inter, hidden))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, inter))
+
+    def expert_forward(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        gate, up = F.linear(x, self.gate_up_proj[e]).chunk(2, dim=-1)
+        return F.linear(F.silu(gate) * up, self.down_proj[e])
+
+    def forward(self, x: torch.Tensor, top_idx: torch.Tensor, top_w: torch.Tensor) -> torch.Tensor:
+        """x [N, H]; top_idx/top_w [N, k]. Tokens grouped by expert; only touched experts run."""
+        return grouped_expert_forward(self, x, top_idx, top_w)
+
+
+class DenseMLP(MLP):
+    """The dense backbone's MLP (one SwiGLU per layer); no routing, nothing to report."""
+
+    def __init__(self, config: CloverConfig) -> None:
+        super().__init__(config.hidden_size, config.intermediate_size)
+
+    def forward(self, x: torch.Tensor, sharing: BlockSharing | None = None, track_experts: bool = False):
+        return super().forward(x), None
+
+
+class SparseMoE(nn.Module):
+    def __init__(self, config: CloverConfig) -> None:
+        super().__init__()
+        c = config
+        self.top_k, self.num_experts = c.num_experts_per_tok, c.num_experts
+        self.gate = nn.Linear(c.hidden_size, c.num_experts, bias=False)  # the router
+        self.experts = Experts(c.num_experts, c.hidden_size, c.moe_intermediate_size)
+        self.has_shared = c.shared_expert_intermediate_size > 0
+        if self.has_shared:
+            self.shared_expert = MLP(c.hidden_size, c.shared_expert_intermediate_size)
+            self.shared_expert_gate = nn.Linear(c.hidden_size, 1, bias=False)
+
+    def forward(
+        self, x: torch.Tensor, sharing: BlockSharing | None = None, track_experts: bool = False
+    ) -> tuple[torch.Tensor, ExpertStats]:
+        """x [B, T, H] -> (y, stats). `sharing`: block expert sharing for the denoise part."""
+        B, T, H = x.shape
+        flat = x.reshape(-1, H)
+        logits = self.gate(flat)
+        top_w, top_idx = route(logits, self.top_k, sharing)
+        touched = int(torch.unique(top_idx).numel()) if track_experts else None
+        out = self.experts(flat, top_idx, top_w.to(x.dtype))
+        if self.has_shared:
+            out = out + torch.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat)
+        return out.reshape(B, T, H), ExpertStats(logits, touched)

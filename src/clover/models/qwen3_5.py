@@ -1,0 +1,323 @@
+"""Qwen3.5 (dense): the hybrid stack — Gated DeltaNet and gated full attention, 3:1 by default — with a
+dense SwiGLU MLP per layer. model_type `qwen3_5_text` (`Qwen3_5ForCausalLM`) or `qwen3_5` (the
+multimodal `Qwen3_5ForConditionalGeneration`, text config in `text_config`).
+
+This file also holds what every member of the family shares on top of `layers.py`: the decoder
+layer, the causal LM with its cached `step` (commit and/or denoise in one forward), the
+block-diffusion training forward, `make_cache`, random initialisation and the checkpoint key layout.
+`qwen3_5_moe.py` swaps the MLP for the sparse MoE; `clover.py` adds the denoise parameters to either.
+
+One forward can carry two parts per row, laid side by side on the time axis: a *commit* part
+`[B, Tc]` (causal; appended to the cache) and a *denoise* part `[B, Bd]` (one block, bidirectional
+inside, reading the cache after the commit part; never written). The prompt prefill, AR decoding,
+committing a finished block and denoising the next block are all instances of `step`.
+`forward(input_ids)` is the plain causal forward without a cache.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ..cache import HybridCache
+from ..config import CloverConfig
+from ..moe import BlockSharing
+from .layers import (
+    DenseMLP,
+    GatedAttention,
+    GatedDeltaNet,
+    RMSNorm,
+    RotaryEmbedding,
+    Segments,
+    block_diffusion_mask,
+    cached_attention_mask,
+    denoise_parameters,
+)
+
+MODEL_TYPES = ("qwen3_5", "qwen3_5_text")
+
+
+# --------------------------------------------------------------------------- key layout
+class KeyLayout:
+    """Checkpoint key -> parameter name. The multimodal checkpoints keep the text model under
+    `model.language_model.*` and carry a vision tower and an MTP head, which are skipped."""
+
+    skipped_prefixes = ("model.visual.", "visual.", "mtp.", "model.mtp.")
+    text_prefix = "model.language_model."
+
+    def name(self, key: str) -> str | None:
+        """Our parameter name for a stored key; None for keys skipped on purpose."""
+        if key.startswith(self.skipped_prefixes):
+            return None
+        if key.startswith(self.text_prefix):
+            return "model." + key[len(self.text_prefix) :]
+        return key
+
+    def expert_part(self, name: str) -> tuple[str, int, str] | None:
+        """(module prefix, expert index, part) for a weight stored per expert; None otherwise."""
+        return None
+
+    def stack_experts(self, prefix: str, experts: dict[int, dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        raise NotImplementedError(f"{type(self).__name__} has no per-expert weights ({prefix})")
+
+
+# --------------------------------------------------------------------------- stack
+class DecoderLayer(nn.Module):
+    """`h = x + mixer(input_layernorm(x))`, `out = h + mlp(post_attention_layernorm(h))`."""
+
+    def __init__(self, config: CloverConfig, layer_idx: int, mlp_class: type[nn.Module]) -> None:
+        super().__init__()
+        self.layer_type = config.layer_types[layer_idx]
+        if self.layer_type == "full_attention":
+            self.self_attn = GatedAttention(config)
+        else:
+            self.linear_attn = GatedDeltaNet(config)
+        self.mlp = mlp_class(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    @property
+    def mixer(self) -> nn.Module:
+        return self.self_attn if self.layer_type == "full_attention" else self.linear_attn
+
+    def make_state(self, batch: int, capacity: int, *, dtype: torch.dtype, device):
+        return self.mixer.make_state(batch, capacity, dtype=dtype, device=device)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        segments: Segments,
+        *,
+        mask: torch.Tensor | None = None,
+        state=None,
+        lengths: torch.Tensor | None = None,
+        sharing: BlockSharing | None = None,
+        track_experts: bool = False,
+    ):
+        """-> (x, ExpertStats | None)."""
+        h = self.input_layernorm(x)
+        if self.layer_type == "full_attention":
+            h = self.self_attn(h, rope, mask=mask, state=state, lengths=lengths, commit_len=segments.commit_len)
+        else:
+            h = self.linear_attn(h, segments, state)
+        x = x + h
+        y, stats = self.mlp(self.post_attention_layernorm(x), sharing, track_experts)
+        return x + y, stats
+
+
+class TextModel(nn.Module):
+    def __init__(self, config: CloverConfig, mlp_class: type[nn.Module]) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i, mlp_class) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(config.rotary_dim, config.rope_theta)
+
+
+@dataclass
+class StepOutput:
+    commit_logits: torch.Tensor | None  # [B, V] at each row's last valid commit token (or [B, Tc, V] if all_logits)
+    denoise_logits: torch.Tensor | None  # [B, Bd, V]
+    experts_touched: list[int]  # per MoE layer, when tracked (empty for a dense MLP)
+
+
+class Qwen3_5ForCausalLM(nn.Module):
+    mlp_class: type[nn.Module] = DenseMLP
+    key_layout: KeyLayout = KeyLayout()
+
+    def __init__(self, config: CloverConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = TextModel(config, self.mlp_class)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    # -- properties
+    @property
+    def device(self) -> torch.device:
+        return self.lm_head.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.embed_tokens.weight.dtype
+
+    def make_cache(self, batch_size: int, capacity: int) -> HybridCache:
+        """A cache for `batch_size` rows, built from the state each layer declares."""
+        dtype, device = self.dtype, self.device
+        states = [layer.make_state(batch_size, capacity, dtype=dtype, device=device) for layer in self.model.layers]
+        return HybridCache(states, batch_size, capacity, device=device)
+
+    def _layers(
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        segments: Segments,
+        *,
+        mask: torch.Tensor | None = None,
+        cache: HybridCache | None = None,
+        sharing: BlockSharing | None = None,
+        track_experts: bool = False,
+        router_logits: list | None = None,
+    ) -> tuple[torch.Tensor, list[int]]:
+        """Run every layer; collect router logits (into `router_logits`) and experts touched."""
+        touched: list[int] = []
+        lengths = cache.lengths if cache is not None else None
+        for i, layer in enumerate(self.model.layers):
+            state = cache.layers[i] if cache is not None else None
+            x, stats = layer(x, rope, segments, mask=mask, state=state, lengths=lengths, sharing=sharing,
+                             track_experts=track_experts)
+            if stats is not None:
+                if router_logits is not None:
+                    router_logits.append(stats.router_logits)
+                if stats.experts_touched is not None:
+                    touched.append(stats.experts_touched)
+        return x, touched
+
+    def _logits(self, h: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.model.norm(h))
+
+    # -- plain causal forward (no cache): logits [B, T, V]
+    def forward(self, input_ids: torch.Tensor, *, router_logits: list | None = None) -> torch.Tensor:
+        """`router_logits`, when a list, receives each MoE layer's router logits (for the aux loss)."""
+        B, T = input_ids.shape
+        positions = torch.arange(T, device=input_ids.device).expand(B, T)
+        x = self.model.embed_tokens(input_ids)
+        rope = self.model.rotary_emb(positions, x.dtype)
+        x, _ = self._layers(x, rope, Segments(commit_len=T), router_logits=router_logits)
+        return self._logits(x)
+
+    # -- block-diffusion training forward (clean stream + noisy stream, vectorised over blocks)
+    def forward_block_diffusion(
+        self,
+        clean_ids: torch.Tensor,
+        noisy_ids: torch.Tensor,
+        block_size: int,
+        *,
+        router_logits: list | None = None,
+        noisy_logits_at: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """clean_ids [B, L], noisy_ids [B, k*L] (L a multiple of block_size; k >= 1 noisy copies of the
+        sequence, e.g. k = 2 for complementary masks) -> (clean_logits [B, L, V], noisy_logits [B, k*L, V]).
+        `noisy_logits_at` (bool [B, k*L]) computes the noisy logits only there: noisy_logits is then
+        [N, V], the selected positions in row-major order (the LM head is a large share of training).
+
+        Clean stream: causal, exactly commit mode, computed once however many noisy copies there are.
+        Noisy block b of every copy (positions [b*Bs, (b+1)*Bs) of that copy) sees the clean prefix
+        before it (attention: clean keys; GDN: the clean state and conv inputs at the block boundary)
+        and itself bidirectionally -- exactly what the engine's denoise step computes with that prefix
+        committed. Copies never see each other."""
+        B, L = clean_ids.shape
+        if noisy_ids.shape[0] != B or noisy_ids.shape[1] == 0 or noisy_ids.shape[1] % max(L, 1):
+            raise ValueError(
+                f"noisy_ids {tuple(noisy_ids.shape)} must be [B, k*L] for clean_ids {tuple(clean_ids.shape)}"
+            )
+        if L % block_size:
+            raise ValueError(f"sequence length {L} is not a multiple of block_size {block_size}")
+        k = noisy_ids.shape[1] // L
+        dev = clean_ids.device
+        positions = torch.arange(L, device=dev).repeat(k + 1).expand(B, (k + 1) * L)
+        mask = block_diffusion_mask(L, k, block_size, dev)
+        x = self.model.embed_tokens(torch.cat([clean_ids, noisy_ids], dim=1))
+        rope = self.model.rotary_emb(positions, x.dtype)
+        segments = Segments(commit_len=L, denoise_len=k * L, block_size=block_size)
+        x, _ = self._layers(x, rope, segments, mask=mask, router_logits=router_logits)
+        clean_x, noisy_x = x[:, :L], x[:, L:]
+        if noisy_logits_at is not None:
+            noisy_x = noisy_x[noisy_logits_at]
+        return self._logits(clean_x), self._logits(noisy_x)
+
+    # -- the cached step: commit and/or denoise in one forward
+    def step(
+        self,
+        cache: HybridCache,
+        commit_ids: torch.Tensor | None = None,
+        n_commit: torch.Tensor | None = None,
+        denoise_ids: torch.Tensor | None = None,
+        *,
+        expert_budget: int | None = None,
+        all_logits: bool = False,
+        track_experts: bool = False,
+        denoise_need: torch.Tensor | None = None,
+    ) -> StepOutput:
+        """One forward. `commit_ids [B, Tc]` (right-padded, `n_commit[b]` valid; None = all valid) are
+        appended to `cache`; `denoise_ids [B, Bd]` is one block denoised against the updated cache.
+        `expert_budget` shares that many experts across the denoise block (MoE only).
+        `denoise_need [B, Bd]` (bool) limits the denoise logits to those positions (others are garbage)."""
+        parts = [p for p in (commit_ids, denoise_ids) if p is not None]
+        if not parts:
+            raise ValueError("step needs commit_ids, denoise_ids or both")
+        ids = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+        B = ids.shape[0]
+        Tc = 0 if commit_ids is None else commit_ids.shape[1]
+        Bd = 0 if denoise_ids is None else denoise_ids.shape[1]
+        if n_commit is not None and Tc and bool((n_commit == Tc).all()):
+            n_commit = None
+        n = n_commit if n_commit is not None else torch.full((B,), Tc, dtype=torch.long, device=ids.device)
+        start = cache.lengths
+        pos = [start[:, None] + torch.arange(Tc, device=ids.device)] if Tc else []
+        if Bd:
+            pos.append((start + n)[:, None] + torch.arange(Bd, device=ids.device))
+        positions = torch.cat(pos, dim=1)
+        cache.ensure_capacity(int(start.max()) + Tc)
+        x = self.model.embed_tokens(ids)
+        rope = self.model.rotary_emb(positions, x.dtype)
+        segments = Segments(commit_len=Tc, denoise_len=Bd, n_commit=n_commit)
+        sharing = BlockSharing(expert_budget, B, Tc) if expert_budget is not None and Bd else None
+        mask = cached_attention_mask(start, segments) if "full_attention" in self.config.layer_types else None
+        x, touched = self._layers(x, rope, segments, mask=mask, cache=cache, sharing=sharing, track_experts=track_experts)
+        if Tc:
+            cache.advance(n)
+        commit_logits = denoise_logits = None
+        if Tc:
+            if all_logits:
+                commit_logits = self._logits(x[:, :Tc])
+            else:
+                commit_logits = self._logits(x[torch.arange(B, device=x.device), n - 1])  # [B, V]
+        if Bd:
+            if denoise_need is None:
+                denoise_logits = self._logits(x[:, Tc:])
+            else:  # only the positions whose predictions are still needed (masked next positions)
+                denoise_logits = x.new_empty(B, Bd, self.config.vocab_size)
+                denoise_logits[denoise_need] = self._logits(x[:, Tc:][denoise_need])
+        return StepOutput(commit_logits, denoise_logits, touched)
+
+    # -- initialisation for random/tiny models and training from scratch
+    @torch.no_grad()
+    def init_weights(self, seed: int | None = None, std: float | None = None) -> None:
+        """Random weights (normal(0, std) for matrices; the GDN decay and step drawn as in the
+        reference; norms at their identity), and Clover's parameters at their initial values.
+        Values are drawn on the CPU (reproducible across devices) and copied in place."""
+        gen = torch.Generator().manual_seed(seed) if seed is not None else None
+        std = std if std is not None else self.config.initializer_range
+        denoise = denoise_parameters(self.config) if self.config.is_clover else {}
+
+        def normal_(t: torch.Tensor, s: float = std) -> None:
+            t.copy_(torch.randn(t.shape, generator=gen) * s)
+
+        for name, p in self.named_parameters():
+            leaf = name.rsplit(".", 1)[-1]
+            own = name.split("linear_attn.", 1)[-1] if "linear_attn." in name else None
+            if own in denoise:
+                p.copy_(denoise[own])
+            elif name.endswith("linear_attn.norm.weight"):
+                p.fill_(1.0)
+            elif "norm" in name:
+                p.zero_()
+            elif leaf == "A_log":
+                p.copy_(torch.empty(p.shape).uniform_(1.0, 16.0, generator=gen).log())
+            elif leaf == "dt_bias":
+                dt = torch.exp(torch.empty(p.shape).uniform_(math.log(1e-3), math.log(1e-1), generator=gen))
+                p.copy_(dt + torch.log(-torch.expm1(-dt)))  # inverse softplus
+            elif "conv1d" in name:
+                normal_(p, 1.0 / math.sqrt(self.config.linear_conv_kernel_dim))
+            else:
+                normal_(p)
+
+
+def model_class(config: CloverConfig) -> type[nn.Module]:
+    return Qwen3_5ForCausalLM
