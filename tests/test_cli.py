@@ -15,6 +15,8 @@ from pathlib import Path
 import pytest
 
 from clover import cli, viz
+from clover.cli.chat import fit_history
+from clover.cli.common import UsageError, process_escapes, sampling_kwargs
 from clover.config import CloverConfig
 from clover.tiny import build_tiny_checkpoint
 
@@ -270,11 +272,11 @@ def test_chat_history_drops_oldest_turns(model):
         msgs += [{"role": "user", "content": f"question {i} " * 5}, {"role": "assistant", "content": f"answer {i} " * 5}]
     msgs.append({"role": "user", "content": "last"})
     full = len(llm.tokenizer.apply_chat_template(msgs))
-    ids, dropped = cli.fit_history(llm, msgs, full - 10)
+    ids, dropped = fit_history(llm, msgs, full - 10)
     assert len(ids) <= full - 10 and dropped == 2
     assert msgs[0]["role"] == "system" and msgs[1]["content"].startswith("question 1") and msgs[-1]["content"] == "last"
     with pytest.raises(ValueError, match="too long"):
-        cli.fit_history(llm, msgs, 5)
+        fit_history(llm, msgs, 5)
 
 
 # ---------------------------------------------------------------------------------------- demo
@@ -348,18 +350,18 @@ def test_serve_without_the_extra_says_what_to_install(capsys, model, monkeypatch
     ],
 )
 def test_process_escapes(written, meant):
-    assert cli.process_escapes(written) == meant
+    assert process_escapes(written) == meant
 
 
 @pytest.mark.parametrize("bad", [r"\xff", r"\ud800"])
 def test_process_escapes_refuses_invalid_text(bad):
-    with pytest.raises(cli.UsageError, match="--stop"):
-        cli.process_escapes(bad, flag="--stop")
+    with pytest.raises(UsageError, match="--stop"):
+        process_escapes(bad, flag="--stop")
 
 
 def test_stop_flag_processes_escapes(capsys, model):
     args = cli.build_parser("generate").parse_args(["generate", "x", "--stop", r"\n", "--stop", r"\\n"])
-    assert cli.sampling_kwargs(args)["stop"] == ["\n", "\\n"]
+    assert sampling_kwargs(args)["stop"] == ["\n", "\\n"]
     # end to end: an escaped character as the stop string cuts the text where it first appears
     free = gen_json(capsys, model, "--mode", "ar", "-n", "24")
     c = next(ch for ch in free["text"][1:] if 32 <= ord(ch) < 127 and ch != "\\")

@@ -426,7 +426,7 @@ def test_float_tensor_where_quantized_expected(quant_dirs, float_dir, tmp_path):
 
 # -------------------------------------------------------------------------------------- CLI
 def _cli(argv):
-    from clover.quant.cli import configure, run
+    from clover.cli.quantize import configure, run
 
     p = argparse.ArgumentParser()
     configure(p)
@@ -448,7 +448,7 @@ def test_cli(float_dir, tmp_path, capsys):
 
 def test_footprint_full_size():
     from clover.config import full_size_config
-    from clover.quant.compare import footprint
+    from clover.quant import footprint
 
     c = full_size_config()
     total = c.parameter_counts()["total"]

@@ -1,4 +1,9 @@
-"""The public entry points: `clover.load(...) -> LLM`, `LLM.generate`, `LLM.stream`."""
+"""The public entry points: `clover.load(...) -> LLM`, `LLM.generate`, `LLM.stream`.
+
+Loading helpers every front end shares (the CLI, the server, bench, eval): `default_model_path()`
+(`$CLOVER_MODEL`, else the bundled model), `check_device(device)` (a device this machine has),
+`load(path, dtype=, device=, check_finite=)` and `LLM.default_mode` (the mode used when none is
+named)."""
 
 from __future__ import annotations
 
@@ -63,6 +68,20 @@ class StreamEvent:
     generation: Generation | None = None
 
 
+def check_device(device: str | torch.device | None) -> None:
+    """ValueError ("device: why") unless `device` is None or a torch device this machine has."""
+    if device is None:
+        return
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"device: not a torch device: {device!r} (try cpu or cuda)") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device: {device} is not available: CUDA is not available on this machine")
+    if dev.type == "mps" and not torch.backends.mps.is_available():
+        raise ValueError(f"device: {device} is not available: MPS is not available on this machine")
+
+
 class LLM:
     def __init__(self, model, tokenizer: Tokenizer, path: Path | None = None) -> None:
         self.model = model
@@ -74,6 +93,12 @@ class LLM:
     @property
     def context_length(self) -> int:
         return self.config.max_position_embeddings
+
+    @property
+    def default_mode(self) -> str:
+        """The mode used when none is named: diffusion for a Clover checkpoint (its config has a
+        mask token), ar for a plain AR one."""
+        return "diffusion" if self.config.mask_token_id is not None else "ar"
 
     def params(self, mode: str, kwargs: dict) -> SamplingParams:
         """The generation options for `mode`, checked (ValueError "option: why" / TypeError for an
@@ -205,14 +230,22 @@ class LLM:
         return f"LLM({self.path}, {c.model_type}, layers={c.num_hidden_layers}, experts={c.num_experts}, dtype={self.model.dtype})"
 
 
-def load(path: str | os.PathLike | None = None, *, dtype: str | torch.dtype | None = None, device: str | None = None) -> LLM:
-    """Load a model directory (config.json + safetensors + tokenizer). None = the bundled model."""
+def load(path: str | os.PathLike | None = None, *, dtype: str | torch.dtype | None = None, device: str | None = None,
+         check_finite: bool | None = None) -> LLM:
+    """Load a model directory (config.json + safetensors + tokenizer). None = `default_model_path()`.
+
+    `device` is checked first (`check_device`); a missing directory is a FileNotFoundError.
+    `check_finite` (default: on, or what an enclosing `checkpoint.finite_check(...)` says) scans
+    every weight for NaN/Inf; False loads them as they are."""
+    check_device(device)
     path = Path(path) if path is not None else default_model_path()
+    if not path.exists():
+        raise FileNotFoundError(f"{path}: no such model directory")
     bundled = path.resolve() == BUNDLED_MODEL.resolve()
     dtype = parse_dtype(dtype)
     if dtype is None and bundled and (device is None or str(device) == "cpu"):
         dtype = torch.float32  # the bundled model is stored in bf16; fp32 matmuls are faster on CPUs
-    model = load_model(path, dtype=dtype, device=device)
+    model = load_model(path, dtype=dtype, device=device, check_finite=check_finite)
     tokenizer = Tokenizer.from_dir(
         path,
         eos_token_id=model.config.eos_token_ids[0] if model.config.eos_token_ids else None,

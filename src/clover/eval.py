@@ -9,14 +9,13 @@ one table per regime.
   each mode — parse rate, edit similarity, tokens/forward, tokens/s.
 
 Generation runs reuse the benchmark harness (`clover.bench.decode`), so the numbers are comparable.
+`run_eval(llm, ...)` returns the JSON-ready result and `markdown(result)` its tables; the command
+line is `clover eval` (`clover.cli.eval`).
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import math
-import sys
 
 import torch
 
@@ -153,37 +152,3 @@ def markdown(result: dict) -> str:
                     f"{tf['masked_confident']:.1%}" if "masked_accuracy" in tf else ""))
     return "\n".join(lines)
 
-
-def configure(p: argparse.ArgumentParser) -> None:
-    from .cli import add_model_arguments
-
-    add_model_arguments(p)
-    p.add_argument("--task-prompts", type=int, default=100, help="held-out task prompts (default 100)")
-    p.add_argument("--code-prompts", type=int, default=20, help="held-out def headers (default 20)")
-    p.add_argument("--max-new-tokens", type=int, default=64, help="tokens per code generation (default 64)")
-    p.add_argument("--no-sweep", action="store_true", help="skip the threshold/block-size sweep")
-    p.add_argument("--modes", default="ar,diffusion,naive,speculative", help="comma-separated modes")
-    p.add_argument("--threads", type=int, help="torch CPU threads")
-    p.add_argument("--json", metavar="FILE", help="write the full result as JSON")
-
-
-def run(args: argparse.Namespace) -> int:
-    from tqdm import tqdm
-
-    from .cli import UsageError, load_llm
-
-    if args.task_prompts <= 0 or args.code_prompts <= 0:
-        raise UsageError("--task-prompts/--code-prompts: must be positive")
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    llm = load_llm(args)
-    bar = tqdm(desc="eval", unit="prompt", file=sys.stderr)
-    result = run_eval(llm, task_prompts=args.task_prompts, code_prompts=args.code_prompts,
-                      max_new_tokens=args.max_new_tokens, sweep=not args.no_sweep,
-                      modes=[m for m in args.modes.split(",") if m], progress=lambda _: bar.update(1))
-    bar.close()
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1, default=str)
-    print(markdown(result))
-    return 0

@@ -5,8 +5,11 @@
 - `kernels`: GDN chunk kernel, cached attention and MoE dispatch micro-benchmarks on identical inputs.
 - `roofline`: a ~1B-parameter Clover-shaped model with random weights; forwards/s against the
   bandwidth limit measured in the same run.
+- `experts`: block expert sharing at several budgets against sharing off and AR.
+- `quant`: fp32 / bf16 / int8 / int4 of one model, each measured in its own process.
 
-`clover bench {decode,sweep,kernels,roofline}` runs them (`clover.bench.cli`); each entry point
-(`run_decode`, `run_sweep`, `run_kernels`, `run_roofline`) returns a JSON-ready dict, so tests and
-docs read the same numbers the tables show. Nothing heavy is imported here.
+`clover bench {decode,sweep,experts,kernels,roofline,quant}` runs them (the arguments are parsed in
+`clover.cli.bench`); each entry point (`run_decode`, `run_sweep`, `run_experts`, `run_kernels`,
+`run_roofline`, `quant.compare`) returns JSON-ready data, so tests and docs read the same numbers the
+tables show. Nothing heavy is imported here.
 """

@@ -94,16 +94,5 @@ def set_threads(n: int | None) -> None:
         torch.set_num_threads(n)
 
 
-def parse_list(text: str, kind: type, name: str) -> list:
-    """'0.5,0.9' -> [0.5, 0.9]; a one-line ValueError naming the flag otherwise."""
-    try:
-        out = [kind(x.strip()) for x in str(text).split(",") if x.strip()]
-    except ValueError:
-        raise ValueError(f"{name}: expected a comma-separated list of {kind.__name__}, got {text!r}") from None
-    if not out:
-        raise ValueError(f"{name}: empty list")
-    return out
-
-
 def mib(n: float | None) -> str:
     return "-" if n is None else f"{n / 2**20:.2f}"

@@ -4,9 +4,11 @@
   quantized checkpoint (safetensors + `quantization_config` in config.json + the tokenizer);
 - `load_quantized(directory, config, dtype=..., device=...)` is what `clover.load` calls for one;
 - `Int8Linear`, `Int4Linear`, `QuantExperts`, `QuantEmbedding`: the runtime modules;
-- `compare(model_dir, ...)`: the fp32 / bf16 / int8 / int4 size-speed-quality table;
-- `footprint(config, ...)`: bytes on disk / in memory for any config (e.g. the full 35B-A3B);
-- `configure(parser)` / `run(args)`: the `clover quantize` sub-command.
+- `footprint(config, ...)` / `footprint_table()`: bytes on disk / in memory for any config (e.g. the
+  full 35B-A3B).
+
+The command is `clover quantize` (`clover.cli.quantize`); the fp32 / bf16 / int8 / int4 size, speed
+and quality comparison is a benchmark, `clover bench quant` (`clover.bench.quant.compare`).
 """
 
 from __future__ import annotations
@@ -20,12 +22,8 @@ _EXPORTS = {
     "Int4Linear": "clover.quant.modules",
     "QuantExperts": "clover.quant.modules",
     "QuantEmbedding": "clover.quant.modules",
-    "compare": "clover.quant.compare",
-    "format_table": "clover.quant.compare",
-    "footprint": "clover.quant.compare",
-    "footprint_table": "clover.quant.compare",
-    "configure": "clover.quant.cli",
-    "run": "clover.quant.cli",
+    "footprint": "clover.quant.sizes",
+    "footprint_table": "clover.quant.sizes",
 }
 
 __all__ = list(_EXPORTS)

@@ -1,4 +1,4 @@
-"""The OpenAI-compatible HTTP API: `create_app(llm, ...)` and the `clover serve` entry points.
+"""The OpenAI-compatible HTTP API: `create_app(llm, ...)`, and `serve` / `run_app` to run it.
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions (both with SSE streaming),
 GET /v1/models, GET /health, GET /metrics, POST /tokenize, POST /detokenize.
@@ -32,7 +32,8 @@ from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..decoding import get_mode
-from ..decoding.sampling import SamplingParams
+from ..decoding.sampling import LIMITS, SamplingParams
+from .defaults import HOST, MAX_BATCH, MAX_BODY_BYTES, MAX_QUEUE, PORT
 from .metrics import Metrics
 from ..tokenizer import ChatTemplateError
 from .scheduler import EngineDead, NotAccepting, QueueFull, Scheduler, ServeRequest, ServeRow
@@ -45,7 +46,6 @@ COMPLETION_DEFAULT_MAX_TOKENS = 16  # as OpenAI's legacy completions endpoint
 CHAT_DEFAULT_MAX_TOKENS = 512  # clipped to what the context leaves
 # SamplingParams' names that differ from the request's
 _PARAM_NAMES = {"max_new_tokens": "max_tokens"}
-MAX_BODY_BYTES = 4 * 1024 * 1024  # default request body limit (413 beyond)
 SEED_MOD = 2**64  # choice i of n samples with (seed + i) mod 2^64
 
 # The `code` of every error this server answers, by status (an error without its own code gets
@@ -220,16 +220,11 @@ class Server:
                            param="frequency_penalty", code="invalid_value")
         max_tokens = getattr(body, "max_completion_tokens", None)
         max_tokens = body.max_tokens if body.max_tokens is not None else max_tokens
-        stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
-        kw = dict(
-            max_new_tokens=max_tokens if max_tokens is not None else default_max,
-            temperature=body.temperature, top_p=body.top_p, top_k=max(0, body.top_k), seed=body.seed, stop=stop,
-            stop_token_ids=list(body.stop_token_ids) + [t for t in extra_stop_ids if t not in body.stop_token_ids],
-            ignore_eos=body.ignore_eos, repetition_penalty=body.repetition_penalty,
-            presence_penalty=body.presence_penalty, eos_penalty=body.eos_penalty,
-            no_repeat_ngram_size=body.no_repeat_ngram_size, block_size=body.block_size, threshold=body.threshold,
-            confidence=body.confidence, expert_budget=body.expert_budget, draft_length=body.draft_length,
-        )
+        # every generation option of `LIMITS`, under its request name (the schema states each one)
+        kw = {name: getattr(body, _PARAM_NAMES.get(name, name)) for name in LIMITS}
+        kw["max_new_tokens"] = max_tokens if max_tokens is not None else default_max
+        kw["stop"] = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+        kw["stop_token_ids"] = list(body.stop_token_ids) + [t for t in extra_stop_ids if t not in body.stop_token_ids]
         try:
             params = self.llm.params(mode, kw)
             if max_tokens is None:  # the default length, clipped to what the context leaves
@@ -429,7 +424,7 @@ def _sse(obj) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
-def create_app(llm, *, model_name: str = "clover", max_batch: int = 16, max_queue: int = 64,
+def create_app(llm, *, model_name: str = "clover", max_batch: int = MAX_BATCH, max_queue: int = MAX_QUEUE,
                api_key: str | None = None, drain_timeout: float = 10.0, max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
     """The FastAPI app serving `llm` (a `clover.LLM`). `max_batch`: rows in flight at once;
     `max_queue`: rows that may wait beyond those (more answers 429); `api_key`: required as
@@ -726,13 +721,14 @@ def _stream(srv: Server, request: Request, req: ServeRequest, prompts, params: S
 
 
 # ------------------------------------------------------------------------- entry points
-def serve(model_dir=None, host: str = "127.0.0.1", port: int = 8000, max_batch: int = 16, max_queue: int = 64,
+def serve(model_dir=None, host: str = HOST, port: int = PORT, max_batch: int = MAX_BATCH, max_queue: int = MAX_QUEUE,
           api_key: str | None = None, device: str | None = None, dtype: str | None = None,
-          model_name: str | None = None, log_level: str = "info", max_body_bytes: int = MAX_BODY_BYTES) -> None:
-    """Load a model directory and serve it until interrupted."""
+          model_name: str | None = None, log_level: str = "info", max_body_bytes: int = MAX_BODY_BYTES,
+          check_finite: bool | None = None) -> None:
+    """Load a model directory (`clover.load`) and serve it until interrupted."""
     from ..api import load
 
-    llm = load(model_dir, dtype=dtype, device=device)
+    llm = load(model_dir, dtype=dtype, device=device, check_finite=check_finite)
     run_app(llm, host=host, port=port, max_batch=max_batch, max_queue=max_queue, api_key=api_key,
             model_name=model_name, log_level=log_level, max_body_bytes=max_body_bytes)
 
@@ -754,26 +750,13 @@ def uvicorn_server(app: FastAPI, *, host: str, port: int, log_level: str = "info
     return _Server(config)
 
 
-def run_app(llm, *, host: str, port: int, max_batch: int, max_queue: int, api_key: str | None,
-            model_name: str | None = None, log_level: str = "info", max_body_bytes: int = MAX_BODY_BYTES) -> None:
+def run_app(llm, *, host: str = HOST, port: int = PORT, max_batch: int = MAX_BATCH, max_queue: int = MAX_QUEUE,
+            api_key: str | None = None, model_name: str | None = None, log_level: str = "info",
+            max_body_bytes: int = MAX_BODY_BYTES) -> None:
+    """Serve a loaded `llm` until interrupted (the model id clients send: `model_name`, default the
+    directory name)."""
     name = model_name or (llm.path.name if getattr(llm, "path", None) else "clover")
     app = create_app(llm, model_name=name, max_batch=max_batch, max_queue=max_queue, api_key=api_key,
                      max_body_bytes=max_body_bytes)
     uvicorn_server(app, host=host, port=port, log_level=log_level).run()
 
-
-def main_serve(args) -> int:
-    """`clover serve`: args has model (or model_pos), device, dtype, host, port, max_batch, max_queue,
-    api_key (and optionally served_model_name)."""
-    from ..cli import load_llm
-
-    if getattr(args, "max_batch", 16) < 1:
-        raise ValueError(f"--max-batch: must be >= 1, got {args.max_batch}")
-    if getattr(args, "max_queue", 64) < 0:
-        raise ValueError(f"--max-queue: must be >= 0, got {args.max_queue}")
-    llm = load_llm(args)
-    run_app(llm, host=getattr(args, "host", "127.0.0.1"), port=getattr(args, "port", 8000),
-            max_batch=getattr(args, "max_batch", 16), max_queue=getattr(args, "max_queue", 64),
-            api_key=getattr(args, "api_key", None), model_name=getattr(args, "served_model_name", None),
-            max_body_bytes=getattr(args, "max_body_bytes", None) or MAX_BODY_BYTES)
-    return 0

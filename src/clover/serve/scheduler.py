@@ -38,6 +38,8 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
+from .defaults import MAX_BATCH, MAX_QUEUE
+
 from ..decoding.base import DecodeEvent, RowState
 
 log = logging.getLogger("clover.serve")
@@ -102,7 +104,7 @@ class ServeRequest:
 
 
 class Scheduler:
-    def __init__(self, llm, *, max_batch: int = 16, max_queue: int = 64, metrics=None) -> None:
+    def __init__(self, llm, *, max_batch: int = MAX_BATCH, max_queue: int = MAX_QUEUE, metrics=None) -> None:
         if max_batch < 1:
             raise ValueError(f"max_batch: must be >= 1, got {max_batch}")
         if max_queue < 0:

@@ -1,25 +1,21 @@
-"""Size, memory, speed and quality of a model at fp32 / bf16 / int8 / int4, and the footprint of any
-config (e.g. the full 35B-A3B) at each precision.
-
-    python -m clover.quant.compare MODEL_DIR [--variants fp32 bf16 int8 int4] [--group-size 64]
-                                   [--text-file held_out.txt] [-n 64] [--workdir DIR] [--json]
+"""The quantization benchmark: size, memory, speed and quality of a model at fp32 / bf16 / int8 /
+int4 (`clover bench quant MODEL_DIR [--variants fp32 bf16 int8 int4] ...`; the footprint of a
+config without weights is `clover.quant.footprint`).
 
 Each variant is written to a work folder (a cast copy for fp32/bf16, `quantize_checkpoint` for
-int8/int4) and measured in its own subprocess, so the peak RSS (resource.getrusage) is that
-variant's alone: load, held-out perplexity, then AR and diffusion generation.
+int8/int4) and measured in its own subprocess (`python -m clover.bench.quant --worker SPEC`), so
+the peak RSS (resource.getrusage) is that variant's alone: load, held-out perplexity, then AR and
+diffusion generation.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import shutil
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
-
-from .ops import INT4_SCALE_DTYPE, INT8_SCALE_DTYPE, padded_k
 
 PROMPTS = ("def fibonacci(n):", "assert sorted([9, 2, 5]) == ")
 
@@ -44,71 +40,6 @@ A recipe for flatbread needs only flour, water, salt and a hot pan. Mix 300 g of
 of water and a teaspoon of salt, knead for five minutes, rest the dough for half an hour, then roll
 it thin and cook each piece for about a minute per side until it blisters.
 '''
-
-
-# ------------------------------------------------------------------------------------ footprint
-def footprint(config, *, bits: int | None = None, group_size: int = 64, include_embeddings: bool = False,
-              float_bytes: int = 2, skip: tuple[str, ...] = ()) -> dict:
-    """Weight bytes of `config` at a precision: bits None = everything in `float_bytes`; 8/4 = the
-    modules `clover quantize` converts (with these options) in int8/int4, the rest in `float_bytes`.
-
-    Returns {"params", "quantized_params", "disk_bytes", "memory_bytes"}; memory assumes a 16-bit
-    compute dtype for the int8 scales and the int4 scales/zeros (as the kernels hold them) and
-    counts weights only (no KV/GDN cache, no activations)."""
-    from .format import quantizable, select_modules
-
-    total = config.parameter_counts()["total"]
-    if bits is None:
-        b = total * float_bytes
-        return {"params": total, "quantized_params": 0, "disk_bytes": b, "memory_bytes": b}
-    targets = quantizable(config)
-    qparams = disk = mem = 0
-    for name in select_modules(config, include_embeddings=include_embeddings, skip=skip):
-        for shape in targets[name].weight_shapes().values():
-            *lead, n, k = shape
-            rows = n
-            for d in lead:
-                rows *= d
-            qparams += rows * k
-            if bits == 8:
-                disk += rows * k + rows * INT8_SCALE_DTYPE.itemsize
-                mem += rows * k + rows * 2
-            else:
-                kp = padded_k(k, group_size)
-                sz = 2 * rows * (kp // group_size) * INT4_SCALE_DTYPE.itemsize
-                disk += rows * kp // 2 + sz
-                mem += rows * kp // 2 + sz
-    if qparams > total:
-        raise AssertionError("quantized more parameters than the model has")
-    rest = (total - qparams) * float_bytes
-    return {"params": total, "quantized_params": qparams, "disk_bytes": disk + rest, "memory_bytes": mem + rest}
-
-
-def _gib(n: float) -> str:
-    return f"{n / 2**30:.2f} GiB"
-
-
-def footprint_table(config=None) -> str:
-    """A markdown table of the weight footprint at bf16 / int8 / int4 (default: the full 35B-A3B)."""
-    from ..config import full_size_config
-
-    config = config or full_size_config()
-    rows = [
-        ("fp32", dict(bits=None, float_bytes=4)),
-        ("bf16", dict(bits=None)),
-        ("int8 (embeddings bf16)", dict(bits=8)),
-        ("int8 + embeddings", dict(bits=8, include_embeddings=True)),
-        ("int4 g128 (embeddings bf16)", dict(bits=4, group_size=128)),
-        ("int4 g64 (embeddings bf16)", dict(bits=4, group_size=64)),
-        ("int4 g32 (embeddings bf16)", dict(bits=4, group_size=32)),
-        ("int4 g64 + embeddings", dict(bits=4, group_size=64, include_embeddings=True)),
-    ]
-    out = ["| precision | quantized params | disk | weights in memory | bits / param |", "|---|---:|---:|---:|---:|"]
-    for label, kw in rows:
-        f = footprint(config, **kw)
-        out.append(f"| {label} | {f['quantized_params'] / 1e9:.2f} B of {f['params'] / 1e9:.2f} B | {_gib(f['disk_bytes'])} | "
-                   f"{_gib(f['memory_bytes'])} | {8 * f['disk_bytes'] / f['params']:.2f} |")
-    return "\n".join(out)
 
 
 # ------------------------------------------------------------------------------ the measurements
@@ -233,7 +164,7 @@ def compare(
     held-out perplexity and top-1 agreement with the first variant's next-token predictions.
     fixed_length: suppress EOS (eos_penalty) so every variant generates exactly max_new_tokens per
     prompt, greedy; False measures generations as they end naturally."""
-    from .writer import quantize_checkpoint
+    from ..quant.writer import quantize_checkpoint
 
     model_dir = Path(model_dir)
     cleanup = workdir is None
@@ -255,7 +186,7 @@ def compare(
             spec = {"dir": str(d), "text": text or HELD_OUT, "max_new_tokens": max_new_tokens, "threads": threads, "device": device,
                     "fixed_length": fixed_length}
             proc = subprocess.run(
-                [sys.executable, "-m", "clover.quant.compare", "--worker", json.dumps(spec)],
+                [sys.executable, "-m", "clover.bench.quant", "--worker", json.dumps(spec)],
                 capture_output=True, text=True, check=False,
             )
             if proc.returncode != 0:
@@ -293,36 +224,7 @@ def format_table(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m clover.quant.compare", description=__doc__.split("\n\n")[0])
-    p.add_argument("model_dir", nargs="?")
-    p.add_argument("--variants", nargs="+", default=["fp32", "bf16", "int8", "int4"])
-    p.add_argument("--group-size", type=int, default=64)
-    p.add_argument("--text-file", help="held-out text for perplexity (default: a built-in passage)")
-    p.add_argument("--max-new-tokens", "-n", type=int, default=64)
-    p.add_argument("--workdir", help="keep the variant checkpoints here (default: a temporary folder)")
-    p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--device")
-    p.add_argument("--natural-length", action="store_true", help="let generations stop at EOS (default: EOS suppressed, fixed length)")
-    p.add_argument("--json", action="store_true")
-    p.add_argument("--footprint", action="store_true", help="print the full-size 35B-A3B footprint table and exit")
-    p.add_argument("--worker", help=argparse.SUPPRESS)
-    args = p.parse_args(argv)
-    if args.worker:
-        print(json.dumps(_worker(json.loads(args.worker))))
-        return 0
-    if args.footprint:
-        print(footprint_table())
-        return 0
-    if not args.model_dir:
-        p.error("MODEL_DIR is required")
-    text = Path(args.text_file).read_text() if args.text_file else None
-    rows = compare(args.model_dir, variants=tuple(args.variants), group_size=args.group_size, text=text,
-                   max_new_tokens=args.max_new_tokens, workdir=args.workdir, threads=args.threads, device=args.device,
-                   fixed_length=not args.natural_length)
-    print(json.dumps(rows, indent=2) if args.json else format_table(rows))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+if __name__ == "__main__":  # the measuring process of one variant: python -m clover.bench.quant --worker SPEC
+    if sys.argv[1:2] != ["--worker"] or len(sys.argv) != 3:
+        sys.exit("usage: python -m clover.bench.quant --worker SPEC (run by compare(); the command is `clover bench quant`)")
+    print(json.dumps(_worker(json.loads(sys.argv[2]))))

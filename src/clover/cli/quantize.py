@@ -5,17 +5,18 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from .ops import GROUP_SIZES
-
 DEFAULT_GROUP_SIZE = 64
 
 
 def configure(p: argparse.ArgumentParser) -> None:
+    from ..quant.ops import GROUP_SIZES
+
     p.add_argument("src", metavar="SRC", help="a float model directory (config.json + safetensors + tokenizer)")
     p.add_argument("dst", metavar="DST", help="where to write the quantized model directory")
     p.add_argument("--bits", type=int, choices=[8, 4], required=True,
                    help="8: symmetric per-output-channel int8; 4: group-wise asymmetric int4")
-    p.add_argument("--group-size", type=int, choices=list(GROUP_SIZES), default=None, metavar="{32,64,128}",
+    p.add_argument("--group-size", type=int, choices=list(GROUP_SIZES), default=None,
+                   metavar="{" + ",".join(map(str, GROUP_SIZES)) + "}",
                    help=f"int4 only: inputs per scale/zero group (default: {DEFAULT_GROUP_SIZE})")
     p.add_argument("--skip", action="append", default=[], metavar="PATTERN",
                    help="keep modules matching this shell-style pattern in high precision, e.g. '*.self_attn.*' "
@@ -37,7 +38,7 @@ def _human(n: float) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from .writer import quantize_checkpoint
+    from ..quant.writer import quantize_checkpoint
 
     if args.bits == 8 and args.group_size is not None:
         raise ValueError("--group-size: only for --bits 4 (int8 uses one scale per output channel)")

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import argparse
 
-from .gguf import CLOVER_TENSOR_MODES, DTYPES
-
 
 def configure(p: argparse.ArgumentParser) -> None:
+    from ..export.gguf import CLOVER_TENSOR_MODES, DTYPES
+
     p.add_argument("src", help="a model directory (clover or Qwen3.5-MoE: config.json, safetensors, tokenizer.json)")
     p.add_argument("dst", help="the GGUF file to write (e.g. model.gguf)")
     p.add_argument("--dtype", choices=DTYPES, default="f32",
@@ -21,7 +21,7 @@ def configure(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from .gguf import export_gguf
+    from ..export.gguf import export_gguf
 
     r = export_gguf(args.src, args.dst, dtype=args.dtype, clover_tensors=args.clover_tensors,
                     pre_tokenizer=args.pre_tokenizer, progress=not args.no_progress)

@@ -1,11 +1,5 @@
-"""`clover bench {decode,sweep,kernels,roofline}`: `configure(parser)` adds the sub-commands,
-`run(args)` dispatches. Registered in `clover.cli` as
-
-    register("bench", "benchmarks: decode modes, sweeps, kernels, roofline",
-             "clover.bench.cli:configure", "clover.bench.cli:run")
-
-and runnable on its own as `python -m clover.bench ...`.
-"""
+"""`clover bench {decode,sweep,experts,kernels,roofline,quant}`: the arguments of each benchmark and
+the dispatch to `clover.bench` (which holds the benchmarks as functions returning JSON-ready dicts)."""
 
 from __future__ import annotations
 
@@ -14,14 +8,10 @@ import json
 import sys
 from pathlib import Path
 
-from .common import parse_list, set_threads
-
-HELP = "benchmarks: decode modes, speed/quality sweeps, kernels, roofline"
+from .common import add_model_arguments, check_device, load_llm, model_dir_or_tiny, parse_list, parse_modes, positive
 
 
 def _model_arguments(p: argparse.ArgumentParser) -> None:
-    from ..cli import add_model_arguments
-
     add_model_arguments(p)
     p.add_argument("--threads", type=int, metavar="N", help="torch CPU threads (default: torch's)")
     p.add_argument("--json", metavar="FILE", help="also write the full result as JSON ('-' = stdout, no table)")
@@ -37,11 +27,13 @@ def _workload_arguments(p: argparse.ArgumentParser, *, workload: str, prompts: i
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
+    from ..decoding.sampling import CONFIDENCE_KINDS
+
     sub = parser.add_subparsers(dest="bench_command", metavar="BENCH")
     sub.required = True
 
-    p = sub.add_parser("decode", help="all decoding modes on the same held-out prompts (interleaved)",
-                       description="AR / diffusion / naive / speculative on the same weights and held-out prompts, "
+    p = sub.add_parser("decode", help="every decoding mode on the same held-out prompts (interleaved)",
+                       description="The registered decoding modes on the same weights and held-out prompts, "
                                    "greedy, batch 1, interleaved per prompt after one warm-up.")
     _model_arguments(p)
     _workload_arguments(p, workload="both", prompts=8, max_new_tokens=64)
@@ -61,7 +53,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--threshold", type=float, metavar="X", help="threshold of the block sweep (default: the model's)")
     p.add_argument("--confidences", default="prob", metavar="LIST",
                    help="confidence measures compared at the default block size and threshold, comma-separated among "
-                        "prob,margin,entropy (default: prob only; the other sweeps always use prob)")
+                        f"{','.join(CONFIDENCE_KINDS)} (default: prob only; the other sweeps always use prob)")
     p.add_argument("--policies", metavar="LIST",
                    help="acceptance policies compared at the default block size, comma-separated specs "
                         "POLICY[:VALUE][/subN][/leftmost], e.g. threshold/leftmost,factor:1,hierarchy:0.5,entropy:0.3/sub8")
@@ -78,7 +70,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
                                    "SDPA and eager, MoE grouped dispatch vs a per-expert loop and the per-token reference.")
     p.add_argument("--quick", action="store_true", help="small shapes (seconds)")
     p.add_argument("--repeat", type=int, metavar="N", help="timed repetitions (default: 7, quick: 3)")
-    p.add_argument("--only", default="gdn,attention,moe", help="comma-separated subset of gdn,attention,moe")
+    p.add_argument("--only", default=",".join(KERNEL_GROUPS), help=f"comma-separated subset of {','.join(KERNEL_GROUPS)}")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     p.add_argument("--threads", type=int, metavar="N", help="torch CPU threads (default: torch's)")
     p.add_argument("--json", metavar="FILE", help="also write the result as JSON ('-' = stdout, no table)")
@@ -96,13 +88,29 @@ def configure(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, metavar="N", help="torch CPU threads (default: torch's)")
     p.add_argument("--json", metavar="FILE", help="also write the result as JSON ('-' = stdout, no table)")
 
+    p = sub.add_parser("quant", help="fp32 / bf16 / int8 / int4: size, peak memory, speed and quality",
+                       description="Each variant of MODEL_DIR is written to a work folder (a cast copy, or `clover "
+                                   "quantize`) and measured in its own process, so the peak RSS is that variant's alone: "
+                                   "load, held-out perplexity, then AR and diffusion generation.")
+    p.add_argument("model_dir", nargs="?", metavar="MODEL_DIR", help="a float model directory")
+    p.add_argument("--variants", nargs="+", default=["fp32", "bf16", "int8", "int4"],
+                   help="among fp32, bf16, fp16, int8, int4, int4-gN (default: fp32 bf16 int8 int4)")
+    p.add_argument("--group-size", type=int, default=64, help="int4 group size of the plain `int4` variant (default: 64)")
+    p.add_argument("--text-file", help="held-out text for perplexity (default: a built-in passage)")
+    p.add_argument("--max-new-tokens", "-n", type=int, default=64)
+    p.add_argument("--workdir", help="keep the variant checkpoints here (default: a temporary folder)")
+    p.add_argument("--threads", type=int, default=1, help="torch CPU threads of each measuring process (default: 1)")
+    p.add_argument("--device")
+    p.add_argument("--natural-length", action="store_true",
+                   help="let generations stop at EOS (default: EOS suppressed, fixed length)")
+    p.add_argument("--json", action="store_true", help="print the rows as JSON instead of the table")
+    p.add_argument("--footprint", action="store_true", help="print the full-size 35B-A3B footprint table and exit")
+
+
+KERNEL_GROUPS = ("gdn", "attention", "moe")
+
 
 # ------------------------------------------------------------------------------------ helpers
-def _positive(name: str, value) -> None:
-    if value is not None and value <= 0:
-        raise ValueError(f"{name}: must be a positive integer, got {value}")
-
-
 def _emit(result: dict, table, json_path: str | None) -> None:
     from rich.console import Console
 
@@ -126,37 +134,28 @@ def _progress(json_path: str | None):
 def _load(args):
     """The model to benchmark; without --model and without a bundled model, a tiny random one
     (still runs; the result is labelled)."""
-    from .. import cli
-
-    note = None
-    if args.model:
-        path = Path(args.model)
-    else:
-        from ..api import default_model_path
-
-        try:
-            path = default_model_path()
-        except FileNotFoundError:
-            path = cli.demo_model_dir(args)
-            note = "tiny random weights (no trained model yet)"
-    return cli.load_llm(args, path), note
+    path, note = model_dir_or_tiny(args)
+    return load_llm(args, path), note
 
 
 # ---------------------------------------------------------------------------------------- run
 def run(args: argparse.Namespace) -> int:
-    set_threads(getattr(args, "threads", None))
-    return {"decode": run_decode_cmd, "sweep": run_sweep_cmd, "kernels": run_kernels_cmd,
-            "roofline": run_roofline_cmd, "experts": run_experts_cmd}[args.bench_command](args)
+    if args.bench_command != "quant":
+        from ..bench.common import set_threads
+
+        set_threads(getattr(args, "threads", None))
+    return {"decode": run_decode, "sweep": run_sweep, "kernels": run_kernels, "roofline": run_roofline,
+            "experts": run_experts, "quant": run_quant}[args.bench_command](args)
 
 
-def run_experts_cmd(args) -> int:
-    from .experts import experts_markdown, run_experts
+def run_experts(args) -> int:
+    from ..bench.experts import experts_markdown, run_experts as bench_experts
 
-    _positive("--prompts", args.prompts)
-    _positive("--max-new-tokens", args.max_new_tokens)
+    positive("--prompts", args.prompts)
+    positive("--max-new-tokens", args.max_new_tokens)
     llm, note = _load(args)
-    result = run_experts(llm, workload=args.workload, prompts=args.prompts, max_new_tokens=args.max_new_tokens,
-                         stop_newline=args.stop_newline, progress=_progress(args.json))
+    result = bench_experts(llm, workload=args.workload, prompts=args.prompts, max_new_tokens=args.max_new_tokens,
+                           stop_newline=args.stop_newline, progress=_progress(args.json))
     result["model_note"] = note
     if args.json and args.json != "-":
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
@@ -168,25 +167,19 @@ def run_experts_cmd(args) -> int:
     return 0
 
 
-def run_decode_cmd(args) -> int:
-    from ..decoding import get_mode, mode_names
-    from .decode import decode_table, plot_decode, run_decode
+def run_decode(args) -> int:
+    from ..bench.decode import decode_table, plot_decode, run_decode as bench_decode
 
-    _positive("--prompts", args.prompts)
-    _positive("--max-new-tokens", args.max_new_tokens)
-    _positive("--block-size", args.block_size)
+    positive("--prompts", args.prompts)
+    positive("--max-new-tokens", args.max_new_tokens)
+    positive("--block-size", args.block_size)
     if args.threshold is not None and not args.threshold > 0:
         raise ValueError(f"--threshold: must be > 0, got {args.threshold}")
-    modes = parse_list(args.modes, str, "--modes") if args.modes else list(mode_names())
-    for m in modes:
-        try:
-            get_mode(m)
-        except ValueError as e:
-            raise ValueError(f"--modes: {str(e).split(': ', 1)[1]}") from None
+    modes = parse_modes(args.modes)  # None: every registered mode
     llm, note = _load(args)
-    result = run_decode(llm, workload=args.workload, prompts=args.prompts, max_new_tokens=args.max_new_tokens,
-                        modes=modes, block_size=args.block_size, threshold=args.threshold,
-                        stop_newline=args.stop_newline, progress=_progress(args.json), model_note=note)
+    result = bench_decode(llm, workload=args.workload, prompts=args.prompts, max_new_tokens=args.max_new_tokens,
+                          modes=modes, block_size=args.block_size, threshold=args.threshold,
+                          stop_newline=args.stop_newline, progress=_progress(args.json), model_note=note)
     if _progress(args.json):
         print(file=sys.stderr)
     if result["settings"]["skipped_modes"]:
@@ -199,23 +192,21 @@ def run_decode_cmd(args) -> int:
     return 0
 
 
-def run_sweep_cmd(args) -> int:
-    from .sweep import plot_sweep, run_sweep, sweep_table
+def run_sweep(args) -> int:
+    from ..bench.sweep import plot_sweep, run_sweep as bench_sweep, sweep_table
 
-    _positive("--prompts", args.prompts)
-    _positive("--max-new-tokens", args.max_new_tokens)
-    _positive("--block-size", args.block_size)
+    positive("--prompts", args.prompts)
+    positive("--max-new-tokens", args.max_new_tokens)
+    positive("--block-size", args.block_size)
     thresholds = parse_list(args.thresholds, float, "--thresholds")
     block_sizes = parse_list(args.block_sizes, int, "--block-sizes")
     confidences = parse_list(args.confidences, str, "--confidences")
-    policies = parse_list(args.policies, str, "--policies") if getattr(args, "policies", None) else []
+    policies = parse_list(args.policies, str, "--policies") if args.policies else []
     llm, note = _load(args)
-    result = run_sweep(llm, workload=args.workload, prompts=args.prompts, max_new_tokens=args.max_new_tokens,
-                       thresholds=thresholds, block_sizes=block_sizes, block_size=args.block_size,
-                       threshold=args.threshold, confidences=confidences, policies=policies,
-                       stop_newline=args.stop_newline,
-                       progress=_progress(args.json),
-                       model_note=note)
+    result = bench_sweep(llm, workload=args.workload, prompts=args.prompts, max_new_tokens=args.max_new_tokens,
+                         thresholds=thresholds, block_sizes=block_sizes, block_size=args.block_size,
+                         threshold=args.threshold, confidences=confidences, policies=policies,
+                         stop_newline=args.stop_newline, progress=_progress(args.json), model_note=note)
     if _progress(args.json):
         print(file=sys.stderr)
     path = plot_sweep(result, args.plot)
@@ -226,43 +217,52 @@ def run_sweep_cmd(args) -> int:
     return 0
 
 
-def run_kernels_cmd(args) -> int:
+def run_kernels(args) -> int:
     import torch
 
-    from .kernels import kernels_table, run_kernels
+    from ..bench.kernels import kernels_table, run_kernels as bench_kernels
 
-    _positive("--repeat", args.repeat)
+    positive("--repeat", args.repeat)
     only = tuple(parse_list(args.only, str, "--only"))
-    bad = [o for o in only if o not in ("gdn", "attention", "moe")]
+    bad = [o for o in only if o not in KERNEL_GROUPS]
     if bad:
-        raise ValueError(f"--only: unknown kernel group {bad[0]!r}; choose from gdn, attention, moe")
+        raise ValueError(f"--only: unknown kernel group {bad[0]!r}; choose from {', '.join(KERNEL_GROUPS)}")
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
-    result = run_kernels(quick=args.quick, repeat=args.repeat, dtype=dtype, only=only)
+    result = bench_kernels(quick=args.quick, repeat=args.repeat, dtype=dtype, only=only)
     _emit(result, kernels_table(result), args.json)
     return 0
 
 
-def run_roofline_cmd(args) -> int:
+def run_roofline(args) -> int:
     import torch
 
-    from .roofline import roofline_table, run_roofline
+    from ..bench.roofline import roofline_table, run_roofline as bench_roofline
 
     for name in ("block_size", "prefix", "ar_steps", "denoise_steps"):
-        _positive("--" + name.replace("_", "-"), getattr(args, name))
-    from ..cli import _check_device
-
-    _check_device(args.device)
+        positive("--" + name.replace("_", "-"), getattr(args, name))
+    check_device(args.device)
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
-    result = run_roofline(quick=args.quick, dtype=dtype, device=args.device, prefix=args.prefix,
-                          block_size=args.block_size, ar_steps=args.ar_steps, denoise_steps=args.denoise_steps)
+    result = bench_roofline(quick=args.quick, dtype=dtype, device=args.device, prefix=args.prefix,
+                            block_size=args.block_size, ar_steps=args.ar_steps, denoise_steps=args.denoise_steps)
     _emit(result, roofline_table(result), args.json)
     return 0
 
 
-def main(argv=None) -> int:
-    """`python -m clover.bench ...`: the same sub-commands through the project's CLI machinery."""
-    from .. import cli
+def run_quant(args) -> int:
+    from ..bench.quant import compare, format_table
 
-    if "bench" not in cli.COMMANDS:
-        cli.register("bench", HELP, "clover.bench.cli:configure", "clover.bench.cli:run")
-    return cli.main(["bench", *(sys.argv[1:] if argv is None else argv)])
+    if args.footprint:
+        from ..quant import footprint_table
+
+        print(footprint_table())
+        return 0
+    if not args.model_dir:
+        raise ValueError("bench quant: give MODEL_DIR (or --footprint)")
+    positive("--max-new-tokens", args.max_new_tokens)
+    positive("--threads", args.threads)
+    text = Path(args.text_file).read_text() if args.text_file else None
+    rows = compare(args.model_dir, variants=tuple(args.variants), group_size=args.group_size, text=text,
+                   max_new_tokens=args.max_new_tokens, workdir=args.workdir, threads=args.threads, device=args.device,
+                   fixed_length=not args.natural_length)
+    print(json.dumps(rows, indent=2) if args.json else format_table(rows))
+    return 0

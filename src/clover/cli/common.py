@@ -1,0 +1,253 @@
+"""What several commands share: the model and sampling flags, the one-line `UsageError`, loading
+with the user's flags, reading the prompt. Only the standard library is imported at module level;
+the sampling flags read the option table (`clover.decoding.sampling.LIMITS`) and the mode registry
+when a command that has them is configured."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from pathlib import Path
+
+DTYPE_CHOICES = ("float32", "bfloat16", "float16")
+DEMO_TINY_DIR = Path("build") / "demo-tiny"
+
+
+class UsageError(Exception):
+    """A problem the user can fix; printed as one line, exit status 2."""
+
+
+def stderr(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def human(n: float, unit: str = "") -> str:
+    for scale, suffix in ((1e12, "T"), (1e9, "G" if unit == "B" else "B"), (1e6, "M"), (1e3, "K" if unit == "B" else "k")):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f} {suffix}{unit}".rstrip()
+    return f"{n:.0f} {unit}".rstrip()
+
+
+def positive(flag: str, value) -> None:
+    """ValueError "--flag: must be a positive integer" for a value <= 0 (None passes)."""
+    if value is not None and value <= 0:
+        raise ValueError(f"{flag}: must be a positive integer, got {value}")
+
+
+# ------------------------------------------------------------------------------ model flags
+def add_model_arguments(p: argparse.ArgumentParser, *, positional: bool = False, weights: bool = True) -> None:
+    """--model DIR (default: the bundled model), --device, --dtype, and for commands that load the
+    weights (`weights`) --no-check-finite."""
+    if positional:
+        p.add_argument("model_pos", nargs="?", metavar="MODEL", help="model directory (same as --model)")
+    p.add_argument("--model", "-m", metavar="DIR", help="model directory (default: $CLOVER_MODEL or the bundled model)")
+    p.add_argument("--device", help="torch device, e.g. cpu, cuda, cuda:1 (default: cpu)")
+    p.add_argument("--dtype", choices=DTYPE_CHOICES, help="weight dtype (default: the checkpoint's)")
+    if weights:
+        p.add_argument("--no-check-finite", dest="check_finite", action="store_false",
+                       help="load weights holding NaN/Inf instead of refusing them (skips the scan at load)")
+
+
+def model_dir(args: argparse.Namespace) -> Path:
+    """The model directory the user chose, or the default one (raises FileNotFoundError)."""
+    given = getattr(args, "model_pos", None) or getattr(args, "model", None)
+    if given:
+        return Path(given)
+    from ..api import default_model_path
+
+    return default_model_path()
+
+
+def model_dir_or_tiny(args: argparse.Namespace) -> tuple[Path, str | None]:
+    """The model the user chose, else the default one, else a tiny random checkpoint built once in
+    build/demo-tiny (so `clover demo` and `clover bench` run before any model is trained). Returns
+    (directory, a note when it is the tiny random one)."""
+    if getattr(args, "model", None):
+        return Path(args.model), None
+    from ..api import default_model_path
+
+    try:
+        return default_model_path(), None
+    except FileNotFoundError:
+        pass
+    d = DEMO_TINY_DIR
+    if not (d / "config.json").exists():
+        from ..tiny import build_tiny_checkpoint
+
+        build_tiny_checkpoint(d)
+    return d, "tiny random weights (no trained model yet)"
+
+
+def check_device(device: str | None) -> None:
+    """`clover.api.check_device`, its error naming the flag (--device)."""
+    from ..api import check_device as api_check_device
+
+    try:
+        api_check_device(device)
+    except ValueError as e:
+        raise UsageError(f"--{e}") from None
+
+
+def load_llm(args: argparse.Namespace, path: Path | None = None):
+    """`clover.load` with the user's --model/--device/--dtype/--no-check-finite; any failure to
+    read the directory becomes a one-line error."""
+    from .. import api
+    from ..checkpoint import CheckpointError
+    from ..config import ConfigError
+
+    path = path or model_dir(args)
+    device = getattr(args, "device", None)
+    check_device(device)
+    try:
+        return api.load(path, dtype=getattr(args, "dtype", None), device=device,
+                        check_finite=getattr(args, "check_finite", True))
+    except (CheckpointError, ConfigError, FileNotFoundError, UsageError):
+        raise
+    except Exception as e:  # a corrupt safetensors or tokenizer file, ...
+        raise UsageError(f"{path}: cannot load the model ({type(e).__name__}: {e})") from None
+
+
+# --------------------------------------------------------------------------- sampling flags
+FLAG_ALIASES = {"max_new_tokens": ("-n",), "temperature": ("-t",)}
+STOP_HELP = r"stop string (repeatable); escapes are processed: \n \t \r \\ \" \' \xNN \uNNNN"
+
+
+def flag(name: str) -> str:
+    """The command-line flag of generation option `name`: max_new_tokens -> --max-new-tokens."""
+    return "--" + name.replace("_", "-")
+
+
+def _flag_help(name: str, lim, default) -> str:
+    doc = lim.doc.replace("(null = ", "(unset = ")
+    if name == "stop":
+        return STOP_HELP
+    if lim.kind is list:
+        return f"{doc} (repeatable)"
+    bounds = "" if lim.choices or lim.kind is bool else lim.describe()
+    for said in ("; or null", "or null", " (finite number)", " (integer)"):  # the metavar says the type
+        bounds = bounds.replace(said, "")
+    shown = "" if default is None or lim.kind is bool or "unset =" in doc else f"default: {default}"
+    extra = "; ".join(x for x in (bounds, shown) if x)
+    return f"{doc}" + (f" [{extra}]" if extra else "")
+
+
+def add_sampling_arguments(p: argparse.ArgumentParser, *, max_new_tokens: int | None = None) -> None:
+    """--mode (the registered modes) and one flag per generation option of `LIMITS`, with its
+    type, choices and limits from that table; unset flags keep the API's and the model's defaults."""
+    from ..decoding import mode_names
+    from ..decoding.sampling import LIMITS, SamplingParams
+
+    defaults = {f.name: f.default for f in dataclasses.fields(SamplingParams)}
+    if max_new_tokens is not None:
+        defaults["max_new_tokens"] = max_new_tokens
+    g = p.add_argument_group("decoding")
+    g.add_argument("--mode", choices=mode_names(),
+                   help="decoding mode (default: diffusion when the model has a mask token, else ar)")
+    for name, lim in LIMITS.items():
+        names = (flag(name), *FLAG_ALIASES.get(name, ()))
+        kw: dict = {"dest": name, "help": _flag_help(name, lim, defaults.get(name))}
+        if lim.kind is bool:
+            kw.update(action="store_true", default=None)
+        elif lim.kind is list:
+            kw.update(action="append", type=lim.item, metavar="STR" if lim.item is str else "ID")
+        else:
+            kw.update(type=lim.kind, metavar="{" + ",".join(lim.choices) + "}" if lim.choices else
+                      ("N" if lim.kind is int else "X" if lim.kind is float else "STR"))
+            if lim.choices:
+                kw["choices"] = lim.choices
+            if name == "max_new_tokens":
+                kw["default"] = max_new_tokens
+        g.add_argument(*names, **kw)
+
+
+_SIMPLE_ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "\\": "\\", '"': '"', "'": "'"}
+_HEX = set("0123456789abcdefABCDEF")
+
+
+def process_escapes(text: str, *, flag: str = "--stop") -> str:
+    r"""Turn the escapes a shell passes through literally into the characters they name, as
+    llama.cpp's CLI does: \n \t \r \\ \" \' and \xNN (a byte: \xe2\x80\x94 is the UTF-8 of an em
+    dash), plus \uNNNN (a code point). Unknown or incomplete escapes are kept as written."""
+    if "\\" not in text:
+        return text
+    out = bytearray()
+    i, n = 0, len(text)
+    while i < n:
+        c = text[i]
+        nxt = text[i + 1] if i + 1 < n else ""
+        if c != "\\" or not nxt:
+            out += c.encode("utf-8", "surrogatepass")
+            i += 1
+        elif nxt in _SIMPLE_ESCAPES:
+            out += _SIMPLE_ESCAPES[nxt].encode()
+            i += 2
+        elif nxt == "x" and len(text[i + 2 : i + 4]) == 2 and set(text[i + 2 : i + 4]) <= _HEX:
+            out.append(int(text[i + 2 : i + 4], 16))
+            i += 4
+        elif nxt == "u" and len(text[i + 2 : i + 6]) == 4 and set(text[i + 2 : i + 6]) <= _HEX:
+            code = int(text[i + 2 : i + 6], 16)
+            if 0xD800 <= code <= 0xDFFF:
+                raise UsageError(f"{flag} {text!r}: \\u{code:04x} is a UTF-16 surrogate, not a character")
+            out += chr(code).encode()
+            i += 6
+        else:  # not an escape we know: keep the backslash
+            out += b"\\"
+            i += 1
+    try:
+        return out.decode("utf-8")
+    except UnicodeDecodeError:
+        raise UsageError(f"{flag} {text!r}: the \\x bytes do not form valid UTF-8 text") from None
+
+
+def sampling_kwargs(args: argparse.Namespace) -> dict:
+    """The generation kwargs the user set (unset flags keep the API's / the model's defaults),
+    checked before any model is loaded. Escapes in --stop are processed (see process_escapes)."""
+    from ..decoding.sampling import LIMITS, SamplingParams
+
+    kwargs = {k: getattr(args, k) for k in LIMITS if getattr(args, k, None) is not None}
+    if "stop" in kwargs:
+        kwargs["stop"] = [process_escapes(s, flag="--stop") for s in kwargs["stop"]]
+    SamplingParams.from_kwargs(**kwargs)  # raises ValueError with the option's name
+    return kwargs
+
+
+def read_prompt(arg: str | None) -> str:
+    """The prompt argument, or stdin when it is omitted or '-' (one trailing newline dropped)."""
+    if arg is not None and arg != "-":
+        return arg
+    if sys.stdin is None or sys.stdin.isatty():
+        raise UsageError("no prompt: give one as an argument or pipe it on stdin")
+    text = sys.stdin.read()
+    if text.endswith("\n"):
+        text = text[:-1]
+    if not text:
+        raise UsageError("no prompt: stdin was empty")
+    return text
+
+
+def parse_list(text: str, kind: type, flag: str) -> list:
+    """'0.5,0.9' -> [0.5, 0.9]; a one-line ValueError naming the flag otherwise."""
+    try:
+        out = [kind(x.strip()) for x in str(text).split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"{flag}: expected a comma-separated list of {kind.__name__}, got {text!r}") from None
+    if not out:
+        raise ValueError(f"{flag}: empty list")
+    return out
+
+
+def parse_modes(text: str | None, flag: str = "--modes") -> list[str] | None:
+    """A comma-separated list of registered modes (None: not given, i.e. every mode), each checked
+    against the registry; a one-line ValueError naming the flag otherwise."""
+    if text is None:
+        return None
+    from ..decoding import get_mode
+
+    modes = parse_list(text, str, flag)
+    for m in modes:
+        try:
+            get_mode(m)
+        except ValueError as e:
+            raise ValueError(f"{flag}: {str(e).split(': ', 1)[1]}") from None
+    return modes

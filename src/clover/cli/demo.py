@@ -1,0 +1,51 @@
+"""`clover demo`: the default model on three prompts, AR against diffusion, with a stats table."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from .common import UsageError, add_model_arguments, load_llm, model_dir_or_tiny, stderr
+
+DEMO_PROMPTS = ("def fibonacci(n):", "assert sorted([9, 2, 5]) == ", "assert [x * 2 for x in [14, 3, 25, 7]] == ")
+DEMO_MODES = ("ar", "diffusion")  # the baseline and the mode it is compared with; those the model can run
+
+
+def configure(p: argparse.ArgumentParser) -> None:
+    add_model_arguments(p)
+    p.add_argument("--max-new-tokens", "-n", type=int, default=64, metavar="N", help="tokens per generation (default: 64)")
+
+
+def run(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from .. import viz
+    from ..data.tasks import PROMPT_SEP
+    from ..decoding import get_mode
+
+    if args.max_new_tokens <= 0:
+        raise UsageError("--max-new-tokens: must be a positive integer")
+    path, note = model_dir_or_tiny(args)
+    if note:
+        stderr(f"the bundled model is not there yet; using a tiny random checkpoint at {path} (its output is noise)")
+    llm = load_llm(args, path)
+    has_mask = llm.config.mask_token_id is not None
+    modes = [m for m in DEMO_MODES if has_mask or not get_mode(m).needs_mask]
+    console = Console(width=None if sys.stdout.isatty() else 120)
+    table = Table(title=f"clover demo · {llm.path}", title_justify="left")
+    for col in ("prompt", "mode", "tokens", "forwards", "tokens/forward", "tokens/s", "finish"):
+        table.add_column(col, justify="left" if col in ("prompt", "mode", "finish") else "right")
+    for prompt in DEMO_PROMPTS:
+        for mode in modes:
+            # a task prompt's answer is the rest of its line: stop there, as `clover eval` does
+            stop = ["\n"] if prompt.endswith(PROMPT_SEP) else None
+            gen = llm.generate(prompt, mode=mode, max_new_tokens=args.max_new_tokens, stop=stop)
+            s = gen.stats
+            console.rule(f"{mode} · {prompt!r}", align="left")
+            console.print(viz.printable_text(prompt + gen.text), markup=False, highlight=False)
+            table.add_row(repr(prompt), mode, str(s.tokens), str(s.forwards), f"{s.tokens_per_forward:.2f}",
+                          f"{s.tokens_per_second:.1f}", gen.finish_reason)
+    console.print()
+    console.print(table)
+    return 0

@@ -1,0 +1,113 @@
+"""`clover generate`: one prompt, streamed as blocks commit; --live, --timeline, --json."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from .common import UsageError, add_model_arguments, add_sampling_arguments, load_llm, read_prompt, sampling_kwargs, stderr
+
+TIMELINE_SUFFIXES = (".png", ".svg", ".pdf", ".html", ".htm")
+
+
+def configure(p: argparse.ArgumentParser) -> None:
+    p.add_argument("prompt", nargs="?", help="the prompt; read from stdin when omitted or '-'")
+    add_model_arguments(p)
+    add_sampling_arguments(p)
+    out = p.add_argument_group("output")
+    out.add_argument("--live", action="store_true", help="show the block being denoised (a terminal view)")
+    out.add_argument("--step-delay", type=float, default=0.0, metavar="SEC", help="--live: pause after each denoise step")
+    out.add_argument("--timeline", metavar="FILE", help="write a picture of the decoding: FILE.png (or .svg) or FILE.html")
+    out.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+
+
+def write_timeline(llm, gen, mode: str, block_size: int, path: str) -> Path:
+    """Render Generation `gen` with viz.render_timeline."""
+    from .. import viz
+    from ..decoding import get_mode
+
+    tokens = [llm.tokenizer.decode([t]) for t in gen.token_ids]
+    steps = list(gen.decode_steps) or [1] * len(tokens)
+    if get_mode(mode).threshold_commit:
+        forwards = gen.stats.block_steps or None
+    else:  # one forward per token (speculative: approximate)
+        forwards = [len(tokens[i : i + block_size]) for i in range(0, len(tokens), block_size)]
+    title = f"{Path(str(llm.path)).name} · {mode} · block {block_size}"
+    return viz.render_timeline(path, tokens, steps, block_size, forwards_per_block=forwards,
+                               forced=gen.forced_tokens, title=title)
+
+
+def generation_record(llm, gen, mode: str, block_size: int | None, threshold: float | None) -> dict:
+    d = gen.as_dict()
+    return {
+        "model": str(llm.path),
+        "mode": mode,
+        "text": d["text"],
+        "token_ids": d["token_ids"],
+        "finish_reason": d["finish_reason"],
+        "stats": d["stats"],
+        "decode_steps": list(gen.decode_steps),
+        "block_size": block_size,
+        "threshold": threshold,
+    }
+
+
+def run(args: argparse.Namespace) -> int:
+    from .. import viz
+    from ..decoding import get_mode
+
+    if args.timeline and Path(args.timeline).suffix.lower() not in TIMELINE_SUFFIXES:
+        raise UsageError(f"--timeline {args.timeline}: use a .png, .svg, .pdf or .html file name")
+    if args.step_delay < 0:
+        raise UsageError("--step-delay: must be >= 0")
+    kwargs = sampling_kwargs(args)
+    prompt = read_prompt(args.prompt)
+    llm = load_llm(args)
+    mode = args.mode or llm.default_mode
+    params = llm.params(mode, kwargs)  # the options with the model's defaults filled in
+    masked = get_mode(mode).needs_mask  # block size and threshold mean something for this mode
+    tty = sys.stdout.isatty()
+
+    if args.json:
+        gen = llm.generate(prompt, mode=mode, **kwargs)
+        record = generation_record(llm, gen, mode, params.block_size if masked else None,
+                                   params.threshold if masked else None)
+        print(json.dumps(record, ensure_ascii=False))
+    elif args.live and tty:
+        from rich.console import Console
+
+        console = Console()
+        view = viz.LiveView(lambda t: llm.tokenizer.decode([t]), params.block_size, console=console,
+                            title=f"clover · {mode}", step_delay=args.step_delay)
+        gen = None
+        with view:
+            for ev in llm.stream(prompt, mode=mode, provisional=True, **kwargs):
+                view.update(ev)
+                if ev.kind == "done":
+                    gen = ev.generation
+    elif args.live:  # not a terminal: the final text and stats only
+        gen = llm.generate(prompt, mode=mode, **kwargs)
+        sys.stdout.write(gen.text + ("" if gen.text.endswith("\n") else "\n"))
+        sys.stdout.flush()
+    else:
+        gen, last = None, "\n"
+        for ev in llm.stream(prompt, mode=mode, **kwargs):
+            if ev.kind == "block" and ev.text:
+                sys.stdout.write(viz.printable_text(ev.text) if tty else ev.text)
+                sys.stdout.flush()
+                last = ev.text[-1]
+            elif ev.kind == "done":
+                gen = ev.generation
+        if last != "\n":
+            sys.stdout.write("\n")
+        sys.stdout.flush()
+
+    s = gen.stats
+    if not args.json and not (args.live and tty):  # the live view already shows the stats
+        stderr(f"[{mode}] " + viz.stats_line(s.tokens, s.forwards, s.seconds, gen.finish_reason))
+    if args.timeline:
+        out = write_timeline(llm, gen, mode, params.block_size, args.timeline)
+        stderr(f"timeline written to {out}")
+    return 0

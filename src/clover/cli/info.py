@@ -1,0 +1,144 @@
+"""`clover info`: what a model directory holds, from config.json, the file sizes, the first
+safetensors header and tokenizer.json — no weights are loaded, and no file that is not a regular
+one (a FIFO would block the read forever) is ever opened."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from .common import UsageError, add_model_arguments, human, model_dir
+
+
+def configure(p: argparse.ArgumentParser) -> None:
+    add_model_arguments(p, positional=True, weights=False)
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def _regular(path: Path) -> bool:
+    from ..checkpoint import CheckpointError, require_regular_file
+
+    try:
+        require_regular_file(path)
+    except CheckpointError:
+        return False
+    return True
+
+
+def _disk_size(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+SAFETENSORS_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "I8": "int8", "U8": "uint8",
+                      "F8_E4M3": "float8_e4m3"}
+
+
+def _stored_dtype(path: Path) -> str | None:
+    """The dtype of the first tensor of the first safetensors file (reads only the header)."""
+    from safetensors import safe_open
+
+    for f in sorted(path.glob("*.safetensors")):
+        if not _regular(f):
+            continue
+        try:
+            with safe_open(str(f), framework="pt") as st:
+                for key in st.keys():
+                    dtype = st.get_slice(key).get_dtype()
+                    return SAFETENSORS_DTYPES.get(dtype, dtype)
+        except Exception:  # a corrupt header: info still shows the rest
+            return None
+    return None
+
+
+def _token_string(path: Path, token_id: int | None) -> str | None:
+    tok_file = path / "tokenizer.json"
+    if token_id is None or not _regular(tok_file):
+        return None
+    from tokenizers import Tokenizer
+
+    try:
+        return Tokenizer.from_file(str(tok_file)).id_to_token(token_id)
+    except Exception:  # not a tokenizer.json tokenizers can read
+        return None
+
+
+def model_info(path: Path) -> dict:
+    """The facts `clover info` prints, from config.json and file sizes (no weights are loaded)."""
+    from ..config import CloverConfig
+
+    if not path.exists():
+        raise UsageError(f"{path}: no such model directory")
+    if not path.is_dir():
+        raise UsageError(f"{path}: not a directory; pass the folder holding config.json and the safetensors")
+    c = CloverConfig.from_file(path)
+    counts = c.parameter_counts()
+    n_attn = sum(t == "full_attention" for t in c.layer_types)
+    n_gdn = sum(t == "linear_attention" for t in c.layer_types)
+    return {
+        "path": str(path),
+        "model_type": c.model_type,
+        "layers": c.num_hidden_layers,
+        "layer_pattern": "".join("A" if t == "full_attention" else "L" for t in c.layer_types),
+        "attention_layers": n_attn,
+        "gdn_layers": n_gdn,
+        "hidden_size": c.hidden_size,
+        "vocab_size": c.vocab_size,
+        "attention": {"q_heads": c.num_attention_heads, "kv_heads": c.num_key_value_heads, "head_dim": c.head_dim,
+                      "rotary_dim": c.rotary_dim, "rope_theta": c.rope_theta},
+        "gdn": {"key_heads": c.linear_num_key_heads, "value_heads": c.linear_num_value_heads,
+                "key_dim": c.linear_key_head_dim, "value_dim": c.linear_value_head_dim, "conv_kernel": c.linear_conv_kernel_dim},
+        "experts": {"num": c.num_experts, "top_k": c.num_experts_per_tok, "intermediate": c.moe_intermediate_size,
+                    "shared_intermediate": c.shared_expert_intermediate_size, "expert_budget": c.expert_budget},
+        "parameters": {"total": counts["total"], "active": counts["active"]},
+        "dtype": c.torch_dtype or _stored_dtype(path),
+        "disk_bytes": _disk_size(path),
+        "context_length": c.max_position_embeddings,
+        "diffusion": c.mask_token_id is not None,
+        "block_size": c.block_size if c.mask_token_id is not None else None,
+        "threshold": c.threshold if c.mask_token_id is not None else None,
+        "mask_token_id": c.mask_token_id,
+        "mask_token": _token_string(path, c.mask_token_id),
+        "eos_token_ids": c.eos_token_ids,
+        "quantization": c.quantization_config,
+    }
+
+
+def format_info(info: dict) -> str:
+    a, g, e, p = info["attention"], info["gdn"], info["experts"], info["parameters"]
+    pattern = info["layer_pattern"]
+    if len(pattern) > 48:
+        pattern = pattern[:45] + "…"
+    rows = [
+        ("model", f"{info['path']} ({info['model_type']})"),
+        ("layers", f"{info['layers']}: {info['gdn_layers']} GDN (linear attention) + {info['attention_layers']} full attention  [{pattern}]"),
+        ("hidden / vocab", f"{info['hidden_size']} / {info['vocab_size']}"),
+        ("attention", f"{a['q_heads']} q heads, {a['kv_heads']} kv heads, head dim {a['head_dim']}, rotary dims {a['rotary_dim']}"),
+        ("GDN", f"{g['key_heads']} key heads × {g['key_dim']}, {g['value_heads']} value heads × {g['value_dim']}, conv kernel {g['conv_kernel']}"),
+        ("experts", f"{e['num']} routed, top-{e['top_k']}, intermediate {e['intermediate']}"
+         + (f", shared expert {e['shared_intermediate']}" if e["shared_intermediate"] else "")
+         + (f", block budget {e['expert_budget']}" if e["expert_budget"] else "")),
+        ("parameters", f"{human(p['total'])} total, {human(p['active'])} active per token ({p['total']:,} / {p['active']:,})"),
+        ("dtype", info["dtype"] or "unknown"),
+        ("size on disk", human(info["disk_bytes"], "B")),
+        ("context length", f"{info['context_length']:,}"),
+    ]
+    if info["diffusion"]:
+        mask = f"{info['mask_token_id']}" + (f" {info['mask_token']}" if info["mask_token"] else "")
+        rows += [("block size", str(info["block_size"])), ("threshold", str(info["threshold"])), ("mask token", mask)]
+    else:
+        rows.append(("diffusion", "no mask token: autoregressive only"))
+    q = info["quantization"]
+    if isinstance(q, dict):
+        shown = {k: (f"{len(v)} modules" if isinstance(v, list) and k == "modules" else v) for k, v in q.items()}
+        rows.append(("quantization", ", ".join(f"{k}={v}" for k, v in shown.items())))
+    else:
+        rows.append(("quantization", "none"))
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+
+
+def run(args: argparse.Namespace) -> int:
+    info = model_info(model_dir(args))
+    print(json.dumps(info) if args.json else format_info(info))
+    return 0

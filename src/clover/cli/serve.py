@@ -1,0 +1,60 @@
+"""`clover serve`: the OpenAI-compatible server (`clover.serve`) on a model directory."""
+
+from __future__ import annotations
+
+import argparse
+
+from .common import UsageError, add_model_arguments, load_llm
+
+SERVE_EXTRA = ("fastapi", "uvicorn", "pydantic", "starlette", "prometheus_client")  # pyproject's `serve` extra
+
+
+def configure(p: argparse.ArgumentParser) -> None:
+    from ..serve import defaults as d  # constants only: readable without the extra
+
+    add_model_arguments(p)
+    p.add_argument("--host", default=d.HOST, help=f"address to bind (default {d.HOST})")
+    p.add_argument("--port", type=int, default=d.PORT, help=f"port (default {d.PORT})")
+    p.add_argument("--max-batch", type=int, default=d.MAX_BATCH, help=f"rows decoded together (default {d.MAX_BATCH})")
+    p.add_argument("--max-queue", type=int, default=d.MAX_QUEUE,
+                   help=f"rows waiting beyond the batch before 429 (default {d.MAX_QUEUE})")
+    p.add_argument("--max-body-bytes", type=int, default=d.MAX_BODY_BYTES, metavar="N",
+                   help=f"the largest request body; larger ones get 413 (default {d.MAX_BODY_BYTES})")
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
+    p.add_argument("--served-model-name", default=None, help="the model id clients send (default: the directory name)")
+
+
+def _missing_serve_extra() -> str | None:
+    """The first module of the `serve` extra that cannot be imported, or None."""
+    import importlib.util
+
+    for name in SERVE_EXTRA:
+        try:
+            if importlib.util.find_spec(name) is None:
+                return name
+        except (ImportError, ValueError):  # a broken install, or sys.modules[name] is None
+            return name
+    return None
+
+
+def run(args: argparse.Namespace) -> int:
+    missing = _missing_serve_extra()  # before loading the model: uvicorn is only imported to run
+    if missing is None:
+        try:
+            from ..serve.app import run_app
+        except ImportError as e:
+            if (e.name or "").split(".")[0] not in SERVE_EXTRA:
+                raise
+            missing = e.name
+    if missing is not None:
+        raise UsageError(f"serving needs the serve extra ({missing} is not installed): pip install 'clover[serve]'")
+    if args.max_batch < 1:
+        raise ValueError(f"--max-batch: must be >= 1, got {args.max_batch}")
+    if args.max_queue < 0:
+        raise ValueError(f"--max-queue: must be >= 0, got {args.max_queue}")
+    if args.max_body_bytes < 1:
+        raise ValueError(f"--max-body-bytes: must be >= 1, got {args.max_body_bytes}")
+    llm = load_llm(args)
+    run_app(llm, host=args.host, port=args.port, max_batch=args.max_batch, max_queue=args.max_queue,
+            api_key=args.api_key, model_name=args.served_model_name, max_body_bytes=args.max_body_bytes)
+    return 0
