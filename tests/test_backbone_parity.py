@@ -147,7 +147,6 @@ def test_full_size_config_on_meta():
     model = build_model(cfg, device="meta")
     total = sum(p.numel() for p in model.parameters())
     counts = parameter_counts(cfg)
-    assert counts == cfg.parameter_counts()
     assert counts["total"] == total
     assert 34e9 < total < 36.5e9, total
     assert 2.5e9 < counts["active"] < 3.6e9, counts["active"]

@@ -225,7 +225,9 @@ def test_timeline_outlines_forced_tokens(tmp_path):
 def test_info(capsys, model):
     rc, out, err = run(capsys, "info", model)
     assert rc == 0, err
-    counts = CloverConfig.from_file(model).parameter_counts()
+    from clover.models import parameter_counts
+
+    counts = parameter_counts(CloverConfig.from_file(model))
     for needle in ("3 GDN", "1 full attention", "8 routed, top-2", f"{counts['total']:,}", f"{counts['active']:,}",
                    "float32", "size on disk", "context length  4,096", "block size", "0.95", "<|mask|>", "quantization    none"):
         assert needle in out, needle

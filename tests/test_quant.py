@@ -451,7 +451,9 @@ def test_footprint_full_size():
     from clover.quant import footprint
 
     c = full_size_config()
-    total = c.parameter_counts()["total"]
+    from clover.models import parameter_counts
+
+    total = parameter_counts(c)["total"]
     bf16 = footprint(c)
     int8 = footprint(c, bits=8)
     int4 = footprint(c, bits=4, group_size=64)

@@ -341,14 +341,6 @@ class CloverConfig:
     def replace(self, **changes: Any) -> "CloverConfig":
         return dataclasses.replace(self, **changes)
 
-    # ------------------------------------------------------------- accounting
-    def parameter_counts(self) -> dict[str, int]:
-        """{"total", "active"}: kept for callers of the config; the count is `clover.models.parameter_counts`
-        (read off a model built on `meta`)."""
-        from .models import parameter_counts  # noqa: PLC0415  (the architectures sit above the config)
-
-        return parameter_counts(self)
-
 
 # field -> its annotation ("int | None", ...): the JSON types config.json may hold there
 _ANNOTATIONS: dict[str, str] = {f.name: str(f.type) for f in dataclasses.fields(CloverConfig)}

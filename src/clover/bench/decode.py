@@ -27,6 +27,7 @@ from typing import Callable, Iterable
 import torch
 
 from ..decoding import get_mode, mode_names
+from ..models import parameter_counts
 from .common import machine, max_rss_bytes, spread, synchronize, timed
 
 SCHEMA = "clover.bench.decode/1"
@@ -359,7 +360,7 @@ def run_decode(
         "config": {
             "hidden_size": c.hidden_size, "num_hidden_layers": c.num_hidden_layers, "num_experts": c.num_experts,
             "num_experts_per_tok": c.num_experts_per_tok, "vocab_size": c.vocab_size,
-            "parameters": c.parameter_counts(), "dtype": str(llm.model.dtype).replace("torch.", ""),
+            "parameters": parameter_counts(c), "dtype": str(llm.model.dtype).replace("torch.", ""),
         },
         "settings": {
             "workload": workload, "prompts": len(items), "max_new_tokens": max_new_tokens, "modes": modes,

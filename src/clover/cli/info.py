@@ -66,13 +66,14 @@ def _token_string(path: Path, token_id: int | None) -> str | None:
 def model_info(path: Path) -> dict:
     """The facts `clover info` prints, from config.json and file sizes (no weights are loaded)."""
     from ..config import CloverConfig
+    from ..models import parameter_counts
 
     if not path.exists():
         raise UsageError(f"{path}: no such model directory")
     if not path.is_dir():
         raise UsageError(f"{path}: not a directory; pass the folder holding config.json and the safetensors")
     c = CloverConfig.from_file(path)
-    counts = c.parameter_counts()
+    counts = parameter_counts(c)
     n_attn = sum(t == "full_attention" for t in c.layer_types)
     n_gdn = sum(t == "linear_attention" for t in c.layer_types)
     return {

@@ -16,7 +16,9 @@ def footprint(config, *, bits: int | None = None, group_size: int = 64, include_
     counts weights only (no KV/GDN cache, no activations)."""
     from .format import quantizable, select_modules
 
-    total = config.parameter_counts()["total"]
+    from ..models import parameter_counts
+
+    total = parameter_counts(config)["total"]
     if bits is None:
         b = total * float_bytes
         return {"params": total, "quantized_params": 0, "disk_bytes": b, "memory_bytes": b}

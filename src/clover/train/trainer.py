@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from ..checkpoint import load_model
 from ..config import CloverConfig
-from ..models import build_model
+from ..models import build_model, parameter_counts
 from ..models.clover import convert_model
 from . import checkpointing as ck
 from .losses import ar_step_loss, diffusion_step_loss
@@ -418,7 +418,7 @@ class Trainer:
         if self.dist.main:  # the recipe as run now (with overrides), so `clover train <out>` continues it
             (self.out / "recipe.json").write_text(json.dumps(r.to_dict(), indent=2) + "\n")
         if self.dist.main and self.step == 0:
-            pc = self.model.config.parameter_counts()
+            pc = parameter_counts(self.model.config)
             self._log_text(
                 f"start {r.name} stage={r.stage} world={self.dist.world} params total={pc['total']} active={pc['active']} "
                 f"bf16_MB={pc['total'] * 2 / 1e6:.2f} steps={total}"
