@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP API: `create_app(llm, ...)`, and `serve` / `run_app` to run it.
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions (both with SSE streaming),
-GET /v1/models, GET /health, GET /metrics, POST /tokenize, POST /detokenize.
+GET /v1/models, GET /health, GET /metrics, POST /tokenize, POST /detokenize, and the playground
+(`playground.py`: the page at GET / and /playground, GET /v1/clover/modes).
 Generation goes through the `Scheduler` (one engine thread batching rows of all requests).
 
 Before a route runs, `_Guard` checks the API key and reads the body up to `max_body_bytes` (413
@@ -33,6 +34,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..decoding import get_mode
 from ..decoding.sampling import LIMITS, SamplingParams
+from . import playground
 from .defaults import HOST, MAX_BATCH, MAX_BODY_BYTES, MAX_QUEUE, PORT
 from .metrics import Metrics
 from ..tokenizer import ChatTemplateError
@@ -241,13 +243,14 @@ class Server:
                            code="invalid_value")
         return mode, params, get_mode(mode).group(params)
 
-    def submit(self, prompts: list[list[int]], params: SamplingParams, group: tuple, n: int) -> ServeRequest:
+    def submit(self, prompts: list[list[int]], params: SamplingParams, group: tuple, n: int,
+               provisional: bool = False) -> ServeRequest:
         rows = []
         for p in prompts:
             for i in range(n):
                 pi = dataclasses.replace(params, seed=(params.seed + i) % SEED_MOD) if params.seed is not None and i else params
                 rows.append(ServeRow(list(p), pi, set(self.eos), decode=self.tok.decode))
-        req = ServeRequest(rows, group, asyncio.get_running_loop())
+        req = ServeRequest(rows, group, asyncio.get_running_loop(), provisional=provisional)
         if len(rows) > self.scheduler.capacity():
             raise APIError(400, f"n: {len(rows)} rows exceed what this server holds ({self.scheduler.capacity()})",
                            param="n", code="invalid_value")
@@ -501,6 +504,8 @@ def create_app(llm, *, model_name: str = "clover", max_batch: int = MAX_BATCH, m
     app.add_middleware(_Guard, srv=srv)
     app.add_middleware(_CountRequests, metrics=srv.metrics)  # outermost: counts the guard's answers too
 
+    playground.add_routes(app, srv)  # the page at / and /playground, GET /v1/clover/modes
+
     # -------------------------------------------------------------- simple routes
     @app.get("/health", responses={503: {"description": "the engine thread has died: restart the server"}})
     async def health():
@@ -565,7 +570,7 @@ def create_app(llm, *, model_name: str = "clover", max_batch: int = MAX_BATCH, m
             return (prompts, *srv.params(body, prompts, default_max=COMPLETION_DEFAULT_MAX_TOKENS, prompt_param="prompt"))
 
         prompts, mode, params, group = await srv.off_loop(prepare)
-        req = srv.submit(prompts, params, group, body.n)
+        req = srv.submit(prompts, params, group, body.n, provisional=_provisional(body))
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         if body.stream:
             return _stream(srv, request, req, prompts, params, body, rid, created, chat=False)
@@ -622,7 +627,7 @@ def create_app(llm, *, model_name: str = "clover", max_batch: int = MAX_BATCH, m
                                        extra_stop_ids=srv.chat_stop_ids))
 
         prompts, mode, params, group = await srv.off_loop(prepare)
-        req = srv.submit(prompts, params, group, body.n)
+        req = srv.submit(prompts, params, group, body.n, provisional=_provisional(body))
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         if body.stream:
             return _stream(srv, request, req, prompts, params, body, rid, created, chat=True)
@@ -655,11 +660,30 @@ def create_app(llm, *, model_name: str = "clover", max_batch: int = MAX_BATCH, m
     return app
 
 
+def _provisional(body) -> bool:
+    """Whether a request asks for the clover extension's denoising events (streams only)."""
+    return bool(body.stream and body.stream_options and body.stream_options.provisional)
+
+
 def _stream(srv: Server, request: Request, req: ServeRequest, prompts, params: SamplingParams, body, rid: str,
             created: int, *, chat: bool) -> StreamingResponse:
     obj = "chat.completion.chunk" if chat else "text_completion"
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     stop = list(params.stop)
+    pieces: dict[int, str] = {}  # token id -> its text, for the provisional events
+
+    def piece(t: int | None) -> str | None:
+        if t is not None and t not in pieces:
+            pieces[t] = srv.piece(t)
+        return None if t is None else pieces[t]
+
+    def extension(index: int, event: str, **fields) -> str:
+        """A clover-extension chunk: no choices (as the usage chunk), the event in `clover`."""
+        out = {"id": rid, "object": obj, "created": created, "model": srv.model_name, "choices": [],
+               "clover": {"index": index, "event": event, **fields}}
+        if include_usage:
+            out["usage"] = None
+        return _sse(out)
 
     def chunk(index: int, text: str | None, finish: str | None = None, role: bool = False) -> str:
         if chat:
@@ -696,6 +720,14 @@ def _stream(srv: Server, request: Request, req: ServeRequest, prompts, params: S
                     if end > emitted[i]:
                         yield chunk(i, text[emitted[i]:end])
                         emitted[i] = end
+                elif item[0] == "provisional":  # only for requests that asked (stream_options.provisional)
+                    _, i, block, step, ids, steps = item
+                    yield extension(i, "provisional", block=block, step=step, token_ids=ids,
+                                    pieces=[piece(t) for t in ids], steps=steps)
+                elif item[0] == "tokens":
+                    _, i, ids, steps, forced = item
+                    yield extension(i, "commit", token_ids=ids, pieces=[piece(t) for t in ids], steps=steps,
+                                    forced=forced)
                 elif item[0] == "finish":
                     _, i, gen, _stop_tok = item
                     gens[i] = gen
@@ -703,6 +735,9 @@ def _stream(srv: Server, request: Request, req: ServeRequest, prompts, params: S
                     rest = gen.text[emitted[i]:] if len(gen.text) > emitted[i] else ""
                     if rest:
                         yield chunk(i, rest)
+                    if req.provisional:
+                        yield extension(i, "done", finish_reason=_finish_reason(gen.finish_reason),
+                                        stats=gen.stats.as_dict(), forced_tokens=gen.forced_tokens)
                     yield chunk(i, None if chat else "", finish=_finish_reason(gen.finish_reason))
                 else:  # engine error
                     left = 0

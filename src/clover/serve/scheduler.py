@@ -9,6 +9,12 @@ asyncio queue with `loop.call_soon_threadsafe`.
 
 Items put on a request's queue:
   ("commit", index, text_so_far, finished)   after a row committed tokens
+  ("tokens", index, ids, steps, forced)       before that "commit", for a provisional request: the
+                                              tokens committed, the step of each, whether a forced
+                                              step committed it
+  ("provisional", index, block, step, ids, steps)
+                                              a provisional request's current block after a denoise
+                                              step (ids[i] None while masked; steps[i] 0 until decoded)
   ("finish", index, Generation, stop_token)   the row is done (stop_token: the EOS / stop id that ended it)
   ("error", message)                          the row could not be admitted or its forward failed, or
                                               the engine thread died; the request is over
@@ -58,6 +64,9 @@ class EngineDead(Exception):
 
 
 RESERVE_S = 3.0  # how long a refused request's room is held for its retry (Retry-After + slack)
+# The last item of the group of a request that streams provisional states: its rows get an engine of
+# their own that reports every denoise step (the others' engines skip that work).
+PROVISIONAL = "provisional"
 
 
 @dataclass(eq=False)
@@ -82,10 +91,12 @@ class ServeRow(RowState):
 class ServeRequest:
     _ids = itertools.count()
 
-    def __init__(self, rows: list[ServeRow], group: tuple, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, rows: list[ServeRow], group: tuple, loop: asyncio.AbstractEventLoop,
+                 provisional: bool = False) -> None:
         self.id = next(self._ids)
         self.rows = rows
-        self.group = group
+        self.provisional = provisional
+        self.group = (*group, PROVISIONAL) if provisional else group
         self.loop = loop
         self.queue: asyncio.Queue = asyncio.Queue()
         self.cancelled = False
@@ -222,7 +233,7 @@ class Scheduler:
     def _make_engine(self, group: tuple, params):
         """The engine for a group (its mode's batching key, the mode's name first), built from the
         options of the row that opens it (rows of one group share what the engine is built from)."""
-        return self.llm.engine(params, group[0])
+        return self.llm.engine(params, group[0], provisional=group[-1] == PROVISIONAL)
 
     def _loop(self) -> None:
         try:
@@ -341,7 +352,13 @@ class Scheduler:
                 self._finished(req, idx, row)
                 continue
             try:
-                if ev.kind == "commit" and not req.cancelled:
+                if ev.kind == "provisional" and req.provisional and not req.cancelled:
+                    req.put(("provisional", idx, ev.block, ev.step, ev.token_ids, ev.steps))
+                elif ev.kind == "commit" and not req.cancelled:
+                    if req.provisional:
+                        start, forced = len(row.tokens) - len(ev.token_ids), set(row.forced)
+                        req.put(("tokens", idx, list(ev.token_ids), list(ev.steps),
+                                 [start + j in forced for j in range(len(ev.token_ids))]))
                     if req.first_token is None:
                         req.first_token = time.perf_counter()
                         if self.metrics is not None:

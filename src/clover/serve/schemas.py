@@ -36,6 +36,9 @@ _TokenId = Annotated[int, Field(ge=0)]
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
+    provisional: bool = Field(default=False, description=(
+        "clover extension: also stream each denoise step's state of the current block and the "
+        "tokens each commit adds, as chunks with `choices: []` and a `clover` object (docs/serving.md)"))
 
 
 class _Sampling(BaseModel):
