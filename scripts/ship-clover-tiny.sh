@@ -42,7 +42,7 @@ $BIN/clover bench experts --model "$OUT" --workload code --prompts "${SMALL_CODE
   --json "$FIG/experts-code.json" | tee "$FIG/experts-code.md"
 echo "== quantization"
 HELDOUT=$($BIN/python -c "from clover.data.corpus import stdlib_files; print(stdlib_files('heldout')[0])")
-$BIN/python -m clover.quant.compare "$OUT" --variants fp32 bf16 int8 int4 int4-g32 --threads "${THREADS:-1}" \
+$BIN/clover bench quant "$OUT" --variants fp32 bf16 int8 int4 int4-g32 --threads "${THREADS:-1}" \
   --text-file "$HELDOUT" | tee "$FIG/quant.md"
 echo "== timeline picture"
 $BIN/clover generate 'assert sorted([31, 7, 19, 4, 88, 23]) == ' --model "$OUT" --max-new-tokens 32 --timeline docs/img/timeline.png > /dev/null

@@ -407,3 +407,16 @@ def test_fifo_weights_do_not_hang_the_cli(capsys, model, tmp_path):
     out, err = capsys.readouterr()
     assert (rc_gen, rc_info) == (2, 0), err
     assert "model.safetensors" in err and "not a regular file" in err and json.loads(out)["dtype"] == "float32"
+
+
+def test_info_reads_the_dtype_from_the_safetensors_header(capsys, tmp_path):
+    """Without torch_dtype in config.json, info names the stored dtype (safe_open reads the header)."""
+    d = build_tiny_checkpoint(tmp_path / "bf16", seed=1, dtype=__import__("torch").bfloat16)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg.pop("torch_dtype", None)
+    cfg.pop("dtype", None)
+    (d / "config.json").write_text(json.dumps(cfg))
+    rc, out, err = run(capsys, "info", d, "--json")
+    assert rc == 0, err
+    info = json.loads(out)
+    assert info["dtype"] == "bfloat16" and info["mask_token"] == "<|mask|>"
