@@ -97,3 +97,20 @@ def test_sub_blocks_decode_left_to_right(llm):
         assert max(steps[b : b + 8]) <= min(steps[b + 8 : b + 16]), steps
     whole = llm.generate("def add(a, b):\n", mode="diffusion", max_new_tokens=32, block_size=32, ignore_eos=True)
     assert g.stats.forwards >= whole.stats.forwards
+
+
+def test_default_policy_comes_from_the_model(llm, tiny_llm):
+    assert llm.config.policy == "entropy"  # the bundled model's, chosen by the sweep (docs/benchmarks.md)
+    assert llm.params("diffusion", {}).policy == "entropy"
+    assert llm.params("diffusion", {"threshold": 0.9}).policy == "threshold"  # a threshold alone
+    assert llm.params("diffusion", {"threshold": 0.9, "policy": "factor"}).policy == "factor"
+    assert tiny_llm.config.policy == "threshold"  # a checkpoint that names none
+    assert tiny_llm.params("diffusion", {}).policy == "threshold"
+
+
+def test_config_refuses_an_unknown_policy():
+    from clover.config import CloverConfig, ConfigError
+    from clover.tiny import tiny_config
+
+    with pytest.raises(ConfigError, match="policy"):
+        CloverConfig.from_dict({**tiny_config().to_dict(), "policy": "yolo"})

@@ -107,6 +107,8 @@ class LLM:
         params = SamplingParams.from_kwargs(**kwargs).check_model(self.config.vocab_size)
         if params.block_size is None:
             params.block_size = self.config.block_size
+        if params.policy is None:  # a threshold given alone asks for the threshold rule
+            params.policy = "threshold" if params.threshold is not None else self.config.policy
         if params.threshold is None:
             params.threshold = self.config.threshold
         if params.expert_budget is None:

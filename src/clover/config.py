@@ -21,6 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .decoding.acceptance import POLICIES as ACCEPTANCE_POLICIES
+
 # text model_type -> its MLP ("moe" or "dense"); the text models this config describes
 BACKBONES = {"qwen3_5_moe_text": "moe", "qwen3_5_text": "dense"}
 # multimodal model_type -> the text model nested in its `text_config`
@@ -121,6 +123,7 @@ class CloverConfig:
     mask_token_id: int | None = None
     block_size: int = 32
     threshold: float = 0.95
+    policy: str = "threshold"  # the default acceptance policy (clover.decoding.acceptance)
     expert_budget: int | None = None
     # quantization metadata, passed through untouched (see clover.quant)
     quantization_config: dict | None = None
@@ -187,6 +190,8 @@ class CloverConfig:
             bad(f"block_size must be positive, got {self.block_size}")
         if not (self.threshold > 0):
             bad(f"threshold must be positive, got {self.threshold}")
+        if self.policy not in ACCEPTANCE_POLICIES:
+            bad(f"policy must be one of {', '.join(ACCEPTANCE_POLICIES)}, got {self.policy!r}")
         if self.mask_token_id is not None and not (0 <= self.mask_token_id < self.vocab_size):
             bad(f"mask_token_id {self.mask_token_id} is outside the vocabulary (size {self.vocab_size})")
         if self.expert_budget is not None and not self.is_moe:
@@ -324,7 +329,7 @@ class CloverConfig:
             d["architectures"] = ["CloverForBlockDiffusion"]
         else:
             d["architectures"] = ["Qwen3_5MoeForCausalLM" if self.is_moe else "Qwen3_5ForCausalLM"]
-            for k in ("backbone", "mask_token_id", "block_size", "threshold", "expert_budget"):
+            for k in ("backbone", "mask_token_id", "block_size", "threshold", "policy", "expert_budget"):
                 d.pop(k)
         unused = ("intermediate_size",) if self.is_moe else (
             "num_experts", "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size", "router_aux_loss_coef")

@@ -129,7 +129,8 @@ LIMITS: dict[str, Limit] = {
     "block_size": Limit(int, ge=1, le=1024, nullable=True, doc="diffusion / speculative block (null = the model's)"),
     "threshold": Limit(float, gt=0, le=2, nullable=True, doc="confidence to accept a token (null = the model's); above 1: one token per step"),
     "confidence": Limit(str, choices=CONFIDENCE_KINDS, doc="confidence measure"),
-    "policy": Limit(str, choices=tuple(POLICIES), doc="acceptance rule of a denoise step (docs/diffusion.md)"),
+    "policy": Limit(str, choices=tuple(POLICIES), nullable=True,
+                    doc="acceptance rule of a denoise step (null = the model's; `threshold` when only a threshold is given)"),
     "fallback": Limit(str, choices=FALLBACKS, doc="what a step commits when the rule accepts nothing (a forced step)"),
     "factor": Limit(float, gt=0, le=10, doc="policy factor: the top n while the n-th confidence >= 1 - factor/(n+1)"),
     "low_threshold": Limit(float, gt=0, le=1, doc="policy hierarchy: local maxima at or above this also commit (<= threshold)"),
@@ -168,11 +169,11 @@ class SamplingParams:
     block_size: int | None = None  # None: the model's config
     threshold: float | None = None  # None: the model's config
     confidence: str = "prob"
-    policy: str = "threshold"
+    policy: str | None = None  # None: the model's (LLM.params)
     fallback: str = "confident"
     factor: float = 1.0
     low_threshold: float = 0.5
-    entropy_budget: float = 0.3
+    entropy_budget: float = 1.0
     sub_block: int | None = None
     expert_budget: int | None = None
     # speculative

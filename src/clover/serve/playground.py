@@ -41,7 +41,7 @@ def _static(name: str, media_type: str) -> Response:
 def modes_info(llm, model_name: str, default_mode: str) -> dict:
     """What `GET /v1/clover/modes` answers."""
     defaults = {f.name: f.default for f in dataclasses.fields(SamplingParams)}
-    defaults.update(block_size=llm.config.block_size, threshold=llm.config.threshold)
+    defaults.update(block_size=llm.config.block_size, threshold=llm.config.threshold, policy=llm.config.policy)
     options = {}
     for name in OPTIONS:
         lim = LIMITS.get(name)

@@ -69,7 +69,7 @@ class _Sampling(BaseModel):
     block_size: int | None = _f("block_size")
     threshold: float | None = _f("threshold")
     confidence: Literal[CONFIDENCE_KINDS] = "prob"  # type: ignore[valid-type]
-    policy: Literal[tuple(POLICIES)] = _DEFAULTS["policy"]  # type: ignore[valid-type]
+    policy: Literal[tuple(POLICIES)] | None = None  # type: ignore[valid-type]  # None: the model's
     fallback: Literal[FALLBACKS] = _DEFAULTS["fallback"]  # type: ignore[valid-type]
     factor: float = _f("factor", _DEFAULTS["factor"])
     low_threshold: float = _f("low_threshold", _DEFAULTS["low_threshold"])
