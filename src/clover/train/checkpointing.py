@@ -9,6 +9,13 @@ A checkpoint is a directory `ckpt/step-00001234/` holding
   and Python RNG state, the recipe. Written last; a directory without it is incomplete.
 Directories are written under a temporary name and renamed, so a crash never leaves a
 half-written `step-*` behind.
+
+Under `run.parallel = "fsdp"` a checkpoint is a *distributed* one (`torch.distributed.checkpoint`,
+DCP): every rank writes its own shards of the model and optimizer into `dcp/` (`*.distcp` plus a
+`.metadata` index), so no rank ever holds the full state. `config.json`, the RNG files and
+`trainer.json` (with `"format": "dcp"`) are as above; there is no `model.safetensors`, so
+`clover train export CKPT OUT` (`load_dcp_model`) gathers the shards into a model directory. DCP
+reshards on load: the model and optimizer load onto any number of ranks (or one process).
 """
 
 from __future__ import annotations
@@ -21,12 +28,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
 from ..checkpoint import save_model
 
 STATE_FILE = "trainer.json"
 OPT_FILE = "optimizer.safetensors"
+DCP_DIR = "dcp"
 
 
 def step_dir_name(step: int) -> str:
@@ -147,3 +156,91 @@ def read_checkpoint(path: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]
 
 def read_rng(path: Path, rank: int) -> dict[str, torch.Tensor]:
     return load_file(str(path / f"rng-rank{rank}.safetensors"))
+
+
+# --------------------------------------------------------------------------- distributed (DCP)
+def checkpoint_format(path: str | Path) -> str:
+    """"dcp" for a sharded checkpoint (run.parallel = "fsdp"), else "safetensors"."""
+    return "dcp" if (Path(path) / DCP_DIR / ".metadata").is_file() else "safetensors"
+
+
+def _dcp_state(model, opt: torch.optim.Optimizer | None) -> dict[str, Any]:
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
+
+    if opt is None:
+        return {"model": get_model_state_dict(model)}
+    msd, osd = get_state_dict(model, opt)
+    return {"model": msd, "optim": osd}
+
+
+def write_dcp_checkpoint(
+    ckpt_root: Path,
+    step: int,
+    *,
+    model,
+    opt: torch.optim.Optimizer,
+    main: bool,
+    barrier,
+    rank_states: list[dict[str, Any]] | None,
+    rng_by_rank: list[dict[str, torch.Tensor]] | None,
+    extra: dict[str, Any],
+    keep: int,
+) -> Path:
+    """Collective: every rank calls it (its shards go to `dcp/`); rank 0 (`main`) writes the rest
+    (`rank_states` / `rng_by_rank` gathered there) and renames the directory when all shards are in."""
+    import torch.distributed.checkpoint as dcp
+
+    final = ckpt_root / step_dir_name(step)
+    tmp = ckpt_root / (".tmp-" + step_dir_name(step))
+    if main:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        (tmp / DCP_DIR).mkdir(parents=True)
+    barrier()
+    dcp.save(_dcp_state(model, opt), checkpoint_id=str(tmp / DCP_DIR), no_dist=not dist.is_initialized())
+    barrier()
+    if main:
+        model.config.save(tmp)
+        for r, rng in enumerate(rng_by_rank or []):
+            save_file(rng, str(tmp / f"rng-rank{r}.safetensors"))
+        state = {"step": step, "format": "dcp", "ranks": rank_states, **extra}
+        (tmp / STATE_FILE).write_text(json.dumps(state, indent=1) + "\n")
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        for old in list_checkpoints(ckpt_root)[:-keep] if keep > 0 else []:
+            shutil.rmtree(old, ignore_errors=True)
+    barrier()
+    return final
+
+
+def read_dcp_checkpoint(path: Path, model, opt: torch.optim.Optimizer | None) -> dict[str, Any]:
+    """Load the shards of `path` into `model` (and `opt`), sharded or not, on however many ranks
+    this run has (DCP reshards); returns trainer.json. Collective under a process group."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
+
+    state = _dcp_state(model, opt)
+    dcp.load(state, checkpoint_id=str(path / DCP_DIR), no_dist=not dist.is_initialized())
+    if opt is None:
+        set_model_state_dict(model, state["model"])
+    else:
+        set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    return json.loads((path / STATE_FILE).read_text())
+
+
+def load_dcp_model(path: str | Path, dtype: torch.dtype = torch.float32):
+    """A sharded (DCP) training checkpoint -> the full model in one process (for export)."""
+    import torch.distributed.checkpoint as dcp
+
+    from ..config import CloverConfig
+    from ..models import build_model
+
+    path = Path(path)
+    model = build_model(CloverConfig.from_file(path), device="cpu", dtype=torch.float32)
+    state = {"model": model.state_dict()}
+    dcp.load(state, checkpoint_id=str(path / DCP_DIR), no_dist=True)  # fills the tensors in place
+    model.load_state_dict(state["model"], strict=True)
+    if model.config.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    return model.to(dtype).eval()

@@ -183,11 +183,18 @@ def diffusion_step_loss(
     min_mask_ratio: float = 1e-3,
     certainty_weight: float = 0.0,
     certainty_temperature: float = 0.5,
+    block_size_gen: torch.Generator | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """The stage-2 loss of one batch `ids [B, T]`; block sizes are drawn per sequence and sequences
-    sharing a block size go through one forward."""
+    sharing a block size go through one forward. With `block_size_gen` the whole batch takes one
+    block size drawn from it (one forward): a generator shared by all ranks then gives every rank
+    the same forward, which FSDP needs (each forward is collective, and FSDP2 does not accumulate
+    gradients right when a sharded layer runs twice before one backward); the masks stay per rank."""
     B, T = ids.shape
-    sizes = sample_block_sizes(B, block_sizes, gen)
+    if block_size_gen is not None:
+        sizes = sample_block_sizes(1, block_sizes, block_size_gen) * B
+    else:
+        sizes = sample_block_sizes(B, block_sizes, gen)
     groups: dict[int, list[int]] = {}
     for i, s in enumerate(sizes):
         groups.setdefault(s, []).append(i)

@@ -12,9 +12,11 @@ A recipe has a few top-level keys and one table per concern::
     [data]       # tokenizer, seq_len, batch_size (global, split over ranks), task_fraction, ...
     [optim]      # lr, betas, weight_decay, eps, grad_clip, aux_loss_coef, steps, warmup_steps, schedule, ...
     [diffusion]  # block_sizes, ar_weight, complementary, min_mask_ratio, certainty_weight,
-                 # certainty_temperature (stage "diffusion" only)
+                 # certainty_temperature, shared_block_size (stage "diffusion" only)
     [run]        # out, threads, log_every, ckpt_every_s, ckpt_every_steps, keep, progress, eval_every,
-                 # eval_tasks, autocast ("none" | "bf16"), device ("auto" | "cpu" | "cuda")
+                 # eval_tasks, autocast ("none" | "bf16"), device ("auto" | "cpu" | "cuda"),
+                 # parallel ("ddp" | "fsdp"), fsdp_mixed_precision ("none" | "bf16"), fsdp_cpu_offload,
+                 # activation_checkpointing
 
 Paths (`init`, `data.tokenizer`, `data.cache_dir`, `run.out`): `${runs}` stands for the run root
 (`runs_root()`: `$CLOVER_RUNS`, else `${XDG_CACHE_HOME:-~/.cache}/clover/runs`) and a leading `~` for
@@ -40,6 +42,7 @@ except ModuleNotFoundError:  # pragma: no cover
 STAGES = ("ar", "diffusion")
 SCHEDULES = ("cosine", "wsd", "constant")
 DEVICES = ("auto", "cpu", "cuda")
+PARALLEL = ("ddp", "fsdp")  # full replicas + one all-reduce | FSDP2 shards + DCP checkpoints (train/parallel.py)
 RUNS_ENV = "CLOVER_RUNS"  # overrides the run root
 RUNS_VAR = "${runs}"  # in a recipe path: the run root
 
@@ -103,6 +106,7 @@ class DiffusionSpec:
     min_mask_ratio: float = 1e-3  # t ~ U(min_mask_ratio, 1]
     certainty_weight: float = 0.0  # entropy minimisation on masked positions already predicted right
     certainty_temperature: float = 0.5  # the temperature that entropy is measured at
+    shared_block_size: bool = False  # one block size per micro-batch, the same on all ranks (always so under FSDP)
 
 
 @dataclass
@@ -118,6 +122,10 @@ class RunSpec:
     eval_tasks: int = 100
     autocast: str = "none"  # "bf16": matmuls in bfloat16 under torch.autocast (fp32 master weights and loss)
     device: str = "auto"  # "auto" (CUDA when available), "cpu" or "cuda"; under torchrun rank r takes cuda:LOCAL_RANK
+    parallel: str = "ddp"  # "ddp": every rank holds the full model; "fsdp": FSDP2 shards (params, grads, optimizer)
+    fsdp_mixed_precision: str = "none"  # "bf16": FSDP gathers and computes in bf16, reduces gradients in fp32
+    fsdp_cpu_offload: bool = False  # FSDP shards, gradients and optimizer state in CPU memory (CUDA runs)
+    activation_checkpointing: bool = False  # recompute each decoder layer in backward (either mode)
 
 
 @dataclass
@@ -162,6 +170,12 @@ class Recipe:
             raise RecipeError(f"run.autocast must be 'none' or 'bf16', not {self.run.autocast!r}")
         if self.run.device not in DEVICES:
             raise RecipeError(f"run.device must be one of {DEVICES}, not {self.run.device!r}")
+        if self.run.parallel not in PARALLEL:
+            raise RecipeError(f"run.parallel must be one of {PARALLEL}, not {self.run.parallel!r}")
+        if self.run.fsdp_mixed_precision not in ("none", "bf16"):
+            raise RecipeError(f"run.fsdp_mixed_precision must be 'none' or 'bf16', not {self.run.fsdp_mixed_precision!r}")
+        if self.run.parallel != "fsdp" and (self.run.fsdp_mixed_precision != "none" or self.run.fsdp_cpu_offload):
+            raise RecipeError("run.fsdp_mixed_precision / run.fsdp_cpu_offload need run.parallel = 'fsdp'")
         if self.stage == "diffusion":
             if not (self.diffusion.certainty_weight >= 0 and self.diffusion.certainty_temperature > 0):
                 raise RecipeError("diffusion.certainty_weight must be >= 0 and diffusion.certainty_temperature > 0")

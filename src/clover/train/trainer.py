@@ -7,8 +7,15 @@ all-reduce per step before clipping. (An explicit all-reduce rather than the DDP
 stage 2 calls `forward_block_diffusion`, which a wrapper would not see, and MoE experts or Clover
 parameters that receive no tokens simply contribute zeros.)
 
+Sharded: with `run.parallel = "fsdp"` the model is split with FSDP2 (`parallel.py`): each rank
+holds 1/N of the parameters, gradients and optimizer state, and checkpoints are distributed (DCP,
+`checkpointing.write_dcp_checkpoint`). Losses, accumulation, the router loss and the separately
+clipped Clover gains are the same code in both modes.
+
 Resume is exact: model, optimizer, each rank's data-stream position and RNG states are restored,
-so an interrupted run continues with the same losses as an uninterrupted one.
+so an interrupted run continues with the same losses as an uninterrupted one. A checkpoint written
+by another number of ranks is refused unless `--reset-data` (the per-rank streams and RNG states
+cannot be remapped; the weights and optimizer can, and are).
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ from ..config import CloverConfig
 from ..models import build_model, parameter_counts
 from ..models.clover import convert_model
 from . import checkpointing as ck
+from . import parallel
 from .losses import ar_step_loss, diffusion_step_loss
 from .recipes import Recipe
 
@@ -247,11 +255,22 @@ class Trainer:
                 raise ValueError("stage 'diffusion' needs a clover model with mask_token_id")
             if not hasattr(self.model, "forward_block_diffusion"):
                 raise RuntimeError("this model has no forward_block_diffusion(clean_ids, noisy_ids, block_size)")
+        distill = self._distill_set()  # built from the full model, before it is sharded
+        self.sharded = recipe.run.parallel == "fsdp" and self.dist.active
+        if recipe.run.activation_checkpointing:
+            parallel.apply_activation_checkpointing(self.model)
+        if self.sharded:
+            parallel.shard_model(self.model, device=self.device, mixed_precision=recipe.run.fsdp_mixed_precision,
+                                 cpu_offload=recipe.run.fsdp_cpu_offload)
         o = recipe.optim
         groups, self.params, self.names = param_groups(self.model, o.weight_decay)
         self.opt = torch.optim.AdamW(groups, lr=o.lr, betas=tuple(o.betas), eps=o.eps, foreach=True)
-        self.stream = make_stream(recipe, self.dist.rank, self.dist.world, self.tokenizer, self._distill_set())
+        self.stream = make_stream(recipe, self.dist.rank, self.dist.world, self.tokenizer, distill)
         self.gen = torch.Generator().manual_seed(recipe.seed * 7919 + 17 + self.dist.rank)
+        # stage 2 under FSDP: one forward per micro-batch, the same on every rank, so each micro-batch
+        # takes one block size from a generator all ranks share (the masks still come from `gen`)
+        shared = recipe.stage == "diffusion" and (recipe.diffusion.shared_block_size or recipe.run.parallel == "fsdp")
+        self.size_gen = torch.Generator().manual_seed(recipe.seed * 7919 + 4243) if shared else None
         self.step = 0
         self.tokens = 0
         self.elapsed = 0.0
@@ -303,18 +322,39 @@ class Trainer:
         return str(dst)
 
     def _load(self, path: Path) -> None:
-        state, model_t, opt_t = ck.read_checkpoint(path)
-        if state.get("world_size", 1) != self.dist.world:
-            raise ValueError(f"{path} was written by {state.get('world_size')} ranks; this run has {self.dist.world}")
-        self.model.load_state_dict(model_t, strict=True)
-        ck.load_optimizer(self.opt, self.names, opt_t, state["optimizer"])
-        r = state["ranks"][self.dist.rank]
+        fmt = ck.checkpoint_format(path)
+        want = "dcp" if self.recipe.run.parallel == "fsdp" else "safetensors"
+        if fmt != want:
+            raise ValueError(
+                f"{path} is a {fmt} checkpoint and this run has run.parallel = {self.recipe.run.parallel!r}; resume it "
+                f"with run.parallel = {'fsdp' if fmt == 'dcp' else 'ddp'} (or export it and start a new run with init = the export)"
+            )
+        state = json.loads((path / ck.STATE_FILE).read_text())
+        saved_world = state.get("world_size", 1)
+        same_world = saved_world == self.dist.world
+        if not same_world and not self.reset_data:
+            raise ValueError(
+                f"{path} was written by {saved_world} ranks; this run has {self.dist.world}. The weights and optimizer "
+                f"state would load on any number of ranks, but each rank's data-stream position and RNG state cannot be "
+                f"mapped onto another world size: resume on {saved_world} ranks, or pass --reset-data to continue with "
+                f"fresh data streams (weights, optimizer, step and token count kept)"
+            )
+        if fmt == "dcp":
+            ck.read_dcp_checkpoint(path, self.model, self.opt)
+        else:
+            _, model_t, opt_t = ck.read_checkpoint(path)
+            self.model.load_state_dict(model_t, strict=True)
+            ck.load_optimizer(self.opt, self.names, opt_t, state["optimizer"])
         if self.reset_data:  # a deliberate change of the data (e.g. an annealing mix): the new stream starts fresh
             self._log_text(f"data stream reset: {self.stream.state_dict()['config']}")
         else:
-            self.stream.load_state_dict(r["stream"])
-        ck.restore_python_rng(r["python_rng"])
-        ck.restore_rng(ck.read_rng(path, self.dist.rank), self.gen)
+            self.stream.load_state_dict(state["ranks"][self.dist.rank]["stream"])
+        if same_world:
+            ck.restore_python_rng(state["ranks"][self.dist.rank]["python_rng"])
+            rngs = ck.read_rng(path, self.dist.rank)
+            ck.restore_rng(rngs, self.gen)
+            if self.size_gen is not None and "block_size_gen" in rngs:
+                self.size_gen.set_state(rngs["block_size_gen"])
         self.step = int(state["step"])
         self.tokens = int(state.get("tokens", 0))
         self.elapsed = float(state.get("elapsed_s", 0.0))
@@ -323,7 +363,19 @@ class Trainer:
     def save(self) -> Path | None:
         mine = {"stream": self.stream.state_dict(), "python_rng": ck.python_rng_state()}
         rngs = ck.rng_tensors(self.gen)
+        if self.size_gen is not None:
+            rngs["block_size_gen"] = self.size_gen.get_state().clone()
         gathered = self.dist.gather((mine, rngs))
+        extra = {"tokens": self.tokens, "elapsed_s": self.elapsed, "world_size": self.dist.world,
+                 "recipe": self.recipe.to_dict()}
+        if self.recipe.run.parallel == "fsdp":  # every rank writes its shards
+            path = ck.write_dcp_checkpoint(
+                self.ckpt_root, self.step, model=self.model, opt=self.opt, main=self.dist.main, barrier=self.dist.barrier,
+                rank_states=[g[0] for g in gathered], rng_by_rank=[g[1] for g in gathered], extra=extra,
+                keep=self.recipe.run.keep,
+            )
+            self._log_text(f"checkpoint {path}")
+            return path
         path = None
         if self.dist.main:
             path = ck.write_checkpoint(
@@ -334,12 +386,7 @@ class Trainer:
                 names=self.names,
                 rank_states=[g[0] for g in gathered],
                 rng_by_rank=[g[1] for g in gathered],
-                extra={
-                    "tokens": self.tokens,
-                    "elapsed_s": self.elapsed,
-                    "world_size": self.dist.world,
-                    "recipe": self.recipe.to_dict(),
-                },
+                extra=extra,
                 keep=self.recipe.run.keep,
             )
             self._log_text(f"checkpoint {path}")
@@ -373,6 +420,7 @@ class Trainer:
                 aux_coef=r.optim.aux_loss_coef, top_k=cfg.num_experts_per_tok,
                 complementary=d.complementary, min_mask_ratio=d.min_mask_ratio,
                 certainty_weight=d.certainty_weight, certainty_temperature=d.certainty_temperature,
+                block_size_gen=self.size_gen,
             )
         return loss, stats
 
@@ -386,13 +434,16 @@ class Trainer:
             g["lr"] = lr
         n = r.optim.grad_accum
         stats: dict[str, float] = {}
-        for mb in ids.chunk(n):
+        for i, mb in enumerate(ids.chunk(n)):
+            parallel.set_gradient_sync(self.model, i == n - 1)  # FSDP: reduce-scatter once, after the last
             with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=r.run.autocast == "bf16"):
                 loss, st = self._loss(mb)
             (loss / n).backward()
             for k, v in st.items():  # counts add up, losses average
                 stats[k] = stats.get(k, 0.0) + (v if k == "masked" else v / n)
-        self.dist.all_reduce_grads(self.params)
+        if not self.sharded:
+            self.dist.all_reduce_grads(self.params)
+        clip = parallel.clip_grad_norm_ if self.sharded else torch.nn.utils.clip_grad_norm_  # sharded: global norm
         gn = None
         if r.optim.grad_clip > 0:
             # Clover's zero-initialised gains see gradients orders of magnitude above the rest (the
@@ -401,9 +452,9 @@ class Trainer:
             is_gain = [self.names[i].rsplit(".", 1)[-1] in CLOVER_GAIN_PARAMS for i in range(len(self.params))]
             new = [p for p, g in zip(self.params, is_gain) if g]
             base = [p for p, g in zip(self.params, is_gain) if not g]
-            gn = torch.nn.utils.clip_grad_norm_(base, r.optim.grad_clip)
+            gn = clip(base, r.optim.grad_clip)
             if new:
-                stats["gain_grad_norm"] = float(torch.nn.utils.clip_grad_norm_(new, r.optim.grad_clip))
+                stats["gain_grad_norm"] = float(clip(new, r.optim.grad_clip))
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
         stats["lr"] = lr
@@ -472,15 +523,19 @@ class Trainer:
         return history
 
     def evaluate(self) -> dict[str, Any] | None:
-        """Held-out task-answer metrics on rank 0 (teacher-forced AR), logged as {"step", "eval"}."""
+        """Held-out task-answer metrics on rank 0 (teacher-forced AR), logged as {"step", "eval"}.
+        Sharded, every rank runs the same forwards (each gathers the layers); rank 0 logs."""
         out = None
-        if self.dist.main:
+        if self.dist.main or self.sharded:
             from .evaluate import task_answer_metrics
 
             self.model.eval()
             out = task_answer_metrics(self.model, self.tokenizer, n_tasks=self.recipe.run.eval_tasks,
                                       threshold=self.model.config.threshold)
             self.model.train()
+            if not self.dist.main:
+                out = None
+        if out is not None:
             self._log_json({"step": self.step, "eval": out})
             self._log_text(f"eval step={self.step} " + json.dumps({k: v for k, v in out.items() if k != "exact_by_kind"}))
         self.dist.barrier()
@@ -491,11 +546,15 @@ class Trainer:
 
 
 def export_model(ckpt: str | Path, out: str | Path, *, dtype: str = "bfloat16", tokenizer: str | Path | None = None) -> Path:
-    """A training checkpoint (or any model dir) -> a model directory in `dtype` with the tokenizer."""
+    """A training checkpoint (or any model dir) -> a model directory in `dtype` with the tokenizer.
+    A sharded (FSDP / DCP) checkpoint is gathered into one model in this process."""
     from ..checkpoint import parse_dtype, save_model
 
     ckpt, out = Path(ckpt), Path(out)
-    model = load_model(ckpt, dtype=torch.float32)
+    if ck.checkpoint_format(ckpt) == "dcp":
+        model = ck.load_dcp_model(ckpt, dtype=torch.float32)
+    else:
+        model = load_model(ckpt, dtype=torch.float32)
     model.to(parse_dtype(dtype))
     model.config.torch_dtype = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}.get(dtype, dtype)
     save_model(model, out)
