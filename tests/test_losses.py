@@ -55,4 +55,4 @@ def test_step_loss_reports_the_term(tiny_llm):
     base, s0 = diffusion_step_loss(model, ids, torch.Generator().manual_seed(1), **kw)
     with_c, s1 = diffusion_step_loss(model, ids, torch.Generator().manual_seed(1), certainty_weight=0.5, **kw)
     assert "certainty" not in s0 and 0.0 <= s1["certain_share"] <= 1.0
-    assert math.isclose(float(with_c), float(base) + 0.5 * s1["certainty"], rel_tol=1e-4)
+    assert math.isclose(float(with_c.detach()), float(base.detach()) + 0.5 * s1["certainty"], rel_tol=1e-4)
