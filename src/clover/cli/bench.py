@@ -1,4 +1,4 @@
-"""`clover bench {decode,sweep,experts,kernels,roofline,quant,peers}`: the arguments of each benchmark and
+"""`clover bench {decode,sweep,experts,kernels,roofline,slice,matmul,quant,peers}`: the arguments of each benchmark and
 the dispatch to `clover.bench` (which holds the benchmarks as functions returning JSON-ready dicts)."""
 
 from __future__ import annotations
@@ -88,6 +88,32 @@ def configure(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, metavar="N", help="torch CPU threads (default: torch's)")
     p.add_argument("--json", metavar="FILE", help="also write the result as JSON ('-' = stdout, no table)")
 
+    p = sub.add_parser("slice", help="4 of the 35B-A3B's 40 layers at real shapes: ms/layer, experts, % of bandwidth",
+                       description="Qwen3.6-35B-A3B's real layer shapes (random weights), a few of its 40 layers, bf16 "
+                                   "and int4: AR, denoise and verify forwards, ms per layer, experts touched with and "
+                                   "without expert sharing, bytes read, % of the measured read bandwidth, and a 40-layer "
+                                   "extrapolation. Needs ~11 GB of memory at 4 layers (bf16 and int4 held together).")
+    p.add_argument("--quick", action="store_true", help="every shape shrunk (seconds; for tests)")
+    p.add_argument("--layers", type=int, default=4, metavar="N", help="layers kept (default: 4: 3 GDN + 1 attention)")
+    p.add_argument("--dtypes", default="bf16,int4", help="comma-separated among bf16,int4 (default: both)")
+    p.add_argument("--block-size", type=int, default=32, metavar="N", help="denoise / draft block (default: 32)")
+    p.add_argument("--expert-budget", type=int, default=24, metavar="N",
+                   help="experts shared by a denoise block in the *_shared forwards (default: 24 = 3k; 0 = none)")
+    p.add_argument("--group-size", type=int, default=64, metavar="G", help="int4 group size (default: 64)")
+    p.add_argument("--prefix", type=int, metavar="N", help="cached prompt length (default: 128, quick: 16)")
+    p.add_argument("--repeat", type=int, metavar="N", help="timed rounds (default: 5, quick: 2)")
+    p.add_argument("--threads", type=int, metavar="N", help="torch CPU threads (default: torch's)")
+    p.add_argument("--json", metavar="FILE", help="also write the result as JSON ('-' = stdout, no table)")
+
+    p = sub.add_parser("matmul", help="fp32 / bf16 / int8 / int4 matmul per row count at the 35B-A3B's shapes",
+                       description="x [M, K] @ W^T on the CPU paths (fp32 and bf16 F.linear, _weight_int8pack_mm, "
+                                   "_weight_int4pack_mm_for_cpu, int4 dequantize-then-matmul) for M = 1..64, interleaved.")
+    p.add_argument("--quick", action="store_true", help="small shapes (seconds; for tests)")
+    p.add_argument("--rows", default="1,2,4,8,16,32,64", metavar="LIST", help="row counts M (default: 1,2,4,8,16,32,64)")
+    p.add_argument("--repeat", type=int, metavar="N", help="timed repetitions (default: 7, quick: 3)")
+    p.add_argument("--threads", type=int, metavar="N", help="torch CPU threads (default: torch's)")
+    p.add_argument("--json", metavar="FILE", help="also write the result as JSON ('-' = stdout, no table)")
+
     p = sub.add_parser("quant", help="fp32 / bf16 / int8 / int4: size, peak memory, speed and quality",
                        description="Each variant of MODEL_DIR is written to a work folder (a cast copy, or `clover "
                                    "quantize`) and measured in its own process, so the peak RSS is that variant's alone: "
@@ -131,7 +157,6 @@ def configure(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--json", metavar="FILE", help="also write the full result as JSON ('-' = stdout, no table)")
 
 
-
 KERNEL_GROUPS = ("gdn", "attention", "moe")
 PEER_ENGINES = ("clover", "transformers", "llama.cpp", "vllm")
 
@@ -171,7 +196,8 @@ def run(args: argparse.Namespace) -> int:
 
         set_threads(getattr(args, "threads", None))
     return {"decode": run_decode, "sweep": run_sweep, "kernels": run_kernels, "roofline": run_roofline,
-            "experts": run_experts, "quant": run_quant, "peers": run_peers}[args.bench_command](args)
+            "experts": run_experts, "quant": run_quant, "slice": run_slice, "matmul": run_matmul,
+            "peers": run_peers}[args.bench_command](args)
 
 
 def run_experts(args) -> int:
@@ -271,6 +297,40 @@ def run_roofline(args) -> int:
     result = bench_roofline(quick=args.quick, dtype=dtype, device=args.device, prefix=args.prefix,
                             block_size=args.block_size, ar_steps=args.ar_steps, denoise_steps=args.denoise_steps)
     _emit(result, roofline_table(result), args.json)
+    return 0
+
+
+def run_slice(args) -> int:
+    from ..bench.slice import run_slice as bench_slice, slice_table
+
+    for name in ("layers", "block_size", "group_size", "prefix", "repeat"):
+        positive("--" + name.replace("_", "-"), getattr(args, name))
+    dtypes = tuple(parse_list(args.dtypes, str, "--dtypes"))
+    bad = [d for d in dtypes if d not in ("bf16", "int4")]
+    if bad or not dtypes:
+        raise ValueError(f"--dtypes: choose among bf16,int4 (got {args.dtypes!r})")
+    if args.expert_budget < 0:
+        raise ValueError(f"--expert-budget: must be >= 0, got {args.expert_budget}")
+    result = bench_slice(layers=args.layers, quick=args.quick, dtypes=dtypes, prefix=args.prefix,
+                         block_size=args.block_size, expert_budget=args.expert_budget or None,
+                         repeat=args.repeat, group_size=args.group_size, progress=_progress(args.json))
+    if _progress(args.json):
+        print(file=sys.stderr)
+    _emit(result, slice_table(result), args.json)
+    return 0
+
+
+def run_matmul(args) -> int:
+    from ..bench.matmul import matmul_table, run_matmul as bench_matmul
+
+    positive("--repeat", args.repeat)
+    rows = tuple(parse_list(args.rows, int, "--rows"))
+    for m in rows:
+        positive("--rows", m)
+    result = bench_matmul(quick=args.quick, rows=rows, repeat=args.repeat, progress=_progress(args.json))
+    if _progress(args.json):
+        print(file=sys.stderr)
+    _emit(result, matmul_table(result), args.json)
     return 0
 
 

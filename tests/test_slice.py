@@ -1,0 +1,69 @@
+"""`clover bench slice` (quick shapes) and `clover bench matmul` (quick): schema, accounting
+invariants, and the in-memory quantized model against the float one. No timing is asserted."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+from clover import cli
+from clover.bench.slice import build_slice_model, layer_bytes, quantize_model, slice_config
+
+
+def test_slice_model_shapes_and_int4_close():
+    config = slice_config(4, quick=True)
+    assert config.layer_types == ["linear_attention"] * 3 + ["full_attention"]
+    model = build_slice_model(config, seed=0)
+    assert model.dtype == torch.bfloat16
+    assert not any(p.is_meta for p in model.parameters())
+    q = quantize_model(model, bits=4, group_size=32)
+    assert type(q.model.layers[0].mlp.experts).__name__ == "QuantExperts"
+    assert type(q.model.layers[0].linear_attn.in_proj_qkv).__name__ == "Int4Linear"
+    # unquantized tensors are shared, not copied
+    assert q.lm_head.weight.data_ptr() == model.lm_head.weight.data_ptr()
+    lb, qb = layer_bytes(model), layer_bytes(q)
+    for a, b in zip(lb, qb):
+        assert 0 < b["expert"] < a["expert"] / 3 and b["dense"] < a["dense"]
+    ids = torch.randint(0, config.vocab_size - 1, (1, 12))
+    q8 = quantize_model(model, bits=8, group_size=None)
+    with torch.inference_mode():
+        ref, got4, got8 = model(ids).float(), q(ids).float(), q8(ids).float()
+    # int8 tracks the bf16 logits closely; int4 of random weights (plus routing flips) only roughly
+    assert ((got8 - ref).norm() / ref.norm()).item() < 0.1
+    assert torch.nn.functional.cosine_similarity(got4.flatten(), ref.flatten(), dim=0).item() > 0.85
+
+
+def test_bench_slice_quick_json(capsys):
+    rc = cli.main(["bench", "slice", "--quick", "--repeat", "1", "--threads", "1", "--json", "-"])
+    out, _ = capsys.readouterr()
+    assert rc == 0
+    r = json.loads(out)
+    assert r["schema"] == "clover.bench.slice/1" and "extrapolation" in r["note"]
+    E = r["config"]["num_experts"]
+    k = r["config"]["num_experts_per_tok"]
+    for name in ("bf16", "int4"):
+        fw = r["models"][name]["forwards"]
+        assert set(fw) == {"ar", "denoise", "denoise_shared", "verify", "verify_shared"}
+        assert fw["ar"]["experts_touched_per_layer"] == k
+        for f in fw.values():
+            assert len(f["layers"]) == 4
+            assert all(0 < row["experts_touched"] <= E and row["bytes"] > 0 and row["ms"] > 0 for row in f["layers"])
+            assert f["extrapolated_40_layers"]["bytes"] > 0
+        # sharing caps the denoise block's experts at the budget
+        assert fw["denoise_shared"]["experts_touched_per_layer"] <= r["expert_budget"]
+        assert fw["denoise"]["bytes_per_layer"] > fw["ar"]["bytes_per_layer"]
+    assert r["models"]["int4"]["forwards"]["ar"]["bytes_per_layer"] < r["models"]["bf16"]["forwards"]["ar"]["bytes_per_layer"]
+
+
+def test_bench_matmul_quick_json(capsys):
+    rc = cli.main(["bench", "matmul", "--quick", "--repeat", "1", "--rows", "1,8", "--threads", "1", "--json", "-"])
+    out, _ = capsys.readouterr()
+    assert rc == 0
+    r = json.loads(out)
+    assert r["schema"] == "clover.bench.matmul/1"
+    assert {x["M"] for x in r["results"]} == {1, 8}
+    for x in r["results"]:
+        assert set(x["ms"]) == set(r["paths"])
+        # the low-bit kernels agree with the dequantize reference (bf16 activations)
+        assert all(e < 2e-2 for e in x["rel_err_vs_reference"].values()), x["rel_err_vs_reference"]
