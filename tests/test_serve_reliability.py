@@ -113,11 +113,12 @@ def test_dead_engine_is_unhealthy_and_refuses_fast(tiny_llm):
 
 # ------------------------------------------------------------------ accounting, fairness
 def _request(llm, n: int, loop, max_new_tokens: int = 50):
-    from clover.serve.scheduler import ServeRequest, ServeRow
+    from clover.decoding.base import RowState
+    from clover.serve.scheduler import ServeRequest
 
     params = llm.params("ar", dict(max_new_tokens=max_new_tokens, temperature=0, ignore_eos=True))
     eos = set(llm.config.eos_token_ids)
-    rows = [ServeRow(llm.tokenizer.encode("abc"), params, eos, decode=llm.tokenizer.decode) for _ in range(n)]
+    rows = [RowState(llm.tokenizer.encode("abc"), params, eos, decode=llm.tokenizer.decode) for _ in range(n)]
     return ServeRequest(rows, ("ar",), loop)
 
 

@@ -33,12 +33,13 @@ from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..decoding import get_mode
+from ..decoding.base import RowState
 from ..decoding.sampling import LIMITS, SamplingParams
 from . import playground
 from .defaults import HOST, MAX_BATCH, MAX_BODY_BYTES, MAX_QUEUE, PORT
 from .metrics import Metrics
 from ..tokenizer import ChatTemplateError
-from .scheduler import EngineDead, NotAccepting, QueueFull, Scheduler, ServeRequest, ServeRow
+from .scheduler import EngineDead, NotAccepting, QueueFull, Scheduler, ServeRequest
 from .schemas import (CHAT_ROLES, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
                       message_text)
 
@@ -249,7 +250,7 @@ class Server:
         for p in prompts:
             for i in range(n):
                 pi = dataclasses.replace(params, seed=(params.seed + i) % SEED_MOD) if params.seed is not None and i else params
-                rows.append(ServeRow(list(p), pi, set(self.eos), decode=self.tok.decode))
+                rows.append(RowState(list(p), pi, set(self.eos), decode=self.tok.decode))
         req = ServeRequest(rows, group, asyncio.get_running_loop(), provisional=provisional)
         if len(rows) > self.scheduler.capacity():
             raise APIError(400, f"n: {len(rows)} rows exceed what this server holds ({self.scheduler.capacity()})",

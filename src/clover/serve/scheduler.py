@@ -41,7 +41,6 @@ import itertools
 import logging
 import threading
 import time
-from dataclasses import dataclass
 from typing import Callable
 
 from .defaults import MAX_BATCH, MAX_QUEUE
@@ -69,29 +68,10 @@ RESERVE_S = 3.0  # how long a refused request's room is held for its retry (Retr
 PROVISIONAL = "provisional"
 
 
-@dataclass(eq=False)
-class ServeRow(RowState):
-    """A row that also remembers the token that ended it (EOS or a stop token id), which the
-    engine drops from the output but logprobs (echo) report, as OpenAI-style servers do."""
-
-    stop_token: int | None = None
-
-    def accept(self, new: list[int], steps: list[int]) -> list[int]:
-        if self.finished:  # cancelled while its forward was in flight: keep nothing more
-            return []
-        before = len(self.tokens)
-        kept = super().accept(new, steps)
-        if self.finish_reason == "stop" and self.stop_token is None:
-            n = len(self.tokens) - before
-            if n < len(new) and (new[n] in self.eos_ids or new[n] in self.params.stop_token_ids):
-                self.stop_token = new[n]
-        return kept
-
-
 class ServeRequest:
     _ids = itertools.count()
 
-    def __init__(self, rows: list[ServeRow], group: tuple, loop: asyncio.AbstractEventLoop,
+    def __init__(self, rows: list[RowState], group: tuple, loop: asyncio.AbstractEventLoop,
                  provisional: bool = False) -> None:
         self.id = next(self._ids)
         self.rows = rows
@@ -125,7 +105,7 @@ class Scheduler:
         self.max_queue = max_queue
         self.metrics = metrics
         self.cv = threading.Condition()
-        self.waiting: collections.deque[ServeRow] = collections.deque()
+        self.waiting: collections.deque[RowState] = collections.deque()
         self.calls: collections.deque = collections.deque()
         self.engines: dict[tuple, object] = {}
         self.running = 0  # rows in the engines
@@ -368,7 +348,7 @@ class Scheduler:
                 log.exception("cannot report a commit")
                 self._fail(req, f"cannot report the row: {type(e).__name__}: {e}")
 
-    def _finished(self, req: ServeRequest, idx: int, row: ServeRow) -> None:
+    def _finished(self, req: ServeRequest, idx: int, row: RowState) -> None:
         # every admitted row held a slot, including one that finished inside add() (max_tokens=0)
         self._rows_left(1)
         self.rows_done += 1
