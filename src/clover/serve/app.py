@@ -552,6 +552,16 @@ def create_app(llm, *, model_name: str = "clover", max_batch: int = MAX_BATCH, m
         return {"prompt": await srv.off_loop(srv.tok.decode, body.tokens)}
 
     # ---------------------------------------------------------------- completions
+    async def generate(request: Request, body, prepared: tuple, *, chat: bool):
+        """What both generation endpoints share: submit the rows, then either the SSE stream or
+        the finished rows (a `_Run`)."""
+        prompts, mode, params, group = prepared
+        req = srv.submit(prompts, params, group, body.n, provisional=_provisional(body))
+        rid, created = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", int(time.time())
+        if body.stream:
+            return _stream(srv, request, req, prompts, params, body, rid, created, chat=chat)
+        return _Run(srv, req, prompts, mode, rid, created, await srv.collect(request, req))
+
     @app.post("/v1/completions", responses={**_STREAMED, **_errors(400, 401, 404, 413, 429, 500, 503)})
     async def completions(body: CompletionRequest, request: Request):
         srv.check_model(body.model)
@@ -570,12 +580,10 @@ def create_app(llm, *, model_name: str = "clover", max_batch: int = MAX_BATCH, m
             prompts = [srv.encode(x) for x in raw]
             return (prompts, *srv.params(body, prompts, default_max=COMPLETION_DEFAULT_MAX_TOKENS, prompt_param="prompt"))
 
-        prompts, mode, params, group = await srv.off_loop(prepare)
-        req = srv.submit(prompts, params, group, body.n, provisional=_provisional(body))
-        rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
-        if body.stream:
-            return _stream(srv, request, req, prompts, params, body, rid, created, chat=False)
-        results = await srv.collect(request, req)
+        run = await generate(request, body, await srv.off_loop(prepare), chat=False)
+        if isinstance(run, StreamingResponse):
+            return run
+        req, results = run.req, run.results
         gens = [g for g, _ in results]
         lps = None
         if body.logprobs is not None:
@@ -606,11 +614,7 @@ def create_app(llm, *, model_name: str = "clover", max_batch: int = MAX_BATCH, m
                     "text_offset": offsets,
                 }
             choices.append({"index": i, "text": text, "logprobs": lp, "finish_reason": _finish_reason(g.finish_reason)})
-        return {
-            "id": rid, "object": "text_completion", "created": created, "model": srv.model_name,
-            "choices": choices, "usage": srv.usage(prompts, gens),
-            "clover": {"mode": mode, "stats": [g.stats.as_dict() for g in gens]},
-        }
+        return run.response("text_completion", choices)
 
     @app.post("/v1/chat/completions", responses={**_STREAMED, **_errors(400, 401, 404, 413, 429, 500, 503)})
     async def chat_completions(body: ChatCompletionRequest, request: Request):
@@ -627,12 +631,10 @@ def create_app(llm, *, model_name: str = "clover", max_batch: int = MAX_BATCH, m
             return ([ids], *srv.params(body, [ids], default_max=CHAT_DEFAULT_MAX_TOKENS, prompt_param="messages",
                                        extra_stop_ids=srv.chat_stop_ids))
 
-        prompts, mode, params, group = await srv.off_loop(prepare)
-        req = srv.submit(prompts, params, group, body.n, provisional=_provisional(body))
-        rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
-        if body.stream:
-            return _stream(srv, request, req, prompts, params, body, rid, created, chat=True)
-        results = await srv.collect(request, req)
+        run = await generate(request, body, await srv.off_loop(prepare), chat=True)
+        if isinstance(run, StreamingResponse):
+            return run
+        req, results = run.req, run.results
         gens = [g for g, _ in results]
         lps = None
         if body.logprobs:
@@ -652,13 +654,30 @@ def create_app(llm, *, model_name: str = "clover", max_batch: int = MAX_BATCH, m
                 lp = {"content": content}
             choices.append({"index": i, "message": {"role": "assistant", "content": g.text}, "logprobs": lp,
                             "finish_reason": _finish_reason(g.finish_reason)})
-        return {
-            "id": rid, "object": "chat.completion", "created": created, "model": srv.model_name,
-            "choices": choices, "usage": srv.usage(prompts, gens),
-            "clover": {"mode": mode, "stats": [g.stats.as_dict() for g in gens]},
-        }
+        return run.response("chat.completion", choices)
 
     return app
+
+
+@dataclasses.dataclass
+class _Run:
+    """A finished non-streamed generation request: its rows and their (Generation, stop token)."""
+
+    srv: Server
+    req: ServeRequest
+    prompts: list
+    mode: str
+    rid: str
+    created: int
+    results: list
+
+    def response(self, obj: str, choices: list) -> dict:
+        gens = [g for g, _ in self.results]
+        return {
+            "id": self.rid, "object": obj, "created": self.created, "model": self.srv.model_name,
+            "choices": choices, "usage": self.srv.usage(self.prompts, gens),
+            "clover": {"mode": self.mode, "stats": [g.stats.as_dict() for g in gens]},
+        }
 
 
 def _provisional(body) -> bool:
