@@ -67,3 +67,26 @@ def test_bench_matmul_quick_json(capsys):
         assert set(x["ms"]) == set(r["paths"])
         # the low-bit kernels agree with the dequantize reference (bf16 activations)
         assert all(e < 2e-2 for e in x["rel_err_vs_reference"].values()), x["rel_err_vs_reference"]
+
+
+def test_int8_routing_by_rows(monkeypatch):
+    """From `int8_cast_rows` rows on, bf16 activations take the cast + bf16 GEMM path (the int8
+    kernel is not consulted); below it the kernel path; both match the dequantize reference."""
+    from clover.quant import ops
+
+    g = torch.Generator().manual_seed(0)
+    n, k = 48, 64
+    q, s = ops.quantize_int8(torch.randn(n, k, generator=g))
+    rows = ops.int8_cast_rows(n, k)
+    assert rows == ops.INT8_CAST_ROWS[0] and ops.int8_cast_rows(4096, 2048) == ops.INT8_CAST_ROWS[1]
+    for m in (1, rows - 1, rows, 2 * rows):
+        x = torch.randn(m, k, generator=g).bfloat16()
+        ref = x.float() @ ops.dequantize_int8(q, s).t()
+        got = ops.int8_matmul(x, q, s).float()
+        torch.testing.assert_close(got, ref, rtol=2e-2, atol=2e-2 * ref.abs().max().item())
+    called = []
+    monkeypatch.setattr(ops, "_int8_fast_available", lambda *a: called.append(a) or False)
+    ops.int8_matmul(torch.randn(rows, k).bfloat16(), q, s)
+    assert not called
+    ops.int8_matmul(torch.randn(rows - 1, k).bfloat16(), q, s)
+    assert called

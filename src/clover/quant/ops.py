@@ -74,9 +74,27 @@ def _int8_fast_available(device: torch.device, k: int) -> bool:
     return device.type == "cpu" and k % 16 == 0 and hasattr(torch.ops.aten, "_weight_int8pack_mm")
 
 
+# The CPU int8 kernel costs about M GEMVs (it re-reads the weight per row); torch's bf16 GEMM reads it
+# once. From these many rows, casting the int8 weight to bf16 per call and using the bf16 GEMM is
+# faster (`clover bench matmul`, docs/benchmarks.md "Matmul paths"): 32 rows for weights of up to
+# INT8_CAST_SMALL elements (experts, shared expert, out projections), 64 rows for larger ones.
+INT8_CAST_SMALL = 1 << 22
+INT8_CAST_ROWS = (32, 64)
+
+
+def int8_cast_rows(n: int, k: int) -> int:
+    """Row count from which `int8_matmul` on CPU casts the weight and uses the bf16 GEMM."""
+    return INT8_CAST_ROWS[0] if n * k <= INT8_CAST_SMALL else INT8_CAST_ROWS[1]
+
+
 def int8_matmul(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, *, fast: bool = True) -> torch.Tensor:
     """x [M, K] @ (q * scales)^T -> [M, N] in x.dtype. Per-channel scales factor out of the sum, so the
-    fallback multiplies the integer weights (exact in any float dtype) and scales the output."""
+    fallback multiplies the integer weights (exact in any float dtype) and scales the output. On CPU
+    with 16-bit activations and M >= `int8_cast_rows`, that same cast path is also the fast one."""
+    if (fast and x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float16)
+            and x.shape[0] >= int8_cast_rows(*q.shape)):
+        s = scales if scales.dtype == x.dtype else scales.to(x.dtype)
+        return F.linear(x, q.to(x.dtype)) * s
     if fast and x.shape[0] > 0 and _int8_fast_available(x.device, x.shape[-1]) and _aligned(q):
         if x.dtype in (torch.bfloat16, torch.float16):
             s = scales if scales.dtype == x.dtype else scales.to(x.dtype)
