@@ -26,6 +26,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+RECIPES = Path(__file__).resolve().parents[1] / "recipes"
+
 from clover.tiny import tiny_config
 from clover.tokenizer import write_byte_tokenizer
 from clover.train import main as train_main
@@ -233,3 +235,14 @@ def test_plan_figures(tmp_path, capsys):
     assert "per-rank memory" in out and "fits in 80 GB" in out and "tokens/s" in out and "days" in out
     assert plan_mod.run(p.parse_args([str(tmp_path / "r.json"), "--gpus", "16"])) == 2  # 8 rows over 16 GPUs
     assert "--micro-batch" in capsys.readouterr().err
+
+
+def test_train_cli_plan_and_parallel_flag(capsys, tmp_path):
+    from clover.train import main as train_main
+
+    rc = train_main(["plan", str(RECIPES / "clover-tiny-diffusion-tasks.toml"), "--model", "qwen3.6-35b-a3b", "--gpus", "16",
+                     "--micro-batch", "1", "--set", "data.seq_len=4096", "--set", "run.parallel=fsdp",
+                     "--set", "run.activation_checkpointing=true"])
+    assert rc == 0 and "per-rank memory" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        train_main([str(RECIPES / "clover-tiny-ar.toml"), "--parallel", "zero3"])

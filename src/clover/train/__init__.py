@@ -6,9 +6,12 @@ CLI (also `python -m clover.train`)::
     clover train RUN_DIR                      # continue a run from its recipe.json
     clover train export CKPT OUT [--dtype bfloat16] [--tokenizer DIR]
     clover train plot RUN_DIR [RUN_DIR ...] [--out curves.png] [--chain]   # loss / held-out curves
+    clover train plan RECIPE --gpus N [--gpu-mem 80] [--mfu 0.25] [--tokens 1e9] [--model CONFIG|qwen3.6-35b-a3b]
+                      [--micro-batch B] [--set K=V] [--json]           # memory, speed and days, on paper
 
-Multi-process data-parallel: `torchrun --nproc_per_node N -m clover.train RECIPE` (gloo on CPU,
-nccl with one GPU per rank when `run.device` / `--device` resolves to CUDA).
+Multi-process: `torchrun --nproc_per_node N -m clover.train RECIPE` (gloo on CPU, nccl with one GPU
+per rank when `run.device` / `--device` resolves to CUDA); `--parallel ddp` (full replicas) or
+`--parallel fsdp` (FSDP2 shards and distributed checkpoints).
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ import json
 import sys
 from pathlib import Path
 
-from .recipes import DEVICES, Recipe, RecipeError, load_recipe, recipe_from_dict
+from .recipes import DEVICES, PARALLEL, Recipe, RecipeError, load_recipe, recipe_from_dict
 
 __all__ = ["main", "Recipe", "RecipeError", "load_recipe", "recipe_from_dict"]
 
@@ -52,6 +55,12 @@ def main(argv: list[str] | None = None) -> int:
         out = export_model(a.ckpt, a.out, dtype=a.dtype, tokenizer=a.tokenizer)
         print(out)
         return 0
+    if argv and argv[0] == "plan":
+        from . import plan
+
+        p = argparse.ArgumentParser(prog="clover train plan", description="memory, speed and days of a training run, on paper")
+        plan.add_arguments(p)
+        return plan.run(p.parse_args(argv[1:]))
     p = argparse.ArgumentParser(prog="clover train", description="train a clover model from a recipe (.toml/.json) or continue a run directory")
     p.add_argument("recipe", help="recipe file, or a run directory holding recipe.json")
     p.add_argument("--out", default=None, help="run directory (default: [run].out or ${CLOVER_RUNS:-~/.cache/clover/runs}/<name>)")
@@ -66,6 +75,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--device", choices=DEVICES, default=None,
                    help="run.device: auto (CUDA when available), cpu or cuda (one GPU per torchrun rank)")
+    p.add_argument("--parallel", choices=PARALLEL, default=None,
+                   help="run.parallel: ddp (full replicas) or fsdp (FSDP2 shards + distributed checkpoints)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     a = p.parse_args(argv)
     overrides = {}
@@ -82,6 +93,8 @@ def main(argv: list[str] | None = None) -> int:
         overrides["run.threads"] = a.threads
     if a.device:
         overrides["run.device"] = a.device
+    if a.parallel:
+        overrides["run.parallel"] = a.parallel
     src = Path(a.recipe)
     try:
         if src.is_dir():

@@ -151,7 +151,10 @@ class Dist:
 # --------------------------------------------------------------------------- model / data
 def build_or_load_model(recipe: Recipe, tokenizer_ids: dict[str, int]):
     if recipe.init:
-        model = load_model(recipe.init, dtype=torch.float32)
+        if ck.checkpoint_format(recipe.init) == "dcp":  # a sharded (FSDP) checkpoint of a previous phase
+            model = ck.load_dcp_model(recipe.init, dtype=torch.float32)
+        else:
+            model = load_model(recipe.init, dtype=torch.float32)
         cfg = model.config
         if recipe.stage == "diffusion" and not cfg.is_clover:
             model = to_clover(model, tokenizer_ids.get("<|mask|>"))
