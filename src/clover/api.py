@@ -233,12 +233,14 @@ class LLM:
 
 
 def load(path: str | os.PathLike | None = None, *, dtype: str | torch.dtype | None = None, device: str | None = None,
-         check_finite: bool | None = None) -> LLM:
+         check_finite: bool | None = None, compile: bool = False) -> LLM:
     """Load a model directory (config.json + safetensors + tokenizer). None = `default_model_path()`.
 
     `device` is checked first (`check_device`); a missing directory is a FileNotFoundError.
     `check_finite` (default: on, or what an enclosing `checkpoint.finite_check(...)` says) scans
-    every weight for NaN/Inf; False loads them as they are."""
+    every weight for NaN/Inf; False loads them as they are. `compile=True` torch.compiles the per-layer
+    dense modules (`clover.models.compile`; opt-in: compile takes minutes on CPU and was not measured
+    to win there, docs/benchmarks.md)."""
     check_device(device)
     path = Path(path) if path is not None else default_model_path()
     if not path.exists():
@@ -248,6 +250,10 @@ def load(path: str | os.PathLike | None = None, *, dtype: str | torch.dtype | No
     if dtype is None and bundled and (device is None or str(device) == "cpu"):
         dtype = torch.float32  # the bundled model is stored in bf16; fp32 matmuls are faster on CPUs
     model = load_model(path, dtype=dtype, device=device, check_finite=check_finite)
+    if compile:
+        from .models.compile import compile_model
+
+        compile_model(model)
     tokenizer = Tokenizer.from_dir(
         path,
         eos_token_id=model.config.eos_token_ids[0] if model.config.eos_token_ids else None,

@@ -44,6 +44,8 @@ def add_model_arguments(p: argparse.ArgumentParser, *, positional: bool = False,
     p.add_argument("--model", "-m", metavar="DIR", help="model directory (default: $CLOVER_MODEL or the bundled model)")
     p.add_argument("--device", help="torch device, e.g. cpu, cuda, cuda:1 (default: cpu)")
     p.add_argument("--dtype", choices=DTYPE_CHOICES, help="weight dtype (default: the checkpoint's)")
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile the per-layer modules (opt-in: minutes to compile on CPU)")
     if weights:
         p.add_argument("--no-check-finite", dest="check_finite", action="store_false",
                        help="load weights holding NaN/Inf instead of refusing them (skips the scan at load)")
@@ -101,7 +103,7 @@ def load_llm(args: argparse.Namespace, path: Path | None = None):
     check_device(device)
     try:
         return api.load(path, dtype=getattr(args, "dtype", None), device=device,
-                        check_finite=getattr(args, "check_finite", True))
+                        check_finite=getattr(args, "check_finite", True), compile=getattr(args, "compile", False))
     except (CheckpointError, ConfigError, FileNotFoundError, UsageError):
         raise
     except Exception as e:  # a corrupt safetensors or tokenizer file, ...

@@ -1,0 +1,67 @@
+"""`compile_model`: torch.compile (inductor) of the per-layer hot code, opt-in (`clover.load(compile=True)`).
+
+What is compiled: each decoder layer's token mixer (Gated DeltaNet or gated attention), its two
+RMSNorms and the shared expert — the dense, elementwise-heavy parts where inductor can fuse the
+~1,500 small ops of a step. What stays eager: the routed-expert dispatch (`grouped_expert_forward`
+reads the per-expert token counts on the host and loops over the touched experts), the router and
+the LM head. Each module's `forward` is replaced on the instance (state-dict keys are unchanged).
+
+This is not yet the static-shape, graph-break-free step of issue 20: the cache's K/V write reads
+the row lengths on the host (`int(lengths.max())`), the attention mask is sized by the longest row,
+and the MoE dispatch is data-dependent, so Dynamo splits there and re-specialises as the prefix
+grows (`dynamic=None`: the second shape marks a dimension dynamic). Results equal eager's up to
+floating-point reassociation; tests compare generated tokens.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def _compile_forward(module: nn.Module, **options) -> None:
+    if getattr(module, "_clover_compiled", False):
+        return
+    module.forward = torch.compile(module.forward, **options)
+    module._clover_compiled = True
+
+
+def _compile_gdn(module: nn.Module, **options) -> None:
+    """The GDN layer: compiled when it commits at most one token (the AR step's recurrent update)
+    or only denoises; eager for multi-token commits (prefill, verify), whose chunked kernel uses
+    `solve_triangular(..., out=)`, which inductor (torch 2.13, CPU) fails to lower."""
+    if getattr(module, "_clover_compiled", False):
+        return
+    eager = module.forward
+    compiled = torch.compile(eager, **options)
+
+    def forward(x, segments, state=None):
+        if state is None or segments.commit_len > 1 or segments.block_size is not None:
+            return eager(x, segments, state)
+        return compiled(x, segments, state)
+
+    module.forward = forward
+    module._clover_compiled = True
+
+
+def compile_model(model: nn.Module, *, dynamic: bool | None = None, backend: str = "inductor") -> nn.Module:
+    """Compile the dense per-layer modules of `model` in place; returns the model."""
+    options = {"dynamic": dynamic, "backend": backend}
+    for layer in model.model.layers:
+        if layer.layer_type == "full_attention":
+            _compile_forward(layer.mixer, **options)
+        else:
+            _compile_gdn(layer.mixer, **options)
+        _compile_forward(layer.input_layernorm, **options)
+        _compile_forward(layer.post_attention_layernorm, **options)
+        shared = getattr(layer.mlp, "shared_expert", None)
+        if shared is not None:
+            _compile_forward(shared, **options)
+        elif not hasattr(layer.mlp, "experts"):  # a dense MLP
+            _compile_forward(layer.mlp, **options)
+    model._clover_compiled = True
+    return model
+
+
+def is_compiled(model: nn.Module) -> bool:
+    return bool(getattr(model, "_clover_compiled", False))
