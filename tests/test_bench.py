@@ -190,7 +190,7 @@ def test_bench_experts_ablation(tiny_dir, capsys):
     rc = cli.main(["bench", "experts", "--model", str(tiny_dir), "--prompts", "1", "--max-new-tokens", "8", "--workload", "tasks"])
     assert rc == 0
     out = capsys.readouterr().out
-    assert "| off |" in out and "| budget 2 |" in out and "| ar |" in out
+    assert "| off |" in out and "| budget 2 (sum) |" in out and "| budget 2 (max) |" in out and "| ar |" in out
 
 
 def test_sweep_policy_specs():

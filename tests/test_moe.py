@@ -64,3 +64,29 @@ def test_expert_budget_in_generation(tiny_llm):
     assert small.stats.experts_touched < off.stats.experts_touched
     with pytest.raises(ValueError, match="expert_budget"):
         tiny_llm.generate([1, 2, 3], expert_budget=E + 1, **kw)
+
+
+def test_block_routing_by_max_keeps_an_expert_one_token_needs():
+    """Sum ranking keeps the experts the block wants on average; max ranking (LLaDA2.2) keeps an
+    expert that a single token wants strongly. Hand-built router probabilities, one row, 3 tokens."""
+    from clover.moe import BlockSharing, route
+
+    p = torch.tensor([[0.40, 0.35, 0.05, 0.20],   # the commit token (column 0): never restricted
+                      [0.40, 0.35, 0.05, 0.20],
+                      [0.40, 0.35, 0.05, 0.20],
+                      [0.05, 0.05, 0.85, 0.05]])  # one denoise token needs expert 2 badly
+    logits = p.log()
+    _, idx_sum = route(logits, 1, BlockSharing(2, 1, 1, "sum"))  # sums: e0 .85, e1 .75, e2 .95 -> {2, 0}
+    _, idx_max = route(logits, 1, BlockSharing(2, 1, 1, "max"))  # maxes: e0 .40, e1 .35, e2 .85 -> {2, 0}
+    assert idx_sum[:, 0].tolist() == [0, 0, 0, 2] and idx_max[:, 0].tolist() == [0, 0, 0, 2]
+    q = torch.tensor([[0.40, 0.35, 0.05, 0.20],
+                      [0.32, 0.38, 0.00, 0.30],
+                      [0.32, 0.38, 0.00, 0.30],
+                      [0.30, 0.00, 0.45, 0.25]])
+    logits = q.clamp_min(1e-6).log()
+    # sums over the block: e0 .94, e1 .76, e2 .45, e3 .85 -> budget 2 keeps {0, 3}: the last token loses e2
+    _, idx_sum = route(logits, 1, BlockSharing(2, 1, 1, "sum"))
+    # maxes: e0 .32, e1 .38, e2 .45, e3 .30 -> keeps {2, 1}: the last token keeps its e2
+    _, idx_max = route(logits, 1, BlockSharing(2, 1, 1, "max"))
+    assert idx_sum[3, 0].item() == 0 and idx_max[3, 0].item() == 2
+    assert idx_max[1, 0].item() == 1 and idx_sum[1, 0].item() == 0

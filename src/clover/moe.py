@@ -1,9 +1,10 @@
 """Routing and expert dispatch for the sparse MoE.
 
 `route` turns router logits into top-k weights (softmax in fp32, top-k, renormalised), optionally
-with *block expert sharing* (`BlockSharing`) for the denoise part of a forward: the router probabilities of a
-block's tokens are summed, the block keeps its `budget` most probable experts, and each token takes
-its top-k within that shared set (renormalised).
+with *block expert sharing* (`BlockSharing`) for the denoise part of a forward: the block ranks the
+experts by its tokens' router probabilities, summed (`rank="sum"`) or their maximum over the block
+(`rank="max"`, LLaDA2.2's block routing: an expert one token needs badly is kept), keeps the `budget`
+best, and each token takes its top-k within that shared set (renormalised).
 
 `grouped_expert_forward` runs only the experts that received tokens, with the tokens grouped by
 expert (one sort, then per touched expert: gather its tokens, one matmul pair, scatter-add back).
@@ -27,6 +28,7 @@ class BlockSharing:
     budget: int
     rows: int
     denoise_from: int
+    rank: str = "sum"  # how the block ranks experts: "sum" of its tokens' router probabilities, or their "max"
 
 
 def route(
@@ -43,7 +45,8 @@ def route(
         if m < E:
             p = probs.view(B, -1, E)
             block = p[:, Tc:]  # [B, Bd, E]
-            keep = block.sum(1).topk(m, dim=-1).indices  # [B, m] the shared expert set
+            score = block.amax(1) if sharing.rank == "max" else block.sum(1)  # [B, E]
+            keep = score.topk(m, dim=-1).indices  # [B, m] the shared expert set
             allowed = torch.zeros(B, E, dtype=torch.bool, device=p.device).scatter_(1, keep, True)
             shared = block.masked_fill(~allowed[:, None, :], 0.0)
             probs = torch.cat([p[:, :Tc], shared], dim=1).reshape(-1, E)

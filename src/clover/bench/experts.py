@@ -1,7 +1,8 @@
 """`clover bench experts`: the block expert sharing ablation.
 
 Diffusion decoding with the block's tokens restricted to a shared set of `expert_budget` experts
-(off, 4k, 3k, 2k, k for top-k routing), on the same held-out prompts, interleaved per prompt, with
+(off, 4k, 3k, 2k, k for top-k routing), ranked by the sum of the block's router probabilities or by
+their maximum (`expert_rank`, LLaDA2.2's block routing), on the same held-out prompts, interleaved per prompt, with
 AR as the baseline: experts touched per MoE layer per forward, tokens/forward, tokens/s, quality.
 """
 
@@ -26,22 +27,28 @@ def budgets(k: int, num_experts: int) -> list[int | None]:
 
 def run_experts(llm, *, workload: str = "tasks", prompts: int = 8, max_new_tokens: int = 64,
                 stop_newline: bool = False, items: list[Item] | None = None,
-                progress: Callable[[str], None] | None = None) -> dict:
+                progress: Callable[[str], None] | None = None, ranks: tuple[str, ...] = ("sum", "max")) -> dict:
     c = llm.config
     if c.mask_token_id is None:
         raise ValueError("this is a plain AR checkpoint (no mask token): block expert sharing applies to diffusion")
     items = items if items is not None else load_items(workload, prompts)
-    configs = [{"label": "ar", "mode": "ar", "expert_budget": None}]
-    configs += [{"label": "off" if m is None else f"budget {m}", "mode": "diffusion", "expert_budget": m}
-                for m in budgets(c.num_experts_per_tok, c.num_experts)]
+    configs = [{"label": "ar", "mode": "ar", "expert_budget": None, "expert_rank": "sum"}]
+    for m in budgets(c.num_experts_per_tok, c.num_experts):
+        for rank in ((None,) if m is None else ranks):
+            configs.append({"label": "off" if m is None else f"budget {m} ({rank})", "mode": "diffusion",
+                            "expert_budget": m, "expert_rank": rank or "sum"})
     base = decode_kwargs(max_new_tokens, None, None, stop_newline)
+
+    def kw(cfg: dict) -> dict:
+        return dict(base, expert_budget=cfg["expert_budget"], expert_rank=cfg["expert_rank"])
+
     for cfg in configs:  # warm-up
-        llm.generate(items[0].prompt, mode=cfg["mode"], **dict(base, max_new_tokens=8, expert_budget=cfg["expert_budget"]))
+        llm.generate(items[0].prompt, mode=cfg["mode"], **dict(kw(cfg), max_new_tokens=8))
     synchronize(llm.model.device)
     runs = []
     for i, item in enumerate(items):
         for cfg in configs:
-            rec = generate_once(llm, item, cfg["mode"], dict(base, expert_budget=cfg["expert_budget"]))
+            rec = generate_once(llm, item, cfg["mode"], kw(cfg))
             rec.update(item=i, label=cfg["label"])
             rec.pop("text", None)
             runs.append(rec)

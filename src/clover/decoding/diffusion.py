@@ -50,10 +50,12 @@ class DiffusionEngine(BatchEngine):
     row_type = DiffusionRow
 
     def __init__(self, model, *, block_size: int, mask_id: int, pad_id: int = 0,
-                 recompute: bool = False, provisional: bool = False, expert_budget: int | None = None) -> None:
+                 recompute: bool = False, provisional: bool = False, expert_budget: int | None = None,
+                 expert_rank: str = "sum") -> None:
         super().__init__(model, pad_id=pad_id)
         self.block_size, self.mask_id = block_size, mask_id
         self.recompute, self.provisional, self.expert_budget = recompute, provisional, expert_budget
+        self.expert_rank = expert_rank
 
     def _capacity(self, row: RowState) -> int:
         return len(row.prompt) + row.params.max_new_tokens + 2 * self.block_size
@@ -109,6 +111,7 @@ class DiffusionEngine(BatchEngine):
             n_commit=n_commit,
             denoise_ids=torch.stack([r.state.blk for r in rows]),
             expert_budget=self.expert_budget,
+            expert_rank=self.expert_rank,
             track_experts=True,
             denoise_need=need,
         )
@@ -253,12 +256,12 @@ class Diffusion(Mode):
 
     def group(self, params) -> tuple:
         # what changes the forward itself; the acceptance options are per row
-        return (self.name, params.block_size, params.expert_budget)
+        return (self.name, params.block_size, params.expert_budget, params.expert_rank)
 
     def make_engine(self, model, params, *, mask_id, pad_id, provisional=False):
         return DiffusionEngine(model, block_size=params.block_size, mask_id=mask_id,
                                pad_id=pad_id, recompute=self.recompute, provisional=provisional,
-                               expert_budget=params.expert_budget)
+                               expert_budget=params.expert_budget, expert_rank=params.expert_rank)
 
 
 register(Diffusion())

@@ -10,6 +10,7 @@ import torch
 from .acceptance import FALLBACKS, POLICIES
 
 CONFIDENCE_KINDS = ("prob", "margin", "entropy")
+EXPERT_RANKS = ("sum", "max")  # clover.moe.BlockSharing.rank
 SEED_MAX = 2**64 - 1
 _FMAX = torch.finfo(torch.float32).max
 MAX_N = 64  # completions per request (the server's `n`)
@@ -139,6 +140,8 @@ LIMITS: dict[str, Limit] = {
                        doc="denoise the block in sub-blocks of this size, left to right (null = the whole block)"),
     "expert_budget": Limit(int, ge=1, le=1 << 16, nullable=True,
                            doc="experts per block forward, within [experts per token, experts] of the model (null = the model's)"),
+    "expert_rank": Limit(str, choices=EXPERT_RANKS,
+                         doc="how expert_budget ranks a block's experts: sum of its tokens' router probabilities, or max"),
     "draft_length": Limit(int, ge=1, le=1024, nullable=True, doc="speculative draft, <= block_size (null = block_size)"),
 }
 
@@ -176,6 +179,7 @@ class SamplingParams:
     entropy_budget: float = 1.0
     sub_block: int | None = None
     expert_budget: int | None = None
+    expert_rank: str = "sum"
     # speculative
     draft_length: int | None = None
 

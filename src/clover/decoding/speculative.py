@@ -40,9 +40,10 @@ class SpeculativeEngine(BatchEngine):
     row_type = SpeculativeRow
 
     def __init__(self, model, *, draft_length: int, mask_id: int, pad_id: int = 0,
-                 expert_budget: int | None = None) -> None:
+                 expert_budget: int | None = None, expert_rank: str = "sum") -> None:
         super().__init__(model, pad_id=pad_id)
         self.draft_length, self.mask_id, self.expert_budget = draft_length, mask_id, expert_budget
+        self.expert_rank = expert_rank
 
     def _capacity(self, row: RowState) -> int:
         return len(row.prompt) + row.params.max_new_tokens + 2 * self.draft_length + 1
@@ -63,7 +64,8 @@ class SpeculativeEngine(BatchEngine):
         snap = self.cache.start_recording()
         block = torch.full((len(rows), D), self.mask_id, dtype=torch.long, device=self.device)
         out = self.model.step(self.cache, commit_ids=commit_ids, n_commit=n_commit, denoise_ids=block,
-                              all_logits=True, track_experts=True, expert_budget=self.expert_budget)
+                              all_logits=True, track_experts=True, expert_budget=self.expert_budget,
+                              expert_rank=self.expert_rank)
         keep = n_commit.clone() if has_commit else torch.zeros(len(rows), dtype=torch.long, device=self.device)
         events: list[DecodeEvent] = []
         for i, r in enumerate(rows):
@@ -117,11 +119,12 @@ class Speculative(Mode):
         return params.block_size
 
     def group(self, params) -> tuple:
-        return (self.name, params.draft_length or params.block_size, params.expert_budget)
+        return (self.name, params.draft_length or params.block_size, params.expert_budget, params.expert_rank)
 
     def make_engine(self, model, params, *, mask_id, pad_id, provisional=False):
         return SpeculativeEngine(model, draft_length=params.draft_length or params.block_size, mask_id=mask_id,
-                                 pad_id=pad_id, expert_budget=params.expert_budget)
+                                 pad_id=pad_id, expert_budget=params.expert_budget,
+                                 expert_rank=params.expert_rank)
 
 
 register(Speculative())

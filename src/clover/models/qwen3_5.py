@@ -240,13 +240,15 @@ class Qwen3_5ForCausalLM(nn.Module):
         denoise_ids: torch.Tensor | None = None,
         *,
         expert_budget: int | None = None,
+        expert_rank: str = "sum",
         all_logits: bool = False,
         track_experts: bool = False,
         denoise_need: torch.Tensor | None = None,
     ) -> StepOutput:
         """One forward. `commit_ids [B, Tc]` (right-padded, `n_commit[b]` valid; None = all valid) are
         appended to `cache`; `denoise_ids [B, Bd]` is one block denoised against the updated cache.
-        `expert_budget` shares that many experts across the denoise block (MoE only).
+        `expert_budget` shares that many experts across the denoise block (MoE only), ranked by
+        `expert_rank` ("sum" or "max" of the block's router probabilities).
         `denoise_need [B, Bd]` (bool) limits the denoise logits to those positions (others are garbage)."""
         parts = [p for p in (commit_ids, denoise_ids) if p is not None]
         if not parts:
@@ -267,7 +269,7 @@ class Qwen3_5ForCausalLM(nn.Module):
         x = self.model.embed_tokens(ids)
         rope = self.model.rotary_emb(positions, x.dtype)
         segments = Segments(commit_len=Tc, denoise_len=Bd, n_commit=n_commit)
-        sharing = BlockSharing(expert_budget, B, Tc) if expert_budget is not None and Bd else None
+        sharing = BlockSharing(expert_budget, B, Tc, expert_rank) if expert_budget is not None and Bd else None
         mask = cached_attention_mask(start, segments) if "full_attention" in self.config.layer_types else None
         x, touched = self._layers(x, rope, segments, mask=mask, cache=cache, sharing=sharing, track_experts=track_experts)
         if Tc:

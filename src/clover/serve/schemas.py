@@ -10,7 +10,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from ..decoding import get_mode, mode_names
 from ..decoding.acceptance import FALLBACKS, POLICIES
-from ..decoding.sampling import CONFIDENCE_KINDS, LIMITS, MAX_N, SamplingParams
+from ..decoding.sampling import CONFIDENCE_KINDS, EXPERT_RANKS, LIMITS, MAX_N, SamplingParams
 
 
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(SamplingParams)}  # Clover's own options keep the API's defaults
@@ -78,6 +78,7 @@ class _Sampling(BaseModel):
     eos_penalty: float = _f("eos_penalty", 0.0)
     no_repeat_ngram_size: int = _f("no_repeat_ngram_size", 0)
     expert_budget: int | None = _f("expert_budget")
+    expert_rank: Literal[EXPERT_RANKS] = _DEFAULTS["expert_rank"]  # type: ignore[valid-type]
     draft_length: int | None = _f("draft_length")
 
 
