@@ -17,6 +17,7 @@ import torch
 from .checkpoint import load_model, parse_dtype
 from .decoding.base import DecodeEvent, GenerationStats, RowState
 from .decoding import get_mode
+from .decoding.modes import resolve_params
 from .decoding.sampling import SamplingParams
 from .tokenizer import Tokenizer
 
@@ -103,26 +104,7 @@ class LLM:
     def params(self, mode: str, kwargs: dict) -> SamplingParams:
         """The generation options for `mode`, checked (ValueError "option: why" / TypeError for an
         unknown option), with the model's defaults filled in."""
-        m = get_mode(mode)
-        params = SamplingParams.from_kwargs(**kwargs).check_model(self.config.vocab_size)
-        if params.block_size is None:
-            params.block_size = self.config.block_size
-        if params.policy is None:  # a threshold given alone asks for the threshold rule
-            params.policy = "threshold" if params.threshold is not None else self.config.policy
-        if params.threshold is None:
-            params.threshold = self.config.threshold
-        if params.expert_budget is None:
-            params.expert_budget = self.config.expert_budget
-        if params.expert_budget is not None and not (
-            self.config.num_experts_per_tok <= params.expert_budget <= self.config.num_experts
-        ):
-            raise ValueError(
-                f"expert_budget: must lie in [{self.config.num_experts_per_tok}, {self.config.num_experts}], got {params.expert_budget}"
-            )
-        if m.needs_mask and self.config.mask_token_id is None:
-            raise ValueError(f"mode: {mode!r} needs a mask token; this is a plain AR checkpoint — convert it with `clover convert`")
-        m.check(params)
-        return params
+        return resolve_params(mode, kwargs, self.config)
 
     def encode_prompt(self, prompt: str | Sequence[int]) -> list[int]:
         if isinstance(prompt, str):

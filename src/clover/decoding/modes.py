@@ -62,3 +62,30 @@ def get_mode(name: str) -> Mode:
         return _REGISTRY[name]
     except (KeyError, TypeError):
         raise ValueError(f"mode: must be one of {', '.join(_REGISTRY)}, got {name!r}") from None
+
+
+def resolve_params(mode: str, kwargs: dict, config) -> SamplingParams:
+    """The generation options for `mode`, checked (ValueError "option: why" / TypeError for an
+    unknown option), with the model's defaults (`config`: block_size, policy, threshold,
+    expert_budget) filled in. The one place this happens: `LLM.params` and the transformers export's
+    `diffusion_generate` both call it."""
+    m = get_mode(mode)
+    params = SamplingParams.from_kwargs(**kwargs).check_model(config.vocab_size)
+    if params.block_size is None:
+        params.block_size = config.block_size
+    if params.policy is None:  # a threshold given alone asks for the threshold rule
+        params.policy = "threshold" if params.threshold is not None else config.policy
+    if params.threshold is None:
+        params.threshold = config.threshold
+    if params.expert_budget is None:
+        params.expert_budget = config.expert_budget
+    if params.expert_budget is not None and not (
+        config.num_experts_per_tok <= params.expert_budget <= config.num_experts
+    ):
+        raise ValueError(
+            f"expert_budget: must lie in [{config.num_experts_per_tok}, {config.num_experts}], got {params.expert_budget}"
+        )
+    if m.needs_mask and config.mask_token_id is None:
+        raise ValueError(f"mode: {mode!r} needs a mask token; this is a plain AR checkpoint — convert it with `clover convert`")
+    m.check(params)
+    return params
