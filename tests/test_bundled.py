@@ -1,5 +1,6 @@
 """The bundled default model: present, within the size budget, loads with no argument, generates."""
 
+import os
 import subprocess
 import sys
 
@@ -27,8 +28,10 @@ def test_load_default_and_generate():
 
 def test_cli_generate_on_bundled_model():
     for prompt in ("def fibonacci(n):", "assert sorted([9, 2, 5]) == "):
+        # one thread, as the rest of the suite: two OpenMP threads on a core another job holds spin for ages
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
         out = subprocess.run([sys.executable, "-m", "clover", "generate", prompt, "--max-new-tokens", "24"],
-                             capture_output=True, text=True, timeout=300)
+                             capture_output=True, text=True, timeout=300, env=env)
         assert out.returncode == 0, out.stderr
         assert "tokens/forward" in out.stderr or "tokens/fwd" in out.stderr or out.stdout
 

@@ -313,7 +313,7 @@ def test_registry_lazy_command_and_ctrl_c(capsys, tmp_path, monkeypatch):
 
 # ---------------------------------------------------------------------------------- subprocess
 def test_subprocess_module_and_console_script(model):
-    env = dict(os.environ, PYTHONIOENCODING="utf-8")
+    env = dict(os.environ, PYTHONIOENCODING="utf-8", OMP_NUM_THREADS="1")  # one thread, as the rest of the suite
     p = subprocess.run([sys.executable, "-m", "clover", "generate", "--model", model, *FAST, "--json"],
                        input="hello\n", capture_output=True, text=True, timeout=120, env=env)
     assert p.returncode == 0, p.stderr
