@@ -15,14 +15,14 @@
 #     build/   cmake build; build/bin/ holds llama-simple, llama-tokenize, llama-bench, libllama.so
 #     bin/     clover-llama-probe (tokenize / greedy / logits, for the tests) + READY marker
 # Environment: PYTHON (the interpreter whose pip downloads; default: python3), JOBS (default: nproc),
-# TARGETS (default: llama-simple llama-tokenize llama-bench).
+# TARGETS (default: llama-simple llama-tokenize llama-bench llama-batched-bench).
 set -euo pipefail
 
 VERSION="0.3.36"
 CACHE="${CLOVER_LLAMA_CPP_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/clover/llama.cpp}"
 PYTHON="${PYTHON:-python3}"
 JOBS="${JOBS:-$(nproc)}"
-TARGETS="${TARGETS:-llama-simple llama-tokenize llama-bench}"
+TARGETS="${TARGETS:-llama-simple llama-tokenize llama-bench llama-batched-bench}"
 SRC="$CACHE/src/llama_cpp_python-$VERSION"
 LLAMA="$SRC/vendor/llama.cpp"
 BUILD="$CACHE/build"
