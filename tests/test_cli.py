@@ -251,6 +251,23 @@ def test_tiny_ar_checkpoint_and_default_mode(capsys, tmp_path):
     assert rc == 2 and "not a model directory" in err
 
 
+def test_tiny_shapes():
+    """`clover tiny --shape` names exactly the presets, and the 0.7b preset is what it says (checked on
+    the meta device: no weights are drawn)."""
+    from clover.cli.tiny import SHAPE_NAMES
+    from clover.models import build_model
+    from clover.tiny import SHAPES, tiny_config
+
+    assert set(SHAPE_NAMES) == set(SHAPES)
+    preset = {k: v for k, v in SHAPES["0.7b"].items() if k != "init_std"}
+    config = tiny_config(**preset)
+    n = sum(p.numel() for p in build_model(config, device="meta").parameters())
+    assert 0.6e9 < n < 0.8e9 and config.is_clover and config.layer_types.count("full_attention") == 2
+    with pytest.raises(ValueError, match="unknown shape"):
+        from clover.tiny import build_tiny_checkpoint
+        build_tiny_checkpoint("unused", shape="7b")
+
+
 # ---------------------------------------------------------------------------------------- chat
 def test_chat_piped(capsys, model, monkeypatch):
     script = "hi there\n/stats\n/reset\n/stats\n/bogus\nand again\n/exit\nnever read\n"

@@ -34,6 +34,23 @@ TINY_DEFAULTS: dict[str, Any] = dict(
 )
 
 
+# `clover tiny --shape 0.7b`: Clover-35B-A3B's layer shapes (hidden 2048, 16 query / 2 KV heads of 256
+# with a quarter rotary, 16/32 GDN heads of 128, experts of 512 with a shared one, 8 routed per token)
+# with 8 layers (the same 3:1 GDN/attention pattern), 16 experts and a 16k vocabulary: ~0.75B
+# parameters, large enough that the weights, not the per-op overhead, set a CPU forward's cost.
+# `init_std` None: the config's initializer_range, so activations stay finite through the stack.
+SHAPES: dict[str, dict[str, Any]] = {
+    "tiny": {},
+    "0.7b": dict(
+        hidden_size=2048, num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=2, head_dim=256,
+        partial_rotary_factor=0.25, rope_theta=10_000_000.0, linear_num_key_heads=16, linear_num_value_heads=32,
+        linear_key_head_dim=128, linear_value_head_dim=128, num_experts=16, num_experts_per_tok=8,
+        moe_intermediate_size=512, shared_expert_intermediate_size=512, max_position_embeddings=32768,
+        vocab_size=16384, init_std=None,
+    ),
+}
+
+
 # the dense backbone's MLP in place of TINY_DEFAULTS' experts
 TINY_DENSE: dict[str, Any] = dict(num_experts=0, num_experts_per_tok=0, moe_intermediate_size=0,
                                   shared_expert_intermediate_size=0, intermediate_size=96)
@@ -65,14 +82,22 @@ def build_tiny_checkpoint(
     seed: int = 0,
     clover: bool = True,
     dense: bool = False,
-    init_std: float = 0.08,
+    init_std: float | None = 0.08,
     dtype: torch.dtype = torch.float32,
+    shape: str = "tiny",
     **overrides: Any,
 ) -> Path:
-    """Write config.json, model.safetensors and a byte-level tokenizer with random weights."""
+    """Write config.json, model.safetensors and a byte-level tokenizer with random weights.
+    `shape` picks a preset of SHAPES (its fields give way to `overrides`); a large shape is built
+    directly in `dtype` (no float32 copy of the whole model)."""
+    if shape not in SHAPES:
+        raise ValueError(f"unknown shape {shape!r}; choose one of {', '.join(SHAPES)}")
+    preset = dict(SHAPES[shape])
+    init_std = preset.pop("init_std", init_std)
     directory = Path(directory)
-    config = tiny_config(clover=clover, dense=dense, **overrides)
-    model = build_model(config, device="cpu", dtype=torch.float32)
+    config = tiny_config(clover=clover, dense=dense, **dict(preset, **overrides))
+    build_dtype = torch.float32 if shape == "tiny" else dtype
+    model = build_model(config, device="cpu", dtype=build_dtype)
     model.init_weights(seed=seed, std=init_std)
     model.to(dtype)
     config.torch_dtype = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[dtype]
