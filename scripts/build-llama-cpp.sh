@@ -16,6 +16,8 @@
 #     bin/     clover-llama-probe (tokenize / greedy / logits, for the tests) + READY marker
 # Environment: PYTHON (the interpreter whose pip downloads; default: python3), JOBS (default: nproc),
 # TARGETS (default: llama-simple llama-tokenize llama-bench llama-batched-bench).
+# PORT=1 also builds bin/llama-clover, the Clover port (ports/llama.cpp, docs/llama-port.md), against
+# this build's ggml; the stock build itself is unchanged, and a second run rebuilds only the port.
 set -euo pipefail
 
 VERSION="0.3.36"
@@ -29,8 +31,18 @@ BUILD="$CACHE/build"
 BIN="$CACHE/bin"
 READY="$BIN/READY"
 
+build_port() {  # PORT=1: the Clover port, one C++ file against the stock build's ggml
+  local repo
+  repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+  echo "== building llama-clover (ports/llama.cpp)"
+  c++ -O3 -march=native -std=c++17 "$repo/ports/llama.cpp/clover-llama.cpp" -o "$BIN/llama-clover" \
+    -I "$LLAMA/ggml/include" -L "$BUILD/bin" -lggml -lggml-base -lggml-cpu -Wl,-rpath,"$BUILD/bin"
+  echo "done: $BIN/llama-clover"
+}
+
 if [[ -f "$READY" && "$(cat "$READY")" == "llama-cpp-python==$VERSION" ]]; then
   echo "llama.cpp already built: $BUILD/bin (remove $READY to rebuild)"
+  if [[ "${PORT:-0}" == 1 ]]; then build_port; fi
   exit 0
 fi
 for tool in cmake c++ tar; do
@@ -176,3 +188,4 @@ c++ -O2 -std=c++17 "$BIN/clover-llama-probe.cpp" -o "$BIN/clover-llama-probe" \
 
 echo "llama-cpp-python==$VERSION" >"$READY"
 echo "done: $BUILD/bin ($TARGETS), $BIN/clover-llama-probe"
+if [[ "${PORT:-0}" == 1 ]]; then build_port; fi
