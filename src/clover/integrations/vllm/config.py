@@ -1,0 +1,85 @@
+"""The transformers config class vLLM gets for a Clover `config.json` (`model_type: "clover"`).
+
+A Clover config is a flat Qwen3.5 text config plus the diffusion fields (`clover.config`). vLLM's
+Qwen3.5 layers read `hf_text_config` and pick the MLP by its `model_type` (`qwen3_5_moe_text` or
+`qwen3_5_text`), so this class is composite, like transformers' multimodal `Qwen3_5MoeConfig`: the
+outer config keeps `model_type: "clover"` and the diffusion fields (`mask_token_id`, `block_size`,
+`threshold`, `policy`, `expert_budget`), and `text_config` is transformers' own text config of the
+backbone (`backbone`, default `qwen3_5_moe_text`), built from the same keys. vLLM resolves
+`hf_text_config` through `get_text_config()`, which returns it.
+
+`architectures` is set to the vLLM class for the backbone (`CloverForCausalLM` over the MoE backbone,
+`CloverDenseForCausalLM` over the dense one) whatever the file says (`CloverForBlockDiffusion` from
+`clover convert` / `clover train`, `CloverForCausalLM` from `clover export-hf`): one name per backbone.
+
+Imports transformers only (no vLLM), so it is testable in clover's own environment.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from transformers import PretrainedConfig
+
+# backbone (a text model_type) -> the vLLM architecture this plugin registers for it
+ARCHITECTURES = {"qwen3_5_moe_text": "CloverForCausalLM", "qwen3_5_text": "CloverDenseForCausalLM"}
+DEFAULT_BACKBONE = "qwen3_5_moe_text"
+# Clover's own fields (clover.config.CloverConfig), kept on the outer config
+CLOVER_FIELDS = ("backbone", "mask_token_id", "block_size", "threshold", "policy", "expert_budget")
+# keys of config.json that describe the file, not the text model
+OUTER_ONLY = ("model_type", "architectures", "auto_map", "clover_version", "transformers_version", "quantization_config")
+
+
+def text_config_class(backbone: str):
+    """transformers' config class for a backbone's text model."""
+    if backbone == "qwen3_5_moe_text":
+        from transformers.models.qwen3_5_moe.configuration_qwen3_5_moe import Qwen3_5MoeTextConfig
+
+        return Qwen3_5MoeTextConfig
+    if backbone == "qwen3_5_text":
+        from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5TextConfig
+
+        return Qwen3_5TextConfig
+    raise ValueError(f"clover config: backbone {backbone!r} is not one of {', '.join(ARCHITECTURES)}")
+
+
+class CloverVLLMConfig(PretrainedConfig):
+    """`model_type: "clover"` for transformers' `AutoConfig` (registered by the vLLM plugin)."""
+
+    model_type = "clover"
+
+    def __init__(self, text_config: Any = None, **kwargs: Any) -> None:
+        backbone = kwargs.pop("backbone", None) or DEFAULT_BACKBONE
+        cls = text_config_class(backbone)
+        clover = {k: kwargs.pop(k) for k in CLOVER_FIELDS if k in kwargs}
+        for k in OUTER_ONLY:
+            kwargs.pop(k, None)
+        if "torch_dtype" in kwargs:  # the older name, as clover writes it
+            kwargs.setdefault("dtype", kwargs.pop("torch_dtype"))
+        if isinstance(text_config, dict):
+            text_config = {k: v for k, v in text_config.items() if k != "model_type"}
+            text = cls(**text_config)
+        elif text_config is None:
+            fields = set(getattr(cls, "__dataclass_fields__", {})) - {"model_type"}
+            text = cls(**{k: v for k, v in kwargs.items() if k in fields})
+        else:
+            text = text_config
+        if text.model_type != backbone:
+            raise ValueError(f"clover config: text_config has model_type {text.model_type!r}, backbone says {backbone!r}")
+        outer = {k: kwargs[k] for k in ("dtype", "eos_token_id", "pad_token_id", "bos_token_id", "tie_word_embeddings")
+                 if k in kwargs}
+        super().__init__(**outer)
+        self.text_config = text
+        self.backbone = backbone
+        self.mask_token_id = clover.get("mask_token_id")
+        self.block_size = clover.get("block_size", 32)
+        self.threshold = clover.get("threshold", 0.95)
+        self.policy = clover.get("policy")
+        self.expert_budget = clover.get("expert_budget")
+        self.architectures = [ARCHITECTURES[backbone]]
+
+    def to_dict(self) -> dict[str, Any]:
+        d = super().to_dict()
+        if hasattr(d.get("text_config"), "to_dict"):
+            d["text_config"] = d["text_config"].to_dict()
+        return d
