@@ -130,6 +130,33 @@ def test_dropped_tensors_are_the_clover_only_ones():
     assert all(any(k.endswith(s) for k in keys) for s in suffixes)
 
 
+def test_deployment_memory_counts_every_parameter(tiny_dir):
+    from clover.checkpoint import load_model
+    from clover.config import full_size_config
+    from clover.integrations.vllm.memory import parameters, per_gpu
+    from clover.models import parameter_counts
+
+    full = full_size_config()
+    assert parameters(full).total == parameter_counts(full)["total"] == 34_660_610_688
+    model = load_model(tiny_dir)  # a Clover checkpoint: its own tensors are not loaded by vLLM
+    cfg = model.config
+    ar = sum(p.numel() for n, p in model.named_parameters() if not any(
+        part in ("conv1d_right", "intra_scale", "block_gain_a", "block_gain_b") for part in n.split(".")))
+    assert parameters(cfg).total == ar
+    dense = full.replace(model_type="qwen3_5_text", intermediate_size=5632)
+    assert parameters(dense).experts == 0 and parameters(dense).total == parameter_counts(dense)["total"]
+    one, eight = per_gpu(full, 1), per_gpu(full, 8)
+    assert one.weight_bytes == 2 * parameters(full).total
+    assert eight.weight_bytes < one.weight_bytes / 7.9
+    assert one.kv_bytes_per_token == 10 * 2 * 2 * 256 * 2  # 10 attention layers, K and V, 2 heads of 256, bf16
+    assert per_gpu(full, 2).kv_bytes_per_token == per_gpu(full, 8).kv_bytes_per_token == one.kv_bytes_per_token // 2
+    assert one.gdn_state_bytes_per_seq == 30 * (32 * 128 * 128 * 2 + 3 * 8192 * 2)
+    with pytest.raises(ValueError, match="power of two"):
+        per_gpu(full, 3)
+    with pytest.raises(ValueError, match="does not split"):
+        per_gpu(full, 32)
+
+
 def test_torchvision_compat_declares_the_unguarded_ops():
     """The hook's fallback: with the ops declared, torchvision 0.28's unconditional
     `register_fake("torchvision::nms")` succeeds; calling the op still fails (no kernel)."""
