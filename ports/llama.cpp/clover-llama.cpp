@@ -591,12 +591,15 @@ static void forward(Model & m, const std::vector<int> & commit, const std::vecto
     }
     if (!ggml_gallocr_alloc_graph(m.galloc, gf)) die("graph allocation failed");
 
+    auto set = [](ggml_tensor * t, const void * data, size_t n) {  // an input the graph does not use has no buffer
+        if (t->buffer) ggml_backend_tensor_set(t, data, 0, n);
+    };
     std::vector<int32_t> buf(T);
     for (int t = 0; t < Tc; t++) buf[t] = commit[t];
     for (int t = 0; t < Bd; t++) buf[Tc + t] = block[t];
-    ggml_backend_tensor_set(ids, buf.data(), 0, sizeof(int32_t) * T);
+    set(ids, buf.data(), sizeof(int32_t) * T);
     for (int t = 0; t < T; t++) buf[t] = n_past + t;
-    ggml_backend_tensor_set(pos, buf.data(), 0, sizeof(int32_t) * T);
+    set(pos, buf.data(), sizeof(int32_t) * T);
     std::vector<float> mask((size_t) n_kv * T);
     for (int t = 0; t < T; t++) {
         float * row = &mask[(size_t) t * n_kv];
@@ -606,10 +609,10 @@ static void forward(Model & m, const std::vector<int> & commit, const std::vecto
             row[j] = vis ? 0.f : -INFINITY;
         }
     }
-    ggml_backend_tensor_set(kq_mask, mask.data(), 0, sizeof(float) * mask.size());
+    set(kq_mask, mask.data(), sizeof(float) * mask.size());
     std::vector<int32_t> oi(std::max(1, n_out), 0);
     for (int i = 0; i < n_out; i++) oi[i] = out_rows[i];
-    ggml_backend_tensor_set(out_ids, oi.data(), 0, sizeof(int32_t) * oi.size());
+    set(out_ids, oi.data(), sizeof(int32_t) * oi.size());
 
     if (ggml_backend_graph_compute(m.backend, gf) != GGML_STATUS_SUCCESS) die("graph compute failed");
     res.logits.resize((size_t) n_out * hp.n_vocab);
