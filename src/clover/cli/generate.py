@@ -21,6 +21,11 @@ def configure(p: argparse.ArgumentParser) -> None:
     out.add_argument("--step-delay", type=float, default=0.0, metavar="SEC", help="--live: pause after each denoise step")
     out.add_argument("--timeline", metavar="FILE", help="write a picture of the decoding: FILE.png (or .svg) or FILE.html")
     out.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    eng = p.add_argument_group("engine")
+    eng.add_argument("--engine", choices=("torch", "llama.cpp"), default="torch",
+                     help="llama.cpp: run the ggml port (PORT=1 scripts/build-llama-cpp.sh; docs/llama-port.md)")
+    eng.add_argument("--gguf", metavar="FILE", help="--engine llama.cpp: the model's GGUF export (default: export it, f32)")
+    eng.add_argument("--threads", type=int, default=1, help="--engine llama.cpp: CPU threads (default: 1)")
 
 
 def write_timeline(llm, gen, mode: str, block_size: int, path: str) -> Path:
@@ -69,6 +74,18 @@ def run(args: argparse.Namespace) -> int:
     params = llm.params(mode, kwargs)  # the options with the model's defaults filled in
     masked = get_mode(mode).needs_mask  # block size and threshold mean something for this mode
     tty = sys.stdout.isatty()
+
+    if args.engine == "llama.cpp":
+        from ..export.llama_port import generate as port_generate
+
+        rec = port_generate(llm, prompt, mode, kwargs, gguf=args.gguf, threads=args.threads)
+        if args.json:
+            print(json.dumps({"model": str(llm.path), "mode": mode, "engine": "llama.cpp", **rec}, ensure_ascii=False))
+        else:
+            sys.stdout.write(rec["text"] + ("" if rec["text"].endswith("\n") else "\n"))
+            s = rec["stats"]
+            stderr(f"[{mode} · llama.cpp] " + viz.stats_line(s["tokens"], s["forwards"], s["seconds"], rec["finish_reason"]))
+        return 0
 
     if args.json:
         gen = llm.generate(prompt, mode=mode, **kwargs)

@@ -109,3 +109,30 @@ def forward_logits(gguf: str | os.PathLike, commit: list[int], block: list[int],
         raise RuntimeError(f"llama-clover failed ({r.returncode}): {r.stderr.decode()[-2000:]}")
     info = json.loads(r.stdout.decode())
     return np.fromfile(out, dtype=np.float32).reshape(info["rows"], info["vocab"])
+
+
+def generate(llm, prompt, mode: str, kwargs: dict, *, gguf: str | os.PathLike | None = None, threads: int = 1) -> dict:
+    """One prompt through the port with the options of `clover generate` (`kwargs`, the model's
+    defaults filled in as `LLM.generate` does). Without `gguf` the model is exported (f32) to a
+    temporary file first. Returns {text, token_ids, finish_reason, stats}."""
+    import tempfile
+
+    params = llm.params(mode, kwargs)
+    ids = llm.encode_prompt(prompt)
+    llm.check_length(len(ids), params, mode)
+    args = port_args(mode, params)
+    eos = set(llm.config.eos_token_ids)
+    if llm.tokenizer.eos_token_id is not None:
+        eos.add(llm.tokenizer.eos_token_id)
+    with tempfile.TemporaryDirectory() as tmp:
+        if gguf is None:
+            from .gguf import export_gguf
+
+            gguf = Path(tmp) / "model.gguf"
+            export_gguf(llm.path, gguf, dtype="f32", progress=False)
+        r = run(gguf, [ids], args, eos_ids=sorted(eos), threads=threads)[0]
+    stats = {k: r[k] for k in ("forwards", "tokens_per_forward", "seconds", "tokens_per_second", "block_steps",
+                               "forced_steps", "accept_lengths")}
+    stats.update(prompt_tokens=len(ids), tokens=r["n_tokens"])
+    return {"text": llm.tokenizer.decode(r["tokens"]), "token_ids": r["tokens"], "finish_reason": r["finish"],
+            "stats": stats}
