@@ -14,11 +14,11 @@ PKG = SRC / "clover"
 
 # lowest first; a module may import its own layer and the ones below
 LAYERS = [
-    {"config", "kernels", "tokenizer", "moe", "decoding", "data"},
+    {"config", "kernels", "tokenizer", "moe", "decoding", "data", "precision"},
     {"cache", "models", "model"},
     {"checkpoint", "weights", "convert", "quant", "tiny", "export"},
     {"api"},
-    {"serve", "bench", "eval", "train", "viz"},
+    {"serve", "bench", "eval", "train", "viz", "integrations"},
     {"cli", "__main__"},
 ]
 
@@ -108,8 +108,12 @@ def test_one_list_of_modes():
     from clover.decoding import mode_names
 
     names = set(mode_names())
+    # lists that name a fixed subset on purpose: what an external implementation supports
+    subsets = {"clover/export/llama_port.py"}  # the modes the C++ port implements (ports/llama.cpp)
     bad = []
     for p in PKG.rglob("*.py"):
+        if str(p.relative_to(SRC)) in subsets:
+            continue
         for node in ast.walk(ast.parse(p.read_text())):
             if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
                 consts = {e.value for e in node.elts if isinstance(e, ast.Constant) and isinstance(e.value, str)}

@@ -214,12 +214,44 @@ class LLM:
         return f"LLM({self.path}, {c.model_type}, layers={c.num_hidden_layers}, experts={c.num_experts}, dtype={self.model.dtype})"
 
 
+def _cpu_compute_dtype(path: Path) -> torch.dtype | None:
+    """None (the stored dtype), or float32 for a half-precision checkpoint on a CPU without native
+    half matmuls (`clover.precision`: there a bf16 prefill or denoise step runs up to ~70x slower
+    than float32) when the float32 copy fits in half the available memory; otherwise a warning."""
+    import warnings
+
+    from .config import CloverConfig
+    from .precision import cpu_capability, native_half_matmul
+
+    try:
+        stored = parse_dtype(CloverConfig.from_file(path).torch_dtype)
+    except Exception:  # noqa: BLE001 - load_model reports a broken config with its own message
+        return None
+    if stored not in (torch.bfloat16, torch.float16) or native_half_matmul(stored, "cpu"):
+        return None
+    need = 2 * sum(f.stat().st_size for f in path.glob("*.safetensors"))
+    try:
+        avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        avail = 0
+    name = str(stored).replace("torch.", "")
+    if need and avail and need <= avail // 2:
+        return torch.float32
+    warnings.warn(f"{path}: stored in {name}, and this CPU ({cpu_capability()}) has no native {name} matmul: "
+                  f"prefill and diffusion steps run far slower than in float32, which would need "
+                  f"{need / 2**30:.1f} GiB (available: {avail / 2**30:.1f} GiB); pass dtype='float32' "
+                  f"(CLI --dtype float32) if it fits", stacklevel=3)
+    return None
+
+
 def load(path: str | os.PathLike | None = None, *, dtype: str | torch.dtype | None = None, device: str | None = None,
          check_finite: bool | None = None, compile: bool = False) -> LLM:
     """Load a model directory (config.json + safetensors + tokenizer). None = `default_model_path()`.
 
     `device` is checked first (`check_device`); a missing directory is a FileNotFoundError.
-    `check_finite` (default: on, or what an enclosing `checkpoint.finite_check(...)` says) scans
+    `dtype` None: the stored dtype, except on a CPU, where the bundled model and any bfloat16/float16
+    checkpoint on a CPU without native half matmuls (`clover.precision`) load in float32 when that
+    fits in half the available memory. `check_finite` (default: on, or what an enclosing `checkpoint.finite_check(...)` says) scans
     every weight for NaN/Inf; False loads them as they are. `compile=True` torch.compiles the per-layer
     dense modules (`clover.models.compile`; opt-in: compile takes minutes on CPU and was not measured
     to win there, docs/benchmarks.md)."""
@@ -229,8 +261,11 @@ def load(path: str | os.PathLike | None = None, *, dtype: str | torch.dtype | No
         raise FileNotFoundError(f"{path}: no such model directory")
     bundled = path.resolve() == BUNDLED_MODEL.resolve()
     dtype = parse_dtype(dtype)
-    if dtype is None and bundled and (device is None or str(device) == "cpu"):
-        dtype = torch.float32  # the bundled model is stored in bf16; fp32 matmuls are faster on CPUs
+    if dtype is None and (device is None or str(device) == "cpu"):
+        if bundled:
+            dtype = torch.float32  # the bundled model is stored in bf16; fp32 matmuls are faster on CPUs
+        else:
+            dtype = _cpu_compute_dtype(path)
     model = load_model(path, dtype=dtype, device=device, check_finite=check_finite)
     if compile:
         from .models.compile import compile_model

@@ -120,13 +120,14 @@ def plan(recipe, *, gpus: int, gpu_mem_gb: float = 80.0, mfu: float = 0.25, peak
     root, layer, non_embed = _layer_sizes(cfg)
     fsdp = run.parallel == "fsdp"
     n = gpus if fsdp else 1
-    bf16 = run.autocast == "bf16" or (fsdp and run.fsdp_mixed_precision == "bf16")
+    autocast = run.autocast in ("bf16", "auto")  # plans are for GPUs, where "auto" means bf16
+    bf16 = autocast or (fsdp and run.fsdp_mixed_precision == "bf16")
     elem = 2 if bf16 else 4
     mem = {"params": 4 * P / n, "grads": 4 * P / n, "optimizer": 8 * P / n}
     if fsdp:  # unsharded weights + their grads (+ the fp32 reduce copy under bf16)
         per = elem + elem + (4 if elem == 2 else 0)
         mem["fsdp_working_set"] = per * (root + 2 * layer)
-    elif run.autocast == "bf16":
+    elif autocast:
         mem["autocast_weight_copies"] = 2 * P  # bf16 casts of the weights, cached for the step
     mb = micro_batch or recipe.data.batch_size // max(1, gpus * recipe.optim.grad_accum)
     if mb < 1:

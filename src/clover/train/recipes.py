@@ -14,7 +14,7 @@ A recipe has a few top-level keys and one table per concern::
     [diffusion]  # block_sizes, ar_weight, complementary, min_mask_ratio, certainty_weight,
                  # certainty_temperature, shared_block_size (stage "diffusion" only)
     [run]        # out, threads, log_every, ckpt_every_s, ckpt_every_steps, keep, progress, eval_every,
-                 # eval_tasks, autocast ("none" | "bf16"), device ("auto" | "cpu" | "cuda"),
+                 # eval_tasks, autocast ("none" | "bf16" | "auto"), device ("auto" | "cpu" | "cuda"),
                  # parallel ("ddp" | "fsdp"), fsdp_mixed_precision ("none" | "bf16"), fsdp_cpu_offload,
                  # activation_checkpointing
 
@@ -120,7 +120,8 @@ class RunSpec:
     progress: bool = True
     eval_every: int = 0  # steps; 0 = off. Held-out task-answer metrics (teacher-forced) to log.jsonl
     eval_tasks: int = 100
-    autocast: str = "none"  # "bf16": matmuls in bfloat16 under torch.autocast (fp32 master weights and loss)
+    autocast: str = "none"  # "bf16": matmuls in bfloat16 under torch.autocast (fp32 master weights and loss);
+    # "auto": bf16 where the device multiplies bf16 natively (CUDA, CPUs with AVX-512 BF16/AMX), else none
     device: str = "auto"  # "auto" (CUDA when available), "cpu" or "cuda"; under torchrun rank r takes cuda:LOCAL_RANK
     parallel: str = "ddp"  # "ddp": every rank holds the full model; "fsdp": FSDP2 shards (params, grads, optimizer)
     fsdp_mixed_precision: str = "none"  # "bf16": FSDP gathers and computes in bf16, reduces gradients in fp32
@@ -166,8 +167,8 @@ class Recipe:
             check_task_weights(self.data.task_weights)
         except ValueError as e:
             raise RecipeError(f"data.task_weights: {e}") from None
-        if self.run.autocast not in ("none", "bf16"):
-            raise RecipeError(f"run.autocast must be 'none' or 'bf16', not {self.run.autocast!r}")
+        if self.run.autocast not in ("none", "bf16", "auto"):
+            raise RecipeError(f"run.autocast must be 'none', 'bf16' or 'auto', not {self.run.autocast!r}")
         if self.run.device not in DEVICES:
             raise RecipeError(f"run.device must be one of {DEVICES}, not {self.run.device!r}")
         if self.run.parallel not in PARALLEL:

@@ -227,6 +227,22 @@ def param_groups(model, weight_decay: float) -> tuple[list[dict], list[torch.nn.
 
 
 # --------------------------------------------------------------------------- trainer
+def resolve_autocast(setting: str, device: torch.device) -> tuple[bool, str | None]:
+    """`run.autocast` -> (bf16 autocast on?, a note for the log). "auto" turns it on only where the
+    device multiplies bf16 natively (`clover.precision`); an explicit "bf16" is honoured, with a
+    warning where it is slow (measured on an AVX2 CPU: a stage-2 step 7-10x slower than float32)."""
+    from ..precision import cpu_capability, native_half_matmul
+
+    native = native_half_matmul(torch.bfloat16, device.type)
+    where = f"this CPU ({cpu_capability()})" if device.type == "cpu" else str(device)
+    if setting == "auto":
+        return native, None if native else f"autocast auto -> none: {where} has no native bf16 matmul; training in float32"
+    if setting == "bf16" and not native:
+        return True, (f"warning: run.autocast = 'bf16' on {where}, which has no native bf16 matmul: steps run several "
+                      "times slower than float32; use 'auto' or 'none'")
+    return setting == "bf16", None
+
+
 class Trainer:
     def __init__(self, recipe: Recipe, *, resume: bool | None = None, quiet: bool = False, reset_data: bool = False) -> None:
         self.recipe = recipe
@@ -274,6 +290,7 @@ class Trainer:
         # takes one block size from a generator all ranks share (the masks still come from `gen`)
         shared = recipe.stage == "diffusion" and (recipe.diffusion.shared_block_size or recipe.run.parallel == "fsdp")
         self.size_gen = torch.Generator().manual_seed(recipe.seed * 7919 + 4243) if shared else None
+        self.autocast, self.autocast_note = resolve_autocast(recipe.run.autocast, self.device)
         self.step = 0
         self.tokens = 0
         self.elapsed = 0.0
@@ -439,7 +456,7 @@ class Trainer:
         stats: dict[str, float] = {}
         for i, mb in enumerate(ids.chunk(n)):
             parallel.set_gradient_sync(self.model, i == n - 1)  # FSDP: reduce-scatter once, after the last
-            with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=r.run.autocast == "bf16"):
+            with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
                 loss, st = self._loss(mb)
             (loss / n).backward()
             for k, v in st.items():  # counts add up, losses average
@@ -475,8 +492,10 @@ class Trainer:
             pc = parameter_counts(self.model.config)
             self._log_text(
                 f"start {r.name} stage={r.stage} world={self.dist.world} params total={pc['total']} active={pc['active']} "
-                f"bf16_MB={pc['total'] * 2 / 1e6:.2f} steps={total}"
+                f"bf16_MB={pc['total'] * 2 / 1e6:.2f} steps={total} autocast={'bf16' if self.autocast else 'none'}"
             )
+            if self.autocast_note:
+                self._log_text(self.autocast_note)
         bar = None
         if self.dist.main and r.run.progress and not self.quiet:
             from tqdm import tqdm
