@@ -289,7 +289,17 @@ static void reset_cache(Model & m, int n_ctx) {
     m.n_past = 0;
 }
 
-// ------------------------------------------------------------------------------- the GDN custom op
+// ------------------------------------------------------------------------------ the GDN custom ops
+// Two ops per GDN layer, with ggml's SiLU between them:
+//   gdn_conv: src[0] mixed [C, T] (pre-conv q|k|v) -> pre-activation [C, T]. Columns [0, Tc): the causal
+//             depthwise conv over the prefix conv state, which then advances; columns [Tc, T): the
+//             denoise block, causal conv over the (advanced) state plus Clover's right-side branch
+//             over later block positions. Parallel over channels.
+//   gdn_mix:  src[0] act [C, T] (after SiLU), src[1] alpha [Hv, T] (before dt bias), src[2] beta [Hv, T]
+//             (before sigmoid) -> o [dv, Hv, T]. Columns [0, Tc): the gated delta rule, advancing S;
+//             columns [Tc, T): exp(g_i) S^T q_i + lambda_h(B) sum_j softmax_j(s_h qhat_i.khat_j) v_j
+//             against the advanced S (read only). Parallel over value heads.
+// Value head h reads key head h % Hk (the GGUF's tiled head order, docs/gguf.md).
 struct GdnCall {
     Model * m;
     Layer * L;
@@ -299,7 +309,6 @@ struct GdnCall {
 
 static inline float softplus_t(float x) { return x > 20.f ? x : log1pf(expf(x)); }  // torch's threshold 20
 static inline float sigmoid_f(float x) { return 1.f / (1.f + expf(-x)); }
-static inline float silu_f(float x) { return x / (1.f + expf(-x)); }
 
 static void l2norm_inplace(float * x, int n) {  // x * rsqrt(sum(x^2) + 1e-6), clover's l2norm
     float s = 0.f;
@@ -308,159 +317,152 @@ static void l2norm_inplace(float * x, int n) {  // x * rsqrt(sum(x^2) + 1e-6), c
     for (int i = 0; i < n; i++) x[i] *= r;
 }
 
-// src[0] mixed [C, T] (pre-conv q|k|v), src[1] alpha [Hv, T] (before dt bias), src[2] beta [Hv, T]
-// (before sigmoid); dst [dv, Hv, T]. Columns [0, Tc) are committed (advance conv + recurrent state),
-// columns [Tc, Tc+Bd) are one denoise block read against the state after the commit.
-static void gdn_op(ggml_tensor * dst, int ith, int nth, void * ud) {
-    (void) nth;
-    if (ith != 0) return;
+static void gdn_conv(ggml_tensor * dst, int ith, int nth, void * ud) {
     const GdnCall & c = *(const GdnCall *) ud;
     const Hparams & hp = c.m->hp;
     Layer & L = *c.L;
     const ggml_tensor * mixed = dst->src[0];
+    const int C = hp.conv_dim(), K = hp.conv_k, K1 = K - 1, Tc = c.Tc, Bd = c.Bd;
+    const float * w = (const float *) L.conv1d->data;  // [C][K]
+    const float * wr = L.conv_right ? (const float *) L.conv_right->data : nullptr;  // [C][K-1]
+    const size_t mnb = mixed->nb[1] / sizeof(float), dnb = dst->nb[1] / sizeof(float);
+    const float * X = (const float *) mixed->data;
+    float * Y = (float *) dst->data;
+    const int W = K1 + Tc;
+    std::vector<float> win(K1 + std::max(Tc, Bd) + K1);
+    const int c0 = (int) ((int64_t) C * ith / nth), c1 = (int) ((int64_t) C * (ith + 1) / nth);
+    for (int ch = c0; ch < c1; ch++) {
+        float * st = &L.conv_state[(size_t) ch * K1];
+        const float * wc = &w[(size_t) ch * K];
+        if (Tc) {
+            float * wn = &L.window[(size_t) ch * W];  // kept for a speculative rollback
+            for (int j = 0; j < K1; j++) wn[j] = st[j];
+            for (int t = 0; t < Tc; t++) wn[K1 + t] = X[(size_t) t * mnb + ch];
+            for (int t = 0; t < Tc; t++) {
+                float s = wn[t] * wc[0];
+                for (int j = 1; j < K; j++) s += wn[t + j] * wc[j];
+                Y[(size_t) t * dnb + ch] = s;
+            }
+            for (int j = 0; j < K1; j++) st[j] = wn[Tc + j];
+        }
+        if (Bd) {
+            for (int j = 0; j < K1; j++) win[j] = st[j];
+            for (int t = 0; t < Bd; t++) win[K1 + t] = X[(size_t) (Tc + t) * mnb + ch];
+            const float * wrc = &wr[(size_t) ch * K1];
+            for (int t = 0; t < Bd; t++) {
+                float s = win[t] * wc[0];
+                for (int j = 1; j < K; j++) s += win[t + j] * wc[j];
+                float r = 0.f;  // right branch: x_{t+1} .. x_{t+K-1}, zero past the block end
+                bool any = false;
+                for (int j = 0; j < K1; j++) {
+                    if (t + 1 + j < Bd) {
+                        r = any ? r + win[K1 + t + 1 + j] * wrc[j] : win[K1 + t + 1 + j] * wrc[j];
+                        any = true;
+                    }
+                }
+                Y[(size_t) (Tc + t) * dnb + ch] = s + r;
+            }
+        }
+    }
+}
+
+static void gdn_mix(ggml_tensor * dst, int ith, int nth, void * ud) {
+    const GdnCall & c = *(const GdnCall *) ud;
+    const Hparams & hp = c.m->hp;
+    Layer & L = *c.L;
+    const ggml_tensor * act = dst->src[0];
     const ggml_tensor * alpha = dst->src[1];
     const ggml_tensor * beta = dst->src[2];
-    const int C = hp.conv_dim(), K = hp.conv_k, K1 = K - 1, dk = hp.dk, dv = hp.dv, hk = hp.hk, hv = hp.hv;
-    const int key_dim = hk * dk;
-    const float * w = (const float *) L.conv1d->data;     // [C][K]
-    const float * A = (const float *) L.ssm_a->data;      // -exp(A_log)
+    const int dk = hp.dk, dv = hp.dv, hk = hp.hk, hv = hp.hv, key_dim = hk * dk;
+    const int Tc = c.Tc, Bd = c.Bd;
+    const float * A = (const float *) L.ssm_a->data;  // -exp(A_log)
     const float * dtb = (const float *) L.dt->data;
-    const size_t mnb = mixed->nb[1] / sizeof(float), anb = alpha->nb[1] / sizeof(float), bnb = beta->nb[1] / sizeof(float);
-    const float * X = (const float *) mixed->data;
+    const size_t xnb = act->nb[1] / sizeof(float), anb = alpha->nb[1] / sizeof(float), bnb = beta->nb[1] / sizeof(float);
+    const float * X = (const float *) act->data;
     const float * AL = (const float *) alpha->data;
     const float * BE = (const float *) beta->data;
     float * O = (float *) dst->data;
     const float qscale = 1.f / sqrtf((float) dk);
-    std::vector<float> act(C);
-
-    // ---- commit part: causal conv + recurrence, state advanced in place
-    const int Tc = c.Tc;
-    if (Tc) {
-        const int W = K1 + Tc;
-        L.window.resize((size_t) C * W);
-        L.window_len = W;
-        for (int ch = 0; ch < C; ch++) {
-            float * win = &L.window[(size_t) ch * W];
-            for (int j = 0; j < K1; j++) win[j] = L.conv_state[(size_t) ch * K1 + j];
-            for (int t = 0; t < Tc; t++) win[K1 + t] = X[(size_t) t * mnb + ch];
-        }
-        if (c.record) L.S_snap.resize((size_t) Tc * hv * dk * dv);
-        std::vector<float> kv(dv);
+    const size_t hs = (size_t) dk * dv;
+    std::vector<float> q(dk), k(dk), kv(dv);
+    for (int h = ith; h < hv; h += nth) {
+        const int kh = h % hk;
+        float * S = &L.S[(size_t) h * hs];
+        // ---- commit: S <- S exp(g_t); S <- S + k_t (beta_t (v_t - S^T k_t))^T; o_t = S^T q_t
         for (int t = 0; t < Tc; t++) {
-            for (int ch = 0; ch < C; ch++) {
-                const float * win = &L.window[(size_t) ch * W + t];
-                float s = win[0] * w[(size_t) ch * K];
-                for (int j = 1; j < K; j++) s += win[j] * w[(size_t) ch * K + j];
-                act[ch] = silu_f(s);
-            }
-            for (int h = 0; h < hk; h++) {
-                l2norm_inplace(&act[h * dk], dk);
-                l2norm_inplace(&act[key_dim + h * dk], dk);
-                for (int i = 0; i < dk; i++) act[h * dk + i] *= qscale;
-            }
-            for (int h = 0; h < hv; h++) {
-                const float * q = &act[(h % hk) * dk];
-                const float * k = &act[key_dim + (h % hk) * dk];
-                const float * v = &act[2 * key_dim + h * dv];
-                const float g = A[h] * softplus_t(AL[(size_t) t * anb + h] + dtb[h]);
-                const float decay = expf(g);
-                const float b = sigmoid_f(BE[(size_t) t * bnb + h]);
-                float * S = &L.S[(size_t) h * dk * dv];
-                std::fill(kv.begin(), kv.end(), 0.f);
-                for (int i = 0; i < dk; i++) {
-                    float * row = S + (size_t) i * dv;
-                    for (int j = 0; j < dv; j++) {
-                        row[j] *= decay;
-                        kv[j] += row[j] * k[i];
-                    }
-                }
-                for (int j = 0; j < dv; j++) kv[j] = b * (v[j] - kv[j]);  // delta
-                float * o = O + ((size_t) t * hv + h) * dv;
-                std::fill(o, o + dv, 0.f);
-                for (int i = 0; i < dk; i++) {
-                    float * row = S + (size_t) i * dv;
-                    const float ki = k[i], qi = q[i];
-                    for (int j = 0; j < dv; j++) {
-                        row[j] += ki * kv[j];
-                        o[j] += row[j] * qi;
-                    }
+            const float * x = X + (size_t) t * xnb;
+            std::copy(x + kh * dk, x + (kh + 1) * dk, q.begin());
+            std::copy(x + key_dim + kh * dk, x + key_dim + (kh + 1) * dk, k.begin());
+            l2norm_inplace(q.data(), dk);
+            l2norm_inplace(k.data(), dk);
+            for (int i = 0; i < dk; i++) q[i] *= qscale;
+            const float * v = x + 2 * key_dim + h * dv;
+            const float g = A[h] * softplus_t(AL[(size_t) t * anb + h] + dtb[h]);
+            const float decay = expf(g);
+            const float b = sigmoid_f(BE[(size_t) t * bnb + h]);
+            std::fill(kv.begin(), kv.end(), 0.f);
+            for (int i = 0; i < dk; i++) {
+                float * row = S + (size_t) i * dv;
+                const float ki = k[i];
+                for (int j = 0; j < dv; j++) {
+                    row[j] *= decay;
+                    kv[j] += row[j] * ki;
                 }
             }
-            if (c.record) std::copy(L.S.begin(), L.S.end(), L.S_snap.begin() + (size_t) t * hv * dk * dv);
+            for (int j = 0; j < dv; j++) kv[j] = b * (v[j] - kv[j]);  // delta
+            float * o = O + ((size_t) t * hv + h) * dv;
+            std::fill(o, o + dv, 0.f);
+            for (int i = 0; i < dk; i++) {
+                float * row = S + (size_t) i * dv;
+                const float ki = k[i], qi = q[i];
+                for (int j = 0; j < dv; j++) {
+                    row[j] += ki * kv[j];
+                    o[j] += row[j] * qi;
+                }
+            }
+            if (c.record) std::copy(S, S + hs, L.S_snap.begin() + ((size_t) t * hv + h) * hs);
         }
-        for (int ch = 0; ch < C; ch++)
-            for (int j = 0; j < K1; j++) L.conv_state[(size_t) ch * K1 + j] = L.window[(size_t) ch * W + Tc + j];
-    }
-
-    // ---- denoise part: o_i = exp(g_i) S^T q_i + lambda_h(B) sum_j softmax_j(s_h qhat_i.khat_j) v_j
-    const int Bd = c.Bd;
-    if (Bd) {
-        if (!c.m->has_clover) die("the denoise mode needs Clover's tensors (the .clover.gguf sidecar)");
-        const float * wr = (const float *) L.conv_right->data;  // [C][K-1]
+        if (!Bd) continue;
+        // ---- denoise: decayed prefix readout + lambda_h(B) * softmax attention inside the block
         const float * sc = (const float *) L.intra_scale->data;
-        const float * ga = (const float *) L.gain_a->data;
-        const float * gb = (const float *) L.gain_b->data;
-        const float lg = log2f((float) Bd / 32.f);
-        const int W = K1 + Bd;
-        std::vector<float> win((size_t) C * W), A2((size_t) Bd * C);
-        for (int ch = 0; ch < C; ch++) {
-            for (int j = 0; j < K1; j++) win[(size_t) ch * W + j] = L.conv_state[(size_t) ch * K1 + j];
-            for (int t = 0; t < Bd; t++) win[(size_t) ch * W + K1 + t] = X[(size_t) (Tc + t) * mnb + ch];
+        const float gain = ((const float *) L.gain_a->data)[h] + ((const float *) L.gain_b->data)[h] * log2f((float) Bd / 32.f);
+        std::vector<float> qh((size_t) Bd * dk), kh_((size_t) Bd * dk), p(Bd);
+        for (int t = 0; t < Bd; t++) {
+            const float * x = X + (size_t) (Tc + t) * xnb;
+            std::copy(x + kh * dk, x + (kh + 1) * dk, &qh[(size_t) t * dk]);
+            std::copy(x + key_dim + kh * dk, x + key_dim + (kh + 1) * dk, &kh_[(size_t) t * dk]);
+            l2norm_inplace(&qh[(size_t) t * dk], dk);
+            l2norm_inplace(&kh_[(size_t) t * dk], dk);
         }
         for (int t = 0; t < Bd; t++) {
-            float * a = &A2[(size_t) t * C];
-            for (int ch = 0; ch < C; ch++) {
-                const float * wn = &win[(size_t) ch * W + t];
-                float s = wn[0] * w[(size_t) ch * K];
-                for (int j = 1; j < K; j++) s += wn[j] * w[(size_t) ch * K + j];
-                float r = 0.f;  // right branch: x_{t+1} .. x_{t+K-1} inside the block
-                for (int j = 0; j < K1; j++) {
-                    const int u = t + 1 + j;
-                    if (u < Bd) r += wn[K1 + 1 + j] * wr[(size_t) ch * K1 + j];
-                }
-                a[ch] = silu_f(s + r);
+            const float * qt = &qh[(size_t) t * dk];
+            const float g = A[h] * softplus_t(AL[(size_t) (Tc + t) * anb + h] + dtb[h]);
+            const float decay = expf(g);
+            float * o = O + ((size_t) (Tc + t) * hv + h) * dv;
+            std::fill(o, o + dv, 0.f);
+            for (int i = 0; i < dk; i++) {
+                const float qi = qt[i] * qscale;
+                const float * row = S + (size_t) i * dv;
+                for (int j = 0; j < dv; j++) o[j] += qi * row[j];
             }
-            for (int h = 0; h < hk; h++) {
-                l2norm_inplace(&a[h * dk], dk);
-                l2norm_inplace(&a[key_dim + h * dk], dk);
+            for (int j = 0; j < dv; j++) o[j] *= decay;
+            float mx = -INFINITY;
+            for (int u = 0; u < Bd; u++) {
+                const float * ku = &kh_[(size_t) u * dk];
+                float s = 0.f;
+                for (int i = 0; i < dk; i++) s += qt[i] * ku[i];
+                p[u] = s * sc[h];
+                mx = std::max(mx, p[u]);
             }
-        }
-        std::vector<float> p(Bd);
-        for (int h = 0; h < hv; h++) {
-            const int kh = h % hk;
-            const float * S = &L.S[(size_t) h * dk * dv];
-            const float gain = ga[h] + gb[h] * lg;
-            for (int t = 0; t < Bd; t++) {
-                const float * qh = &A2[(size_t) t * C + kh * dk];
-                const float g = A[h] * softplus_t(AL[(size_t) (Tc + t) * anb + h] + dtb[h]);
-                const float decay = expf(g);
-                float * o = O + ((size_t) (Tc + t) * hv + h) * dv;
-                std::fill(o, o + dv, 0.f);
-                for (int i = 0; i < dk; i++) {
-                    const float qi = qh[i] * qscale;
-                    const float * row = S + (size_t) i * dv;
-                    for (int j = 0; j < dv; j++) o[j] += qi * row[j];
-                }
-                for (int j = 0; j < dv; j++) o[j] *= decay;
-                // intra-block softmax attention
-                float mx = -INFINITY;
-                for (int u = 0; u < Bd; u++) {
-                    const float * kk = &A2[(size_t) u * C + key_dim + kh * dk];
-                    float s = 0.f;
-                    for (int i = 0; i < dk; i++) s += qh[i] * kk[i];
-                    p[u] = s * sc[h];
-                    mx = std::max(mx, p[u]);
-                }
-                float sum = 0.f;
-                for (int u = 0; u < Bd; u++) {
-                    p[u] = expf(p[u] - mx);
-                    sum += p[u];
-                }
-                for (int u = 0; u < Bd; u++) {
-                    const float pu = gain * p[u] / sum;
-                    const float * vv = &A2[(size_t) u * C + 2 * key_dim + h * dv];
-                    for (int j = 0; j < dv; j++) o[j] += pu * vv[j];
-                }
+            float sum = 0.f;
+            for (int u = 0; u < Bd; u++) {
+                p[u] = expf(p[u] - mx);
+                sum += p[u];
+            }
+            for (int u = 0; u < Bd; u++) {
+                const float pu = gain * (p[u] / sum);
+                const float * vv = X + (size_t) (Tc + u) * xnb + 2 * key_dim + h * dv;
+                for (int j = 0; j < dv; j++) o[j] += pu * vv[j];
             }
         }
     }
@@ -509,8 +511,12 @@ static void forward(Model & m, const std::vector<int> & commit, const std::vecto
             ggml_tensor * al = ggml_mul_mat(ctx, L.walpha, cur);     // [Hv, T]
             ggml_tensor * be = ggml_mul_mat(ctx, L.wbeta, cur);      // [Hv, T]
             calls[il] = {&m, &L, Tc, Bd, record};
-            ggml_tensor * args[3] = {mixed, al, be};
-            ggml_tensor * o = ggml_custom_4d(ctx, GGML_TYPE_F32, hp.dv, hp.hv, T, 1, args, 3, gdn_op, 1, &calls[il]);
+            if (Tc) L.window.resize((size_t) hp.conv_dim() * (hp.conv_k - 1 + Tc));  // before the graph runs
+            L.window_len = hp.conv_k - 1 + Tc;
+            if (record) L.S_snap.resize((size_t) Tc * hp.hv * hp.dk * hp.dv);
+            ggml_tensor * pre = ggml_custom_4d(ctx, GGML_TYPE_F32, hp.conv_dim(), T, 1, 1, &mixed, 1, gdn_conv, GGML_N_TASKS_MAX, &calls[il]);
+            ggml_tensor * args[3] = {ggml_silu(ctx, pre), al, be};
+            ggml_tensor * o = ggml_custom_4d(ctx, GGML_TYPE_F32, hp.dv, hp.hv, T, 1, args, 3, gdn_mix, GGML_N_TASKS_MAX, &calls[il]);
             ggml_tensor * z3 = ggml_reshape_3d(ctx, z, hp.dv, hp.hv, T);
             o = ggml_mul(ctx, ggml_mul(ctx, ggml_rms_norm(ctx, o, hp.eps), L.ssm_norm), ggml_silu(ctx, z3));
             cur = ggml_mul_mat(ctx, L.ssm_out, ggml_reshape_2d(ctx, o, hp.dv * hp.hv, T));
