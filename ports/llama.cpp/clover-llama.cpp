@@ -532,23 +532,17 @@ static void forward(Model & m, const std::vector<int> & commit, const std::vecto
             ggml_tensor * v = ggml_reshape_3d(ctx, ggml_mul_mat(ctx, L.wv, cur), hd, nkv, T);
             q = ggml_rope_ext(ctx, q, pos, nullptr, hp.n_rot, GGML_ROPE_TYPE_NEOX, 0, hp.rope_base, 1.f, 0.f, 1.f, 0.f, 0.f);
             k = ggml_rope_ext(ctx, k, pos, nullptr, hp.n_rot, GGML_ROPE_TYPE_NEOX, 0, hp.rope_base, 1.f, 0.f, 1.f, 0.f, 0.f);
-            // commit part -> cache
-            if (Tc) {
-                ggml_tensor * kc = ggml_view_3d(ctx, k, hd, nkv, Tc, k->nb[1], k->nb[2], 0);
-                ggml_tensor * vc = ggml_view_3d(ctx, v, hd, nkv, Tc, v->nb[1], v->nb[2], 0);
-                ggml_tensor * kdst = ggml_view_3d(ctx, L.k_cache, hd, nkv, Tc, L.k_cache->nb[1], L.k_cache->nb[2], L.k_cache->nb[2] * n_past);
-                ggml_tensor * vdst = ggml_view_3d(ctx, L.v_cache, hd, nkv, Tc, L.v_cache->nb[1], L.v_cache->nb[2], L.v_cache->nb[2] * n_past);
-                ggml_build_forward_expand(gf, ggml_cpy(ctx, kc, kdst));
-                ggml_build_forward_expand(gf, ggml_cpy(ctx, vc, vdst));
-            }
-            ggml_tensor * K = k, * V = v;
-            if (n_past) {
-                ggml_tensor * kp = ggml_view_3d(ctx, L.k_cache, hd, nkv, n_past, L.k_cache->nb[1], L.k_cache->nb[2], 0);
-                ggml_tensor * vp = ggml_view_3d(ctx, L.v_cache, hd, nkv, n_past, L.v_cache->nb[1], L.v_cache->nb[2], 0);
-                K = ggml_concat(ctx, kp, k, 2);
-                V = ggml_concat(ctx, vp, v, 2);
-            }
-            ggml_tensor * Kp = ggml_cont(ctx, ggml_permute(ctx, K, 0, 2, 1, 3));   // [hd, n_kv, nkv]
+            // all T new K/V go into the cache at [n_past, n_past + T): the commit part becomes prefix,
+            // the block part is scratch that the next commit overwrites (never read past this forward:
+            // every later query's keys end at its own forward's last position). The copies are expanded
+            // first, so they run before the attention reads the cache view.
+            ggml_tensor * kdst = ggml_view_3d(ctx, L.k_cache, hd, nkv, T, L.k_cache->nb[1], L.k_cache->nb[2], L.k_cache->nb[2] * n_past);
+            ggml_tensor * vdst = ggml_view_3d(ctx, L.v_cache, hd, nkv, T, L.v_cache->nb[1], L.v_cache->nb[2], L.v_cache->nb[2] * n_past);
+            ggml_build_forward_expand(gf, ggml_cpy(ctx, k, kdst));
+            ggml_build_forward_expand(gf, ggml_cpy(ctx, v, vdst));
+            ggml_tensor * K = ggml_view_3d(ctx, L.k_cache, hd, nkv, n_kv, L.k_cache->nb[1], L.k_cache->nb[2], 0);
+            ggml_tensor * V = ggml_view_3d(ctx, L.v_cache, hd, nkv, n_kv, L.v_cache->nb[1], L.v_cache->nb[2], 0);
+            ggml_tensor * Kp = ggml_permute(ctx, K, 0, 2, 1, 3);                  // [hd, n_kv, nkv]
             ggml_tensor * Vt = ggml_cont(ctx, ggml_permute(ctx, V, 1, 2, 0, 3));   // [n_kv, hd, nkv]
             ggml_tensor * Q = ggml_permute(ctx, q, 0, 2, 1, 3);                   // [hd, T, nh]
             ggml_tensor * kq = ggml_mul_mat(ctx, Kp, Q);                          // [n_kv, T, nh]
