@@ -109,6 +109,12 @@ def test_config_dense_backbone_and_errors(tiny_dir):
     assert c.architectures == ["CloverDenseForCausalLM"]
     with pytest.raises(ValueError, match="backbone 'llama'"):
         CloverVLLMConfig(**{**raw, "backbone": "llama"})
+    # a broken file stops with clover's own message, not as transformers' defaults (the 35B shapes)
+    with pytest.raises(ValueError, match="missing required key.*hidden_size"):
+        CloverVLLMConfig(**{k: v for k, v in raw.items() if k != "hidden_size"})
+    with pytest.raises(ValueError, match="num_attention_heads.*must be an integer"):
+        CloverVLLMConfig(**{**raw, "num_attention_heads": "4"})
+    assert CloverVLLMConfig().get_text_config().hidden_size == 2048  # transformers' no-argument probe still works
 
 
 def test_dropped_tensors_are_the_clover_only_ones():

@@ -43,6 +43,18 @@ def text_config_class(backbone: str):
     raise ValueError(f"clover config: backbone {backbone!r} is not one of {', '.join(ARCHITECTURES)}")
 
 
+def check_with_clover(d: dict[str, Any]) -> None:
+    """Read a flat Clover config.json as clover does (`clover.config.CloverConfig.from_dict`: required
+    keys, JSON types, head and layer counts that fit), so a broken file stops here with clover's
+    message instead of loading as transformers' defaults (the 35B shapes) and failing at the weights."""
+    from clover.config import CloverConfig, ConfigError
+
+    try:
+        CloverConfig.from_dict({**d, "model_type": "clover"}, source="clover config (vLLM plugin)")
+    except ConfigError as e:
+        raise ValueError(str(e)) from None
+
+
 class CloverVLLMConfig(PretrainedConfig):
     """`model_type: "clover"` for transformers' `AutoConfig` (registered by the vLLM plugin)."""
 
@@ -60,6 +72,8 @@ class CloverVLLMConfig(PretrainedConfig):
             text_config = {k: v for k, v in text_config.items() if k != "model_type"}
             text = cls(**text_config)
         elif text_config is None:
+            if kwargs:  # a config.json (CloverVLLMConfig() with no arguments is transformers' defaults probe)
+                check_with_clover({**kwargs, **clover, "backbone": backbone})
             fields = set(getattr(cls, "__dataclass_fields__", {})) - {"model_type"}
             text = cls(**{k: v for k, v in kwargs.items() if k in fields})
         else:
