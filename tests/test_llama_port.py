@@ -181,3 +181,22 @@ def test_port_speculative_equals_ar(port, gguf_f32, llm, ignore_eos):
                             ignore_eos=ignore_eos)
         assert s["tokens"] == ours.token_ids
         assert s["forwards"] == ours.stats.forwards
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["diffusion", "speculative"])
+def test_generate_engine_llama_cpp(port, gguf_f32, mode, capsys):
+    """`clover generate --engine llama.cpp --json` gives clover's own text, tokens and forwards."""
+    import json
+
+    from clover.cli import main
+
+    prompt = "assert sorted([9, 2, 5]) == "
+    common = [prompt, "--model", str(BUNDLED), "--dtype", "float32", "--mode", mode, "-n", "40", "--json"]
+    assert main(["generate", *common]) == 0
+    ours = json.loads(capsys.readouterr().out)
+    assert main(["generate", *common, "--engine", "llama.cpp", "--gguf", str(gguf_f32)]) == 0
+    theirs = json.loads(capsys.readouterr().out)
+    assert theirs["engine"] == "llama.cpp"
+    assert theirs["token_ids"] == ours["token_ids"] and theirs["text"] == ours["text"]
+    assert theirs["stats"]["forwards"] == ours["stats"]["forwards"]

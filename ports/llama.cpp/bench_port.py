@@ -6,8 +6,9 @@ One thread, one run per configuration, the same held-out task prompts (as token 
 - stock llama.cpp AR: `clover-llama-probe greedy N` per prompt, timed as wall(greedy N) - wall(greedy 0)
   (process start, load and prefill cancel; EOS banned so every prompt runs N tokens), and
   `llama-bench -p 0 -n N -r 1 -t 1`;
-- the port (`llama-clover`): ar, diffusion (block 32, threshold 0.95, the threshold rule and the
-  model's entropy rule), speculative (draft 32, 8, 4); its own clock: the decode loop, prefill included.
+- the port (`llama-clover`): ar, diffusion (threshold 0.95: block 32 with the threshold rule and the
+  model's entropy rule, blocks 16 and 8 with the threshold rule), speculative (draft 32, 8, 4); its own
+  clock: the decode loop, prefill included.
 Prints a Markdown table: tokens, forwards, tokens per forward, tokens/s, and tokens/s over stock AR.
 """
 
@@ -72,6 +73,8 @@ def main() -> int:
         ("ar", ["--mode", "ar", "--ignore-eos"]),
         ("diffusion, threshold rule", ["--mode", "diffusion", "--block", "32", "--policy", "threshold", "--threshold", "0.95"]),
         ("diffusion, entropy rule", ["--mode", "diffusion", "--block", "32", "--policy", "entropy", "--threshold", "0.95"]),
+        ("diffusion, threshold rule, block 16", ["--mode", "diffusion", "--block", "16", "--policy", "threshold", "--threshold", "0.95"]),
+        ("diffusion, threshold rule, block 8", ["--mode", "diffusion", "--block", "8", "--policy", "threshold", "--threshold", "0.95"]),
         ("speculative, draft 32", ["--mode", "speculative", "--block", "32", "--ignore-eos"]),
         ("speculative, draft 8", ["--mode", "speculative", "--block", "32", "--draft", "8", "--ignore-eos"]),
         ("speculative, draft 4", ["--mode", "speculative", "--block", "32", "--draft", "4", "--ignore-eos"]),

@@ -91,6 +91,7 @@ struct Model {
     ggml_backend_buffer_t cache_buf = nullptr;
     int n_ctx = 0;
     int n_past = 0;  // committed positions
+    double last_forward_s = 0.0;  // wall time of the last forward (graph build + compute)
     ggml_gallocr_t galloc = nullptr;
     std::vector<uint8_t> graph_mem;
 };
@@ -482,6 +483,7 @@ static void forward(Model & m, const std::vector<int> & commit, const std::vecto
     if (T == 0) die("empty forward");
     if (m.n_past + T > m.n_ctx) die("context full");
     const int n_past = m.n_past, n_kv = n_past + T;
+    const auto t_start = std::chrono::steady_clock::now();
     const size_t graph_size = 8192;
     const size_t mem = ggml_tensor_overhead() * graph_size + ggml_graph_overhead_custom(graph_size, false);
     if (m.graph_mem.size() < mem) m.graph_mem.resize(mem);
@@ -619,6 +621,7 @@ static void forward(Model & m, const std::vector<int> & commit, const std::vecto
     if (n_out) ggml_backend_tensor_get(logits, res.logits.data(), 0, sizeof(float) * res.logits.size());
     ggml_free(ctx);
     m.n_past += Tc;
+    m.last_forward_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start).count();
 }
 
 // Roll the commit of the last forward back to its first `keep` tokens (speculative partial accept).
@@ -651,6 +654,7 @@ struct Params {
 struct Row {
     std::vector<int> tokens;
     int forwards = 0, forced_steps = 0;
+    double first_forward_s = 0.0;  // the forward that carried the prompt (prefill)
     std::vector<int> block_steps, accept_lengths;
     std::string finish;
     bool finished = false;
@@ -760,7 +764,7 @@ static void run_ar(Model & m, const Params & p, const std::vector<int> & prompt,
     Forward f;
     while (!r.finished) {
         forward(m, pending, {}, {(int) pending.size() - 1}, false, f);
-        r.forwards++;
+        if (++r.forwards == 1) r.first_forward_s = m.last_forward_s;
         const int tok = argmax_tok(f.logits.data(), V, p);
         row_accept(r, p, {tok});
         pending = {tok};
@@ -799,7 +803,7 @@ static void run_diffusion(Model & m, const Params & p, const std::vector<int> & 
         for (int j = 1; j < Bs; j++)
             if (masked[j] && j < need) { den_row[j] = (int) rows.size(); rows.push_back(Tc + j - 1); }
         forward(m, pending, blk, rows, false, f);
-        r.forwards++;
+        if (++r.forwards == 1) r.first_forward_s = m.last_forward_s;
         if (Tc) {
             std::copy(f.logits.begin(), f.logits.begin() + V, first.begin());
             pending.clear();
@@ -863,7 +867,7 @@ static void run_speculative(Model & m, const Params & p, const std::vector<int> 
         const int n_commit_rows = (int) rows.size();
         for (int j = 0; j < D - 1; j++) rows.push_back(Tc + j);
         forward(m, src, block, rows, /*record: per-token GDN states, for a rollback*/ has_draft, f);
-        r.forwards++;
+        if (++r.forwards == 1) r.first_forward_s = m.last_forward_s;
         int keep = Tc;
         bool next_ok = true;
         if (has_draft) {
@@ -996,10 +1000,10 @@ int main(int argc, char ** argv) {
         const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
         const int n = (int) r.tokens.size();
         printf("{\"mode\": \"%s\", \"prompt_tokens\": %zu, \"tokens\": [%s], \"n_tokens\": %d, \"forwards\": %d, "
-               "\"tokens_per_forward\": %.4f, \"seconds\": %.6f, \"tokens_per_second\": %.3f, \"finish\": \"%s\", "
+               "\"tokens_per_forward\": %.4f, \"seconds\": %.6f, \"tokens_per_second\": %.3f, \"prefill_forward_seconds\": %.6f, \"finish\": \"%s\", "
                "\"block_steps\": [%s], \"forced_steps\": %d, \"accept_lengths\": [%s]}\n",
                p.mode.c_str(), prompt.size(), join(r.tokens).c_str(), n, r.forwards,
-               r.forwards ? (double) n / r.forwards : 0.0, secs, secs > 0 ? n / secs : 0.0, r.finish.c_str(),
+               r.forwards ? (double) n / r.forwards : 0.0, secs, secs > 0 ? n / secs : 0.0, r.first_forward_s, r.finish.c_str(),
                join(r.block_steps).c_str(), r.forced_steps, join(r.accept_lengths).c_str());
         fflush(stdout);
     }
