@@ -114,6 +114,8 @@ def test_config_dense_backbone_and_errors(tiny_dir):
         CloverVLLMConfig(**{k: v for k, v in raw.items() if k != "hidden_size"})
     with pytest.raises(ValueError, match="num_attention_heads.*must be an integer"):
         CloverVLLMConfig(**{**raw, "num_attention_heads": "4"})
+    with pytest.raises(ValueError, match="clover quantize"):
+        CloverVLLMConfig(**{**raw, "quantization_config": {"bits": 4}})
     assert CloverVLLMConfig().get_text_config().hidden_size == 2048  # transformers' no-argument probe still works
 
 

@@ -12,7 +12,7 @@ backbone (`backbone`, default `qwen3_5_moe_text`), built from the same keys. vLL
 `CloverDenseForCausalLM` over the dense one) whatever the file says (`CloverForBlockDiffusion` from
 `clover convert` / `clover train`, `CloverForCausalLM` from `clover export-hf`): one name per backbone.
 
-Imports transformers only (no vLLM), so it is testable in clover's own environment.
+Imports transformers and (to check a file) `clover.config`, no vLLM: testable in clover's own environment.
 """
 
 from __future__ import annotations
@@ -64,6 +64,9 @@ class CloverVLLMConfig(PretrainedConfig):
         backbone = kwargs.pop("backbone", None) or DEFAULT_BACKBONE
         cls = text_config_class(backbone)
         clover = {k: kwargs.pop(k) for k in CLOVER_FIELDS if k in kwargs}
+        if kwargs.get("quantization_config") and text_config is None:
+            raise ValueError("clover config: a `clover quantize` checkpoint (its own INT4/INT8 format) does not load in "
+                             "vLLM; serve the unquantized checkpoint (docs/scale-out.md)")
         for k in OUTER_ONLY:
             kwargs.pop(k, None)
         if "torch_dtype" in kwargs:  # the older name, as clover writes it
