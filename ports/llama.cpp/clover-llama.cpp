@@ -56,7 +56,10 @@ struct Layer {
     ggml_tensor *conv_right = nullptr, *intra_scale = nullptr, *gain_a = nullptr, *gain_b = nullptr;  // Clover
     std::vector<float> conv_state;  // [C][K-1] the last K-1 pre-conv inputs of the prefix
     std::vector<float> S;           // [Hv][dk][dv] the prefix recurrent state
-    std::vector<float> S_snap;      // [Tc][Hv*dk*dv] the state after each commit token (speculative rollback)
+    // speculative rollback: the state before the last commit and that commit's inputs, per value head
+    // [h][t][q dk | k dk | v dv | alpha | beta]; a rollback replays the kept tokens with the same code
+    std::vector<float> S0, rec;
+    int rec_T = 0;
     std::vector<float> window;      // [C][K-1+Tc] the last commit's conv window (speculative rollback)
     int window_len = 0;
     // MoE
@@ -367,6 +370,41 @@ static void gdn_conv(ggml_tensor * dst, int ith, int nth, void * ud) {
     }
 }
 
+// One token of the gated delta rule for value head h: x = its act row ([q|k|v] after SiLU; q, k of
+// key head h % Hk), al/be the raw alpha/beta. S <- S exp(g); S <- S + k (beta (v - S^T k))^T; o = S^T q.
+static void commit_step(const Hparams & hp, const Layer & L, int h, float * S, const float * qraw, const float * kraw,
+                        const float * v, float al, float be, float * o, float * q, float * k, float * kv) {
+    const int dk = hp.dk, dv = hp.dv;
+    const float * A = (const float *) L.ssm_a->data;  // -exp(A_log)
+    const float * dtb = (const float *) L.dt->data;
+    std::copy(qraw, qraw + dk, q);
+    std::copy(kraw, kraw + dk, k);
+    l2norm_inplace(q, dk);
+    l2norm_inplace(k, dk);
+    const float qscale = 1.f / sqrtf((float) dk);
+    for (int i = 0; i < dk; i++) q[i] *= qscale;
+    const float decay = expf(A[h] * softplus_t(al + dtb[h]));
+    const float b = sigmoid_f(be);
+    std::fill(kv, kv + dv, 0.f);
+    for (int i = 0; i < dk; i++) {
+        float * row = S + (size_t) i * dv;
+        const float ki = k[i];
+        for (int j = 0; j < dv; j++) {
+            row[j] *= decay;
+            kv[j] += row[j] * ki;
+        }
+    }
+    for (int j = 0; j < dv; j++) kv[j] = b * (v[j] - kv[j]);  // delta
+    if (o) std::fill(o, o + dv, 0.f);
+    for (int i = 0; i < dk; i++) {
+        float * row = S + (size_t) i * dv;
+        const float ki = k[i], qi = q[i];
+        for (int j = 0; j < dv; j++) row[j] += ki * kv[j];
+        if (o)
+            for (int j = 0; j < dv; j++) o[j] += row[j] * qi;
+    }
+}
+
 static void gdn_mix(ggml_tensor * dst, int ith, int nth, void * ud) {
     const GdnCall & c = *(const GdnCall *) ud;
     const Hparams & hp = c.m->hp;
@@ -389,39 +427,22 @@ static void gdn_mix(ggml_tensor * dst, int ith, int nth, void * ud) {
     for (int h = ith; h < hv; h += nth) {
         const int kh = h % hk;
         float * S = &L.S[(size_t) h * hs];
-        // ---- commit: S <- S exp(g_t); S <- S + k_t (beta_t (v_t - S^T k_t))^T; o_t = S^T q_t
+        // ---- commit
+        const size_t rw = (size_t) 2 * dk + dv + 2;  // one recorded token
+        if (c.record) std::copy(S, S + hs, L.S0.begin() + (size_t) h * hs);
         for (int t = 0; t < Tc; t++) {
             const float * x = X + (size_t) t * xnb;
-            std::copy(x + kh * dk, x + (kh + 1) * dk, q.begin());
-            std::copy(x + key_dim + kh * dk, x + key_dim + (kh + 1) * dk, k.begin());
-            l2norm_inplace(q.data(), dk);
-            l2norm_inplace(k.data(), dk);
-            for (int i = 0; i < dk; i++) q[i] *= qscale;
-            const float * v = x + 2 * key_dim + h * dv;
-            const float g = A[h] * softplus_t(AL[(size_t) t * anb + h] + dtb[h]);
-            const float decay = expf(g);
-            const float b = sigmoid_f(BE[(size_t) t * bnb + h]);
-            std::fill(kv.begin(), kv.end(), 0.f);
-            for (int i = 0; i < dk; i++) {
-                float * row = S + (size_t) i * dv;
-                const float ki = k[i];
-                for (int j = 0; j < dv; j++) {
-                    row[j] *= decay;
-                    kv[j] += row[j] * ki;
-                }
+            const float * qr = x + kh * dk, * kr = x + key_dim + kh * dk, * v = x + 2 * key_dim + h * dv;
+            const float al = AL[(size_t) t * anb + h], be = BE[(size_t) t * bnb + h];
+            commit_step(hp, L, h, S, qr, kr, v, al, be, O + ((size_t) t * hv + h) * dv, q.data(), k.data(), kv.data());
+            if (c.record) {
+                float * r = &L.rec[((size_t) h * Tc + t) * rw];
+                std::copy(qr, qr + dk, r);
+                std::copy(kr, kr + dk, r + dk);
+                std::copy(v, v + dv, r + 2 * dk);
+                r[2 * dk + dv] = al;
+                r[2 * dk + dv + 1] = be;
             }
-            for (int j = 0; j < dv; j++) kv[j] = b * (v[j] - kv[j]);  // delta
-            float * o = O + ((size_t) t * hv + h) * dv;
-            std::fill(o, o + dv, 0.f);
-            for (int i = 0; i < dk; i++) {
-                float * row = S + (size_t) i * dv;
-                const float ki = k[i], qi = q[i];
-                for (int j = 0; j < dv; j++) {
-                    row[j] += ki * kv[j];
-                    o[j] += row[j] * qi;
-                }
-            }
-            if (c.record) std::copy(S, S + hs, L.S_snap.begin() + ((size_t) t * hv + h) * hs);
         }
         if (!Bd) continue;
         // ---- denoise: decayed prefix readout + lambda_h(B) * softmax attention inside the block
@@ -515,7 +536,11 @@ static void forward(Model & m, const std::vector<int> & commit, const std::vecto
             calls[il] = {&m, &L, Tc, Bd, record};
             if (Tc) L.window.resize((size_t) hp.conv_dim() * (hp.conv_k - 1 + Tc));  // before the graph runs
             L.window_len = hp.conv_k - 1 + Tc;
-            if (record) L.S_snap.resize((size_t) Tc * hp.hv * hp.dk * hp.dv);
+            if (record) {
+                L.S0.resize(L.S.size());
+                L.rec.resize((size_t) hp.hv * Tc * (2 * hp.dk + hp.dv + 2));
+                L.rec_T = Tc;
+            }
             ggml_tensor * pre = ggml_custom_4d(ctx, GGML_TYPE_F32, hp.conv_dim(), T, 1, 1, &mixed, 1, gdn_conv, GGML_N_TASKS_MAX, &calls[il]);
             ggml_tensor * args[3] = {ggml_silu(ctx, pre), al, be};
             ggml_tensor * o = ggml_custom_4d(ctx, GGML_TYPE_F32, hp.dv, hp.hv, T, 1, args, 3, gdn_mix, GGML_N_TASKS_MAX, &calls[il]);
@@ -627,13 +652,21 @@ static void forward(Model & m, const std::vector<int> & commit, const std::vecto
 // Roll the commit of the last forward back to its first `keep` tokens (speculative partial accept).
 static void rollback(Model & m, int committed, int keep) {
     const Hparams & hp = m.hp;
-    const int K1 = hp.conv_k - 1, C = hp.conv_dim();
+    const int K1 = hp.conv_k - 1, C = hp.conv_dim(), dk = hp.dk, dv = hp.dv;
     m.n_past -= committed - keep;
+    std::vector<float> q(dk), k(dk), kv(dv);
     for (Layer & L : m.layers) {
         if (!L.recurrent) continue;
-        const size_t n = (size_t) hp.hv * hp.dk * hp.dv;
-        std::copy(L.S_snap.begin() + (size_t) (keep - 1) * n, L.S_snap.begin() + (size_t) keep * n, L.S.begin());
-        const int W = L.window_len;
+        // S: the state before the commit, advanced by exactly the kept tokens (the forward's own code)
+        L.S = L.S0;
+        const size_t hs = (size_t) dk * dv, rw = (size_t) 2 * dk + dv + 2;
+        for (int h = 0; h < hp.hv; h++)
+            for (int t = 0; t < keep; t++) {
+                const float * r = &L.rec[((size_t) h * L.rec_T + t) * rw];
+                commit_step(hp, L, h, &L.S[(size_t) h * hs], r, r + dk, r + 2 * dk, r[2 * dk + dv], r[2 * dk + dv + 1],
+                            nullptr, q.data(), k.data(), kv.data());
+            }
+        const int W = L.window_len;  // conv state: the last K-1 inputs up to the last kept token
         for (int ch = 0; ch < C; ch++)
             for (int j = 0; j < K1; j++) L.conv_state[(size_t) ch * K1 + j] = L.window[(size_t) ch * W + keep + j];
     }
