@@ -200,3 +200,26 @@ def test_generate_engine_llama_cpp(port, gguf_f32, mode, capsys):
     assert theirs["engine"] == "llama.cpp"
     assert theirs["token_ids"] == ours["token_ids"] and theirs["text"] == ours["text"]
     assert theirs["stats"]["forwards"] == ours["stats"]["forwards"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode, kw", [
+    ("diffusion", dict(block_size=32, threshold=0.95, policy="threshold")),
+    ("diffusion", dict(block_size=8, threshold=0.9, policy="entropy")),
+    ("speculative", dict(block_size=32)),
+    ("ar", {}),
+])
+def test_port_stop_token_matches_clover(port, gguf_f32, llm, mode, kw):
+    """A stop token (newline) caps the block, a length limit that is no multiple of the block:
+    tokens, forwards and finish reason equal clover's, prompt by prompt."""
+    from clover.export.llama_port import run
+
+    kw = dict(max_new_tokens=40, temperature=0.0, stop_token_ids=llm.tokenizer.encode("\n")) | kw
+    prompts = task_prompts(llm, PROMPTS)
+    res = run(gguf_f32, prompts, port_args(mode, llm.params(mode, kw)), eos_ids=llm.config.eos_token_ids)
+    stops = 0
+    for ids, r in zip(prompts, res):
+        ours = llm.generate(ids, mode=mode, **kw)
+        assert (r["tokens"], r["forwards"], r["finish"]) == (ours.token_ids, ours.stats.forwards, ours.finish_reason)
+        stops += r["finish"] == "stop"
+    assert stops > 0  # the stop token does fire on these prompts
