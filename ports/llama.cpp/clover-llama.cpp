@@ -160,6 +160,10 @@ static std::string dir_of(const std::string & p) {
 static void load_model(Model & m, const std::string & path, const std::string & sidecar_arg, int n_threads) {
     m.backend = ggml_backend_cpu_init();
     ggml_backend_cpu_set_n_threads(m.backend, n_threads);
+    if (n_threads > 1) {  // one pool for the whole run, not threads created at every forward (as llama.cpp)
+        ggml_threadpool_params tp = ggml_threadpool_params_default(n_threads);
+        ggml_backend_cpu_set_threadpool(m.backend, ggml_threadpool_new(&tp));
+    }
     m.main_file = open_gguf(path, m.backend);
     gguf_context * g = m.main_file.g;
     int64_t arch_id = key_id(g, "general.architecture");
