@@ -152,7 +152,7 @@ def test_port_ar_matches_stock_llama_cpp_and_clover(port, gguf_f32, llm):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("policy", ["threshold", "entropy"])
+@pytest.mark.parametrize("policy", ["threshold", "entropy", "factor"])
 def test_port_diffusion_matches_clover(port, gguf_f32, llm, policy):
     """Block 32, threshold 0.95, greedy, EOS on: tokens and forwards, prompt by prompt."""
     prompts = task_prompts(llm, PROMPTS)

@@ -5,11 +5,13 @@
 // (`clover export-gguf`, docs/gguf.md): the `qwen35moe` backbone plus, for the denoise mode, Clover's
 // tensors from the `.clover.gguf` sidecar (or inline). It builds its own ggml graphs:
 //   - one forward = a causal *commit* part (appended to the cache: attention K/V, GDN conv + recurrent
-//     state) followed by one *denoise* block (bidirectional; reads the cache, never writes it), fused
-//     layer by layer exactly as clover's `step` (design.md §2, §3.4);
-//   - the GDN core (causal recurrence, and the denoise branch: decayed prefix readout + lambda(B) *
-//     softmax attention inside the block + the right-side conv) is a ggml custom op written here, so
-//     its arithmetic follows clover's formulas one to one; everything else is stock ggml ops.
+//     state) followed by one *denoise* block (bidirectional; reads the cache, never commits to it: its
+//     K/V slots past the committed length are scratch), fused layer by layer as clover's `step`
+//     (design.md §2, §3.4);
+//   - the GDN core (causal conv + recurrence, and the denoise branch: decayed prefix readout +
+//     lambda(B) * softmax attention inside the block + the right-side conv) is two ggml custom ops
+//     written here, so its arithmetic follows clover's formulas one to one; everything else is stock
+//     ggml ops.
 // and runs clover's decoding loops: ar, diffusion (clover's commit rule, forward for forward) and
 // speculative (lossless w.r.t. AR greedy). docs/llama-port.md describes it.
 //
