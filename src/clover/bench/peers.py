@@ -798,15 +798,16 @@ def plot_peers(result: dict, path) -> str:
                 ax.barh(i + (j - (len(threads) - 1) / 2) * h, x, height=h, xerr=err, color=colours[j % len(colours)],
                         capsize=2, label=f"{t} thread{'s' if t > 1 else ''}" if i == 0 else None)
                 right = x + (err[1][0] if err else 0.0)
-                ax.text(right, i + (j - (len(threads) - 1) / 2) * h, f" {x:,.0f}", va="center", fontsize=6)
+                label = f" {x:,.0f}" if x >= 10 else f" {x:.1f}" if x >= 1 else f" {x:.2f}"
+                ax.text(right, i + (j - (len(threads) - 1) / 2) * h, label, va="center", fontsize=6)
                 lows.append(x)
         if lows:  # log bars start at a power of ten below the slowest
             ax.set_xlim(left=10 ** math.floor(math.log10(max(min(lows), 1e-3)) - 0.3))
-        ax.xaxis.set_minor_formatter(NullFormatter())
         ax.set_yticks(range(len(labels)))
         ax.set_yticklabels(labels, fontsize=7)
         ax.invert_yaxis()
         ax.set_xscale("log")
+        ax.xaxis.set_minor_formatter(NullFormatter())  # after set_xscale, which resets the formatters
         ax.set_xlabel("tokens / s" + (" (median, IQR)" if b == 1 else ""), fontsize=7)
         ax.tick_params(axis="x", labelsize=7)
         ax.set_title(title, fontsize=8)
