@@ -57,11 +57,10 @@ VLLM_MARK = "CLOVER_PEERS "
 
 # ----------------------------------------------------------------------------- discovery
 def llama_cpp_dir() -> Path:
-    """Where `scripts/build-llama-cpp.sh` builds llama.cpp."""
-    env = os.environ.get("CLOVER_LLAMA_CPP_DIR")
-    if env:
-        return Path(env)
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "clover" / "llama.cpp"
+    """Where `scripts/build-llama-cpp.sh` builds llama.cpp (and the port)."""
+    from ..export.llama_port import llama_cache_dir
+
+    return llama_cache_dir()
 
 
 def _llama_cpp(directory: Path) -> dict:
