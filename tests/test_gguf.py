@@ -32,6 +32,7 @@ from clover.export.gguf import (  # noqa: E402
     mrope_sections,
     sidecar_path,
 )
+from heldout import held_out_prompts, held_out_text  # noqa: E402
 
 BUNDLED = Path(__file__).resolve().parents[1] / "src" / "clover" / "assets" / "clover-tiny"
 
@@ -366,24 +367,6 @@ def llama_logits(probe, model, ids: list[int], tmp: Path, n_vocab: int) -> np.nd
     return np.fromfile(out, dtype=np.float32).reshape(len(ids), n_vocab)
 
 
-def held_out_prompts(n: int) -> list[str]:
-    from clover.data.corpus import heldout_functions
-    from clover.data.tasks import heldout_tasks
-
-    tasks = [t.prompt for t in heldout_tasks(n // 2)]
-    code = [h for h, _ in heldout_functions(n - len(tasks), seed=0)]
-    return tasks + code
-
-
-def held_out_text(tokenizer, n_tokens: int) -> list[int]:
-    from clover.data.corpus import heldout_functions
-
-    ids: list[int] = []
-    for h, b in heldout_functions(40, seed=1):
-        ids += tokenizer.encode(h + b)
-        if len(ids) >= n_tokens:
-            return ids[:n_tokens]
-    raise AssertionError("not enough held-out text")
 
 
 def compare_with_llama(probe, src: Path, gguf_path: Path, tmp: Path, prompts: list[list[int]], text_ids: list[int]) -> dict:

@@ -29,6 +29,7 @@ import time
 from pathlib import Path
 
 import pytest
+from heldout import held_out_prompts, held_out_text
 
 REPO = Path(__file__).resolve().parents[1]
 BUNDLED = REPO / "src" / "clover" / "assets" / "clover-tiny"
@@ -251,23 +252,6 @@ def run_vllm(python: str, script: str, *args: str, timeout: float = 1200) -> sub
     return r
 
 
-def held_out_prompts(n: int) -> list[str]:
-    from clover.data.corpus import heldout_functions
-    from clover.data.tasks import heldout_tasks
-
-    tasks = [t.prompt for t in heldout_tasks(n // 2)]
-    return tasks + [h for h, _ in heldout_functions(n - len(tasks), seed=0)]
-
-
-def held_out_text(tokenizer, n_tokens: int) -> list[int]:
-    from clover.data.corpus import heldout_functions
-
-    ids: list[int] = []
-    for h, b in heldout_functions(40, seed=1):
-        ids += tokenizer.encode(h + b)
-        if len(ids) >= n_tokens:
-            return ids[:n_tokens]
-    raise AssertionError("not enough held-out text")
 
 
 @pytest.fixture(scope="module")

@@ -59,6 +59,18 @@ def max_rss_bytes() -> int:
     return int(peak if sys.platform == "darwin" else peak * 1024)
 
 
+SHAPE_FIELDS = (
+    "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+    "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim", "num_experts",
+    "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size", "layer_types",
+)
+
+
+def shape_summary(config) -> dict:
+    """The config fields that set a forward's cost, for a benchmark's JSON."""
+    return {k: getattr(config, k) for k in SHAPE_FIELDS}
+
+
 def machine(device: torch.device | str | None = None) -> dict:
     """What the numbers were measured on. CPU numbers on a shared machine are noisy: say so."""
     dev = torch.device(device or "cpu")

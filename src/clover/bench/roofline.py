@@ -22,7 +22,7 @@ import time
 
 import torch
 
-from .common import machine, synchronize
+from .common import machine, shape_summary, synchronize
 
 SCHEMA = "clover.bench.roofline/1"
 
@@ -192,11 +192,7 @@ def run_roofline(*, quick: bool = False, dtype: torch.dtype = torch.bfloat16, de
         "schema": SCHEMA,
         "quick": quick,
         "dtype": str(dtype).replace("torch.", ""),
-        "config": {k: getattr(config, k) for k in (
-            "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-            "head_dim", "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
-            "linear_value_head_dim", "num_experts", "num_experts_per_tok", "moe_intermediate_size",
-            "shared_expert_intermediate_size", "layer_types")},
+        "config": shape_summary(config),
         "parameters": counts,
         "weight_bytes": wb,
         "prefix": prefix,

@@ -38,7 +38,7 @@ import time
 
 import torch
 
-from .common import machine
+from .common import machine, shape_summary
 
 SCHEMA = "clover.bench.slice/1"
 FULL_LAYERS = 40
@@ -351,11 +351,7 @@ def run_slice(*, layers: int = 4, quick: bool = False, dtypes: tuple[str, ...] =
         "quick": quick,
         "note": (f"{layers} of {FULL_LAYERS} layers at the real shapes, random weights; the 40-layer figures are an "
                  "extrapolation (30 x mean GDN layer + 10 x attention layer + lm_head + step overhead)"),
-        "config": {k: getattr(config, k) for k in (
-            "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-            "head_dim", "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
-            "linear_value_head_dim", "num_experts", "num_experts_per_tok", "moe_intermediate_size",
-            "shared_expert_intermediate_size", "layer_types")},
+        "config": shape_summary(config),
         "prefix": prefix,
         "block_size": block_size,
         "expert_budget": expert_budget,

@@ -113,6 +113,18 @@ def restore_python_rng(state: list) -> None:
     random.setstate((v, tuple(internal), gauss))
 
 
+def _publish(tmp: Path, final: Path, state: dict[str, Any], ckpt_root: Path, keep: int) -> Path:
+    """Write the state file into the finished `tmp` dir, move it to `final` in one rename (a crash
+    leaves the previous checkpoint whole), and drop all but the newest `keep` checkpoints."""
+    (tmp / STATE_FILE).write_text(json.dumps(state, indent=1) + "\n")
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    for old in list_checkpoints(ckpt_root)[:-keep] if keep > 0 else []:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
 def write_checkpoint(
     ckpt_root: Path,
     step: int,
@@ -137,13 +149,7 @@ def write_checkpoint(
     for r, rng in enumerate(rng_by_rank):
         save_file(rng, str(tmp / f"rng-rank{r}.safetensors"))
     state = {"step": step, "optimizer": opt_meta, "ranks": rank_states, **extra}
-    (tmp / STATE_FILE).write_text(json.dumps(state, indent=1) + "\n")
-    if final.exists():
-        shutil.rmtree(final)
-    os.replace(tmp, final)
-    for old in list_checkpoints(ckpt_root)[:-keep] if keep > 0 else []:
-        shutil.rmtree(old, ignore_errors=True)
-    return final
+    return _publish(tmp, final, state, ckpt_root, keep)
 
 
 def read_checkpoint(path: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
@@ -204,12 +210,7 @@ def write_dcp_checkpoint(
         for r, rng in enumerate(rng_by_rank or []):
             save_file(rng, str(tmp / f"rng-rank{r}.safetensors"))
         state = {"step": step, "format": "dcp", "ranks": rank_states, **extra}
-        (tmp / STATE_FILE).write_text(json.dumps(state, indent=1) + "\n")
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        for old in list_checkpoints(ckpt_root)[:-keep] if keep > 0 else []:
-            shutil.rmtree(old, ignore_errors=True)
+        _publish(tmp, final, state, ckpt_root, keep)
     barrier()
     return final
 
