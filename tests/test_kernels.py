@@ -13,6 +13,7 @@ from clover.kernels import (
     chunk_gated_delta_rule,
     chunk_gated_delta_rule_with_states,
     naive_gated_delta_rule,
+    one_chunk_gated_delta_rule,
     recurrent_gated_delta_rule,
 )
 
@@ -427,3 +428,28 @@ def test_scratch_reuse_across_inference_mode():
     with torch.no_grad():
         b, _ = chunk_gated_delta_rule(q, k, v, gate, beta, use_qk_l2norm_in_kernel=True)
     torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 2, 16, 16, None), (2, 32, 4, 16, 8, 2), (1, 64, 2, 32, 16, None)],
+                         ids=lambda s: "B{}T{}H{}K{}V{}Hk{}".format(*s))
+@pytest.mark.parametrize("decay", ["model", "strong"])
+def test_one_chunk_matches_naive(shape, decay):
+    """The compile-friendly single-chunk WY form (static block commits) against the definition."""
+    B, T, H, K, V, Hk = shape
+    (q, k, v, g, beta), s0 = make_inputs(B, T, H, K, V, Hk, seed=T + 7, with_state=True)
+    if decay == "strong":
+        g = g * 8.0
+        g[:, T // 2 :] -= 60.0  # exp underflows to 0 inside the chunk
+    o_ref, s_ref = naive_gated_delta_rule(q, k, v, g, beta, initial_state=s0, output_final_state=True,
+                                          use_qk_l2norm_in_kernel=True)
+    o, s = one_chunk_gated_delta_rule(q, k, v, g, beta, s0)
+    assert torch.isfinite(o).all() and o_ref.abs().max() > 1e-3
+    assert_close(o, o_ref, atol=ATOL, rtol=RTOL)
+    assert_close(s, s_ref, atol=ATOL, rtol=RTOL)
+    # zero gates and betas on padded steps leave the state as if they were absent
+    n = max(T // 2, 1)
+    valid = (torch.arange(T) < n)[None, :, None]
+    _, s_pad = one_chunk_gated_delta_rule(q, k, v, g * valid, beta * valid, s0)
+    _, s_cut = naive_gated_delta_rule(q[:, :n], k[:, :n], v[:, :n], g[:, :n], beta[:, :n], initial_state=s0,
+                                      output_final_state=True, use_qk_l2norm_in_kernel=True)
+    assert_close(s_pad, s_cut, atol=ATOL, rtol=RTOL)

@@ -245,16 +245,17 @@ def _cpu_compute_dtype(path: Path) -> torch.dtype | None:
 
 
 def load(path: str | os.PathLike | None = None, *, dtype: str | torch.dtype | None = None, device: str | None = None,
-         check_finite: bool | None = None, compile: bool = False) -> LLM:
+         check_finite: bool | None = None, compile: bool | str = False) -> LLM:
     """Load a model directory (config.json + safetensors + tokenizer). None = `default_model_path()`.
 
     `device` is checked first (`check_device`); a missing directory is a FileNotFoundError.
     `dtype` None: the stored dtype, except on a CPU, where the bundled model and any bfloat16/float16
     checkpoint on a CPU without native half matmuls (`clover.precision`) load in float32 when that
     fits in half the available memory. `check_finite` (default: on, or what an enclosing `checkpoint.finite_check(...)` says) scans
-    every weight for NaN/Inf; False loads them as they are. `compile=True` torch.compiles the per-layer
-    dense modules (`clover.models.compile`; opt-in: compile takes minutes on CPU and was not measured
-    to win there, docs/benchmarks.md)."""
+    every weight for NaN/Inf; False loads them as they are. `compile="static"` (or True) torch.compiles
+    the AR, denoise and block-commit steps whole over static shapes, `compile="layers"` each layer's
+    dense modules (`clover.models.compile`; opt-in: each new batch size or cache size compiles for
+    tens of seconds on a CPU; figures in docs/benchmarks.md)."""
     check_device(device)
     path = Path(path) if path is not None else default_model_path()
     if not path.exists():
@@ -270,7 +271,7 @@ def load(path: str | os.PathLike | None = None, *, dtype: str | torch.dtype | No
     if compile:
         from .models.compile import compile_model
 
-        compile_model(model)
+        compile_model(model, mode="static" if compile is True else compile)
     tokenizer = Tokenizer.from_dir(
         path,
         eos_token_id=model.config.eos_token_ids[0] if model.config.eos_token_ids else None,

@@ -4,6 +4,7 @@ from .gated_delta import (
     chunk_gated_delta_rule,
     chunk_gated_delta_rule_with_states,
     naive_gated_delta_rule,
+    one_chunk_gated_delta_rule,
     recurrent_gated_delta_rule,
 )
 
@@ -11,5 +12,6 @@ __all__ = [
     "chunk_gated_delta_rule",
     "chunk_gated_delta_rule_with_states",
     "naive_gated_delta_rule",
+    "one_chunk_gated_delta_rule",
     "recurrent_gated_delta_rule",
 ]

@@ -45,6 +45,7 @@ __all__ = [
     "recurrent_gated_delta_rule",
     "chunk_gated_delta_rule",
     "chunk_gated_delta_rule_with_states",
+    "one_chunk_gated_delta_rule",
 ]
 
 _L2_EPS = 1e-6
@@ -702,3 +703,52 @@ def chunk_gated_delta_rule(
         return o, None
     B, _, H, V = v.shape
     return o, S.reshape(B, H, q.shape[-1], V)
+
+
+def one_chunk_gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    initial_state: torch.Tensor,
+    scale: Optional[float] = None,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The WY form over the whole input as one chunk, with q/k L2-normalised: plain allocations, no
+    workspace, no ``out=`` and no host read, so that a compiled graph can hold it whole
+    (`clover.models.static`: a block commit of up to a few dozen tokens). Same arguments and results
+    as ``chunk_gated_delta_rule(..., use_qk_l2norm_in_kernel=True, output_final_state=True)`` with
+    ``chunk_size >= T``; tested against the recurrence.
+
+    Per (row, head), with c = cumsum(g) and A[i, j] = beta_i (k_i . k_j) exp(c_i - c_j) for j < i:
+        T = (I + A)^-1,  W = T (beta exp(c) k),  U = T (beta v),  v' = U - W S,
+        o = exp(c) q S + tril(q k^T exp(c_i - c_j)) v',  S' = exp(c_T) S + (exp(c_T - c) k)^T v'.
+    """
+    B, T, _, K = q.shape
+    H, V = v.shape[2], v.shape[3]
+    f32 = torch.float32
+    q, k = _expand_heads(q, k, H)
+    scale = K**-0.5 if scale is None else scale
+
+    def heads(x):  # [B, T, H, D] -> [B, H, T, D] float32
+        return x.transpose(1, 2).to(f32)
+
+    qf, kf, vf = _l2norm(heads(q)) * scale, _l2norm(heads(k)), heads(v)
+    c = g.transpose(1, 2).to(f32).cumsum(-1)  # [B, H, T]
+    b = beta.transpose(1, 2).to(f32)[..., None]  # [B, H, T, 1]
+    decay = c[..., :, None] - c[..., None, :]  # [B, H, T, T]: c_i - c_j
+    strict = torch.ones(T, T, dtype=torch.bool, device=q.device).tril(-1)
+    incl = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
+    gamma = torch.where(incl, decay, torch.full_like(decay, float("-inf"))).exp()  # 0 above the diagonal
+    A = (b * (kf @ kf.transpose(-1, -2)) * gamma).masked_fill(~strict, 0.0)
+    eye = torch.eye(T, dtype=f32, device=q.device).expand_as(A)
+    Tinv = torch.linalg.solve_triangular(A + eye, eye, upper=False, unitriangular=True)
+    S = initial_state.to(f32)  # [B, H, K, V]
+    ec = c.exp()[..., None]
+    w = Tinv @ (b * ec * kf)
+    u = Tinv @ (b * vf)
+    v_new = u - w @ S
+    o = (qf * ec) @ S + ((qf @ kf.transpose(-1, -2)) * gamma) @ v_new
+    last = c[..., -1:]  # [B, H, 1]
+    S_new = S * last.exp()[..., None] + (kf * (last - c).exp()[..., None]).transpose(-1, -2) @ v_new
+    return o.transpose(1, 2).to(v.dtype), S_new

@@ -1,4 +1,11 @@
-"""`compile_model`: torch.compile (inductor) of the per-layer hot code, opt-in (`clover.load(compile=True)`).
+"""`compile_model`: torch.compile (inductor), opt-in (`clover.load(compile=...)`), in one of two forms.
+
+- `"static"` (`clover.models.static`): the AR step, the denoise step and the block commit fused with
+  the next denoise step each run as one graph-break-free graph over static shapes; measured
+  1.8-2.4x (AR) and 1.4-1.5x (diffusion) faster than eager on the bundled model after warm-up.
+- `"layers"` (below): each layer's dense modules compiled on their own; measured no faster than eager.
+
+`"layers"`:
 
 What is compiled: each decoder layer's token mixer (Gated DeltaNet or gated attention), its two
 RMSNorms and the shared expert — the dense, elementwise-heavy parts where inductor can fuse the
@@ -44,8 +51,21 @@ def _compile_gdn(module: nn.Module, **options) -> None:
     module._clover_compiled = True
 
 
-def compile_model(model: nn.Module, *, dynamic: bool | None = None, backend: str = "inductor") -> nn.Module:
-    """Compile the dense per-layer modules of `model` in place; returns the model."""
+COMPILE_MODES = ("static", "layers")
+
+
+def compile_model(model: nn.Module, *, mode: str = "static", dynamic: bool | None = None,
+                  backend: str = "inductor") -> nn.Module:
+    """Compile `model` in place (`mode`: "static" whole-step graphs, or "layers"); returns the model.
+    "static" needs plain (unquantized) experts and raises ValueError otherwise."""
+    if mode not in COMPILE_MODES:
+        raise ValueError(f"compile mode {mode!r}: expected one of {', '.join(COMPILE_MODES)}")
+    if mode == "static":
+        from .static import StaticSteps
+
+        model.static_steps = StaticSteps(model, backend=backend)
+        model._clover_compiled = True
+        return model
     options = {"dynamic": dynamic, "backend": backend}
     for layer in model.model.layers:
         if layer.layer_type == "full_attention":

@@ -23,8 +23,13 @@ from torch import nn
 
 from ..cache import AttentionState, DeltaNetState
 from ..config import CloverConfig, log2_block_ratio
-from ..kernels import chunk_gated_delta_rule, chunk_gated_delta_rule_with_states, recurrent_gated_delta_rule
-from ..moe import BlockSharing, grouped_expert_forward, route
+from ..kernels import (
+    chunk_gated_delta_rule,
+    chunk_gated_delta_rule_with_states,
+    one_chunk_gated_delta_rule,
+    recurrent_gated_delta_rule,
+)
+from ..moe import BlockSharing, grouped_expert_forward, route, static_expert_forward
 
 
 # --------------------------------------------------------------------------- forward layout
@@ -161,15 +166,7 @@ class GatedAttention(nn.Module):
         """x [B, T, H]. Without `state`: attention over x itself (causal, or `mask`). With `state`:
         the first `commit_len` positions are written at `lengths`, and every query attends to the
         cached keys and the new block keys under `mask` (`cached_attention_mask`)."""
-        B, T, _ = x.shape
-        q, gate = self.q_proj(x).view(B, T, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
-        gate = gate.reshape(B, T, -1)
-        q = self.q_norm(q).transpose(1, 2)  # [B, H, T, D]
-        k = self.k_norm(self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim)).transpose(1, 2)
-        v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        cos, sin = rope
-        q = apply_rope(q, cos, sin)
-        k = apply_rope(k, cos, sin)
+        q, k, v, gate = self.project(x, rope)
         gqa = self.num_kv_heads != self.num_heads
         if state is None:
             if mask is None:
@@ -178,8 +175,23 @@ class GatedAttention(nn.Module):
                 out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
         else:
             out = self.attend_cached(q, k, v, state, lengths, commit_len, mask)
-        out = out.transpose(1, 2).reshape(B, T, -1) * torch.sigmoid(gate)
-        return self.o_proj(out)
+        return self.finish(out, gate)
+
+    def project(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]):
+        """x [B, T, H] -> q [B, H, T, D], k/v [B, H_kv, T, D] (normed, RoPE applied) and the output gate [B, T, H*D]."""
+        B, T, _ = x.shape
+        q, gate = self.q_proj(x).view(B, T, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
+        gate = gate.reshape(B, T, -1)
+        q = self.q_norm(q).transpose(1, 2)  # [B, H, T, D]
+        k = self.k_norm(self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim)).transpose(1, 2)
+        v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        cos, sin = rope
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, gate
+
+    def finish(self, out: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        """Attention output [B, H, T, D] -> gated, projected [B, T, hidden]."""
+        B, _, T, _ = out.shape
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, -1) * torch.sigmoid(gate))
 
     def attend_cached(self, q, k, v, state: AttentionState, lengths: torch.Tensor, commit_len: int, mask: torch.Tensor) -> torch.Tensor:
         """q/k/v [B, H, T, D] after RoPE: commit the first `commit_len` keys, attend under `mask`."""
@@ -301,13 +313,11 @@ class GatedDeltaNet(nn.Module):
         reads it."""
         B, T, _ = x.shape
         Tc, Bd = (segments.commit_len, segments.denoise_len) if state is not None else (T, 0)
-        mixed = self.in_proj_qkv(x).transpose(1, 2)  # [B, C, T]
-        z = self.in_proj_z(x).reshape(B, T, self.hv, self.dv)
-        g, beta = self._gates(x)
+        mixed, z, g, beta = self.project(x)
         K1 = self.kernel_size - 1
         if segments.block_size is not None:
             o = self._train_streams(mixed, g, beta, segments.block_size, segments.commit_len)
-            return self.out_proj(self.norm(o, z).reshape(B, T, self.value_dim))
+            return self.finish(o, z)
         outs = []
         if Tc:
             pre = mixed[:, :, :Tc]
@@ -344,9 +354,44 @@ class GatedDeltaNet(nn.Module):
                     state.conv = window[:, :, -K1:].contiguous()
         if Bd:
             outs.append(self.denoise_block(mixed[:, :, Tc:], state.conv, g[:, Tc:], state.recurrent))
-        o = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
-        o = self.norm(o, z)
-        return self.out_proj(o.reshape(B, T, self.value_dim))
+        return self.finish(outs[0] if len(outs) == 1 else torch.cat(outs, dim=1), z)
+
+    def project(self, x: torch.Tensor):
+        """x [B, T, H] -> pre-conv inputs [B, C, T], output gate z [B, T, Hv, dv], decay g and beta [B, T, Hv]."""
+        B, T, _ = x.shape
+        g, beta = self._gates(x)
+        return self.in_proj_qkv(x).transpose(1, 2), self.in_proj_z(x).reshape(B, T, self.hv, self.dv), g, beta
+
+    def finish(self, o: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        """Mixer output [B, T, Hv, dv] -> gated-normed, projected [B, T, hidden]."""
+        B, T = o.shape[:2]
+        return self.out_proj(self.norm(o, z).reshape(B, T, self.value_dim))
+
+    def commit_static(self, pre: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, n: torch.Tensor | None,
+                      conv: torch.Tensor, recurrent: torch.Tensor) -> torch.Tensor:
+        """The commit part without host reads or data-dependent shapes (`clover.models.static`):
+        pre [B, C, Tc] pre-conv inputs, rows committing `n[b]` tokens (None: all Tc), through the
+        decode-step recurrence (Tc = 1) or one WY chunk; `conv` and `recurrent` are updated in place.
+        Returns [B, Tc, Hv, dv] (garbage past n[b])."""
+        B, C, Tc = pre.shape
+        K1 = self.kernel_size - 1
+        window = torch.cat([conv.to(pre.dtype), pre], dim=2)
+        q, k, v = self._split_heads(F.silu(self._causal_conv(window)).transpose(1, 2))
+        if n is not None:  # padded steps neither decay nor write the state
+            valid = (torch.arange(Tc, device=pre.device)[None, :] < n[:, None])[..., None]
+            g, beta = g * valid, beta * valid
+        if Tc == 1:
+            o, new = recurrent_gated_delta_rule(q, k, v, g, beta, initial_state=recurrent, output_final_state=True,
+                                                use_qk_l2norm_in_kernel=True)
+        else:
+            o, new = one_chunk_gated_delta_rule(q, k, v, g, beta, recurrent)
+        if n is None:
+            conv.copy_(window[:, :, Tc:])
+        else:
+            idx = n[:, None, None] + torch.arange(K1, device=pre.device)[None, None, :]
+            conv.copy_(window.gather(2, idx.expand(B, C, K1)))
+        recurrent.copy_(new)
+        return o
 
     def denoise_block(self, pre: torch.Tensor, conv_ctx: torch.Tensor, g: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
         """Bidirectional GDN over blocks: decayed prefix readout + intra-block softmax attention.
@@ -435,7 +480,8 @@ class DenseMLP(MLP):
     def __init__(self, config: CloverConfig) -> None:
         super().__init__(config.hidden_size, config.intermediate_size)
 
-    def forward(self, x: torch.Tensor, sharing: BlockSharing | None = None, track_experts: bool = False):
+    def forward(self, x: torch.Tensor, sharing: BlockSharing | None = None, track_experts: bool = False,
+                static: bool = False):
         return super().forward(x), None
 
 
@@ -452,15 +498,22 @@ class SparseMoE(nn.Module):
             self.shared_expert_gate = nn.Linear(c.hidden_size, 1, bias=False)
 
     def forward(
-        self, x: torch.Tensor, sharing: BlockSharing | None = None, track_experts: bool = False
+        self, x: torch.Tensor, sharing: BlockSharing | None = None, track_experts: bool = False, static: bool = False
     ) -> tuple[torch.Tensor, ExpertStats]:
-        """x [B, T, H] -> (y, stats). `sharing`: block expert sharing for the denoise part."""
+        """x [B, T, H] -> (y, stats). `sharing`: block expert sharing for the denoise part. `static`:
+        no host read and no data-dependent shape (`static_expert_forward`; experts touched always
+        counted, as a 0-d tensor), for a graph compiled whole (`clover.models.static`)."""
         B, T, H = x.shape
         flat = x.reshape(-1, H)
         logits = self.gate(flat)
         top_w, top_idx = route(logits, self.top_k, sharing)
-        touched = int(torch.unique(top_idx).numel()) if track_experts else None
-        out = self.experts(flat, top_idx, top_w.to(x.dtype))
+        if static:
+            touched = torch.zeros(self.num_experts, dtype=torch.long, device=x.device).index_fill_(
+                0, top_idx.reshape(-1), 1).sum()
+            out = static_expert_forward(self.experts, flat, top_idx, top_w.to(x.dtype))
+        else:
+            touched = int(torch.unique(top_idx).numel()) if track_experts else None
+            out = self.experts(flat, top_idx, top_w.to(x.dtype))
         if self.has_shared:
             out = out + torch.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat)
         return out.reshape(B, T, H), ExpertStats(logits, touched)

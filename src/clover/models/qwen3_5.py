@@ -146,8 +146,15 @@ class Qwen3_5ForCausalLM(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.model.embed_tokens.weight.dtype
 
+    static_steps = None  # `clover.models.static.StaticSteps` once compiled with compile="static"
+
     def make_cache(self, batch_size: int, capacity: int) -> HybridCache:
-        """A cache for `batch_size` rows, built from the state each layer declares."""
+        """A cache for `batch_size` rows, built from the state each layer declares (with static steps,
+        the capacity rounded up so that requests of other lengths reuse the compiled graphs)."""
+        if self.static_steps is not None:
+            from .static import round_capacity
+
+            capacity = round_capacity(capacity)
         dtype, device = self.dtype, self.device
         states = [layer.make_state(batch_size, capacity, dtype=dtype, device=device) for layer in self.model.layers]
         return HybridCache(states, batch_size, capacity, device=device)
@@ -253,6 +260,12 @@ class Qwen3_5ForCausalLM(nn.Module):
         parts = [p for p in (commit_ids, denoise_ids) if p is not None]
         if not parts:
             raise ValueError("step needs commit_ids, denoise_ids or both")
+        if self.static_steps is not None:
+            out = self.static_steps.try_step(cache, commit_ids, n_commit, denoise_ids, expert_budget=expert_budget,
+                                             expert_rank=expert_rank, all_logits=all_logits,
+                                             track_experts=track_experts, denoise_need=denoise_need)
+            if out is not None:
+                return StepOutput(*out)
         ids = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
         B = ids.shape[0]
         Tc = 0 if commit_ids is None else commit_ids.shape[1]

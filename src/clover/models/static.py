@@ -1,0 +1,171 @@
+"""Static-shape steps compiled whole (`clover.load(compile="static")`), gpt-fast style.
+
+The forwards of the AR and diffusion loops run as `torch.compile(fullgraph=True, dynamic=False)`
+graphs, from the token ids to the logits, with no graph break and no host read inside:
+
+- **ar**: one token per row committed (`step(cache, commit_ids=[B, 1])`);
+- **denoise**: one block denoised against the cache (`step(cache, denoise_ids=[B, Bd])`);
+- **commit+denoise**: a finished block committed (rows may commit fewer tokens, `n_commit`) fused
+  with the next block's first denoise step.
+
+How each part avoids host reads and data-dependent shapes: K/V are written by a scatter at each
+row's length into the buffers at their full capacity, and attention runs over the whole capacity
+under a length mask; the GDN layers update their states in place (`GatedDeltaNet.commit_static`:
+the decode-step recurrence for one token, one WY chunk, `one_chunk_gated_delta_rule`, for a block);
+the routed experts go through `moe.static_expert_forward` (device-side grouping); the experts
+touched per layer are counted on the device.
+
+Every other forward runs the eager `step`: the prompt prefill (its length would be one graph
+more), speculative verification (it records the GDN inputs for rollback), `all_logits`, and models
+with quantized experts (`unsupported_reason`). A graph is built per (forward kind, batch size,
+block size, cache capacity); to keep requests of different lengths on one graph, `make_cache`
+rounds the capacity up to a multiple of `CAPACITY_QUANTUM`. Results equal the eager step up to
+floating-point reassociation (tests compare generated tokens); compile times and speed-ups are in
+docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..cache import AttentionState, DeltaNetState, HybridCache
+from ..moe import BlockSharing
+
+CAPACITY_QUANTUM = 256
+
+
+def unsupported_reason(model) -> str | None:
+    """Why `model` cannot use the static steps, or None."""
+    for layer in model.model.layers:
+        experts = getattr(layer.mlp, "experts", None)
+        if experts is not None and not isinstance(getattr(experts, "gate_up_proj", None), torch.Tensor):
+            return f"{type(experts).__name__} experts (quantized) have no static dispatch; use compile=True or none"
+    return None
+
+
+def _states(cache: HybridCache) -> tuple[list, list]:
+    kv = [(s.keys, s.values) for s in cache.layers if isinstance(s, AttentionState)]
+    gdn = [(s.conv, s.recurrent) for s in cache.layers if isinstance(s, DeltaNetState)]
+    return kv, gdn
+
+
+RECOMPILE_LIMIT = 64
+
+
+class StaticSteps:
+    """The compiled forwards of one model; `try_step` runs one when the call fits."""
+
+    def __init__(self, model, *, backend: str = "inductor") -> None:
+        reason = unsupported_reason(model)
+        if reason is not None:
+            raise ValueError(reason)
+        self.model = model
+        model.model.rotary_emb.inv_freq(model.device)  # cached outside the graph
+        # one graph per (forward kind, batch size, cache capacity): more than dynamo's default of 8
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
+        self._forward = torch.compile(self._graph, fullgraph=True, dynamic=False, backend=backend)
+        self.calls = {"ar": 0, "denoise": 0, "commit+denoise": 0}
+
+    def try_step(self, cache: HybridCache, commit_ids, n_commit, denoise_ids, *, expert_budget, expert_rank,
+                 all_logits: bool, track_experts: bool, denoise_need):
+        """(commit logits, denoise logits, experts touched) from a compiled graph, or None when the
+        call is not one of its kinds (recording for speculative rollback, all commit logits, or a
+        prompt prefill)."""
+        Tc = 0 if commit_ids is None else commit_ids.shape[1]
+        if cache._recording or all_logits:
+            return None
+        if Tc and not (Tc == 1 or (denoise_ids is not None and Tc == denoise_ids.shape[1])):
+            return None  # a prompt: its length would be one more graph
+        if Tc:
+            if n_commit is not None and bool((n_commit == Tc).all()):
+                n_commit = None
+            if Tc == 1 and n_commit is not None:  # a row with nothing to commit: eager
+                return None
+            cache.ensure_capacity(int(cache.lengths.max()) + Tc)
+        kv, gdn = _states(cache)
+        commit_logits, denoise_logits, touched = self._forward(
+            commit_ids, n_commit, denoise_ids, cache.lengths, kv, gdn, expert_budget, expert_rank)
+        if Tc:
+            cache.advance(n_commit if n_commit is not None else Tc)
+        kind = "ar" if Tc == 1 and denoise_ids is None else "commit+denoise" if Tc else "denoise"
+        self.calls[kind] = self.calls.get(kind, 0) + 1
+        return commit_logits, denoise_logits, touched.tolist() if track_experts else []
+
+    def _graph(self, commit_ids, n, denoise_ids, lengths: torch.Tensor, kv: list, gdn: list,
+               expert_budget: int | None, expert_rank: str):
+        """commit_ids [B, Tc] (n [B] valid per row, None = all) and/or denoise_ids [B, Bd] ->
+        (commit logits [B, V] at each row's last commit token, denoise logits [B, Bd, V], experts
+        touched per MoE layer); the cache tensors in `kv` and `gdn` are updated in place."""
+        m = self.model
+        parts = [p for p in (commit_ids, denoise_ids) if p is not None]
+        ids = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+        B = ids.shape[0]
+        Tc = 0 if commit_ids is None else commit_ids.shape[1]
+        Bd = 0 if denoise_ids is None else denoise_ids.shape[1]
+        dev = ids.device
+        n_eff = n if n is not None else torch.full_like(lengths, Tc)
+        pos = [lengths[:, None] + torch.arange(Tc, device=dev)] if Tc else []
+        if Bd:
+            pos.append((lengths + n_eff)[:, None] + torch.arange(Bd, device=dev))
+        x = m.model.embed_tokens(ids)
+        rope = m.model.rotary_emb(torch.cat(pos, dim=1), x.dtype)
+        sharing = BlockSharing(expert_budget, B, Tc, expert_rank) if expert_budget is not None and Bd else None
+        mask = slot = None
+        if kv:  # over the whole capacity: commit queries causal, block queries see the committed prefix
+            C = kv[0][0].shape[2]
+            j = torch.arange(C, device=dev)[None, None, :]
+            rows = []
+            if Tc:
+                rows.append(j <= (lengths[:, None, None] + torch.arange(Tc, device=dev)[None, :, None]))
+                slot = lengths[:, None] + torch.arange(Tc, device=dev)  # [B, Tc] cache slots written
+            if Bd:
+                rows.append((j < (lengths + n_eff)[:, None, None]).expand(B, Bd, C))
+            mask = torch.cat(rows, dim=1) if len(rows) > 1 else rows[0]
+            if Bd:
+                block_cols = torch.cat([torch.zeros(B, Tc, Bd, dtype=torch.bool, device=dev),
+                                        torch.ones(B, Bd, Bd, dtype=torch.bool, device=dev)], dim=1)
+                mask = torch.cat([mask, block_cols], dim=2)
+            mask = mask[:, None]
+        touched: list = []
+        a = d = 0
+        for layer in m.model.layers:
+            h = layer.input_layernorm(x)
+            if layer.layer_type == "full_attention":
+                keys, vals = kv[a]
+                a += 1
+                attn = layer.self_attn
+                q, k, v, gate = attn.project(h, rope)
+                if Tc:
+                    idx = slot[:, None, :, None].expand(B, k.shape[1], Tc, k.shape[3])
+                    keys.scatter_(2, idx, k[:, :, :Tc])
+                    vals.scatter_(2, idx, v[:, :, :Tc])
+                kk, vv = (torch.cat([keys, k[:, :, Tc:]], dim=2), torch.cat([vals, v[:, :, Tc:]], dim=2)) if Bd \
+                    else (keys, vals)
+                out = F.scaled_dot_product_attention(q, kk, vv, attn_mask=mask,
+                                                     enable_gqa=attn.num_kv_heads != attn.num_heads)
+                h = attn.finish(out, gate)
+            else:
+                conv, rec = gdn[d]
+                d += 1
+                gd = layer.linear_attn
+                mixed, z, g, beta = gd.project(h)
+                outs = []
+                if Tc:
+                    outs.append(gd.commit_static(mixed[:, :, :Tc], g[:, :Tc], beta[:, :Tc], n, conv, rec))
+                if Bd:
+                    outs.append(gd.denoise_block(mixed[:, :, Tc:], conv, g[:, Tc:], rec))
+                h = gd.finish(outs[0] if len(outs) == 1 else torch.cat(outs, dim=1), z)
+            x = x + h
+            y, stats = layer.mlp(layer.post_attention_layernorm(x), sharing, static=True)
+            if stats is not None:
+                touched.append(stats.experts_touched)
+            x = x + y
+        commit_logits = m._logits(x[torch.arange(B, device=dev), n_eff - 1]) if Tc else None
+        denoise_logits = m._logits(x[:, Tc:]) if Bd else None
+        touched_t = torch.stack(touched) if touched else torch.zeros(0, dtype=torch.long, device=dev)
+        return commit_logits, denoise_logits, touched_t
+
+
+def round_capacity(capacity: int) -> int:
+    return -(-int(capacity) // CAPACITY_QUANTUM) * CAPACITY_QUANTUM
