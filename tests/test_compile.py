@@ -34,7 +34,8 @@ def test_compile_wiring(tiny_dir, monkeypatch):
     assert len(out.token_ids) == 4
     seen.clear()
     llm = clover.load(tiny_dir, compile=True)  # True means the static steps
-    assert llm.model.static_steps is not None and seen == [dict(fullgraph=True, dynamic=False, backend="inductor")]
+    assert llm.model.static_steps is not None and seen == [dict(fullgraph=True, dynamic=False, backend="inductor",
+                                                                   options={"cpp_wrapper": True})]
     assert set(llm.model.state_dict()) == keys
     with pytest.raises(ValueError, match="compile mode"):
         clover.load(tiny_dir, compile="fast")

