@@ -453,3 +453,9 @@ def test_one_chunk_matches_naive(shape, decay):
     _, s_cut = naive_gated_delta_rule(q[:, :n], k[:, :n], v[:, :n], g[:, :n], beta[:, :n], initial_state=s0,
                                       output_final_state=True, use_qk_l2norm_in_kernel=True)
     assert_close(s_pad, s_cut, atol=ATOL, rtol=RTOL)
+
+
+@pytest.mark.parametrize("T", [1, 2, 3, 17, 32, 33])
+def test_unit_lower_inverse_products(T):
+    a = (torch.randn(2, T, T, generator=torch.Generator().manual_seed(T)) * 0.3).tril(-1)
+    assert_close(gd._unit_lower_inverse_products(a), torch.linalg.inv(torch.eye(T) + a), atol=1e-5, rtol=1e-5)

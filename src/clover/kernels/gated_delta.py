@@ -705,6 +705,20 @@ def chunk_gated_delta_rule(
     return o, S.reshape(B, H, q.shape[-1], V)
 
 
+def _unit_lower_inverse_products(a: torch.Tensor) -> torch.Tensor:
+    """(I + a)^-1 for strictly lower triangular a [..., T, T], as matmuls only (a compiled graph
+    calls no triangular solve): a is nilpotent, so (I + a)^-1 = sum_i (-a)^i
+    = (I - a)(I + a^2)(I + a^4)...(I + a^(2^m)) with 2^(m+1) >= T."""
+    eye = torch.eye(a.shape[-1], dtype=a.dtype, device=a.device)
+    inv = eye - a
+    power, span = a, 2
+    while span < a.shape[-1]:
+        power = power @ power
+        inv = inv + inv @ power
+        span *= 2
+    return inv
+
+
 def one_chunk_gated_delta_rule(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -721,7 +735,7 @@ def one_chunk_gated_delta_rule(
     ``chunk_size >= T``; tested against the recurrence.
 
     Per (row, head), with c = cumsum(g) and A[i, j] = beta_i (k_i . k_j) exp(c_i - c_j) for j < i:
-        T = (I + A)^-1,  W = T (beta exp(c) k),  U = T (beta v),  v' = U - W S,
+        T = (I + A)^-1 (`_unit_lower_inverse_products`),  W = T (beta exp(c) k),  U = T (beta v),  v' = U - W S,
         o = exp(c) q S + tril(q k^T exp(c_i - c_j)) v',  S' = exp(c_T) S + (exp(c_T - c) k)^T v'.
     """
     B, T, _, K = q.shape
@@ -741,8 +755,7 @@ def one_chunk_gated_delta_rule(
     incl = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
     gamma = torch.where(incl, decay, torch.full_like(decay, float("-inf"))).exp()  # 0 above the diagonal
     A = (b * (kf @ kf.transpose(-1, -2)) * gamma).masked_fill(~strict, 0.0)
-    eye = torch.eye(T, dtype=f32, device=q.device).expand_as(A)
-    Tinv = torch.linalg.solve_triangular(A + eye, eye, upper=False, unitriangular=True)
+    Tinv = _unit_lower_inverse_products(A)
     S = initial_state.to(f32)  # [B, H, K, V]
     ec = c.exp()[..., None]
     w = Tinv @ (b * ec * kf)
