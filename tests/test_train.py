@@ -321,6 +321,17 @@ def test_cli_and_export(tmp_path, byte_tok, cache_dir):
 
     m = load_model(tmp_path / "model")
     assert m.dtype == torch.bfloat16 and (tmp_path / "model" / "tokenizer.json").is_file()
+    # --tokenizer pointing at another model's directory (the shipped model, say) takes its tokenizer
+    # files only: the export keeps this checkpoint's weights and config
+    ref = load_model(tmp_path / "run" / "ckpt" / "step-00000004", dtype=torch.float32)
+    assert train_main(["export", str(tmp_path / "run" / "ckpt" / "step-00000003"), str(tmp_path / "other")]) == 0
+    assert train_main(["export", str(tmp_path / "run" / "ckpt" / "step-00000004"), str(tmp_path / "model2"),
+                       "--tokenizer", str(tmp_path / "other"), "--dtype", "float32"]) == 0
+    got = load_model(tmp_path / "model2")
+    for (name, a), (_, b) in zip(ref.state_dict().items(), got.state_dict().items()):
+        assert torch.equal(a, b), name
+    assert sorted(f.name for f in (tmp_path / "model2").iterdir() if f.name.startswith("tokenizer")) == \
+        ["tokenizer.json", "tokenizer_config.json"]
 
 
 def test_two_process_gloo(tmp_path, byte_tok, cache_dir):

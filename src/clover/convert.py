@@ -21,12 +21,11 @@ from safetensors.torch import save_file
 from .config import CloverConfig
 from .models import build_model
 from .models.clover import clover_config, clover_parameters
+from .tokenizer import copy_tokenizer_files
 from .weights import INDEX_FILE, CheckpointError, iter_tensors, shard_files
 
 MASK_TOKEN = "<|mask|>"
 EXTRA_SHARD = "model-clover-extra.safetensors"
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
-                   "generation_config.json", "chat_template.jinja", "chat_template.json")
 
 
 def convert_to_clover(
@@ -91,8 +90,8 @@ def convert_to_clover(
     total += sum(t.numel() * t.element_size() for t in extra.values())
     (dst / INDEX_FILE).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
     new_config.save(dst)
-    for name in TOKENIZER_FILES:
-        if (src / name).exists() and not (dst / name).exists():
-            shutil.copy(src / name, dst / name)
+    copy_tokenizer_files(src, dst, overwrite=False)
+    if (src / "generation_config.json").exists() and not (dst / "generation_config.json").exists():
+        shutil.copy(src / "generation_config.json", dst / "generation_config.json")
     tok.save_pretrained(str(dst))
     return new_config

@@ -7,6 +7,25 @@ import json
 import re
 from pathlib import Path
 
+# the files of a model directory that make up its tokenizer (nothing else is copied with it)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
+                   "added_tokens.json", "chat_template.jinja", "chat_template.json")
+
+
+def copy_tokenizer_files(src: str | Path, dst: str | Path, *, overwrite: bool = True) -> list[str]:
+    """Copy the `TOKENIZER_FILES` that `src` has into `dst` (never its weights or config.json, so a
+    model directory can serve as the tokenizer source); returns the names copied."""
+    import shutil
+
+    src, dst = Path(src), Path(dst)
+    copied = []
+    for name in TOKENIZER_FILES:
+        if (src / name).is_file() and (overwrite or not (dst / name).exists()):
+            shutil.copyfile(src / name, dst / name)
+            copied.append(name)
+    return copied
+
+
 EOS_TOKEN, PAD_TOKEN, MASK_TOKEN = "<|endoftext|>", "<|pad|>", "<|mask|>"
 IM_START, IM_END = "<|im_start|>", "<|im_end|>"
 SPECIAL_TOKENS = (EOS_TOKEN, PAD_TOKEN, MASK_TOKEN, IM_START, IM_END)

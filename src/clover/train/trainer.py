@@ -23,7 +23,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import shutil
 import sys
 import time
 from pathlib import Path
@@ -36,6 +35,7 @@ from ..checkpoint import load_model
 from ..config import CloverConfig
 from ..models import build_model, parameter_counts
 from ..models.clover import convert_model
+from ..tokenizer import copy_tokenizer_files
 from . import checkpointing as ck
 from . import parallel
 from .losses import ar_step_loss, diffusion_step_loss
@@ -335,9 +335,7 @@ class Trainer:
                     f"tokenizer {src} not found; build it with `python -m clover.data.tokenizer {src} --vocab-size 4096`"
                 )
             dst.mkdir(parents=True, exist_ok=True)
-            for f in src.iterdir():
-                if f.is_file():
-                    shutil.copy2(f, dst / f.name)
+            copy_tokenizer_files(src, dst)  # a model directory as the source: its weights stay behind
         self.dist.barrier()
         return str(dst)
 
@@ -586,8 +584,6 @@ def export_model(ckpt: str | Path, out: str | Path, *, dtype: str = "bfloat16", 
             if (cand / "tokenizer.json").is_file():
                 tok = cand
                 break
-    if tok is not None:
-        for f in tok.iterdir():
-            if f.is_file():
-                shutil.copy2(f, out / f.name)
+    if tok is not None:  # only the tokenizer's files: a model directory's weights must not replace the export
+        copy_tokenizer_files(tok, out)
     return out
