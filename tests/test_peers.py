@@ -157,6 +157,22 @@ def test_clover_and_transformers(tiny_dir, tmp_path):
     assert png.is_file() and png.stat().st_size < 60_000
 
 
+def test_compiled_variants(tiny_dir, tmp_path, monkeypatch):
+    """compiled=True adds ar+static / diffusion+static rows, checked token for token against the
+    eager mode (torch.compile replaced by the identity: the static graphs' code, not a compile)."""
+    import clover.models.static as st
+
+    monkeypatch.setattr(st.torch, "compile", lambda fn, **kw: fn)
+    r = peers.run_peers(tiny_dir, prompt_texts=["def f(x):", "x = "], max_new_tokens=6, threads=(1,), batch=2,
+                        modes=["ar", "diffusion", "speculative"], engines=["clover"], workdir=tmp_path, compiled=True)
+    by = {(x["engine"], x["variant"], x["batch"]): x for x in r["rows"]}
+    assert {v for _, v, _ in by} == {"ar", "diffusion", "speculative", "ar+static", "diffusion+static"}
+    assert by[("clover", "ar+static", 1)]["matches_clover_mode"] == 1.0
+    assert by[("clover", "diffusion+static", 1)]["matches_clover_mode"] == 1.0
+    assert by[("clover", "ar+static", 2)]["tokens"] == 12
+    assert "clover diffusion+static (1 thread): same tokens as clover diffusion on 100%" in peers.skip_notes(r)
+
+
 def test_llama_runners_with_fake_binaries(tiny_dir, fake_llama, tmp_path, monkeypatch):
     monkeypatch.setattr(peers, "gguf_file", lambda src, work, dtype: tmp_path / "fake.gguf")
     r = peers.run_peers(tiny_dir, prompt_texts=["x = "], max_new_tokens=4, threads=(1, 2), batch=2, modes=["ar"],

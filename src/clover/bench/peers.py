@@ -763,8 +763,9 @@ def skip_notes(result: dict) -> str:
             lines.append(f"{name}: {'skipped — ' if not e['available'] else ''}{e['note']}")
     for r in result["rows"]:
         if r.get("matches_clover_mode") is not None:
-            lines.append(f"llama-clover {r['variant']} ({r['threads']} thread{'s' if r['threads'] > 1 else ''}): same tokens as clover {r['variant']} "
-                         f"on {r['matches_clover_mode']:.0%} of prompts")
+            mode = r["variant"].removesuffix(STATIC_SUFFIX)
+            lines.append(f"{r['engine']} {r['variant']} ({r['threads']} thread{'s' if r['threads'] > 1 else ''}): "
+                         f"same tokens as clover {mode} on {r['matches_clover_mode']:.0%} of prompts")
     if result["settings"].get("skipped_modes"):
         lines.append(f"clover modes left out: {', '.join(result['settings']['skipped_modes'])}")
     return "\n".join(lines)
