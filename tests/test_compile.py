@@ -57,7 +57,7 @@ def test_static_steps_run_eagerly_equal_eager_step(tiny_dir, monkeypatch):
             assert a.token_ids == b.token_ids, mode
             assert a.finish_reason == b.finish_reason
     calls = static.model.static_steps.calls
-    assert calls["ar"] and calls["denoise"] and calls["commit+denoise"], calls
+    assert calls["ar"] and calls["denoise"] and calls["commit+denoise"] and calls["verify"], calls
 
 
 def test_static_cache_capacity_is_rounded(tiny_dir, monkeypatch):

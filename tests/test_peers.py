@@ -166,7 +166,9 @@ def test_compiled_variants(tiny_dir, tmp_path, monkeypatch):
     r = peers.run_peers(tiny_dir, prompt_texts=["def f(x):", "x = "], max_new_tokens=6, threads=(1,), batch=2,
                         modes=["ar", "diffusion", "speculative"], engines=["clover"], workdir=tmp_path, compiled=True)
     by = {(x["engine"], x["variant"], x["batch"]): x for x in r["rows"]}
-    assert {v for _, v, _ in by} == {"ar", "diffusion", "speculative", "ar+static", "diffusion+static"}
+    assert {v for _, v, _ in by} == {"ar", "diffusion", "speculative", "ar+static", "diffusion+static",
+                                     "speculative+static"}
+    assert by[("clover", "speculative+static", 1)]["matches_clover_mode"] == 1.0
     assert by[("clover", "ar+static", 1)]["matches_clover_mode"] == 1.0
     assert by[("clover", "diffusion+static", 1)]["matches_clover_mode"] == 1.0
     assert by[("clover", "ar+static", 2)]["tokens"] == 12

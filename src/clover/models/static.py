@@ -6,7 +6,9 @@ graphs, from the token ids to the logits, with no graph break and no host read i
 - **ar**: one token per row committed (`step(cache, commit_ids=[B, 1])`);
 - **denoise**: one block denoised against the cache (`step(cache, denoise_ids=[B, Bd])`);
 - **commit+denoise**: a finished block committed (rows may commit fewer tokens, `n_commit`) fused
-  with the next block's first denoise step.
+  with the next block's first denoise step;
+- **verify**: the same with logits at every commit position and the GDN commit inputs returned for
+  a rollback (speculative decoding: the draft verified causally, the next block drafted).
 
 How each part avoids host reads and data-dependent shapes: K/V are written by a scatter at each
 row's length into the buffers at their full capacity, and attention runs over the whole capacity
@@ -16,8 +18,8 @@ the routed experts go through `moe.static_expert_forward` (device-side grouping)
 touched per layer are counted on the device.
 
 Every other forward runs the eager `step`: the prompt prefill (its length would be one graph
-more), speculative verification (it records the GDN inputs for rollback), `all_logits`, and models
-with quantized experts (`unsupported_reason`). A graph is built per (forward kind, batch size,
+more), and every forward of a model with quantized experts (`unsupported_reason`). A speculative
+rollback re-runs the recurrence over the kept tokens eagerly (`HybridCache.rollback`). A graph is built per (forward kind, batch size,
 block size, cache capacity); to keep requests of different lengths on one graph, `make_cache`
 rounds the capacity up to a multiple of `CAPACITY_QUANTUM`. Results equal the eager step up to
 floating-point reassociation (tests compare generated tokens); compile times and speed-ups are in
@@ -70,15 +72,15 @@ class StaticSteps:
             # on the bundled model's AR step (docs/benchmarks.md)
             opts["options"] = {"cpp_wrapper": True}
         self._forward = torch.compile(self._graph, **opts)
-        self.calls = {"ar": 0, "denoise": 0, "commit+denoise": 0}
+        self.calls = {"ar": 0, "denoise": 0, "commit+denoise": 0, "verify": 0}
 
     def try_step(self, cache: HybridCache, commit_ids, n_commit, denoise_ids, *, expert_budget, expert_rank,
                  all_logits: bool, track_experts: bool, denoise_need):
         """(commit logits, denoise logits, experts touched) from a compiled graph, or None when the
-        call is not one of its kinds (recording for speculative rollback, all commit logits, or a
-        prompt prefill)."""
+        call is not one of its kinds (a prompt prefill, or a commit of another length than the
+        block's)."""
         Tc = 0 if commit_ids is None else commit_ids.shape[1]
-        if cache._recording or all_logits:
+        if all_logits and not Tc:
             return None
         if Tc and not (Tc == 1 or (denoise_ids is not None and Tc == denoise_ids.shape[1])):
             return None  # a prompt: its length would be one more graph
@@ -89,19 +91,25 @@ class StaticSteps:
                 return None
             cache.ensure_capacity(int(cache.lengths.max()) + Tc)
         kv, gdn = _states(cache)
-        commit_logits, denoise_logits, touched = self._forward(
-            commit_ids, n_commit, denoise_ids, cache.lengths, kv, gdn, expert_budget, expert_rank)
+        record = cache._recording and Tc > 0
+        commit_logits, denoise_logits, touched, records = self._forward(
+            commit_ids, n_commit, denoise_ids, cache.lengths, kv, gdn, expert_budget, expert_rank, all_logits, record)
+        if record:  # what the eager step keeps for `HybridCache.rollback`
+            for state, rec in zip((s for s in cache.layers if isinstance(s, DeltaNetState)), records):
+                state.record = rec
         if Tc:
             cache.advance(n_commit if n_commit is not None else Tc)
-        kind = "ar" if Tc == 1 and denoise_ids is None else "commit+denoise" if Tc else "denoise"
+        kind = ("verify" if record else "ar" if Tc == 1 and denoise_ids is None else "commit+denoise" if Tc
+                else "denoise")
         self.calls[kind] = self.calls.get(kind, 0) + 1
         return commit_logits, denoise_logits, touched.tolist() if track_experts else []
 
     def _graph(self, commit_ids, n, denoise_ids, lengths: torch.Tensor, kv: list, gdn: list,
-               expert_budget: int | None, expert_rank: str):
+               expert_budget: int | None, expert_rank: str, all_logits: bool = False, record: bool = False):
         """commit_ids [B, Tc] (n [B] valid per row, None = all) and/or denoise_ids [B, Bd] ->
-        (commit logits [B, V] at each row's last commit token, denoise logits [B, Bd, V], experts
-        touched per MoE layer); the cache tensors in `kv` and `gdn` are updated in place."""
+        (commit logits [B, V] at each row's last commit token (`all_logits`: [B, Tc, V]), denoise
+        logits [B, Bd, V], experts touched per MoE layer, per GDN layer the commit's inputs when
+        `record`); the cache tensors in `kv` and `gdn` are updated in place."""
         m = self.model
         parts = [p for p in (commit_ids, denoise_ids) if p is not None]
         ids = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
@@ -133,6 +141,7 @@ class StaticSteps:
                 mask = torch.cat([mask, block_cols], dim=2)
             mask = mask[:, None]
         touched: list = []
+        records: list = []
         a = d = 0
         for layer in m.model.layers:
             h = layer.input_layernorm(x)
@@ -157,7 +166,10 @@ class StaticSteps:
                 mixed, z, g, beta = gd.project(h)
                 outs = []
                 if Tc:
-                    outs.append(gd.commit_static(mixed[:, :, :Tc], g[:, :Tc], beta[:, :Tc], n, conv, rec))
+                    o, inputs = gd.commit_static(mixed[:, :, :Tc], g[:, :Tc], beta[:, :Tc], n, conv, rec)
+                    outs.append(o)
+                    if record:
+                        records.append(inputs)
                 if Bd:
                     outs.append(gd.denoise_block(mixed[:, :, Tc:], conv, g[:, Tc:], rec))
                 h = gd.finish(outs[0] if len(outs) == 1 else torch.cat(outs, dim=1), z)
@@ -166,10 +178,12 @@ class StaticSteps:
             if stats is not None:
                 touched.append(stats.experts_touched)
             x = x + y
-        commit_logits = m._logits(x[torch.arange(B, device=dev), n_eff - 1]) if Tc else None
+        commit_logits = None
+        if Tc:
+            commit_logits = m._logits(x[:, :Tc]) if all_logits else m._logits(x[torch.arange(B, device=dev), n_eff - 1])
         denoise_logits = m._logits(x[:, Tc:]) if Bd else None
         touched_t = torch.stack(touched) if touched else torch.zeros(0, dtype=torch.long, device=dev)
-        return commit_logits, denoise_logits, touched_t
+        return commit_logits, denoise_logits, touched_t, tuple(records)
 
 
 def round_capacity(capacity: int) -> int:
