@@ -40,12 +40,14 @@ def test_port_args_diffusion():
     for flag, value in (("--block", "16"), ("--threshold", "0.9"), ("--policy", "threshold"), ("--stop-ids", "7,9")):
         assert a[a.index(flag) + 1] == value
     assert "--ignore-eos" not in a
+    a = port_args("ar", SamplingParams(max_new_tokens=8, stop=["\n", "))"]).validate())
+    assert [a[i + 1] for i, x in enumerate(a) if x == "--stop"] == ["\n", "))"]
     s = port_args("speculative", SamplingParams(max_new_tokens=8, block_size=32, draft_length=8, ignore_eos=True).validate())
     assert s[s.index("--draft") + 1] == "8" and "--ignore-eos" in s and "--policy" not in s
 
 
 @pytest.mark.parametrize("bad, name", [
-    (dict(temperature=0.7), "temperature"), (dict(stop=["\n"]), "stop"), (dict(repetition_penalty=1.2), "repetition_penalty"),
+    (dict(temperature=0.7), "temperature"), (dict(repetition_penalty=1.2), "repetition_penalty"),
     (dict(policy="hierarchy"), "policy"), (dict(confidence="margin"), "confidence"), (dict(expert_budget=4), "expert_budget"),
 ])
 def test_port_args_refuses_what_the_port_lacks(bad, name):
@@ -223,3 +225,30 @@ def test_port_stop_token_matches_clover(port, gguf_f32, llm, mode, kw):
         assert (r["tokens"], r["forwards"], r["finish"]) == (ours.token_ids, ours.stats.forwards, ours.finish_reason)
         stops += r["finish"] == "stop"
     assert stops > 0  # the stop token does fire on these prompts
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode, kw", [
+    ("diffusion", dict(block_size=32, threshold=0.95, policy="threshold")),
+    ("speculative", dict(block_size=32)),
+    ("ar", {}),
+])
+def test_port_stop_strings_match_clover(port, gguf_f32, llm, mode, kw):
+    """Stop strings, decided in the port on the GGUF vocabulary's bytes: tokens (up to the one that
+    completes the string), forwards and finish reason equal clover's prompt by prompt, and the
+    driver's text is trimmed as clover's is."""
+    from clover.export.llama_port import generate, run
+
+    kw = dict(max_new_tokens=40, temperature=0.0, stop=[", ", "\n"]) | kw
+    prompts = mixed_prompts(llm, PROMPTS)
+    res = run(gguf_f32, prompts, port_args(mode, llm.params(mode, kw)), eos_ids=llm.config.eos_token_ids)
+    stops = 0
+    for ids, r in zip(prompts, res):
+        ours = llm.generate(ids, mode=mode, **kw)
+        assert (r["tokens"], r["forwards"], r["finish"]) == (ours.token_ids, ours.stats.forwards, ours.finish_reason)
+        stops += r["finish"] == "stop"
+    assert stops > 0
+    text = llm.tokenizer.decode(prompts[0])
+    theirs = generate(llm, text, mode, kw, gguf=gguf_f32)
+    ours = llm.generate(text, mode=mode, **kw)
+    assert (theirs["text"], theirs["finish_reason"]) == (ours.text, ours.finish_reason)

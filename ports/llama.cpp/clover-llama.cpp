@@ -88,6 +88,7 @@ struct GgufFile {
 struct Model {
     Hparams hp;
     GgufFile main_file, side_file;
+    std::vector<std::string> pieces;  // each token's bytes, for stop strings
     bool has_clover = false;
     ggml_tensor *tok_embd = nullptr, *out_norm = nullptr, *output = nullptr;
     std::vector<Layer> layers;
@@ -105,6 +106,45 @@ static int64_t key_id(gguf_context * g, const std::string & k, bool required = t
     int64_t id = gguf_find_key(g, k.c_str());
     if (id < 0 && required) die("GGUF key missing: " + k);
     return id;
+}
+
+// Each token's bytes, from tokenizer.ggml.tokens: GPT-2 byte-level BPE shows every byte as one
+// unicode character (bytes_to_unicode); this inverts that map. Control and user-defined tokens
+// are their text as it is. (The stop-string check needs the text; prompts come as token ids.)
+static std::vector<std::string> token_pieces(gguf_context * g) {
+    std::vector<std::string> out;
+    const int64_t tid = gguf_find_key(g, "tokenizer.ggml.tokens");
+    if (tid < 0) return out;
+    const int64_t yid = gguf_find_key(g, "tokenizer.ggml.token_type");
+    const int32_t * types = yid >= 0 ? (const int32_t *) gguf_get_arr_data(g, yid) : nullptr;
+    std::map<uint32_t, uint8_t> byte_of;
+    for (int b = 0, n = 0; b < 256; b++) {
+        const bool shown = (b >= 33 && b <= 126) || (b >= 161 && b <= 172) || (b >= 174 && b <= 255);
+        byte_of[shown ? (uint32_t) b : (uint32_t) (256 + n++)] = (uint8_t) b;
+    }
+    const size_t n_tok = gguf_get_arr_n(g, tid);
+    out.reserve(n_tok);
+    for (size_t i = 0; i < n_tok; i++) {
+        const std::string s = gguf_get_arr_str(g, tid, i);
+        const int type = types ? types[i] : 1;
+        if (type != 1) {  // not a normal token: CONTROL / USER_DEFINED / UNUSED text as it is
+            out.push_back(s);
+            continue;
+        }
+        std::string bytes;
+        for (size_t j = 0; j < s.size();) {  // UTF-8 decode, then the byte each code point stands for
+            const unsigned char c = (unsigned char) s[j];
+            const int len = c < 0x80 ? 1 : (c >> 5) == 6 ? 2 : (c >> 4) == 14 ? 3 : 4;
+            uint32_t cp = len == 1 ? c : len == 2 ? (c & 0x1F) : len == 3 ? (c & 0x0F) : (c & 0x07);
+            for (int k = 1; k < len && j + k < s.size(); k++) cp = (cp << 6) | ((unsigned char) s[j + k] & 0x3F);
+            const auto it = byte_of.find(cp);
+            if (it != byte_of.end()) bytes += (char) it->second;
+            else bytes += s.substr(j, len);
+            j += len;
+        }
+        out.push_back(bytes);
+    }
+    return out;
 }
 
 static uint32_t get_u32(gguf_context * g, const std::string & k) {
@@ -168,6 +208,7 @@ static void load_model(Model & m, const std::string & path, const std::string & 
     }
     m.main_file = open_gguf(path, m.backend);
     gguf_context * g = m.main_file.g;
+    m.pieces = token_pieces(g);
     int64_t arch_id = key_id(g, "general.architecture");
     const std::string arch = gguf_get_val_str(g, arch_id);
     if (arch != "qwen35moe") die("architecture " + arch + " is not qwen35moe");
@@ -688,6 +729,8 @@ struct Params {
     std::string fallback = "confident";
     bool ignore_eos = false;
     std::set<int> eos, stop_ids;
+    std::vector<std::string> stop;               // stop strings (UTF-8)
+    const std::vector<std::string> * pieces = nullptr;  // each token's bytes (`token_pieces`)
 };
 
 struct Row {
@@ -699,11 +742,13 @@ struct Row {
     bool finished = false;
 };
 
-// RowState.accept: append tokens, stopping at EOS / a stop token (not kept) or the length limit.
+// RowState.accept: append tokens, stopping at EOS / a stop token (not kept), a stop string (kept up to
+// the token that completes it) or the length limit.
 static void row_accept(Row & r, const Params & p, const std::vector<int> & toks) {
     if (r.finished) return;
     const int room = p.max_new - (int) r.tokens.size();
     std::string reason;
+    int added = 0;
     for (int i = 0; i < std::min<int>(room, (int) toks.size()); i++) {
         const int t = toks[i];
         if ((p.eos.count(t) && !p.ignore_eos) || p.stop_ids.count(t)) {
@@ -711,6 +756,29 @@ static void row_accept(Row & r, const Params & p, const std::vector<int> & toks)
             break;
         }
         r.tokens.push_back(t);
+        added++;
+    }
+    if (!p.stop.empty() && added && p.pieces) {
+        // a stop string completed by a kept token: keep the shortest prefix whose text reaches its end
+        // (RowState._stop_string_cut, on bytes: the same for valid UTF-8)
+        std::string text;
+        std::vector<size_t> ends;
+        for (int t : r.tokens) {
+            if (t >= 0 && t < (int) p.pieces->size()) text += (*p.pieces)[t];
+            ends.push_back(text.size());
+        }
+        size_t end = std::string::npos;
+        for (const std::string & st : p.stop) {
+            const size_t f = text.find(st);
+            if (f != std::string::npos) end = std::min(end, f + st.size());
+        }
+        if (end != std::string::npos) {
+            size_t keep = r.tokens.size();
+            for (size_t i = 0; i < ends.size(); i++)
+                if (ends[i] >= end) { keep = i + 1; break; }
+            r.tokens.resize(keep);
+            reason = "stop";
+        }
     }
     if (reason.empty() && (int) r.tokens.size() >= p.max_new) reason = "length";
     if (!reason.empty()) {
@@ -810,10 +878,42 @@ static void run_ar(Model & m, const Params & p, const std::vector<int> & prompt,
     }
 }
 
-static bool prefix_ends_row(const Params & p, const std::vector<int> & blk, int n) {
+static std::string text_of(const Params & p, std::vector<int>::const_iterator a, std::vector<int>::const_iterator b) {
+    std::string text;
+    for (; a != b; ++a)
+        if (*a >= 0 && *a < (int) p.pieces->size()) text += (*p.pieces)[*a];
+    return text;
+}
+
+static bool holds_stop(const Params & p, const std::string & text) {
+    for (const std::string & st : p.stop)
+        if (text.find(st) != std::string::npos) return true;
+    return false;
+}
+
+// diffusion._token_stops: a token that ends the output by itself (a stop token, or text holding a stop string)
+static bool token_stops(const Params & p, int tok) {
+    if (p.stop_ids.count(tok)) return true;
+    if (p.stop.empty()) return false;
+    const std::vector<int> one{tok};
+    return holds_stop(p, text_of(p, one.begin(), one.end()));
+}
+
+// diffusion._prefix_ends_row_impl: the block's decoded prefix ends the row (EOS, a stop token, or a stop
+// string in the tail of the output so far plus the prefix)
+static bool prefix_ends_row(const Params & p, const Row & r, const std::vector<int> & blk, int n) {
     for (int i = 0; i < n; i++) {
         if (!p.ignore_eos && p.eos.count(blk[i])) return true;
         if (p.stop_ids.count(blk[i])) return true;
+    }
+    if (!p.stop.empty()) {
+        size_t longest = 0;  // in characters, as Python's len()
+        for (const std::string & st : p.stop)
+            longest = std::max(longest, (size_t) std::count_if(st.begin(), st.end(), [](char c) { return (c & 0xC0) != 0x80; }));
+        std::vector<int> all(r.tokens);
+        all.insert(all.end(), blk.begin(), blk.begin() + n);
+        const size_t tail = std::min(all.size(), (size_t) n + 4 * longest + 4);
+        return holds_stop(p, text_of(p, all.end() - tail, all.end()));
     }
     return false;
 }
@@ -875,11 +975,11 @@ static void run_diffusion(Model & m, const Params & p, const std::vector<int> & 
                 }
             }
         }
-        if (!p.stop_ids.empty())
-            for (int j : pos) if (p.stop_ids.count(blk[j])) { need = j + 1; break; }
+        if (!p.stop_ids.empty() || !p.stop.empty())
+            for (int j : pos) if (token_stops(p, blk[j])) { need = j + 1; break; }
         int done = need;
         for (int j = 0; j < need; j++) if (masked[j]) { done = j; break; }
-        if (done < need && !(done && prefix_ends_row(p, blk, done))) continue;
+        if (done < need && !(done && prefix_ends_row(p, r, blk, done))) continue;
         r.block_steps.push_back(step);
         row_accept(r, p, std::vector<int>(blk.begin(), blk.begin() + done));
         if (r.finished) break;
@@ -963,7 +1063,8 @@ static void usage() {
         "usage: llama-clover MODEL.gguf [--sidecar F] --mode ar|diffusion|speculative|forward\n"
         "       [-n N] [--block B] [--draft D] [--threshold X] [--policy threshold|entropy|factor]\n"
         "       [--entropy-budget X] [--factor X] [--fallback confident|leftmost] [--ignore-eos]\n"
-        "       [--eos IDS] [--stop-ids IDS] [--threads T] [--out F (forward)] < prompts (token ids, one per line)\n");
+        "       [--eos IDS] [--stop-ids IDS] [--stop STR]... [--threads T] [--out F (forward)]\n"
+        "       < prompts (token ids, one per line)\n");
     exit(2);
 }
 
@@ -989,6 +1090,7 @@ int main(int argc, char ** argv) {
         else if (a == "--ignore-eos") p.ignore_eos = true;
         else if (a == "--eos") { p.eos = parse_set(next()); eos_given = true; }
         else if (a == "--stop-ids") p.stop_ids = parse_set(next());
+        else if (a == "--stop") p.stop.push_back(next());
         else if (a == "--threads" || a == "-t") threads = atoi(next().c_str());
         else if (a == "--out") out_path = next();
         else usage();
@@ -1000,6 +1102,8 @@ int main(int argc, char ** argv) {
     if (p.draft <= 0) p.draft = p.block;
     if (p.threshold <= 0) p.threshold = m.hp.threshold;
     if (!eos_given && m.hp.eos_id >= 0) p.eos.insert(m.hp.eos_id);
+    p.pieces = &m.pieces;
+    if (!p.stop.empty() && m.pieces.empty()) die("--stop needs the GGUF's tokenizer.ggml.tokens");
     if (p.mode != "ar" && p.mode != "diffusion" && p.mode != "speculative" && p.mode != "forward") usage();
     if ((p.mode == "diffusion" || p.mode == "speculative" || p.mode == "forward") && !m.has_clover)
         die("mode " + p.mode + " needs Clover's tensors: the .clover.gguf sidecar next to the model (or --sidecar)");

@@ -220,7 +220,6 @@ def gguf_file(src: Path, workdir: Path, dtype: str, *, clover_tensors: str = "no
 
 
 STATIC_SUFFIX = "+static"  # clover's variants with compile="static"
-STATIC_MODES = ("ar", "diffusion", "speculative")  # the modes whose forwards the static graphs cover
 
 
 # ------------------------------------------------------------------------------- runners
@@ -588,7 +587,7 @@ def run_peers(
         runners: list[Runner] = [CloverRunner(llm, m, max_new_tokens) for m in run_modes]
         if static_llm is not None:
             runners += [CloverRunner(static_llm, m, max_new_tokens, warm_batch=batch_ids if batch_rounds else None)
-                        for m in run_modes if m in STATIC_MODES]
+                        for m in run_modes]
         if hf_model is not None:
             runners.append(TransformersRunner(hf_model, max_new_tokens, cfg.pad_token_id or 0))
         if gguf is not None:

@@ -30,6 +30,13 @@ class DecodeEvent:
     row_state: "RowState | None" = None  # the row the event belongs to (rows move as others leave)
 
 
+def trim_at_stop(text: str, stop) -> str:
+    """A finished row's text with its first stop string and what follows removed (the text of a row
+    that ended on a stop string; unchanged when none occurs)."""
+    hits = [text.find(s) for s in stop or () if s in text]
+    return text[: min(hits)] if hits else text
+
+
 @dataclass(eq=False)
 class RowState:
     prompt: list[int]
@@ -113,11 +120,7 @@ class RowState:
 
     def text(self) -> str:
         text = self.decode(self.tokens) if self.decode else ""
-        if self.finish_reason == "stop" and self.params.stop:
-            hits = [text.find(s) for s in self.params.stop if s in text]
-            if hits:
-                text = text[: min(hits)]
-        return text
+        return trim_at_stop(text, self.params.stop) if self.finish_reason == "stop" else text
 
     def stream_text(self) -> str:
         """The text a stream may have emitted so far: all of `text()` once the row is finished;

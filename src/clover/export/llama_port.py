@@ -21,6 +21,8 @@ from pathlib import Path
 
 import numpy as np
 
+from ..decoding.base import trim_at_stop
+
 MODES = ("ar", "diffusion", "speculative")
 POLICIES = ("threshold", "entropy", "factor")
 
@@ -50,7 +52,6 @@ def port_args(mode: str, params) -> list[str]:
         raise ValueError(f"mode: the llama.cpp port runs {', '.join(MODES)}, got {mode!r}")
     unsupported = {
         "temperature": params.temperature != 0.0,
-        "stop": bool(params.stop),
         "repetition_penalty": params.repetition_penalty != 1.0,
         "presence_penalty": bool(params.presence_penalty),
         "eos_penalty": bool(params.eos_penalty),
@@ -63,12 +64,14 @@ def port_args(mode: str, params) -> list[str]:
     bad = [k for k, v in unsupported.items() if v]
     if bad:
         raise ValueError(f"{bad[0]}: not supported by the llama.cpp port (greedy; policies {', '.join(POLICIES)}; "
-                         "no stop strings, penalties, sub-blocks or expert budget)")
+                         "no penalties, sub-blocks or expert budget)")
     a = ["--mode", mode, "-n", str(params.max_new_tokens)]
     if params.ignore_eos:
         a.append("--ignore-eos")
     if params.stop_token_ids:
         a += ["--stop-ids", ",".join(map(str, params.stop_token_ids))]
+    for s in params.stop or ():
+        a += ["--stop", s]
     if mode in ("diffusion", "speculative") and params.block_size:
         a += ["--block", str(params.block_size)]
     if mode == "speculative" and params.draft_length:
@@ -134,5 +137,7 @@ def generate(llm, prompt, mode: str, kwargs: dict, *, gguf: str | os.PathLike | 
     stats = {k: r[k] for k in ("forwards", "tokens_per_forward", "seconds", "tokens_per_second", "block_steps",
                                "forced_steps", "accept_lengths")}
     stats.update(prompt_tokens=len(ids), tokens=r["n_tokens"])
-    return {"text": llm.tokenizer.decode(r["tokens"]), "token_ids": r["tokens"], "finish_reason": r["finish"],
-            "stats": stats}
+    text = llm.tokenizer.decode(r["tokens"])
+    if r["finish"] == "stop":
+        text = trim_at_stop(text, params.stop)
+    return {"text": text, "token_ids": r["tokens"], "finish_reason": r["finish"], "stats": stats}
