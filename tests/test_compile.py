@@ -82,3 +82,13 @@ def test_compiled_tokens_equal_eager(tiny_dir, how):
         a = eager.generate("def f(x):", **kw)
         b = compiled.generate("def f(x):", **kw)
         assert a.token_ids == b.token_ids, mode
+
+
+def test_static_refuses_quantized_experts(tiny_dir, tmp_path, monkeypatch):
+    from clover.quant import quantize_checkpoint
+
+    _identity_compile(monkeypatch)
+    q = tmp_path / "int8"
+    quantize_checkpoint(tiny_dir, q, bits=8, progress=False)
+    with pytest.raises(ValueError, match="quantized experts.*compile=\"layers\""):
+        clover.load(q, compile=True)

@@ -42,7 +42,8 @@ def unsupported_reason(model) -> str | None:
     for layer in model.model.layers:
         experts = getattr(layer.mlp, "experts", None)
         if experts is not None and not isinstance(getattr(experts, "gate_up_proj", None), torch.Tensor):
-            return f"{type(experts).__name__} experts (quantized) have no static dispatch; use compile=True or none"
+            return (f"compile=\"static\": {type(experts).__name__} (quantized experts) has no static dispatch; "
+                    f"load this model with compile=\"layers\" (CLI: --compile-layers) or without compiling")
     return None
 
 
