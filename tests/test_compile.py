@@ -92,3 +92,23 @@ def test_static_refuses_quantized_experts(tiny_dir, tmp_path, monkeypatch):
     quantize_checkpoint(tiny_dir, q, bits=8, progress=False)
     with pytest.raises(ValueError, match="quantized experts.*compile=\"layers\""):
         clover.load(q, compile=True)
+
+
+def test_static_falls_back_to_eager_past_the_graph_limit(tiny_dir, monkeypatch):
+    """More shapes than the recompile limit: the call runs eagerly (same tokens), with one warning."""
+    import torch._dynamo.exc as dexc
+
+    _identity_compile(monkeypatch)
+    eager = clover.load(tiny_dir)
+    static = clover.load(tiny_dir, compile=True)
+    steps = static.model.static_steps
+
+    def refuse(*a, **k):
+        raise dexc.FailOnRecompileLimitHit("limit")
+
+    steps._forward = refuse
+    kw = dict(mode="diffusion", max_new_tokens=8, ignore_eos=True, block_size=4)
+    with pytest.warns(RuntimeWarning, match="graphs reached"):
+        out = static.generate("def f(x):", **kw)
+    assert out.token_ids == eager.generate("def f(x):", **kw).token_ids
+    assert steps.limit_hit and steps.calls["eager"] >= 2 and steps.calls["denoise"] == 0

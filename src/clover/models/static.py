@@ -21,12 +21,15 @@ Every other forward runs the eager `step`: the prompt prefill (its length would 
 more), and every forward of a model with quantized experts (`unsupported_reason`). A speculative
 rollback re-runs the recurrence over the kept tokens eagerly (`HybridCache.rollback`). A graph is built per (forward kind, batch size,
 block size, cache capacity); to keep requests of different lengths on one graph, `make_cache`
-rounds the capacity up to a multiple of `CAPACITY_QUANTUM`. Results equal the eager step up to
+rounds the capacity up to a multiple of `CAPACITY_QUANTUM`; past `RECOMPILE_LIMIT` graphs, new
+shapes run eagerly (one warning). Results equal the eager step up to
 floating-point reassociation (tests compare generated tokens); compile times and speed-ups are in
 docs/benchmarks.md.
 """
 
 from __future__ import annotations
+
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -74,6 +77,7 @@ class StaticSteps:
             opts["options"] = {"cpp_wrapper": True}
         self._forward = torch.compile(self._graph, **opts)
         self.calls = {"ar": 0, "denoise": 0, "commit+denoise": 0, "verify": 0}
+        self.limit_hit = False
 
     def try_step(self, cache: HybridCache, commit_ids, n_commit, denoise_ids, *, expert_budget, expert_rank,
                  all_logits: bool, track_experts: bool, denoise_need):
@@ -93,8 +97,19 @@ class StaticSteps:
             cache.ensure_capacity(int(cache.lengths.max()) + Tc)
         kv, gdn = _states(cache)
         record = cache._recording and Tc > 0
-        commit_logits, denoise_logits, touched, records = self._forward(
-            commit_ids, n_commit, denoise_ids, cache.lengths, kv, gdn, expert_budget, expert_rank, all_logits, record)
+        try:
+            commit_logits, denoise_logits, touched, records = self._forward(
+                commit_ids, n_commit, denoise_ids, cache.lengths, kv, gdn, expert_budget, expert_rank, all_logits,
+                record)
+        except torch._dynamo.exc.FailOnRecompileLimitHit:
+            # more shapes than RECOMPILE_LIMIT graphs: raised while compiling, before the graph runs
+            # (nothing was written to the cache), so this call and later new shapes run eagerly
+            if not self.limit_hit:
+                warnings.warn(f"compile=\"static\": {RECOMPILE_LIMIT} compiled graphs reached (forward kinds x "
+                              f"batch sizes x cache sizes); new shapes run eagerly", RuntimeWarning, stacklevel=3)
+            self.limit_hit = True
+            self.calls["eager"] = self.calls.get("eager", 0) + 1
+            return None
         if record:  # what the eager step keeps for `HybridCache.rollback`
             for state, rec in zip((s for s in cache.layers if isinstance(s, DeltaNetState)), records):
                 state.record = rec
