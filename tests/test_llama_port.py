@@ -204,6 +204,18 @@ def test_generate_engine_llama_cpp(port, gguf_f32, mode, capsys):
     assert theirs["stats"]["forwards"] == ours["stats"]["forwards"]
 
 
+def port_stops_like_clover(gguf, llm, prompts, mode, kw) -> int:
+    """The port against clover on `prompts`: tokens, forwards and finish reason equal prompt by
+    prompt; returns how many ended on a stop."""
+    from clover.export.llama_port import run
+
+    res = run(gguf, prompts, port_args(mode, llm.params(mode, kw)), eos_ids=llm.config.eos_token_ids)
+    for ids, r in zip(prompts, res):
+        ours = llm.generate(ids, mode=mode, **kw)
+        assert (r["tokens"], r["forwards"], r["finish"]) == (ours.token_ids, ours.stats.forwards, ours.finish_reason)
+    return sum(r["finish"] == "stop" for r in res)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("mode, kw", [
     ("diffusion", dict(block_size=32, threshold=0.95, policy="threshold")),
@@ -214,17 +226,8 @@ def test_generate_engine_llama_cpp(port, gguf_f32, mode, capsys):
 def test_port_stop_token_matches_clover(port, gguf_f32, llm, mode, kw):
     """A stop token (newline) caps the block, a length limit that is no multiple of the block:
     tokens, forwards and finish reason equal clover's, prompt by prompt."""
-    from clover.export.llama_port import run
-
     kw = dict(max_new_tokens=40, temperature=0.0, stop_token_ids=llm.tokenizer.encode("\n")) | kw
-    prompts = task_prompts(llm, PROMPTS)
-    res = run(gguf_f32, prompts, port_args(mode, llm.params(mode, kw)), eos_ids=llm.config.eos_token_ids)
-    stops = 0
-    for ids, r in zip(prompts, res):
-        ours = llm.generate(ids, mode=mode, **kw)
-        assert (r["tokens"], r["forwards"], r["finish"]) == (ours.token_ids, ours.stats.forwards, ours.finish_reason)
-        stops += r["finish"] == "stop"
-    assert stops > 0  # the stop token does fire on these prompts
+    assert port_stops_like_clover(gguf_f32, llm, task_prompts(llm, PROMPTS), mode, kw) > 0  # the stop token fires
 
 
 @pytest.mark.slow
@@ -237,17 +240,11 @@ def test_port_stop_strings_match_clover(port, gguf_f32, llm, mode, kw):
     """Stop strings, decided in the port on the GGUF vocabulary's bytes: tokens (up to the one that
     completes the string), forwards and finish reason equal clover's prompt by prompt, and the
     driver's text is trimmed as clover's is."""
-    from clover.export.llama_port import generate, run
+    from clover.export.llama_port import generate
 
     kw = dict(max_new_tokens=40, temperature=0.0, stop=[", ", "\n"]) | kw
     prompts = mixed_prompts(llm, PROMPTS)
-    res = run(gguf_f32, prompts, port_args(mode, llm.params(mode, kw)), eos_ids=llm.config.eos_token_ids)
-    stops = 0
-    for ids, r in zip(prompts, res):
-        ours = llm.generate(ids, mode=mode, **kw)
-        assert (r["tokens"], r["forwards"], r["finish"]) == (ours.token_ids, ours.stats.forwards, ours.finish_reason)
-        stops += r["finish"] == "stop"
-    assert stops > 0
+    assert port_stops_like_clover(gguf_f32, llm, prompts, mode, kw) > 0
     text = llm.tokenizer.decode(prompts[0])
     theirs = generate(llm, text, mode, kw, gguf=gguf_f32)
     ours = llm.generate(text, mode=mode, **kw)

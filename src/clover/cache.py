@@ -22,6 +22,26 @@ from .kernels import chunk_gated_delta_rule
 
 
 # --------------------------------------------------------------------------- per-layer states
+def scatter_kv(keys: torch.Tensor, values: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor) -> None:
+    """`AttentionState.write` without a host read: k/v `[B, H_kv, T, D]` scattered into the buffers at
+    each row's length (a static-shape graph then attends over the whole capacity under a length mask)."""
+    B, H, T, D = k.shape
+    slot = (lengths[:, None] + torch.arange(T, device=lengths.device))[:, None, :, None].expand(B, H, T, D)
+    keys.scatter_(2, slot, k)
+    values.scatter_(2, slot, v)
+
+
+def conv_window_tail(window: torch.Tensor, width: int, n: torch.Tensor | None = None) -> torch.Tensor:
+    """A GDN conv state after a commit: of `window` [B, C, width + T] (the old state, then the T
+    committed pre-conv inputs), the `width` inputs ending at each row's last kept token (`n[b]` of
+    the T; None: all T)."""
+    if n is None:
+        return window[:, :, window.shape[2] - width :]
+    idx = n[:, None, None] + torch.arange(width, device=window.device)[None, None, :]
+    return window.gather(2, idx.expand(window.shape[0], window.shape[1], width))
+
+
+
 class AttentionState:
     """K/V buffers of one full-attention layer."""
 
@@ -131,9 +151,7 @@ class DeltaNetState:
         _, self.recurrent = chunk_gated_delta_rule(
             q, k, v, g * valid, beta * valid, initial_state=snap[1], output_final_state=True, use_qk_l2norm_in_kernel=True
         )
-        K1 = self.conv.shape[2]
-        idx = (keep[:, None, None] + torch.arange(K1, device=keep.device)[None, None, :]).expand(-1, window.shape[1], -1)
-        self.conv = window.gather(2, idx).contiguous()
+        self.conv = conv_window_tail(window, self.conv.shape[2], keep).contiguous()
 
 
 LayerState = AttentionState | DeltaNetState
@@ -158,6 +176,12 @@ class HybridCache:
         self._recording = False
 
     # ----------------------------------------------------------------- views
+    def attention_states(self) -> list[AttentionState]:
+        return [s for s in self.layers if isinstance(s, AttentionState)]
+
+    def deltanet_states(self) -> list[DeltaNetState]:
+        return [s for s in self.layers if isinstance(s, DeltaNetState)]
+
     def _by_layer(self, kind: type, attr: str) -> dict[int, torch.Tensor]:
         return {i: getattr(s, attr) for i, s in enumerate(self.layers) if isinstance(s, kind)}
 
@@ -192,9 +216,8 @@ class HybridCache:
 
     def _stop_recording(self) -> None:
         self._recording = False
-        for s in self.layers:
-            if isinstance(s, DeltaNetState):
-                s.recording, s.record = False, None
+        for s in self.deltanet_states():
+            s.recording, s.record = False, None
 
     # ----------------------------------------------------------------- sizing
     def ensure_capacity(self, needed: int, *, exact: bool = False) -> None:
@@ -226,9 +249,8 @@ class HybridCache:
     def start_recording(self) -> CacheSnapshot:
         """Snapshot, then have GDN layers keep (q, k, v, g, beta, conv window) of the next commit."""
         self._recording = True
-        for s in self.layers:
-            if isinstance(s, DeltaNetState):
-                s.recording, s.record = True, None
+        for s in self.deltanet_states():
+            s.recording, s.record = True, None
         return self.snapshot()
 
     def rollback(self, snap: CacheSnapshot, keep: torch.Tensor) -> None:

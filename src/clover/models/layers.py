@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..cache import AttentionState, DeltaNetState
+from ..cache import AttentionState, DeltaNetState, conv_window_tail
 from ..config import CloverConfig, log2_block_ratio
 from ..kernels import (
     chunk_gated_delta_rule,
@@ -203,13 +203,23 @@ class GatedAttention(nn.Module):
         return F.scaled_dot_product_attention(q, keys, vals, attn_mask=mask, enable_gqa=self.num_kv_heads != self.num_heads)
 
 
-def cached_attention_mask(start: torch.Tensor, segments: Segments) -> torch.Tensor:
+def step_positions(start: torch.Tensor, n: torch.Tensor, commit_len: int, denoise_len: int) -> torch.Tensor:
+    """[B, Tc+Bd] RoPE positions of a cached forward: the commit tokens from each row's length
+    `start`, the denoise block after the row's `n` committed tokens."""
+    pos = [start[:, None] + torch.arange(commit_len, device=start.device)] if commit_len else []
+    if denoise_len:
+        pos.append((start + n)[:, None] + torch.arange(denoise_len, device=start.device))
+    return torch.cat(pos, dim=1)
+
+
+def cached_attention_mask(start: torch.Tensor, segments: Segments, key_slots: int | None = None) -> torch.Tensor:
     """[B, 1, Tc+Bd, Lk+Bd] boolean for a cached forward, `start` the lengths before it and
-    Lk = max(start) + Tc the cached key slots: commit queries see the prefix and earlier commit
-    tokens (causal); block queries see the whole committed prefix (after this forward's commit) and
-    the whole block; commit queries never see the block. Built once per forward."""
+    Lk the cached key slots (`key_slots`, e.g. the whole capacity for a static-shape graph; default
+    max(start) + Tc, a host read): commit queries see the prefix and earlier commit tokens (causal);
+    block queries see the whole committed prefix (after this forward's commit) and the whole block;
+    commit queries never see the block. Built once per forward."""
     Tc, Bd = segments.commit_len, segments.denoise_len
-    Lk = int(start.max()) + Tc
+    Lk = key_slots if key_slots is not None else int(start.max()) + Tc
     dev = start.device
     j = torch.arange(Lk, device=dev)
     parts = []
@@ -322,16 +332,8 @@ class GatedDeltaNet(nn.Module):
         if Tc:
             pre = mixed[:, :, :Tc]
             conv_state = state.conv if state is not None else pre.new_zeros(B, self.conv_dim, K1)
-            window = torch.cat([conv_state.to(pre.dtype), pre], dim=2)
-            act = F.silu(self._causal_conv(window)).transpose(1, 2)
-            q, k, v = self._split_heads(act)
-            gc, bc = g[:, :Tc], beta[:, :Tc]
-            ragged = segments.ragged and state is not None
-            if ragged:
-                # rows commit different numbers of tokens: padded steps neither decay nor write the state
-                valid = torch.arange(Tc, device=x.device)[None, :] < segments.n_commit[:, None]
-                gc = gc * valid[..., None]
-                bc = bc * valid[..., None]
+            n = segments.n_commit if segments.ragged and state is not None else None
+            q, k, v, gc, bc, window = self._commit_inputs(pre, conv_state, g[:, :Tc], beta[:, :Tc], n)
             if state is not None and state.recording:
                 state.record = (q, k, v, gc, bc, window)
             initial = state.recurrent if state is not None else None
@@ -347,11 +349,7 @@ class GatedDeltaNet(nn.Module):
             outs.append(o)
             if state is not None:
                 state.recurrent = new_state
-                if ragged:
-                    idx = segments.n_commit[:, None, None] + torch.arange(K1, device=x.device)[None, None, :]
-                    state.conv = window.gather(2, idx.expand(B, self.conv_dim, K1)).contiguous()
-                else:
-                    state.conv = window[:, :, -K1:].contiguous()
+                state.conv = conv_window_tail(window, K1, n).contiguous()
         if Bd:
             outs.append(self.denoise_block(mixed[:, :, Tc:], state.conv, g[:, Tc:], state.recurrent))
         return self.finish(outs[0] if len(outs) == 1 else torch.cat(outs, dim=1), z)
@@ -374,25 +372,27 @@ class GatedDeltaNet(nn.Module):
         decode-step recurrence (Tc = 1) or one WY chunk; `conv` and `recurrent` are updated in place.
         Returns ([B, Tc, Hv, dv] (garbage past n[b]), the commit's inputs as `DeltaNetState.record`
         keeps them for a speculative rollback)."""
-        B, C, Tc = pre.shape
-        K1 = self.kernel_size - 1
-        window = torch.cat([conv.to(pre.dtype), pre], dim=2)
-        q, k, v = self._split_heads(F.silu(self._causal_conv(window)).transpose(1, 2))
-        if n is not None:  # padded steps neither decay nor write the state
-            valid = (torch.arange(Tc, device=pre.device)[None, :] < n[:, None])[..., None]
-            g, beta = g * valid, beta * valid
-        if Tc == 1:
+        q, k, v, g, beta, window = self._commit_inputs(pre, conv, g, beta, n)
+        if pre.shape[2] == 1:
             o, new = recurrent_gated_delta_rule(q, k, v, g, beta, initial_state=recurrent, output_final_state=True,
                                                 use_qk_l2norm_in_kernel=True)
         else:
             o, new = one_chunk_gated_delta_rule(q, k, v, g, beta, recurrent)
-        if n is None:
-            conv.copy_(window[:, :, Tc:])
-        else:
-            idx = n[:, None, None] + torch.arange(K1, device=pre.device)[None, None, :]
-            conv.copy_(window.gather(2, idx.expand(B, C, K1)))
+        conv.copy_(conv_window_tail(window, self.kernel_size - 1, n))
         recurrent.copy_(new)
         return o, (q, k, v, g, beta, window)
+
+    def _commit_inputs(self, pre: torch.Tensor, conv_state: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                       n: torch.Tensor | None):
+        """What the recurrence of a commit takes: pre [B, C, Tc] after `conv_state` -> (q, k, v, g, beta,
+        window). Rows committing `n[b]` < Tc tokens: the padded steps' g and beta are zeroed, so they
+        neither decay nor write the state."""
+        window = torch.cat([conv_state.to(pre.dtype), pre], dim=2)
+        q, k, v = self._split_heads(F.silu(self._causal_conv(window)).transpose(1, 2))
+        if n is not None:
+            valid = (torch.arange(pre.shape[2], device=pre.device)[None, :] < n[:, None])[..., None]
+            g, beta = g * valid, beta * valid
+        return q, k, v, g, beta, window
 
     def denoise_block(self, pre: torch.Tensor, conv_ctx: torch.Tensor, g: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
         """Bidirectional GDN over blocks: decayed prefix readout + intra-block softmax attention.

@@ -34,6 +34,7 @@ from .layers import (
     Segments,
     block_diffusion_mask,
     cached_attention_mask,
+    step_positions,
     denoise_parameters,
 )
 
@@ -260,25 +261,22 @@ class Qwen3_5ForCausalLM(nn.Module):
         parts = [p for p in (commit_ids, denoise_ids) if p is not None]
         if not parts:
             raise ValueError("step needs commit_ids, denoise_ids or both")
-        if self.static_steps is not None:
-            out = self.static_steps.try_step(cache, commit_ids, n_commit, denoise_ids, expert_budget=expert_budget,
-                                             expert_rank=expert_rank, all_logits=all_logits,
-                                             track_experts=track_experts, denoise_need=denoise_need)
-            if out is not None:
-                return StepOutput(*out)
-        ids = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
-        B = ids.shape[0]
         Tc = 0 if commit_ids is None else commit_ids.shape[1]
         Bd = 0 if denoise_ids is None else denoise_ids.shape[1]
         if n_commit is not None and Tc and bool((n_commit == Tc).all()):
             n_commit = None
-        n = n_commit if n_commit is not None else torch.full((B,), Tc, dtype=torch.long, device=ids.device)
         start = cache.lengths
-        pos = [start[:, None] + torch.arange(Tc, device=ids.device)] if Tc else []
-        if Bd:
-            pos.append((start + n)[:, None] + torch.arange(Bd, device=ids.device))
-        positions = torch.cat(pos, dim=1)
         cache.ensure_capacity(int(start.max()) + Tc)
+        if self.static_steps is not None:
+            out = self.static_steps.try_step(cache, commit_ids, n_commit, denoise_ids, expert_budget=expert_budget,
+                                             expert_rank=expert_rank, all_logits=all_logits,
+                                             track_experts=track_experts)
+            if out is not None:
+                return StepOutput(*out)
+        ids = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+        B = ids.shape[0]
+        n = n_commit if n_commit is not None else torch.full((B,), Tc, dtype=torch.long, device=ids.device)
+        positions = step_positions(start, n, Tc, Bd)
         x = self.model.embed_tokens(ids)
         rope = self.model.rotary_emb(positions, x.dtype)
         segments = Segments(commit_len=Tc, denoise_len=Bd, n_commit=n_commit)

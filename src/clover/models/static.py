@@ -30,12 +30,14 @@ docs/benchmarks.md.
 from __future__ import annotations
 
 import warnings
+from collections import Counter
 
 import torch
 import torch.nn.functional as F
 
-from ..cache import AttentionState, DeltaNetState, HybridCache
+from ..cache import HybridCache, scatter_kv
 from ..moe import BlockSharing
+from .layers import Segments, cached_attention_mask, step_positions
 
 CAPACITY_QUANTUM = 256
 
@@ -48,12 +50,6 @@ def unsupported_reason(model) -> str | None:
             return (f"compile=\"static\": {type(experts).__name__} (quantized experts) has no static dispatch; "
                     f"load this model with compile=\"layers\" (CLI: --compile-layers) or without compiling")
     return None
-
-
-def _states(cache: HybridCache) -> tuple[list, list]:
-    kv = [(s.keys, s.values) for s in cache.layers if isinstance(s, AttentionState)]
-    gdn = [(s.conv, s.recurrent) for s in cache.layers if isinstance(s, DeltaNetState)]
-    return kv, gdn
 
 
 RECOMPILE_LIMIT = 64
@@ -76,26 +72,24 @@ class StaticSteps:
             # on the bundled model's AR step (docs/benchmarks.md)
             opts["options"] = {"cpp_wrapper": True}
         self._forward = torch.compile(self._graph, **opts)
-        self.calls = {"ar": 0, "denoise": 0, "commit+denoise": 0, "verify": 0}
+        self.calls: Counter = Counter()  # forwards served per kind (and "eager": past the graph limit)
         self.limit_hit = False
 
     def try_step(self, cache: HybridCache, commit_ids, n_commit, denoise_ids, *, expert_budget, expert_rank,
-                 all_logits: bool, track_experts: bool, denoise_need):
+                 all_logits: bool, track_experts: bool):
         """(commit logits, denoise logits, experts touched) from a compiled graph, or None when the
         call is not one of its kinds (a prompt prefill, or a commit of another length than the
-        block's)."""
+        block's). Called by `step` with the cache already large enough and `n_commit` None when
+        every row commits all its tokens."""
         Tc = 0 if commit_ids is None else commit_ids.shape[1]
         if all_logits and not Tc:
             return None
         if Tc and not (Tc == 1 or (denoise_ids is not None and Tc == denoise_ids.shape[1])):
             return None  # a prompt: its length would be one more graph
-        if Tc:
-            if n_commit is not None and bool((n_commit == Tc).all()):
-                n_commit = None
-            if Tc == 1 and n_commit is not None:  # a row with nothing to commit: eager
-                return None
-            cache.ensure_capacity(int(cache.lengths.max()) + Tc)
-        kv, gdn = _states(cache)
+        if Tc == 1 and n_commit is not None:  # a row with nothing to commit: eager
+            return None
+        kv = [(s.keys, s.values) for s in cache.attention_states()]
+        gdn = [(s.conv, s.recurrent) for s in cache.deltanet_states()]
         record = cache._recording and Tc > 0
         try:
             commit_logits, denoise_logits, touched, records = self._forward(
@@ -108,16 +102,16 @@ class StaticSteps:
                 warnings.warn(f"compile=\"static\": {RECOMPILE_LIMIT} compiled graphs reached (forward kinds x "
                               f"batch sizes x cache sizes); new shapes run eagerly", RuntimeWarning, stacklevel=3)
             self.limit_hit = True
-            self.calls["eager"] = self.calls.get("eager", 0) + 1
+            self.calls["eager"] += 1
             return None
         if record:  # what the eager step keeps for `HybridCache.rollback`
-            for state, rec in zip((s for s in cache.layers if isinstance(s, DeltaNetState)), records):
+            for state, rec in zip(cache.deltanet_states(), records):
                 state.record = rec
         if Tc:
             cache.advance(n_commit if n_commit is not None else Tc)
         kind = ("verify" if record else "ar" if Tc == 1 and denoise_ids is None else "commit+denoise" if Tc
                 else "denoise")
-        self.calls[kind] = self.calls.get(kind, 0) + 1
+        self.calls[kind] += 1
         return commit_logits, denoise_logits, touched.tolist() if track_experts else []
 
     def _graph(self, commit_ids, n, denoise_ids, lengths: torch.Tensor, kv: list, gdn: list,
@@ -134,44 +128,25 @@ class StaticSteps:
         Bd = 0 if denoise_ids is None else denoise_ids.shape[1]
         dev = ids.device
         n_eff = n if n is not None else torch.full_like(lengths, Tc)
-        pos = [lengths[:, None] + torch.arange(Tc, device=dev)] if Tc else []
-        if Bd:
-            pos.append((lengths + n_eff)[:, None] + torch.arange(Bd, device=dev))
         x = m.model.embed_tokens(ids)
-        rope = m.model.rotary_emb(torch.cat(pos, dim=1), x.dtype)
+        rope = m.model.rotary_emb(step_positions(lengths, n_eff, Tc, Bd), x.dtype)
         sharing = BlockSharing(expert_budget, B, Tc, expert_rank) if expert_budget is not None and Bd else None
-        mask = slot = None
-        if kv:  # over the whole capacity: commit queries causal, block queries see the committed prefix
-            C = kv[0][0].shape[2]
-            j = torch.arange(C, device=dev)[None, None, :]
-            rows = []
-            if Tc:
-                rows.append(j <= (lengths[:, None, None] + torch.arange(Tc, device=dev)[None, :, None]))
-                slot = lengths[:, None] + torch.arange(Tc, device=dev)  # [B, Tc] cache slots written
-            if Bd:
-                rows.append((j < (lengths + n_eff)[:, None, None]).expand(B, Bd, C))
-            mask = torch.cat(rows, dim=1) if len(rows) > 1 else rows[0]
-            if Bd:
-                block_cols = torch.cat([torch.zeros(B, Tc, Bd, dtype=torch.bool, device=dev),
-                                        torch.ones(B, Bd, Bd, dtype=torch.bool, device=dev)], dim=1)
-                mask = torch.cat([mask, block_cols], dim=2)
-            mask = mask[:, None]
+        segments = Segments(commit_len=Tc, denoise_len=Bd, n_commit=n)
+        mask = cached_attention_mask(lengths, segments, key_slots=kv[0][0].shape[2]) if kv else None
         touched: list = []
         records: list = []
         a = d = 0
         for layer in m.model.layers:
             h = layer.input_layernorm(x)
             if layer.layer_type == "full_attention":
-                keys, vals = kv[a]
+                kk, vv = kv[a]
                 a += 1
                 attn = layer.self_attn
                 q, k, v, gate = attn.project(h, rope)
                 if Tc:
-                    idx = slot[:, None, :, None].expand(B, k.shape[1], Tc, k.shape[3])
-                    keys.scatter_(2, idx, k[:, :, :Tc])
-                    vals.scatter_(2, idx, v[:, :, :Tc])
-                kk, vv = (torch.cat([keys, k[:, :, Tc:]], dim=2), torch.cat([vals, v[:, :, Tc:]], dim=2)) if Bd \
-                    else (keys, vals)
+                    scatter_kv(kk, vv, k[:, :, :Tc], v[:, :, :Tc], lengths)
+                if Bd:
+                    kk, vv = torch.cat([kk, k[:, :, Tc:]], dim=2), torch.cat([vv, v[:, :, Tc:]], dim=2)
                 out = F.scaled_dot_product_attention(q, kk, vv, attn_mask=mask,
                                                      enable_gqa=attn.num_kv_heads != attn.num_heads)
                 h = attn.finish(out, gate)
