@@ -1,7 +1,7 @@
 """The llama.cpp port (ports/llama.cpp, `llama-clover`; docs/llama-port.md).
 
 Fast: the Python driver's mapping of generation options to the port's flags
-(clover.export.llama_port.port_args), and its refusals.
+(clover.integrations.llama_port.port_args), and its refusals.
 
 Slow (CLOVER_SLOW=1, and `PORT=1 scripts/build-llama-cpp.sh`; skipped with the reason otherwise), on
 the bundled model exported in f32:
@@ -25,7 +25,7 @@ import pytest
 import torch
 
 from clover.decoding.sampling import SamplingParams
-from clover.export.llama_port import llama_cache_dir, port_args, port_binary
+from clover.integrations.llama_port import llama_cache_dir, port_args, port_binary
 
 BUNDLED = Path(__file__).resolve().parents[1] / "src" / "clover" / "assets" / "clover-tiny"
 PROMPTS, TOKENS = 20, 64
@@ -104,7 +104,7 @@ def mixed_prompts(llm, n: int) -> list[list[int]]:
 
 
 def port_run(gguf, prompts, mode, llm, **kw):
-    from clover.export.llama_port import run
+    from clover.integrations.llama_port import run
 
     params = llm.params(mode, dict(max_new_tokens=TOKENS, temperature=0.0) | kw)
     return run(gguf, prompts, port_args(mode, params), eos_ids=llm.config.eos_token_ids, timeout=900)
@@ -113,7 +113,7 @@ def port_run(gguf, prompts, mode, llm, **kw):
 @pytest.mark.slow
 def test_port_forward_matches_clover(port, gguf_f32, llm, tmp_path):
     """One forward, commit + denoise, from an empty cache: the logits of every position."""
-    from clover.export.llama_port import forward_logits
+    from clover.integrations.llama_port import forward_logits
 
     prompt = task_prompts(llm, 1)[0]
     g = torch.Generator().manual_seed(0)
@@ -207,7 +207,7 @@ def test_generate_engine_llama_cpp(port, gguf_f32, mode, capsys):
 def port_stops_like_clover(gguf, llm, prompts, mode, kw) -> int:
     """The port against clover on `prompts`: tokens, forwards and finish reason equal prompt by
     prompt; returns how many ended on a stop."""
-    from clover.export.llama_port import run
+    from clover.integrations.llama_port import run
 
     res = run(gguf, prompts, port_args(mode, llm.params(mode, kw)), eos_ids=llm.config.eos_token_ids)
     for ids, r in zip(prompts, res):
@@ -240,7 +240,7 @@ def test_port_stop_strings_match_clover(port, gguf_f32, llm, mode, kw):
     """Stop strings, decided in the port on the GGUF vocabulary's bytes: tokens (up to the one that
     completes the string), forwards and finish reason equal clover's prompt by prompt, and the
     driver's text is trimmed as clover's is."""
-    from clover.export.llama_port import generate
+    from clover.integrations.llama_port import generate
 
     kw = dict(max_new_tokens=40, temperature=0.0, stop=[", ", "\n"]) | kw
     prompts = mixed_prompts(llm, PROMPTS)

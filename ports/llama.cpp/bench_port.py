@@ -26,7 +26,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "src"))
 
-from clover.export.llama_port import llama_cache_dir, port_binary, run  # noqa: E402
+from clover.integrations.llama_port import llama_cache_dir, port_binary, run  # noqa: E402
 
 
 def probe_tokens_per_s(probe: Path, gguf: Path, prompts, n: int, eos) -> float:

@@ -7,6 +7,7 @@
   bandwidth limit measured in the same run.
 - `experts`: block expert sharing at several budgets against sharing off and AR.
 - `quant`: fp32 / bf16 / int8 / int4 of one model, each measured in its own process.
+- `eval`: the evaluation of a checkpoint (`clover eval`): held-out tasks and code, every mode.
 
 `clover bench {decode,sweep,experts,kernels,roofline,quant}` runs them (the arguments are parsed in
 `clover.cli.bench`); each entry point (`run_decode`, `run_sweep`, `run_experts`, `run_kernels`,

@@ -58,7 +58,7 @@ VLLM_MARK = "CLOVER_PEERS "
 # ----------------------------------------------------------------------------- discovery
 def llama_cpp_dir() -> Path:
     """Where `scripts/build-llama-cpp.sh` builds llama.cpp (and the port)."""
-    from ..export.llama_port import llama_cache_dir
+    from ..integrations.llama_port import llama_cache_dir
 
     return llama_cache_dir()
 
@@ -379,14 +379,14 @@ class PortRunner(Runner):
     engine = "llama-clover"
 
     def __init__(self, llm, exe: str, gguf: Path, mode: str, threads: int, n: int) -> None:
-        from ..export.llama_port import port_args
+        from ..integrations.llama_port import port_args
 
         self.exe, self.gguf, self.threads, self.n, self.variant = exe, gguf, threads, n, mode
         self.args = lambda n: port_args(mode, llm.params(mode, {"max_new_tokens": n, "ignore_eos": True}))
         self.eos = sorted(set(llm.config.eos_token_ids))
 
     def _run(self, ids, n):
-        from ..export.llama_port import run
+        from ..integrations.llama_port import run
 
         return run(self.gguf, [ids], self.args(n), eos_ids=self.eos, threads=self.threads, binary=self.exe,
                    timeout=1200)[0]
@@ -506,7 +506,7 @@ def run_peers(
     import clover
 
     from ..decoding import get_mode, mode_names
-    from ..export.llama_port import MODES as PORT_MODES
+    from ..integrations.llama_port import MODES as PORT_MODES
     from ..models import parameter_counts
 
     threads = list(dict.fromkeys(threads))

@@ -1,4 +1,4 @@
-"""`clover eval`: every registered mode on the same weights, held-out tasks and code (`clover.eval`)."""
+"""`clover eval`: every registered mode on the same weights, held-out tasks and code (`clover.bench.eval`)."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
     from tqdm import tqdm
 
-    from ..eval import markdown, run_eval
+    from ..bench.eval import markdown, run_eval
 
     if args.task_prompts <= 0 or args.code_prompts <= 0:
         raise UsageError("--task-prompts/--code-prompts: must be positive")

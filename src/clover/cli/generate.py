@@ -76,7 +76,7 @@ def run(args: argparse.Namespace) -> int:
     tty = sys.stdout.isatty()
 
     if args.engine == "llama.cpp":
-        from ..export.llama_port import generate as port_generate
+        from ..integrations.llama_port import generate as port_generate
 
         rec = port_generate(llm, prompt, mode, kwargs, gguf=args.gguf, threads=args.threads)
         if args.json:

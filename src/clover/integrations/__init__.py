@@ -1,2 +1,2 @@
-"""Clover inside other serving stacks (vLLM: `clover.integrations.vllm`). Nothing here is imported by
-the rest of clover; each integration imports its host package only when that host loads it."""
+"""Clover working with other engines and stacks: `vllm` (a vLLM model plugin, imported only when
+vLLM loads it) and `llama_port` (the driver of the llama.cpp port's binary, `ports/llama.cpp`)."""

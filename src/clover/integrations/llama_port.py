@@ -129,7 +129,7 @@ def generate(llm, prompt, mode: str, kwargs: dict, *, gguf: str | os.PathLike | 
         eos.add(llm.tokenizer.eos_token_id)
     with tempfile.TemporaryDirectory() as tmp:
         if gguf is None:
-            from .gguf import export_gguf
+            from ..export.gguf import export_gguf
 
             gguf = Path(tmp) / "model.gguf"
             export_gguf(llm.path, gguf, dtype="f32", progress=False)

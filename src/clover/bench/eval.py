@@ -19,16 +19,16 @@ import math
 
 import torch
 
-from .bench.decode import fmt, load_items, run_decode
-from .decoding import get_mode, mode_names
-from .bench.sweep import run_sweep
+from .decode import fmt, load_items, run_decode
+from ..decoding import get_mode, mode_names
+from .sweep import run_sweep
 
 
 @torch.inference_mode()
 def teacher_forced(llm, *, files: int = 8, seq_len: int = 256, block_size: int = 32, seed: int = 0, max_seqs: int = 64) -> dict:
     """AR perplexity and next-token accuracy on held-out stdlib text; diffusion masked-token accuracy
     (and the share of masked tokens predicted with p >= threshold) with the training layout."""
-    from .data.corpus import read_text, stdlib_files
+    from ..data.corpus import read_text, stdlib_files
 
     paths = stdlib_files("heldout")[:files]
     ids: list[int] = []
