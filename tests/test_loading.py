@@ -106,7 +106,7 @@ def test_config_variants():
 @pytest.mark.parametrize(
     "raw, match",
     [
-        ({"model_type": "llama"}, "not supported"),
+        ({"model_type": "gpt2"}, "not supported"),
         ({"model_type": "qwen3_5_moe"}, "text_config"),
         ({"model_type": "qwen3_5_moe_text", "hidden_size": 8}, "missing required"),
     ],

@@ -24,7 +24,13 @@ from typing import Any
 from .decoding.acceptance import POLICIES as ACCEPTANCE_POLICIES
 
 # text model_type -> its MLP ("moe" or "dense"); the text models this config describes
-BACKBONES = {"qwen3_5_moe_text": "moe", "qwen3_5_text": "dense"}
+BACKBONES = {"qwen3_5_moe_text": "moe", "qwen3_5_text": "dense", "llama": "dense"}
+# what a config.json of that model_type means when it leaves a key out (the architecture's own defaults;
+# `clover.models.llama` reads the rest: its RoPE scaling, biases, full rotary)
+BACKBONE_DEFAULTS: dict[str, dict[str, Any]] = {
+    "llama": {"rope_theta": 10000.0, "partial_rotary_factor": 1.0, "full_attention_interval": 1,
+              "max_position_embeddings": 2048},
+}
 # multimodal model_type -> the text model nested in its `text_config`
 MULTIMODAL = {"qwen3_5_moe": "qwen3_5_moe_text", "qwen3_5": "qwen3_5_text"}
 SUPPORTED_MODEL_TYPES = (*MULTIMODAL, *BACKBONES, "clover")
@@ -102,6 +108,8 @@ class CloverConfig:
     partial_rotary_factor: float = 0.25
     max_position_embeddings: int = 32768
     attention_bias: bool = False
+    mlp_bias: bool = False  # llama
+    rope_scaling: dict | None = None  # llama: the rope_parameters beyond theta ({"rope_type": "llama3", ...})
     linear_conv_kernel_dim: int = 4
     linear_key_head_dim: int = 128
     linear_value_head_dim: int = 128
@@ -148,7 +156,7 @@ class CloverConfig:
         if self.head_dim is None:
             self.head_dim = self.hidden_size // self.num_attention_heads
         if self.layer_types is None:
-            n = self.full_attention_interval
+            n = BACKBONE_DEFAULTS.get(self.base_model_type, {}).get("full_attention_interval", self.full_attention_interval)
             self.layer_types = [
                 "full_attention" if (i + 1) % n == 0 else "linear_attention"
                 for i in range(self.num_hidden_layers)
@@ -279,10 +287,18 @@ class CloverConfig:
                 if key in rope and key not in d:
                     d[key] = rope[key]
                     shown[key] = f"{where}.{key}"
-            rope_type = rope.get("rope_type", rope.get("type", "default"))
-            if rope_type not in ("default", None):
-                raise ConfigError(f"{source}: rope type {rope_type!r} is not supported (only the default RoPE)")
         base = d.get("backbone") if d.get("model_type") == "clover" else d.get("model_type")
+        d.pop("rope_scaling", None)
+        if rope:
+            rope_type = rope.get("rope_type", rope.get("type", "default"))
+            if base in BACKBONE_DEFAULTS:  # the architecture checks its own scaling types
+                if rope_type not in ("default", None):
+                    d["rope_scaling"] = {"rope_type": rope_type, **{k: v for k, v in rope.items() if k not in (
+                        "rope_theta", "partial_rotary_factor", "type", "rope_type")}}
+            elif rope_type not in ("default", None):
+                raise ConfigError(f"{source}: rope type {rope_type!r} is not supported (only the default RoPE)")
+        for key, value in BACKBONE_DEFAULTS.get(base if isinstance(base, str) else "", {}).items():
+            d.setdefault(key, value)
         kind = BACKBONES.get(base if isinstance(base, str) else "", "moe")
         missing = [k for k in COMMON_KEYS + MLP_KEYS[kind] if k not in d]
         if missing:
@@ -325,10 +341,21 @@ class CloverConfig:
             "rope_theta": d.pop("rope_theta"),
             "partial_rotary_factor": d.pop("partial_rotary_factor"),
         }
+        scaling = d.pop("rope_scaling")
+        if scaling:
+            d["rope_parameters"].update(scaling)
+        if self.base_model_type in BACKBONE_DEFAULTS:  # fields of the hybrid stack it does not have
+            d["rope_parameters"].pop("partial_rotary_factor")
+            for k in ("linear_conv_kernel_dim", "linear_key_head_dim", "linear_value_head_dim", "linear_num_key_heads",
+                      "linear_num_value_heads", "layer_types"):
+                d.pop(k)
+        else:
+            d.pop("mlp_bias")
         if self.model_type == "clover":
             d["architectures"] = ["CloverForBlockDiffusion"]
         else:
-            d["architectures"] = ["Qwen3_5MoeForCausalLM" if self.is_moe else "Qwen3_5ForCausalLM"]
+            d["architectures"] = ["LlamaForCausalLM" if self.model_type == "llama" else
+                                  "Qwen3_5MoeForCausalLM" if self.is_moe else "Qwen3_5ForCausalLM"]
             for k in ("backbone", "mask_token_id", "block_size", "threshold", "policy", "expert_budget"):
                 d.pop(k)
         unused = ("intermediate_size",) if self.is_moe else (

@@ -20,6 +20,7 @@ ARCHITECTURES: dict[str, str] = {
     "qwen3_5_text": "qwen3_5",
     "qwen3_5_moe": "qwen3_5_moe",
     "qwen3_5_moe_text": "qwen3_5_moe",
+    "llama": "llama",
     "clover": "clover",
 }
 
