@@ -130,6 +130,8 @@ class CloverConfig:
     backbone: str | None = None  # clover: the text model_type underneath (None = qwen3_5_moe_text)
     mask_token_id: int | None = None
     block_size: int = 32
+    block_sizes: list[int] | None = None  # the block sizes it was trained on (block_size="auto" picks among them)
+    block_tokens_per_forward: dict | None = None  # width -> measured tokens per forward (auto's prior)
     threshold: float = 0.95
     policy: str = "threshold"  # the default acceptance policy (clover.decoding.acceptance)
     expert_budget: int | None = None
@@ -196,6 +198,8 @@ class CloverConfig:
             bad(f"partial_rotary_factor {self.partial_rotary_factor} gives an odd or too large rotary dim {self.rotary_dim}")
         if self.block_size <= 0:
             bad(f"block_size must be positive, got {self.block_size}")
+        if self.block_sizes is not None and (not self.block_sizes or min(self.block_sizes) <= 0):
+            bad(f"block_sizes must be a non-empty list of positive sizes, got {self.block_sizes}")
         if not (self.threshold > 0):
             bad(f"threshold must be positive, got {self.threshold}")
         if self.policy not in ACCEPTANCE_POLICIES:
@@ -356,14 +360,16 @@ class CloverConfig:
         else:
             d["architectures"] = ["LlamaForCausalLM" if self.model_type == "llama" else
                                   "Qwen3_5MoeForCausalLM" if self.is_moe else "Qwen3_5ForCausalLM"]
-            for k in ("backbone", "mask_token_id", "block_size", "threshold", "policy", "expert_budget"):
+            for k in ("backbone", "mask_token_id", "block_size", "block_sizes", "block_tokens_per_forward", "threshold",
+                      "policy", "expert_budget"):
                 d.pop(k)
         unused = ("intermediate_size",) if self.is_moe else (
             "num_experts", "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size", "router_aux_loss_coef")
         for k in unused:
             d.pop(k)
-        if d["quantization_config"] is None:
-            d.pop("quantization_config")
+        for k in ("quantization_config", "block_sizes", "block_tokens_per_forward"):
+            if d.get(k, 0) is None:
+                d.pop(k)
         return d
 
     def save(self, directory: str | Path) -> None:

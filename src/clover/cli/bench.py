@@ -1,4 +1,4 @@
-"""`clover bench {decode,sweep,experts,kernels,roofline,slice,matmul,quant,peers}`: the arguments of each benchmark and
+"""`clover bench {decode,sweep,cost,experts,kernels,roofline,slice,matmul,quant,peers}`: the arguments of each benchmark and
 the dispatch to `clover.bench` (which holds the benchmarks as functions returning JSON-ready dicts)."""
 
 from __future__ import annotations
@@ -58,6 +58,24 @@ def configure(parser: argparse.ArgumentParser) -> None:
                    help="acceptance policies compared at the default block size, comma-separated specs "
                         "POLICY[:VALUE][/subN][/leftmost], e.g. threshold/leftmost,factor:1,hierarchy:0.5,entropy:0.3/sub8")
     p.add_argument("--plot", metavar="FILE", default="build/bench/sweep.png", help="PNG path (default: build/bench/sweep.png)")
+
+    p = sub.add_parser("cost", help="forward time vs positions (commit, denoise, verify), cached for block_size=auto",
+                       description="Median time of commit, denoise and verify forwards at 1, 2, 4, ... 64 positions, "
+                                   "at batch 1 and under batch, eager, compiled (--compile) or both (--both); printed as a table, "
+                                   "kept per model and machine in the user cache (where block_size=\"auto\" reads "
+                                   "it), then plotted.")
+    _model_arguments(p)
+    p.add_argument("--positions", default=",".join(map(str, COST_POSITIONS)), metavar="LIST",
+                   help="positions per row, comma-separated (default: 1,2,4,8,16,32,64)")
+    p.add_argument("--batches", default="1,16", metavar="LIST", help="batch sizes, comma-separated (default: 1,16)")
+    p.add_argument("--kinds", default="commit,denoise,verify", metavar="LIST", help="forward kinds (default: all three)")
+    p.add_argument("--repeat", type=int, default=5, metavar="N", help="timed forwards per point (default: 5)")
+    p.add_argument("--prefix", type=int, default=64, metavar="N", help="committed prefix before each forward (default: 64)")
+    p.add_argument("--both", action="store_true",
+                   help="measure eager, then compile (--compile's static steps) and measure again (each shape "
+                        "compiles once, in its warm-up)")
+    p.add_argument("--no-save", action="store_true", help="do not write the curve to the user cache")
+    p.add_argument("--plot", metavar="FILE", default="build/bench/cost.png", help="PNG path (default: build/bench/cost.png)")
 
     p = sub.add_parser("experts", help="block expert sharing ablation: budget off, 4k, 3k, 2k, k",
                        description="Diffusion with the block's tokens sharing `expert_budget` experts, against sharing "
@@ -162,6 +180,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 KERNEL_GROUPS = ("gdn", "attention", "moe")
+COST_POSITIONS = (1, 2, 4, 8, 16, 32, 64)
 PEER_ENGINES = ("clover", "transformers", "llama.cpp", "llama-clover", "vllm")
 
 
@@ -199,7 +218,7 @@ def run(args: argparse.Namespace) -> int:
         from ..bench.common import set_threads
 
         set_threads(getattr(args, "threads", None))
-    return {"decode": run_decode, "sweep": run_sweep, "kernels": run_kernels, "roofline": run_roofline,
+    return {"decode": run_decode, "sweep": run_sweep, "cost": run_cost, "kernels": run_kernels, "roofline": run_roofline,
             "experts": run_experts, "quant": run_quant, "slice": run_slice, "matmul": run_matmul,
             "peers": run_peers}[args.bench_command](args)
 
@@ -220,6 +239,39 @@ def run_experts(args) -> int:
         json.dump(result, sys.stdout, indent=1, default=str)
     else:
         print(experts_markdown(result))
+    return 0
+
+
+def run_cost(args) -> int:
+    from ..bench.cost import cost_table, plot_cost, run_cost as bench_cost
+
+    positive("--repeat", args.repeat)
+    positive("--prefix", args.prefix)
+    positions = parse_list(args.positions, int, "--positions")
+    batches = parse_list(args.batches, int, "--batches")
+    for name, xs in (("--positions", positions), ("--batches", batches)):
+        for x in xs:
+            positive(name, x)
+    kinds = tuple(parse_list(args.kinds, str, "--kinds"))
+    compiled = bool(args.compile) or args.both
+    if args.both:
+        args.compile = False  # eager first; run_cost compiles after
+    llm, note = _load(args)
+    progress = _progress(args.json)
+    result = bench_cost(llm, kinds=kinds, batches=tuple(batches), positions=tuple(positions), repeat=args.repeat,
+                        prefix=args.prefix, eager=args.both or not compiled, compiled=compiled,
+                        save=not args.no_save, progress=(lambda m: progress(f"{m:<60}")) if progress else None)
+    result["model_note"] = note
+    if progress:
+        print(file=sys.stderr)
+    _emit(result, cost_table(result), args.json)
+    if args.json != "-":
+        for variant, path in result["cached"].items():
+            print(f"{variant} curve cached in {path}")
+    if args.plot:
+        path = plot_cost(result, args.plot)
+        if path and args.json != "-":
+            print(f"plot written to {path}")
     return 0
 
 

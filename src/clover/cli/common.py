@@ -163,7 +163,18 @@ def add_sampling_arguments(p: argparse.ArgumentParser, *, max_new_tokens: int | 
                 kw["choices"] = lim.choices
             if name == "max_new_tokens":
                 kw["default"] = max_new_tokens
+            if name == "block_size":  # an integer, or "auto" (diffusion: the engine picks a trained width)
+                kw.update(type=_int_or_auto, metavar="N|auto")
         g.add_argument(*names, **kw)
+
+
+def _int_or_auto(text: str):
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer or 'auto', got {text!r}") from None
 
 
 _SIMPLE_ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "\\": "\\", '"': '"', "'": "'"}

@@ -21,6 +21,8 @@ def configure(p: argparse.ArgumentParser) -> None:
     out.add_argument("--step-delay", type=float, default=0.0, metavar="SEC", help="--live: pause after each denoise step")
     out.add_argument("--timeline", metavar="FILE", help="write a picture of the decoding: FILE.png (or .svg) or FILE.html")
     out.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    out.add_argument("--verbose", "-v", action="store_true",
+                     help="also print each block_size=auto width decision and why (expected tokens/s per width)")
     eng = p.add_argument_group("engine")
     eng.add_argument("--engine", choices=("torch", "llama.cpp"), default="torch",
                      help="llama.cpp: run the ggml port (PORT=1 scripts/build-llama-cpp.sh; docs/llama-port.md)")
@@ -96,7 +98,8 @@ def run(args: argparse.Namespace) -> int:
         from rich.console import Console
 
         console = Console()
-        view = viz.LiveView(lambda t: llm.tokenizer.decode([t]), params.block_size, console=console,
+        view = viz.LiveView(lambda t: llm.tokenizer.decode([t]),
+                            params.block_size if isinstance(params.block_size, int) else 64, console=console,
                             title=f"clover · {mode}", step_delay=args.step_delay)
         gen = None
         with view:
@@ -124,7 +127,14 @@ def run(args: argparse.Namespace) -> int:
     s = gen.stats
     if not args.json and not (args.live and tty):  # the live view already shows the stats
         stderr(f"[{mode}] " + viz.stats_line(s.tokens, s.forwards, s.seconds, gen.finish_reason))
+    if s.width_why and not args.json:  # block_size="auto": the widths chosen (every decision with --verbose)
+        widths = ", ".join(f"{w}×{s.block_widths.count(w)}" for w in sorted(set(s.block_widths)))
+        stderr(f"[{mode}] block_size auto: blocks of {widths}")
+        if args.verbose:
+            for line in s.width_why:
+                stderr(f"  {line}")
     if args.timeline:
-        out = write_timeline(llm, gen, mode, params.block_size, args.timeline)
+        width = params.block_size if isinstance(params.block_size, int) else max(s.block_widths or [llm.config.block_size])
+        out = write_timeline(llm, gen, mode, width, args.timeline)
         stderr(f"timeline written to {out}")
     return 0

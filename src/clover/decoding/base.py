@@ -50,6 +50,8 @@ class RowState:
     forwards: int = 0
     experts_touched: list[int] = field(default_factory=list)
     block_steps: list[int] = field(default_factory=list)
+    block_widths: list[int] = field(default_factory=list)  # the width of each block (diffusion; block_size="auto" varies it)
+    width_why: list[str] = field(default_factory=list)  # block_size="auto": each width decision this row rode, and why
     forced_steps: int = 0  # denoise steps where no position reached the threshold (diffusion)
     forced: list[int] = field(default_factory=list)  # indices into `tokens` committed by such a step
     started: float = field(default_factory=time.perf_counter)
@@ -162,6 +164,8 @@ class GenerationStats:
     seconds: float
     experts_touched: float | None = None  # mean unique experts per MoE layer per forward
     block_steps: list[int] = field(default_factory=list)  # denoise steps per block (diffusion)
+    block_widths: list[int] = field(default_factory=list)  # width of each block (diffusion)
+    width_why: list[str] = field(default_factory=list)  # block_size="auto": the width decisions and why
     forced_steps: int = 0  # denoise steps that committed their most confident position below the threshold
     accept_lengths: list[int] = field(default_factory=list)  # tokens per iteration (speculative)
 
@@ -183,6 +187,7 @@ class GenerationStats:
             "tokens_per_second": round(self.tokens_per_second, 3),
             "experts_touched": self.experts_touched,
             "block_steps": self.block_steps,
+            "block_widths": self.block_widths,
             "forced_steps": self.forced_steps,
         }
 
@@ -197,6 +202,8 @@ class GenerationStats:
             seconds=end - row.started,
             experts_touched=et,
             block_steps=list(row.block_steps),
+            block_widths=list(row.block_widths),
+            width_why=list(row.width_why),
             forced_steps=row.forced_steps,
             accept_lengths=list(row.accept_lengths),
         )

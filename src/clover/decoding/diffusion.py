@@ -18,6 +18,13 @@ stop string, the output ends at or before it, so later positions of the block ar
 Rows advance independently: each forward carries, per row, whatever it has to commit (a prompt, a
 finished block, or nothing) plus its current block, so rows can join or leave at any forward.
 
+`block_size="auto"` (`clover.decoding.width`): whenever every row stands at a block boundary (a fresh,
+all-masked block), the engine picks the trained width with the most expected tokens per second for
+the rows it holds (their tokens per forward so far against the model's prior, over the measured
+cost of a forward at that width); every block is then decoded exactly as at that fixed width. Rows
+that ride together share one width, so with rows at different points of their blocks the width
+holds until they meet a boundary together. `choices` keeps each decision and why.
+
 `recompute=True` is the uncached baseline (`mode="naive"`): every forward rebuilds the whole
 committed sequence from scratch with the same block and acceptance rules.
 """
@@ -31,6 +38,7 @@ import torch
 from .acceptance import accept, needs_entropy
 from .base import BatchEngine, DecodeEvent, EngineRow, RowState, pad_right, propose_tokens
 from .modes import Mode, register
+from .sampling import AUTO
 
 
 @dataclass(eq=False)
@@ -44,21 +52,49 @@ class DiffusionRow(EngineRow):
     dec_forced: torch.Tensor | None = None  # [Bs] bool: decoded by a forced step
     step: int = 0  # denoise steps spent on the current block
     need: int = 0  # positions that must be decoded in this block
+    expected_gain: float = 0.0  # block_size="auto": the prior's tokens beyond one per forward, summed over forwards
 
 
 class DiffusionEngine(BatchEngine):
     row_type = DiffusionRow
 
-    def __init__(self, model, *, block_size: int, mask_id: int, pad_id: int = 0,
+    def __init__(self, model, *, block_size: int | str, mask_id: int, pad_id: int = 0,
                  recompute: bool = False, provisional: bool = False, expert_budget: int | None = None,
-                 expert_rank: str = "sum") -> None:
+                 expert_rank: str = "sum", width_policy=None) -> None:
         super().__init__(model, pad_id=pad_id)
+        self.width_policy = None
+        if block_size == AUTO:
+            from .width import WidthPolicy
+
+            self.width_policy = width_policy or WidthPolicy.for_model(model)
+            block_size = max(self.width_policy.widths)
         self.block_size, self.mask_id = block_size, mask_id
+        self.max_width = block_size
         self.recompute, self.provisional, self.expert_budget = recompute, provisional, expert_budget
         self.expert_rank = expert_rank
+        self.choices: list = []  # block_size="auto": each WidthChoice (width, why), in order
+        self.forwards = 0
 
     def _capacity(self, row: RowState) -> int:
-        return len(row.prompt) + row.params.max_new_tokens + 2 * self.block_size
+        return len(row.prompt) + row.params.max_new_tokens + 2 * self.max_width
+
+    def _choose_width(self) -> None:
+        """block_size="auto": when every row is at a fresh block, pick the width for the next blocks."""
+        rows = self.rows
+        if not all(r.state.step == 0 for r in rows):
+            return
+        pol = self.width_policy
+        stats = [(pol.row_scale(len(r.tokens), r.forwards, r.state.expected_gain), r.remaining) for r in rows]
+        choice = pol.choose(stats)
+        choice.forward = self.forwards
+        if not self.choices or self.choices[-1].width != choice.width or self.choices[-1].batch != choice.batch:
+            self.choices.append(choice)
+            for r in rows:
+                r.width_why.append(f"forward {self.forwards}: {choice.why()}")
+        if choice.width != self.block_size:
+            self.block_size = choice.width
+            for r in rows:
+                self._new_block(r)
 
     def _init_row(self, row: RowState) -> None:
         super()._init_row(row)
@@ -92,7 +128,10 @@ class DiffusionEngine(BatchEngine):
 
     @torch.inference_mode()
     def step(self) -> list[DecodeEvent]:
+        if self.width_policy is not None:
+            self._choose_width()
         Bs, rows = self.block_size, self.rows
+        self.forwards += 1
         if self.recompute:
             cache = self.model.make_cache(len(rows), max(len(r.state.committed) for r in rows) + Bs)
             commit_src = [r.state.committed for r in rows]
@@ -123,6 +162,8 @@ class DiffusionEngine(BatchEngine):
             # position 0 from the commit part, position j >= 1 from block position j-1
             logits = torch.cat([r.state.first_logits[None], out.denoise_logits[i, : Bs - 1]], dim=0)
             r.forwards += 1
+            if self.width_policy is not None:
+                r.state.expected_gain += self.width_policy.prior[Bs] - 1.0
             r.experts_touched.extend(out.experts_touched)
             events.extend(self._denoise_row(i, r, logits))
         self._drop_finished()
@@ -197,6 +238,7 @@ class DiffusionEngine(BatchEngine):
         # string — the positions after it cannot change the output): emit it, then queue it for
         # commit with the next block's first step
         r.block_steps.append(r.state.step)
+        r.block_widths.append(Bs)
         start = len(r.tokens)
         kept = r.accept(r.state.blk[:done].tolist(), r.state.dec_step[:done].tolist())
         n = len(r.tokens)  # a stop string may have cut into earlier blocks too
@@ -246,9 +288,12 @@ class Diffusion(Mode):
     threshold_commit = True
     summary = "block diffusion with the cache: every position whose confidence passes the threshold commits"
     recompute = False
+    auto_width = True
 
     def extra_positions(self, params) -> int:
-        return params.block_size
+        from .width import AUTO_MAX_WIDTH
+
+        return AUTO_MAX_WIDTH if params.block_size == AUTO else params.block_size
 
     def check(self, params) -> None:
         if params.policy == "hierarchy" and params.low_threshold > params.threshold:

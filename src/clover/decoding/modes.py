@@ -9,7 +9,7 @@ options rows must share to ride in one forward (its batching key), and how to bu
 
 from __future__ import annotations
 
-from .sampling import SamplingParams
+from .sampling import AUTO, SamplingParams
 
 
 class Mode:
@@ -17,6 +17,7 @@ class Mode:
     needs_mask: bool = False  # decodes with the mask token (a Clover checkpoint)
     threshold_commit: bool = False  # commits by the confidence threshold (block steps, forced steps)
     reference: str | None = None  # a lossless mode: its greedy tokens equal this mode's
+    auto_width: bool = False  # takes block_size="auto" (otherwise "auto" means the model's block size)
     summary: str = ""
 
     def check(self, params: SamplingParams) -> None:
@@ -71,7 +72,7 @@ def resolve_params(mode: str, kwargs: dict, config) -> SamplingParams:
     `diffusion_generate` both call it."""
     m = get_mode(mode)
     params = SamplingParams.from_kwargs(**kwargs).check_model(config.vocab_size)
-    if params.block_size is None:
+    if params.block_size is None or (params.block_size == AUTO and not m.auto_width):
         params.block_size = config.block_size
     if params.policy is None:  # a threshold given alone asks for the threshold rule
         params.policy = "threshold" if params.threshold is not None else config.policy

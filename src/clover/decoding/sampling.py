@@ -14,6 +14,7 @@ EXPERT_RANKS = ("sum", "max")  # clover.moe.BlockSharing.rank
 SEED_MAX = 2**64 - 1
 _FMAX = torch.finfo(torch.float32).max
 MAX_N = 64  # completions per request (the server's `n`)
+AUTO = "auto"  # block_size: the engine picks a trained width per block (clover.decoding.width)
 
 
 def _num(x: float) -> str:
@@ -127,7 +128,8 @@ LIMITS: dict[str, Limit] = {
     "presence_penalty": Limit(float, ge=-2, le=2, doc="subtracted from the logits of tokens already seen"),
     "eos_penalty": Limit(float, ge=-100, le=100, doc="subtracted from the EOS logits"),
     "no_repeat_ngram_size": Limit(int, ge=0, le=64, doc="0 = off"),
-    "block_size": Limit(int, ge=1, le=1024, nullable=True, doc="diffusion / speculative block (null = the model's)"),
+    "block_size": Limit(int, ge=1, le=1024, nullable=True,
+                        doc="diffusion / speculative block (null = the model's); diffusion also takes \"auto\": per block, the trained width with the most expected tokens/s"),
     "threshold": Limit(float, gt=0, le=2, nullable=True, doc="confidence to accept a token (null = the model's); above 1: one token per step"),
     "confidence": Limit(str, choices=CONFIDENCE_KINDS, doc="confidence measure"),
     "policy": Limit(str, choices=tuple(POLICIES), nullable=True,
@@ -169,7 +171,7 @@ class SamplingParams:
     eos_penalty: float = 0.0
     no_repeat_ngram_size: int = 0
     # diffusion
-    block_size: int | None = None  # None: the model's config
+    block_size: int | str | None = None  # None: the model's config; "auto" (diffusion): chosen per block
     threshold: float | None = None  # None: the model's config
     confidence: str = "prob"
     policy: str | None = None  # None: the model's (LLM.params)
@@ -193,6 +195,8 @@ class SamplingParams:
         if self.stop_token_ids is None:
             self.stop_token_ids = []
         for name, lim in LIMITS.items():
+            if name == "block_size" and self.block_size == AUTO:
+                continue
             setattr(self, name, lim.check(name, getattr(self, name)))
         self.stop = [s for s in self.stop if s]
         self.top_k = max(0, self.top_k)

@@ -66,7 +66,7 @@ class _Sampling(BaseModel):
     ignore_eos: bool = False
     # Clover's decoding options
     mode: Annotated[str, AfterValidator(_registered_mode), Field(json_schema_extra=_mode_enum)] | None = None
-    block_size: int | None = _f("block_size")
+    block_size: Annotated[int, Field(**LIMITS["block_size"].field())] | Literal["auto"] | None = None
     threshold: float | None = _f("threshold")
     confidence: Literal[CONFIDENCE_KINDS] = "prob"  # type: ignore[valid-type]
     policy: Literal[tuple(POLICIES)] | None = None  # type: ignore[valid-type]  # None: the model's

@@ -1,0 +1,325 @@
+"""What a forward costs, and the block width that pays (`block_size="auto"`).
+
+**The cost curve.** A forward's time against the number of positions it carries, per kind:
+- `commit`: n tokens appended causally (n = 1 is the AR step);
+- `denoise`: one block of n positions denoised against the cache;
+- `verify`: speculative decoding's forward, a draft of n committed causally with every logit plus the
+  next draft of n denoised (2n positions).
+Measured on this machine at batch 1 and under batch (`time_forward`, `measure_curve`; `clover bench
+cost` runs the full sweep) and kept per model shape and machine in the user cache
+(`$XDG_CACHE_HOME/clover/cost/`, JSON), eager and compiled apart.
+
+**The width choice.** A model trained on several block sizes (`config.block_sizes`, block-size
+calibration) decodes exactly at any of them, and a narrow block costs less per forward but commits
+fewer tokens. With `block_size="auto"` the diffusion engine picks, whenever every row stands at a
+block boundary, the trained width `w` that maximises the expected tokens per second
+
+    sum over rows of tpf_row(w)  /  cost(w)
+
+- `tpf_row(w) = min(w, remaining, 1 + s_row * (prior(w) - 1))`: the prior is the model's measured
+  tokens per forward at each width (`config.block_tokens_per_forward`, written with the model card;
+  w/8 capped at 4 when absent), and `s_row` scales its gain by how this row has gone so far (tokens
+  committed beyond one per forward, against what the prior expected; 8 forwards' worth of prior);
+- `cost(w)`: the curve's denoise forward at w positions, the block-commit forwards (once per block)
+  counted as a denoise forward of 2w positions.
+The choice depends only on the committed tokens and the cost table, so a run with a given table is
+reproducible; `WidthChoice` records each decision and why (the expected tokens/s per width).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+KINDS = ("commit", "denoise", "verify")
+POSITIONS = (1, 2, 4, 8, 16, 32, 64)
+SCHEMA = "clover.cost/1"
+AUTO_MAX_WIDTH = 64  # block_size="auto" picks among the trained widths up to this (the context it reserves)
+PRIOR_PSEUDO_FORWARDS = 8.0  # how many forwards' worth of evidence the prior tokens-per-forward carries
+
+
+# ------------------------------------------------------------------------------ identity
+def cost_root() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "clover" / "cost"
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def compiled_kind(model) -> str:
+    return "compiled" if getattr(model, "_clover_compiled", False) else "eager"
+
+
+def cost_key(model, variant: str | None = None) -> dict:
+    """What a forward's cost depends on: the model's shapes and dtype, eager or compiled, the device
+    and the machine (CPU, threads, torch)."""
+    c = model.config
+    shape = {k: getattr(c, k, None) for k in (
+        "model_type", "backbone", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+        "num_key_value_heads", "head_dim", "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+        "linear_value_head_dim", "num_experts", "num_experts_per_tok", "moe_intermediate_size",
+        "shared_expert_intermediate_size", "intermediate_size", "layer_types")}
+    dev = model.device
+    return {
+        "model": shape,
+        "dtype": str(model.dtype).replace("torch.", ""),
+        "variant": variant or compiled_kind(model),
+        "device": str(dev),
+        "machine": torch.cuda.get_device_name(dev) if dev.type == "cuda" else _cpu_name(),
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+    }
+
+
+def cost_path(key: dict) -> Path:
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    return cost_root() / f"{key['variant']}-{digest}.json"
+
+
+# ------------------------------------------------------------------------------ the curve
+@dataclass
+class CostCurve:
+    """seconds[kind][batch][positions], measured; `seconds()` interpolates between the points."""
+
+    seconds_by: dict = field(default_factory=dict)  # kind -> batch -> positions -> seconds
+    key: dict = field(default_factory=dict)
+
+    def add(self, kind: str, batch: int, positions: int, seconds: float) -> None:
+        self.seconds_by.setdefault(kind, {}).setdefault(int(batch), {})[int(positions)] = float(seconds)
+
+    def has(self, kind: str) -> bool:
+        return bool(self.seconds_by.get(kind))
+
+    def seconds(self, kind: str, batch: int, positions: int) -> float:
+        """A forward of `kind` at `batch` rows and `positions` per row: linear between the measured
+        positions (and past the last two); a batch that was not measured reads the nearest measured
+        batch at the same total number of positions."""
+        by_batch = self.seconds_by.get(kind)
+        if not by_batch:
+            raise KeyError(f"cost curve: no {kind!r} forwards measured")
+        if batch in by_batch:
+            pts, n = by_batch[batch], positions
+        else:
+            b0 = min(by_batch, key=lambda b: (abs(b - batch), b))
+            pts, n = by_batch[b0], positions * batch / b0
+        xs = sorted(pts)
+        if len(xs) == 1:
+            return pts[xs[0]] * max(n, 1) / xs[0] if n > xs[0] else pts[xs[0]]
+        if n <= xs[0]:
+            return pts[xs[0]]
+        for lo, hi in zip(xs, xs[1:]):
+            if n <= hi:
+                return pts[lo] + (pts[hi] - pts[lo]) * (n - lo) / (hi - lo)
+        lo, hi = xs[-2], xs[-1]
+        return pts[hi] + (pts[hi] - pts[lo]) * (n - hi) / (hi - lo)
+
+    def to_dict(self) -> dict:
+        return {"schema": SCHEMA, "key": self.key,
+                "seconds": {k: {str(b): {str(p): s for p, s in sorted(pts.items())} for b, pts in sorted(bb.items())}
+                            for k, bb in self.seconds_by.items()}}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "CostCurve":
+        if d.get("schema") != SCHEMA:
+            raise ValueError(f"cost curve: schema {d.get('schema')!r}, expected {SCHEMA!r}")
+        curve = cls(key=d.get("key", {}))
+        for kind, bb in d["seconds"].items():
+            for b, pts in bb.items():
+                for p, s in pts.items():
+                    curve.add(kind, int(b), int(p), float(s))
+        return curve
+
+
+def load_curve(model) -> CostCurve | None:
+    """The cached curve for this model shape, variant and machine, or None."""
+    path = cost_path(cost_key(model))
+    try:
+        return CostCurve.from_dict(json.loads(path.read_text()))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def save_curve(model, curve: CostCurve, variant: str | None = None) -> Path:
+    """Merge `curve` into the cached one (new points replace old ones) and write it."""
+    key = cost_key(model, variant)
+    path = cost_path(key)
+    merged = None
+    try:
+        merged = CostCurve.from_dict(json.loads(path.read_text()))
+    except (OSError, ValueError, KeyError, TypeError):
+        merged = CostCurve()
+    for kind, bb in curve.seconds_by.items():
+        for b, pts in bb.items():
+            for p, s in pts.items():
+                merged.add(kind, b, p, s)
+    merged.key = key
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(merged.to_dict(), indent=1) + "\n")
+    tmp.replace(path)
+    return path
+
+
+# ------------------------------------------------------------------------------ measuring
+def _sync(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@torch.inference_mode()
+def time_forward(model, kind: str, batch: int, positions: int, *, prefix: int = 64, repeat: int = 5,
+                 warmup: int = 1, mask_id: int | None = None) -> list[float]:
+    """Seconds of `repeat` forwards of `kind` (`KINDS`) with `batch` rows of `positions` each, after a
+    committed prefix of `prefix` tokens (after `warmup` untimed forwards, where a compiled model
+    compiles). The cache is put back after each forward (its lengths; the states' values do not
+    change the cost)."""
+    if kind not in KINDS:
+        raise ValueError(f"kind: must be one of {', '.join(KINDS)}, got {kind!r}")
+    dev = model.device
+    vocab = model.config.vocab_size
+    mask = mask_id if mask_id is not None else (model.config.mask_token_id or 0)
+    gen = torch.Generator().manual_seed(0)
+    cache = model.make_cache(batch, prefix + 2 * positions + 2)
+    model.step(cache, commit_ids=torch.randint(3, vocab, (batch, prefix), generator=gen).to(dev))
+    ids = torch.randint(3, vocab, (batch, positions), generator=gen).to(dev)
+    block = torch.full((batch, positions), mask, dtype=torch.long, device=dev)
+    start = cache.lengths.clone()
+
+    def once() -> None:
+        if kind == "commit":
+            model.step(cache, commit_ids=ids)
+        elif kind == "denoise":
+            model.step(cache, denoise_ids=block)
+        else:
+            cache.start_recording()
+            model.step(cache, commit_ids=ids, denoise_ids=block, all_logits=True)
+            cache.record = None
+        cache.lengths.copy_(start)
+
+    for _ in range(warmup):
+        once()
+    out = []
+    for _ in range(repeat):
+        _sync(dev)
+        t0 = time.perf_counter()
+        once()
+        _sync(dev)
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+def measure_curve(model, *, kinds=KINDS, batches=(1,), positions=POSITIONS, repeat: int = 5, prefix: int = 64,
+                  progress=None) -> CostCurve:
+    """The median of `repeat` forwards at every (kind, batch, positions)."""
+    curve = CostCurve(key=cost_key(model))
+    todo = [(k, b, p) for b in batches for k in kinds for p in positions]
+    for i, (k, b, p) in enumerate(todo):
+        if progress:
+            progress(i, len(todo), f"{k} batch {b} x {p}")
+        curve.add(k, b, p, statistics.median(time_forward(model, k, b, p, repeat=repeat, prefix=prefix)))
+    if progress:
+        progress(len(todo), len(todo), "done")
+    return curve
+
+
+def curve_for(model, widths) -> CostCurve:
+    """The cached curve when it covers the denoise forward; else a quick calibration (the denoise
+    forward at each width and twice it, batch 1, 3 timed forwards each), cached for the next time."""
+    curve = load_curve(model)
+    if curve is not None and curve.has("denoise"):
+        return curve
+    pts = sorted({p for w in widths for p in (w, 2 * w)})
+    curve = measure_curve(model, kinds=("denoise",), batches=(1,), positions=pts, repeat=3)
+    try:
+        save_curve(model, curve)
+    except OSError:  # a read-only cache: the choice still works for this process
+        pass
+    return curve
+
+
+# ------------------------------------------------------------------------------ the choice
+def trained_widths(config) -> tuple[int, ...]:
+    """The block sizes the model was trained on (`config.block_sizes`), else its one block size."""
+    sizes = getattr(config, "block_sizes", None) or [config.block_size]
+    kept = sorted({int(s) for s in sizes if int(s) <= AUTO_MAX_WIDTH})
+    return tuple(kept) or (min(int(config.block_size), AUTO_MAX_WIDTH),)
+
+
+def prior_tokens_per_forward(config, widths) -> dict[int, float]:
+    """Tokens per forward expected at each width before a row has decoded anything."""
+    table = getattr(config, "block_tokens_per_forward", None) or {}
+    out = {}
+    for w in widths:
+        v = table.get(str(w), table.get(w)) if isinstance(table, dict) else None
+        out[w] = float(v) if v is not None else min(4.0, max(1.0, w / 8))
+    return out
+
+
+@dataclass
+class WidthChoice:
+    """One decision: the width chosen, the batch it was for, and the expected tokens/s per width."""
+
+    width: int
+    batch: int
+    expected: dict  # width -> expected tokens/s
+    forward: int = 0  # the engine forward it applied from
+
+    def why(self) -> str:
+        parts = ", ".join(f"{w}: {v:.0f}" for w, v in sorted(self.expected.items()))
+        return f"width {self.width} for {self.batch} row(s) (expected tokens/s {parts})"
+
+
+class WidthPolicy:
+    """Chooses a trained width from the cost curve and each row's tokens per forward so far."""
+
+    def __init__(self, widths, prior: dict[int, float], curve: CostCurve) -> None:
+        self.widths = tuple(sorted(widths))
+        self.prior = {w: float(prior[w]) for w in self.widths}
+        self.curve = curve
+
+    @classmethod
+    def for_model(cls, model, curve: CostCurve | None = None) -> "WidthPolicy":
+        widths = trained_widths(model.config)
+        return cls(widths, prior_tokens_per_forward(model.config, widths), curve or curve_for(model, widths))
+
+    def row_scale(self, tokens: int, forwards: int, expected_gain: float) -> float:
+        """s_row: the row's observed gain over one token per forward against the prior's."""
+        k = PRIOR_PSEUDO_FORWARDS
+        mean_gain = sum(p - 1 for p in self.prior.values()) / len(self.prior)
+        return max(0.0, (k * mean_gain + (tokens - forwards)) / (k * mean_gain + expected_gain)) if (
+            k * mean_gain + expected_gain) > 0 else 1.0
+
+    def tokens_per_forward(self, w: int, scale: float, remaining: int) -> float:
+        return max(1.0, min(float(w), float(max(remaining, 1)), 1.0 + scale * (self.prior[w] - 1.0)))
+
+    def forward_seconds(self, w: int, batch: int, tpf: float) -> float:
+        blocks_per_forward = min(1.0, tpf / w)
+        return ((1 - blocks_per_forward) * self.curve.seconds("denoise", batch, w)
+                + blocks_per_forward * self.curve.seconds("denoise", batch, 2 * w))
+
+    def choose(self, rows: list[tuple[float, int]]) -> WidthChoice:
+        """rows: (s_row, remaining tokens) per row -> the width with the most expected tokens/s
+        (ties: the narrower)."""
+        B = max(1, len(rows))
+        expected = {}
+        for w in self.widths:
+            tpf = [self.tokens_per_forward(w, s, rem) for s, rem in rows] or [1.0]
+            expected[w] = sum(tpf) / self.forward_seconds(w, B, sum(tpf) / len(tpf))
+        best = max(self.widths, key=lambda w: (expected[w], -w))
+        return WidthChoice(best, B, expected)

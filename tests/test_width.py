@@ -1,0 +1,161 @@
+"""The forward cost curve (`clover bench cost`) and block_size="auto" (`clover.decoding.width`)."""
+
+import json
+
+import pytest
+import torch
+
+import clover
+from clover.decoding import width as W
+
+
+@pytest.fixture()
+def cache_home(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_dir):
+    out = clover.load(tiny_dir)
+    out.model.config.block_sizes = [4, 8, 16]
+    return out
+
+
+def flat_curve(cheap: set[int], positions=range(1, 129), batches=(1,)) -> W.CostCurve:
+    """Denoise forwards that cost 1 at the positions in `cheap` and 100 elsewhere."""
+    c = W.CostCurve()
+    for b in batches:
+        for p in positions:
+            c.add("denoise", b, p, 1.0 if p in cheap else 100.0)
+    return c
+
+
+def test_curve_interpolates_and_round_trips():
+    c = W.CostCurve()
+    for p, s in ((1, 1.0), (4, 4.0), (8, 6.0)):
+        c.add("denoise", 1, p, s)
+    assert c.seconds("denoise", 1, 2) == pytest.approx(2.0)
+    assert c.seconds("denoise", 1, 6) == pytest.approx(5.0)
+    assert c.seconds("denoise", 1, 16) == pytest.approx(10.0)  # past the last point: the last slope
+    assert c.seconds("denoise", 1, 1) == 1.0
+    assert c.seconds("denoise", 2, 4) == pytest.approx(6.0)  # an unmeasured batch: same total positions
+    back = W.CostCurve.from_dict(json.loads(json.dumps(c.to_dict())))
+    assert back.seconds_by == c.seconds_by
+    with pytest.raises(KeyError):
+        c.seconds("verify", 1, 4)
+    with pytest.raises(ValueError, match="schema"):
+        W.CostCurve.from_dict({"schema": "other", "seconds": {}})
+
+
+def test_time_forward_every_kind_keeps_the_cache(llm):
+    for kind in W.KINDS:
+        ts = W.time_forward(llm.model, kind, 2, 3, prefix=5, repeat=2, warmup=0)
+        assert len(ts) == 2 and all(t > 0 for t in ts)
+    with pytest.raises(ValueError, match="kind"):
+        W.time_forward(llm.model, "bogus", 1, 1)
+
+
+def test_curve_cached_per_model_and_machine(llm, cache_home):
+    assert W.load_curve(llm.model) is None
+    c = flat_curve({4}, positions=(4, 8))
+    path = W.save_curve(llm.model, c)
+    assert path.is_relative_to(cache_home) and path.name.startswith("eager-")
+    W.save_curve(llm.model, flat_curve({8}, positions=(8, 16)))  # merged: new points replace old ones
+    got = W.load_curve(llm.model)
+    assert got.seconds_by["denoise"][1] == {4: 1.0, 8: 1.0, 16: 100.0}
+    assert got.key["threads"] == torch.get_num_threads()
+
+
+def test_calibration_when_nothing_is_cached(llm, cache_home):
+    curve = W.curve_for(llm.model, (4, 8))
+    assert set(curve.seconds_by["denoise"][1]) == {4, 8, 16}
+    assert W.load_curve(llm.model) is not None  # cached for the next time
+
+
+def test_choice_follows_cost_and_row_ease():
+    prior = {8: 2.0, 16: 3.0, 32: 4.0}
+    linear = W.CostCurve()
+    for p in (1, 8, 16, 32, 64):
+        linear.add("denoise", 1, p, 1.0 + p / 8)
+    pol = W.WidthPolicy((8, 16, 32), prior, linear)
+    assert pol.choose([(0.0, 100)]).width == 8  # a row that gains nothing: the cheapest width
+    flat = W.CostCurve()
+    for p in (1, 64):
+        flat.add("denoise", 1, p, 1.0)
+    easy = W.WidthPolicy((8, 16, 32), prior, flat).choose([(1.0, 100)])
+    assert easy.width == 32 and "width 32" in easy.why()
+    assert W.WidthPolicy((8, 16, 32), prior, flat).choose([(1.0, 2)]).width == 8  # 2 tokens left: no gain in width
+    # the row scale: no evidence -> 1; a row committing one token per forward -> below 1
+    assert pol.row_scale(0, 0, 0.0) == pytest.approx(1.0)
+    assert pol.row_scale(10, 10, 20.0) < 0.5
+
+
+def test_priors_and_trained_widths(llm):
+    cfg = llm.model.config
+    assert W.trained_widths(cfg) == (4, 8, 16)
+    assert W.prior_tokens_per_forward(cfg.replace(block_tokens_per_forward={"8": 2.5}), (4, 8)) == {4: 1.0, 8: 2.5}
+    assert W.trained_widths(cfg.replace(block_sizes=None)) == (cfg.block_size,)
+
+
+@pytest.mark.parametrize("width", [4, 8, 16])
+def test_auto_equals_the_fixed_width_it_chose(llm, monkeypatch, width):
+    monkeypatch.setattr(W, "curve_for", lambda model, widths: flat_curve({width, 2 * width}, batches=(1, 3)))
+    prompts = ["abc", "hello world", "def f(x):"]
+    kw = dict(max_new_tokens=40, ignore_eos=True)
+    for p in prompts:
+        auto = llm.generate(p, mode="diffusion", block_size="auto", **kw)
+        fixed = llm.generate(p, mode="diffusion", block_size=width, **kw)
+        assert auto.token_ids == fixed.token_ids
+        assert auto.stats.block_widths and set(auto.stats.block_widths) == {width}
+    batch = llm.generate(prompts, mode="diffusion", block_size="auto", **kw)
+    alone = [llm.generate(p, mode="diffusion", block_size=width, **kw) for p in prompts]
+    assert [g.token_ids for g in batch] == [g.token_ids for g in alone]
+
+
+def test_auto_changes_width_between_blocks_and_reports_why(llm, monkeypatch):
+    from clover.decoding.diffusion import DiffusionEngine
+    from clover.decoding.base import RowState
+    from clover.decoding.sampling import SamplingParams
+
+    # 4 is cheap at first; once the row has committed, the choice is re-made at every block
+    pol = W.WidthPolicy((4, 8, 16), {4: 1.5, 8: 2.0, 16: 3.0}, flat_curve({4, 8, 16, 32}))
+    eng = DiffusionEngine(llm.model, block_size="auto", mask_id=llm.config.mask_token_id, width_policy=pol)
+    params = SamplingParams(max_new_tokens=20, ignore_eos=True, block_size="auto", threshold=0.9, policy="threshold")
+    row = RowState(prompt=llm.tokenizer.encode("abc"), params=params, eos_ids=set())
+    eng.add(row)
+    list(eng.run())
+    assert len(row.tokens) == 20
+    assert eng.choices and all(c.width in (4, 8, 16) for c in eng.choices)
+    assert sum(row.block_widths) >= 20 and row.block_widths[-1] in (4, 8, 16)
+    assert eng.choices[0].why().startswith(f"width {eng.choices[0].width} for 1 row(s)")
+
+
+def test_auto_is_refused_where_it_means_nothing(llm):
+    out = llm.generate("abc", mode="speculative", block_size="auto", max_new_tokens=8)  # the model's block size
+    assert out.token_ids == llm.generate("abc", mode="ar", max_new_tokens=8).token_ids
+    with pytest.raises(ValueError, match="block_size"):
+        llm.generate("abc", mode="diffusion", block_size="wide", max_new_tokens=8)
+
+
+def test_bench_cost_table_json_and_plot(llm, cache_home, tmp_path):
+    from clover.bench.cost import cost_table, plot_cost, run_cost
+
+    res = run_cost(llm, batches=(1, 2), positions=(1, 2), repeat=1, prefix=4)
+    assert len(res["rows"]) == 3 * 2 * 2
+    ar = [r for r in res["rows"] if r["kind"] == "commit" and r["positions"] == 1]
+    assert all(r["ar_steps"] == pytest.approx(1.0) for r in ar)
+    assert res["cached"]["eager"].startswith(str(cache_home))
+    assert W.load_curve(llm.model).has("verify")
+    from rich.console import Console
+
+    Console(width=200).print(cost_table(res))
+    png = plot_cost(res, tmp_path / "cost.png")
+    assert png is None or (tmp_path / "cost.png").stat().st_size > 0
+
+
+def test_bench_cost_cli_errors(tiny_dir, capsys):
+    from clover.cli import main
+
+    assert main(["bench", "cost", "--model", str(tiny_dir), "--positions", "0,2"]) != 0
+    assert "--positions" in capsys.readouterr().err
