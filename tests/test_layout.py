@@ -14,7 +14,7 @@ PKG = SRC / "clover"
 
 # lowest first; a module may import its own layer and the ones below
 LAYERS = [
-    {"config", "kernels", "tokenizer", "moe", "decoding", "data", "precision"},
+    {"config", "kernels", "tokenizer", "moe", "decoding", "data", "precision", "grammar"},
     {"cache", "models", "model"},
     {"checkpoint", "weights", "convert", "quant", "tiny", "export"},
     {"api"},

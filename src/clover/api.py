@@ -135,11 +135,41 @@ class LLM:
         """The most tokens `mode` can generate after a prompt of `prompt_len` tokens."""
         return max(0, self.context_length - prompt_len - get_mode(mode).extra_positions(params))
 
-    def _rows(self, prompts: list[list[int]], params: SamplingParams) -> list[RowState]:
+    def eos_ids(self) -> set[int]:
         eos = set(self.config.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
-        return [RowState(p, params, eos, decode=self.tokenizer.decode) for p in prompts]
+        return eos
+
+    def compile_grammar(self, grammar, params: SamplingParams, *, eos_ids=None):
+        """`grammar` (a `clover.grammar.GrammarSpec`, a dict {kind: source}, or None) compiled for
+        this model's tokenizer; the EOS and stop tokens end the output once it is complete.
+        GrammarError (a ValueError "grammar: why") when it cannot be used."""
+        if grammar is None:
+            return None
+        from .grammar import GrammarSpec, compile_grammar
+
+        ends = set(self.eos_ids() if eos_ids is None else eos_ids) | set(params.stop_token_ids)
+        if params.ignore_eos:
+            ends = set(params.stop_token_ids)
+        return compile_grammar(GrammarSpec.coerce(grammar), self.tokenizer, vocab_size=self.config.vocab_size,
+                               eos_ids=ends)
+
+    def _rows(self, prompts: list[list[int]], params: SamplingParams, grammar=None) -> list[RowState]:
+        eos = self.eos_ids()
+        rows = [RowState(p, params, eos, decode=self.tokenizer.decode) for p in prompts]
+        for r in rows:
+            r.constraint = grammar.matcher() if grammar is not None else None
+        return rows
+
+    def _grammar_kwargs(self, kwargs: dict):
+        """Pops `response_format=` (OpenAI's shape) and `grammar=` from the generation options."""
+        from .grammar import GrammarError, GrammarSpec
+
+        rf, grammar = kwargs.pop("response_format", None), kwargs.pop("grammar", None)
+        if rf is not None and grammar is not None:
+            raise GrammarError("grammar: give response_format or grammar, not both")
+        return GrammarSpec.from_response_format(rf) if rf is not None else grammar
 
     def engine(self, params: SamplingParams, mode: str, provisional: bool = False):
         """A fresh batch engine for `mode` (rows join it with `add`, `run()` yields events)."""
@@ -167,14 +197,18 @@ class LLM:
     # ------------------------------------------------------------------- API
     def generate(self, prompt, *, mode: str = "ar", **kwargs) -> Generation | list[Generation]:
         """prompt: str | list[int] -> Generation; a list of prompts (list[str] or list[list[int]])
-        -> list[Generation], decoded together as one batch."""
+        -> list[Generation], decoded together as one batch. `response_format=` (OpenAI's:
+        {"type": "json_object"} or {"type": "json_schema", "json_schema": {"schema": ...}}) or
+        `grammar=` (a `clover.grammar.GrammarSpec`, or {"regex"|"lark"|"gbnf"|"json_schema": src})
+        constrains the output in every mode (docs/structured-output.md)."""
         batched = isinstance(prompt, (list, tuple)) and prompt and not all(isinstance(t, int) for t in prompt)
         prompts = list(prompt) if batched else [prompt]
+        spec = self._grammar_kwargs(kwargs)
         params = self.params(mode, kwargs)
         ids = [self.encode_prompt(p) for p in prompts]
         for p in ids:
             self.check_length(len(p), params, mode)
-        rows = self._rows(ids, params)
+        rows = self._rows(ids, params, self.compile_grammar(spec, params))
         for _ in self._events(rows, params, mode):
             pass
         results = [self.result(r) for r in rows]
@@ -183,10 +217,11 @@ class LLM:
     def stream(self, prompt, *, mode: str = "ar", provisional: bool = False, **kwargs) -> Iterator[StreamEvent]:
         """Yield a "block" event per committed block (AR: per token) with the text delta, optional
         "provisional" events after each denoise step, and a final "done" event."""
+        spec = self._grammar_kwargs(kwargs)
         params = self.params(mode, kwargs)
         ids = self.encode_prompt(prompt)
         self.check_length(len(ids), params, mode)
-        rows = self._rows([ids], params)
+        rows = self._rows([ids], params, self.compile_grammar(spec, params))
         row = rows[0]
         emitted = ""
         held_ids: list[int] = []

@@ -23,6 +23,7 @@ class AREngine(BatchEngine):
             r.experts_touched.extend(out.experts_touched)
             toks = next_tokens(r, out.commit_logits[i : i + 1])
             kept = r.accept(toks, [1])
+            r.grammar_done()
             if kept:
                 events.append(DecodeEvent("commit", i, kept, [1], block=len(r.tokens) - 1, row_state=r))
             if r.finished:

@@ -60,6 +60,7 @@ class RowState:
     request_id: object = None  # whoever owns the row (a server request, a batch index)
     state: "EngineRow | None" = None  # what the row's engine keeps between forwards
     stop_token: int | None = None  # the EOS / stop token id that ended the row (not in `tokens`)
+    constraint: object = None  # a `clover.grammar.Constraint` the output must match (its state: `tokens`)
     _new_tokens: int = 0
 
     @property
@@ -100,6 +101,12 @@ class RowState:
             self.stop_token = stop_token
             self._finish(reason)
         return self.tokens[start:]
+
+    def grammar_done(self) -> None:
+        """A constrained row whose grammar is complete (admits nothing more) ends here, `stop`, in
+        every mode alike (without spending a forward on the EOS the grammar would force)."""
+        if self.constraint is not None and not self.finished and self.constraint.stopped:
+            self._finish("stop")
 
     def _stop_string_cut(self) -> int | None:
         """Number of tokens to keep so the text reaches the end of the first stop string, or None."""
@@ -168,6 +175,8 @@ class GenerationStats:
     width_why: list[str] = field(default_factory=list)  # block_size="auto": the width decisions and why
     forced_steps: int = 0  # denoise steps that committed their most confident position below the threshold
     accept_lengths: list[int] = field(default_factory=list)  # tokens per iteration (speculative)
+    grammar_forced: int = 0  # tokens placed because the grammar forced them (a constrained diffusion row)
+    grammar_seconds: float = 0.0  # time spent in the grammar (masks, checks, forced tokens)
 
     @property
     def tokens_per_forward(self) -> float:
@@ -189,6 +198,8 @@ class GenerationStats:
             "block_steps": self.block_steps,
             "block_widths": self.block_widths,
             "forced_steps": self.forced_steps,
+            **({"grammar_forced": self.grammar_forced, "grammar_seconds": round(self.grammar_seconds, 6)}
+               if self.grammar_seconds else {}),
         }
 
     @classmethod
@@ -206,6 +217,8 @@ class GenerationStats:
             width_why=list(row.width_why),
             forced_steps=row.forced_steps,
             accept_lengths=list(row.accept_lengths),
+            grammar_forced=getattr(row.constraint, "forced_tokens", 0),
+            grammar_seconds=getattr(row.constraint, "seconds", 0.0),
         )
 
 
@@ -232,8 +245,14 @@ def propose_tokens(row: RowState, logits: torch.Tensor, history_tail: list | Non
 
 
 def next_tokens(row: RowState, logits: torch.Tensor) -> list[int]:
-    """`propose_tokens`' tokens as a Python list."""
-    return propose_tokens(row, logits)[0].tolist()
+    """`propose_tokens`' tokens as a Python list; a constrained row's logits are masked by its
+    grammar first and the tokens consumed by it."""
+    if row.constraint is not None:
+        logits = row.constraint.mask(logits)
+    toks = propose_tokens(row, logits)[0].tolist()
+    if row.constraint is not None:
+        row.constraint.consume(toks)
+    return toks
 
 
 @dataclass(eq=False)

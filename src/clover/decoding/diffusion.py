@@ -53,6 +53,7 @@ class DiffusionRow(EngineRow):
     step: int = 0  # denoise steps spent on the current block
     need: int = 0  # positions that must be decoded in this block
     expected_gain: float = 0.0  # block_size="auto": the prior's tokens beyond one per forward, summed over forwards
+    valid: int = 0  # a constrained row: the block's prefix its grammar has consumed
 
 
 class DiffusionEngine(BatchEngine):
@@ -103,12 +104,54 @@ class DiffusionEngine(BatchEngine):
 
     def _new_block(self, row: RowState) -> None:
         Bs = self.block_size
+        if row.constraint is not None and row.state.blk is not None and row.state.step == 0 and row.state.valid:
+            # a fresh block re-made (a new width): what the grammar forced into it is undone first
+            row.constraint.rollback(row.state.valid)
+            row.constraint.forced_tokens -= row.state.valid
         row.state.blk = torch.full((Bs,), self.mask_id, dtype=torch.long, device=self.device)
         row.state.masked = torch.ones(Bs, dtype=torch.bool, device=self.device)
         row.state.dec_step = torch.zeros(Bs, dtype=torch.long, device=self.device)
         row.state.dec_forced = torch.zeros(Bs, dtype=torch.bool, device=self.device)
         row.state.step = 0
         row.state.need = min(Bs, row.remaining)  # positions that must be decoded in this block
+        row.state.valid = 0
+        if row.constraint is not None:
+            self._grammar_advance(row)  # the tokens the grammar forces fill their positions now
+
+    def _grammar_advance(self, r: RowState) -> None:
+        """A constrained row, left to right from its validated prefix: a masked position takes the
+        tokens the grammar forces (no forward decides them); decoded positions are checked and
+        consumed while they keep the output valid, and the first that breaks it is masked again.
+        Once the grammar is complete the block ends there."""
+        c, st = r.constraint, r.state
+        while st.valid < st.need and not c.stopped:
+            j = st.valid
+            if st.masked[j]:
+                forced = c.forced()[: st.need - j]
+                if not forced:
+                    break
+                span = slice(j, j + len(forced))
+                st.blk[span] = torch.tensor(forced, dtype=torch.long, device=st.blk.device)
+                st.masked[span] = False
+                st.dec_step[span] = max(st.step, 1)
+                c.consume(forced)
+                c.forced_tokens += len(forced)
+                st.valid += len(forced)
+                continue
+            end = j
+            while end < st.need and not st.masked[end]:
+                end += 1
+            toks = st.blk[j:end].tolist()
+            n = c.valid_prefix(toks)
+            c.consume(toks[:n])
+            st.valid += n
+            if n < len(toks):  # this proposal breaks the grammar: mask it again
+                st.masked[j + n] = True
+                st.blk[j + n] = self.mask_id
+                st.dec_step[j + n] = 0
+                st.dec_forced[j + n] = False
+        if c.stopped:
+            st.need = st.valid
 
     def add(self, row: RowState) -> list[DecodeEvent]:
         if self.recompute:  # no persistent cache: just track the row
@@ -187,16 +230,19 @@ class DiffusionEngine(BatchEngine):
             open_[lo + sub :] = False
         return open_
 
-    def _denoise_row(self, i: int, r: RowState, logits: torch.Tensor) -> list[DecodeEvent]:
+    def _decode_positions(self, r: RowState, logits: torch.Tensor) -> None:
+        """One denoise step's proposals and acceptance for row `r` (logits [Bs, V])."""
         Bs = self.block_size
-        events = []
-        r.state.step += 1
         cand = self._candidates(r).nonzero().squeeze(-1)
         tails = None
         if r.state.sampler.uses_history:
             block_now = [None if r.state.masked[j] else int(r.state.blk[j]) for j in range(Bs)]
             tails = [block_now[:j] for j in cand.tolist()]
         want_ent = needs_entropy(r.params)
+        frontier = r.state.valid
+        if r.constraint is not None:  # the first open position follows the validated prefix: mask it
+            logits = logits.clone()
+            logits[frontier] = r.constraint.mask(logits[frontier])
         prop = propose_tokens(r, logits[cand], tails, with_entropy=want_ent)  # stay tensors: no list round trip
         toks, conf = prop[0], prop[1]
         take, forced = accept(r.params, conf, cand, prop[2] if want_ent else None)
@@ -207,7 +253,19 @@ class DiffusionEngine(BatchEngine):
         r.state.blk[pos] = toks[take].to(r.state.blk.device)
         r.state.masked[pos] = False
         r.state.dec_step[pos] = r.state.step
-        if not r.params.ignore_eos and r.eos_ids:
+        if r.constraint is not None:
+            self._grammar_advance(r)
+            if r.state.valid == frontier and r.state.valid < r.state.need:
+                # nothing the step accepted extends the valid prefix: the frontier commits its
+                # grammar-masked proposal (always valid), so every forward makes progress
+                at = int((cand == frontier).nonzero()[0])
+                r.state.blk[frontier] = toks[at].to(r.state.blk.device)
+                r.state.masked[frontier] = False
+                r.state.dec_step[frontier] = r.state.step
+                r.state.dec_forced[frontier] = True
+                self._grammar_advance(r)
+            pos = pos[~r.state.masked[pos]]
+        if not r.params.ignore_eos and r.eos_ids and r.constraint is None:
             eos_hits = [j for j in pos.tolist() if int(r.state.blk[j]) in r.eos_ids]
             if eos_hits:  # everything after the first accepted EOS becomes EOS
                 e = min(eos_hits)
@@ -225,6 +283,13 @@ class DiffusionEngine(BatchEngine):
                 if _token_stops(r, int(r.state.blk[j])):
                     r.state.need = j + 1
                     break
+
+    def _denoise_row(self, i: int, r: RowState, logits: torch.Tensor) -> list[DecodeEvent]:
+        Bs = self.block_size
+        events = []
+        r.state.step += 1
+        if r.state.valid < r.state.need or r.constraint is None:  # a fully forced block has nothing to decode
+            self._decode_positions(r, logits)
         if self.provisional:
             events.append(DecodeEvent(
                 "provisional", i, [None if r.state.masked[j] else int(r.state.blk[j]) for j in range(Bs)],
@@ -241,6 +306,7 @@ class DiffusionEngine(BatchEngine):
         r.block_widths.append(Bs)
         start = len(r.tokens)
         kept = r.accept(r.state.blk[:done].tolist(), r.state.dec_step[:done].tolist())
+        r.grammar_done()
         n = len(r.tokens)  # a stop string may have cut into earlier blocks too
         forced_here = r.state.dec_forced[: max(0, n - start)].nonzero().flatten().tolist()
         r.forced = [k for k in r.forced if k < n] + [start + j for j in forced_here]

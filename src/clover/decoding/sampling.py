@@ -184,6 +184,8 @@ class SamplingParams:
     expert_rank: str = "sum"
     # speculative
     draft_length: int | None = None
+    # token id -> added to its logit, in [-100, 100] (OpenAI's logit_bias; -100 bans the token)
+    logit_bias: dict[int, float] | None = None
 
     def validate(self) -> "SamplingParams":
         """Check every option against `LIMITS` (ValueError "option: what is wrong"), and normalise:
@@ -200,6 +202,7 @@ class SamplingParams:
             setattr(self, name, lim.check(name, getattr(self, name)))
         self.stop = [s for s in self.stop if s]
         self.top_k = max(0, self.top_k)
+        self.logit_bias = check_logit_bias(self.logit_bias)
         return self
 
     def check_model(self, vocab_size: int) -> "SamplingParams":
@@ -207,6 +210,9 @@ class SamplingParams:
         bad = [t for t in self.stop_token_ids if t >= vocab_size]
         if bad:
             raise ValueError(f"stop_token_ids: {bad[0]} is outside the vocabulary (size {vocab_size})")
+        bad = [t for t in self.logit_bias or {} if t >= vocab_size]
+        if bad:
+            raise ValueError(f"logit_bias: token id {bad[0]} is outside the vocabulary (size {vocab_size})")
         return self
 
     @classmethod
@@ -220,6 +226,32 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+
+LOGIT_BIAS_MAX_ITEMS = 1024
+
+
+def check_logit_bias(bias) -> dict[int, float] | None:
+    """OpenAI's logit_bias: {token id (an int, or its decimal string as JSON keys are): bias in
+    [-100, 100]} -> {int: float}; None or {} -> None. ValueError "logit_bias: why" otherwise."""
+    if not bias:
+        return None
+    if not isinstance(bias, dict):
+        raise ValueError(f"logit_bias: must map token ids to numbers, got {type(bias).__name__}")
+    if len(bias) > LOGIT_BIAS_MAX_ITEMS:
+        raise ValueError(f"logit_bias: at most {LOGIT_BIAS_MAX_ITEMS} tokens, got {len(bias)}")
+    out = {}
+    for k, v in bias.items():
+        try:
+            tok = int(k)
+        except (TypeError, ValueError):
+            raise ValueError(f"logit_bias: keys must be token ids, got {k!r}") from None
+        if tok < 0 or isinstance(k, bool):
+            raise ValueError(f"logit_bias: keys must be token ids >= 0, got {k!r}")
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not -100 <= v <= 100:
+            raise ValueError(f"logit_bias: the bias of token {tok} must be a number in [-100, 100], got {v!r}")
+        out[tok] = float(v)
+    return out
 
 
 def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator | None:
@@ -260,6 +292,9 @@ def process_logits(
     (for penalties: all seen tokens; for no-repeat n-grams: the last tokens, in order).
     Never modifies its input."""
     logits = logits.float().clone()
+    if params.logit_bias:
+        ids = torch.tensor(list(params.logit_bias), dtype=torch.long, device=logits.device)
+        logits[:, ids] += torch.tensor(list(params.logit_bias.values()), dtype=logits.dtype, device=logits.device)
     if history is not None and (params.repetition_penalty != 1.0 or params.presence_penalty):
         for n, seen in enumerate(history):
             known = {t for t in seen if t is not None}

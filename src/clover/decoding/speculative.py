@@ -55,6 +55,34 @@ class SpeculativeEngine(BatchEngine):
     def _argmax(self, row: RowState, logits: torch.Tensor) -> list[int]:
         return row.state.sampler.process(logits).argmax(-1).tolist()
 
+    def _draft_constrained(self, r: RowState, logits: torch.Tensor) -> list[int]:
+        """The draft of a constrained row: position j's logits masked by the grammar after draft[:j]
+        (the grammar state is restored afterwards; the draft stops where the grammar is complete)."""
+        c, draft = r.constraint, []
+        for j in range(logits.shape[0]):
+            if c.stopped:
+                break
+            tok = self._argmax(r, c.mask(logits[j : j + 1]))[0]
+            if not c.consume([tok]):
+                break
+            draft.append(tok)
+        c.rollback(len(draft))
+        return draft or self._argmax(r, c.mask(logits[:1]))
+
+    def _verify_constrained(self, r: RowState, causal_logits: torch.Tensor) -> int:
+        """How many draft tokens constrained AR greedy agrees with; the grammar consumes them.
+        causal_logits[j] follows draft[:j+1]; each is masked by the grammar after draft[:j+1], so
+        the kept tokens are exactly the tokens constrained AR would choose."""
+        c, draft = r.constraint, r.state.draft
+        c.consume(draft[:1])  # draft[0] comes from masked causal logits: constrained AR's own token
+        m = 1
+        while m < len(draft) and not c.stopped:
+            if self._argmax(r, c.mask(causal_logits[m - 1 : m]))[0] != draft[m]:
+                break
+            c.consume(draft[m : m + 1])
+            m += 1
+        return m
+
     @torch.inference_mode()
     def step(self) -> list[DecodeEvent]:
         D, rows = self.draft_length, self.rows
@@ -73,16 +101,20 @@ class SpeculativeEngine(BatchEngine):
             r.experts_touched.extend(out.experts_touched)
             next_draft_ok = True
             if r.state.draft is not None:  # verify
-                causal = self._argmax(r, out.commit_logits[i, :D])  # causal[j] = AR token after draft[:j+1]
-                m = 1
-                while m < D and r.state.draft[m] == causal[m - 1]:
-                    m += 1
+                if r.constraint is None:
+                    causal = self._argmax(r, out.commit_logits[i, :D])  # causal[j] = AR token after draft[:j+1]
+                    m = 1
+                    while m < D and r.state.draft[m] == causal[m - 1]:
+                        m += 1
+                else:
+                    m = self._verify_constrained(r, out.commit_logits[i, :D])
                 accepted = r.state.draft[:m]
                 r.accept_lengths.append(m)
                 keep[i] = m
                 r.state.first_logits = out.commit_logits[i, m - 1]
                 next_draft_ok = m == D
                 kept = r.accept(accepted, [1] * m)
+                r.grammar_done()
                 if kept:
                     events.append(DecodeEvent("commit", i, kept, [1] * len(kept), block=len(r.accept_lengths) - 1, row_state=r))
             elif r.state.pending:  # prompt prefill rides with the first draft
@@ -93,9 +125,13 @@ class SpeculativeEngine(BatchEngine):
                 events.append(DecodeEvent("finish", i, [], [], row_state=r))
                 continue
             if next_draft_ok:
-                first = self._argmax(r, r.state.first_logits[None])
-                rest = self._argmax(r, out.denoise_logits[i, : D - 1]) if D > 1 else []
-                r.state.draft = first + rest
+                if r.constraint is None:
+                    first = self._argmax(r, r.state.first_logits[None])
+                    rest = self._argmax(r, out.denoise_logits[i, : D - 1]) if D > 1 else []
+                    r.state.draft = first + rest
+                else:
+                    r.state.draft = self._draft_constrained(r, torch.cat([r.state.first_logits[None],
+                                                                          out.denoise_logits[i, : D - 1]]))
         if any(int(keep[i]) != (int(n_commit[i]) if has_commit else 0) for i in range(len(rows))):
             self.cache.rollback(snap, keep)
         else:
