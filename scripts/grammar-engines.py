@@ -142,6 +142,65 @@ def bench_outlines(tok, schema, ids):
     return compile_s, times, forced
 
 
+# JSON Schema keywords: does the engine accept a schema using it (accepting is not enforcing: an
+# engine may ignore a keyword it accepts)
+COVERAGE = {
+ "anyOf": {"anyOf": [{"type": "integer"}, {"type": "string"}]},
+ "oneOf": {"oneOf": [{"type": "integer"}, {"type": "boolean"}]},
+ "allOf": {"allOf": [{"type": "object", "properties": {"a": {"type": "integer"}}}, {"required": ["a"]}]},
+ "$ref/$defs": {"$defs": {"n": {"type": "integer"}}, "type": "object", "properties": {"a": {"$ref": "#/$defs/n"}}},
+ "recursive $ref": {"$defs": {"t": {"type": "object", "properties": {"c": {"type": "array", "items": {"$ref": "#/$defs/t"}}}}}, "$ref": "#/$defs/t"},
+ "const": {"const": "x"},
+ "enum mixed": {"enum": [1, "a", None]},
+ "pattern": {"type": "string", "pattern": "^[a-z]+[0-9]$"},
+ "format date-time": {"type": "string", "format": "date-time"},
+ "format email": {"type": "string", "format": "email"},
+ "min/maxLength": {"type": "string", "minLength": 2, "maxLength": 5},
+ "integer range": {"type": "integer", "minimum": -3, "maximum": 700},
+ "exclusive number range": {"type": "number", "exclusiveMinimum": 0, "exclusiveMaximum": 1.5},
+ "multipleOf": {"type": "integer", "multipleOf": 5},
+ "min/maxItems": {"type": "array", "items": {"type": "integer"}, "minItems": 1, "maxItems": 3},
+ "prefixItems": {"type": "array", "prefixItems": [{"type": "integer"}, {"type": "string"}], "items": False},
+ "uniqueItems": {"type": "array", "items": {"type": "integer"}, "uniqueItems": True},
+ "additionalProperties schema": {"type": "object", "additionalProperties": {"type": "integer"}},
+ "patternProperties": {"type": "object", "patternProperties": {"^x": {"type": "integer"}}},
+ "min/maxProperties": {"type": "object", "minProperties": 1, "maxProperties": 2},
+ "type list": {"type": ["string", "null"]},
+ "if/then/else": {"if": {"type": "integer"}, "then": {"minimum": 0}, "else": {"type": "string"}},
+ "not": {"not": {"type": "string"}},
+}
+
+
+def coverage(tok) -> None:
+    import llguidance
+    import llguidance.hf
+    import xgrammar as xgr
+    from outlines_core.json_schema import build_regex_from_schema
+
+    ll_tok = llguidance.hf.from_tokenizer(tok)
+    xg = xgr.GrammarCompiler(xgr.TokenizerInfo.from_huggingface(tok, vocab_size=len(tok)), max_threads=1)
+
+    def ll(s):
+        err = llguidance.LLMatcher.validate_grammar(llguidance.LLMatcher.grammar_from_json_schema(s), ll_tok)
+        if err:
+            raise ValueError(err)
+
+    checks = (ll, lambda s: xg.compile_json_schema(json.dumps(s)), lambda s: build_regex_from_schema(json.dumps(s)))
+    print("| keyword | llguidance | xgrammar | outlines-core |\n|---|---|---|---|")
+    totals = [0, 0, 0]
+    for name, schema in COVERAGE.items():
+        row = []
+        for i, f in enumerate(checks):
+            try:
+                f(schema)
+                row.append("yes")
+                totals[i] += 1
+            except Exception:  # noqa: BLE001 - any refusal counts as unsupported
+                row.append("no")
+        print(f"| {name} | " + " | ".join(row) + " |")
+    print("| **accepted** | " + " | ".join(f"{t}/{len(COVERAGE)}" for t in totals) + " |")
+
+
 ENGINES = {"llguidance": bench_llguidance, "xgrammar": bench_xgrammar, "outlines-core": bench_outlines}
 
 
@@ -150,6 +209,7 @@ def main(dirs: list[str]) -> None:
     from transformers import AutoTokenizer
 
     torch.set_num_threads(1)
+    coverage(AutoTokenizer.from_pretrained(dirs[0]))
     print("| tokenizer | vocab | engine | schema | tokens | compile ms | mask µs median / p95 | forced tokens |")
     print("|---|---|---|---|---|---|---|---|")
     for d in dirs:

@@ -16,6 +16,10 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("prompt", nargs="?", help="the prompt; read from stdin when omitted or '-'")
     add_model_arguments(p)
     add_sampling_arguments(p)
+    con = p.add_argument_group("structured output (docs/structured-output.md)")
+    con.add_argument("--json-schema", metavar="FILE", help="the output must match this JSON Schema (a .json file)")
+    con.add_argument("--grammar", metavar="FILE",
+                     help="the output must match this grammar: FILE.lark, FILE.gbnf, FILE.regex, or a .json schema")
     out = p.add_argument_group("output")
     out.add_argument("--live", action="store_true", help="show the block being denoised (a terminal view)")
     out.add_argument("--step-delay", type=float, default=0.0, metavar="SEC", help="--live: pause after each denoise step")
@@ -61,6 +65,19 @@ def generation_record(llm, gen, mode: str, block_size: int | None, threshold: fl
     }
 
 
+def grammar_spec(args: argparse.Namespace):
+    """The --json-schema / --grammar file as a GrammarSpec (None without either)."""
+    if args.json_schema and args.grammar:
+        raise UsageError("--json-schema and --grammar: give one of them")
+    if not (args.json_schema or args.grammar):
+        return None
+    from ..grammar import GrammarSpec
+
+    if args.json_schema:
+        return GrammarSpec.from_file(args.json_schema, "json_schema")
+    return GrammarSpec.from_file(args.grammar)
+
+
 def run(args: argparse.Namespace) -> int:
     from .. import viz
     from ..decoding import get_mode
@@ -74,6 +91,12 @@ def run(args: argparse.Namespace) -> int:
     llm = load_llm(args)
     mode = args.mode or llm.default_mode
     params = llm.params(mode, kwargs)  # the options with the model's defaults filled in
+    grammar = grammar_spec(args)
+    if grammar is not None:
+        if args.engine != "torch":
+            raise UsageError("--json-schema / --grammar: only with --engine torch")
+        llm.compile_grammar(grammar, params)  # a bad grammar is reported before anything runs
+        kwargs["grammar"] = grammar
     masked = get_mode(mode).needs_mask  # block size and threshold mean something for this mode
     tty = sys.stdout.isatty()
 
