@@ -1,6 +1,6 @@
-"""`clover.load(compile=...)` / `--compile`: the static whole-step graphs and the compiled per-layer
-modules give the same tokens as eager in every decoding mode (tiny model). Compiling takes minutes
-on a CPU, so those token tests are marked slow; the wiring, and the static graphs' code run eagerly
+"""`clover.load(compile=True)` / `--compile`: the compiled whole-step graphs give the same tokens as
+eager in every decoding mode (tiny model). Compiling takes minutes on a CPU, so that token test is
+marked slow; the wiring, and the compiled function (`forward_step(static=True)`) run eagerly
 (torch.compile replaced by the identity), are checked without compiling."""
 
 from __future__ import annotations
@@ -15,9 +15,7 @@ from clover.models.static import CAPACITY_QUANTUM
 
 
 def _identity_compile(monkeypatch, seen=None):
-    import clover.models.compile as mc
-
-    monkeypatch.setattr(mc.torch, "compile", lambda fn, **kw: (seen.append(kw) if seen is not None else None) or fn)
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: (seen.append(kw) if seen is not None else None) or fn)
 
 
 def test_compile_wiring(tiny_dir, monkeypatch):
@@ -27,18 +25,22 @@ def test_compile_wiring(tiny_dir, monkeypatch):
     llm = clover.load(tiny_dir)
     assert not is_compiled(llm.model) and llm.model.static_steps is None
     keys = set(llm.model.state_dict())
-    llm = clover.load(tiny_dir, compile="layers")
-    assert is_compiled(llm.model) and seen and llm.model.static_steps is None
-    assert set(llm.model.state_dict()) == keys
-    out = llm.generate("ab", mode="ar", max_new_tokens=4, ignore_eos=True)
-    assert len(out.token_ids) == 4
-    seen.clear()
     llm = clover.load(tiny_dir, compile=True)  # True means the static steps
-    assert llm.model.static_steps is not None and seen == [dict(fullgraph=True, dynamic=False, backend="inductor",
+    assert is_compiled(llm.model) and seen == [dict(fullgraph=True, dynamic=False, backend="inductor",
                                                                    options={"cpp_wrapper": True})]
     assert set(llm.model.state_dict()) == keys
-    with pytest.raises(ValueError, match="compile mode"):
-        clover.load(tiny_dir, compile="fast")
+    for gone in ("fast", "layers"):
+        with pytest.raises(ValueError, match="compile mode"):
+            clover.load(tiny_dir, compile=gone)
+
+
+def test_compiled_function_is_the_eager_forward(tiny_dir, monkeypatch):
+    """What is compiled is the model's own `forward_step` (one layer loop), with `static=True`."""
+    seen = []
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: seen.append(fn) or fn)
+    llm = clover.load(tiny_dir, compile=True)
+    (fn,) = seen
+    assert fn.func == llm.model.forward_step and fn.keywords == {"static": True}
 
 
 def test_static_steps_run_eagerly_equal_eager_step(tiny_dir, monkeypatch):
@@ -68,13 +70,26 @@ def test_static_cache_capacity_is_rounded(tiny_dir, monkeypatch):
     assert clover.load(tiny_dir).model.make_cache(2, 37).capacity == 37
 
 
+def test_warm_compiles_one_shape_ahead(tiny_dir, monkeypatch):
+    """`StaticSteps.warm(kind, batch, width, capacity)` runs the graph of that shape on a scratch
+    cache (here eagerly), counts no request, and refuses unknown kinds."""
+    _identity_compile(monkeypatch)
+    llm = clover.load(tiny_dir, compile=True)
+    steps = llm.model.static_steps
+    for kind in ("ar", "denoise", "commit+denoise", "verify"):
+        steps.warm(kind, 2, 4, CAPACITY_QUANTUM)
+    steps.warm("commit+denoise", 1, 4, CAPACITY_QUANTUM, ragged=True)
+    assert not +steps.calls
+    with pytest.raises(ValueError, match="kind"):
+        steps.warm("prefill", 1, 4, CAPACITY_QUANTUM)
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("how", ["static", "layers"])
-def test_compiled_tokens_equal_eager(tiny_dir, how):
+def test_compiled_tokens_equal_eager(tiny_dir):
     torch.set_num_threads(1)
     eager = clover.load(tiny_dir)
     compiled = clover.load(tiny_dir)
-    compile_model(compiled.model, mode=how)
+    compile_model(compiled.model)
     for mode in mode_names():
         kw = dict(mode=mode, max_new_tokens=12, ignore_eos=True)
         if mode != "ar":
@@ -90,7 +105,7 @@ def test_static_refuses_quantized_experts(tiny_dir, tmp_path, monkeypatch):
     _identity_compile(monkeypatch)
     q = tmp_path / "int8"
     quantize_checkpoint(tiny_dir, q, bits=8, progress=False)
-    with pytest.raises(ValueError, match="quantized experts.*compile=\"layers\""):
+    with pytest.raises(ValueError, match="quantized experts.*without compiling"):
         clover.load(q, compile=True)
 
 

@@ -287,10 +287,10 @@ def load(path: str | os.PathLike | None = None, *, dtype: str | torch.dtype | No
     `dtype` None: the stored dtype, except on a CPU, where the bundled model and any bfloat16/float16
     checkpoint on a CPU without native half matmuls (`clover.precision`) load in float32 when that
     fits in half the available memory. `check_finite` (default: on, or what an enclosing `checkpoint.finite_check(...)` says) scans
-    every weight for NaN/Inf; False loads them as they are. `compile="static"` (or True) torch.compiles
-    the AR, denoise and block-commit steps whole over static shapes, `compile="layers"` each layer's
-    dense modules (`clover.models.compile`; opt-in: each new batch size or cache size compiles for
-    tens of seconds on a CPU; figures in docs/benchmarks.md)."""
+    every weight for NaN/Inf; False loads them as they are. `compile=True` (or "static") torch.compiles
+    the AR, denoise and block-commit steps whole over static shapes (`clover.models.compile`; opt-in:
+    each new batch size or cache size compiles for tens of seconds on a CPU; figures in
+    docs/benchmarks.md)."""
     check_device(device)
     path = Path(path) if path is not None else default_model_path()
     if not path.exists():

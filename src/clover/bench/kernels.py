@@ -147,7 +147,7 @@ def bench_attention(*, prefixes: list[int], block: int, heads: int, kv_heads: in
 
             def ours():
                 # rewrites the same slots each call when committing
-                return attn.attend_cached(q, k, v, cache.layers[0], cache.lengths, Tc, mask)
+                return attn.attend_cached(q, k, v, cache.layers[0].tensors(), cache.lengths, Tc, mask)
 
             def bare():
                 return F.scaled_dot_product_attention(q, keys, vals, enable_gqa=rep > 1)

@@ -47,8 +47,6 @@ def add_model_arguments(p: argparse.ArgumentParser, *, positional: bool = False,
     p.add_argument("--compile", action="store_const", const="static", default=False,
                    help="torch.compile the AR, denoise and block-commit steps whole over static shapes "
                         "(tens of seconds per new batch size or cache size on a CPU, then faster steps)")
-    p.add_argument("--compile-layers", dest="compile", action="store_const", const="layers",
-                   help="torch.compile each layer's dense modules instead (measured no faster than eager)")
     if weights:
         p.add_argument("--no-check-finite", dest="check_finite", action="store_false",
                        help="load weights holding NaN/Inf instead of refusing them (skips the scan at load)")

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..cache import AttentionState, DeltaNetState, conv_window_tail
+from ..cache import AttentionState, DeltaNetState, conv_window_tail, scatter_kv
 from ..config import CloverConfig, log2_block_ratio
 from ..kernels import (
     chunk_gated_delta_rule,
@@ -52,7 +52,7 @@ class ExpertStats:
     """What one MoE layer reports about its routing in a forward."""
 
     router_logits: torch.Tensor  # [N, E], for the load-balancing loss
-    experts_touched: int | None = None  # unique experts that received a token (when tracked)
+    experts_touched: torch.Tensor | None = None  # 0-d: unique experts that received a token (when counted)
 
 
 # --------------------------------------------------------------------------- norms & rope
@@ -159,13 +159,14 @@ class GatedAttention(nn.Module):
         rope: tuple[torch.Tensor, torch.Tensor],
         *,
         mask: torch.Tensor | None = None,
-        state: AttentionState | None = None,
+        state: tuple[torch.Tensor, torch.Tensor] | None = None,
         lengths: torch.Tensor | None = None,
         commit_len: int = 0,
     ) -> torch.Tensor:
-        """x [B, T, H]. Without `state`: attention over x itself (causal, or `mask`). With `state`:
-        the first `commit_len` positions are written at `lengths`, and every query attends to the
-        cached keys and the new block keys under `mask` (`cached_attention_mask`)."""
+        """x [B, T, H]. Without `state`: attention over x itself (causal, or `mask`). With `state`
+        (this layer's K/V buffers `[B, H_kv, capacity, D]`, `AttentionState.tensors()`): the first
+        `commit_len` positions are written at `lengths`, and every query attends to the cached keys
+        and the new block keys under `mask` (`cached_attention_mask`)."""
         q, k, v, gate = self.project(x, rope)
         gqa = self.num_kv_heads != self.num_heads
         if state is None:
@@ -193,10 +194,19 @@ class GatedAttention(nn.Module):
         B, _, T, _ = out.shape
         return self.o_proj(out.transpose(1, 2).reshape(B, T, -1) * torch.sigmoid(gate))
 
-    def attend_cached(self, q, k, v, state: AttentionState, lengths: torch.Tensor, commit_len: int, mask: torch.Tensor) -> torch.Tensor:
-        """q/k/v [B, H, T, D] after RoPE: commit the first `commit_len` keys, attend under `mask`."""
+    def attend_cached(self, q, k, v, state: tuple[torch.Tensor, torch.Tensor], lengths: torch.Tensor, commit_len: int,
+                      mask: torch.Tensor) -> torch.Tensor:
+        """q/k/v [B, H, T, D] after RoPE: scatter the first `commit_len` keys into the buffers `state`
+        at each row's length, attend under `mask`. The mask's columns say how many key slots are
+        read (`cached_attention_mask`: the longest row, or the whole capacity for a fixed shape), so
+        nothing here reads the host."""
         Tc = commit_len
-        keys, vals = state.write(k[:, :, :Tc], v[:, :, :Tc], lengths) if Tc else state.read(lengths)
+        keys, vals = state
+        if Tc:
+            scatter_kv(keys, vals, k[:, :, :Tc], v[:, :, :Tc], lengths)
+        slots = mask.shape[-1] - (q.shape[2] - Tc)
+        if slots < keys.shape[2]:
+            keys, vals = keys[:, :, :slots], vals[:, :, :slots]
         if q.shape[2] > Tc:
             keys = torch.cat([keys, k[:, :, Tc:]], dim=2)
             vals = torch.cat([vals, v[:, :, Tc:]], dim=2)
@@ -317,10 +327,15 @@ class GatedDeltaNet(nn.Module):
         """window [B, C, K-1+T] (left context then new inputs) -> pre-activation [B, C, T]."""
         return depthwise_conv(window, self.conv1d.weight)
 
-    def forward(self, x: torch.Tensor, segments: Segments, state: DeltaNetState | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, segments: Segments, state: tuple[torch.Tensor, torch.Tensor] | None = None, *,
+                static: bool = False, records: list | None = None) -> torch.Tensor:
         """x [B, T, H]. Without `state`: causal over x (or, with `segments.block_size`, the clean and
-        noisy training streams). With `state`: the commit part advances the state, the denoise part
-        reads it."""
+        noisy training streams). With `state` (this layer's conv and recurrent state,
+        `DeltaNetState.tensors()`, updated in place): the commit part advances the state, the
+        denoise part reads it; `records`, when a list, receives the commit's inputs (what
+        `DeltaNetState.record` keeps for a speculative rollback). `static`: a commit of several
+        tokens runs as one WY chunk (`one_chunk_gated_delta_rule`, no host read, for a compiled
+        step) instead of the chunked kernel."""
         B, T, _ = x.shape
         Tc, Bd = (segments.commit_len, segments.denoise_len) if state is not None else (T, 0)
         mixed, z, g, beta = self.project(x)
@@ -329,29 +344,29 @@ class GatedDeltaNet(nn.Module):
             o = self._train_streams(mixed, g, beta, segments.block_size, segments.commit_len)
             return self.finish(o, z)
         outs = []
+        conv, recurrent = state if state is not None else (mixed.new_zeros(B, self.conv_dim, K1), None)
         if Tc:
-            pre = mixed[:, :, :Tc]
-            conv_state = state.conv if state is not None else pre.new_zeros(B, self.conv_dim, K1)
-            n = segments.n_commit if segments.ragged and state is not None else None
-            q, k, v, gc, bc, window = self._commit_inputs(pre, conv_state, g[:, :Tc], beta[:, :Tc], n)
-            if state is not None and state.recording:
-                state.record = (q, k, v, gc, bc, window)
-            initial = state.recurrent if state is not None else None
+            n = segments.n_commit if state is not None else None
+            q, k, v, gc, bc, window = self._commit_inputs(mixed[:, :, :Tc], conv, g[:, :Tc], beta[:, :Tc], n)
+            if records is not None:
+                records.append((q, k, v, gc, bc, window))
             if Tc == 1 and state is not None:
                 o, new_state = recurrent_gated_delta_rule(
-                    q, k, v, gc, bc, initial_state=initial, output_final_state=True, use_qk_l2norm_in_kernel=True
+                    q, k, v, gc, bc, initial_state=recurrent, output_final_state=True, use_qk_l2norm_in_kernel=True
                 )
+            elif static and state is not None:
+                o, new_state = one_chunk_gated_delta_rule(q, k, v, gc, bc, recurrent)
             else:  # chunk 32 measured faster than 64 on CPU, same results (docs/kernels.md)
                 o, new_state = chunk_gated_delta_rule(
-                    q, k, v, gc, bc, initial_state=initial, output_final_state=state is not None,
+                    q, k, v, gc, bc, initial_state=recurrent, output_final_state=state is not None,
                     use_qk_l2norm_in_kernel=True, chunk_size=32,
                 )
             outs.append(o)
             if state is not None:
-                state.recurrent = new_state
-                state.conv = conv_window_tail(window, K1, n).contiguous()
+                recurrent.copy_(new_state)
+                conv.copy_(conv_window_tail(window, K1, n))
         if Bd:
-            outs.append(self.denoise_block(mixed[:, :, Tc:], state.conv, g[:, Tc:], state.recurrent))
+            outs.append(self.denoise_block(mixed[:, :, Tc:], conv, g[:, Tc:], recurrent))
         return self.finish(outs[0] if len(outs) == 1 else torch.cat(outs, dim=1), z)
 
     def project(self, x: torch.Tensor):
@@ -364,23 +379,6 @@ class GatedDeltaNet(nn.Module):
         """Mixer output [B, T, Hv, dv] -> gated-normed, projected [B, T, hidden]."""
         B, T = o.shape[:2]
         return self.out_proj(self.norm(o, z).reshape(B, T, self.value_dim))
-
-    def commit_static(self, pre: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, n: torch.Tensor | None,
-                      conv: torch.Tensor, recurrent: torch.Tensor):
-        """The commit part without host reads or data-dependent shapes (`clover.models.static`):
-        pre [B, C, Tc] pre-conv inputs, rows committing `n[b]` tokens (None: all Tc), through the
-        decode-step recurrence (Tc = 1) or one WY chunk; `conv` and `recurrent` are updated in place.
-        Returns ([B, Tc, Hv, dv] (garbage past n[b]), the commit's inputs as `DeltaNetState.record`
-        keeps them for a speculative rollback)."""
-        q, k, v, g, beta, window = self._commit_inputs(pre, conv, g, beta, n)
-        if pre.shape[2] == 1:
-            o, new = recurrent_gated_delta_rule(q, k, v, g, beta, initial_state=recurrent, output_final_state=True,
-                                                use_qk_l2norm_in_kernel=True)
-        else:
-            o, new = one_chunk_gated_delta_rule(q, k, v, g, beta, recurrent)
-        conv.copy_(conv_window_tail(window, self.kernel_size - 1, n))
-        recurrent.copy_(new)
-        return o, (q, k, v, g, beta, window)
 
     def _commit_inputs(self, pre: torch.Tensor, conv_state: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                        n: torch.Tensor | None):
@@ -481,7 +479,7 @@ class DenseMLP(MLP):
     def __init__(self, config: CloverConfig) -> None:
         super().__init__(config.hidden_size, config.intermediate_size)
 
-    def forward(self, x: torch.Tensor, sharing: BlockSharing | None = None, track_experts: bool = False,
+    def forward(self, x: torch.Tensor, sharing: BlockSharing | None = None, count_experts: bool = False,
                 static: bool = False):
         return super().forward(x), None
 
@@ -499,21 +497,24 @@ class SparseMoE(nn.Module):
             self.shared_expert_gate = nn.Linear(c.hidden_size, 1, bias=False)
 
     def forward(
-        self, x: torch.Tensor, sharing: BlockSharing | None = None, track_experts: bool = False, static: bool = False
+        self, x: torch.Tensor, sharing: BlockSharing | None = None, count_experts: bool = False, static: bool = False
     ) -> tuple[torch.Tensor, ExpertStats]:
-        """x [B, T, H] -> (y, stats). `sharing`: block expert sharing for the denoise part. `static`:
-        no host read and no data-dependent shape (`static_expert_forward`; experts touched always
-        counted, as a 0-d tensor), for a graph compiled whole (`clover.models.static`)."""
+        """x [B, T, H] -> (y, stats). `sharing`: block expert sharing for the denoise part.
+        `count_experts`: the experts touched, counted on the device (a 0-d tensor). `static`: the
+        routed experts grouped on the device (`static_expert_forward`: no host read, no
+        data-dependent shape) for a compiled step; else `Experts` (grouped on the host, only the
+        touched experts run; also quantized experts)."""
         B, T, H = x.shape
         flat = x.reshape(-1, H)
         logits = self.gate(flat)
         top_w, top_idx = route(logits, self.top_k, sharing)
-        if static:
+        touched = None
+        if count_experts:
             touched = torch.zeros(self.num_experts, dtype=torch.long, device=x.device).index_fill_(
                 0, top_idx.reshape(-1), 1).sum()
+        if static:
             out = static_expert_forward(self.experts, flat, top_idx, top_w.to(x.dtype))
         else:
-            touched = int(torch.unique(top_idx).numel()) if track_experts else None
             out = self.experts(flat, top_idx, top_w.to(x.dtype))
         if self.has_shared:
             out = out + torch.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat)

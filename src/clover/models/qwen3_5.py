@@ -94,19 +94,21 @@ class DecoderLayer(nn.Module):
         segments: Segments,
         *,
         mask: torch.Tensor | None = None,
-        state=None,
+        state: tuple[torch.Tensor, ...] | None = None,
         lengths: torch.Tensor | None = None,
         sharing: BlockSharing | None = None,
-        track_experts: bool = False,
+        count_experts: bool = False,
+        static: bool = False,
+        records: list | None = None,
     ):
-        """-> (x, ExpertStats | None)."""
+        """-> (x, ExpertStats | None). `state`: this layer's cache tensors (updated in place)."""
         h = self.input_layernorm(x)
         if self.layer_type == "full_attention":
             h = self.self_attn(h, rope, mask=mask, state=state, lengths=lengths, commit_len=segments.commit_len)
         else:
-            h = self.linear_attn(h, segments, state)
+            h = self.linear_attn(h, segments, state, static=static, records=records)
         x = x + h
-        y, stats = self.mlp(self.post_attention_layernorm(x), sharing, track_experts)
+        y, stats = self.mlp(self.post_attention_layernorm(x), sharing, count_experts, static)
         return x + y, stats
 
 
@@ -147,7 +149,7 @@ class Qwen3_5ForCausalLM(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.model.embed_tokens.weight.dtype
 
-    static_steps = None  # `clover.models.static.StaticSteps` once compiled with compile="static"
+    static_steps = None  # `clover.models.static.StaticSteps` once compiled (`compile_model`)
 
     def make_cache(self, batch_size: int, capacity: int) -> HybridCache:
         """A cache for `batch_size` rows, built from the state each layer declares (with static steps,
@@ -167,18 +169,22 @@ class Qwen3_5ForCausalLM(nn.Module):
         segments: Segments,
         *,
         mask: torch.Tensor | None = None,
-        cache: HybridCache | None = None,
+        states: list | None = None,
+        lengths: torch.Tensor | None = None,
         sharing: BlockSharing | None = None,
-        track_experts: bool = False,
+        count_experts: bool = False,
+        static: bool = False,
         router_logits: list | None = None,
-    ) -> tuple[torch.Tensor, list[int]]:
-        """Run every layer; collect router logits (into `router_logits`) and experts touched."""
-        touched: list[int] = []
-        lengths = cache.lengths if cache is not None else None
+        records: list | None = None,
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Run every layer (the one layer loop: training, the plain forward and every cached step,
+        eager or compiled); collect router logits (into `router_logits`), the GDN commit inputs
+        (into `records`) and the experts touched per MoE layer (0-d tensors, when counted)."""
+        touched: list[torch.Tensor] = []
         for i, layer in enumerate(self.model.layers):
-            state = cache.layers[i] if cache is not None else None
+            state = states[i] if states is not None else None
             x, stats = layer(x, rope, segments, mask=mask, state=state, lengths=lengths, sharing=sharing,
-                             track_experts=track_experts)
+                             count_experts=count_experts, static=static, records=records)
             if stats is not None:
                 if router_logits is not None:
                     router_logits.append(stats.router_logits)
@@ -257,34 +263,78 @@ class Qwen3_5ForCausalLM(nn.Module):
         appended to `cache`; `denoise_ids [B, Bd]` is one block denoised against the updated cache.
         `expert_budget` shares that many experts across the denoise block (MoE only), ranked by
         `expert_rank` ("sum" or "max" of the block's router probabilities).
-        `denoise_need [B, Bd]` (bool) limits the denoise logits to those positions (others are garbage)."""
-        parts = [p for p in (commit_ids, denoise_ids) if p is not None]
-        if not parts:
+        `denoise_need [B, Bd]` (bool) limits the denoise logits to those positions (others are garbage).
+
+        The host side of a step (normalise `n_commit`, grow the cache, keep the commit's inputs
+        while recording, advance the lengths) is here; the forward itself is `forward_step`, run
+        eagerly or, with static steps, compiled when the call is one of their kinds."""
+        if commit_ids is None and denoise_ids is None:
             raise ValueError("step needs commit_ids, denoise_ids or both")
         Tc = 0 if commit_ids is None else commit_ids.shape[1]
-        Bd = 0 if denoise_ids is None else denoise_ids.shape[1]
         if n_commit is not None and Tc and bool((n_commit == Tc).all()):
             n_commit = None
-        start = cache.lengths
-        cache.ensure_capacity(int(start.max()) + Tc)
+        cache.ensure_capacity(int(cache.lengths.max()) + Tc)
+        record = cache.record is not None and Tc > 0
+        states = [s.tensors() for s in cache.layers]
+        args = (commit_ids, n_commit, denoise_ids, cache.lengths, states)
+        kw = dict(expert_budget=expert_budget, expert_rank=expert_rank, all_logits=all_logits, record=record)
+        out = None
         if self.static_steps is not None:
-            out = self.static_steps.try_step(cache, commit_ids, n_commit, denoise_ids, expert_budget=expert_budget,
-                                             expert_rank=expert_rank, all_logits=all_logits,
-                                             track_experts=track_experts)
-            if out is not None:
-                return StepOutput(*out)
+            out = self.static_steps.run(*args, **kw)
+        if out is None:
+            out = self.forward_step(*args, **kw, count_experts=track_experts, denoise_need=denoise_need)
+        commit_logits, denoise_logits, touched, records = out
+        if record:  # what `HybridCache.rollback` re-runs
+            for state, rec in zip(cache.deltanet_states(), records):
+                state.record = rec
+        if Tc:
+            cache.advance(n_commit if n_commit is not None else Tc)
+        return StepOutput(commit_logits, denoise_logits, touched.tolist() if track_experts else [])
+
+    def forward_step(
+        self,
+        commit_ids: torch.Tensor | None,
+        n_commit: torch.Tensor | None,
+        denoise_ids: torch.Tensor | None,
+        lengths: torch.Tensor,
+        states: list[tuple[torch.Tensor, ...]],
+        *,
+        expert_budget: int | None = None,
+        expert_rank: str = "sum",
+        all_logits: bool = False,
+        record: bool = False,
+        count_experts: bool = False,
+        denoise_need: torch.Tensor | None = None,
+        static: bool = False,
+    ):
+        """The forward of a cached step, over the cache's tensors (`states`: per layer
+        `state.tensors()`, updated in place; `lengths` [B] before the step, not advanced here) ->
+        (commit logits [B, V] at each row's last commit token (`all_logits`: [B, Tc, V]), denoise
+        logits [B, Bd, V], experts touched per MoE layer [n_moe] (when counted), per GDN layer the
+        commit's inputs (when `record`)).
+
+        `static=True` is the same forward with fixed shapes and no host read, which is what
+        `clover.models.static` compiles whole: K/V scattered at each row's length and attention
+        over the full capacity under the length mask, a block commit as one WY chunk, the routed
+        experts grouped on the device, the experts touched always counted, all denoise logits."""
+        parts = [p for p in (commit_ids, denoise_ids) if p is not None]
         ids = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
         B = ids.shape[0]
-        n = n_commit if n_commit is not None else torch.full((B,), Tc, dtype=torch.long, device=ids.device)
-        positions = step_positions(start, n, Tc, Bd)
+        Tc = 0 if commit_ids is None else commit_ids.shape[1]
+        Bd = 0 if denoise_ids is None else denoise_ids.shape[1]
+        n = n_commit if n_commit is not None else torch.full_like(lengths, Tc)
         x = self.model.embed_tokens(ids)
-        rope = self.model.rotary_emb(positions, x.dtype)
+        rope = self.model.rotary_emb(step_positions(lengths, n, Tc, Bd), x.dtype)
         segments = Segments(commit_len=Tc, denoise_len=Bd, n_commit=n_commit)
         sharing = BlockSharing(expert_budget, B, Tc, expert_rank) if expert_budget is not None and Bd else None
-        mask = cached_attention_mask(start, segments) if "full_attention" in self.config.layer_types else None
-        x, touched = self._layers(x, rope, segments, mask=mask, cache=cache, sharing=sharing, track_experts=track_experts)
-        if Tc:
-            cache.advance(n)
+        mask = None
+        if "full_attention" in self.config.layer_types:
+            slots = next(s[0].shape[2] for s, layer in zip(states, self.model.layers)
+                         if layer.layer_type == "full_attention") if static else None
+            mask = cached_attention_mask(lengths, segments, key_slots=slots)
+        records: list | None = [] if record else None
+        x, touched = self._layers(x, rope, segments, mask=mask, states=states, lengths=lengths, sharing=sharing,
+                                  count_experts=count_experts or static, static=static, records=records)
         commit_logits = denoise_logits = None
         if Tc:
             if all_logits:
@@ -292,12 +342,13 @@ class Qwen3_5ForCausalLM(nn.Module):
             else:
                 commit_logits = self._logits(x[torch.arange(B, device=x.device), n - 1])  # [B, V]
         if Bd:
-            if denoise_need is None:
+            if denoise_need is None or static:
                 denoise_logits = self._logits(x[:, Tc:])
             else:  # only the positions whose predictions are still needed (masked next positions)
                 denoise_logits = x.new_empty(B, Bd, self.config.vocab_size)
                 denoise_logits[denoise_need] = self._logits(x[:, Tc:][denoise_need])
-        return StepOutput(commit_logits, denoise_logits, touched)
+        touched_t = torch.stack(touched) if touched else torch.zeros(0, dtype=torch.long, device=x.device)
+        return commit_logits, denoise_logits, touched_t, tuple(records or ())
 
     # -- initialisation for random/tiny models and training from scratch
     @torch.no_grad()
