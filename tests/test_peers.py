@@ -14,6 +14,7 @@ from safetensors import safe_open
 
 from clover import cli
 from clover.bench import peers
+from clover.models.layers import is_clover_parameter
 from clover.config import CloverConfig
 
 ROW_KEYS = {"engine", "variant", "threads", "batch", "samples", "tokens", "seconds", "tokens_per_second",
@@ -112,7 +113,7 @@ def test_hf_dir_drops_clover_tensors(tiny_dir, tmp_path):
     with safe_open(str(d / "model.safetensors"), "pt") as f:
         keys = list(f.keys())
         assert str(f.get_tensor(keys[0]).dtype) == "torch.bfloat16"
-    assert keys and not [k for k in keys if any(n in k for n in peers.CLOVER_ONLY_TENSORS)]
+    assert keys and not [k for k in keys if is_clover_parameter(k)]
     linked = peers.write_hf_dir(tiny_dir, tmp_path / "hf-linked", cfg, dtype="float32")
     assert (linked / "model.safetensors").is_symlink() and (linked / "tokenizer.json").is_file()
 

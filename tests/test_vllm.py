@@ -121,21 +121,24 @@ def test_config_dense_backbone_and_errors(tiny_dir):
 
 
 def test_dropped_tensors_are_the_clover_only_ones():
-    """What the plugin drops (model.CLOVER_ONLY_SUFFIXES, read from its source: importing it needs vLLM)
-    is exactly what a Clover checkpoint has on top of the Qwen3.5-MoE backbone."""
+    """What the plugin drops (model.CLOVER_ONLY_SUFFIXES, built from `CLOVER_PARAMETERS`; read from its
+    source: importing it needs vLLM) is exactly what a Clover checkpoint has on top of the Qwen3.5-MoE
+    backbone."""
     import ast
 
     from safetensors import safe_open
 
-    from clover.bench.peers import CLOVER_ONLY_TENSORS
+    from clover.models.layers import CLOVER_PARAMETERS, is_clover_parameter
 
     tree = ast.parse((REPO / "src" / "clover" / "integrations" / "vllm" / "model.py").read_text())
-    suffixes = next(ast.literal_eval(n.value) for n in tree.body
-                    if isinstance(n, ast.Assign) and getattr(n.targets[0], "id", "") == "CLOVER_ONLY_SUFFIXES")
+    node = next(n.value for n in tree.body
+                if isinstance(n, ast.Assign) and getattr(n.targets[0], "id", "") == "CLOVER_ONLY_SUFFIXES")
+    assert "CLOVER_PARAMETERS" in ast.unparse(node)
+    suffixes = tuple(f".linear_attn.{n}" for n in CLOVER_PARAMETERS)
     with safe_open(str(BUNDLED / "model.safetensors"), "pt") as f:
         keys = list(f.keys())
     dropped = {k for k in keys if k.endswith(tuple(suffixes))}
-    clover_only = {k for k in keys if any(part in CLOVER_ONLY_TENSORS for part in k.split("."))}
+    clover_only = {k for k in keys if is_clover_parameter(k)}
     assert dropped == clover_only and dropped
     assert all(any(k.endswith(s) for k in keys) for s in suffixes)
 

@@ -1,7 +1,7 @@
 """Decoding state for the hybrid backbone: one state object per layer, held by a `HybridCache`.
 
 - `AttentionState` (full-attention layers): K and V in preallocated buffers `[B, H_kv, capacity, D]`,
-  written by index;
+  scattered at each row's length (`scatter_kv`);
 - `DeltaNetState` (Gated DeltaNet layers): the recurrent state `[B, H_v, d_k, d_v]` (fp32) and the conv
   state, the last `K-1` pre-conv inputs `[B, conv_dim, K-1]`.
 
@@ -23,8 +23,8 @@ from .kernels import chunk_gated_delta_rule
 
 # --------------------------------------------------------------------------- per-layer states
 def scatter_kv(keys: torch.Tensor, values: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor) -> None:
-    """`AttentionState.write` without a host read: k/v `[B, H_kv, T, D]` scattered into the buffers at
-    each row's length (a static-shape graph then attends over the whole capacity under a length mask)."""
+    """The K/V write of a cached forward, without a host read: k/v `[B, H_kv, T, D]` scattered into the
+    buffers at each row's length (the cache has room: `ensure_capacity`)."""
     B, H, T, D = k.shape
     slot = (lengths[:, None] + torch.arange(T, device=lengths.device))[:, None, :, None].expand(B, H, T, D)
     keys.scatter_(2, slot, k)
@@ -52,26 +52,6 @@ class AttentionState:
     def empty(cls, batch: int, kv_heads: int, capacity: int, head_dim: int, *, dtype, device) -> "AttentionState":
         shape = (batch, kv_heads, capacity, head_dim)
         return cls(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-
-    def write(self, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write `[B, H_kv, T, D]` at each row's length (the cache has room: `ensure_capacity`).
-        Returns views of the buffers covering every slot any row may attend to."""
-        T = k.shape[2]
-        end = int(lengths.max()) + T
-        if bool((lengths == lengths[0]).all()):
-            start = int(lengths[0])
-            self.keys[:, :, start : start + T] = k
-            self.values[:, :, start : start + T] = v
-        else:
-            pos = lengths[:, None] + torch.arange(T, device=lengths.device)  # [B, T]
-            rows = torch.arange(k.shape[0], device=lengths.device)[:, None]
-            self.keys.permute(0, 2, 1, 3)[rows, pos] = k.permute(0, 2, 1, 3)
-            self.values.permute(0, 2, 1, 3)[rows, pos] = v.permute(0, 2, 1, 3)
-        return self.keys[:, :, :end], self.values[:, :, :end]
-
-    def read(self, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        end = int(lengths.max())
-        return self.keys[:, :, :end], self.values[:, :, :end]
 
     def grow(self, capacity: int) -> None:
         old = self.keys.shape[2]

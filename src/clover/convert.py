@@ -21,10 +21,9 @@ from safetensors.torch import save_file
 from .config import CloverConfig
 from .models import build_model
 from .models.clover import clover_config, clover_parameters
-from .tokenizer import copy_tokenizer_files
+from .tokenizer import MASK_TOKEN, copy_tokenizer_files
 from .weights import INDEX_FILE, CheckpointError, iter_tensors, shard_files
 
-MASK_TOKEN = "<|mask|>"
 EXTRA_SHARD = "model-clover-extra.safetensors"
 
 

@@ -10,7 +10,7 @@ import torch
 from .checkpoint import save_model
 from .config import CloverConfig
 from .models import build_model
-from .tokenizer import SPECIAL_TOKENS, write_byte_tokenizer
+from .tokenizer import MASK_TOKEN, SPECIAL_TOKENS, write_byte_tokenizer
 
 TINY_DEFAULTS: dict[str, Any] = dict(
     hidden_size=64,
@@ -70,7 +70,7 @@ def tiny_config(*, clover: bool = True, dense: bool = False, vocab_size: int | N
         model_type="clover" if clover else base,
     )
     if clover:
-        fields["mask_token_id"] = ids["<|mask|>"]
+        fields["mask_token_id"] = ids[MASK_TOKEN]
         fields["backbone"] = base
     fields.update(overrides)
     return CloverConfig(**fields)

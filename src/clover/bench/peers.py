@@ -46,12 +46,12 @@ from typing import Callable, Iterable
 
 import torch
 
+from ..models.layers import is_clover_parameter
 from .common import machine, max_rss_bytes, set_threads, spread, timed
 
 SCHEMA = "clover.bench.peers/1"
 ENGINES = ("clover", "transformers", "llama.cpp", "llama-clover", "vllm")
 GGUF_DTYPES = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}
-CLOVER_ONLY_TENSORS = ("conv1d_right", "intra_scale", "block_gain_a", "block_gain_b")
 VLLM_MARK = "CLOVER_PEERS "
 
 
@@ -194,7 +194,7 @@ def write_hf_dir(src: Path, dst: Path, config, *, dtype: str, copy: bool = False
         out = {}
         with safe_open(str(shard), "pt") as fh:
             for k in fh.keys():
-                if any(part in CLOVER_ONLY_TENSORS for part in k.split(".")):
+                if is_clover_parameter(k):
                     continue
                 t = fh.get_tensor(k)
                 out[k] = t.to(want) if t.is_floating_point() else t

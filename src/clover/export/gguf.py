@@ -44,6 +44,8 @@ import torch
 
 from ..checkpoint import CheckpointError, canonical_name, shard_files
 from ..config import CloverConfig
+from ..models.layers import CLOVER_PARAMETERS
+from ..tokenizer import MASK_TOKEN
 
 ARCH = "qwen35moe"
 FORMAT_VERSION = 1
@@ -51,12 +53,7 @@ DTYPES = ("f32", "bf16", "f16", "q8_0")
 CLOVER_TENSOR_MODES = ("sidecar", "inline", "none")
 SIDECAR_SUFFIX = ".clover.gguf"
 # Clover-specific tensors: our parameter leaf -> GGUF tensor name (per block)
-CLOVER_TENSORS = {
-    "linear_attn.conv1d_right.weight": "blk.{bid}.clover_conv1d_right.weight",
-    "linear_attn.intra_scale": "blk.{bid}.clover_intra_scale",
-    "linear_attn.block_gain_a": "blk.{bid}.clover_block_gain_a",
-    "linear_attn.block_gain_b": "blk.{bid}.clover_block_gain_b",
-}
+CLOVER_TENSORS = {f"linear_attn.{n}": f"blk.{{bid}}.clover_{n}" for n in CLOVER_PARAMETERS}
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 _PER_EXPERT = re.compile(r"^mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 
@@ -402,7 +399,7 @@ def read_tokenizer(src: Path, config: CloverConfig, *, pre_tokenizer: str | None
         template = next((t["template"] for t in template if t.get("name") == "default"), None)
     mask = config.mask_token_id
     if mask is None:
-        mask = next((i for i, a in added.items() if a["content"] == "<|mask|>"), None)
+        mask = next((i for i, a in added.items() if a["content"] == MASK_TOKEN), None)
     eos = config.eos_token_ids[0] if config.eos_token_ids else None
     return TokenizerMetadata(tokens, [int(t) for t in types], merges, pre, exact, eos, config.pad_token_id,
                              config.bos_token_id, mask, template, placeholder)

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from ..config import CloverConfig
+from ..tokenizer import MASK_TOKEN
 from .layers import denoise_parameters
 
 MODEL_TYPES = ("clover",)
@@ -50,7 +51,7 @@ def convert_model(model: nn.Module, mask_token_id: int | None) -> nn.Module:
     from . import build_model
 
     if mask_token_id is None:
-        raise ValueError("converting to clover needs a mask token id (<|mask|> in the tokenizer)")
+        raise ValueError(f"converting to clover needs a mask token id ({MASK_TOKEN} in the tokenizer)")
     config = clover_config(model.config, mask_token_id)
     new = build_model(config, device="meta")
     state = {k: v.detach().to("cpu", torch.float32) for k, v in model.state_dict().items()}

@@ -263,18 +263,32 @@ def block_diffusion_mask(L: int, k: int, block_size: int, device) -> torch.Tenso
 
 
 # --------------------------------------------------------------------------- gated deltanet
+# Clover's parameters, per GDN layer (under `linear_attn.`): the one list of their names; every
+# other place (training's freezing, exports, the vLLM plugin, the peer engines) derives from it
+CLOVER_PARAMETERS = ("conv1d_right.weight", "intra_scale", "block_gain_a", "block_gain_b")
+
+
+def is_clover_parameter(name: str) -> bool:
+    """Whether a state-dict key (`model.layers.N.linear_attn.intra_scale`, ...) is one of Clover's
+    own parameters, which a plain AR backbone does not have."""
+    head, sep, leaf = name.rpartition("linear_attn.")
+    return bool(sep) and leaf in CLOVER_PARAMETERS
+
+
 def denoise_parameters(config: CloverConfig, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
     """Clover's additions to one GDN layer at their initial values (the one place they are defined):
     the right-side conv branch and the block gains at zero, the intra-block logit scale at sqrt(d_k).
     With both branches at zero, denoise mode starts from the AR model's decayed prefix readout."""
     c = config
     hv = c.linear_num_value_heads
-    return {
+    values = {
         "conv1d_right.weight": torch.zeros(c.linear_conv_dim, 1, c.linear_conv_kernel_dim - 1, dtype=dtype),
         "intra_scale": torch.full((hv,), math.sqrt(c.linear_key_head_dim), dtype=dtype),
         "block_gain_a": torch.zeros(hv, dtype=dtype),
         "block_gain_b": torch.zeros(hv, dtype=dtype),
     }
+    assert tuple(values) == CLOVER_PARAMETERS
+    return values
 
 
 class GatedDeltaNet(nn.Module):

@@ -35,13 +35,13 @@ from ..checkpoint import load_model
 from ..config import CloverConfig
 from ..models import build_model, parameter_counts
 from ..models.clover import convert_model
-from ..tokenizer import copy_tokenizer_files
+from ..models.layers import CLOVER_PARAMETERS, is_clover_parameter
+from ..tokenizer import MASK_TOKEN, copy_tokenizer_files
 from . import checkpointing as ck
 from . import parallel
 from .losses import ar_step_loss, diffusion_step_loss
 from .recipes import Recipe
 
-CLOVER_ONLY = ("conv1d_right", "intra_scale", "block_gain_a", "block_gain_b")
 
 
 def lr_at(step: int, recipe: Recipe) -> float:
@@ -157,7 +157,7 @@ def build_or_load_model(recipe: Recipe, tokenizer_ids: dict[str, int]):
             model = load_model(recipe.init, dtype=torch.float32)
         cfg = model.config
         if recipe.stage == "diffusion" and not cfg.is_clover:
-            model = to_clover(model, tokenizer_ids.get("<|mask|>"))
+            model = to_clover(model, tokenizer_ids.get(MASK_TOKEN))
         model.train()
         return model
     fields = dict(recipe.model)
@@ -165,7 +165,7 @@ def build_or_load_model(recipe: Recipe, tokenizer_ids: dict[str, int]):
     fields.setdefault("pad_token_id", tokenizer_ids.get("<|pad|>"))
     if fields.get("model_type", "clover") == "clover":
         fields.setdefault("model_type", "clover")
-        fields.setdefault("mask_token_id", tokenizer_ids.get("<|mask|>"))
+        fields.setdefault("mask_token_id", tokenizer_ids.get(MASK_TOKEN))
     cfg = CloverConfig.from_dict(fields, source=f"recipe {recipe.source or recipe.name} [model]")
     model = build_model(cfg, device="cpu", dtype=torch.float32)
     model.init_weights(seed=recipe.seed)
@@ -205,10 +205,11 @@ def tokenizer_special_ids(path: str) -> dict[str, int]:
     from ..data.tokenizer import load_tokenizer
 
     tok = load_tokenizer(path)
-    return {t: tok.token_to_id(t) for t in ("<|endoftext|>", "<|pad|>", "<|mask|>") if tok.token_to_id(t) is not None}
+    return {t: tok.token_to_id(t) for t in ("<|endoftext|>", "<|pad|>", MASK_TOKEN) if tok.token_to_id(t) is not None}
 
 
-CLOVER_GAIN_PARAMS = ("block_gain_a", "block_gain_b", "intra_scale")
+# the per-head gains among Clover's parameters (not the conv weight)
+CLOVER_GAIN_PARAMS = tuple(n for n in CLOVER_PARAMETERS if not n.endswith(".weight"))
 
 
 def param_groups(model, weight_decay: float) -> tuple[list[dict], list[torch.nn.Parameter], dict[int, str]]:
@@ -267,7 +268,7 @@ class Trainer:
         cfg = self.model.config
         if recipe.stage == "ar":
             for n, p in self.model.named_parameters():  # unused in commit mode
-                if any(s in n for s in CLOVER_ONLY):
+                if is_clover_parameter(n):
                     p.requires_grad_(False)
         else:
             if not cfg.is_clover or cfg.mask_token_id is None:

@@ -16,14 +16,11 @@ from __future__ import annotations
 from vllm.model_executor.models.qwen3_5 import Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM
 from vllm.model_executor.models.utils import WeightsMapper
 
+from ...models.layers import CLOVER_PARAMETERS
+
 # Tensors of the denoise mode (clover.models.clover), unused by the commit mode vLLM runs: the
 # right-side conv branch, the intra-block attention logit scale and the block-size calibration gains.
-CLOVER_ONLY_SUFFIXES = (
-    ".linear_attn.conv1d_right.weight",
-    ".linear_attn.intra_scale",
-    ".linear_attn.block_gain_a",
-    ".linear_attn.block_gain_b",
-)
+CLOVER_ONLY_SUFFIXES = tuple(f".linear_attn.{n}" for n in CLOVER_PARAMETERS)
 DROP_CLOVER_ONLY = WeightsMapper(orig_to_new_suffix={s: None for s in CLOVER_ONLY_SUFFIXES})
 
 
