@@ -167,7 +167,8 @@ class LlamaDecoderLayer(nn.Module):
         return self.self_attn.make_state(batch, capacity, dtype=dtype, device=device)
 
     def forward(self, x, rope, segments: Segments, *, mask=None, state=None, lengths=None,
-                sharing: BlockSharing | None = None, track_experts: bool = False):
+                sharing: BlockSharing | None = None, count_experts: bool = False, static: bool = False,
+                records: list | None = None):
         """-> (x, None): the layer interface of the family (no routing to report)."""
         h = self.self_attn(self.input_layernorm(x), rope, mask=mask, state=state, lengths=lengths,
                            commit_len=segments.commit_len)
