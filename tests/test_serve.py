@@ -226,6 +226,20 @@ def test_forced_step_share_metric(http, client):
     assert _metric(after, "clover_forced_step_share_sum") == pytest.approx(_metric(before, "clover_forced_step_share_sum") + 1)
 
 
+def test_auto_width_metrics(http, client, monkeypatch, tmp_path):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # the calibration's cost curve goes here
+    before = http.get("/metrics").text
+    out = client.completions.create(model=MODEL, prompt="abc", max_tokens=6, temperature=0,
+                                    extra_body={"mode": "diffusion", "block_size": "auto", "ignore_eos": True})
+    assert out.usage.completion_tokens == 6
+    after = http.get("/metrics").text
+    assert "clover_block_width_blocks_total" in after and "clover_auto_expected_tokens_per_second{" in after
+    assert _metric(after, "clover_auto_width") > 0 and after != before
+    bad = http.post("/v1/completions", json={"model": MODEL, "prompt": "abc", "block_size": "wide"},
+                    headers={"Authorization": f"Bearer {KEY}"})
+    assert bad.status_code == 400 or bad.status_code == 422
+
+
 # ---------------------------------------------------------------------------------- batching
 @pytest.mark.parametrize("mode", ["ar", "diffusion"])
 def test_concurrent_requests_batch_and_match(server, client, mode):

@@ -34,5 +34,12 @@ class Metrics:
         self.batch_size = Histogram("clover_batch_size", "rows per forward",
                                     buckets=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 128, 256), registry=r)
 
+        self.block_width = Counter("clover_block_width_blocks", "diffusion blocks decoded, by block width",
+                                   ["width"], registry=r)
+        self.auto_width = Gauge("clover_auto_width", "block_size=auto: the width of the latest choice", registry=r)
+        self.auto_expected = Gauge(
+            "clover_auto_expected_tokens_per_second", "block_size=auto: at the latest choice, the expected tokens/s "
+            "of each trained width (the choice is the largest)", ["width"], registry=r)
+
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST

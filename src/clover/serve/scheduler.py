@@ -320,6 +320,11 @@ class Scheduler:
         if self.metrics is not None:
             self.metrics.forwards.inc()
             self.metrics.batch_size.observe(n)
+            choices = getattr(eng, "choices", None)
+            if choices and choices[-1].forward == eng.forwards - 1:  # block_size="auto" just (re)chose: say why
+                for w, tps in choices[-1].expected.items():
+                    self.metrics.auto_expected.labels(str(w)).set(tps)
+                self.metrics.auto_width.set(choices[-1].width)
         self._route(events)
 
     def _route(self, events: list[DecodeEvent]) -> None:
@@ -367,6 +372,8 @@ class Scheduler:
                 self.metrics.tokens_per_forward.observe(len(row.tokens) / row.forwards)
                 if row.block_steps:  # a threshold-decoded (diffusion) row
                     self.metrics.forced_share.observe(row.forced_steps / row.forwards)
+                for w in row.block_widths:
+                    self.metrics.block_width.labels(str(w)).inc()
             if req.open_rows == 0:
                 self.metrics.latency.observe(time.perf_counter() - req.arrival)
         req.put(("finish", idx, gen, row.stop_token))
