@@ -62,8 +62,59 @@ def test_rollback_equals_fresh_prefill(llm):
             torch.testing.assert_close(a, c, atol=1e-5, rtol=1e-5)
 
 
-def test_speculative_refuses_sampling(llm):
-    with pytest.raises(ValueError, match="greedy"):
-        llm.generate("x", mode="speculative", temperature=0.7)
+def test_speculative_refuses_what_it_cannot_keep_lossless(llm):
+    with pytest.raises(ValueError, match="repetition_penalty"):
+        llm.generate("x", mode="speculative", temperature=0.7, repetition_penalty=1.3)
     with pytest.raises(ValueError, match="draft_length"):
         llm.generate("x", mode="speculative", draft_length=64, block_size=8)
+
+
+def test_rejection_rule_emits_the_target_distribution():
+    """A small vocabulary, fixed target p and draft q per position: the first emitted token after
+    draft[0] is distributed as p[0], and the next (given the first draft token kept) as p[1]."""
+    from clover.decoding.speculative import accept_draft
+
+    V, D, trials = 5, 4, 8000
+    g = torch.Generator().manual_seed(0)
+    p = torch.softmax(torch.randn(D - 1, V, generator=g) * 1.5, -1)
+    q = torch.softmax(torch.randn(D - 1, V, generator=g) * 1.5, -1)
+    first = torch.zeros(V)
+    second, kept1 = torch.zeros(V), 0
+    for _ in range(trials):
+        draft = [0] + torch.multinomial(q, 1, generator=g).flatten().tolist()
+        m, tok = accept_draft(draft, q, p, g)
+        emitted = draft[:m] + ([tok] if tok is not None else [])
+        assert 1 <= m <= D and (tok is None) == (m == D)
+        first[emitted[1]] += 1
+        if m >= 2:
+            kept1 += 1
+            second[emitted[2]] += 1
+    assert (first / trials - p[0]).abs().sum() < 0.04  # twice the total variation; its noise here is ~0.015
+    assert (second / kept1 - p[1]).abs().sum() < 0.06
+    # the draft distribution itself differs from p: a rule that kept every draft token would fail
+    assert (q[0] - p[0]).abs().sum() > 0.2
+    # greedy as the degenerate case: one-hot p and q agree -> kept; disagree -> the target's token
+    one = torch.eye(V)
+    assert accept_draft([0, 2, 3], one[[2, 3]], one[[2, 3]], g) == (3, None)
+    assert accept_draft([0, 2, 3], one[[2, 3]], one[[4, 3]], g) == (1, 4)
+
+
+def test_speculative_sampling_matches_ar_sampling(llm):
+    """End to end on the tiny model: the first two sampled tokens' distribution, AR vs speculative."""
+    kw = dict(max_new_tokens=2, temperature=1.0, top_k=3, ignore_eos=True)
+    n = 400
+    counts = {}
+    for mode, seed in (("ar", 1), ("speculative", 2)):
+        torch.manual_seed(seed)
+        gens = llm.generate([[5, 6, 7]] * n, mode=mode, block_size=8, **kw) if mode != "ar" else \
+            llm.generate([[5, 6, 7]] * n, mode=mode, **kw)
+        c = {}
+        for gen in gens:
+            c[tuple(gen.token_ids)] = c.get(tuple(gen.token_ids), 0) + 1
+        counts[mode] = c
+    keys = set(counts["ar"]) | set(counts["speculative"])
+    tv = sum(abs(counts["ar"].get(k, 0) - counts["speculative"].get(k, 0)) for k in keys) / (2 * n)
+    assert len(keys) > 2 and tv < 0.12, (tv, counts)
+    a = llm.generate("hello", mode="speculative", block_size=8, seed=7, **kw)
+    b = llm.generate("hello", mode="speculative", block_size=8, seed=7, **kw)
+    assert a.token_ids == b.token_ids  # seeded: reproducible

@@ -9,8 +9,15 @@ Per row, each forward carries a commit part and an all-masked denoise block of `
   a partial accept the cache is rolled back to the accepted length (K/V truncated, GDN state re-derived
   from the recorded inputs of exactly the accepted tokens) and the next forward drafts again.
 Draft token 0 always comes from causal logits, so every iteration gains at least one token, and greedy
-output is identical to AR greedy decoding. Sampling (temperature > 0) is refused: the output
-distribution would not match AR sampling without a rejection-sampling rule.
+output is identical to AR greedy decoding.
+
+Sampling (temperature > 0, with top-k / top-p) is lossless by the standard speculative rejection rule
+(Leviathan et al. 2023; Chen et al. 2023): draft token j is drawn from the denoise distribution q_j
+(the same temperature / top-k / top-p applied to the denoise logits), and kept with probability
+min(1, p_j(x) / q_j(x)), p_j being AR's sampling distribution at that point (the verify pass's causal
+logits); at the first rejection the next token is drawn from norm(max(0, p_j - q_j)) instead, and
+becomes the next draft's first token. Each emitted token is then distributed exactly as AR sampling
+would draw it (`accept_draft`).
 """
 
 from __future__ import annotations
@@ -21,19 +28,43 @@ import torch
 
 from .base import BatchEngine, DecodeEvent, EngineRow, RowState, pad_right
 from .modes import Mode, register
+from .sampling import filter_logits
 
 
 def check_speculative_params(params) -> None:
-    if not params.greedy:
-        raise ValueError("temperature: speculative mode is greedy-only (lossless w.r.t. AR greedy); use mode 'ar' or 'diffusion' to sample")
     if params.repetition_penalty != 1.0 or params.presence_penalty or params.no_repeat_ngram_size:
         raise ValueError("repetition_penalty: history-dependent penalties are not supported in speculative mode")
+
+
+def accept_draft(draft: list[int], q: torch.Tensor, p: torch.Tensor, generator: torch.Generator | None = None
+                 ) -> tuple[int, int | None]:
+    """The speculative rejection rule. `draft[0]` was drawn from AR's distribution itself; `draft[j]`
+    (j >= 1) from `q[j-1]` ([D-1, V] probabilities); `p[j-1]` is AR's distribution at draft
+    position j. Returns (m, token): the first m draft tokens are kept, and `token` (None when all D
+    were kept) is drawn from the residual norm(max(0, p - q)) at the first rejected position."""
+    D = len(draft)
+    if D <= 1:
+        return D, None
+    idx = torch.tensor(draft[1:], dtype=torch.long, device=p.device)
+    px = p.gather(-1, idx[:, None]).squeeze(-1)
+    qx = q.gather(-1, idx[:, None]).squeeze(-1)
+    u = torch.rand(D - 1, generator=generator).to(p.device)
+    rejected = (u * qx > px).nonzero()
+    if rejected.numel() == 0:
+        return D, None
+    j = int(rejected[0])
+    residual = (p[j] - q[j]).clamp_min(0)
+    total = residual.sum()
+    residual = residual / total if total > 0 else p[j]  # p == q there: any draw from p is exact
+    return j + 1, int(torch.multinomial(residual, 1, generator=generator))
 
 
 @dataclass(eq=False)
 class SpeculativeRow(EngineRow):
     first_logits: torch.Tensor | None = None  # causal logits after the last accepted token
     draft: list[int] | None = None  # a draft awaiting verification by the next forward
+    draft_q: torch.Tensor | None = None  # sampling: [D-1, V] the distributions draft[1:] were drawn from
+    next_first: int | None = None  # sampling: the residual draw at a rejection, the next draft's first token
 
 
 class SpeculativeEngine(BatchEngine):
@@ -50,6 +81,9 @@ class SpeculativeEngine(BatchEngine):
 
     def _init_row(self, row: RowState) -> None:
         check_speculative_params(row.params)
+        if row.constraint is not None and not row.params.greedy:
+            raise ValueError("temperature: speculative mode decodes a grammar-constrained output greedily only; "
+                             "use temperature 0, or mode 'ar' to sample under the grammar")
         super()._init_row(row)
 
     def _argmax(self, row: RowState, logits: torch.Tensor) -> list[int]:
@@ -83,6 +117,31 @@ class SpeculativeEngine(BatchEngine):
             m += 1
         return m
 
+    @staticmethod
+    def _probs(row: RowState, logits: torch.Tensor) -> torch.Tensor:
+        """AR's sampling distribution (penalties, temperature, top-k, top-p) for logits [N, V]."""
+        s = row.state.sampler
+        return filter_logits(s.process(logits), s.params).softmax(-1)
+
+    def _draft(self, r: RowState, denoise_logits: torch.Tensor) -> list[int]:
+        """The next draft: token 0 from the causal logits (or a rejection's residual draw), the rest
+        from the denoise logits (`denoise_logits[j-1]` predicts draft token j)."""
+        D = self.draft_length
+        if r.params.greedy:
+            first = self._argmax(r, r.state.first_logits[None])
+            return first + (self._argmax(r, denoise_logits[: D - 1]) if D > 1 else [])
+        gen = r.state.sampler.generator
+        if r.state.next_first is not None:
+            first, r.state.next_first = [r.state.next_first], None
+        else:
+            first = torch.multinomial(self._probs(r, r.state.first_logits[None]), 1, generator=gen).flatten().tolist()
+        if D == 1:
+            r.state.draft_q = None
+            return first
+        q = self._probs(r, denoise_logits[: D - 1])
+        r.state.draft_q = q
+        return first + torch.multinomial(q, 1, generator=gen).flatten().tolist()
+
     @torch.inference_mode()
     def step(self) -> list[DecodeEvent]:
         D, rows = self.draft_length, self.rows
@@ -100,14 +159,17 @@ class SpeculativeEngine(BatchEngine):
             r.forwards += 1
             r.experts_touched.extend(out.experts_touched)
             next_draft_ok = True
-            if r.state.draft is not None:  # verify
-                if r.constraint is None:
-                    causal = self._argmax(r, out.commit_logits[i, :D])  # causal[j] = AR token after draft[:j+1]
-                    m = 1
-                    while m < D and r.state.draft[m] == causal[m - 1]:
-                        m += 1
-                else:
-                    m = self._verify_constrained(r, out.commit_logits[i, :D])
+            if r.state.draft is not None and r.constraint is not None:  # verify (constrained: greedy)
+                m = self._verify_constrained(r, out.commit_logits[i, :D])
+            elif r.state.draft is not None and not r.params.greedy:  # verify by the rejection rule
+                p = self._probs(r, out.commit_logits[i, : D - 1]) if D > 1 else None
+                m, r.state.next_first = accept_draft(r.state.draft, r.state.draft_q, p, r.state.sampler.generator)
+            elif r.state.draft is not None:  # verify
+                causal = self._argmax(r, out.commit_logits[i, :D])  # causal[j] = AR token after draft[:j+1]
+                m = 1
+                while m < D and r.state.draft[m] == causal[m - 1]:
+                    m += 1
+            if r.state.draft is not None:
                 accepted = r.state.draft[:m]
                 r.accept_lengths.append(m)
                 keep[i] = m
@@ -126,9 +188,7 @@ class SpeculativeEngine(BatchEngine):
                 continue
             if next_draft_ok:
                 if r.constraint is None:
-                    first = self._argmax(r, r.state.first_logits[None])
-                    rest = self._argmax(r, out.denoise_logits[i, : D - 1]) if D > 1 else []
-                    r.state.draft = first + rest
+                    r.state.draft = self._draft(r, out.denoise_logits[i])
                 else:
                     r.state.draft = self._draft_constrained(r, torch.cat([r.state.first_logits[None],
                                                                           out.denoise_logits[i, : D - 1]]))
@@ -144,7 +204,8 @@ class Speculative(Mode):
     name = "speculative"
     needs_mask = True
     reference = "ar"
-    summary = "self-speculative: drafts a block by denoising, verifies it causally (greedy == AR greedy)"
+    summary = ("self-speculative: drafts a block by denoising, verifies it causally (greedy == AR greedy; sampling "
+               "distributed as AR's by the rejection rule)")
 
     def check(self, params) -> None:
         check_speculative_params(params)
