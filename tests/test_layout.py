@@ -16,7 +16,7 @@ PKG = SRC / "clover"
 LAYERS = [
     {"config", "kernels", "tokenizer", "moe", "decoding", "data", "precision", "grammar"},
     {"cache", "models", "model"},
-    {"checkpoint", "weights", "convert", "quant", "tiny", "export"},
+    {"checkpoint", "weights", "convert", "quant", "tiny", "export", "gguf_import", "named"},
     {"api"},
     {"serve", "bench", "train", "viz", "integrations"},
     {"cli", "__main__"},

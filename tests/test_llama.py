@@ -143,3 +143,111 @@ def test_speculative_equals_ar_greedy(tmp_path, seed):
         assert sp.token_ids == ar.token_ids
     cfg = json.loads((d / "config.json").read_text())
     assert cfg["backbone"] == "llama" and "layer_types" not in cfg
+
+
+def test_denoise_adapter_acts_on_the_block_only(tmp_path):
+    """With an adapter attached and trained away from zero, commit mode (AR, the verify pass) is
+    unchanged, the denoise logits move, speculative stays equal to AR, and the saved checkpoint
+    loads back with the adapter."""
+    from clover.checkpoint import save_model
+    from clover.models.llama import adapter_state_dict
+
+    d = build_tiny_checkpoint(tmp_path / "m", seed=4, init_std=0.15, dense=True, backbone="llama")
+    llm = clover.load(d)
+    m, mask_id = llm.model, llm.config.mask_token_id
+    ids = torch.randint(0, 256, (1, 12), generator=torch.Generator().manual_seed(0))
+    block = torch.full((1, 8), mask_id)
+    with torch.no_grad():
+        before = m.step(m.make_cache(1, 32), commit_ids=ids, denoise_ids=block)
+        ar_before = llm.generate([5, 6, 7], mode="ar", max_new_tokens=12, ignore_eos=True).token_ids
+    trainable = m.attach_denoise_adapter(rank=4, targets=("q_proj", "v_proj", "down_proj"))
+    assert trainable and all(".adapters." in n or n.endswith("mask_embedding") for n in trainable)
+    with torch.no_grad():
+        same = m.step(m.make_cache(1, 32), commit_ids=ids, denoise_ids=block)  # B = 0: nothing changed yet
+        torch.testing.assert_close(same.denoise_logits, before.denoise_logits)
+        for n, p in m.named_parameters():
+            if n.endswith("lora_B") or n.endswith("mask_embedding"):
+                p.add_(0.3 * torch.randn(p.shape, generator=torch.Generator().manual_seed(len(n))))
+        after = m.step(m.make_cache(1, 32), commit_ids=ids, denoise_ids=block)
+    torch.testing.assert_close(after.commit_logits, before.commit_logits)
+    assert (after.denoise_logits - before.denoise_logits).abs().max() > 1e-3
+    assert float(after.denoise_logits[..., mask_id].max()) < -1e8  # the mask token is never predicted
+    clean_logits, _ = m.forward_block_diffusion(ids[:, :8], block, 8)
+    assert not clean_logits.requires_grad or clean_logits.grad_fn is not None
+    assert llm.generate([5, 6, 7], mode="ar", max_new_tokens=12, ignore_eos=True).token_ids == ar_before
+    sp = llm.generate([5, 6, 7], mode="speculative", max_new_tokens=12, ignore_eos=True, block_size=8)
+    assert sp.token_ids == ar_before
+    save_model(m, tmp_path / "adapted")
+    back = load_model(tmp_path / "adapted")
+    assert back.config.denoise_adapter == m.config.denoise_adapter
+    for k, v in adapter_state_dict(m).items():
+        torch.testing.assert_close(back.state_dict()[k], v)
+
+
+def test_adapter_training_forward_matches_step_and_trains_the_block_only(tmp_path):
+    d = build_tiny_checkpoint(tmp_path / "m", seed=5, init_std=0.15, dense=True, backbone="llama")
+    m = load_model(d)
+    m.attach_denoise_adapter(rank=4)
+    with torch.no_grad():
+        for n, p in m.named_parameters():
+            if n.endswith("lora_B"):
+                p.add_(0.2 * torch.randn(p.shape, generator=torch.Generator().manual_seed(len(n))))
+    mask_id = m.config.mask_token_id
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(2))
+    noisy = torch.cat([ids, ids], 1)
+    noisy[:, 9:14] = mask_id
+    noisy[:, 16 + 2 : 16 + 6] = mask_id
+    need = torch.zeros_like(noisy, dtype=torch.bool)
+    need[:, 8:13] = True
+    clean_logits, sel = m.forward_block_diffusion(ids, noisy, 8, noisy_logits_at=need)
+    with torch.no_grad():
+        torch.testing.assert_close(clean_logits, m(ids), atol=1e-4, rtol=1e-4)
+        for copy in range(2):
+            cache = m.make_cache(2, 16)
+            out = m.step(cache, commit_ids=ids[:, :8], denoise_ids=noisy[:, 16 * copy + 8 : 16 * copy + 16])
+            if copy == 0:
+                torch.testing.assert_close(sel.reshape(2, 5, -1), out.denoise_logits[:, :5], atol=1e-4, rtol=1e-4)
+            cache = m.make_cache(2, 16)
+            first = m.step(cache, denoise_ids=noisy[:, 16 * copy : 16 * copy + 8]).denoise_logits
+            _, full = m.forward_block_diffusion(ids, noisy, 8)
+            torch.testing.assert_close(full[:, 16 * copy : 16 * copy + 8], first, atol=1e-4, rtol=1e-4)
+    sel.float().logsumexp(-1).sum().backward()
+    grads = {n for n, p in m.named_parameters() if p.grad is not None}
+    assert grads and all(".adapters." in n or n.endswith("mask_embedding") for n in grads)
+
+
+def test_adapter_training_resumes_exactly(tmp_path):
+    """A stage-2 run with `[adapter]` on a tied llama: only the adapter trains (the base weights in
+    the checkpoint equal the init's), the chat self-distillation set is built, and resume is exact."""
+    from clover.train.recipes import recipe_from_dict
+    from clover.train.trainer import Trainer
+
+    init = build_tiny_checkpoint(tmp_path / "init", seed=6, init_std=0.15, dense=True, backbone="llama",
+                                 tie_word_embeddings=True)
+
+    def raw(out):
+        return {"name": "a", "stage": "diffusion", "seed": 1, "init": str(init),
+                "data": {"tokenizer": str(init), "seq_len": 32, "batch_size": 2, "task_fraction": 0.5,
+                         "cache_dir": str(tmp_path / "cache"), "max_files": 2, "distill_fraction": 0.5,
+                         "distill_tasks": 4, "distill_code": 0, "distill_chat": 3, "distill_chat_tokens": 6},
+                "optim": {"lr": 1e-2, "steps": 4, "warmup_steps": 1, "weight_decay": 0.0},
+                "diffusion": {"block_sizes": [8], "ar_weight": 0.0},
+                "adapter": {"rank": 2, "targets": ["q_proj", "v_proj", "up_proj"]},
+                "run": {"out": str(out), "threads": 1, "log_every": 1, "ckpt_every_s": 0, "progress": False}}
+
+    ref = [s["loss"] for s in Trainer(recipe_from_dict(raw(tmp_path / "full")), quiet=True).train()]
+    first = Trainer(recipe_from_dict(raw(tmp_path / "b")), quiet=True)
+    part = [s["loss"] for s in first.train(steps=2)]
+    del first
+    second = Trainer(recipe_from_dict(raw(tmp_path / "b")), quiet=True)
+    part += [s["loss"] for s in second.train()]
+    torch.testing.assert_close(torch.tensor(part), torch.tensor(ref), rtol=0, atol=0)
+    rows = [json.loads(x) for x in (tmp_path / "b" / "distill" / "distill.jsonl").read_text().splitlines()]
+    assert sum(r["kind"] == "chat" for r in rows) == 3 and all("<|im_start|>" in r["text"] for r in rows if r["kind"] == "chat")
+    trained = load_model(tmp_path / "b" / "ckpt" / "step-00000004")
+    base = load_model(init)
+    assert trained.config.denoise_adapter["rank"] == 2
+    for k, v in base.state_dict().items():
+        torch.testing.assert_close(trained.state_dict()[k], v, rtol=0, atol=0)
+    moved = [k for k, v in trained.state_dict().items() if k.endswith("lora_B") and v.abs().max() > 0]
+    assert moved

@@ -135,6 +135,8 @@ class CloverConfig:
     threshold: float = 0.95
     policy: str = "threshold"  # the default acceptance policy (clover.decoding.acceptance)
     expert_budget: int | None = None
+    # llama: low-rank adapters applied in denoise mode only ({"rank", "alpha", "targets"}; clover.models.llama)
+    denoise_adapter: dict | None = None
     # quantization metadata, passed through untouched (see clover.quant)
     quantization_config: dict | None = None
 
@@ -361,13 +363,13 @@ class CloverConfig:
             d["architectures"] = ["LlamaForCausalLM" if self.model_type == "llama" else
                                   "Qwen3_5MoeForCausalLM" if self.is_moe else "Qwen3_5ForCausalLM"]
             for k in ("backbone", "mask_token_id", "block_size", "block_sizes", "block_tokens_per_forward", "threshold",
-                      "policy", "expert_budget"):
+                      "policy", "expert_budget", "denoise_adapter"):
                 d.pop(k)
         unused = ("intermediate_size",) if self.is_moe else (
             "num_experts", "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size", "router_aux_loss_coef")
         for k in unused:
             d.pop(k)
-        for k in ("quantization_config", "block_sizes", "block_tokens_per_forward"):
+        for k in ("quantization_config", "block_sizes", "block_tokens_per_forward", "denoise_adapter"):
             if d.get(k, 0) is None:
                 d.pop(k)
         return d

@@ -8,7 +8,7 @@ prompts (never the held-out ones) and function headers from the training split o
 the targets are what AR greedy writes after them (tasks up to the end of the line, code up to
 `code_tokens`).
 
-A set is a directory: `distill.jsonl` (one JSON object per line: {"kind": "task" | "code",
+A set is a directory: `distill.jsonl` (one JSON object per line: {"kind": "task" | "code" | "chat",
 "text": prompt + continuation}) and `meta.json` (the teacher, the counts, a digest of the texts).
 `PackedStream(distill=...)` mixes it into the training stream; `ensure_distill_set` builds it once
 per run (so each phase distils from the model it starts from)."""
@@ -47,16 +47,24 @@ def distill_prompts(n_tasks: int, n_code: int, seed: int = 0) -> tuple[list[str]
 
 
 def build_distill_set(llm, out: str | Path, *, n_tasks: int, n_code: int, seed: int = 0, task_tokens: int = 24,
-                      code_tokens: int = 96, batch_size: int = 16, progress: bool = True) -> DistillSet:
-    """Decode the prompts with `llm` in AR greedy mode, in batches, and write the set to `out`."""
+                      code_tokens: int = 96, batch_size: int = 16, progress: bool = True, n_chat: int = 0,
+                      chat_tokens: int = 48) -> DistillSet:
+    """Decode the prompts with `llm` in AR greedy mode, in batches, and write the set to `out`.
+    `n_chat` training instructions (`clover.data.instructions`) are written with the model's chat
+    template; the document is the rendered conversation up to the end of the answer's turn."""
     from tqdm import tqdm
+
+    from . import instructions
 
     out = Path(out)
     task_prompts, code_prompts = distill_prompts(n_tasks, n_code, seed)
-    jobs = [("task", p) for p in task_prompts] + [("code", p) for p in code_prompts]
+    tok = llm.tokenizer
+    chat_prompts = [tok.apply_chat_template([{"role": "user", "content": m}])
+                    for m in instructions.instructions("train", n_chat, seed=seed)] if n_chat else []
+    jobs = [("task", p) for p in task_prompts] + [("code", p) for p in code_prompts] + [("chat", p) for p in chat_prompts]
     results: list[tuple[str, str]] = []
     bar = tqdm(total=len(jobs), desc="self-distillation (AR greedy)", unit="prompt", disable=not progress)
-    for kind, size in (("task", task_tokens), ("code", code_tokens)):
+    for kind, size in (("task", task_tokens), ("code", code_tokens), ("chat", chat_tokens)):
         prompts = [p for k, p in jobs if k == kind]
         for i in range(0, len(prompts), batch_size):
             chunk = prompts[i : i + batch_size]
@@ -65,14 +73,18 @@ def build_distill_set(llm, out: str | Path, *, n_tasks: int, n_code: int, seed: 
                 kw["stop"] = ["\n"]
             gens = llm.generate(chunk, **kw)
             for p, g in zip(chunk, gens):
-                results.append((kind, p + g.text))
+                if kind == "chat":  # the turn, closed by the end token when the answer ended in time
+                    end = tok.decode([tok.eos_token_id]) if g.finish_reason == "stop" else ""
+                    results.append((kind, tok.decode(p) + g.text + end))
+                else:
+                    results.append((kind, p + g.text))
             bar.update(len(chunk))
     bar.close()
     task_lines = [t for k, t in results if k == "task" and t.strip()]
-    code_docs = [t for k, t in results if k == "code" and t.strip()]
+    code_docs = [t for k, t in results if k in ("code", "chat") and t.strip()]
     digest = hashlib.sha256("\x00".join(t for _, t in results).encode()).hexdigest()[:16]
     meta = {"format": FORMAT, "teacher": str(getattr(llm, "path", "")), "tasks": len(task_lines),
-            "code": len(code_docs), "seed": seed, "task_tokens": task_tokens, "code_tokens": code_tokens,
+            "code": sum(k == "code" for k, _ in results), "chat": sum(k == "chat" for k, _ in results), "seed": seed, "task_tokens": task_tokens, "code_tokens": code_tokens,
             "digest": digest}
     out.mkdir(parents=True, exist_ok=True)
     tmp = out / "distill.jsonl.tmp"
@@ -94,7 +106,8 @@ def load_distill_set(path: str | Path) -> DistillSet:
         raise ValueError(f"{path}: not a self-distillation set ({e}); delete it to rebuild") from None
     if meta.get("format") != FORMAT:
         raise ValueError(f"{path}/meta.json: format {meta.get('format')!r}, expected {FORMAT!r}; delete it to rebuild")
-    return DistillSet([r["text"] for r in rows if r["kind"] == "task"], [r["text"] for r in rows if r["kind"] == "code"], meta)
+    return DistillSet([r["text"] for r in rows if r["kind"] == "task"],
+                      [r["text"] for r in rows if r["kind"] in ("code", "chat")], meta)
 
 
 def ensure_distill_set(path: str | Path, teacher, **kw) -> DistillSet:

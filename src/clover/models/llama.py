@@ -9,10 +9,20 @@ hold the mask token, and the hidden state at position i predicts token i+1 (shif
 commit mode), so a converted checkpoint starts from the AR model itself. The cached `step`, the
 block-diffusion training forward and `make_cache` are the family's (`qwen3_5.Qwen3_5ForCausalLM`);
 this file supplies the layers and reads its own arguments (`LlamaArgs`).
+
+**The denoise adapter** (`config.denoise_adapter = {"rank", "alpha", "targets"}`): low-rank
+adapters on the chosen projections and a learned mask-token embedding that act on the denoise
+positions only (the block of a `step`, the noisy stream of `forward_block_diffusion`). Commit mode
+is then exactly the AR model: AR decoding, speculative verification and the prefix the block reads
+are the original weights, and conversion training trains the adapters alone (the clean stream
+needs no gradient). `attach_denoise_adapter` adds them to a model in memory (training); a
+checkpoint whose config names them builds them (`lora_A`/`lora_B` per target, `mask_embedding`).
+The mask token is never predicted: its logit is held at -1e9.
 """
 
 from __future__ import annotations
 
+import contextvars
 import math
 from dataclasses import dataclass
 
@@ -22,11 +32,48 @@ from torch import nn
 
 from ..config import CloverConfig, ConfigError
 from ..moe import BlockSharing
-from .layers import GatedAttention, Segments, apply_rope
+from .layers import GatedAttention, Segments, apply_rope, block_diffusion_mask
 from .qwen3_5 import KeyLayout, Qwen3_5ForCausalLM
 
 MODEL_TYPES = ("llama",)
 ROPE_TYPES = ("default", "linear", "llama3")
+ADAPTER_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+MASK_LOGIT = -1e9  # finite: an entropy over the logits stays finite (0 * log 0 -> 0)
+
+# where the denoise positions start along time in the forward now running (None: commit only)
+_DENOISE_FROM: contextvars.ContextVar[int | None] = contextvars.ContextVar("clover_llama_denoise_from", default=None)
+
+
+class LoRA(nn.Module):
+    """delta(x) = (x A^T) B^T * alpha / rank; B starts at zero, so the delta does."""
+
+    def __init__(self, d_in: int, d_out: int, rank: int, alpha: float) -> None:
+        super().__init__()
+        self.scale = alpha / rank
+        self.lora_A = nn.Parameter(torch.zeros(rank, d_in))
+        self.lora_B = nn.Parameter(torch.zeros(d_out, rank))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(F.linear(x, self.lora_A), self.lora_B) * self.scale
+
+
+class Adapted(nn.Module):
+    """A module whose linear layers may carry denoise adapters (`adapters[name]`)."""
+
+    def add_adapters(self, names, rank: int, alpha: float) -> None:
+        self.adapters = nn.ModuleDict({
+            n: LoRA(getattr(self, n).in_features, getattr(self, n).out_features, rank, alpha)
+            for n in names if hasattr(self, n)
+        })
+
+    def lin(self, name: str, x: torch.Tensor) -> torch.Tensor:
+        y = getattr(self, name)(x)
+        start = _DENOISE_FROM.get()
+        adapters = self._modules.get("adapters")  # registered by add_adapters, absent otherwise
+        if start is None or adapters is None or name not in adapters or start >= x.shape[1]:
+            return y
+        delta = adapters[name](x[:, start:])
+        return torch.cat([y[:, :start], y[:, start:] + delta.to(y.dtype)], dim=1)
 
 
 @dataclass(frozen=True)
@@ -109,7 +156,7 @@ class LlamaRMSNorm(nn.Module):
         return self.weight * y.to(x.dtype)
 
 
-class LlamaAttention(GatedAttention):
+class LlamaAttention(Adapted, GatedAttention):
     """Grouped-query attention without output gate or q/k norms; the cached path (writing K/V at each
     row's length, attending under the step's mask) is the family's."""
 
@@ -124,18 +171,18 @@ class LlamaAttention(GatedAttention):
 
     def project(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]):
         B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.num_heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        q = self.lin("q_proj", x).view(B, T, self.num_heads, self.head_dim).transpose(1, 2)
+        k = self.lin("k_proj", x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.lin("v_proj", x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
         cos, sin = rope
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, None
 
     def finish(self, out: torch.Tensor, gate: None) -> torch.Tensor:
         B, _, T, _ = out.shape
-        return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
+        return self.lin("o_proj", out.transpose(1, 2).reshape(B, T, -1))
 
 
-class LlamaMLP(nn.Module):
+class LlamaMLP(Adapted):
     def __init__(self, args: LlamaArgs) -> None:
         super().__init__()
         h, i, bias = args.hidden_size, args.intermediate_size, args.mlp_bias
@@ -144,7 +191,7 @@ class LlamaMLP(nn.Module):
         self.down_proj = nn.Linear(i, h, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.lin("down_proj", F.silu(self.lin("gate_proj", x)) * self.lin("up_proj", x))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -176,10 +223,30 @@ class LlamaDecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x)), None
 
 
+class LlamaEmbedding(nn.Embedding):
+    """The token embeddings; with a denoise adapter the mask token's vector is its own parameter
+    (`mask_embedding`), so training it leaves every other row, and the tied LM head, untouched."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int) -> None:
+        super().__init__(num_embeddings, embedding_dim)
+        self.mask_id: int | None = None
+        self.register_parameter("mask_embedding", None)
+
+    def add_mask_embedding(self, mask_id: int) -> None:
+        self.mask_id = mask_id
+        self.mask_embedding = nn.Parameter(torch.zeros(self.embedding_dim))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = super().forward(ids)
+        if self.mask_embedding is None:
+            return x
+        return torch.where((ids == self.mask_id)[..., None], self.mask_embedding.to(x.dtype), x)
+
+
 class LlamaModel(nn.Module):
     def __init__(self, config: CloverConfig, args: LlamaArgs) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = LlamaEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(LlamaDecoderLayer(args) for _ in range(config.num_hidden_layers))
         self.norm = LlamaRMSNorm(config.hidden_size, args.rms_norm_eps)
         self.rotary_emb = LlamaRotaryEmbedding(args)
@@ -201,6 +268,97 @@ class LlamaForCausalLM(Qwen3_5ForCausalLM):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        if config.denoise_adapter:
+            self._build_adapter(config.denoise_adapter)
+
+    # -- the denoise adapter
+    def _build_adapter(self, spec: dict) -> None:
+        if self.config.mask_token_id is None:
+            raise ConfigError("llama: denoise_adapter needs a Clover config with mask_token_id")
+        try:
+            rank, alpha = int(spec["rank"]), float(spec.get("alpha", 2 * int(spec["rank"])))
+            targets = tuple(spec.get("targets", ADAPTER_TARGETS))
+        except (KeyError, TypeError, ValueError):
+            raise ConfigError(f"llama: denoise_adapter must be {{'rank': int, 'alpha': float, 'targets': [...]}}, got {spec!r}") from None
+        unknown = sorted(set(targets) - set(ADAPTER_TARGETS))
+        if rank < 1 or unknown:
+            raise ConfigError(f"llama: denoise_adapter rank must be >= 1 and targets among {', '.join(ADAPTER_TARGETS)}"
+                              + (f" (unknown: {', '.join(unknown)})" if unknown else ""))
+        for layer in self.model.layers:
+            layer.self_attn.add_adapters(targets, rank, alpha)
+            layer.mlp.add_adapters(targets, rank, alpha)
+        self.model.embed_tokens.add_mask_embedding(self.config.mask_token_id)
+
+    @torch.no_grad()
+    def attach_denoise_adapter(self, rank: int, alpha: float | None = None, targets=ADAPTER_TARGETS,
+                               seed: int = 0) -> list[str]:
+        """Add fresh adapters (A ~ N(0, 1/in), B = 0: the model is unchanged) and the mask embedding
+        (from the mask token's row); freeze everything else. Returns the trainable parameter names."""
+        spec = {"rank": int(rank), "alpha": float(alpha if alpha is not None else 2 * rank), "targets": list(targets)}
+        self.config.denoise_adapter = spec
+        self._build_adapter(spec)
+        gen = torch.Generator().manual_seed(seed)
+        dev, dtype = self.device, self.dtype
+        for name, p in self.named_parameters():
+            if name.endswith("lora_A"):
+                p.data = (torch.randn(p.shape, generator=gen) / math.sqrt(p.shape[1])).to(dev, dtype)
+            elif name.endswith("lora_B"):
+                p.data = torch.zeros(p.shape, device=dev, dtype=dtype)
+        emb = self.model.embed_tokens
+        emb.mask_embedding.data = emb.weight[self.config.mask_token_id].detach().clone().to(dev, dtype)
+        trainable = []
+        for name, p in self.named_parameters():
+            p.requires_grad_(is_adapter_parameter(name))
+            if p.requires_grad:
+                trainable.append(name)
+        return trainable
+
+    def _logits(self, h: torch.Tensor) -> torch.Tensor:
+        logits = self.lm_head(self.model.norm(h))
+        m = self.config.mask_token_id
+        if m is not None:
+            logits = logits.index_fill(-1, torch.tensor([m], device=logits.device), MASK_LOGIT)
+        return logits
+
+    def forward_block_diffusion(self, clean_ids, noisy_ids, block_size, *, router_logits=None, noisy_logits_at=None):
+        """The family's training forward. With a denoise adapter nothing trainable touches the clean
+        stream, so it runs first without autograd, as a commit into a cache, and the noisy copies
+        then read its keys (the same mask, `block_diffusion_mask`'s noisy rows): the backward pass
+        covers the noisy positions only."""
+        if not self.config.denoise_adapter:
+            return super().forward_block_diffusion(clean_ids, noisy_ids, block_size, router_logits=router_logits,
+                                                   noisy_logits_at=noisy_logits_at)
+        B, L = clean_ids.shape
+        if noisy_ids.shape[0] != B or noisy_ids.shape[1] == 0 or noisy_ids.shape[1] % max(L, 1) or L % block_size:
+            raise ValueError(f"noisy_ids {tuple(noisy_ids.shape)} must be [B, k*L] for clean_ids {tuple(clean_ids.shape)}, "
+                             f"L a multiple of block_size {block_size}")
+        k = noisy_ids.shape[1] // L
+        cache = self.make_cache(B, L)
+        with torch.no_grad():
+            clean_logits = Qwen3_5ForCausalLM.step(self, cache, commit_ids=clean_ids, all_logits=True).commit_logits
+        dev = clean_ids.device
+        mask = block_diffusion_mask(L, k, block_size, dev)[:, :, L:]  # [1, 1, kL, (k+1)L]: clean keys, then the copies
+        positions = torch.arange(L, device=dev).repeat(k).expand(B, k * L)
+        x = self.model.embed_tokens(noisy_ids)
+        rope = self.model.rotary_emb(positions, x.dtype)
+        token = _DENOISE_FROM.set(0)
+        try:
+            x, _ = self._layers(x, rope, Segments(commit_len=0, denoise_len=k * L), mask=mask, cache=cache)
+        finally:
+            _DENOISE_FROM.reset(token)
+        if noisy_logits_at is not None:
+            x = x[noisy_logits_at]
+        return clean_logits, self._logits(x)
+
+    def step(self, cache, commit_ids=None, n_commit=None, denoise_ids=None, **kw):
+        start = None
+        if self.config.denoise_adapter and denoise_ids is not None:
+            start = 0 if commit_ids is None else commit_ids.shape[1]
+        token = _DENOISE_FROM.set(start)
+        try:
+            return super().step(cache, commit_ids, n_commit, denoise_ids, **kw)
+        finally:
+            _DENOISE_FROM.reset(token)
 
     @torch.no_grad()
     def init_weights(self, seed: int | None = None, std: float | None = None) -> None:
@@ -214,6 +372,15 @@ class LlamaForCausalLM(Qwen3_5ForCausalLM):
                 p.zero_()
             else:
                 p.copy_(torch.randn(p.shape, generator=gen) * std)
+
+
+def is_adapter_parameter(name: str) -> bool:
+    return ".adapters." in name or name.endswith("mask_embedding")
+
+
+def adapter_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The denoise adapter's tensors (what ships): every LoRA factor and the mask embedding."""
+    return {k: v.detach() for k, v in model.state_dict().items() if is_adapter_parameter(k)}
 
 
 def model_class(config: CloverConfig) -> type[nn.Module]:

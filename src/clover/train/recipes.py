@@ -11,6 +11,7 @@ A recipe has a few top-level keys and one table per concern::
     [model]      # CloverConfig fields (config.json keys), used when `init` is empty
     [data]       # tokenizer, seq_len, batch_size (global, split over ranks), task_fraction, ...
     [optim]      # lr, betas, weight_decay, eps, grad_clip, aux_loss_coef, steps, warmup_steps, schedule, ...
+    [adapter]    # rank, alpha, targets: train a denoise adapter only (llama backbones; rank 0 = off)
     [diffusion]  # block_sizes, ar_weight, complementary, min_mask_ratio, certainty_weight,
                  # certainty_temperature, shared_block_size (stage "diffusion" only)
     [run]        # out, threads, log_every, ckpt_every_s, ckpt_every_steps, keep, progress, eval_every,
@@ -19,7 +20,8 @@ A recipe has a few top-level keys and one table per concern::
                  # activation_checkpointing
 
 Paths (`init`, `data.tokenizer`, `data.cache_dir`, `run.out`): `${runs}` stands for the run root
-(`runs_root()`: `$CLOVER_RUNS`, else `${XDG_CACHE_HOME:-~/.cache}/clover/runs`) and a leading `~` for
+(`runs_root()`: `$CLOVER_RUNS`, else `${XDG_CACHE_HOME:-~/.cache}/clover/runs`), `${models}` for the
+named models' root (`clover pull`; `$CLOVER_MODELS`, else `.../clover/models`) and a leading `~` for
 the home directory. Relative `init` and `data.tokenizer` paths are resolved against the recipe file's
 directory first, then the current working directory. Unknown keys are an error (typos should not pass
 silently).
@@ -56,10 +58,18 @@ def runs_root() -> Path:
     return Path(cache).expanduser() / "clover" / "runs"
 
 
+MODELS_VAR = "${models}"  # in a recipe path: the named models' root (`clover.named.models_root`)
+
+
 def expand_path(p: str) -> str:
-    """`${runs}` -> the run root, a leading `~` -> the home directory; anything else unchanged."""
+    """`${runs}` -> the run root, `${models}` -> the named models' root, a leading `~` -> the home
+    directory; anything else unchanged."""
     if RUNS_VAR in p:
         p = p.replace(RUNS_VAR, str(runs_root()))
+    if MODELS_VAR in p:
+        from ..named import models_root
+
+        p = p.replace(MODELS_VAR, str(models_root()))
     return os.path.expanduser(p)
 
 
@@ -80,6 +90,19 @@ class DataSpec:
     distill_fraction: float = 0.0  # share of documents from the self-distillation set (AR greedy of `init`)
     distill_tasks: int = 4000  # task prompts in that set
     distill_code: int = 200  # function headers in that set
+    distill_chat: int = 0  # instructions in that set, written with the model's chat template (clover.data.instructions)
+    distill_chat_tokens: int = 48  # longest AR answer to one of them
+    distill_code_tokens: int = 96  # longest AR continuation of a function header
+
+
+@dataclass
+class AdapterSpec:
+    """Train a denoise adapter instead of the whole model (`clover.models.llama`): low-rank factors
+    on `targets`, active on the denoise positions only, plus the mask embedding; 0 = off."""
+
+    rank: int = 0
+    alpha: float = 0.0  # 0: 2 x rank
+    targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 @dataclass
@@ -139,6 +162,7 @@ class Recipe:
     data: DataSpec = field(default_factory=DataSpec)
     optim: OptimSpec = field(default_factory=OptimSpec)
     diffusion: DiffusionSpec = field(default_factory=DiffusionSpec)
+    adapter: AdapterSpec = field(default_factory=AdapterSpec)
     run: RunSpec = field(default_factory=RunSpec)
     source: str | None = None  # the file it came from (not a recipe key)
 
@@ -215,6 +239,7 @@ def recipe_from_dict(raw: dict[str, Any], *, base: Path | None = None, source: s
         "data": DataSpec,
         "optim": OptimSpec,
         "diffusion": DiffusionSpec,
+        "adapter": AdapterSpec,
         "run": RunSpec,
     }
     kw: dict[str, Any] = {}

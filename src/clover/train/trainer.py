@@ -276,6 +276,8 @@ class Trainer:
             if not hasattr(self.model, "forward_block_diffusion"):
                 raise RuntimeError("this model has no forward_block_diffusion(clean_ids, noisy_ids, block_size)")
         distill = self._distill_set()  # built from the full model, before it is sharded
+        if recipe.adapter.rank:
+            self._attach_adapter()
         self.sharded = recipe.run.parallel == "fsdp" and self.dist.active
         if recipe.run.activation_checkpointing:
             parallel.apply_activation_checkpointing(self.model)
@@ -320,11 +322,26 @@ class Trainer:
         if self.dist.main:
             was_training = self.model.training
             self.model.eval()
-            ensure_distill_set(path, teacher, n_tasks=d.distill_tasks, n_code=d.distill_code,
+            ensure_distill_set(path, teacher, n_tasks=d.distill_tasks, n_code=d.distill_code, n_chat=d.distill_chat,
+                               chat_tokens=d.distill_chat_tokens, code_tokens=d.distill_code_tokens,
                                seed=self.recipe.seed, progress=not self.quiet)
             self.model.train(was_training)
         self.dist.barrier()
         return load_distill_set(path)
+
+    def _attach_adapter(self) -> None:
+        """`[adapter]`: only the denoise adapter trains (attached fresh unless `init` has one)."""
+        a, m = self.recipe.adapter, self.model
+        if self.recipe.stage != "diffusion" or not hasattr(m, "attach_denoise_adapter"):
+            raise ValueError("[adapter] needs stage 'diffusion' and a backbone with a denoise adapter (llama)")
+        if m.config.denoise_adapter:
+            from ..models.llama import is_adapter_parameter
+
+            for n, p in m.named_parameters():
+                p.requires_grad_(is_adapter_parameter(n))
+        else:
+            m.attach_denoise_adapter(a.rank, a.alpha or None, tuple(a.targets), seed=self.recipe.seed)
+        m.train()
 
     def _tokenizer_dir(self) -> str:
         """Copy the tokenizer into the run directory once, so the run is self-contained."""
@@ -362,7 +379,12 @@ class Trainer:
             ck.read_dcp_checkpoint(path, self.model, self.opt)
         else:
             _, model_t, opt_t = ck.read_checkpoint(path)
-            self.model.load_state_dict(model_t, strict=True)
+            tied = self.model.config.tie_word_embeddings  # a tied lm_head is not stored (save_model)
+            missing, unexpected = self.model.load_state_dict(model_t, strict=False)
+            missing = [k for k in missing if not (tied and k == "lm_head.weight")]
+            if missing or unexpected:
+                raise ValueError(f"{path}: checkpoint does not match the model: missing {missing[:3]}, "
+                                 f"unexpected {list(unexpected)[:3]}")
             ck.load_optimizer(self.opt, self.names, opt_t, state["optimizer"])
         if self.reset_data:  # a deliberate change of the data (e.g. an annealing mix): the new stream starts fresh
             self._log_text(f"data stream reset: {self.stream.state_dict()['config']}")

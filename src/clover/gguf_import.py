@@ -1,0 +1,314 @@
+"""Import a GGUF file as a model directory (`clover import-gguf FILE.gguf OUT_DIR`).
+
+A GGUF of llama.cpp's `llama` architecture (SmolLM2, TinyLlama, Llama 3.x without rope_freqs)
+becomes the Hugging Face layout clover and transformers load: `config.json`, `model.safetensors`
+(dequantized by the `gguf` package: F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and the K-quants
+it implements), `tokenizer.json` and `tokenizer_config.json` with the chat template, all rebuilt
+from the file's metadata.
+
+What llama.cpp's converter (`convert_hf_to_gguf.py`, `LlamaModel`) changed is undone here:
+- tensor names (`blk.N.attn_q.weight` -> `model.layers.N.self_attn.q_proj.weight`, ...);
+- the q_proj and k_proj rows (and biases) were permuted per head from the rotate-half layout to
+  interleaved pairs (`permute(w, n_head, n_head_kv)`); the inverse permutation restores them;
+- no `output.weight`: the embeddings are tied.
+The tokenizer: `tokenizer.ggml.model = gpt2` is byte-level BPE (tokens, merges, token types: control
+and user-defined tokens become added tokens), with the pre-tokenizer that `tokenizer.ggml.pre` names
+(gpt-2, smollm: individual digits, then the GPT-2 regex).
+
+A file that cannot be imported stops with one line that says why and names the tensor or key:
+an unsupported architecture or tensor type, a truncated file, a tensor of the wrong shape.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .config import CloverConfig
+from .models import build_model
+from .weights import expected_shapes, save_state_dict
+
+ARCHITECTURES = ("llama",)
+# the types `gguf.quants.dequantize` implements that a model file is expected to hold
+SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+PRE_TOKENIZERS = ("gpt-2", "gpt2", "smollm", "default")
+
+GLOBAL_TENSORS = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+LAYER_TENSORS = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_BLOCK = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
+
+
+class GGUFImportError(ValueError):
+    """A GGUF file that cannot become a model directory (the message is one line)."""
+
+
+# ----------------------------------------------------------------------------- reading
+def _reader(path: Path):
+    import gguf
+
+    class Reader(gguf.GGUFReader):
+        def _build_tensors(self, start_offs, fields):  # name the tensor a truncated file cuts off
+            for field in fields:
+                _, name_data, _, dims, raw_dtype, offset = field.parts
+                name = bytes(name_data).decode("utf-8", "replace")
+                try:
+                    qtype = gguf.GGMLQuantizationType(int(raw_dtype[0]))
+                except ValueError:
+                    raise GGUFImportError(f"{path}: tensor {name!r} has an unknown type id {int(raw_dtype[0])}") from None
+                block, size = gguf.GGML_QUANT_SIZES[qtype]
+                end = int(start_offs + offset[0]) + int(np.prod(dims)) * size // block
+                if end > len(self.data):
+                    raise GGUFImportError(
+                        f"{path}: truncated file: tensor {name!r} ends at byte {end} but the file has {len(self.data)}; "
+                        "download it again")
+            return super()._build_tensors(start_offs, fields)
+
+    if not path.is_file():
+        raise GGUFImportError(f"{path}: no such file")
+    try:
+        return Reader(str(path))
+    except GGUFImportError:
+        raise
+    except Exception as e:  # noqa: BLE001 - the reader raises ValueError/struct errors on a damaged header
+        raise GGUFImportError(f"{path}: not a readable GGUF file ({type(e).__name__}: {e})") from None
+
+
+def _field(reader, key: str, default=None):
+    f = reader.fields.get(key)
+    if f is None:
+        return default
+    return f.contents()
+
+
+def _require(reader, path: Path, key: str):
+    v = _field(reader, key)
+    if v is None:
+        raise GGUFImportError(f"{path}: metadata key {key!r} is missing; the file does not describe a whole model")
+    return v
+
+
+def dequantize(tensor, path: Path) -> torch.Tensor:
+    """One GGUF tensor -> float32 in PyTorch order ([out, in] for a matrix)."""
+    import gguf
+
+    kind = tensor.tensor_type.name
+    if kind not in SUPPORTED_TYPES:
+        raise GGUFImportError(f"{path}: tensor {tensor.name!r} is stored as {kind}, which import-gguf cannot dequantize "
+                              f"(supported: {', '.join(SUPPORTED_TYPES)}); convert the file with llama-quantize first")
+    try:
+        a = gguf.quants.dequantize(np.asarray(tensor.data), tensor.tensor_type)
+    except NotImplementedError:
+        raise GGUFImportError(f"{path}: tensor {tensor.name!r}: the gguf package cannot dequantize {kind}") from None
+    shape = tuple(int(x) for x in reversed(tensor.shape))
+    return torch.from_numpy(np.array(a, dtype=np.float32).reshape(shape))  # a copy: writable, off the mmap
+
+
+def unpermute_rows(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    """The inverse of llama.cpp's `permute(w, n_head, ...)` on the rows of q/k ([n_head*D, ...] or a bias)."""
+    d = w.shape[0] // n_head
+    return w.reshape(n_head, d // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+# ----------------------------------------------------------------------------- config
+def llama_config(reader, path: Path, tensor_names: set[str]) -> CloverConfig:
+    a = "llama"
+    heads = int(_require(reader, path, f"{a}.attention.head_count"))
+    hidden = int(_require(reader, path, f"{a}.embedding_length"))
+    tokens = _field(reader, "tokenizer.ggml.tokens")
+    vocab = int(_field(reader, f"{a}.vocab_size", len(tokens) if tokens else 0))
+    if not vocab:
+        raise GGUFImportError(f"{path}: neither {a}.vocab_size nor tokenizer.ggml.tokens gives the vocabulary size")
+    head_dim = int(_field(reader, f"{a}.attention.key_length", hidden // heads))
+    rot = int(_field(reader, f"{a}.rope.dimension_count", head_dim))
+    if rot != head_dim:
+        raise GGUFImportError(f"{path}: {a}.rope.dimension_count is {rot} but the head dim is {head_dim}; "
+                              "partial rotary llama files are not supported")
+    if "rope_freqs.weight" in tensor_names:
+        raise GGUFImportError(f"{path}: tensor 'rope_freqs.weight' (llama3 RoPE factors baked into the file) is not "
+                              "supported yet; import the Hugging Face checkpoint instead")
+    fields = dict(
+        model_type="llama",
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=int(_require(reader, path, f"{a}.feed_forward_length")),
+        num_hidden_layers=int(_require(reader, path, f"{a}.block_count")),
+        num_attention_heads=heads,
+        num_key_value_heads=int(_field(reader, f"{a}.attention.head_count_kv", heads)),
+        head_dim=head_dim,
+        rms_norm_eps=float(_field(reader, f"{a}.attention.layer_norm_rms_epsilon", 1e-5)),
+        rope_theta=float(_field(reader, f"{a}.rope.freq_base", 10000.0)),
+        max_position_embeddings=int(_field(reader, f"{a}.context_length", 2048)),
+        tie_word_embeddings="output.weight" not in tensor_names,
+        attention_bias="blk.0.attn_q.bias" in tensor_names,
+        mlp_bias="blk.0.ffn_up.bias" in tensor_names,
+        torch_dtype="float32",
+    )
+    scaling = _field(reader, f"{a}.rope.scaling.type")
+    if scaling and scaling != "none":
+        if scaling != "linear":
+            raise GGUFImportError(f"{path}: {a}.rope.scaling.type {scaling!r} is not supported (none or linear)")
+        fields["rope_scaling"] = {"rope_type": "linear", "factor": float(_require(reader, path, f"{a}.rope.scaling.factor"))}
+    ids = {k: _field(reader, f"tokenizer.ggml.{k}_token_id") for k in ("bos", "eos", "padding")}
+    fields["bos_token_id"] = None if ids["bos"] is None else int(ids["bos"])
+    fields["pad_token_id"] = None if ids["padding"] is None else int(ids["padding"])
+    fields["eos_token_id"] = end_of_generation_ids(reader)
+    return CloverConfig.from_dict(fields, source=str(path))
+
+
+# the token texts llama.cpp treats as end of generation besides the file's eos (llama-vocab.cpp)
+EOG_TEXTS = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|end_of_text|>", "<EOT>")
+
+
+def end_of_generation_ids(reader) -> list[int] | int | None:
+    """The file's eos id plus the control tokens llama.cpp stops at by their text (e.g. <|im_end|>)."""
+    eos = _field(reader, "tokenizer.ggml.eos_token_id")
+    out = [] if eos is None else [int(eos)]
+    tokens = _field(reader, "tokenizer.ggml.tokens") or []
+    index = {t: i for i, t in enumerate(tokens)}
+    for t in EOG_TEXTS:
+        if t in index and index[t] not in out:
+            out.append(index[t])
+    return out[0] if len(out) == 1 else (out or None)
+
+
+# ----------------------------------------------------------------------------- weights
+def llama_state_dict(reader, path: Path, config: CloverConfig, progress: bool = True) -> dict[str, torch.Tensor]:
+    from tqdm import tqdm
+
+    expected = expected_shapes(build_model(config, device="meta"))
+    state: dict[str, torch.Tensor] = {}
+    for t in tqdm(reader.tensors, desc="dequantize", unit="tensor", disable=not progress):
+        if t.name in GLOBAL_TENSORS:
+            name = GLOBAL_TENSORS[t.name]
+        else:
+            m = _BLOCK.match(t.name)
+            if m is None or m.group(2) not in LAYER_TENSORS:
+                raise GGUFImportError(f"{path}: tensor {t.name!r} is not part of a llama model this importer knows")
+            name = f"model.layers.{m.group(1)}.{LAYER_TENSORS[m.group(2)]}.{m.group(3)}"
+        w = dequantize(t, path)
+        want = expected.get(name)
+        if want is None:
+            raise GGUFImportError(f"{path}: tensor {t.name!r} ({name}) has no place in a model of this config")
+        if tuple(w.shape) != tuple(want):
+            raise GGUFImportError(f"{path}: tensor {t.name!r} has shape {list(w.shape)} but the metadata gives "
+                                  f"{list(want)} for {name}")
+        if name.endswith("q_proj.weight") or name.endswith("q_proj.bias"):
+            w = unpermute_rows(w, config.num_attention_heads)
+        elif name.endswith("k_proj.weight") or name.endswith("k_proj.bias"):
+            w = unpermute_rows(w, config.num_key_value_heads)
+        state[name] = w
+    missing = [k for k in expected if k not in state and not (k == "lm_head.weight" and config.tie_word_embeddings)]
+    if missing:
+        raise GGUFImportError(f"{path}: the file lacks tensor(s) for {', '.join(missing[:3])}"
+                              + (f" and {len(missing) - 3} more" if len(missing) > 3 else ""))
+    return state
+
+
+# ----------------------------------------------------------------------------- tokenizer
+def write_tokenizer(reader, path: Path, out: Path) -> None:
+    """tokenizer.json + tokenizer_config.json (special tokens, chat template) from the metadata."""
+    import gguf
+    from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+    from tokenizers import Tokenizer as RawTokenizer
+
+    kind = _field(reader, "tokenizer.ggml.model")
+    if kind != "gpt2":
+        raise GGUFImportError(f"{path}: tokenizer.ggml.model {kind!r} is not supported (only gpt2, byte-level BPE)")
+    pre = _field(reader, "tokenizer.ggml.pre", "default")
+    if pre not in PRE_TOKENIZERS:
+        raise GGUFImportError(f"{path}: tokenizer.ggml.pre {pre!r} is not supported ({', '.join(PRE_TOKENIZERS)})")
+    tokens = list(_require(reader, path, "tokenizer.ggml.tokens"))
+    types = list(_field(reader, "tokenizer.ggml.token_type") or [gguf.TokenType.NORMAL] * len(tokens))
+    merges = [tuple(m.split(" ", 1)) for m in _field(reader, "tokenizer.ggml.merges") or []]
+    vocab = {t: i for i, t in enumerate(tokens)}
+    tok = RawTokenizer(models.BPE(vocab=vocab, merges=merges, ignore_merges=False))
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    if pre == "smollm":
+        tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+    else:
+        tok.pre_tokenizer = byte_level
+    tok.decoder = decoders.ByteLevel()
+    special = [i for i, ty in enumerate(types) if ty == gguf.TokenType.CONTROL]
+    user = [i for i, ty in enumerate(types) if ty == gguf.TokenType.USER_DEFINED]
+    tok.add_tokens([AddedToken(tokens[i], special=False, normalized=False) for i in user])
+    tok.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False) for i in special])
+    if len(tok.get_vocab()) != len(tokens):
+        raise GGUFImportError(f"{path}: tokenizer.ggml.tokens holds duplicate tokens; the vocabulary cannot be rebuilt")
+    out.mkdir(parents=True, exist_ok=True)
+    tok.save(str(out / "tokenizer.json"))
+
+    def name(key: str) -> str | None:
+        i = _field(reader, f"tokenizer.ggml.{key}_token_id")
+        return tokens[int(i)] if i is not None and 0 <= int(i) < len(tokens) else None
+
+    eos = end_of_generation_ids(reader)
+    eos_ids = [eos] if isinstance(eos, int) else (eos or [])
+    # the chat's end: the first end-of-generation token the template writes (e.g. <|im_end|>)
+    template = _field(reader, "tokenizer.chat_template")
+    eos_text = next((tokens[i] for i in eos_ids if template and tokens[i] in template), name("eos"))
+    cfg = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "added_tokens_decoder": {
+            str(i): {"content": tokens[i], "lstrip": False, "normalized": False, "rstrip": False, "single_word": False,
+                     "special": i in special}
+            for i in sorted(special + user)
+        },
+        "bos_token": name("bos"),
+        "eos_token": eos_text,
+        "unk_token": name("unknown"),
+        "pad_token": name("padding"),
+        "add_bos_token": False,  # the chat template writes the turn markers itself
+        "add_eos_token": False,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": int(_field(reader, "llama.context_length", 2048) or 2048),
+        "gguf_add_bos_token": bool(_field(reader, "tokenizer.ggml.add_bos_token", False)),
+    }
+    if template:
+        cfg["chat_template"] = template
+    (out / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2, ensure_ascii=False) + "\n")
+
+
+# ----------------------------------------------------------------------------- entry point
+def import_gguf(src: str | Path, dst: str | Path, *, dtype: str = "float32", progress: bool = True) -> CloverConfig:
+    """FILE.gguf -> OUT_DIR (config.json, model.safetensors, tokenizer files). Returns the config."""
+    from .weights import parse_dtype
+
+    src, dst = Path(src), Path(dst)
+    reader = _reader(src)
+    arch = _field(reader, "general.architecture")
+    if arch not in ARCHITECTURES:
+        raise GGUFImportError(f"{src}: architecture {arch!r} is not supported by import-gguf (supported: "
+                              f"{', '.join(ARCHITECTURES)})")
+    names = {t.name for t in reader.tensors}
+    config = llama_config(reader, src, names)
+    state = llama_state_dict(reader, src, config, progress=progress)
+    torch_dtype = parse_dtype(dtype)
+    config.torch_dtype = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[torch_dtype]
+    state = {k: v.to(torch_dtype).contiguous() for k, v in state.items()}
+    dst.mkdir(parents=True, exist_ok=True)
+    write_tokenizer(reader, src, dst)
+    config.save(dst)
+    save_state_dict(state, dst)
+    source = {"gguf": src.name, "name": _field(reader, "general.name"), "file_type": _field(reader, "general.file_type"),
+              "types": sorted({t.tensor_type.name for t in reader.tensors})}
+    (dst / "generation_config.json").write_text(json.dumps(
+        {"bos_token_id": config.bos_token_id, "eos_token_id": config.eos_token_id, "imported_from": source}, indent=2) + "\n")
+    return config
