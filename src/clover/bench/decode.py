@@ -9,6 +9,11 @@ Workloads
   statement are dropped). Reported: parse rate (`ast.parse` of header + body) and edit similarity
   (`difflib.SequenceMatcher.ratio`) to the held-out body — the whole body when the generation ended
   the function, else the body's first lines, as many as were generated.
+- `json`: held-out JSON Schemas of the kinds agents send (nested objects, enums, arrays, numbers
+  with ranges, strings with patterns, optional fields), each generation constrained by its schema
+  (`response_format`). Reported: validity (parses and matches the schema), the share of tokens the
+  grammar forced (placed without a model decision: diffusion), and the grammar's time per forward
+  against the forward's.
 
 Protocol: greedy, batch 1, one warm-up generation per mode, then for each prompt every mode in turn
 (interleaved, so background load on a shared machine hits all modes alike). Per mode: tokens/s over
@@ -31,19 +36,96 @@ from ..models import parameter_counts
 from .common import machine, max_rss_bytes, spread, synchronize, timed
 
 SCHEMA = "clover.bench.decode/1"
-WORKLOADS = ("tasks", "code", "both")
+WORKLOADS = ("tasks", "code", "both", "json")
 
 
 # ------------------------------------------------------------------------------ workloads
 @dataclass
 class Item:
-    workload: str  # "tasks" | "code"
+    workload: str  # "tasks" | "code" | "json"
     prompt: str
     reference: str  # the task's answer, or the held-out function body
     task: object = None  # clover.data.tasks.Task for the tasks workload
+    schema: dict | None = None  # the json workload: the schema the output must match
 
     def as_dict(self) -> dict:
-        return {"workload": self.workload, "prompt": self.prompt, "reference": self.reference}
+        d = {"workload": self.workload, "prompt": self.prompt, "reference": self.reference}
+        return d | ({"schema": self.schema} if self.schema is not None else {})
+
+
+# held out: never used to tune anything; the kinds of schema agents send
+JSON_SCHEMAS = [
+    ("Call a tool to read the first lines of a file.", {"type": "object", "properties": {
+        "name": {"enum": ["read_file", "search", "run_python"]},
+        "arguments": {"type": "object", "properties": {
+            "path": {"type": "string", "pattern": "^[a-z][a-z0-9_/]{0,20}\\.py$"},
+            "max_lines": {"type": "integer", "minimum": 1, "maximum": 500}},
+            "required": ["path"], "additionalProperties": False}},
+        "required": ["name", "arguments"], "additionalProperties": False}),
+    ("Describe the user as JSON.", {"type": "object", "properties": {
+        "user": {"type": "object", "properties": {
+            "name": {"type": "string", "maxLength": 16},
+            "age": {"type": "integer", "minimum": 0, "maximum": 120},
+            "email": {"type": "string", "pattern": "^[a-z]{1,8}@[a-z]{1,8}\\.com$"}},
+            "required": ["name", "age"], "additionalProperties": False},
+        "active": {"type": "boolean"}}, "required": ["user", "active"], "additionalProperties": False}),
+    ("List the order's items.", {"type": "object", "properties": {
+        "order_id": {"type": "string", "pattern": "^[A-Z]{3}-[0-9]{4}$"},
+        "items": {"type": "array", "minItems": 1, "maxItems": 3, "items": {"type": "object", "properties": {
+            "sku": {"type": "string", "maxLength": 8}, "qty": {"type": "integer", "minimum": 1, "maximum": 99},
+            "price": {"type": "number", "minimum": 0, "maximum": 1000}},
+            "required": ["sku", "qty", "price"], "additionalProperties": False}}},
+        "required": ["order_id", "items"], "additionalProperties": False}),
+    ("Classify the ticket.", {"type": "object", "properties": {
+        "priority": {"enum": ["low", "medium", "high", "urgent"]},
+        "labels": {"type": "array", "items": {"enum": ["bug", "feature", "docs", "question"]}, "maxItems": 3},
+        "confidence": {"type": "number", "minimum": 0, "maximum": 1},
+        "assignee": {"type": "string", "maxLength": 12}},
+        "required": ["priority", "labels", "confidence"], "additionalProperties": False}),
+    ("Search the code base.", {"type": "object", "properties": {
+        "name": {"const": "search"},
+        "arguments": {"type": "object", "properties": {
+            "query": {"type": "string", "maxLength": 24},
+            "case_sensitive": {"type": "boolean"},
+            "limit": {"type": "integer", "minimum": 1, "maximum": 50}},
+            "required": ["query"], "additionalProperties": False}},
+        "required": ["name", "arguments"], "additionalProperties": False}),
+    ("Report the weather.", {"type": "object", "properties": {
+        "city": {"type": "string", "maxLength": 16},
+        "date": {"type": "string", "pattern": "^2026-[01][0-9]-[0-3][0-9]$"},
+        "temperature_c": {"type": "number", "minimum": -60, "maximum": 60},
+        "conditions": {"enum": ["sunny", "cloudy", "rain", "snow"]},
+        "wind_kmh": {"type": "integer", "minimum": 0, "maximum": 300}},
+        "required": ["city", "date", "temperature_c", "conditions"], "additionalProperties": False}),
+]
+
+
+def json_items(n: int) -> list[Item]:
+    """n items of the json workload (the schemas in turn)."""
+    out = []
+    for i in range(n):
+        prompt, schema = JSON_SCHEMAS[i % len(JSON_SCHEMAS)]
+        out.append(Item("json", f"{prompt}\nJSON:", "", schema=schema))
+    return out
+
+
+def json_valid(schema: dict, text: str) -> bool:
+    """The text parses as JSON and matches the schema (jsonschema when installed, else parse only)."""
+    import json
+
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return False
+    try:
+        import jsonschema
+    except ImportError:
+        return True
+    try:
+        jsonschema.validate(value, schema)
+    except jsonschema.ValidationError:
+        return False
+    return True
 
 
 def load_items(workload: str, n: int, *, seed: int = 0) -> list[Item]:
@@ -61,6 +143,8 @@ def load_items(workload: str, n: int, *, seed: int = 0) -> list[Item]:
         from ..data.corpus import heldout_functions
 
         items += [Item("code", h, b) for h, b in heldout_functions(n, seed=seed)]
+    if workload == "json":
+        items += json_items(n)
     return items
 
 
@@ -111,6 +195,8 @@ def trim_body(header: str, text: str, *, truncated: bool) -> tuple[str, bool, bo
 
 
 def score(item: Item, text: str, finish_reason: str) -> dict:
+    if item.workload == "json":
+        return {"valid": json_valid(item.schema, text), "finish_reason": finish_reason}
     if item.workload == "tasks":
         from ..data.tasks import check_answer
 
@@ -130,6 +216,16 @@ def quality(runs: list[dict]) -> dict:
     task_runs = [r for r in runs if r["workload"] == "tasks"]
     tasks = [r["score"] for r in task_runs]
     code = [r["score"] for r in runs if r["workload"] == "code"]
+    js = [r for r in runs if r["workload"] == "json"]
+    if js:
+        tokens = sum(r["tokens"] for r in js)
+        forwards = sum(r["forwards"] for r in js)
+        out["json"] = {
+            "n": len(js),
+            "valid": sum(r["score"]["valid"] for r in js) / len(js),
+            "grammar_forced_share": sum(r["grammar_forced"] for r in js) / tokens if tokens else 0.0,
+            "grammar_ms_per_forward": 1e3 * sum(r["grammar_seconds"] for r in js) / forwards if forwards else None,
+        }
     if tasks:
         by_kind: dict[str, list[dict]] = {}
         for r in task_runs:
@@ -189,6 +285,8 @@ def generate_once(llm, item: Item, mode: str, kwargs: dict) -> dict:
     cuda = device.type == "cuda"
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
+    if item.schema is not None:
+        kwargs = dict(kwargs, response_format={"type": "json_schema", "json_schema": {"name": "out", "schema": item.schema}})
     with CacheProbe(llm.model) as probe:
         gen, seconds = timed(lambda: llm.generate(item.prompt, mode=mode, **kwargs), device)
     s = gen.stats
@@ -205,6 +303,8 @@ def generate_once(llm, item: Item, mode: str, kwargs: dict) -> dict:
         "forced_steps": s.forced_steps,
         "forced_tokens": list(gen.forced_tokens),
         "accept_lengths": list(s.accept_lengths),
+        "grammar_forced": s.grammar_forced,
+        "grammar_seconds": s.grammar_seconds,
         "finish_reason": gen.finish_reason,
         "cache_bytes": probe.peak,
         "cuda_peak_bytes": torch.cuda.max_memory_allocated(device) if cuda else None,
@@ -386,6 +486,10 @@ def quality_text(q: dict) -> str:
         parts.append(f"EM {q['tasks']['exact_match']:.0%}")
     if "code" in q:
         parts.append(f"parse {q['code']['parse_rate']:.0%} · sim {q['code']['edit_similarity']:.2f}")
+    if "json" in q:
+        j = q["json"]
+        parts.append(f"valid {j['valid']:.0%} · grammar-forced {j['grammar_forced_share']:.0%} · "
+                     f"grammar {fmt(j['grammar_ms_per_forward'], '.2f')} ms/fwd")
     return " · ".join(parts) or "-"
 
 

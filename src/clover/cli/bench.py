@@ -18,8 +18,9 @@ def _model_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _workload_arguments(p: argparse.ArgumentParser, *, workload: str, prompts: int, max_new_tokens: int) -> None:
-    p.add_argument("--workload", choices=["tasks", "code", "both"], default=workload,
-                   help=f"held-out task prompts, held-out def headers, or both (default: {workload})")
+    p.add_argument("--workload", choices=["tasks", "code", "both", "json"], default=workload,
+                   help="held-out task prompts, held-out def headers, both, or json (held-out JSON Schemas, "
+                        f"each output constrained by its schema) (default: {workload})")
     p.add_argument("--prompts", type=int, default=prompts, metavar="N", help=f"prompts per workload (default: {prompts})")
     p.add_argument("--max-new-tokens", "-n", type=int, default=max_new_tokens, metavar="N",
                    help=f"tokens per generation (default: {max_new_tokens})")
