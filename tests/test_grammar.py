@@ -52,15 +52,17 @@ def bundled():
 @pytest.mark.parametrize("which", ["bundled", "tiny"])
 def test_every_mode_is_schema_valid(which, bundled, tiny_llm):
     llm = bundled if which == "bundled" else tiny_llm
-    for name, schema in SCHEMAS.items():
+    schemas = list(SCHEMAS.items()) if which == "bundled" else list(SCHEMAS.items())[::2]
+    for k, (name, schema) in enumerate(schemas):
         outs = {}
-        for mode in MODES:
+        for mode in MODES if k == 0 else MODES[:3]:  # naive (== diffusion, uncached) on one schema
             g = llm.generate("Data:", mode=mode, max_new_tokens=128, response_format=_rf(schema))
             assert g.finish_reason == "stop", (which, name, mode, g.text)
             jsonschema.validate(json.loads(g.text), schema)
             outs[mode] = g
         assert outs["speculative"].token_ids == outs["ar"].token_ids, (which, name)
-        assert outs["naive"].token_ids == outs["diffusion"].token_ids, (which, name)
+        if "naive" in outs:
+            assert outs["naive"].token_ids == outs["diffusion"].token_ids, (which, name)
         # the grammar forces keys and punctuation: diffusion places them without a forward
         assert outs["diffusion"].stats.grammar_forced > 0
         assert outs["diffusion"].stats.forwards < len(outs["diffusion"].token_ids)
@@ -80,7 +82,7 @@ def test_json_object_regex_lark_gbnf(bundled):
         ({"gbnf": 'root ::= ("yes" | "no") "!"'}, lambda t: t in ("yes!", "no!")),
     ]
     for grammar, ok in cases:
-        for mode in MODES:
+        for mode in MODES[:3]:
             g = bundled.generate("Answer:", mode=mode, max_new_tokens=64, grammar=grammar)
             assert ok(g.text), (grammar, mode, g.text)
 
@@ -158,3 +160,16 @@ def test_logit_bias_in_every_mode(bundled):
         bundled.generate("x", logit_bias={1: 500})
     with pytest.raises(ValueError, match="outside the vocabulary"):
         bundled.generate("x", logit_bias={10**7: 1})
+
+
+def test_bench_json_workload(tiny_llm):
+    from clover.bench.decode import run_decode
+
+    res = run_decode(tiny_llm, workload="json", prompts=2, max_new_tokens=160,
+                     modes=["ar", "diffusion", "speculative"], warmup=False)
+    for mode, r in res["modes"].items():
+        j = r["quality"]["json"]
+        assert j["n"] == 2 and j["valid_when_finished"] == 1.0, (mode, j)
+        assert j["grammar_ms_per_forward"] is not None
+    assert res["modes"]["diffusion"]["quality"]["json"]["grammar_forced_share"] > 0
+    assert res["modes"]["speculative"]["matches_ar"] == 1.0

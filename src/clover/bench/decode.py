@@ -223,6 +223,10 @@ def quality(runs: list[dict]) -> dict:
         out["json"] = {
             "n": len(js),
             "valid": sum(r["score"]["valid"] for r in js) / len(js),
+            # outputs the token budget cut before the grammar was complete (a valid prefix)
+            "cut_by_length": sum(r["finish_reason"] == "length" for r in js) / len(js),
+            "valid_when_finished": (sum(r["score"]["valid"] for r in js if r["finish_reason"] != "length")
+                                    / max(1, sum(r["finish_reason"] != "length" for r in js))),
             "grammar_forced_share": sum(r["grammar_forced"] for r in js) / tokens if tokens else 0.0,
             "grammar_ms_per_forward": 1e3 * sum(r["grammar_seconds"] for r in js) / forwards if forwards else None,
         }
@@ -488,7 +492,8 @@ def quality_text(q: dict) -> str:
         parts.append(f"parse {q['code']['parse_rate']:.0%} · sim {q['code']['edit_similarity']:.2f}")
     if "json" in q:
         j = q["json"]
-        parts.append(f"valid {j['valid']:.0%} · grammar-forced {j['grammar_forced_share']:.0%} · "
+        parts.append(f"valid {j['valid']:.0%} (cut by length {j['cut_by_length']:.0%}) · "
+                     f"grammar-forced {j['grammar_forced_share']:.0%} · "
                      f"grammar {fmt(j['grammar_ms_per_forward'], '.2f')} ms/fwd")
     return " · ".join(parts) or "-"
 

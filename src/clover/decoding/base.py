@@ -247,11 +247,16 @@ def propose_tokens(row: RowState, logits: torch.Tensor, history_tail: list | Non
 def next_tokens(row: RowState, logits: torch.Tensor) -> list[int]:
     """`propose_tokens`' tokens as a Python list; a constrained row's logits are masked by its
     grammar first and the tokens consumed by it."""
-    if row.constraint is not None:
-        logits = row.constraint.mask(logits)
-    toks = propose_tokens(row, logits)[0].tolist()
-    if row.constraint is not None:
-        row.constraint.consume(toks)
+    c = row.constraint
+    if c is None:
+        return propose_tokens(row, logits)[0].tolist()
+    if row.params.greedy:  # the plain argmax when the grammar allows it: no mask to compute
+        toks = propose_tokens(row, logits)[0].tolist()
+        if not c.allows(toks[0]):
+            toks = propose_tokens(row, c.mask(logits))[0].tolist()
+    else:
+        toks = propose_tokens(row, c.mask(logits))[0].tolist()
+    c.consume(toks)
     return toks
 
 

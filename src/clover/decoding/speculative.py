@@ -93,15 +93,16 @@ class SpeculativeEngine(BatchEngine):
         """The draft of a constrained row: position j's logits masked by the grammar after draft[:j]
         (the grammar state is restored afterwards; the draft stops where the grammar is complete)."""
         c, draft = r.constraint, []
+        processed = r.state.sampler.process(logits)
         for j in range(logits.shape[0]):
             if c.stopped:
                 break
-            tok = self._argmax(r, c.mask(logits[j : j + 1]))[0]
+            tok = c.argmax(processed[j])
             if not c.consume([tok]):
                 break
             draft.append(tok)
         c.rollback(len(draft))
-        return draft or self._argmax(r, c.mask(logits[:1]))
+        return draft or [c.argmax(processed[0])]
 
     def _verify_constrained(self, r: RowState, causal_logits: torch.Tensor) -> int:
         """How many draft tokens constrained AR greedy agrees with; the grammar consumes them.
@@ -109,9 +110,10 @@ class SpeculativeEngine(BatchEngine):
         the kept tokens are exactly the tokens constrained AR would choose."""
         c, draft = r.constraint, r.state.draft
         c.consume(draft[:1])  # draft[0] comes from masked causal logits: constrained AR's own token
+        processed = r.state.sampler.process(causal_logits)
         m = 1
         while m < len(draft) and not c.stopped:
-            if self._argmax(r, c.mask(causal_logits[m - 1 : m]))[0] != draft[m]:
+            if c.argmax(processed[m - 1]) != draft[m]:
                 break
             c.consume(draft[m : m + 1])
             m += 1

@@ -243,6 +243,16 @@ class Constraint:
         allowed = self.allowed().to(logits.device)
         return logits.masked_fill(~allowed, float("-inf"))
 
+    def allows(self, token: int) -> bool:
+        """Whether `token` keeps the output valid next (one check, no mask)."""
+        return self.valid_prefix([token]) == 1
+
+    def argmax(self, logits: torch.Tensor) -> int:
+        """The grammar-allowed token of highest logit in logits [V] (or [1, V]): the plain argmax
+        when the grammar allows it (no mask is computed), else the argmax of the masked logits."""
+        tok = int(logits.argmax())
+        return tok if self.allows(tok) else int(self.mask(logits).argmax())
+
     def consume(self, tokens) -> bool:
         t = time.perf_counter()
         ok = self.m.consume_tokens(list(tokens)) if tokens else True
