@@ -71,8 +71,8 @@ def test_every_mode_is_schema_valid(which, bundled, tiny_llm):
 def test_json_object_regex_lark_gbnf(bundled):
     # any JSON object: free strings can run past the budget (finish "length"); every token is valid
     m = compile_grammar(GrammarSpec("json_object"), bundled.tokenizer, vocab_size=bundled.config.vocab_size).matcher()
-    for mode in MODES:
-        g = bundled.generate("Answer:", mode=mode, max_new_tokens=48, grammar={"json_object": None})
+    for mode in ("ar", "diffusion"):
+        g = bundled.generate("Answer:", mode=mode, max_new_tokens=32, grammar={"json_object": None})
         assert g.text.startswith("{") and m.valid_prefix(g.token_ids) == len(g.token_ids), (mode, g.text)
         if g.finish_reason == "stop":
             assert isinstance(json.loads(g.text), dict)
