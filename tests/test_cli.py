@@ -58,6 +58,30 @@ def test_generate_defaults_to_diffusion_on_a_clover_model(capsys, model):
     assert out.rstrip("\n") == data["text"]  # the streamed text is the generation's text
 
 
+def test_one_default_mode_for_the_api_the_cli_and_the_server(capsys, model):
+    """`LLM.generate(prompt)` with no mode decodes exactly as `clover generate` and `clover serve`
+    do with none: the model's default (diffusion for a Clover checkpoint), the same tokens."""
+    from fastapi.testclient import TestClient
+
+    import clover
+    from clover.serve.app import create_app
+
+    llm = clover.load(model)
+    assert llm.default_mode == "diffusion" and llm.mode().name == "diffusion"
+    kw = dict(max_new_tokens=8, block_size=8)
+    api = llm.generate("hello", **kw)
+    assert api.token_ids == llm.generate("hello", mode="diffusion", **kw).token_ids
+    assert api.token_ids != llm.generate("hello", mode="ar", **kw).token_ids  # the modes differ here
+    streamed = [e for e in llm.stream("hello", **kw) if e.kind == "done"][0].generation
+    assert streamed.token_ids == api.token_ids
+    d = gen_json(capsys, model)
+    assert d["mode"] == "diffusion" and d["token_ids"] == api.token_ids
+    with TestClient(create_app(llm)) as client:
+        r = client.post("/v1/completions", json={"prompt": "hello", "max_tokens": 8, "block_size": 8, "temperature": 0})
+    assert r.status_code == 200, r.text
+    assert r.json()["clover"]["mode"] == "diffusion" and r.json()["choices"][0]["text"] == api.text
+
+
 def test_generate_json_schema(capsys, model):
     for mode in ("ar", "diffusion"):
         d = gen_json(capsys, model, "--mode", mode)

@@ -109,3 +109,19 @@ def test_extreme_valid_values_decode(tiny_llm, kw):
     for mode in ("ar", "diffusion"):
         g = tiny_llm.generate([1, 2, 3], mode=mode, max_new_tokens=4, seed=0, **kw)
         assert len(g.token_ids) <= 4
+
+
+@pytest.mark.parametrize("name, value", [("threshold", 3.0), ("threshold", 0.0), ("block_size", 0), ("policy", "nope")])
+def test_config_defaults_are_checked_by_the_request_rule(tiny_llm, name, value):
+    """A config.json default (threshold, block_size, policy) is refused exactly when the same value
+    in a request is: one rule, `LIMITS`, with the same message."""
+    import dataclasses
+
+    from clover.config import ConfigError
+
+    with pytest.raises(ValueError) as request:
+        SamplingParams(**{name: value}).validate()
+    with pytest.raises(ConfigError) as config:
+        dataclasses.replace(tiny_llm.config, **{name: value})
+    assert str(request.value) in str(config.value)
+    dataclasses.replace(tiny_llm.config, threshold=LIMITS["threshold"].le)  # the largest a request takes

@@ -185,15 +185,15 @@ def test_provisional_stream_chat_and_ar_and_opt_in(client):
 def test_provisional_rows_ride_their_own_engine(app, client):
     """A provisional request's rows get an engine that reports every step; plain rows of the same
     group keep theirs (which skips that work)."""
-    from clover.serve.scheduler import PROVISIONAL
+    import dataclasses
 
     sched = app.state.scheduler
     seen = []
     make = sched._make_engine
 
-    def spy(group, params):
-        eng = make(group, params)
-        seen.append((group, eng.provisional))
+    def spy(spec):
+        eng = make(spec)
+        seen.append((spec, eng.provisional))
         return eng
 
     sched._make_engine = spy
@@ -204,7 +204,7 @@ def test_provisional_rows_ride_their_own_engine(app, client):
         _events(client, "/v1/completions", {**body, "stream": True, "stream_options": {"provisional": True}})
     finally:
         sched._make_engine = make
-    assert [p for _, p in seen] == [False, True] and seen[1][0] == (*seen[0][0], PROVISIONAL)
+    assert [p for _, p in seen] == [False, True] and seen[1][0] == dataclasses.replace(seen[0][0], provisional=True)
 
 
 # ------------------------------------------------------------------------------ in a browser

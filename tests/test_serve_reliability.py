@@ -48,8 +48,8 @@ def test_row_failure_fails_only_its_request(server, http, monkeypatch):
     sched = server.scheduler
     make_engine = sched._make_engine
 
-    def failing_engine(group, params):
-        eng = make_engine(group, params)
+    def failing_engine(spec):
+        eng = make_engine(spec)
         add = eng.add
 
         def add_row(row):
@@ -113,13 +113,12 @@ def test_dead_engine_is_unhealthy_and_refuses_fast(tiny_llm):
 
 # ------------------------------------------------------------------ accounting, fairness
 def _request(llm, n: int, loop, max_new_tokens: int = 50):
-    from clover.decoding.base import RowState
     from clover.serve.scheduler import ServeRequest
 
-    params = llm.params("ar", dict(max_new_tokens=max_new_tokens, temperature=0, ignore_eos=True))
-    eos = set(llm.config.eos_token_ids)
-    rows = [RowState(llm.tokenizer.encode("abc"), params, eos, decode=llm.tokenizer.decode) for _ in range(n)]
-    return ServeRequest(rows, ("ar",), loop)
+    mode = llm.mode("ar")
+    params = llm.params(mode, dict(max_new_tokens=max_new_tokens, temperature=0, ignore_eos=True))
+    rows = [llm.row(llm.tokenizer.encode("abc"), params) for _ in range(n)]
+    return ServeRequest(rows, mode.spec(params), loop)
 
 
 def test_cancel_k_rows_running_falls_by_k(tiny_llm):
@@ -136,7 +135,7 @@ def test_cancel_k_rows_running_falls_by_k(tiny_llm):
         assert sched.running == 7
         sched.cancel(a)
         sched._drop_cancelled()
-        assert sched.running == 4 and len(sched.engines[("ar",)].rows) == 4
+        assert sched.running == 4 and len(sched.engines[a.spec].rows) == 4
         sched.cancel(b)
         sched._drop_cancelled()
         assert sched.running == 0

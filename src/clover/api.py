@@ -10,14 +10,14 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Iterator, Literal, Sequence
 
 import torch
 
 from .checkpoint import load_model, parse_dtype
+from .config import CloverConfig
 from .decoding.base import DecodeEvent, GenerationStats, RowState
-from .decoding import get_mode
-from .decoding.modes import resolve_params
+from .decoding.modes import EngineSpec, Mode, default_mode, get_mode, resolve_params
 from .decoding.sampling import SamplingParams
 from .tokenizer import Tokenizer
 
@@ -45,6 +45,7 @@ class Generation:
     prompt_token_ids: list[int] = field(default_factory=list)
     decode_steps: list[int] = field(default_factory=list)  # per token: the denoise step that decoded it
     forced_tokens: list[int] = field(default_factory=list)  # token indices committed below the threshold (diffusion)
+    stop_token: int | None = None  # the EOS / stop token id that ended the output (not in token_ids)
 
     def as_dict(self) -> dict:
         return {
@@ -57,16 +58,57 @@ class Generation:
 
 @dataclass
 class StreamEvent:
-    """kind "block": committed text/tokens; "provisional": a block's state after a denoise step;
-    "done": the final Generation."""
+    """What a stream reports, for `LLM.stream` and the server alike (`RowStream` makes them). kind:
+    - "block": `text` the newly committed text a stream may show (never a partial UTF-8 character
+      nor a tail that could start a stop string, so what is shown is always a prefix of the final
+      text); `token_ids` / `steps` / `forced` the tokens committed, the denoise step of each and
+      whether a forced step committed it;
+    - "provisional": the current block after a denoise step (`token_ids[i]` None while masked,
+      `steps[i]` 0 until decoded);
+    - "done": the row is over: `generation`, and `text` what of it was not shown yet;
+    - "error": the row could not be decoded (the server: admission or a forward failed); `text` why.
+    `index`: the row (a server request's choice; 0 for `LLM.stream`)."""
 
-    kind: str
+    kind: Literal["block", "provisional", "done", "error"]
     text: str = ""
     token_ids: list = field(default_factory=list)
     steps: list[int] = field(default_factory=list)
+    forced: list[bool] = field(default_factory=list)
     block: int = 0
     step: int = 0
     generation: Generation | None = None
+    index: int = 0
+
+
+class RowStream:
+    """One row's stream: turns its engine's `DecodeEvent`s into `StreamEvent`s, emitting only what
+    `RowState.stream_text` allows (the one rule for `LLM.stream` and the server's streams)."""
+
+    def __init__(self, llm: "LLM", row: RowState, index: int = 0) -> None:
+        self.llm, self.row, self.index = llm, row, index
+        self.shown = 0  # characters of the text reported so far
+
+    def _delta(self) -> str:
+        text = self.row.stream_text()
+        if len(text) <= self.shown:
+            return ""
+        delta, self.shown = text[self.shown:], len(text)
+        return delta
+
+    def event(self, ev: DecodeEvent) -> StreamEvent:
+        if ev.kind == "provisional":
+            return StreamEvent("provisional", token_ids=ev.token_ids, steps=ev.steps, block=ev.block, step=ev.step,
+                               index=self.index)
+        if ev.kind == "commit":
+            start, forced = len(self.row.tokens) - len(ev.token_ids), set(self.row.forced)
+            return StreamEvent("block", text=self._delta(), token_ids=list(ev.token_ids), steps=list(ev.steps),
+                               forced=[start + j in forced for j in range(len(ev.token_ids))], block=ev.block,
+                               step=ev.step, index=self.index)
+        return self.done()
+
+    def done(self) -> StreamEvent:
+        """The row is over (finished or cancelled): its Generation and the text not shown yet."""
+        return StreamEvent("done", text=self._delta(), generation=self.llm.result(self.row), index=self.index)
 
 
 def check_device(device: str | torch.device | None) -> None:
@@ -89,6 +131,8 @@ class LLM:
         self.tokenizer = tokenizer
         self.path = path
         self.config = model.config
+        self._eos_ids = frozenset(self.config.eos_token_ids) | (
+            {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set())
 
     # ---------------------------------------------------------------- helpers
     @property
@@ -97,14 +141,18 @@ class LLM:
 
     @property
     def default_mode(self) -> str:
-        """The mode used when none is named: diffusion for a Clover checkpoint (its config has a
-        mask token), ar for a plain AR one."""
-        return "diffusion" if self.config.mask_token_id is not None else "ar"
+        """The name of the mode used when none is named (`decoding.modes.default_mode`: diffusion for
+        a Clover checkpoint, ar for a plain AR one)."""
+        return default_mode(self.config).name
 
-    def params(self, mode: str, kwargs: dict) -> SamplingParams:
+    def mode(self, name: str | Mode | None = None) -> Mode:
+        """The `Mode` of that name; None: the model's default (as the CLI and the server use)."""
+        return default_mode(self.config) if name is None else get_mode(name)
+
+    def params(self, mode: str | Mode | None, kwargs: dict) -> SamplingParams:
         """The generation options for `mode`, checked (ValueError "option: why" / TypeError for an
         unknown option), with the model's defaults filled in."""
-        return resolve_params(mode, kwargs, self.config)
+        return resolve_params(self.mode(mode), kwargs, self.config)
 
     def encode_prompt(self, prompt: str | Sequence[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -120,9 +168,9 @@ class LLM:
             raise ValueError("prompt: empty; give at least one token")
         return ids
 
-    def check_length(self, prompt_len: int, params: SamplingParams, mode: str) -> None:
+    def check_length(self, prompt_len: int, params: SamplingParams, mode: Mode) -> None:
         """ValueError (naming `prompt`) when the prompt plus what `mode` generates does not fit."""
-        extra = get_mode(mode).extra_positions(params)
+        extra = mode.extra_positions(params)
         total = prompt_len + params.max_new_tokens + extra
         if prompt_len >= self.context_length or total > self.context_length:
             raise ValueError(
@@ -131,15 +179,13 @@ class LLM:
                 + f" exceeds the context length {self.context_length}; shorten the prompt or lower max_new_tokens"
             )
 
-    def room(self, prompt_len: int, params: SamplingParams, mode: str) -> int:
+    def room(self, prompt_len: int, params: SamplingParams, mode: Mode) -> int:
         """The most tokens `mode` can generate after a prompt of `prompt_len` tokens."""
-        return max(0, self.context_length - prompt_len - get_mode(mode).extra_positions(params))
+        return max(0, self.context_length - prompt_len - mode.extra_positions(params))
 
     def eos_ids(self) -> set[int]:
-        eos = set(self.config.eos_token_ids)
-        if self.tokenizer.eos_token_id is not None:
-            eos.add(self.tokenizer.eos_token_id)
-        return eos
+        """The tokens that end a row: the config's EOS ids and the tokenizer's (every front end's set)."""
+        return set(self._eos_ids)
 
     def compile_grammar(self, grammar, params: SamplingParams, *, eos_ids=None):
         """`grammar` (a `clover.grammar.GrammarSpec`, a dict {kind: source}, or None) compiled for
@@ -155,12 +201,12 @@ class LLM:
         return compile_grammar(GrammarSpec.coerce(grammar), self.tokenizer, vocab_size=self.config.vocab_size,
                                eos_ids=ends)
 
-    def _rows(self, prompts: list[list[int]], params: SamplingParams, grammar=None) -> list[RowState]:
-        eos = self.eos_ids()
-        rows = [RowState(p, params, eos, decode=self.tokenizer.decode) for p in prompts]
-        for r in rows:
-            r.constraint = grammar.matcher() if grammar is not None else None
-        return rows
+    def row(self, prompt: list[int], params: SamplingParams, grammar=None) -> RowState:
+        """A row to decode: `prompt` with options `params`, ending at this model's EOS set;
+        `grammar` (compiled, `compile_grammar`) constrains it."""
+        row = RowState(list(prompt), params, self.eos_ids(), decode=self.tokenizer.decode)
+        row.constraint = grammar.matcher() if grammar is not None else None
+        return row
 
     def _grammar_kwargs(self, kwargs: dict):
         """Pops `response_format=` (OpenAI's shape) and `grammar=` from the generation options."""
@@ -171,13 +217,13 @@ class LLM:
             raise GrammarError("grammar: give response_format or grammar, not both")
         return GrammarSpec.from_response_format(rf) if rf is not None else grammar
 
-    def engine(self, params: SamplingParams, mode: str, provisional: bool = False):
-        """A fresh batch engine for `mode` (rows join it with `add`, `run()` yields events)."""
-        return get_mode(mode).make_engine(self.model, params, mask_id=self.config.mask_token_id,
-                                          pad_id=self.tokenizer.pad_token_id or 0, provisional=provisional)
+    def engine(self, spec: EngineSpec):
+        """A fresh batch engine for rows of `spec` (`Mode.spec`; rows join it with `add`, `run()`
+        yields events)."""
+        return spec.make_engine(self.model, mask_id=self.config.mask_token_id, pad_id=self.tokenizer.pad_token_id or 0)
 
-    def _events(self, rows: list[RowState], params: SamplingParams, mode: str, provisional: bool = False) -> Iterator[DecodeEvent]:
-        engine = self.engine(params, mode, provisional)
+    def _events(self, rows: list[RowState], spec: EngineSpec) -> Iterator[DecodeEvent]:
+        engine = self.engine(spec)
         for r in rows:
             yield from engine.add(r)
         yield from engine.run()
@@ -192,75 +238,79 @@ class LLM:
             prompt_token_ids=list(row.prompt),
             decode_steps=list(row.steps),
             forced_tokens=list(row.forced),
+            stop_token=row.stop_token,
         )
 
     # ------------------------------------------------------------------- API
-    def generate(self, prompt, *, mode: str = "ar", **kwargs) -> Generation | list[Generation]:
+    def generate(self, prompt, *, mode: str | Mode | None = None, **kwargs) -> Generation | list[Generation]:
         """prompt: str | list[int] -> Generation; a list of prompts (list[str] or list[list[int]])
-        -> list[Generation], decoded together as one batch. `response_format=` (OpenAI's:
+        -> list[Generation], decoded together as one batch. `mode` None: the model's default, as
+        `clover generate` and `clover serve` use (`LLM.default_mode`). `response_format=` (OpenAI's:
         {"type": "json_object"} or {"type": "json_schema", "json_schema": {"schema": ...}}) or
         `grammar=` (a `clover.grammar.GrammarSpec`, or {"regex"|"lark"|"gbnf"|"json_schema": src})
         constrains the output in every mode (docs/structured-output.md)."""
         batched = isinstance(prompt, (list, tuple)) and prompt and not all(isinstance(t, int) for t in prompt)
         prompts = list(prompt) if batched else [prompt]
-        spec = self._grammar_kwargs(kwargs)
-        params = self.params(mode, kwargs)
+        grammar = self._grammar_kwargs(kwargs)
+        m = self.mode(mode)
+        params = resolve_params(m, kwargs, self.config)
         ids = [self.encode_prompt(p) for p in prompts]
         for p in ids:
-            self.check_length(len(p), params, mode)
-        rows = self._rows(ids, params, self.compile_grammar(spec, params))
-        for _ in self._events(rows, params, mode):
+            self.check_length(len(p), params, m)
+        compiled = self.compile_grammar(grammar, params)
+        rows = [self.row(p, params, compiled) for p in ids]
+        for _ in self._events(rows, m.spec(params)):
             pass
         results = [self.result(r) for r in rows]
         return results if batched else results[0]
 
-    def stream(self, prompt, *, mode: str = "ar", provisional: bool = False, **kwargs) -> Iterator[StreamEvent]:
+    def stream(self, prompt, *, mode: str | Mode | None = None, provisional: bool = False, **kwargs) -> Iterator[StreamEvent]:
         """Yield a "block" event per committed block (AR: per token) with the text delta, optional
-        "provisional" events after each denoise step, and a final "done" event."""
-        spec = self._grammar_kwargs(kwargs)
-        params = self.params(mode, kwargs)
+        "provisional" events after each denoise step, and a final "done" event. `mode` None: the
+        model's default; `response_format=` / `grammar=` as in `generate`."""
+        grammar = self._grammar_kwargs(kwargs)
+        m = self.mode(mode)
+        params = resolve_params(m, kwargs, self.config)
         ids = self.encode_prompt(prompt)
-        self.check_length(len(ids), params, mode)
-        rows = self._rows([ids], params, self.compile_grammar(spec, params))
-        row = rows[0]
-        emitted = ""
-        held_ids: list[int] = []
-        held_steps: list[int] = []
-        for ev in self._events(rows, params, mode, provisional=provisional):
-            if ev.kind == "provisional":
-                yield StreamEvent("provisional", token_ids=ev.token_ids, steps=ev.steps, block=ev.block, step=ev.step)
-            elif ev.kind == "commit":
-                held_ids += ev.token_ids
-                held_steps += ev.steps
-                text = row.stream_text()  # never a partial UTF-8 character or a possible stop-string start
-                if len(text) <= len(emitted):
+        self.check_length(len(ids), params, m)
+        row = self.row(ids, params, self.compile_grammar(grammar, params))
+        stream = RowStream(self, row)
+        held: StreamEvent | None = None  # tokens committed while the text could not advance yet
+        for ev in self._events([row], m.spec(params, provisional)):
+            if ev.kind == "finish":
+                continue  # `done` below
+            out = stream.event(ev)
+            if out.kind == "block":
+                if held is not None:  # carried into the next block that shows text
+                    out.token_ids, out.steps = held.token_ids + out.token_ids, held.steps + out.steps
+                    out.forced = held.forced + out.forced
+                held = None if out.text else out
+                if held is not None:
                     continue
-                delta, emitted = text[len(emitted) :], text
-                yield StreamEvent("block", text=delta, token_ids=held_ids, steps=held_steps, block=ev.block, step=ev.step)
-                held_ids, held_steps = [], []
-        final = self.result(row)
-        if len(final.text) > len(emitted) or held_ids:
-            yield StreamEvent("block", text=final.text[len(emitted) :], token_ids=held_ids, steps=held_steps, block=-1)
-        yield StreamEvent("done", generation=final)
-
+            yield out
+        done = stream.done()
+        if done.text or held is not None:
+            yield StreamEvent("block", text=done.text, token_ids=held.token_ids if held else [],
+                              steps=held.steps if held else [], forced=held.forced if held else [], block=-1)
+        done.text = ""
+        yield done
 
     def __repr__(self) -> str:
         c = self.config
         return f"LLM({self.path}, {c.model_type}, layers={c.num_hidden_layers}, experts={c.num_experts}, dtype={self.model.dtype})"
 
 
-def _cpu_compute_dtype(path: Path) -> torch.dtype | None:
+def _cpu_compute_dtype(path: Path, config) -> torch.dtype | None:
     """None (the stored dtype), or float32 for a half-precision checkpoint on a CPU without native
     half matmuls (`clover.precision`: there a bf16 prefill or denoise step runs up to ~70x slower
     than float32) when the float32 copy fits in half the available memory; otherwise a warning."""
     import warnings
 
-    from .config import CloverConfig
     from .precision import cpu_capability, native_half_matmul
 
     try:
-        stored = parse_dtype(CloverConfig.from_file(path).torch_dtype)
-    except Exception:  # noqa: BLE001 - load_model reports a broken config with its own message
+        stored = parse_dtype(config.torch_dtype)
+    except ValueError:  # load_model reports a bad torch_dtype with its own message
         return None
     if stored not in (torch.bfloat16, torch.float16) or native_half_matmul(stored, "cpu"):
         return None
@@ -297,12 +347,13 @@ def load(path: str | os.PathLike | None = None, *, dtype: str | torch.dtype | No
         raise FileNotFoundError(f"{path}: no such model directory")
     bundled = path.resolve() == BUNDLED_MODEL.resolve()
     dtype = parse_dtype(dtype)
+    config = CloverConfig.from_file(path) if path.is_dir() else None  # read once (load_model reports a missing one)
     if dtype is None and (device is None or str(device) == "cpu"):
         if bundled:
             dtype = torch.float32  # the bundled model is stored in bf16; fp32 matmuls are faster on CPUs
-        else:
-            dtype = _cpu_compute_dtype(path)
-    model = load_model(path, dtype=dtype, device=device, check_finite=check_finite)
+        elif config is not None:
+            dtype = _cpu_compute_dtype(path, config)
+    model = load_model(path, dtype=dtype, device=device, check_finite=check_finite, config=config)
     if compile:
         from .models.compile import compile_model
 

@@ -52,9 +52,11 @@ def load_model(
     dtype: torch.dtype | str | None = None,
     device: torch.device | str | None = None,
     check_finite: bool | None = None,
+    config: CloverConfig | None = None,
 ):
     """config.json + safetensors -> the model of its architecture, in eval mode (built on meta,
     weights assigned); a quantized checkpoint (`quantization_config`) goes to `clover.quant`.
+    `config`: the directory's config.json when the caller has read it already.
 
     `check_finite` (default: on, or what an enclosing `finite_check(...)` says) scans every weight
     for NaN/Inf and raises CheckpointError naming the tensor and file."""
@@ -63,7 +65,8 @@ def load_model(
         raise CheckpointError(f"{directory}: not a directory; pass the folder holding config.json and the safetensors")
     if check_finite is None:
         check_finite = _CHECK_FINITE.get()
-    config = CloverConfig.from_file(directory)
+    if config is None:
+        config = CloverConfig.from_file(directory)
     dtype = parse_dtype(dtype)
     if dtype is None:
         try:

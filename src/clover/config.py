@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .decoding.acceptance import POLICIES as ACCEPTANCE_POLICIES
+from .decoding.sampling import LIMITS
 
 # text model_type -> its MLP ("moe" or "dense"); the text models this config describes
 BACKBONES = {"qwen3_5_moe_text": "moe", "qwen3_5_text": "dense", "llama": "dense"}
@@ -198,14 +198,16 @@ class CloverConfig:
             bad(f"num_experts_per_tok ({self.num_experts_per_tok}) exceeds num_experts ({self.num_experts})")
         if self.rotary_dim % 2 or self.rotary_dim > self.head_dim:
             bad(f"partial_rotary_factor {self.partial_rotary_factor} gives an odd or too large rotary dim {self.rotary_dim}")
-        if self.block_size <= 0:
-            bad(f"block_size must be positive, got {self.block_size}")
         if self.block_sizes is not None and (not self.block_sizes or min(self.block_sizes) <= 0):
             bad(f"block_sizes must be a non-empty list of positive sizes, got {self.block_sizes}")
-        if not (self.threshold > 0):
-            bad(f"threshold must be positive, got {self.threshold}")
-        if self.policy not in ACCEPTANCE_POLICIES:
-            bad(f"policy must be one of {', '.join(ACCEPTANCE_POLICIES)}, got {self.policy!r}")
+        for name in ("block_size", "threshold", "policy"):  # the rule a request's value is checked by
+            value = getattr(self, name)
+            try:
+                LIMITS[name].check(name, value)
+            except ValueError as e:
+                bad(str(e))
+            if value is None:
+                bad(f"{name}: must be given")
         if self.mask_token_id is not None and not (0 <= self.mask_token_id < self.vocab_size):
             bad(f"mask_token_id {self.mask_token_id} is outside the vocabulary (size {self.vocab_size})")
         if self.expert_budget is not None and not self.is_moe:

@@ -12,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Callable, Iterable
 
-from ..decoding.sampling import CONFIDENCE_KINDS
+from ..decoding.sampling import CONFIDENCE_KINDS, LIMITS
 from .common import machine, max_rss_bytes, synchronize
 from .decode import Item, decode_kwargs, generate_once, load_items, summarize
 
@@ -60,13 +60,11 @@ def configurations(thresholds: Iterable[float], block_sizes: Iterable[int], bloc
     out = [{"label": "ar", "mode": "ar", "block_size": None, "threshold": None, "sweep": "baseline"}]
     seen = set()
     for t in thresholds:
-        if t <= 0:
-            raise ValueError(f"thresholds: must be > 0, got {t}")
+        LIMITS["threshold"].check("thresholds", t)
         out.append({"label": f"B{block_size}/t{t:g}", "mode": "diffusion", "block_size": block_size, "threshold": t, "sweep": "threshold"})
         seen.add((block_size, t))
     for b in block_sizes:
-        if b <= 0:
-            raise ValueError(f"block sizes: must be positive, got {b}")
+        LIMITS["block_size"].check("block sizes", b)
         if (b, threshold) in seen:
             for c in out:
                 if c["block_size"] == b and c["threshold"] == threshold:

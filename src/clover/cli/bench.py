@@ -278,12 +278,12 @@ def run_cost(args) -> int:
 
 def run_decode(args) -> int:
     from ..bench.decode import decode_table, plot_decode, run_decode as bench_decode
+    from ..decoding.sampling import LIMITS
 
     positive("--prompts", args.prompts)
     positive("--max-new-tokens", args.max_new_tokens)
     positive("--block-size", args.block_size)
-    if args.threshold is not None and not args.threshold > 0:
-        raise ValueError(f"--threshold: must be > 0, got {args.threshold}")
+    LIMITS["threshold"].check("--threshold", args.threshold)  # the rule a request's threshold is checked by
     modes = parse_modes(args.modes)  # None: every registered mode
     llm, note = _load(args)
     result = bench_decode(llm, workload=args.workload, prompts=args.prompts, max_new_tokens=args.max_new_tokens,

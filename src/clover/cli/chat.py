@@ -42,7 +42,7 @@ def run(args: argparse.Namespace) -> int:
 
     kwargs = sampling_kwargs(args)
     llm = load_llm(args)
-    mode = args.mode or llm.default_mode
+    mode = llm.mode(args.mode)  # None: the model's default
     kwargs["stop"] = [IM_END] + list(kwargs.get("stop", []))
     end_id = _special_id(llm, IM_END)
     if end_id is not None:
@@ -55,7 +55,7 @@ def run(args: argparse.Namespace) -> int:
     interactive = sys.stdin.isatty()
     tty_out = sys.stdout.isatty()
     if interactive:
-        stderr(f"clover chat · {llm.path} · {mode} · {CHAT_HELP}")
+        stderr(f"clover chat · {llm.path} · {mode.name} · {CHAT_HELP}")
     while True:
         try:
             line = input("you › ") if interactive else sys.stdin.readline()

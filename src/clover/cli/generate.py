@@ -34,18 +34,17 @@ def configure(p: argparse.ArgumentParser) -> None:
     eng.add_argument("--threads", type=int, default=1, help="--engine llama.cpp: CPU threads (default: 1)")
 
 
-def write_timeline(llm, gen, mode: str, block_size: int, path: str) -> Path:
-    """Render Generation `gen` with viz.render_timeline."""
+def write_timeline(llm, gen, mode, block_size: int, path: str) -> Path:
+    """Render Generation `gen` (decoded by `Mode` `mode`) with viz.render_timeline."""
     from .. import viz
-    from ..decoding import get_mode
 
     tokens = [llm.tokenizer.decode([t]) for t in gen.token_ids]
     steps = list(gen.decode_steps) or [1] * len(tokens)
-    if get_mode(mode).threshold_commit:
+    if mode.threshold_commit:
         forwards = gen.stats.block_steps or None
     else:  # one forward per token (speculative: approximate)
         forwards = [len(tokens[i : i + block_size]) for i in range(0, len(tokens), block_size)]
-    title = f"{Path(str(llm.path)).name} · {mode} · block {block_size}"
+    title = f"{Path(str(llm.path)).name} · {mode.name} · block {block_size}"
     return viz.render_timeline(path, tokens, steps, block_size, forwards_per_block=forwards,
                                forced=gen.forced_tokens, title=title)
 
@@ -80,7 +79,6 @@ def grammar_spec(args: argparse.Namespace):
 
 def run(args: argparse.Namespace) -> int:
     from .. import viz
-    from ..decoding import get_mode
 
     if args.timeline and Path(args.timeline).suffix.lower() not in TIMELINE_SUFFIXES:
         raise UsageError(f"--timeline {args.timeline}: use a .png, .svg, .pdf or .html file name")
@@ -89,7 +87,7 @@ def run(args: argparse.Namespace) -> int:
     kwargs = sampling_kwargs(args)
     prompt = read_prompt(args.prompt)
     llm = load_llm(args)
-    mode = args.mode or llm.default_mode
+    mode = llm.mode(args.mode)  # None: the model's default, as LLM.generate and the server use
     params = llm.params(mode, kwargs)  # the options with the model's defaults filled in
     grammar = grammar_spec(args)
     if grammar is not None:
@@ -97,7 +95,7 @@ def run(args: argparse.Namespace) -> int:
             raise UsageError("--json-schema / --grammar: only with --engine torch")
         llm.compile_grammar(grammar, params)  # a bad grammar is reported before anything runs
         kwargs["grammar"] = grammar
-    masked = get_mode(mode).needs_mask  # block size and threshold mean something for this mode
+    masked = mode.needs_mask  # block size and threshold mean something for this mode
     tty = sys.stdout.isatty()
 
     if args.engine == "llama.cpp":
@@ -105,16 +103,16 @@ def run(args: argparse.Namespace) -> int:
 
         rec = port_generate(llm, prompt, mode, kwargs, gguf=args.gguf, threads=args.threads)
         if args.json:
-            print(json.dumps({"model": str(llm.path), "mode": mode, "engine": "llama.cpp", **rec}, ensure_ascii=False))
+            print(json.dumps({"model": str(llm.path), "mode": mode.name, "engine": "llama.cpp", **rec}, ensure_ascii=False))
         else:
             sys.stdout.write(rec["text"] + ("" if rec["text"].endswith("\n") else "\n"))
             s = rec["stats"]
-            stderr(f"[{mode} · llama.cpp] " + viz.stats_line(s["tokens"], s["forwards"], s["seconds"], rec["finish_reason"]))
+            stderr(f"[{mode.name} · llama.cpp] " + viz.stats_line(s["tokens"], s["forwards"], s["seconds"], rec["finish_reason"]))
         return 0
 
     if args.json:
         gen = llm.generate(prompt, mode=mode, **kwargs)
-        record = generation_record(llm, gen, mode, params.block_size if masked else None,
+        record = generation_record(llm, gen, mode.name, params.block_size if masked else None,
                                    params.threshold if masked else None)
         print(json.dumps(record, ensure_ascii=False))
     elif args.live and tty:
@@ -123,7 +121,7 @@ def run(args: argparse.Namespace) -> int:
         console = Console()
         view = viz.LiveView(lambda t: llm.tokenizer.decode([t]),
                             params.block_size if isinstance(params.block_size, int) else 64, console=console,
-                            title=f"clover · {mode}", step_delay=args.step_delay)
+                            title=f"clover · {mode.name}", step_delay=args.step_delay)
         gen = None
         with view:
             for ev in llm.stream(prompt, mode=mode, provisional=True, **kwargs):
@@ -149,10 +147,10 @@ def run(args: argparse.Namespace) -> int:
 
     s = gen.stats
     if not args.json and not (args.live and tty):  # the live view already shows the stats
-        stderr(f"[{mode}] " + viz.stats_line(s.tokens, s.forwards, s.seconds, gen.finish_reason))
+        stderr(f"[{mode.name}] " + viz.stats_line(s.tokens, s.forwards, s.seconds, gen.finish_reason))
     if s.width_why and not args.json:  # block_size="auto": the widths chosen (every decision with --verbose)
         widths = ", ".join(f"{w}×{s.block_widths.count(w)}" for w in sorted(set(s.block_widths)))
-        stderr(f"[{mode}] block_size auto: blocks of {widths}")
+        stderr(f"[{mode.name}] block_size auto: blocks of {widths}")
         if args.verbose:
             for line in s.width_why:
                 stderr(f"  {line}")

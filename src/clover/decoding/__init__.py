@@ -2,6 +2,6 @@
 Each import below registers one mode."""
 
 from . import ar, diffusion, naive, speculative  # noqa: F401 - registration
-from .modes import Mode, get_mode, mode_names, register
+from .modes import EngineSpec, Mode, default_mode, get_mode, mode_names, register
 
-__all__ = ["Mode", "get_mode", "mode_names", "register"]
+__all__ = ["EngineSpec", "Mode", "default_mode", "get_mode", "mode_names", "register"]

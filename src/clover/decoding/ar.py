@@ -37,7 +37,7 @@ class AR(Mode):
     name = "ar"
     summary = "autoregressive: one token per forward (the baseline)"
 
-    def make_engine(self, model, params, *, mask_id, pad_id, provisional=False):
+    def make_engine(self, model, spec, *, mask_id, pad_id):
         return AREngine(model, pad_id=pad_id)
 
 

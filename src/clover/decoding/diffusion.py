@@ -37,7 +37,7 @@ import torch
 
 from .acceptance import accept, needs_entropy
 from .base import BatchEngine, DecodeEvent, EngineRow, RowState, pad_right, propose_tokens
-from .modes import Mode, register
+from .modes import EngineSpec, Mode, register
 from .sampling import AUTO
 
 
@@ -365,14 +365,14 @@ class Diffusion(Mode):
         if params.policy == "hierarchy" and params.low_threshold > params.threshold:
             raise ValueError(f"low_threshold: must be <= threshold ({params.threshold}), got {params.low_threshold}")
 
-    def group(self, params) -> tuple:
+    def spec(self, params, provisional=False) -> EngineSpec:
         # what changes the forward itself; the acceptance options are per row
-        return (self.name, params.block_size, params.expert_budget, params.expert_rank)
+        return EngineSpec(self, params.block_size, params.expert_budget, params.expert_rank, provisional)
 
-    def make_engine(self, model, params, *, mask_id, pad_id, provisional=False):
-        return DiffusionEngine(model, block_size=params.block_size, mask_id=mask_id,
-                               pad_id=pad_id, recompute=self.recompute, provisional=provisional,
-                               expert_budget=params.expert_budget, expert_rank=params.expert_rank)
+    def make_engine(self, model, spec, *, mask_id, pad_id):
+        return DiffusionEngine(model, block_size=spec.width, mask_id=mask_id, pad_id=pad_id,
+                               recompute=self.recompute, provisional=spec.provisional,
+                               expert_budget=spec.expert_budget, expert_rank=spec.expert_rank)
 
 
 register(Diffusion())

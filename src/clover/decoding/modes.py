@@ -5,11 +5,41 @@ A mode is one file in `decoding/` that defines a `Mode` subclass and calls `regi
 instance; `decoding/__init__.py` imports the file (one line). The mode states what it needs (a mask
 token), its own checks on the generation options (beyond the per-option limits every mode shares,
 `sampling.LIMITS`), how many positions past prompt + max_new_tokens it needs in the context, which
-options rows must share to ride in one forward (its batching key), and how to build its engine."""
+options rows must share to ride in one forward (its `EngineSpec`), and how to build its engine.
+
+Names resolve once: a front end turns the name it was given (or none: `default_mode(config)`, the
+one default) into a `Mode` with `get_mode` and carries that object from then on."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from .sampling import AUTO, SamplingParams
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """What rows must share to ride in one forward, and all an engine is built from: the mode and the
+    options that change the forward itself (the block or draft width, the expert budget and rank,
+    and whether each denoise step is reported). Rows with equal specs share one engine (the
+    server's batching key); the per-row options (acceptance, sampling, stops) stay in each row's
+    `SamplingParams`."""
+
+    mode: "Mode"
+    width: int | str | None = None  # the block size (diffusion; "auto": the engine picks) or draft length (speculative)
+    expert_budget: int | None = None
+    expert_rank: str = "sum"
+    provisional: bool = False  # report the block after every denoise step
+
+    def make_engine(self, model, *, mask_id: int | None, pad_id: int):
+        return self.mode.make_engine(model, self, mask_id=mask_id, pad_id=pad_id)
+
+    def __str__(self) -> str:
+        parts = [self.mode.name] + [f"{k}={v}" for k, v in (("width", self.width), ("expert_budget", self.expert_budget))
+                                    if v is not None]
+        if self.expert_budget is not None:
+            parts.append(f"expert_rank={self.expert_rank}")
+        return " ".join(parts + (["provisional"] if self.provisional else []))
 
 
 class Mode:
@@ -27,13 +57,13 @@ class Mode:
         """Context positions needed beyond prompt + max_new_tokens (e.g. one block)."""
         return 0
 
-    def group(self, params: SamplingParams) -> tuple:
-        """Rows whose keys are equal can share a forward (one engine)."""
-        return (self.name,)
+    def spec(self, params: SamplingParams, provisional: bool = False) -> EngineSpec:
+        """The engine rows with options `params` need (rows with equal specs share a forward);
+        `provisional`: the caller wants every denoise step's block (modes without one ignore it)."""
+        return EngineSpec(self)
 
-    def make_engine(self, model, params: SamplingParams, *, mask_id: int | None, pad_id: int,
-                    provisional: bool = False):
-        """A `BatchEngine` for rows of this mode with options `params` (any row of the group)."""
+    def make_engine(self, model, spec: EngineSpec, *, mask_id: int | None, pad_id: int):
+        """A `BatchEngine` for rows of `spec` (built by this mode's `spec`)."""
         raise NotImplementedError
 
     def __repr__(self) -> str:
@@ -58,19 +88,29 @@ def mode_names() -> tuple[str, ...]:
     return tuple(_REGISTRY)
 
 
-def get_mode(name: str) -> Mode:
+def get_mode(name: str | Mode) -> Mode:
+    """The registered mode of that name (a `Mode` is returned as it is); ValueError naming the
+    registered ones otherwise."""
+    if isinstance(name, Mode):
+        return name
     try:
         return _REGISTRY[name]
     except (KeyError, TypeError):
         raise ValueError(f"mode: must be one of {', '.join(_REGISTRY)}, got {name!r}") from None
 
 
-def resolve_params(mode: str, kwargs: dict, config) -> SamplingParams:
-    """The generation options for `mode`, checked (ValueError "option: why" / TypeError for an
+def default_mode(config) -> Mode:
+    """The mode used when none is named, for every front end (`LLM.generate` / `stream`, the CLI,
+    the server): diffusion for a Clover checkpoint (its config has a mask token), ar for a plain
+    AR one."""
+    return get_mode("diffusion" if config.mask_token_id is not None else "ar")
+
+
+def resolve_params(m: Mode, kwargs: dict, config) -> SamplingParams:
+    """The generation options for mode `m`, checked (ValueError "option: why" / TypeError for an
     unknown option), with the model's defaults (`config`: block_size, policy, threshold,
     expert_budget) filled in. The one place this happens: `LLM.params` and the transformers export's
     `diffusion_generate` both call it."""
-    m = get_mode(mode)
     params = SamplingParams.from_kwargs(**kwargs).check_model(config.vocab_size)
     if params.block_size is None or (params.block_size == AUTO and not m.auto_width):
         params.block_size = config.block_size
@@ -87,6 +127,6 @@ def resolve_params(mode: str, kwargs: dict, config) -> SamplingParams:
             f"expert_budget: must lie in [{config.num_experts_per_tok}, {config.num_experts}], got {params.expert_budget}"
         )
     if m.needs_mask and config.mask_token_id is None:
-        raise ValueError(f"mode: {mode!r} needs a mask token; this is a plain AR checkpoint — convert it with `clover convert`")
+        raise ValueError(f"mode: {m.name!r} needs a mask token; this is a plain AR checkpoint — convert it with `clover convert`")
     m.check(params)
     return params

@@ -25,7 +25,7 @@ def _num(x: float) -> str:
 class Limit:
     """The accepted values of one generation option. The one description of each option's limits:
     `SamplingParams.validate` checks them, the server's request schema (and so its OpenAPI document)
-    states them, and docs/serving.md lists them (`limits_table`)."""
+    is built from them (`clover.serve.schemas`), a config.json's defaults are checked by them, and docs/serving.md lists them (`limits_table`)."""
 
     kind: type  # int, float, str, bool or list (of `item`)
     ge: float | None = None
@@ -36,16 +36,8 @@ class Limit:
     max_chars: int | None = None  # per string (a str option, or each item of a list of str)
     choices: tuple = ()
     nullable: bool = False  # None means: the model's default
+    words: tuple = ()  # strings accepted besides the numbers (block_size: "auto")
     doc: str = ""
-
-    def field(self) -> dict:
-        """Keyword arguments for a pydantic `Field` stating the same bounds."""
-        out = {k: getattr(self, k) for k in ("ge", "gt", "le") if getattr(self, k) is not None}
-        if self.kind is list and self.max_items is not None:
-            out["max_length"] = self.max_items
-        if self.kind is str and self.max_chars is not None:
-            out["max_length"] = self.max_chars
-        return out
 
     def describe(self) -> str:
         if self.choices:
@@ -60,6 +52,7 @@ class Limit:
                                                f"<= {_num(self.le)}" if self.le is not None else None) if x) + f" ({what})")
         if self.kind is list:
             parts.append(f"at most {self.max_items} items" + (f" of at most {self.max_chars} characters" if self.max_chars else ""))
+        parts += [f'or "{w}"' for w in self.words]
         if self.nullable:
             parts.append("or null")
         return "; ".join(parts)
@@ -73,6 +66,8 @@ class Limit:
             if self.nullable:
                 return None
             bad("must be given")
+        if isinstance(value, str) and value in self.words:
+            return value
         if self.kind is bool:
             if not isinstance(value, bool):
                 bad("must be true or false")
@@ -128,7 +123,7 @@ LIMITS: dict[str, Limit] = {
     "presence_penalty": Limit(float, ge=-2, le=2, doc="subtracted from the logits of tokens already seen"),
     "eos_penalty": Limit(float, ge=-100, le=100, doc="subtracted from the EOS logits"),
     "no_repeat_ngram_size": Limit(int, ge=0, le=64, doc="0 = off"),
-    "block_size": Limit(int, ge=1, le=1024, nullable=True,
+    "block_size": Limit(int, ge=1, le=1024, nullable=True, words=(AUTO,),
                         doc="diffusion / speculative block (null = the model's); diffusion also takes \"auto\": per block, the trained width with the most expected tokens/s"),
     "threshold": Limit(float, gt=0, le=2, nullable=True, doc="confidence to accept a token (null = the model's); above 1: one token per step"),
     "confidence": Limit(str, choices=CONFIDENCE_KINDS, doc="confidence measure"),
@@ -197,8 +192,6 @@ class SamplingParams:
         if self.stop_token_ids is None:
             self.stop_token_ids = []
         for name, lim in LIMITS.items():
-            if name == "block_size" and self.block_size == AUTO:
-                continue
             setattr(self, name, lim.check(name, getattr(self, name)))
         self.stop = [s for s in self.stop if s]
         self.top_k = max(0, self.top_k)

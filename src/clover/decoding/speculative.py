@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from .base import BatchEngine, DecodeEvent, EngineRow, RowState, pad_right
-from .modes import Mode, register
+from .modes import EngineSpec, Mode, register
 from .sampling import filter_logits
 
 
@@ -217,13 +217,12 @@ class Speculative(Mode):
     def extra_positions(self, params) -> int:
         return params.block_size
 
-    def group(self, params) -> tuple:
-        return (self.name, params.draft_length or params.block_size, params.expert_budget, params.expert_rank)
+    def spec(self, params, provisional=False) -> EngineSpec:
+        return EngineSpec(self, params.draft_length or params.block_size, params.expert_budget, params.expert_rank)
 
-    def make_engine(self, model, params, *, mask_id, pad_id, provisional=False):
-        return SpeculativeEngine(model, draft_length=params.draft_length or params.block_size, mask_id=mask_id,
-                                 pad_id=pad_id, expert_budget=params.expert_budget,
-                                 expert_rank=params.expert_rank)
+    def make_engine(self, model, spec, *, mask_id, pad_id):
+        return SpeculativeEngine(model, draft_length=spec.width, mask_id=mask_id, pad_id=pad_id,
+                                 expert_budget=spec.expert_budget, expert_rank=spec.expert_rank)
 
 
 register(Speculative())

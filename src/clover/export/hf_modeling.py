@@ -300,7 +300,8 @@ class CloverForCausalLM(CloverPreTrainedModel, GenerationMixin):
         stop = [stop_strings] if isinstance(stop_strings, str) else list(stop_strings or [])
         if stop and tokenizer is None:
             raise ValueError("stop_strings: pass tokenizer= to decode the output")
-        params = resolve_params(mode, dict(
+        m = get_mode(mode)
+        params = resolve_params(m, dict(
             max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
             stop=stop, stop_token_ids=list(stop_token_ids or []), block_size=block_size, threshold=threshold,
             **options), c)
@@ -321,7 +322,7 @@ class CloverForCausalLM(CloverPreTrainedModel, GenerationMixin):
             raise ValueError("input_ids: every row needs at least one token")
         decode = tokenizer.decode if tokenizer is not None else None
         rows = [RowState(p, params, eos, decode=decode) for p in prompts]
-        engine = get_mode(mode).make_engine(self.core, params, mask_id=c.mask_token_id, pad_id=pad_token_id)
+        engine = m.spec(params).make_engine(self.core, mask_id=c.mask_token_id, pad_id=pad_token_id)
         for r in rows:
             for _ in engine.add(r):
                 pass

@@ -114,19 +114,18 @@ def forward_logits(gguf: str | os.PathLike, commit: list[int], block: list[int],
     return np.fromfile(out, dtype=np.float32).reshape(info["rows"], info["vocab"])
 
 
-def generate(llm, prompt, mode: str, kwargs: dict, *, gguf: str | os.PathLike | None = None, threads: int = 1) -> dict:
+def generate(llm, prompt, mode, kwargs: dict, *, gguf: str | os.PathLike | None = None, threads: int = 1) -> dict:
     """One prompt through the port with the options of `clover generate` (`kwargs`, the model's
     defaults filled in as `LLM.generate` does). Without `gguf` the model is exported (f32) to a
     temporary file first. Returns {text, token_ids, finish_reason, stats}."""
     import tempfile
 
+    mode = llm.mode(mode)
     params = llm.params(mode, kwargs)
     ids = llm.encode_prompt(prompt)
     llm.check_length(len(ids), params, mode)
-    args = port_args(mode, params)
-    eos = set(llm.config.eos_token_ids)
-    if llm.tokenizer.eos_token_id is not None:
-        eos.add(llm.tokenizer.eos_token_id)
+    args = port_args(mode.name, params)
+    eos = llm.eos_ids()
     with tempfile.TemporaryDirectory() as tmp:
         if gguf is None:
             from ..export.gguf import export_gguf

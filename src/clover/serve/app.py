@@ -22,18 +22,18 @@ import re
 import secrets
 import time
 import uuid
-from typing import AsyncIterator
+from typing import Annotated, AsyncIterator
 
 import torch
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..decoding import get_mode
-from ..decoding.base import RowState
+from ..api import Generation, StreamEvent
+from ..decoding import Mode
 from ..decoding.sampling import LIMITS, SamplingParams
 from . import playground
 from .defaults import HOST, MAX_BATCH, MAX_BODY_BYTES, MAX_QUEUE, PORT
@@ -147,12 +147,7 @@ class Server:
         self.drain_timeout = drain_timeout
         self.metrics = Metrics()
         self.scheduler = Scheduler(llm, max_batch=max_batch, max_queue=max_queue, metrics=self.metrics)
-        self.default_mode = "diffusion" if self.tok.mask_token_id is not None else "ar"
         self.created = int(time.time())
-        eos = set(llm.config.eos_token_ids)
-        if self.tok.eos_token_id is not None:
-            eos.add(self.tok.eos_token_id)
-        self.eos = eos
         im_end = self.tok.hf.convert_tokens_to_ids("<|im_end|>") if hasattr(self.tok, "hf") else None
         self.chat_stop_ids = [im_end] if isinstance(im_end, int) and im_end != self.tok.hf.unk_token_id else []
         if max_body_bytes < 1:
@@ -216,8 +211,8 @@ class Server:
 
     # ------------------------------------------------------------ generation
     def params(self, body, prompts: list[list[int]], *, default_max: int, prompt_param: str,
-               extra_stop_ids: list[int] = ()) -> tuple[str, SamplingParams, tuple]:
-        mode = body.mode or self.default_mode
+               extra_stop_ids: list[int] = ()) -> tuple[Mode, SamplingParams]:
+        """The request's mode (None: the model's default, as everywhere) and its checked options."""
         if body.frequency_penalty:
             raise APIError(400, "frequency_penalty: not supported; use presence_penalty or repetition_penalty",
                            param="frequency_penalty", code="invalid_value")
@@ -229,6 +224,7 @@ class Server:
         kw["stop"] = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
         kw["stop_token_ids"] = list(body.stop_token_ids) + [t for t in extra_stop_ids if t not in body.stop_token_ids]
         try:
+            mode = self.llm.mode(body.mode)
             params = self.llm.params(mode, kw)
             if max_tokens is None:  # the default length, clipped to what the context leaves
                 params.max_new_tokens = min(default_max, self.llm.room(max(len(p) for p in prompts), params, mode))
@@ -238,20 +234,16 @@ class Server:
             raise _value_error(e, prompt_param=prompt_param) from None
         except TypeError as e:
             raise APIError(400, str(e), code="invalid_value") from None
-        bad = [t for t in params.stop_token_ids if not 0 <= t < self.llm.config.vocab_size]
-        if bad:
-            raise APIError(400, f"stop_token_ids: {bad[0]} is outside the vocabulary", param="stop_token_ids",
-                           code="invalid_value")
-        return mode, params, get_mode(mode).group(params)
+        return mode, params
 
-    def submit(self, prompts: list[list[int]], params: SamplingParams, group: tuple, n: int,
+    def submit(self, prompts: list[list[int]], mode: Mode, params: SamplingParams, n: int,
                provisional: bool = False) -> ServeRequest:
         rows = []
         for p in prompts:
             for i in range(n):
                 pi = dataclasses.replace(params, seed=(params.seed + i) % SEED_MOD) if params.seed is not None and i else params
-                rows.append(RowState(list(p), pi, set(self.eos), decode=self.tok.decode))
-        req = ServeRequest(rows, group, asyncio.get_running_loop(), provisional=provisional)
+                rows.append(self.llm.row(p, pi))
+        req = ServeRequest(rows, mode.spec(params, provisional), asyncio.get_running_loop(), provisional=provisional)
         if len(rows) > self.scheduler.capacity():
             raise APIError(400, f"n: {len(rows)} rows exceed what this server holds ({self.scheduler.capacity()})",
                            param="n", code="invalid_value")
@@ -268,9 +260,9 @@ class Server:
         self.metrics.prompt_tokens.inc(sum(len(p) for p in prompts))
         return req
 
-    async def collect(self, request: Request, req: ServeRequest) -> list:
-        """Wait for every row of `req`: [(Generation, stop_token)] in row order. A client that
-        disconnects meanwhile has its rows cancelled."""
+    async def collect(self, request: Request, req: ServeRequest) -> list[Generation]:
+        """Wait for every row of `req`: its Generations in row order. A client that disconnects
+        meanwhile has its rows cancelled."""
         out: list = [None] * len(req.rows)
         left = len(req.rows)
         gone = asyncio.ensure_future(_disconnected(request))
@@ -282,12 +274,12 @@ class Server:
                     get.cancel()
                     self.scheduler.cancel(req)
                     raise APIError(499, "client disconnected", code="cancelled")
-                item = get.result()
-                if item[0] == "finish":
-                    out[item[1]] = (item[2], item[3])
+                ev: StreamEvent = get.result()
+                if ev.kind == "done":
+                    out[ev.index] = ev.generation
                     left -= 1
-                elif item[0] == "error":
-                    raise APIError(500, item[1], type="server_error", code="engine_error")
+                elif ev.kind == "error":
+                    raise APIError(500, ev.text, type="server_error", code="engine_error")
         finally:
             gone.cancel()
             if left:
@@ -409,23 +401,214 @@ async def _disconnected(request: Request) -> None:
             return
 
 
-def _held_back(text: str, stop: list[str]) -> int:
-    """How much of `text` a stream may emit now: not a trailing incomplete UTF-8 sequence, nor a
-    tail that could be the start of a stop string."""
-    n = len(text)
-    while n and text[n - 1] == "\ufffd":
-        n -= 1
-    cut = n
-    for s in stop:
-        for k in range(min(len(s) - 1, n), 0, -1):
-            if text[:n].endswith(s[:k]):
-                cut = min(cut, n - k)
-                break
-    return cut
-
-
 def _sse(obj) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+# ------------------------------------------------------------------------- errors
+async def _api_error(request: Request, exc: APIError):
+    return exc.response()
+
+
+async def _validation(request: Request, exc: RequestValidationError):
+    errs = exc.errors()
+    first = errs[0] if errs else {}
+    if first.get("type") == "json_invalid":
+        ctx = first.get("ctx") or {}
+        where = f" at character {first['loc'][1]}" if len(first.get("loc", ())) > 1 else ""
+        return APIError(400, f"body: invalid JSON{where}: {ctx.get('error', first.get('msg', ''))}",
+                        code="invalid_json").response()
+    loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+    param = loc[0] if loc else None
+    where = ".".join(loc) or "body"
+    why = str(first.get("msg", "invalid request")).removeprefix("Value error, ")
+    msg = why if param and why.startswith(f"{param}: ") else f"{where}: {why}"
+    got = first.get("input")
+    if isinstance(got, (str, int, float, bool)) and "got " not in msg and first.get("type") != "missing":
+        msg += f", got {got!r}"[:200]
+    if len(errs) > 1:
+        msg += f" (and {len(errs) - 1} more)"
+    code = "missing_required_parameter" if first.get("type") == "missing" else "invalid_value"
+    return APIError(400, msg, param=param, code=code).response()
+
+
+async def _http(request: Request, exc: StarletteHTTPException):
+    code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(exc.status_code)
+    return APIError(exc.status_code, str(exc.detail), code=code, headers=dict(exc.headers or {})).response()
+
+
+async def _internal(request: Request, exc: Exception):
+    log.exception("internal error")
+    return APIError(500, f"internal error: {type(exc).__name__}: {exc}", type="server_error",
+                    code="internal_error").response()
+
+
+EXCEPTION_HANDLERS = {APIError: _api_error, RequestValidationError: _validation, StarletteHTTPException: _http,
+                      Exception: _internal}
+
+
+# ------------------------------------------------------------------------- routes
+router = APIRouter()
+
+
+def _server(request: Request) -> Server:
+    return request.app.state.server
+
+
+Srv = Annotated[Server, Depends(_server)]
+
+
+@router.get("/health", responses={503: {"description": "the engine thread has died: restart the server"}})
+async def health(srv: Srv):
+    """`status: "ok"`, or 503 with `status: "unhealthy"` and `error` once the engine has died."""
+    stats = srv.scheduler.stats()
+    if not stats["healthy"]:
+        return JSONResponse({"status": "unhealthy", "error": srv.scheduler.dead or "the engine thread is not running",
+                             "model": srv.model_name, **stats}, status_code=503)
+    return {"status": "ok", "model": srv.model_name, **stats}
+
+
+@router.get("/metrics", response_class=PlainTextResponse,
+            responses={200: {"description": "Prometheus text format", "content": {"text/plain": {"schema": {"type": "string"}}}}})
+async def metrics(srv: Srv):
+    data, ctype = srv.metrics.render()
+    return Response(data, media_type=ctype)
+
+
+@router.get("/v1/models", responses=_errors(401))
+async def models(srv: Srv):
+    return {"object": "list", "data": [{
+        "id": srv.model_name, "object": "model", "created": srv.created, "owned_by": "clover",
+        "max_model_len": srv.llm.context_length,
+    }]}
+
+
+@router.post("/tokenize", responses=_errors(400, 401, 404, 413))
+async def tokenize(body: TokenizeRequest, srv: Srv):
+    srv.check_model(body.model)
+    if body.messages is not None:
+        msgs = srv.chat_messages(body.messages)
+        ids = await srv.off_loop(srv.chat_ids, msgs, body.add_generation_prompt)
+    elif body.prompt is not None:
+        srv.check_prompt_size([body.prompt], "prompt")
+        ids = await srv.off_loop(srv.tok.encode, body.prompt)
+    else:
+        raise APIError(400, "prompt: give `prompt` or `messages`", param="prompt", code="missing_required_parameter")
+    return {"tokens": ids, "count": len(ids), "max_model_len": srv.llm.context_length}
+
+
+@router.post("/detokenize", responses=_errors(400, 401, 404, 413))
+async def detokenize(body: DetokenizeRequest, srv: Srv):
+    srv.check_model(body.model)
+    vocab = srv.llm.config.vocab_size
+    bad = [t for t in body.tokens if not 0 <= t < vocab]
+    if bad:
+        raise APIError(400, f"tokens: {bad[0]} is outside the vocabulary (size {vocab})", param="tokens")
+    return {"prompt": await srv.off_loop(srv.tok.decode, body.tokens)}
+
+
+async def _generate(srv: Server, request: Request, body, prepared: tuple, *, chat: bool):
+    """What both generation endpoints share: submit the rows, then either the SSE stream or
+    the finished rows (a `_Run`)."""
+    prompts, mode, params = prepared
+    req = srv.submit(prompts, mode, params, body.n, provisional=_provisional(body))
+    rid, created = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", int(time.time())
+    if body.stream:
+        return _stream(srv, req, prompts, body, rid, created, chat=chat)
+    return _Run(srv, req, prompts, mode.name, rid, created, await srv.collect(request, req))
+
+
+@router.post("/v1/completions", responses={**_STREAMED, **_errors(400, 401, 404, 413, 429, 500, 503)})
+async def completions(body: CompletionRequest, request: Request, srv: Srv):
+    srv.check_model(body.model)
+    p = body.prompt
+    if isinstance(p, str) or (isinstance(p, list) and p and all(isinstance(t, int) for t in p)):
+        raw = [p]
+    elif isinstance(p, list) and p:
+        raw = list(p)
+    else:
+        raise APIError(400, "prompt: empty; give at least one token", param="prompt")
+    if body.stream and body.logprobs is not None:
+        raise APIError(400, "logprobs: not supported with stream; send a non-streaming request", param="logprobs")
+    srv.check_prompt_size(raw, "prompt")
+
+    def prepare():
+        prompts = [srv.encode(x) for x in raw]
+        return (prompts, *srv.params(body, prompts, default_max=COMPLETION_DEFAULT_MAX_TOKENS, prompt_param="prompt"))
+
+    run = await _generate(srv, request, body, await srv.off_loop(prepare), chat=False)
+    if isinstance(run, StreamingResponse):
+        return run
+    rows, gens = run.req.rows, run.results
+    lps = seqs = None
+    if body.logprobs is not None:
+        seqs = []
+        for r, g in zip(rows, gens):
+            ids = list(r.prompt) + list(g.token_ids)
+            if g.stop_token is not None and len(ids) < srv.llm.context_length:
+                ids.append(g.stop_token)
+            seqs.append(ids)
+        lps = await srv.logprobs(seqs, body.logprobs)
+    choices = []
+    for i, (r, g) in enumerate(zip(rows, gens)):
+        text = (srv.tok.decode(r.prompt) if body.echo else "") + g.text
+        lp = None
+        if lps is not None:
+            start = 0 if body.echo else len(r.prompt)
+            chosen, tops = lps[i][0][start:], lps[i][1][start:]
+            pieces = [srv.piece(t) for t in seqs[i][start:]]
+            offsets, off = [], 0 if body.echo else len(srv.tok.decode(r.prompt))
+            for s in pieces:
+                offsets.append(off)
+                off += len(s)
+            lp = {
+                "tokens": pieces,
+                "token_logprobs": chosen,
+                "top_logprobs": [None if t is None else {srv.piece(a): b for a, b in t} for t in tops],
+                "text_offset": offsets,
+            }
+        choices.append({"index": i, "text": text, "logprobs": lp, "finish_reason": _finish_reason(g.finish_reason)})
+    return run.response("text_completion", choices)
+
+
+@router.post("/v1/chat/completions", responses={**_STREAMED, **_errors(400, 401, 404, 413, 429, 500, 503)})
+async def chat_completions(body: ChatCompletionRequest, request: Request, srv: Srv):
+    srv.check_model(body.model)
+    if body.stream and body.logprobs:
+        raise APIError(400, "logprobs: not supported with stream; send a non-streaming request", param="logprobs")
+    msgs = srv.chat_messages(body.messages)
+
+    def prepare():
+        ids = srv.chat_ids(msgs, body.add_generation_prompt)
+        if not ids:
+            raise APIError(400, "messages: the chat template produced no tokens", param="messages",
+                           code="chat_template_error")
+        return ([ids], *srv.params(body, [ids], default_max=CHAT_DEFAULT_MAX_TOKENS, prompt_param="messages",
+                                   extra_stop_ids=srv.chat_stop_ids))
+
+    run = await _generate(srv, request, body, await srv.off_loop(prepare), chat=True)
+    if isinstance(run, StreamingResponse):
+        return run
+    rows, gens = run.req.rows, run.results
+    lps = None
+    if body.logprobs:
+        lps = await srv.logprobs([list(r.prompt) + list(g.token_ids) for r, g in zip(rows, gens)],
+                                 body.top_logprobs or 0)
+    choices = []
+    for i, (r, g) in enumerate(zip(rows, gens)):
+        lp = None
+        if lps is not None:
+            start = len(r.prompt)
+            content = []
+            for t, c, top in zip(g.token_ids, lps[i][0][start:], lps[i][1][start:]):
+                s = srv.piece(t)
+                content.append({"token": s, "logprob": c, "bytes": list(s.encode()),
+                                "top_logprobs": [{"token": srv.piece(a), "logprob": b, "bytes": list(srv.piece(a).encode())}
+                                                 for a, b in top]})
+            lp = {"content": content}
+        choices.append({"index": i, "message": {"role": "assistant", "content": g.text}, "logprobs": lp,
+                        "finish_reason": _finish_reason(g.finish_reason)})
+    return run.response("chat.completion", choices)
 
 
 def create_app(llm, *, model_name: str = "clover", max_batch: int = MAX_BATCH, max_queue: int = MAX_QUEUE,
@@ -444,7 +627,7 @@ def create_app(llm, *, model_name: str = "clover", max_batch: int = MAX_BATCH, m
         await asyncio.to_thread(srv.scheduler.stop, srv.drain_timeout)
         srv.pool.shutdown(wait=False, cancel_futures=True)
 
-    app = FastAPI(title="clover", lifespan=lifespan)
+    app = FastAPI(title="clover", lifespan=lifespan, exception_handlers=EXCEPTION_HANDLERS)
 
     def openapi() -> dict:
         """FastAPI's schema, less the 422 it declares for validation errors: this server answers
@@ -463,205 +646,16 @@ def create_app(llm, *, model_name: str = "clover", max_batch: int = MAX_BATCH, m
     app.openapi = openapi
     app.state.server = srv
     app.state.scheduler = srv.scheduler
-
-    # ----------------------------------------------------------------- errors
-    @app.exception_handler(APIError)
-    async def _api_error(request: Request, exc: APIError):
-        return exc.response()
-
-    @app.exception_handler(RequestValidationError)
-    async def _validation(request: Request, exc: RequestValidationError):
-        errs = exc.errors()
-        first = errs[0] if errs else {}
-        if first.get("type") == "json_invalid":
-            ctx = first.get("ctx") or {}
-            where = f" at character {first['loc'][1]}" if len(first.get("loc", ())) > 1 else ""
-            return APIError(400, f"body: invalid JSON{where}: {ctx.get('error', first.get('msg', ''))}",
-                            code="invalid_json").response()
-        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
-        param = loc[0] if loc else None
-        where = ".".join(loc) or "body"
-        why = str(first.get("msg", "invalid request")).removeprefix("Value error, ")
-        msg = why if param and why.startswith(f"{param}: ") else f"{where}: {why}"
-        got = first.get("input")
-        if isinstance(got, (str, int, float, bool)) and "got " not in msg and first.get("type") != "missing":
-            msg += f", got {got!r}"[:200]
-        if len(errs) > 1:
-            msg += f" (and {len(errs) - 1} more)"
-        code = "missing_required_parameter" if first.get("type") == "missing" else "invalid_value"
-        return APIError(400, msg, param=param, code=code).response()
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http(request: Request, exc: StarletteHTTPException):
-        code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(exc.status_code)
-        return APIError(exc.status_code, str(exc.detail), code=code, headers=dict(exc.headers or {})).response()
-
-    @app.exception_handler(Exception)
-    async def _internal(request: Request, exc: Exception):
-        log.exception("internal error")
-        return APIError(500, f"internal error: {type(exc).__name__}: {exc}", type="server_error",
-                        code="internal_error").response()
-
     app.add_middleware(_Guard, srv=srv)
     app.add_middleware(_CountRequests, metrics=srv.metrics)  # outermost: counts the guard's answers too
-
-    playground.add_routes(app, srv)  # the page at / and /playground, GET /v1/clover/modes
-
-    # -------------------------------------------------------------- simple routes
-    @app.get("/health", responses={503: {"description": "the engine thread has died: restart the server"}})
-    async def health():
-        """`status: "ok"`, or 503 with `status: "unhealthy"` and `error` once the engine has died."""
-        stats = srv.scheduler.stats()
-        if not stats["healthy"]:
-            return JSONResponse({"status": "unhealthy", "error": srv.scheduler.dead or "the engine thread is not running",
-                                 "model": srv.model_name, **stats}, status_code=503)
-        return {"status": "ok", "model": srv.model_name, **stats}
-
-    @app.get("/metrics", response_class=PlainTextResponse,
-             responses={200: {"description": "Prometheus text format", "content": {"text/plain": {"schema": {"type": "string"}}}}})
-    async def metrics():
-        data, ctype = srv.metrics.render()
-        return Response(data, media_type=ctype)
-
-    @app.get("/v1/models", responses=_errors(401))
-    async def models(request: Request):
-        return {"object": "list", "data": [{
-            "id": srv.model_name, "object": "model", "created": srv.created, "owned_by": "clover",
-            "max_model_len": llm.context_length,
-        }]}
-
-    @app.post("/tokenize", responses=_errors(400, 401, 404, 413))
-    async def tokenize(body: TokenizeRequest, request: Request):
-        srv.check_model(body.model)
-        if body.messages is not None:
-            msgs = srv.chat_messages(body.messages)
-            ids = await srv.off_loop(srv.chat_ids, msgs, body.add_generation_prompt)
-        elif body.prompt is not None:
-            srv.check_prompt_size([body.prompt], "prompt")
-            ids = await srv.off_loop(srv.tok.encode, body.prompt)
-        else:
-            raise APIError(400, "prompt: give `prompt` or `messages`", param="prompt", code="missing_required_parameter")
-        return {"tokens": ids, "count": len(ids), "max_model_len": llm.context_length}
-
-    @app.post("/detokenize", responses=_errors(400, 401, 404, 413))
-    async def detokenize(body: DetokenizeRequest, request: Request):
-        srv.check_model(body.model)
-        bad = [t for t in body.tokens if not 0 <= t < llm.config.vocab_size]
-        if bad:
-            raise APIError(400, f"tokens: {bad[0]} is outside the vocabulary (size {llm.config.vocab_size})", param="tokens")
-        return {"prompt": await srv.off_loop(srv.tok.decode, body.tokens)}
-
-    # ---------------------------------------------------------------- completions
-    async def generate(request: Request, body, prepared: tuple, *, chat: bool):
-        """What both generation endpoints share: submit the rows, then either the SSE stream or
-        the finished rows (a `_Run`)."""
-        prompts, mode, params, group = prepared
-        req = srv.submit(prompts, params, group, body.n, provisional=_provisional(body))
-        rid, created = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", int(time.time())
-        if body.stream:
-            return _stream(srv, request, req, prompts, params, body, rid, created, chat=chat)
-        return _Run(srv, req, prompts, mode, rid, created, await srv.collect(request, req))
-
-    @app.post("/v1/completions", responses={**_STREAMED, **_errors(400, 401, 404, 413, 429, 500, 503)})
-    async def completions(body: CompletionRequest, request: Request):
-        srv.check_model(body.model)
-        p = body.prompt
-        if isinstance(p, str) or (isinstance(p, list) and p and all(isinstance(t, int) for t in p)):
-            raw = [p]
-        elif isinstance(p, list) and p:
-            raw = list(p)
-        else:
-            raise APIError(400, "prompt: empty; give at least one token", param="prompt")
-        if body.stream and body.logprobs is not None:
-            raise APIError(400, "logprobs: not supported with stream; send a non-streaming request", param="logprobs")
-        srv.check_prompt_size(raw, "prompt")
-
-        def prepare():
-            prompts = [srv.encode(x) for x in raw]
-            return (prompts, *srv.params(body, prompts, default_max=COMPLETION_DEFAULT_MAX_TOKENS, prompt_param="prompt"))
-
-        run = await generate(request, body, await srv.off_loop(prepare), chat=False)
-        if isinstance(run, StreamingResponse):
-            return run
-        req, results = run.req, run.results
-        gens = [g for g, _ in results]
-        lps = None
-        if body.logprobs is not None:
-            seqs = []
-            for r, (g, stop_tok) in zip(req.rows, results):
-                ids = list(r.prompt) + list(g.token_ids)
-                if stop_tok is not None and len(ids) < llm.context_length:
-                    ids.append(stop_tok)
-                seqs.append(ids)
-            lps = await srv.logprobs(seqs, body.logprobs)
-        choices = []
-        for i, (r, g) in enumerate(zip(req.rows, gens)):
-            text = (srv.tok.decode(r.prompt) if body.echo else "") + g.text
-            lp = None
-            if lps is not None:
-                start = 0 if body.echo else len(r.prompt)
-                ids = seqs[i][start:]
-                chosen, tops = lps[i][0][start:], lps[i][1][start:]
-                pieces = [srv.piece(t) for t in ids]
-                offsets, off = [], 0 if body.echo else len(srv.tok.decode(r.prompt))
-                for s in pieces:
-                    offsets.append(off)
-                    off += len(s)
-                lp = {
-                    "tokens": pieces,
-                    "token_logprobs": chosen,
-                    "top_logprobs": [None if t is None else {srv.piece(a): b for a, b in t} for t in tops],
-                    "text_offset": offsets,
-                }
-            choices.append({"index": i, "text": text, "logprobs": lp, "finish_reason": _finish_reason(g.finish_reason)})
-        return run.response("text_completion", choices)
-
-    @app.post("/v1/chat/completions", responses={**_STREAMED, **_errors(400, 401, 404, 413, 429, 500, 503)})
-    async def chat_completions(body: ChatCompletionRequest, request: Request):
-        srv.check_model(body.model)
-        if body.stream and body.logprobs:
-            raise APIError(400, "logprobs: not supported with stream; send a non-streaming request", param="logprobs")
-        msgs = srv.chat_messages(body.messages)
-
-        def prepare():
-            ids = srv.chat_ids(msgs, body.add_generation_prompt)
-            if not ids:
-                raise APIError(400, "messages: the chat template produced no tokens", param="messages",
-                               code="chat_template_error")
-            return ([ids], *srv.params(body, [ids], default_max=CHAT_DEFAULT_MAX_TOKENS, prompt_param="messages",
-                                       extra_stop_ids=srv.chat_stop_ids))
-
-        run = await generate(request, body, await srv.off_loop(prepare), chat=True)
-        if isinstance(run, StreamingResponse):
-            return run
-        req, results = run.req, run.results
-        gens = [g for g, _ in results]
-        lps = None
-        if body.logprobs:
-            lps = await srv.logprobs([list(r.prompt) + list(g.token_ids) for r, g in zip(req.rows, gens)],
-                                     body.top_logprobs or 0)
-        choices = []
-        for i, (r, g) in enumerate(zip(req.rows, gens)):
-            lp = None
-            if lps is not None:
-                start = len(r.prompt)
-                content = []
-                for t, c, top in zip(g.token_ids, lps[i][0][start:], lps[i][1][start:]):
-                    s = srv.piece(t)
-                    content.append({"token": s, "logprob": c, "bytes": list(s.encode()),
-                                    "top_logprobs": [{"token": srv.piece(a), "logprob": b, "bytes": list(srv.piece(a).encode())}
-                                                     for a, b in top]})
-                lp = {"content": content}
-            choices.append({"index": i, "message": {"role": "assistant", "content": g.text}, "logprobs": lp,
-                            "finish_reason": _finish_reason(g.finish_reason)})
-        return run.response("chat.completion", choices)
-
+    app.include_router(playground.router)  # the page at / and /playground, GET /v1/clover/modes
+    app.include_router(router)
     return app
 
 
 @dataclasses.dataclass
 class _Run:
-    """A finished non-streamed generation request: its rows and their (Generation, stop token)."""
+    """A finished non-streamed generation request: its rows and their Generations."""
 
     srv: Server
     req: ServeRequest
@@ -669,14 +663,13 @@ class _Run:
     mode: str
     rid: str
     created: int
-    results: list
+    results: list[Generation]
 
     def response(self, obj: str, choices: list) -> dict:
-        gens = [g for g, _ in self.results]
         return {
             "id": self.rid, "object": obj, "created": self.created, "model": self.srv.model_name,
-            "choices": choices, "usage": self.srv.usage(self.prompts, gens),
-            "clover": {"mode": self.mode, "stats": [g.stats.as_dict() for g in gens]},
+            "choices": choices, "usage": self.srv.usage(self.prompts, self.results),
+            "clover": {"mode": self.mode, "stats": [g.stats.as_dict() for g in self.results]},
         }
 
 
@@ -685,11 +678,9 @@ def _provisional(body) -> bool:
     return bool(body.stream and body.stream_options and body.stream_options.provisional)
 
 
-def _stream(srv: Server, request: Request, req: ServeRequest, prompts, params: SamplingParams, body, rid: str,
-            created: int, *, chat: bool) -> StreamingResponse:
+def _stream(srv: Server, req: ServeRequest, prompts, body, rid: str, created: int, *, chat: bool) -> StreamingResponse:
     obj = "chat.completion.chunk" if chat else "text_completion"
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
-    stop = list(params.stop)
     pieces: dict[int, str] = {}  # token id -> its text, for the provisional events
 
     def piece(t: int | None) -> str | None:
@@ -721,7 +712,6 @@ def _stream(srv: Server, request: Request, req: ServeRequest, prompts, params: S
         return _sse(out)
 
     async def events() -> AsyncIterator[str]:
-        emitted = [0] * len(req.rows)
         gens: list = [None] * len(req.rows)
         left = len(req.rows)
         try:
@@ -731,37 +721,29 @@ def _stream(srv: Server, request: Request, req: ServeRequest, prompts, params: S
                 elif getattr(body, "echo", False):
                     yield chunk(i, srv.tok.decode(r.prompt))
             while left:
-                item = await req.queue.get()
-                if item[0] == "commit":
-                    _, i, text, finished = item
-                    if finished:
-                        continue  # the finish item carries the final text
-                    end = _held_back(text, stop)
-                    if end > emitted[i]:
-                        yield chunk(i, text[emitted[i]:end])
-                        emitted[i] = end
-                elif item[0] == "provisional":  # only for requests that asked (stream_options.provisional)
-                    _, i, block, step, ids, steps = item
-                    yield extension(i, "provisional", block=block, step=step, token_ids=ids,
-                                    pieces=[piece(t) for t in ids], steps=steps)
-                elif item[0] == "tokens":
-                    _, i, ids, steps, forced = item
-                    yield extension(i, "commit", token_ids=ids, pieces=[piece(t) for t in ids], steps=steps,
-                                    forced=forced)
-                elif item[0] == "finish":
-                    _, i, gen, _stop_tok = item
-                    gens[i] = gen
+                ev: StreamEvent = await req.queue.get()
+                i = ev.index
+                if ev.kind == "block":
+                    if req.provisional:  # the clover extension (stream_options.provisional)
+                        yield extension(i, "commit", token_ids=ev.token_ids, pieces=[piece(t) for t in ev.token_ids],
+                                        steps=ev.steps, forced=ev.forced)
+                    if ev.text:
+                        yield chunk(i, ev.text)
+                elif ev.kind == "provisional":  # only for requests that asked
+                    yield extension(i, "provisional", block=ev.block, step=ev.step, token_ids=ev.token_ids,
+                                    pieces=[piece(t) for t in ev.token_ids], steps=ev.steps)
+                elif ev.kind == "done":
+                    gen = gens[i] = ev.generation
                     left -= 1
-                    rest = gen.text[emitted[i]:] if len(gen.text) > emitted[i] else ""
-                    if rest:
-                        yield chunk(i, rest)
+                    if ev.text:
+                        yield chunk(i, ev.text)
                     if req.provisional:
                         yield extension(i, "done", finish_reason=_finish_reason(gen.finish_reason),
                                         stats=gen.stats.as_dict(), forced_tokens=gen.forced_tokens)
                     yield chunk(i, None if chat else "", finish=_finish_reason(gen.finish_reason))
-                else:  # engine error
+                else:  # "error": the request is over
                     left = 0
-                    yield _sse({"error": {"message": item[1], "type": "server_error", "param": None, "code": "engine_error"}})
+                    yield _sse({"error": {"message": ev.text, "type": "server_error", "param": None, "code": "engine_error"}})
                     return
             if include_usage:
                 yield _sse({"id": rid, "object": obj, "created": created, "model": srv.model_name, "choices": [],

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 from importlib import resources
 
-from fastapi import FastAPI
+from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -63,23 +63,26 @@ def modes_info(llm, model_name: str, default_mode: str) -> dict:
             "data": data, "options": options}
 
 
-def add_routes(app: FastAPI, srv) -> None:
-    """The page, its two assets and the modes endpoint (under /v1, so behind `--api-key`)."""
+router = APIRouter()  # the page, its two assets and the modes endpoint (under /v1, so behind `--api-key`)
 
-    @app.get("/", include_in_schema=False)
-    @app.get("/playground", include_in_schema=False)
-    async def playground_page():
-        return _static(PAGE, "text/html; charset=utf-8")
 
-    @app.get("/playground/{name}", include_in_schema=False)
-    async def playground_asset(name: str):
-        if name not in ASSETS:  # only the shipped files, never a path
-            raise StarletteHTTPException(404, f"no playground file {name!r}")
-        return _static(name, ASSETS[name])
+@router.get("/", include_in_schema=False)
+@router.get("/playground", include_in_schema=False)
+async def playground_page():
+    return _static(PAGE, "text/html; charset=utf-8")
 
-    @app.get("/v1/clover/modes", responses={401: {"description": "missing or wrong `Authorization: Bearer` key"}})
-    async def clover_modes():
-        """The decoding modes this server offers (the registry, `clover.decoding.mode_names()`),
-        which the model can run, the default, and the playground's options with their defaults
-        and limits."""
-        return modes_info(srv.llm, srv.model_name, srv.default_mode)
+
+@router.get("/playground/{name}", include_in_schema=False)
+async def playground_asset(name: str):
+    if name not in ASSETS:  # only the shipped files, never a path
+        raise StarletteHTTPException(404, f"no playground file {name!r}")
+    return _static(name, ASSETS[name])
+
+
+@router.get("/v1/clover/modes", responses={401: {"description": "missing or wrong `Authorization: Bearer` key"}})
+async def clover_modes(request: Request):
+    """The decoding modes this server offers (the registry, `clover.decoding.mode_names()`),
+    which the model can run, the default, and the playground's options with their defaults
+    and limits."""
+    srv = request.app.state.server
+    return modes_info(srv.llm, srv.model_name, srv.llm.default_mode)

@@ -2,22 +2,16 @@
 
 Requests arrive from the asyncio side as `ServeRequest`s (one or more rows). Rows wait in a FIFO
 queue; before each forward the loop admits waiting rows (up to `max_batch` rows in flight across all
-engines) into the engine of their group — rows can only share a forward when they decode the same
-way (mode, block size, threshold, expert budget). Engines with rows take turns, one `step()` (one
-forward) each, so different groups alternate fairly. Events are routed back to each request's
-asyncio queue with `loop.call_soon_threadsafe`.
+engines) into the engine of their request's `EngineSpec` — rows can only share a forward when
+they decode the same way (mode, width, expert budget and rank; `Mode.spec`). Engines with rows take
+turns, one `step()` (one forward) each, so different specs alternate fairly. Events are routed back
+to each request's asyncio queue with `loop.call_soon_threadsafe`.
 
-Items put on a request's queue:
-  ("commit", index, text_so_far, finished)   after a row committed tokens
-  ("tokens", index, ids, steps, forced)       before that "commit", for a provisional request: the
-                                              tokens committed, the step of each, whether a forced
-                                              step committed it
-  ("provisional", index, block, step, ids, steps)
-                                              a provisional request's current block after a denoise
-                                              step (ids[i] None while masked; steps[i] 0 until decoded)
-  ("finish", index, Generation, stop_token)   the row is done (stop_token: the EOS / stop id that ended it)
-  ("error", message)                          the row could not be admitted or its forward failed, or
-                                              the engine thread died; the request is over
+What a request's queue receives are `clover.api.StreamEvent`s (one `RowStream` per row, the rule
+`LLM.stream` uses too), `index` naming the row: "block" after a row committed tokens, "provisional"
+after a denoise step (only from an engine built for provisional rows), "done" when the row is over,
+"error" when it could not be admitted, its forward failed or the engine thread died (the request is
+over).
 
 Failures stay as small as they can: a row whose admission raises (e.g. building its sampler) fails
 its own request; a forward that raises fails the requests with rows in that engine; the other rows
@@ -45,7 +39,9 @@ from typing import Callable
 
 from .defaults import MAX_BATCH, MAX_QUEUE
 
+from ..api import RowStream, StreamEvent
 from ..decoding.base import DecodeEvent, RowState
+from ..decoding.modes import EngineSpec
 
 log = logging.getLogger("clover.serve")
 
@@ -63,20 +59,21 @@ class EngineDead(Exception):
 
 
 RESERVE_S = 3.0  # how long a refused request's room is held for its retry (Retry-After + slack)
-# The last item of the group of a request that streams provisional states: its rows get an engine of
-# their own that reports every denoise step (the others' engines skip that work).
-PROVISIONAL = "provisional"
 
 
 class ServeRequest:
     _ids = itertools.count()
 
-    def __init__(self, rows: list[RowState], group: tuple, loop: asyncio.AbstractEventLoop,
+    def __init__(self, rows: list[RowState], spec: EngineSpec, loop: asyncio.AbstractEventLoop,
                  provisional: bool = False) -> None:
+        """`spec`: the engine the rows need (`Mode.spec`; a provisional request's spec asks for an
+        engine of its own that reports every denoise step, the others' engines skip that work);
+        `provisional`: the request streams the clover extension's events."""
         self.id = next(self._ids)
         self.rows = rows
         self.provisional = provisional
-        self.group = (*group, PROVISIONAL) if provisional else group
+        self.spec = spec
+        self.streams: list[RowStream] = []  # set by `Scheduler.submit`
         self.loop = loop
         self.queue: asyncio.Queue = asyncio.Queue()
         self.cancelled = False
@@ -87,7 +84,7 @@ class ServeRequest:
         for i, r in enumerate(rows):
             r.request_id = (self, i)
 
-    def put(self, item) -> None:
+    def put(self, item: StreamEvent) -> None:
         try:
             self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
         except RuntimeError:  # the event loop is gone
@@ -150,6 +147,7 @@ class Scheduler:
                 raise QueueFull(f"the server is at capacity ({self.running} rows running, {len(self.waiting)} waiting)")
             if self.reserve is not None and n >= self.reserve[0]:
                 self.reserve = None  # (perhaps) the refused request, back: its room is its own
+            req.streams = [RowStream(self.llm, r, i) for i, r in enumerate(req.rows)]
             self.waiting.extend(req.rows)
             self._gauges()
             self.cv.notify()
@@ -182,7 +180,7 @@ class Scheduler:
                 "max_queue": self.max_queue,
                 "forwards": self.forwards,
                 "max_batch_seen": self.max_batch_seen,
-                "engines": [list(map(str, k)) for k in self.engines],
+                "engines": [str(k) for k in self.engines],
             }
 
     def stop(self, drain_timeout: float = 10.0) -> None:
@@ -210,10 +208,9 @@ class Scheduler:
             self.metrics.queue_depth.set(len(self.waiting))
             self.metrics.running.set(self.running)
 
-    def _make_engine(self, group: tuple, params):
-        """The engine for a group (its mode's batching key, the mode's name first), built from the
-        options of the row that opens it (rows of one group share what the engine is built from)."""
-        return self.llm.engine(params, group[0], provisional=group[-1] == PROVISIONAL)
+    def _make_engine(self, spec: EngineSpec):
+        """The engine for rows of `spec`."""
+        return self.llm.engine(spec)
 
     def _loop(self) -> None:
         try:
@@ -275,10 +272,10 @@ class Scheduler:
                 self.running += 1
                 self._gauges()
             req = row.request_id[0]
-            eng = self.engines.get(req.group)
+            eng = self.engines.get(req.spec)
             if eng is None:
                 try:
-                    eng = self.engines[req.group] = self._make_engine(req.group, row.params)
+                    eng = self.engines[req.spec] = self._make_engine(req.spec)
                 except Exception as e:  # noqa: BLE001
                     log.exception("cannot build a decoding engine")
                     self._rows_left(1)
@@ -336,19 +333,14 @@ class Scheduler:
             if ev.kind == "finish":
                 self._finished(req, idx, row)
                 continue
+            if req.cancelled:
+                continue
             try:
-                if ev.kind == "provisional" and req.provisional and not req.cancelled:
-                    req.put(("provisional", idx, ev.block, ev.step, ev.token_ids, ev.steps))
-                elif ev.kind == "commit" and not req.cancelled:
-                    if req.provisional:
-                        start, forced = len(row.tokens) - len(ev.token_ids), set(row.forced)
-                        req.put(("tokens", idx, list(ev.token_ids), list(ev.steps),
-                                 [start + j in forced for j in range(len(ev.token_ids))]))
-                    if req.first_token is None:
-                        req.first_token = time.perf_counter()
-                        if self.metrics is not None:
-                            self.metrics.ttft.observe(req.first_token - req.arrival)
-                    req.put(("commit", idx, row.text(), row.finished))
+                if ev.kind == "commit" and req.first_token is None:
+                    req.first_token = time.perf_counter()
+                    if self.metrics is not None:
+                        self.metrics.ttft.observe(req.first_token - req.arrival)
+                req.put(req.streams[idx].event(ev))
             except Exception as e:  # noqa: BLE001 - e.g. decoding the text: this request fails
                 log.exception("cannot report a commit")
                 self._fail(req, f"cannot report the row: {type(e).__name__}: {e}")
@@ -361,7 +353,7 @@ class Scheduler:
         if req.failed:
             return
         try:
-            gen = self.llm.result(row)
+            done = req.streams[idx].done()
         except Exception as e:  # noqa: BLE001
             log.exception("cannot build a row's result")
             self._fail(req, f"cannot report the row: {type(e).__name__}: {e}")
@@ -376,7 +368,7 @@ class Scheduler:
                     self.metrics.block_width.labels(str(w)).inc()
             if req.open_rows == 0:
                 self.metrics.latency.observe(time.perf_counter() - req.arrival)
-        req.put(("finish", idx, gen, row.stop_token))
+        req.put(done)
 
     def _fail(self, req: ServeRequest, message: str) -> None:
         """`req` is over with an error; its other rows leave the queue / their engines before the
@@ -384,7 +376,7 @@ class Scheduler:
         if req.failed:
             return
         req.failed = req.cancelled = True
-        req.put(("error", message))
+        req.put(StreamEvent("error", text=message))
 
     def _fail_all(self, message: str) -> None:
         """The thread is dying: every open request gets an error (nothing here may raise)."""
@@ -421,7 +413,7 @@ class Scheduler:
             if req.failed:
                 continue
             try:
-                req.put(("finish", idx, self.llm.result(row), None))
+                req.put(req.streams[idx].done())
             except Exception as e:  # noqa: BLE001
                 self._fail(req, f"cannot report the row: {type(e).__name__}: {e}")
         with self.cv:

@@ -4,21 +4,19 @@ sampling extras and Clover's decoding options ride along as extra top-level fiel
 from __future__ import annotations
 
 import dataclasses
-from typing import Annotated, Literal, Union
+from typing import Annotated, Literal, Optional, Union
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, create_model
 
 from ..decoding import get_mode, mode_names
-from ..decoding.acceptance import FALLBACKS, POLICIES
-from ..decoding.sampling import CONFIDENCE_KINDS, EXPERT_RANKS, LIMITS, MAX_N, SamplingParams
+from ..decoding.sampling import LIMITS, MAX_N, Limit, SamplingParams
 
 
-_DEFAULTS = {f.name: f.default for f in dataclasses.fields(SamplingParams)}  # Clover's own options keep the API's defaults
-
-
-def _f(name: str, default=None, **extra):
-    """A pydantic Field stating the limits `LIMITS[name]` states (one description of each option)."""
-    return Field(default=default, **LIMITS[name].field(), **extra)
+_DEFAULTS = {f.name: f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+             for f in dataclasses.fields(SamplingParams)}  # Clover's own options keep the API's defaults
+# the request's names and defaults where they differ from `SamplingParams`' (OpenAI's)
+REQUEST_NAMES = {"max_new_tokens": "max_tokens"}
+REQUEST_DEFAULTS = {"max_new_tokens": None, "temperature": 1.0, "stop": None}
 
 
 def _registered_mode(name: str) -> str:
@@ -30,7 +28,41 @@ def _mode_enum(schema: dict) -> None:
     schema["enum"] = list(mode_names())  # the registry at the time the schema is built
 
 
-_Stop = Annotated[str, Field(max_length=LIMITS["stop"].max_chars)]
+def _bounds(lim: Limit) -> dict:
+    return {k: getattr(lim, k) for k in ("ge", "gt", "le") if getattr(lim, k) is not None}
+
+
+def _annotation(lim: Limit):
+    """The request type stating what `lim` accepts (a list of strings also takes one string, as
+    OpenAI's `stop`)."""
+    if lim.choices:
+        t = Literal[lim.choices]
+    elif lim.kind is list:
+        item = Annotated[lim.item, Field(**_bounds(lim), **({"max_length": lim.max_chars} if lim.max_chars else {}))]
+        t = Annotated[list[item], Field(max_length=lim.max_items)]
+        if lim.item is str:
+            return Union[item, t, None]
+    elif lim.kind in (int, float):
+        t = Annotated[lim.kind, Field(**_bounds(lim))]
+    elif lim.kind is str:
+        t = Annotated[str, Field(max_length=lim.max_chars)]
+    else:
+        t = lim.kind
+    if lim.words:
+        t = Union[t, Literal[lim.words]]
+    return Optional[t] if lim.nullable else t
+
+
+def _field(name: str, lim: Limit):
+    default = REQUEST_DEFAULTS.get(name, _DEFAULTS[name])
+    t = _annotation(lim)
+    if default is None:
+        t = Optional[t]
+    if isinstance(default, list):
+        return t, Field(default_factory=list, description=lim.doc)
+    return t, Field(default=default, description=lim.doc)
+
+
 _TokenId = Annotated[int, Field(ge=0)]
 
 
@@ -41,45 +73,27 @@ class StreamOptions(BaseModel):
         "tokens each commit adds, as chunks with `choices: []` and a `clover` object (docs/serving.md)"))
 
 
-class _Sampling(BaseModel):
-    """Fields shared by /v1/completions and /v1/chat/completions. The sampling and decoding fields'
-    bounds come from `clover.decoding.sampling.LIMITS`, which `SamplingParams` checks too."""
+class _Request(BaseModel):
+    """What /v1/completions and /v1/chat/completions share beside the generation options."""
 
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
     model: str | None = Field(default=None, max_length=256)
-    max_tokens: int | None = _f("max_new_tokens")
-    temperature: float = _f("temperature", 1.0)
-    top_p: float = _f("top_p", 1.0)
-    seed: int | None = _f("seed")
-    stop: Union[_Stop, Annotated[list[_Stop], Field(max_length=LIMITS["stop"].max_items)], None] = None
     n: int = Field(default=1, ge=1, le=MAX_N)
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = Field(default=None, max_length=256)
     frequency_penalty: float = Field(default=0.0, ge=0, le=0, description="not supported: only 0 is accepted")
-    # vLLM-style extras
-    top_k: int = _f("top_k", 0)
-    repetition_penalty: float = _f("repetition_penalty", 1.0)
-    presence_penalty: float = _f("presence_penalty", 0.0)
-    stop_token_ids: list[_TokenId] = Field(default_factory=list, max_length=LIMITS["stop_token_ids"].max_items)
-    ignore_eos: bool = False
-    # Clover's decoding options
-    mode: Annotated[str, AfterValidator(_registered_mode), Field(json_schema_extra=_mode_enum)] | None = None
-    block_size: Annotated[int, Field(**LIMITS["block_size"].field())] | Literal["auto"] | None = None
-    threshold: float | None = _f("threshold")
-    confidence: Literal[CONFIDENCE_KINDS] = "prob"  # type: ignore[valid-type]
-    policy: Literal[tuple(POLICIES)] | None = None  # type: ignore[valid-type]  # None: the model's
-    fallback: Literal[FALLBACKS] = _DEFAULTS["fallback"]  # type: ignore[valid-type]
-    factor: float = _f("factor", _DEFAULTS["factor"])
-    low_threshold: float = _f("low_threshold", _DEFAULTS["low_threshold"])
-    entropy_budget: float = _f("entropy_budget", _DEFAULTS["entropy_budget"])
-    sub_block: int | None = _f("sub_block")
-    eos_penalty: float = _f("eos_penalty", 0.0)
-    no_repeat_ngram_size: int = _f("no_repeat_ngram_size", 0)
-    expert_budget: int | None = _f("expert_budget")
-    expert_rank: Literal[EXPERT_RANKS] = _DEFAULTS["expert_rank"]  # type: ignore[valid-type]
-    draft_length: int | None = _f("draft_length")
+    mode: Annotated[str, AfterValidator(_registered_mode), Field(json_schema_extra=_mode_enum)] | None = Field(
+        default=None, description="the decoding mode (null = the model's default: diffusion for a Clover checkpoint)")
+
+
+# Every generation option of `clover.decoding.sampling.LIMITS`, under its request name, with the
+# bounds and meaning stated there (the table `SamplingParams` checks too): a new option is one row
+# of that table.
+_Sampling = create_model("_Sampling", __base__=_Request, __doc__=_Request.__doc__ + " The generation options "
+                         "come from `clover.decoding.sampling.LIMITS`.",
+                         **{REQUEST_NAMES.get(n, n): _field(n, lim) for n, lim in LIMITS.items()})
 
 
 MAX_PROMPTS = 64  # prompts in one completions request
