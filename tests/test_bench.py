@@ -4,6 +4,7 @@ quick kernels / roofline runs. Everything here is sized to finish in well under 
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 
@@ -207,3 +208,22 @@ def test_sweep_policy_specs():
     pol = [c for c in cfg if c["sweep"] == "policy"]
     assert [c["options"] for c in pol] == [{"policy": "factor", "factor": 1.0}, {"policy": "threshold", "sub_block": 8}]
     assert pol[1]["threshold"] == 0.7
+
+
+def _hide_matplotlib(monkeypatch):
+    for name in [m for m in sys.modules if m == "matplotlib" or m.startswith("matplotlib.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` raises ModuleNotFoundError
+
+
+def test_sweep_without_matplotlib_keeps_the_results(tiny_dir, tmp_path, capsys, monkeypatch):
+    """The table and the JSON come out before the plot; without the plot extra, one line names it."""
+    _hide_matplotlib(monkeypatch)
+    png, js = tmp_path / "sweep.png", tmp_path / "sweep.json"
+    rc, out, err = bench(capsys, "sweep", "--model", tiny_dir, "--prompts", "1", "-n", "4", "--thresholds", "0.9",
+                         "--block-sizes", "8", "--block-size", "8", "--plot", png, "--json", js, "--threads", "1")
+    assert rc == 0, err
+    assert json.loads(js.read_text())["points"] and "B8/t0.9" in out
+    assert not png.exists() and "plot written" not in out
+    line = [x for x in err.splitlines() if "plot skipped" in x]
+    assert len(line) == 1 and "pip install 'clover-dlm[plot]'" in line[0] and "Traceback" not in err

@@ -205,6 +205,15 @@ def test_timeline_png(capsys, model, tmp_path):
     assert img.ndim == 3 and img.shape[0] > 0 and img.shape[1] > 0
 
 
+def test_timeline_png_without_matplotlib_is_one_line_before_generating(capsys, model, tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    path = tmp_path / "t.png"
+    rc, out, err = run(capsys, "generate", "hello", "--model", model, *FAST, "--timeline", path)
+    assert rc == 2 and out == "" and not path.exists()
+    assert "pip install 'clover-dlm[plot]'" in err and ".html" in err
+    assert "Traceback" not in err and err.count("\n") == 1
+
+
 def test_timeline_html_holds_the_tokens(capsys, model, tmp_path):
     path = tmp_path / "t.html"
     rc, _, err = run(capsys, "generate", "hello", "--model", model, *FAST, "--timeline", path)
@@ -373,7 +382,7 @@ def test_serve_without_the_extra_says_what_to_install(capsys, model, monkeypatch
         monkeypatch.delitem(sys.modules, name, raising=False)
     rc, out, err = run(capsys, "serve", "--model", model)
     assert rc == 2 and out == ""
-    assert "pip install 'clover[serve]'" in err and "fastapi" in err
+    assert "pip install 'clover-dlm[serve]'" in err and "fastapi" in err
     assert "Traceback" not in err and err.count("\n") == 1
 
 

@@ -8,7 +8,7 @@ import json
 import sys
 from pathlib import Path
 
-from .common import add_model_arguments, check_device, load_llm, model_dir_or_tiny, parse_list, parse_modes, positive
+from .common import add_model_arguments, check_device, draw_plot, load_llm, model_dir_or_tiny, parse_list, parse_modes, positive
 
 
 def _model_arguments(p: argparse.ArgumentParser) -> None:
@@ -295,8 +295,8 @@ def run_decode(args) -> int:
         print(f"skipped (no mask token in this checkpoint): {', '.join(result['settings']['skipped_modes'])}", file=sys.stderr)
     _emit(result, decode_table(result), args.json)
     if args.plot:
-        path = plot_decode(result, args.plot)
-        if args.json != "-":
+        path = draw_plot(plot_decode, result, args.plot)
+        if path and args.json != "-":
             print(f"plot written to {path}")
     return 0
 
@@ -318,10 +318,9 @@ def run_sweep(args) -> int:
                          stop_newline=args.stop_newline, progress=_progress(args.json), model_note=note)
     if _progress(args.json):
         print(file=sys.stderr)
-    path = plot_sweep(result, args.plot)
-    result["plot"] = path
-    _emit(result, sweep_table(result), args.json)
-    if args.json != "-":
+    _emit(result, sweep_table(result), args.json)  # the results first: a plot that fails loses nothing
+    path = draw_plot(plot_sweep, result, args.plot)
+    if path and args.json != "-":
         print(f"plot written to {path}")
     return 0
 
@@ -436,13 +435,13 @@ def run_peers(args) -> int:
                          compiled=args.compile)
     if progress:
         print(file=sys.stderr)
-    result["plot"] = plot_peers(result, args.plot)
-    _emit(result, peers_table(result), args.json)
-    if args.json != "-":
-        if args.markdown:
-            from ..bench.peers import skip_notes
+    _emit(result, peers_table(result), args.json)  # the results first: a plot that fails loses nothing
+    if args.json != "-" and args.markdown:
+        from ..bench.peers import skip_notes
 
-            print(peers_markdown(result))
-            print(skip_notes(result))
-        print(f"plot written to {result['plot']}")
+        print(peers_markdown(result))
+        print(skip_notes(result))
+    path = draw_plot(plot_peers, result, args.plot)
+    if path and args.json != "-":
+        print(f"plot written to {path}")
     return 0

@@ -22,6 +22,32 @@ def stderr(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
+DISTRIBUTION = "clover-dlm"  # the name on PyPI (`clover` there is another project)
+
+
+def extra_hint(extra: str) -> str:
+    """How to install an optional extra: pip install 'clover-dlm[EXTRA]'."""
+    return f"pip install '{DISTRIBUTION}[{extra}]'"
+
+
+def has_module(name: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(name) is not None
+
+
+def draw_plot(draw, *args, **kwargs):
+    """Call a plotting function after the results are out; without matplotlib, one line on stderr
+    naming the extra (the results already printed or written are complete) and None."""
+    try:
+        return draw(*args, **kwargs)
+    except ModuleNotFoundError as e:
+        if (e.name or "").split(".")[0] != "matplotlib":
+            raise
+        stderr(f"plot skipped: matplotlib is not installed ({extra_hint('plot')}); the results above are complete")
+        return None
+
+
 def human(n: float, unit: str = "") -> str:
     for scale, suffix in ((1e12, "T"), (1e9, "G" if unit == "B" else "B"), (1e6, "M"), (1e3, "K" if unit == "B" else "k")):
         if abs(n) >= scale:

@@ -7,7 +7,8 @@ import json
 import sys
 from pathlib import Path
 
-from .common import UsageError, add_model_arguments, add_sampling_arguments, load_llm, read_prompt, sampling_kwargs, stderr
+from .common import (UsageError, add_model_arguments, add_sampling_arguments, extra_hint, has_module, load_llm, read_prompt,
+                     sampling_kwargs, stderr)
 
 TIMELINE_SUFFIXES = (".png", ".svg", ".pdf", ".html", ".htm")
 
@@ -82,6 +83,9 @@ def run(args: argparse.Namespace) -> int:
 
     if args.timeline and Path(args.timeline).suffix.lower() not in TIMELINE_SUFFIXES:
         raise UsageError(f"--timeline {args.timeline}: use a .png, .svg, .pdf or .html file name")
+    if args.timeline and Path(args.timeline).suffix.lower() not in (".html", ".htm") and not has_module("matplotlib"):
+        raise UsageError(f"--timeline {args.timeline}: pictures need matplotlib ({extra_hint('plot')}); "
+                         "or write a .html timeline, which needs nothing")
     if args.step_delay < 0:
         raise UsageError("--step-delay: must be >= 0")
     kwargs = sampling_kwargs(args)

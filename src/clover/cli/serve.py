@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from .common import UsageError, add_model_arguments, load_llm
+from .common import UsageError, add_model_arguments, extra_hint, load_llm
 
 SERVE_EXTRA = ("fastapi", "uvicorn", "pydantic", "starlette", "prometheus_client")  # pyproject's `serve` extra
 
@@ -47,7 +47,7 @@ def run(args: argparse.Namespace) -> int:
                 raise
             missing = e.name
     if missing is not None:
-        raise UsageError(f"serving needs the serve extra ({missing} is not installed): pip install 'clover[serve]'")
+        raise UsageError(f"serving needs the serve extra ({missing} is not installed): {extra_hint('serve')}")
     if args.max_batch < 1:
         raise ValueError(f"--max-batch: must be >= 1, got {args.max_batch}")
     if args.max_queue < 0:

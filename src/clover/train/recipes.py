@@ -36,10 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-try:  # Python >= 3.11
-    import tomllib
-except ModuleNotFoundError:  # pragma: no cover
-    tomllib = None  # type: ignore[assignment]
+import tomllib
 
 STAGES = ("ar", "diffusion")
 SCHEDULES = ("cosine", "wsd", "constant")
@@ -304,8 +301,6 @@ def load_recipe(path: str | Path, overrides: dict[str, Any] | None = None) -> Re
     if path.suffix == ".json":
         raw = json.loads(text)
     else:
-        if tomllib is None:  # pragma: no cover
-            raise RecipeError("TOML recipes need Python >= 3.11 (tomllib); use a .json recipe")
         raw = tomllib.loads(text)
     for key, value in (overrides or {}).items():
         apply_override(raw, key, value)
