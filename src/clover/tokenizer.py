@@ -1,5 +1,6 @@
-"""The tokenizer a model directory carries (`tokenizer.json` + `tokenizer_config.json`), loaded with
-transformers' fast tokenizer, behind the small interface the engine needs."""
+"""The tokenizer a model directory carries (`tokenizer.json` + `tokenizer_config.json`), behind the
+small interface the engine needs: `tokenizers` for encoding and decoding, transformers' fast
+tokenizer (chat templates) loaded only when asked for."""
 
 from __future__ import annotations
 
@@ -44,21 +45,55 @@ class ChatTemplateError(ValueError):
     """The chat template cannot render these messages (or the tokenizer has none)."""
 
 
+def _token_name(value) -> str | None:
+    """A special token as tokenizer_config.json writes it: a string or {"content": ...}."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) and value else None
+
+
 class Tokenizer:
-    def __init__(self, hf_tokenizer, *, eos_token_id: int | None = None, mask_token_id: int | None = None) -> None:
-        self.hf = hf_tokenizer
-        self.eos_token_id = eos_token_id if eos_token_id is not None else hf_tokenizer.eos_token_id
+    """Encoding and decoding go through the `tokenizers` library directly (what transformers' fast
+    tokenizer does underneath, with `add_special_tokens=False` and no clean-up of spaces); the
+    transformers tokenizer (`.hf`: chat templates, the server's vocabulary) is loaded on first use,
+    so a plain generation never imports transformers."""
+
+    def __init__(self, hf_tokenizer=None, *, eos_token_id: int | None = None, mask_token_id: int | None = None,
+                 raw=None, directory: str | Path | None = None, names: dict | None = None) -> None:
+        self._hf = hf_tokenizer
+        self._dir = Path(directory) if directory is not None else None
+        if hf_tokenizer is not None:
+            raw = hf_tokenizer.backend_tokenizer
+            names = {k: getattr(hf_tokenizer, k, None) for k in ("eos_token", "pad_token", "mask_token")}
+        self.raw = raw
+        names = names or {}
+
+        def tid(key):
+            name = names.get(key)
+            return raw.token_to_id(name) if name else None
+
+        self.eos_token_id = eos_token_id if eos_token_id is not None else tid("eos_token")
         mask = mask_token_id
-        if mask is None and getattr(hf_tokenizer, "mask_token", None):
-            mask = hf_tokenizer.mask_token_id
+        if mask is None:
+            mask = tid("mask_token")
         self.mask_token_id = mask
-        self.pad_token_id = hf_tokenizer.pad_token_id if hf_tokenizer.pad_token_id is not None else self.eos_token_id
+        pad = tid("pad_token")
+        self.pad_token_id = pad if pad is not None else self.eos_token_id
+
+    @property
+    def hf(self):
+        """transformers' fast tokenizer of the same files (imported and loaded on first use)."""
+        if self._hf is None:
+            from transformers import PreTrainedTokenizerFast
+
+            self._hf = PreTrainedTokenizerFast.from_pretrained(str(self._dir), local_files_only=True)
+        return self._hf
 
     @classmethod
     def from_dir(cls, directory: str | Path, *, eos_token_id=None, mask_token_id=None) -> "Tokenizer":
         """The fast tokenizer of a model directory: `tokenizer.json` (+ `tokenizer_config.json`).
         A slow tokenizer (tokenizer.model, vocab.json + merges.txt) is never converted at load."""
-        from transformers import PreTrainedTokenizerFast
+        from tokenizers import Tokenizer as RawTokenizer
 
         directory = Path(directory)
         tok_file = directory / "tokenizer.json"
@@ -74,31 +109,34 @@ class Tokenizer:
             path = directory / name
             if path.exists() and not path.is_file():  # a FIFO would block the read forever
                 raise ValueError(f"{path}: not a regular file; {name} must be a plain JSON file")
-        for name in ("tokenizer_config.json", "special_tokens_map.json"):  # small: check them here, to name them
+        names: dict = {}
+        for name in ("special_tokens_map.json", "tokenizer_config.json"):  # small: check them here, to name them
             path = directory / name
             if path.exists():
                 try:
-                    json.loads(path.read_text(encoding="utf-8"))
+                    data = json.loads(path.read_text(encoding="utf-8"))
                 except (ValueError, UnicodeDecodeError) as e:
                     raise ValueError(f"{path}: not valid JSON ({e})") from None
+                if isinstance(data, dict):  # tokenizer_config.json wins, as in transformers
+                    names.update({k: _token_name(data[k]) for k in ("eos_token", "pad_token", "mask_token") if k in data})
         try:
-            hf = PreTrainedTokenizerFast.from_pretrained(str(directory), local_files_only=True)
+            raw = RawTokenizer.from_file(str(tok_file))
         except Exception as e:  # tokenizers reports a corrupt file as a bare Exception
             raise ValueError(
                 f"{tok_file}: cannot load the tokenizer ({type(e).__name__}: {e}); the file is corrupt or not a "
                 "Hugging Face tokenizers file"
             ) from None
-        return cls(hf, eos_token_id=eos_token_id, mask_token_id=mask_token_id)
+        return cls(raw=raw, directory=directory, names=names, eos_token_id=eos_token_id, mask_token_id=mask_token_id)
 
     @property
     def vocab_size(self) -> int:
-        return len(self.hf)
+        return self.raw.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str) -> list[int]:
-        return self.hf.encode(text, add_special_tokens=False)
+        return self.raw.encode(text, add_special_tokens=False).ids
 
     def decode(self, ids: list[int], *, skip_special_tokens: bool = False) -> str:
-        return self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False)
+        return self.raw.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(self, messages: list[dict], *, add_generation_prompt: bool = True) -> list[int]:
         """The chat prompt's token ids. Control tokens (the special tokens) written in message

@@ -7,6 +7,7 @@ class owns its layers (from the shared `layers.py`), `make_cache` and its checkp
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 from types import ModuleType
 
@@ -38,10 +39,27 @@ def model_class(config: CloverConfig) -> type[nn.Module]:
     return architecture(config.model_type).model_class(config)
 
 
+@contextlib.contextmanager
+def _meta_normal_init():
+    """`nn.init.normal_` on a meta tensor is a no-op here: torch routes it through a Python
+    decomposition that imports torch._dynamo (~2-3 s at load) to draw numbers that do not exist.
+    Other tensors get the real init (the patch checks each call, so other threads are unaffected)."""
+    real = nn.init.normal_
+
+    def normal_(tensor, *args, **kwargs):
+        return tensor if tensor.is_meta else real(tensor, *args, **kwargs)
+
+    nn.init.normal_ = normal_
+    try:
+        yield
+    finally:
+        nn.init.normal_ = real
+
+
 def build_model(config: CloverConfig, *, device: str | torch.device = "meta", dtype: torch.dtype = torch.float32) -> nn.Module:
     """Build the module tree; on `meta` nothing is allocated (weights arrive via `load_state_dict(assign=True)`)."""
     cls = model_class(config)
-    with torch.device(device):
+    with torch.device(device), _meta_normal_init():
         model = cls(config)
     if str(device) != "meta":
         model.to(dtype)
