@@ -22,7 +22,12 @@ batch).  The stream is infinite, and its position is captured exactly by
 :meth:`PackedStream.state_dict` (a small JSON-serialisable dict), so
 training can resume bit-for-bit with :meth:`PackedStream.load_state_dict`.
 
-Stdlib files are tokenised once and cached as ``.npy`` arrays (no pickle)
+With ``sources`` (:mod:`clover.data.sources`: local text files, JSON Lines,
+datasets saved with ``save_to_disk``, the stdlib), each non-task document is
+drawn from one source, chosen by the sources' weights, and the next document of
+that source's own per-row permutation.
+
+Stdlib files (and each source's documents) are tokenised once and cached as ``.npy`` arrays (no pickle)
 under ``cache_dir``, keyed by a hash of the tokenizer and of the file list.
 """
 
@@ -41,7 +46,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from . import corpus, tasks
+from . import corpus, sources, tasks
+from .sources import STDLIB, Source
 from .tokenizer import EOS_TOKEN, load_tokenizer, tokenizer_hash
 
 CACHE_VERSION = 1
@@ -91,19 +97,47 @@ def load_file_tokens(
     base = Path(cache_dir) if cache_dir is not None else DEFAULT_CACHE_DIR
     d = base / f"{split}-{key}"
     if not (d / "files.json").is_file():
-        _build_cache(tok, paths, d, verbose)
+        docs = []
+        for p in paths:
+            text = corpus.read_text(p)
+            if text is not None and text.strip():
+                docs.append((corpus.relpath(p), text))
+        _build_cache(tok, docs, d, verbose)
+    return _read_cache(d)
+
+
+def _read_cache(d: Path) -> tuple[np.ndarray, np.ndarray, list[str]]:
     tokens = np.load(d / "tokens.npy", mmap_mode="r", allow_pickle=False)
     offsets = np.load(d / "offsets.npy", allow_pickle=False)
     files = json.loads((d / "files.json").read_text())
     return tokens, offsets, files
 
 
-def _build_cache(tok, paths, d: Path, verbose: bool) -> None:
-    docs = []
-    for p in paths:
-        text = corpus.read_text(p)
-        if text is not None and text.strip():
-            docs.append((corpus.relpath(p), text))
+def load_source_tokens(
+    tokenizer: Any,
+    source: Source,
+    split: corpus.Split = "train",
+    cache_dir: str | Path | None = None,
+    max_files: int | None = None,
+    verbose: bool = False,
+) -> tuple[np.ndarray, np.ndarray, list[str]]:
+    """`load_file_tokens` for any data source (`clover.data.sources`): its split's documents,
+    tokenised once and cached, keyed by the tokenizer, the source's settings and its files' sizes and
+    modification times."""
+    if source.kind == "stdlib":
+        return load_file_tokens(tokenizer, split, cache_dir=cache_dir, max_files=max_files, verbose=verbose)
+    tok = load_tokenizer(tokenizer)
+    key_src = json.dumps({"v": CACHE_VERSION, "tok": tokenizer_hash(tok), "split": split, "max_files": max_files,
+                          "source": sources.fingerprint(source)}, sort_keys=True)
+    key = hashlib.sha1(key_src.encode()).hexdigest()[:20]
+    base = Path(cache_dir) if cache_dir is not None else DEFAULT_CACHE_DIR
+    d = base / f"{source.kind}-{split}-{key}"
+    if not (d / "files.json").is_file():
+        _build_cache(tok, sources.read_documents(source, split, max_files=max_files), d, verbose)
+    return _read_cache(d)
+
+
+def _build_cache(tok, docs: list[tuple[str, str]], d: Path, verbose: bool) -> None:
     if verbose:
         print(f"[mix] tokenizing {len(docs)} files into {d}", file=sys.stderr)
     encs = tok.encode_batch([t for _, t in docs], add_special_tokens=False) if docs else []
@@ -153,6 +187,7 @@ class PackedStream:
         task_weights: dict[str, float] | None = None,
         distill=None,
         distill_fraction: float = 0.0,
+        sources: list[Source] | None = None,
     ):
         if split not in ("train", "heldout"):
             raise ValueError(f"split must be 'train' or 'heldout', not {split!r}")
@@ -176,16 +211,32 @@ class PackedStream:
             raise ValueError("distill_fraction > 0 needs a non-empty self-distillation set")
         self.distill = distill if distill_fraction else None
         self.distill_fraction = float(distill_fraction) if distill_fraction else 0.0
-        self.tokens, self.offsets, self.files = load_file_tokens(
-            self.tok, split, cache_dir=cache_dir, max_files=max_files, verbose=verbose
-        )
-        self.n_files = len(self.files)
+        # the non-task documents: one pool per source (default: the stdlib alone)
+        self.sources = list(sources) if sources else [STDLIB]
+        self._custom_sources = bool(sources)
+        self.pools = []
+        for src in self.sources:
+            toks, offs, files = load_source_tokens(self.tok, src, split, cache_dir=cache_dir, max_files=max_files,
+                                                   verbose=verbose)
+            if not files and self._custom_sources:
+                if split == "train":
+                    raise ValueError(f"data source {src.label}: no documents to train on")
+                continue  # a source too small to have held-out documents
+            self.pools.append((toks, offs, files, src.weight))
+        if self._custom_sources and not self.pools and task_fraction == 0.0:
+            raise ValueError("no held-out documents in the data sources (about 2% of each source's documents are "
+                             "held out) and task_fraction == 0")
+        self.tokens, self.offsets, self.files = self.pools[0][:3] if self.pools else (np.zeros(0), np.zeros(1), [])
+        self.n_files = sum(len(p[2]) for p in self.pools)
+        total = sum(p[3] for p in self.pools) or 1.0
+        self._pool_cdf = list(np.cumsum([p[3] / total for p in self.pools]))
         self._heldout = tasks.heldout_tasks() if split == "heldout" else None
         self.p_task = self._task_probability()
         self.step = 0
-        self._rows = [{"doc": 0, "offset": 0, "files_before": 0} for _ in range(self.batch_size)]
-        self._current: list[tuple[int, np.ndarray, bool] | None] = [None] * self.batch_size
-        self._perm: dict[int, tuple[int, list[int]]] = {}
+        zero = lambda: 0 if len(self.pools) <= 1 else [0] * len(self.pools)  # noqa: E731
+        self._rows = [{"doc": 0, "offset": 0, "files_before": zero()} for _ in range(self.batch_size)]
+        self._current: list[tuple[int, np.ndarray, int | None] | None] = [None] * self.batch_size
+        self._perm: dict[tuple[int, int], tuple[int, list[int]]] = {}
 
     # -- document construction -------------------------------------------------
 
@@ -197,7 +248,11 @@ class PackedStream:
             return 1.0
         if f in (0.0, 1.0):
             return f
-        mean_file = float(self.offsets[-1]) / self.n_files + 1.0
+        if len(self.pools) == 1:
+            mean_file = float(self.offsets[-1]) / self.n_files + 1.0
+        else:  # the mean length of a non-task document, over the pools' shares
+            total = sum(p[3] for p in self.pools)
+            mean_file = sum(p[3] * (float(p[1][-1]) / len(p[2]) + 1.0) for p in self.pools) / total
         est_rng = random.Random(f"clover-estimate:{self.split}")
         lens = [len(self._task_doc(est_rng)) for _ in range(64)]
         mean_task = sum(lens) / len(lens)
@@ -214,15 +269,23 @@ class PackedStream:
         ids = self.tok.encode(text, add_special_tokens=False).ids
         return np.array(ids + [self.eos_id], dtype=np.int64)
 
-    def _file_index(self, row: int, n: int) -> int:
-        epoch, pos = divmod(n, self.n_files)
-        cached = self._perm.get(row)
+    def _file_index(self, row: int, n: int, pool: int = 0) -> int:
+        n_files = len(self.pools[pool][2])
+        epoch, pos = divmod(n, n_files)
+        cached = self._perm.get((row, pool))
         if cached is None or cached[0] != epoch:
-            perm = list(range(self.n_files))
-            random.Random(f"clover-perm:{self.seed}:{self.split}:{row}:{epoch}").shuffle(perm)
+            perm = list(range(n_files))
+            tag = f":{pool}" if pool else ""  # pool 0 shuffles as the single stdlib pool always did
+            random.Random(f"clover-perm:{self.seed}:{self.split}:{row}:{epoch}{tag}").shuffle(perm)
             cached = (epoch, perm)
-            self._perm[row] = cached
+            self._perm[(row, pool)] = cached
         return cached[1][pos]
+
+    def _pick_pool(self, rng: random.Random) -> int:
+        if len(self.pools) == 1:
+            return 0  # no draw: a single pool decodes the same stream as before sources existed
+        u = rng.random()
+        return next((k for k, c in enumerate(self._pool_cdf) if u < c), len(self.pools) - 1)
 
     def _distill_doc(self, rng: random.Random) -> np.ndarray:
         d = self.distill
@@ -233,20 +296,24 @@ class PackedStream:
         ids = self.tok.encode(text, add_special_tokens=False).ids
         return np.array(ids + [self.eos_id], dtype=np.int64)
 
-    def _doc(self, row: int, doc: int, files_before: int) -> tuple[np.ndarray, bool]:
+    def _doc(self, row: int, doc: int, files_before) -> tuple[np.ndarray, int | None]:
+        """Document `doc` of `row` and the pool it came from (None: a task or distillation document)."""
         rng = random.Random(f"clover-doc:{self.seed}:{self.split}:{row}:{doc}")
         if self.distill is not None and rng.random() < self.distill_fraction:
-            return self._distill_doc(rng), False
+            return self._distill_doc(rng), None
         if rng.random() < self.p_task:
-            return self._task_doc(rng), False
-        j = self._file_index(row, files_before)
-        a, b = int(self.offsets[j]), int(self.offsets[j + 1])
+            return self._task_doc(rng), None
+        k = self._pick_pool(rng)
+        seen = files_before[k] if isinstance(files_before, list) else files_before
+        tokens, offsets = self.pools[k][0], self.pools[k][1]
+        j = self._file_index(row, seen, k)
+        a, b = int(offsets[j]), int(offsets[j + 1])
         out = np.empty(b - a + 1, dtype=np.int64)
-        out[:-1] = self.tokens[a:b]
+        out[:-1] = tokens[a:b]
         out[-1] = self.eos_id
-        return out, True
+        return out, k
 
-    def document(self, row: int, doc: int, files_before: int) -> np.ndarray:
+    def document(self, row: int, doc: int, files_before) -> np.ndarray:
         """Token ids (EOS included) of document ``doc`` of ``row``."""
         return self._doc(row, doc, files_before)[0]
 
@@ -258,10 +325,10 @@ class PackedStream:
         while filled < self.seq_len:
             cur = self._current[row]
             if cur is None or cur[0] != st["doc"]:
-                arr, is_file = self._doc(row, st["doc"], st["files_before"])
-                cur = (st["doc"], arr, is_file)
+                arr, pool = self._doc(row, st["doc"], st["files_before"])
+                cur = (st["doc"], arr, pool)
                 self._current[row] = cur
-            _, arr, is_file = cur
+            _, arr, pool = cur
             take = min(self.seq_len - filled, len(arr) - st["offset"])
             out[filled : filled + take] = arr[st["offset"] : st["offset"] + take]
             filled += take
@@ -269,7 +336,11 @@ class PackedStream:
             if st["offset"] >= len(arr):
                 st["doc"] += 1
                 st["offset"] = 0
-                st["files_before"] += int(is_file)
+                if pool is not None:
+                    if isinstance(st["files_before"], list):
+                        st["files_before"][pool] += 1
+                    else:
+                        st["files_before"] += 1
 
     def next_batch(self) -> torch.Tensor:
         """The next ``[batch_size, seq_len]`` int64 batch."""
@@ -299,6 +370,7 @@ class PackedStream:
             **({"task_weights": self.task_weights} if self.task_weights else {}),
             **({"tasks_version": tasks.TASKS_VERSION} if self.task_fraction > 0 else {}),
             **({"distill": self.distill.digest, "distill_fraction": self.distill_fraction} if self.distill else {}),
+            **({"sources": [s.as_dict() for s in self.sources]} if self._custom_sources else {}),
         }
 
     def state_dict(self) -> dict[str, Any]:
@@ -307,7 +379,8 @@ class PackedStream:
             "version": CACHE_VERSION,
             "step": self.step,
             "config": self._config(),
-            "rows": [dict(r) for r in self._rows],
+            "rows": [{**r, "files_before": list(r["files_before"]) if isinstance(r["files_before"], list)
+                      else r["files_before"]} for r in self._rows],
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -318,9 +391,10 @@ class PackedStream:
         rows = state["rows"]
         if len(rows) != self.batch_size:
             raise ValueError("batch_size mismatch")
-        self._rows = [
-            {"doc": int(r["doc"]), "offset": int(r["offset"]), "files_before": int(r["files_before"])}
-            for r in rows
-        ]
+        def seen(v):
+            return [int(x) for x in v] if isinstance(v, list) else int(v)
+
+        self._rows = [{"doc": int(r["doc"]), "offset": int(r["offset"]), "files_before": seen(r["files_before"])}
+                      for r in rows]
         self._current = [None] * self.batch_size
         self.step = int(state["step"])

@@ -10,6 +10,8 @@ A recipe has a few top-level keys and one table per concern::
 
     [model]      # CloverConfig fields (config.json keys), used when `init` is empty
     [data]       # tokenizer, seq_len, batch_size (global, split over ranks), task_fraction, ...
+    [[data.sources]]  # kind ("text" | "jsonl" | "datasets" | "stdlib"), path, weight, field, split
+                 # (clover.data.sources; none: the stdlib)
     [optim]      # lr, betas, weight_decay, eps, grad_clip, aux_loss_coef, steps, warmup_steps, schedule, ...
     [adapter]    # rank, alpha, targets: train a denoise adapter only (llama backbones; rank 0 = off)
     [diffusion]  # block_sizes, ar_weight, complementary, min_mask_ratio, certainty_weight,
@@ -90,6 +92,9 @@ class DataSpec:
     distill_chat: int = 0  # instructions in that set, written with the model's chat template (clover.data.instructions)
     distill_chat_tokens: int = 48  # longest AR answer to one of them
     distill_code_tokens: int = 96  # longest AR continuation of a function header
+    # [[data.sources]]: local text files, JSON Lines, saved `datasets`, the stdlib, mixed by weight
+    # (clover.data.sources); empty = the stdlib (+ the tasks, as task_fraction says)
+    sources: tuple[dict, ...] = ()
 
 
 @dataclass
@@ -257,6 +262,13 @@ def recipe_from_dict(raw: dict[str, Any], *, base: Path | None = None, source: s
         r.run.out = expand_path(r.run.out)
     if r.init:
         r.init = expand_path(r.init)
+    if r.data.sources:
+        from ..data.sources import SourceError, parse_sources
+
+        try:
+            r.data.sources = tuple(src.as_dict() for src in parse_sources(r.data.sources, base=base))
+        except SourceError as e:
+            raise RecipeError(str(e)) from None
     if base is not None:
         r.data.tokenizer = _resolve(r.data.tokenizer, base)
         if r.init:

@@ -175,11 +175,16 @@ def build_or_load_model(recipe: Recipe, tokenizer_ids: dict[str, int]):
 
 def to_clover(model, mask_token_id: int | None):
     """An AR model (either backbone) -> a clover model with the Clover parameters at their initial values."""
+    if mask_token_id is None:
+        raise ValueError("stage 'diffusion' from an AR model needs <|mask|> in the tokenizer, and this one has none: "
+                         "run `clover convert AR_DIR CLOVER_DIR` first (it adds the token and the Clover parameters) "
+                         "and set init = CLOVER_DIR")
     return convert_model(model, mask_token_id)
 
 
 def make_stream(recipe: Recipe, rank: int, world: int, tokenizer: str, distill=None):
     from ..data.mix import PackedStream
+    from ..data.sources import parse_sources
 
     if recipe.data.batch_size % (world * recipe.optim.grad_accum):
         raise ValueError(
@@ -198,6 +203,7 @@ def make_stream(recipe: Recipe, rank: int, world: int, tokenizer: str, distill=N
         task_weights=recipe.data.task_weights,
         distill=distill,
         distill_fraction=recipe.data.distill_fraction,
+        sources=parse_sources(recipe.data.sources) or None,
     )
 
 
@@ -350,7 +356,8 @@ class Trainer:
         if self.dist.main and not (dst / "tokenizer.json").is_file():
             if not (src / "tokenizer.json").is_file():
                 raise FileNotFoundError(
-                    f"tokenizer {src} not found; build it with `python -m clover.data.tokenizer {src} --vocab-size 4096`"
+                    f"tokenizer {src} not found; set data.tokenizer to a model directory (the bundled model's: "
+                    f"src/clover/assets/clover-tiny) or build one with `python -m clover.data.tokenizer {src} --vocab-size 4096`"
                 )
             dst.mkdir(parents=True, exist_ok=True)
             copy_tokenizer_files(src, dst)  # a model directory as the source: its weights stay behind
