@@ -107,7 +107,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, metavar="N", help="torch CPU threads (default: torch's)")
     p.add_argument("--json", metavar="FILE", help="also write the result as JSON ('-' = stdout, no table)")
 
-    p = sub.add_parser("slice", help="4 of the 35B-A3B's 40 layers at real shapes: ms/layer, experts, % of bandwidth",
+    p = sub.add_parser("slice", help="4 of the 35B-A3B's 40 layers at real shapes: ms/layer, experts, %% of bandwidth",
                        description="Qwen3.6-35B-A3B's real layer shapes (random weights), a few of its 40 layers, bf16 "
                                    "and int4: AR, denoise and verify forwards, ms per layer, experts touched with and "
                                    "without expert sharing, bytes read, % of the measured read bandwidth, and a 40-layer "
