@@ -15,7 +15,7 @@ DEMO_MODES = ("ar", "diffusion")  # the baseline and the mode it is compared wit
 DEMO_MODEL = "clover-smol"  # the default demo model (clover.named); clover-tiny when it cannot be pulled
 CHAT_PROMPTS = ("What is the capital of France?", "Write a Python function that reverses a string.",
                 "List three fruits.")
-CHAT_MODES = ("ar", "diffusion", "speculative")
+CHAT_EXTRA_MODE = "speculative"  # a chat model also shows the lossless mode
 
 
 def demo_model(args: argparse.Namespace):
@@ -56,7 +56,8 @@ def run(args: argparse.Namespace) -> int:
     llm = load_llm(args, path)
     has_mask = llm.config.mask_token_id is not None
     chat = llm.config.base_model_type == "llama" and bool(getattr(llm.tokenizer.hf, "chat_template", None))
-    modes = [m for m in (CHAT_MODES if chat else DEMO_MODES) if has_mask or not get_mode(m).needs_mask]
+    wanted = DEMO_MODES + ((CHAT_EXTRA_MODE,) if chat else ())
+    modes = [m for m in wanted if has_mask or not get_mode(m).needs_mask]
     console = Console(width=None if sys.stdout.isatty() else 120)
     table = Table(title=f"clover demo · {llm.path}", title_justify="left")
     for col in ("prompt", "mode", "tokens", "forwards", "tokens/forward", "tokens/s", "finish"):
