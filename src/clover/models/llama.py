@@ -343,7 +343,8 @@ class LlamaForCausalLM(Qwen3_5ForCausalLM):
         rope = self.model.rotary_emb(positions, x.dtype)
         token = _DENOISE_FROM.set(0)
         try:
-            x, _ = self._layers(x, rope, Segments(commit_len=0, denoise_len=k * L), mask=mask, cache=cache)
+            x, _ = self._layers(x, rope, Segments(commit_len=0, denoise_len=k * L), mask=mask,
+                                states=[s.tensors() for s in cache.layers], lengths=cache.lengths)
         finally:
             _DENOISE_FROM.reset(token)
         if noisy_logits_at is not None:
