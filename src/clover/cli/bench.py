@@ -8,7 +8,8 @@ import json
 import sys
 from pathlib import Path
 
-from .common import add_model_arguments, check_device, draw_plot, load_llm, model_dir_or_tiny, parse_list, parse_modes, positive
+from .common import (UsageError, add_model_arguments, check_device, draw_plot, load_llm, model_dir_or_tiny, parse_list,
+                     parse_modes, positive)
 
 
 def _model_arguments(p: argparse.ArgumentParser) -> None:
@@ -42,6 +43,18 @@ def configure(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, metavar="N", help="diffusion block / speculative draft length (default: the model's)")
     p.add_argument("--threshold", type=float, metavar="X", help="diffusion confidence threshold (default: the model's)")
     p.add_argument("--plot", metavar="DIR", help="write DIR/decode.png")
+
+    p = sub.add_parser("chat", help="a chat model on held-out questions with known answers, every mode (interleaved)",
+                       description="Held-out questions (facts, arithmetic, lists, code) through the model's chat template, "
+                                   "AR / diffusion / speculative on the same weights; optionally llama.cpp AR on the GGUF.")
+    _model_arguments(p)
+    p.add_argument("--questions", type=int, default=40, metavar="N", help="held-out questions (default: 40)")
+    p.add_argument("--max-new-tokens", "-n", type=int, default=48, metavar="N", help="tokens per answer (default: 48)")
+    p.add_argument("--modes", default="ar,diffusion,speculative", help="comma-separated (default: ar,diffusion,speculative)")
+    p.add_argument("--block-size", type=int, metavar="N", help="diffusion block / draft length (default: the model's)")
+    p.add_argument("--threshold", type=float, metavar="X", help="diffusion confidence threshold (default: the model's)")
+    p.add_argument("--llama-bench", metavar="BIN", help="also time llama.cpp AR with this llama-bench binary ...")
+    p.add_argument("--gguf", metavar="FILE", help="... on this GGUF (the file the model was imported from)")
 
     p = sub.add_parser("sweep", help="diffusion threshold and block-size sweeps -> speed/quality curves",
                        description="Diffusion threshold sweep (at the default block size) and block-size sweep (at the "
@@ -219,9 +232,34 @@ def run(args: argparse.Namespace) -> int:
         from ..bench.common import set_threads
 
         set_threads(getattr(args, "threads", None))
-    return {"decode": run_decode, "sweep": run_sweep, "cost": run_cost, "kernels": run_kernels, "roofline": run_roofline,
+    return {"decode": run_decode, "chat": run_chat, "sweep": run_sweep, "cost": run_cost, "kernels": run_kernels, "roofline": run_roofline,
             "experts": run_experts, "quant": run_quant, "slice": run_slice, "matmul": run_matmul,
             "peers": run_peers}[args.bench_command](args)
+
+
+def run_chat(args) -> int:
+    from ..bench.chat import llama_bench, markdown, run_chat as bench_chat
+
+    positive("--questions", args.questions)
+    positive("--max-new-tokens", args.max_new_tokens)
+    if bool(args.llama_bench) != bool(args.gguf):
+        raise UsageError("--llama-bench and --gguf go together")
+    llm, _ = _load(args)
+    result = bench_chat(llm, questions=args.questions, modes=tuple(args.modes.split(",")), max_new_tokens=args.max_new_tokens,
+                        block_size=args.block_size, threshold=args.threshold, progress=_progress(args.json))
+    if args.llama_bench:
+        import torch
+
+        result["llama_cpp"] = llama_bench(args.llama_bench, args.gguf, threads=torch.get_num_threads(),
+                                          n=args.max_new_tokens)
+    if args.json and args.json != "-":
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
+    if args.json == "-":
+        json.dump(result, sys.stdout, indent=1)
+    else:
+        print(markdown(result))
+    return 0
 
 
 def run_experts(args) -> int:
