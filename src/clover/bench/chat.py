@@ -20,9 +20,10 @@ import time
 from pathlib import Path
 
 SCHEMA = "clover.bench.chat/1"
+DEFAULT_MODES = "ar,diffusion,speculative"  # the baseline, the default mode, the lossless one
 
 
-def run_chat(llm, *, questions: int = 40, modes=("ar", "diffusion", "speculative"), max_new_tokens: int = 48,
+def run_chat(llm, *, questions: int = 40, modes=DEFAULT_MODES.split(","), max_new_tokens: int = 48,
              block_size: int | None = None, threshold: float | None = None, seed: int = 0, progress=None) -> dict:
     from ..data.instructions import questions as held_out_questions
 
