@@ -237,3 +237,19 @@ def test_real_llama_clover(tiny_dir, tmp_path):
     assert set(rows) == {"ar", "diffusion"}, r["engines"]["llama-clover"]
     assert rows["ar"]["matches_clover_mode"] == 1.0 and rows["diffusion"]["matches_clover_mode"] == 1.0
     assert rows["ar"]["tokens"] == 16
+
+
+def test_cli_writes_table_and_json_before_the_plot(tiny_dir, tmp_path, capsys, monkeypatch):
+    """The JSON and the table come out first; without matplotlib the plot is one line, not a traceback."""
+    def no_matplotlib(result, path):
+        assert json.loads((tmp_path / "r.json").read_text())["rows"]  # already written
+        raise ModuleNotFoundError("No module named 'matplotlib'", name="matplotlib")
+
+    monkeypatch.setattr(peers, "plot_peers", no_matplotlib)
+    rc = cli.main(["bench", "peers", "--model", str(tiny_dir), "--prompts", "1", "-n", "2", "--threads", "1",
+                   "--batch", "2", "--batch-rounds", "0", "--modes", "ar", "--engines", "clover",
+                   "--plot", str(tmp_path / "p.png"), "--json", str(tmp_path / "r.json")])
+    out, err = capsys.readouterr()
+    assert rc == 0 and "clover" in out and "json written to" in out
+    assert len([ln for ln in err.splitlines() if "plot skipped: matplotlib is not installed" in ln]) == 1
+    assert "Traceback" not in err

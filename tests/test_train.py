@@ -14,7 +14,7 @@ import torch
 
 from clover.tiny import tiny_config
 from clover.tokenizer import write_byte_tokenizer
-from clover.train import main as train_main
+from clover.cli.train import main as train_main
 from clover.train import losses
 from clover.train.recipes import RecipeError, load_recipe, recipe_from_dict, runs_root
 from clover.train.trainer import Trainer, lr_at, resolve_device
@@ -340,7 +340,7 @@ def test_two_process_gloo(tmp_path, byte_tok, cache_dir):
     p.write_text(json.dumps(raw))
     env = dict(os.environ, OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           "-m", "clover.train", str(p), "--quiet"]
+           "-m", "clover", "train", str(p), "--quiet"]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         _, err = proc.communicate(timeout=120)

@@ -10,7 +10,7 @@ Names are imported lazily so `clover --help` does not pay for importing torch.
 
 from __future__ import annotations
 
-import importlib
+from .lazy import lazy_exports
 
 __version__ = "0.1.0"
 
@@ -28,10 +28,4 @@ _EXPORTS = {
 
 __all__ = list(_EXPORTS)
 
-
-def __getattr__(name: str):
-    if name in _EXPORTS:
-        value = getattr(importlib.import_module(_EXPORTS[name]), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module 'clover' has no attribute {name!r}")
+__getattr__ = lazy_exports(__name__, _EXPORTS)

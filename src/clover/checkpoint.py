@@ -38,9 +38,6 @@ from .weights import (  # noqa: F401  (re-exported: the names callers import fro
     shard_files,
 )
 
-SKIPPED_PREFIXES = KeyLayout.skipped_prefixes
-
-
 def canonical_name(key: str) -> str | None:
     """A stored key -> our parameter name (the Qwen3.5 family's layout); None for keys skipped on purpose."""
     return KeyLayout().name(key)

@@ -41,7 +41,6 @@ MLP_KEYS = {
     "moe": ("num_experts", "num_experts_per_tok", "moe_intermediate_size"),
     "dense": ("intermediate_size",),
 }
-REQUIRED_KEYS = COMMON_KEYS + MLP_KEYS["moe"]  # the MoE backbone's (the default)
 
 
 class ConfigError(ValueError):

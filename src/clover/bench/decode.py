@@ -418,6 +418,33 @@ def decode_kwargs(max_new_tokens: int, block_size: int | None, threshold: float 
     return kw
 
 
+def interleaved(llm, items: list[Item], configs: list[dict], kwargs: Callable[[dict], dict], *, warm_tokens: int,
+                warm: Callable[[dict], bool] | bool = True, keep_text: bool = True,
+                progress: Callable[[str], None] | None = None) -> list[dict]:
+    """Every prompt through each configuration (a dict with `mode`, and `label` when several share a
+    mode) in turn, interleaved so that drift hits all alike, after one short warm-up generation
+    (`warm_tokens`) of each configuration `warm` selects. One `generate_once` record per (prompt,
+    configuration), with `item` (and `label`)."""
+    if warm and items:
+        for c in configs:
+            if warm is True or warm(c):
+                llm.generate(items[0].prompt, mode=c["mode"], **dict(kwargs(c), max_new_tokens=warm_tokens))
+        synchronize(llm.model.device)
+    runs = []
+    for i, item in enumerate(items):
+        for c in configs:
+            rec = generate_once(llm, item, c["mode"], kwargs(c))
+            rec["item"] = i
+            if "label" in c:
+                rec["label"] = c["label"]
+            if not keep_text:
+                rec.pop("text", None)
+            runs.append(rec)
+        if progress:
+            progress(f"prompt {i + 1}/{len(items)}")
+    return runs
+
+
 def run_decode(
     llm,
     *,
@@ -443,19 +470,8 @@ def run_decode(
     block_size = block_size if block_size is not None else llm.config.block_size
     threshold = threshold if threshold is not None else llm.config.threshold
     kw = decode_kwargs(max_new_tokens, block_size, threshold, stop_newline)
-    if warmup and items:
-        warm = dict(kw, max_new_tokens=min(max_new_tokens, 2 * block_size))
-        for m in modes:
-            llm.generate(items[0].prompt, mode=m, **warm)
-        synchronize(llm.model.device)
-    runs = []
-    for i, item in enumerate(items):
-        for m in modes:
-            rec = generate_once(llm, item, m, kw)
-            rec["item"] = i
-            runs.append(rec)
-        if progress:
-            progress(f"prompt {i + 1}/{len(items)}")
+    runs = interleaved(llm, items, [{"mode": m} for m in modes], lambda c: kw, warm=warmup,
+                       warm_tokens=min(max_new_tokens, 2 * block_size), progress=progress)
     c = llm.config
     return {
         "schema": SCHEMA,

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from typing import Callable
 
-from .common import machine, synchronize
-from .decode import Item, decode_kwargs, generate_once, load_items, summarize
+from .common import machine
+from .decode import Item, decode_kwargs, interleaved, load_items, summarize
 
 SCHEMA = "clover.bench.experts/1"
 
@@ -42,18 +42,7 @@ def run_experts(llm, *, workload: str = "tasks", prompts: int = 8, max_new_token
     def kw(cfg: dict) -> dict:
         return dict(base, expert_budget=cfg["expert_budget"], expert_rank=cfg["expert_rank"])
 
-    for cfg in configs:  # warm-up
-        llm.generate(items[0].prompt, mode=cfg["mode"], **dict(kw(cfg), max_new_tokens=8))
-    synchronize(llm.model.device)
-    runs = []
-    for i, item in enumerate(items):
-        for cfg in configs:
-            rec = generate_once(llm, item, cfg["mode"], kw(cfg))
-            rec.update(item=i, label=cfg["label"])
-            rec.pop("text", None)
-            runs.append(rec)
-        if progress:
-            progress(f"prompt {i + 1}/{len(items)}")
+    runs = interleaved(llm, items, configs, kw, warm_tokens=8, keep_text=False, progress=progress)
     summary = summarize(runs, [cfg["label"] for cfg in configs], key="label")
     return {"schema": SCHEMA, "model": str(llm.path), "machine": machine(llm.model.device),
             "settings": {"workload": workload, "prompts": len(items), "max_new_tokens": max_new_tokens,

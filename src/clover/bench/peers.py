@@ -41,6 +41,7 @@ import shutil
 import subprocess
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable
 
@@ -50,7 +51,6 @@ from ..models.layers import is_clover_parameter
 from .common import machine, max_rss_bytes, set_threads, spread, timed
 
 SCHEMA = "clover.bench.peers/1"
-ENGINES = ("clover", "transformers", "llama.cpp", "llama-clover", "vllm")
 GGUF_DTYPES = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}
 VLLM_MARK = "CLOVER_PEERS "
 
@@ -127,31 +127,6 @@ def _transformers(config) -> dict:
     return {"available": True, "version": transformers.__version__, "class": cls, "note": note}
 
 
-def discover(config, *, dtype: str = "float32", engines: Iterable[str] | None = None, llama_dir: str | Path | None = None,
-             vllm_python: str | None = None) -> dict[str, dict]:
-    """{engine: {"available": bool, "note": why not / caveats, "version": ..., ...}} for every engine;
-    the ones not in `engines` are marked as not asked for."""
-    import clover
-
-    wanted = set(ENGINES if engines is None else engines)
-    bad = wanted - set(ENGINES)
-    if bad:
-        raise ValueError(f"engines: unknown {sorted(bad)[0]!r}; choose from {', '.join(ENGINES)}")
-    if dtype not in GGUF_DTYPES:
-        raise ValueError(f"dtype: must be one of {', '.join(GGUF_DTYPES)}, got {dtype!r}")
-    found = {
-        "clover": {"available": True, "version": clover.__version__, "note": None},
-        "transformers": _transformers(config),
-        "llama.cpp": _llama_cpp(Path(llama_dir) if llama_dir else llama_cpp_dir()),
-        "llama-clover": _llama_clover(Path(llama_dir) if llama_dir else llama_cpp_dir(), config),
-        "vllm": _vllm(vllm_python, dtype) if "vllm" in wanted else {"available": False},
-    }
-    for name in ENGINES:
-        if name not in wanted:
-            found[name] = {"available": False, "note": "not asked for (--engines)"}
-    return found
-
-
 # --------------------------------------------------------------------- model directories
 def hf_config_dict(config) -> dict:
     """transformers' text config (Qwen3.5 / Qwen3.5-MoE) for a clover config."""
@@ -224,11 +199,13 @@ STATIC_SUFFIX = "+static"  # clover's variants with compile="static"
 
 # ------------------------------------------------------------------------------- runners
 class Runner:
-    """One engine configuration. `one(ids)` -> (generated ids or None, tokens, seconds);
-    `many(list of ids)` -> (tokens, seconds) or None when it does not batch."""
+    """One engine configuration. `one(ids)` -> (generated ids or None, tokens, seconds) for a runner
+    that runs single prompts (`single`); `many(list of ids)` -> (tokens, seconds) for one that
+    batches (`batches`)."""
 
     engine = ""
     variant = ""
+    single = True
     batches = False
 
     def warm(self, ids: list[int]) -> None:
@@ -346,6 +323,7 @@ class LlamaBatchedRunner(Runner):
 
     engine = "llama.cpp"
     variant = "llama-batched-bench"
+    single = False
     batches = True
 
     def __init__(self, exe: str, gguf: Path, threads: int, n: int) -> None:
@@ -353,9 +331,6 @@ class LlamaBatchedRunner(Runner):
 
     def warm(self, ids):
         pass
-
-    def one(self, ids):
-        return None
 
     def many(self, prompts):
         pp, pl = max(len(p) for p in prompts), len(prompts)
@@ -383,7 +358,7 @@ class PortRunner(Runner):
 
         self.exe, self.gguf, self.threads, self.n, self.variant = exe, gguf, threads, n, mode
         self.args = lambda n: port_args(mode, llm.params(mode, {"max_new_tokens": n, "ignore_eos": True}))
-        self.eos = sorted(set(llm.config.eos_token_ids))
+        self.eos = sorted(llm.eos_ids())
 
     def _run(self, ids, n):
         from ..integrations.llama_port import run
@@ -474,11 +449,225 @@ class VLLMRunner(Runner):
                 self.proc.kill()
 
 
+# ---------------------------------------------------------------------------------- engines
+@dataclass
+class Setup:
+    """What an engine's preparation and runners read: the run's model, options and work directory."""
+
+    src: Path
+    llm: object
+    static_llm: object | None
+    dtype: str
+    work: Path
+    max_new_tokens: int
+    modes: list[str]  # clover's modes in this run
+    batch_ids: list[list[int]]
+    batch_rounds: int
+    n_ctx: int
+    llama_dir: Path
+    vllm_python: str | None
+    say: Callable[[str], None]
+
+    @property
+    def config(self):
+        return self.llm.config
+
+
+class Engine:
+    """One peer engine: `find` says whether this machine has it (and why not), `prepare` readies it
+    once per run (loading a model, exporting a GGUF; what it raises skips the engine with a note
+    beginning `fails`), `runners` gives its configurations for a thread count. A new engine is one
+    subclass, registered in `ENGINES`."""
+
+    name = ""
+    fails = "failed to prepare"
+
+    def __init__(self, setup: Setup, found: dict) -> None:
+        self.setup, self.found = setup, found
+
+    @staticmethod
+    def find(config, *, dtype: str, llama_dir: Path, vllm_python: str | None) -> dict:
+        raise NotImplementedError
+
+    def prepare(self) -> None:
+        pass
+
+    def runners(self, threads: int) -> list[Runner]:
+        return []
+
+
+class CloverEngine(Engine):
+    name = "clover"
+
+    @staticmethod
+    def find(config, **_) -> dict:
+        import clover
+
+        return {"available": True, "version": clover.__version__, "note": None}
+
+    def runners(self, threads):
+        st = self.setup
+        out = [CloverRunner(st.llm, m, st.max_new_tokens) for m in st.modes]
+        if st.static_llm is not None:
+            out += [CloverRunner(st.static_llm, m, st.max_new_tokens, warm_batch=st.batch_ids if st.batch_rounds else None)
+                    for m in st.modes]
+        return out
+
+
+class TransformersEngine(Engine):
+    name = "transformers"
+    fails = "failed to load"
+
+    @staticmethod
+    def find(config, **_) -> dict:
+        return _transformers(config)
+
+    def prepare(self):
+        import transformers
+
+        st = self.setup
+        st.say("transformers: loading")
+        cls = getattr(transformers, self.found["class"])
+        hf_dir = write_hf_dir(st.src, st.work / "hf-linked", st.config, dtype=st.dtype)
+        level = transformers.logging.get_verbosity()
+        transformers.logging.set_verbosity_error()  # clover's own tensors are "unexpected keys": meant
+        try:
+            self.model = cls.from_pretrained(hf_dir, dtype=getattr(torch, st.dtype)).eval()
+        finally:
+            transformers.logging.set_verbosity(level)
+
+    def runners(self, threads):
+        return [TransformersRunner(self.model, self.setup.max_new_tokens, self.setup.config.pad_token_id or 0)]
+
+
+class LlamaCppEngine(Engine):
+    name = "llama.cpp"
+    fails = "GGUF export failed"
+
+    @staticmethod
+    def find(config, *, llama_dir, **_) -> dict:
+        return _llama_cpp(llama_dir)
+
+    def prepare(self):
+        self.setup.say("llama.cpp: exporting GGUF")
+        self.gguf = gguf_file(self.setup.src, self.setup.work, self.setup.dtype)
+        self.found["gguf"] = str(self.gguf)
+
+    def runners(self, threads):
+        st, bins, out = self.setup, self.found["binaries"], []
+        if "llama-bench" in bins:
+            out.append(LlamaBenchRunner(bins["llama-bench"], self.gguf, threads, st.max_new_tokens))
+        if "probe" in bins:
+            out.append(ProbeRunner(bins["probe"], self.gguf, threads, st.max_new_tokens, st.config.eos_token_ids))
+        if "llama-batched-bench" in bins and st.batch_rounds:
+            out.append(LlamaBatchedRunner(bins["llama-batched-bench"], self.gguf, threads, st.max_new_tokens))
+        return out
+
+
+class PortEngine(Engine):
+    name = "llama-clover"
+    fails = "GGUF export failed"
+
+    @staticmethod
+    def find(config, *, llama_dir, **_) -> dict:
+        return _llama_clover(llama_dir, config)
+
+    def prepare(self):
+        self.setup.say("llama-clover: exporting GGUF with the Clover sidecar")
+        self.gguf = gguf_file(self.setup.src, self.setup.work, self.setup.dtype, clover_tensors="sidecar")
+        self.found["gguf"] = str(self.gguf)
+
+    def runners(self, threads):
+        from ..integrations.llama_port import MODES as PORT_MODES
+
+        st = self.setup
+        return [PortRunner(st.llm, self.found["binary"], self.gguf, m, threads, st.max_new_tokens)
+                for m in st.modes if m in PORT_MODES]
+
+
+class VLLMEngine(Engine):
+    name = "vllm"
+    fails = "failed to start"
+
+    @staticmethod
+    def find(config, *, dtype, vllm_python, **_) -> dict:
+        return _vllm(vllm_python, dtype)
+
+    def prepare(self):
+        st = self.setup
+        self.hf_dir = write_hf_dir(st.src, st.work / "hf-vllm", st.config, dtype=st.dtype, copy=True)
+
+    def runners(self, threads):
+        st = self.setup
+        st.say(f"vllm: starting ({threads} threads)")
+        return [VLLMRunner(self.found["python"], self.hf_dir, threads, st.max_new_tokens, st.n_ctx)]
+
+
+ENGINES: dict[str, type[Engine]] = {e.name: e for e in (CloverEngine, TransformersEngine, LlamaCppEngine, PortEngine,
+                                                        VLLMEngine)}
+
+
+def check_engines(engines: Iterable[str] | None) -> list[str]:
+    """The engine names asked for (None: all), or ValueError naming the known ones."""
+    wanted = list(ENGINES if engines is None else engines)
+    bad = [e for e in wanted if e not in ENGINES]
+    if bad:
+        raise ValueError(f"engines: unknown {bad[0]!r}; choose from {', '.join(ENGINES)}")
+    return wanted
+
+
+def discover(config, *, dtype: str = "float32", engines: Iterable[str] | None = None, llama_dir: str | Path | None = None,
+             vllm_python: str | None = None) -> dict[str, dict]:
+    """{engine: {"available": bool, "note": why not / caveats, "version": ..., ...}} for every engine;
+    the ones not in `engines` are marked as not asked for."""
+    wanted = check_engines(engines)
+    if dtype not in GGUF_DTYPES:
+        raise ValueError(f"dtype: must be one of {', '.join(GGUF_DTYPES)}, got {dtype!r}")
+    where = dict(dtype=dtype, llama_dir=Path(llama_dir) if llama_dir else llama_cpp_dir(), vllm_python=vllm_python)
+    return {name: cls.find(config, **where) if name in wanted else {"available": False, "note": "not asked for (--engines)"}
+            for name, cls in ENGINES.items()}
+
+
 # ---------------------------------------------------------------------------------- driver
 def load_prompts(n: int) -> list[str]:
     from .decode import load_items
 
     return [it.prompt for it in load_items("tasks", n)]
+
+
+def _measure(runners: list[Runner], ids: list[list[int]], batch_ids: list[list[int]], batch_rounds: int, t: int,
+             failed: Callable[[Runner, Exception], None], say: Callable[[str], None]) -> list[dict]:
+    """One thread count: a warm-up per runner, every prompt through each runner in turn, then the
+    batch rounds of the runners that batch. A runner that raises is dropped (`failed`)."""
+    def record(r: Runner, batch: int, item: int, tokens: int, s: float, out) -> dict:
+        return {"engine": r.engine, "variant": r.variant, "threads": t, "batch": batch, "item": item, "tokens": tokens,
+                "seconds": s, "tokens_per_second": tokens / s if s > 0 else 0.0, "token_ids": out}
+
+    def attempt(r: Runner, fn):
+        try:
+            return fn()
+        except Exception as e:  # noqa: BLE001 - an engine that breaks mid-run is dropped; the others go on
+            failed(r, e)
+            return None
+
+    runs = []
+    for r in list(runners):
+        say(f"{t} threads: warming up {r.engine} {r.variant}")
+        attempt(r, lambda: r.warm(ids[0]))
+    for i, p in enumerate(ids):
+        for r in [r for r in runners if r.single]:
+            got = attempt(r, lambda: r.one(p))
+            if got is not None:
+                out, tokens, s = got
+                runs.append(record(r, 1, i, tokens, s, out))
+        say(f"{t} threads: prompt {i + 1}/{len(ids)}")
+    for k in range(batch_rounds):
+        for r in [r for r in runners if r.batches]:
+            got = attempt(r, lambda: r.many(batch_ids))
+            if got is not None:
+                runs.append(record(r, len(batch_ids), k, *got, None))
+        say(f"{t} threads: batch {len(batch_ids)} round {k + 1}/{batch_rounds}")
+    return runs
 
 
 def run_peers(
@@ -506,7 +695,6 @@ def run_peers(
     import clover
 
     from ..decoding import get_mode, mode_names
-    from ..integrations.llama_port import MODES as PORT_MODES
     from ..models import parameter_counts
 
     threads = list(dict.fromkeys(threads))
@@ -515,6 +703,7 @@ def run_peers(
             raise ValueError(f"threads: must be positive integers, got {t}")
     if max_new_tokens <= 0 or batch <= 0 or batch_rounds < 0:
         raise ValueError("max_new_tokens and batch must be positive, batch_rounds >= 0")
+    check_engines(engines)
     src = Path(model_dir)
     say = progress or (lambda msg: None)
     llm = clover.load(src, dtype=dtype)
@@ -524,11 +713,9 @@ def run_peers(
         static_llm = clover.load(src, dtype=dtype, compile="static")
     cfg = llm.config
     found = discover(cfg, dtype=dtype, engines=engines, llama_dir=llama_dir, vllm_python=vllm_python)
-    wanted_modes = list(mode_names() if modes is None else modes)
-    for m in wanted_modes:
-        get_mode(m)
-    skipped_modes = [m for m in wanted_modes if get_mode(m).needs_mask and cfg.mask_token_id is None]
-    run_modes = [m for m in wanted_modes if m not in skipped_modes]
+    wanted_modes = [get_mode(m) for m in (mode_names() if modes is None else modes)]
+    skipped_modes = [m.name for m in wanted_modes if m.needs_mask and cfg.mask_token_id is None]
+    run_modes = [m.name for m in wanted_modes if m.name not in skipped_modes]
     if "naive" in run_modes and modes is None:
         run_modes.remove("naive")  # the uncached reference: a benchmark of its own (bench decode)
         skipped_modes.append("naive")
@@ -542,125 +729,52 @@ def run_peers(
         workdir = tmp.name
     work = Path(workdir)
     work.mkdir(parents=True, exist_ok=True)
+    setup = Setup(src, llm, static_llm, dtype, work, max_new_tokens, run_modes, batch_ids, batch_rounds,
+                  n_ctx=max(len(p) for p in ids) + max_new_tokens + 64,
+                  llama_dir=Path(llama_dir) if llama_dir else llama_cpp_dir(), vllm_python=vllm_python, say=say)
 
-    # -- shared, thread-independent preparation
-    hf_model = None
-    if found["transformers"]["available"]:
-        say("transformers: loading")
-        try:
-            import transformers
+    def note(name: str, msg: str) -> None:
+        found[name]["note"] = "; ".join(x for x in (found[name].get("note"), msg) if x)
 
-            cls = getattr(transformers, found["transformers"]["class"])
-            hf_dir = write_hf_dir(src, work / "hf-linked", cfg, dtype=dtype)
-            level = transformers.logging.get_verbosity()
-            transformers.logging.set_verbosity_error()  # clover's own tensors are "unexpected keys": meant
-            try:
-                hf_model = cls.from_pretrained(hf_dir, dtype=getattr(torch, dtype)).eval()
-            finally:
-                transformers.logging.set_verbosity(level)
-        except Exception as e:  # noqa: BLE001 - an engine that fails to load is skipped, not fatal
-            found["transformers"].update(available=False, note=f"failed to load: {type(e).__name__}: {e}"[:300])
-    gguf = None
-    if found["llama.cpp"]["available"]:
-        say("llama.cpp: exporting GGUF")
+    # -- shared, thread-independent preparation: an engine that cannot be readied is skipped, not fatal
+    ready: list[Engine] = []
+    for name, cls in ENGINES.items():
+        if not found[name]["available"]:
+            continue
+        eng = cls(setup, found[name])
         try:
-            gguf = gguf_file(src, work, dtype)
-            found["llama.cpp"]["gguf"] = str(gguf)
+            eng.prepare()
         except Exception as e:  # noqa: BLE001
-            found["llama.cpp"].update(available=False, note=f"GGUF export failed: {type(e).__name__}: {e}"[:300])
-    port_gguf = None
-    if found["llama-clover"]["available"]:
-        say("llama-clover: exporting GGUF with the Clover sidecar")
-        try:
-            port_gguf = gguf_file(src, work, dtype, clover_tensors="sidecar")
-            found["llama-clover"]["gguf"] = str(port_gguf)
-        except Exception as e:  # noqa: BLE001
-            found["llama-clover"].update(available=False, note=f"GGUF export failed: {type(e).__name__}: {e}"[:300])
-    vllm_dir = None
-    if found["vllm"]["available"]:
-        vllm_dir = write_hf_dir(src, work / "hf-vllm", cfg, dtype=dtype, copy=True)
+            found[name].update(available=False, note=f"{eng.fails}: {type(e).__name__}: {e}"[:300])
+            continue
+        ready.append(eng)
 
     runs: list[dict] = []
-    n_ctx = max(len(p) for p in ids) + max_new_tokens + 64
     for t in threads:
         set_threads(t)
-        runners: list[Runner] = [CloverRunner(llm, m, max_new_tokens) for m in run_modes]
-        if static_llm is not None:
-            runners += [CloverRunner(static_llm, m, max_new_tokens, warm_batch=batch_ids if batch_rounds else None)
-                        for m in run_modes]
-        if hf_model is not None:
-            runners.append(TransformersRunner(hf_model, max_new_tokens, cfg.pad_token_id or 0))
-        if gguf is not None:
-            bins = found["llama.cpp"]["binaries"]
-            if "llama-bench" in bins:
-                runners.append(LlamaBenchRunner(bins["llama-bench"], gguf, t, max_new_tokens))
-            if "probe" in bins:
-                runners.append(ProbeRunner(bins["probe"], gguf, t, max_new_tokens, cfg.eos_token_ids))
-            if "llama-batched-bench" in bins and batch_rounds:
-                runners.append(LlamaBatchedRunner(bins["llama-batched-bench"], gguf, t, max_new_tokens))
-        if port_gguf is not None:
-            runners += [PortRunner(llm, found["llama-clover"]["binary"], port_gguf, m, t, max_new_tokens)
-                        for m in run_modes if m in PORT_MODES]
-        if vllm_dir is not None:
-            say(f"vllm: starting ({t} threads)")
+        runners: list[Runner] = []
+        for eng in list(ready):
             try:
-                runners.append(VLLMRunner(found["vllm"]["python"], vllm_dir, t, max_new_tokens, n_ctx))
-            except Exception as e:  # noqa: BLE001
-                found["vllm"].update(available=False, note=f"failed to start: {e}"[:500])
-                vllm_dir = None
+                runners += eng.runners(t)
+            except Exception as e:  # noqa: BLE001 - e.g. a worker that does not start
+                found[eng.name].update(available=False, note=f"{eng.fails}: {e}"[:500])
+                ready.remove(eng)
 
         def failed(r: Runner, e: Exception) -> None:
-            # an engine that breaks mid-run is dropped with a note; the others go on
-            msg = f"{r.variant} failed at {t} threads: {type(e).__name__}: {e}"[:400]
-            found[r.engine]["note"] = "; ".join(x for x in (found[r.engine].get("note"), msg) if x)
+            note(r.engine, f"{r.variant} failed at {t} threads: {type(e).__name__}: {e}"[:400])
             runners.remove(r)
             r.close()
 
         try:
-            for r in list(runners):
-                say(f"{t} threads: warming up {r.engine} {r.variant}")
-                try:
-                    r.warm(ids[0])
-                except Exception as e:  # noqa: BLE001
-                    failed(r, e)
-            for i, p in enumerate(ids):
-                for r in list(runners):
-                    if isinstance(r, LlamaBatchedRunner):
-                        continue
-                    try:
-                        out, tokens, s = r.one(p)
-                    except Exception as e:  # noqa: BLE001
-                        failed(r, e)
-                        continue
-                    runs.append({"engine": r.engine, "variant": r.variant, "threads": t, "batch": 1, "item": i,
-                                 "tokens": tokens, "seconds": s, "tokens_per_second": tokens / s if s > 0 else 0.0,
-                                 "token_ids": out})
-                say(f"{t} threads: prompt {i + 1}/{len(ids)}")
-            for k in range(batch_rounds):
-                for r in list(runners):
-                    if not r.batches:
-                        continue
-                    try:
-                        got = r.many(batch_ids)
-                    except Exception as e:  # noqa: BLE001
-                        failed(r, e)
-                        continue
-                    if got is None:
-                        continue
-                    tokens, s = got
-                    runs.append({"engine": r.engine, "variant": r.variant, "threads": t, "batch": len(batch_ids),
-                                 "item": k, "tokens": tokens, "seconds": s,
-                                 "tokens_per_second": tokens / s if s > 0 else 0.0, "token_ids": None})
-                say(f"{t} threads: batch {len(batch_ids)} round {k + 1}/{batch_rounds}")
+            runs += _measure(runners, ids, batch_ids, batch_rounds, t, failed, say)
         finally:
             for r in runners:
                 r.close()
     if tmp is not None:
         tmp.cleanup()
-        if gguf is not None:
-            found["llama.cpp"]["gguf"] = None  # was temporary
-        if port_gguf is not None:
-            found["llama-clover"]["gguf"] = None
+        for name in ("llama.cpp", "llama-clover"):
+            if found[name].get("gguf"):
+                found[name]["gguf"] = None  # was temporary
 
     return {
         "schema": SCHEMA,

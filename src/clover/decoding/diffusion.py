@@ -212,10 +212,6 @@ class DiffusionEngine(BatchEngine):
         self._drop_finished()
         return events
 
-    @staticmethod
-    def _prefix_ends_row(r: RowState, n: int) -> bool:
-        return _prefix_ends_row_impl(r, r.state.blk[:n].tolist())
-
     def _candidates(self, r: RowState) -> torch.Tensor:
         """[Bs] bool: the positions this step may decode: masked, before the block's end for this row
         and, with sub-blocks, inside the leftmost sub-block that still has a masked position."""
@@ -297,7 +293,7 @@ class DiffusionEngine(BatchEngine):
             ))
         open_pos = r.state.masked[: r.state.need].nonzero()
         done = r.state.need if open_pos.numel() == 0 else int(open_pos[0])  # decoded contiguous prefix
-        if done < r.state.need and not (done and self._prefix_ends_row(r, done)):
+        if done < r.state.need and not (done and _prefix_ends_row(r, r.state.blk[:done].tolist())):
             return events
         # block finished (or its decoded prefix already ends the row: EOS, a stop token or stop
         # string — the positions after it cannot change the output): emit it, then queue it for
@@ -335,7 +331,9 @@ def _token_stops(r: RowState, tok: int) -> bool:
     return False
 
 
-def _prefix_ends_row_impl(r: RowState, prefix: list[int]) -> bool:
+def _prefix_ends_row(r: RowState, prefix: list[int]) -> bool:
+    """Whether these decoded tokens, after the row's output, already end it (EOS, a stop token, a
+    stop string): the block's later positions cannot change the output."""
     p = r.params
     if not p.ignore_eos and any(t in r.eos_ids for t in prefix):
         return True

@@ -13,7 +13,7 @@ and quality comparison is a benchmark, `clover bench quant` (`clover.bench.quant
 
 from __future__ import annotations
 
-import importlib
+from ..lazy import lazy_exports
 
 _EXPORTS = {
     "load_quantized": "clover.quant.loader",
@@ -28,10 +28,4 @@ _EXPORTS = {
 
 __all__ = list(_EXPORTS)
 
-
-def __getattr__(name: str):
-    if name in _EXPORTS:
-        value = getattr(importlib.import_module(_EXPORTS[name]), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module 'clover.quant' has no attribute {name!r}")
+__getattr__ = lazy_exports(__name__, _EXPORTS)

@@ -6,16 +6,10 @@ imported here: `clover.serve.defaults` is readable without the `serve` extra ins
 
 from __future__ import annotations
 
-import importlib
+from ..lazy import lazy_exports
 
 _EXPORTS = {"create_app": "clover.serve.app", "serve": "clover.serve.app", "run_app": "clover.serve.app"}
 
 __all__ = list(_EXPORTS)
 
-
-def __getattr__(name: str):
-    if name in _EXPORTS:
-        value = getattr(importlib.import_module(_EXPORTS[name]), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module 'clover.serve' has no attribute {name!r}")
+__getattr__ = lazy_exports(__name__, _EXPORTS)

@@ -29,9 +29,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-PARALLEL_MODES = ("ddp", "fsdp")
-
-
 def local(t: torch.Tensor) -> torch.Tensor:
     """The rank's own part of a (possibly DTensor) tensor."""
     return t.to_local() if hasattr(t, "to_local") else t

@@ -319,6 +319,19 @@ def load_recipe(path: str | Path, overrides: dict[str, Any] | None = None) -> Re
     return recipe_from_dict(raw, base=path.resolve().parent, source=str(path))
 
 
+def load_run(path: str | Path, overrides: dict[str, Any] | None = None) -> Recipe:
+    """A recipe file, or a run directory's recipe.json (the run continues in that directory);
+    `overrides` as in `load_recipe`."""
+    path = Path(path)
+    if not path.is_dir():
+        return load_recipe(path, overrides)
+    raw = json.loads((path / "recipe.json").read_text())
+    raw.setdefault("run", {})["out"] = raw.get("run", {}).get("out") or str(path)
+    for key, value in (overrides or {}).items():
+        apply_override(raw, key, value)
+    return recipe_from_dict(raw, source=str(path / "recipe.json"))
+
+
 def apply_override(raw: dict[str, Any], dotted: str, value: Any) -> None:
     parts = dotted.split(".")
     d = raw
