@@ -25,15 +25,20 @@
 #include "ggml-backend.h"
 #include "ggml-cpu.h"
 #include "gguf.h"
+#include "llama.h"
+#include "nlohmann/json.hpp"
 
 #include <algorithm>
 #include <chrono>
+#include <cfloat>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <iostream>
 #include <map>
+#include <random>
 #include <set>
 #include <sstream>
 #include <stdexcept>
@@ -77,6 +82,8 @@ struct Hparams {
     int conv_dim() const { return 2 * hk * dk + hv * dv; }
     int block_size = 32, mask_id = -1, eos_id = -1;
     float threshold = 0.95f;
+    std::string policy = "threshold";  // clover.policy: the model's default acceptance rule
+    int expert_budget = 0;             // clover.expert_budget (0: none)
 };
 
 struct GgufFile {
@@ -89,6 +96,10 @@ struct Model {
     Hparams hp;
     GgufFile main_file, side_file;
     std::vector<std::string> pieces;  // each token's bytes, for stop strings
+    llama_model * vocab_model = nullptr;  // libllama, vocab_only: the GGUF's tokenizer and chat template
+    const llama_vocab * vocab = nullptr;
+    int share_budget = 0;       // block expert sharing of the current request (0: off)
+    bool share_max = false;     // rank experts by the max (else the sum) of the block's router probabilities
     bool has_clover = false;
     ggml_tensor *tok_embd = nullptr, *out_norm = nullptr, *output = nullptr;
     std::vector<Layer> layers;
@@ -245,6 +256,8 @@ static void load_model(Model & m, const std::string & path, const std::string & 
     if (key_id(g, "clover.mask_token_id", false) >= 0) hp.mask_id = (int) get_u32(g, "clover.mask_token_id");
     if (key_id(g, "clover.block_size", false) >= 0) hp.block_size = (int) get_u32(g, "clover.block_size");
     hp.threshold = get_f32(g, "clover.threshold", 0.95f, false);
+    if (key_id(g, "clover.policy", false) >= 0) hp.policy = gguf_get_val_str(g, key_id(g, "clover.policy"));
+    if (key_id(g, "clover.expert_budget", false) >= 0) hp.expert_budget = (int) get_u32(g, "clover.expert_budget");
 
     // Clover's tensors: inline, or in the sidecar named by clover.tensors_file
     std::string side = sidecar_arg;
@@ -338,6 +351,157 @@ static void reset_cache(Model & m, int n_ctx) {
         L.S.assign((size_t) hp.hv * hp.dk * hp.dv, 0.f);
     }
     m.n_past = 0;
+}
+
+// ------------------------------------------------------------------------------------- text
+// The GGUF's own tokenizer and chat template, through llama.cpp's vocab API (libllama loads the
+// file with vocab_only: the tokenizer and metadata, no weights).
+static void load_vocab(Model & m, const std::string & path) {
+    llama_log_set([](ggml_log_level level, const char * text, void *) { if (level >= GGML_LOG_LEVEL_ERROR) fputs(text, stderr); }, nullptr);
+    llama_backend_init();
+    llama_model_params mp = llama_model_default_params();
+    mp.vocab_only = true;
+    mp.progress_callback = [](float, void *) { return true; };
+    m.vocab_model = llama_model_load_from_file(path.c_str(), mp);
+    if (m.vocab_model) m.vocab = llama_model_get_vocab(m.vocab_model);
+}
+
+static const llama_vocab * need_vocab(const Model & m) {
+    if (!m.vocab) throw std::runtime_error("text needs the GGUF's tokenizer, which llama.cpp could not load; send token ids");
+    return m.vocab;
+}
+
+// text -> ids as clover's tokenizer: no BOS, special tokens written in the text are parsed (parse_special)
+static std::vector<int> tokenize(const Model & m, const std::string & text, bool parse_special = true) {
+    const llama_vocab * v = need_vocab(m);
+    if (text.empty()) return {};
+    int n = -llama_tokenize(v, text.data(), (int) text.size(), nullptr, 0, false, parse_special);
+    std::vector<llama_token> ids(std::max(n, 0));
+    if (n > 0 && llama_tokenize(v, text.data(), (int) text.size(), ids.data(), n, false, parse_special) != n)
+        throw std::runtime_error("llama_tokenize failed");
+    return std::vector<int>(ids.begin(), ids.end());
+}
+
+// ids -> text as clover's tokenizer.decode: special tokens shown as their text, no clean-up
+static std::string detokenize(const Model & m, const std::vector<int> & ids) {
+    if (!m.vocab) {  // no libllama vocab: the byte-level pieces
+        std::string s;
+        for (int t : ids) if (t >= 0 && t < (int) m.pieces.size()) s += m.pieces[t];
+        return s;
+    }
+    if (ids.empty()) return "";
+    std::vector<llama_token> t(ids.begin(), ids.end());
+    std::string out(ids.size() * 8 + 16, '\0');
+    int n = llama_detokenize(m.vocab, t.data(), (int) t.size(), out.data(), (int) out.size(), false, true);
+    if (n < 0) {
+        out.resize(-n);
+        n = llama_detokenize(m.vocab, t.data(), (int) t.size(), out.data(), (int) out.size(), false, true);
+    }
+    out.resize(std::max(n, 0));
+    return out;
+}
+
+static std::string utf8_of(uint32_t cp) {
+    std::string s;
+    if (cp < 0x80) s += (char) cp;
+    else if (cp < 0x800) { s += (char) (0xC0 | (cp >> 6)); s += (char) (0x80 | (cp & 0x3F)); }
+    else { s += (char) (0xE0 | (cp >> 12)); s += (char) (0x80 | ((cp >> 6) & 0x3F)); s += (char) (0x80 | (cp & 0x3F)); }
+    return s;
+}
+
+static void replace_all(std::string & s, const std::string & a, const std::string & b) {
+    for (size_t i = s.find(a); i != std::string::npos; i = s.find(a, i + b.size())) s.replace(i, a.size(), b);
+}
+
+// A chat as token ids, with the GGUF's chat template (llama_chat_apply_template: llama.cpp's built-in
+// templates, detected from the GGUF's tokenizer.chat_template). As clover's Tokenizer.apply_chat_template:
+// control tokens written in message content are encoded as text, only the template writes control
+// tokens (content is rendered with private-use placeholders for them; the rendered text is split at the
+// control tokens the template wrote, each piece encoded with special tokens read as text).
+static std::vector<int> chat_prompt(const Model & m, const nlohmann::json & messages, bool add_generation_prompt) {
+    const llama_vocab * v = need_vocab(m);
+    const char * tmpl = llama_model_chat_template(m.vocab_model, nullptr);
+    if (!tmpl) throw std::runtime_error("messages: this model's GGUF has no chat template; use a plain prompt instead");
+    if (!messages.is_array() || messages.empty()) throw std::runtime_error("messages: must be a non-empty list of {role, content}");
+    std::vector<std::string> specials;
+    for (int t = 0; t < llama_vocab_n_tokens(v); t++)
+        if (llama_vocab_get_attr(v, t) & LLAMA_TOKEN_ATTR_CONTROL) {
+            const std::string s = llama_vocab_get_text(v, t);
+            if (!s.empty()) specials.push_back(s);
+        }
+    std::sort(specials.begin(), specials.end(), [](const std::string & a, const std::string & b) { return a.size() > b.size(); });
+    std::string used;
+    std::vector<std::string> roles, contents;
+    for (const auto & msg : messages) {
+        if (!msg.is_object() || !msg.contains("role") || !msg["role"].is_string() || !msg.contains("content") || !msg["content"].is_string())
+            throw std::runtime_error("messages: each message needs a string role and a string content");
+        roles.push_back(msg["role"]);
+        contents.push_back(msg["content"]);
+        used += roles.back() + contents.back();
+    }
+    uint32_t lead = 0xE000;
+    while (used.find(utf8_of(lead)) != std::string::npos) lead++;
+    std::vector<std::string> marks;
+    for (size_t i = 0; i < specials.size(); i++) marks.push_back(utf8_of(lead) + utf8_of(0xF000 + (uint32_t) i));
+    std::vector<llama_chat_message> chat;
+    for (size_t i = 0; i < contents.size(); i++) {
+        for (size_t k = 0; k < specials.size(); k++) replace_all(contents[i], specials[k], marks[k]);
+        chat.push_back({roles[i].c_str(), contents[i].c_str()});
+    }
+    std::vector<char> buf(1024 + 2 * used.size() * 4);
+    int n = llama_chat_apply_template(tmpl, chat.data(), chat.size(), add_generation_prompt, buf.data(), (int) buf.size());
+    if (n > (int) buf.size()) {
+        buf.resize(n);
+        n = llama_chat_apply_template(tmpl, chat.data(), chat.size(), add_generation_prompt, buf.data(), (int) buf.size());
+    }
+    if (n < 0) throw std::runtime_error("messages: llama.cpp does not know this GGUF's chat template (llama_chat_apply_template); send a plain prompt");
+    const std::string text(buf.data(), n);
+    std::vector<int> ids;
+    size_t pos = 0;
+    while (pos <= text.size()) {
+        size_t best = std::string::npos, blen = 0;  // the next control token the template wrote
+        for (const std::string & s : specials) {
+            const size_t f = text.find(s, pos);
+            if (f != std::string::npos && (f < best || (f == best && s.size() > blen))) { best = f; blen = s.size(); }
+        }
+        std::string piece = text.substr(pos, best == std::string::npos ? std::string::npos : best - pos);
+        if (!piece.empty()) {
+            for (size_t k = 0; k < specials.size(); k++) replace_all(piece, marks[k], specials[k]);
+            for (int t : tokenize(m, piece, false)) ids.push_back(t);
+        }
+        if (best == std::string::npos) break;
+        ids.push_back(tokenize(m, text.substr(best, blen), true).at(0));
+        pos = best + blen;
+    }
+    return ids;
+}
+
+// How much of `text` a stream may emit now (clover's base.held_back, on bytes): not a trailing
+// incomplete UTF-8 sequence, nor a tail that could be the start of a stop string.
+static size_t held_back(const std::string & text, const std::vector<std::string> & stop) {
+    size_t n = text.size();
+    for (size_t back = 1; back <= 4 && back <= n; back++) {  // a lead byte whose sequence is not complete
+        const unsigned char c = (unsigned char) text[n - back];
+        if ((c & 0xC0) == 0x80) continue;
+        const size_t len = c < 0x80 ? 1 : (c >> 5) == 6 ? 2 : (c >> 4) == 14 ? 3 : 4;
+        if (len > back) n -= back;
+        break;
+    }
+    size_t cut = n;
+    for (const std::string & s : stop)
+        for (size_t k = std::min(s.size() - 1, n); k > 0; k--)
+            if (text.compare(n - k, k, s, 0, k) == 0) { cut = std::min(cut, n - k); break; }
+    return cut;
+}
+
+// A finished row's text with its first stop string and what follows removed (base.trim_at_stop)
+static std::string trim_at_stop(const std::string & text, const std::vector<std::string> & stop) {
+    size_t end = text.size();
+    for (const std::string & s : stop) {
+        const size_t f = text.find(s);
+        if (f != std::string::npos) end = std::min(end, f);
+    }
+    return text.substr(0, end);
 }
 
 // ------------------------------------------------------------------------------ the GDN custom ops
@@ -537,6 +701,39 @@ static void gdn_mix(ggml_tensor * dst, int ith, int nth, void * ud) {
     }
 }
 
+// Block expert sharing (clover.moe.route with BlockSharing): src[0] router probabilities [E, T] ->
+// the same, with the denoise columns [Tc, T) restricted to the block's `budget` best experts (ranked by
+// the sum, or the max, of the block's probabilities); the others are zeroed. One task.
+struct ShareCall {
+    int Tc, budget;
+    bool rank_max;
+};
+
+static void block_share(ggml_tensor * dst, int ith, int, void * ud) {
+    if (ith != 0) return;
+    const ShareCall & c = *(const ShareCall *) ud;
+    const ggml_tensor * src = dst->src[0];
+    const int E = (int) src->ne[0], T = (int) src->ne[1];
+    const size_t snb = src->nb[1] / sizeof(float), dnb = dst->nb[1] / sizeof(float);
+    const float * P = (const float *) src->data;
+    float * D = (float *) dst->data;
+    for (int t = 0; t < T; t++) std::copy(P + (size_t) t * snb, P + (size_t) t * snb + E, D + (size_t) t * dnb);
+    std::vector<float> score(E, 0.f);
+    for (int t = c.Tc; t < T; t++)
+        for (int e = 0; e < E; e++) {
+            const float v = P[(size_t) t * snb + e];
+            score[e] = c.rank_max ? std::max(score[e], v) : score[e] + v;
+        }
+    std::vector<int> order(E);
+    for (int e = 0; e < E; e++) order[e] = e;
+    std::stable_sort(order.begin(), order.end(), [&](int a, int b) { return score[a] > score[b]; });
+    std::vector<char> keep(E, 0);
+    for (int i = 0; i < std::min(c.budget, E); i++) keep[order[i]] = 1;
+    for (int t = c.Tc; t < T; t++)
+        for (int e = 0; e < E; e++)
+            if (!keep[e]) D[(size_t) t * dnb + e] = 0.f;
+}
+
 // ------------------------------------------------------------------------------------ the forward
 struct Forward {
     std::vector<float> logits;  // [n_out][V], rows in the order of `out_rows`
@@ -570,6 +767,8 @@ static void forward(Model & m, const std::vector<int> & commit, const std::vecto
     ggml_set_input(out_ids);
 
     std::vector<GdnCall> calls(hp.n_layer);
+    ShareCall share_call{Tc, m.share_budget, m.share_max};
+    const bool share = Bd > 0 && m.share_budget > 0 && m.share_budget < hp.n_expert;
     ggml_tensor * x = ggml_get_rows(ctx, m.tok_embd, ids);  // [H, T]
     const int H = hp.n_embd, hd = hp.head_dim, nh = hp.n_head, nkv = hp.n_head_kv;
     for (int il = 0; il < hp.n_layer; il++) {
@@ -631,6 +830,7 @@ static void forward(Model & m, const std::vector<int> & commit, const std::vecto
         ggml_tensor * h = ggml_mul(ctx, ggml_rms_norm(ctx, x, hp.eps), L.post_norm);
         const int E = hp.n_expert, k = hp.n_expert_used;
         ggml_tensor * probs = ggml_soft_max(ctx, ggml_mul_mat(ctx, L.gate_inp, h));  // [E, T]
+        if (share) probs = ggml_custom_4d(ctx, GGML_TYPE_F32, E, T, 1, 1, &probs, 1, block_share, 1, &share_call);
         ggml_tensor * sel = ggml_top_k(ctx, probs, k);                               // [k, T]
         ggml_tensor * wts = ggml_get_rows(ctx, ggml_reshape_3d(ctx, probs, 1, E, T), sel);  // [1, k, T]
         wts = ggml_reshape_2d(ctx, wts, k, T);
@@ -720,33 +920,152 @@ static void rollback(Model & m, int committed, int keep) {
 }
 
 // ------------------------------------------------------------------------------- decoding options
+using json = nlohmann::json;
+
+// One request's options: clover's SamplingParams (the same names in a JSON request), the model's
+// defaults filled in as clover's resolve_params does.
 struct Params {
     std::string mode = "diffusion";
     int max_new = 64, block = -1, draft = -1;
     float threshold = -1.f;
-    std::string policy = "threshold";
-    float entropy_budget = 1.0f, factor = 1.0f;
-    std::string fallback = "confident";
-    bool ignore_eos = false;
+    std::string policy;  // "": the model's (the threshold rule when only a threshold is given)
+    float entropy_budget = 1.0f, factor = 1.0f, low_threshold = 0.5f;
+    std::string fallback = "confident", confidence = "prob";
+    float temperature = 0.f, top_p = 1.f;
+    int top_k = 0;
+    bool seeded = false;
+    uint64_t seed = 0;
+    float repetition_penalty = 1.f, presence_penalty = 0.f, eos_penalty = 0.f;
+    int no_repeat_ngram_size = 0, sub_block = 0, expert_budget = -1;  // expert_budget -1: the model's
+    std::string expert_rank = "sum";
+    bool ignore_eos = false, stream = false;
     std::set<int> eos, stop_ids;
     std::vector<std::string> stop;               // stop strings (UTF-8)
     const std::vector<std::string> * pieces = nullptr;  // each token's bytes (`token_pieces`)
+    bool greedy() const { return temperature == 0.f; }
+    bool uses_history() const { return repetition_penalty != 1.f || presence_penalty != 0.f || no_repeat_ngram_size > 0; }
 };
 
+static const std::set<std::string> POLICIES = {"threshold", "entropy", "factor", "hierarchy"};
+
+static std::string choice(const json & v, const std::string & key, const std::set<std::string> & allowed) {
+    const std::string s = v.get<std::string>();
+    if (!allowed.count(s)) {
+        std::string all;
+        for (const std::string & a : allowed) all += (all.empty() ? "" : ", ") + a;
+        throw std::runtime_error(key + ": must be one of " + all + ", got '" + s + "'");
+    }
+    return s;
+}
+
+static std::set<int> id_set(const json & v) {
+    std::set<int> out;
+    for (const auto & x : v) out.insert(x.get<int>());
+    return out;
+}
+
+// One option of a request (the JSON names are clover's SamplingParams fields).
+static void set_option(Params & p, const std::string & k, const json & v) {
+    try {
+        if (k == "mode") p.mode = choice(v, k, {"ar", "diffusion", "speculative"});
+        else if (k == "max_new_tokens") p.max_new = v.get<int>();
+        else if (k == "block_size") p.block = v.is_null() ? -1 : v.get<int>();
+        else if (k == "draft_length") p.draft = v.is_null() ? -1 : v.get<int>();
+        else if (k == "threshold") p.threshold = v.is_null() ? -1.f : v.get<float>();
+        else if (k == "policy") p.policy = v.is_null() ? "" : choice(v, k, POLICIES);
+        else if (k == "entropy_budget") p.entropy_budget = v.get<float>();
+        else if (k == "factor") p.factor = v.get<float>();
+        else if (k == "low_threshold") p.low_threshold = v.get<float>();
+        else if (k == "fallback") p.fallback = choice(v, k, {"confident", "leftmost"});
+        else if (k == "confidence") p.confidence = choice(v, k, {"prob", "margin", "entropy"});
+        else if (k == "temperature") p.temperature = v.get<float>();
+        else if (k == "top_p") p.top_p = v.get<float>();
+        else if (k == "top_k") p.top_k = std::max(0, v.get<int>());
+        else if (k == "seed") { p.seeded = !v.is_null(); if (p.seeded) p.seed = v.get<uint64_t>(); }
+        else if (k == "repetition_penalty") p.repetition_penalty = v.get<float>();
+        else if (k == "presence_penalty") p.presence_penalty = v.get<float>();
+        else if (k == "eos_penalty") p.eos_penalty = v.get<float>();
+        else if (k == "no_repeat_ngram_size") p.no_repeat_ngram_size = v.get<int>();
+        else if (k == "sub_block") p.sub_block = v.is_null() ? 0 : v.get<int>();
+        else if (k == "expert_budget") p.expert_budget = v.is_null() ? -1 : v.get<int>();
+        else if (k == "expert_rank") p.expert_rank = choice(v, k, {"sum", "max"});
+        else if (k == "ignore_eos") p.ignore_eos = v.get<bool>();
+        else if (k == "stream") p.stream = v.get<bool>();
+        else if (k == "eos_token_ids") p.eos = id_set(v);
+        else if (k == "stop_token_ids") p.stop_ids = id_set(v);
+        else if (k == "stop") {
+            p.stop.clear();
+            if (v.is_string()) p.stop.push_back(v.get<std::string>());
+            else if (!v.is_null()) for (const auto & x : v) p.stop.push_back(x.get<std::string>());
+            p.stop.erase(std::remove(p.stop.begin(), p.stop.end(), std::string()), p.stop.end());
+        } else throw std::runtime_error(k + ": unknown option");
+    } catch (const json::exception &) {
+        throw std::runtime_error(k + ": wrong type, got " + v.dump());
+    }
+}
+
+static const std::set<std::string> REQUEST_KEYS = {"id", "prompt", "messages", "add_generation_prompt"};
+
+// The request's options over the command line's, with the model's defaults (resolve_params).
+static Params make_params(const Model & m, const json & defaults, const json & req) {
+    Params p;
+    json all = defaults;
+    for (auto it = req.begin(); it != req.end(); ++it)
+        if (!REQUEST_KEYS.count(it.key())) all[it.key()] = it.value();
+    bool eos_given = false, threshold_given = false;
+    for (auto it = all.begin(); it != all.end(); ++it) {
+        set_option(p, it.key(), it.value());
+        eos_given |= it.key() == "eos_token_ids";
+        threshold_given |= it.key() == "threshold" && !it.value().is_null();
+    }
+    const Hparams & hp = m.hp;
+    if (p.block <= 0) p.block = hp.block_size;
+    if (p.draft <= 0) p.draft = p.block;
+    if (p.policy.empty()) p.policy = threshold_given ? "threshold" : hp.policy;
+    if (p.threshold <= 0) p.threshold = hp.threshold;
+    if (p.expert_budget < 0) p.expert_budget = hp.expert_budget;
+    if (!eos_given && hp.eos_id >= 0) p.eos.insert(hp.eos_id);
+    p.pieces = &m.pieces;
+    auto bad = [](const std::string & s) { throw std::runtime_error(s); };
+    if (p.max_new < 0) bad("max_new_tokens: must be >= 0");
+    if (p.temperature < 0) bad("temperature: must be >= 0");
+    if (!(p.top_p > 0 && p.top_p <= 1)) bad("top_p: must be > 0 and <= 1");
+    if (p.repetition_penalty <= 0) bad("repetition_penalty: must be > 0");
+    if (p.no_repeat_ngram_size < 0) bad("no_repeat_ngram_size: must be >= 0");
+    if (p.block < 1) bad("block_size: must be >= 1");
+    if (p.expert_budget > 0 && (p.expert_budget < hp.n_expert_used || p.expert_budget > hp.n_expert))
+        bad("expert_budget: must lie in [" + std::to_string(hp.n_expert_used) + ", " + std::to_string(hp.n_expert) + "]");
+    if (p.policy == "hierarchy" && p.low_threshold > p.threshold) bad("low_threshold: must be <= threshold");
+    for (int t : p.stop_ids) if (t < 0 || t >= hp.n_vocab) bad("stop_token_ids: " + std::to_string(t) + " is outside the vocabulary");
+    if (!p.stop.empty() && m.pieces.empty()) bad("stop: needs the GGUF's tokenizer.ggml.tokens");
+    if (p.mode == "speculative") {  // speculative.check_speculative_params
+        if (!p.greedy()) bad("temperature: speculative mode is greedy-only (lossless w.r.t. AR greedy); use mode 'ar' or 'diffusion' to sample");
+        if (p.uses_history()) bad("repetition_penalty: history-dependent penalties are not supported in speculative mode");
+        if (p.draft > p.block) bad("draft_length: must be <= block_size (" + std::to_string(p.block) + ")");
+    }
+    if ((p.mode == "diffusion" || p.mode == "speculative") && !m.has_clover)
+        bad("mode: " + p.mode + " needs Clover's tensors: the .clover.gguf sidecar next to the model (or --sidecar)");
+    if ((p.mode == "diffusion" || p.mode == "speculative") && hp.mask_id < 0) bad("mode: the model has no mask token (clover.mask_token_id)");
+    return p;
+}
+
 struct Row {
-    std::vector<int> tokens;
+    std::vector<int> prompt, tokens;
     int forwards = 0, forced_steps = 0;
     double first_forward_s = 0.0;  // the forward that carried the prompt (prefill)
     std::vector<int> block_steps, accept_lengths;
     std::string finish;
     bool finished = false;
+    std::mt19937_64 rng;
+    std::function<void(Row &, const std::vector<int> &)> on_commit;  // streaming: the tokens kept by one accept
 };
 
 // RowState.accept: append tokens, stopping at EOS / a stop token (not kept), a stop string (kept up to
-// the token that completes it) or the length limit.
+// the token that completes it) or the length limit. Streams the kept tokens.
 static void row_accept(Row & r, const Params & p, const std::vector<int> & toks) {
     if (r.finished) return;
     const int room = p.max_new - (int) r.tokens.size();
+    const size_t start = r.tokens.size();
     std::string reason;
     int added = 0;
     for (int i = 0; i < std::min<int>(room, (int) toks.size()); i++) {
@@ -785,6 +1104,74 @@ static void row_accept(Row & r, const Params & p, const std::vector<int> & toks)
         r.finished = true;
         r.finish = reason;
     }
+    if (r.on_commit && r.tokens.size() > start) r.on_commit(r, std::vector<int>(r.tokens.begin() + start, r.tokens.end()));
+}
+
+// ------------------------------------------------------------------- logits processing and proposal
+// clover.decoding.sampling.banned_ngram_tokens: tokens completing an n-gram already in `seen` (-1 = unknown)
+static std::vector<int> banned_ngram_tokens(const std::vector<int> & seen, int n) {
+    std::vector<int> out;
+    const int L = (int) seen.size();
+    if (L < n) return out;
+    for (int i = L - (n - 1); i < L; i++) if (seen[i] < 0) return out;
+    for (int j = 0; j + n <= L; j++) {
+        bool ok = true;
+        for (int i = 0; i < n && ok; i++) ok = seen[j + i] >= 0;
+        for (int i = 0; i < n - 1 && ok; i++) ok = seen[j + i] == seen[L - (n - 1) + i];
+        if (ok) out.push_back(seen[j + n - 1]);
+    }
+    return out;
+}
+
+// clover.decoding.sampling.process_logits for one position; `seen`: the tokens it follows (prompt,
+// output, then the block's positions before it, -1 where still masked), or null (no history)
+static void process_logits(const Params & p, float * x, int V, const std::vector<int> * seen) {
+    if (seen && p.uses_history() && (p.repetition_penalty != 1.f || p.presence_penalty != 0.f)) {
+        std::vector<char> known(V, 0);
+        for (int t : *seen) if (t >= 0 && t < V) known[t] = 1;
+        for (int t = 0; t < V; t++) {
+            if (!known[t]) continue;
+            float v = x[t];
+            if (p.repetition_penalty != 1.f) v = v > 0 ? v / p.repetition_penalty : v * p.repetition_penalty;
+            x[t] = v - p.presence_penalty;
+        }
+    }
+    if (p.eos_penalty != 0.f) for (int e : p.eos) if (e >= 0 && e < V) x[e] -= p.eos_penalty;
+    if (p.ignore_eos) for (int e : p.eos) if (e >= 0 && e < V) x[e] = -INFINITY;
+    if (seen && p.no_repeat_ngram_size > 0)
+        for (int t : banned_ngram_tokens(*seen, p.no_repeat_ngram_size)) x[t] = -INFINITY;
+    for (int i = 0; i < V; i++) {  // nan_to_num(nan=-inf, posinf=FLT_MAX)
+        if (std::isnan(x[i])) x[i] = -INFINITY;
+        else if (x[i] == INFINITY) x[i] = FLT_MAX;
+    }
+}
+
+// clover.decoding.sampling.filter_logits: temperature, top-k, top-p (sampling only)
+static void filter_logits(const Params & p, std::vector<float> & x) {
+    const int V = (int) x.size();
+    const float mx = *std::max_element(x.begin(), x.end());
+    const float t = std::max(p.temperature, 1e-30f);
+    for (float & v : x) v = (v - mx) / t;
+    if (p.top_k && p.top_k < V) {
+        std::vector<float> s(x);
+        std::nth_element(s.begin(), s.begin() + (p.top_k - 1), s.end(), std::greater<float>());
+        const float kth = s[p.top_k - 1];
+        for (float & v : x) if (v < kth) v = -INFINITY;
+    }
+    if (p.top_p < 1.f) {
+        std::vector<int> order(V);
+        for (int i = 0; i < V; i++) order[i] = i;
+        std::stable_sort(order.begin(), order.end(), [&](int a, int b) { return x[a] > x[b]; });
+        const float m0 = x[order[0]];
+        double sum = 0.0;
+        for (int i : order) sum += std::exp((double) x[i] - m0);
+        double cum = 0.0;
+        for (int r = 0; r < V; r++) {
+            const double pi = std::exp((double) x[order[r]] - m0) / sum;
+            cum += pi;
+            if (r > 0 && cum - pi >= p.top_p) x[order[r]] = -INFINITY;  // keep the smallest set reaching top_p
+        }
+    }
 }
 
 struct Proposal {
@@ -792,19 +1179,33 @@ struct Proposal {
     float conf, ent;
 };
 
-// clover.decoding.sampling.propose, greedy: processed logits -> argmax, p(argmax), entropy
-static Proposal propose(const float * lg, int V, const Params & p) {
+// clover.decoding.sampling.propose for one position: processed logits -> the token (argmax, or drawn
+// from the filtered distribution), its confidence (prob / margin / entropy) and the entropy (nats)
+static Proposal propose(const float * lg, int V, const Params & p, const std::vector<int> * seen, std::mt19937_64 & rng,
+                        bool want_entropy) {
     std::vector<float> x(lg, lg + V);
-    if (p.ignore_eos)
-        for (int e : p.eos) if (e >= 0 && e < V) x[e] = -INFINITY;
+    process_logits(p, x.data(), V, seen);
+    if (!p.greedy()) filter_logits(p, x);
     float mx = -INFINITY;
     int arg = 0;
     for (int i = 0; i < V; i++)
         if (x[i] > mx) { mx = x[i]; arg = i; }
     double sum = 0.0;
     for (int i = 0; i < V; i++) sum += exp((double) x[i] - mx);
-    Proposal pr{arg, (float) (1.0 / sum), 0.f};
-    if (p.policy == "entropy") {
+    int tok = arg;
+    if (!p.greedy()) {  // multinomial draw
+        double u = std::uniform_real_distribution<double>(0.0, 1.0)(rng) * sum, c = 0.0;
+        tok = -1;
+        for (int i = 0; i < V; i++) {
+            const double w = exp((double) x[i] - mx);
+            if (w <= 0.0) continue;
+            c += w;
+            tok = i;
+            if (u < c) break;
+        }
+    }
+    Proposal pr{tok, (float) (exp((double) x[tok] - mx) / sum), 0.f};
+    if (want_entropy || p.confidence == "entropy") {
         double h = 0.0;
         for (int i = 0; i < V; i++) {
             const double pi = exp((double) x[i] - mx) / sum;
@@ -812,15 +1213,31 @@ static Proposal propose(const float * lg, int V, const Params & p) {
         }
         pr.ent = (float) h;
     }
+    if (p.confidence == "margin") {
+        float second = -INFINITY;
+        for (int i = 0; i < V; i++) if (i != arg && x[i] > second) second = x[i];
+        pr.conf = (float) ((1.0 - exp((double) second - mx)) / sum);
+    } else if (p.confidence == "entropy") {
+        pr.conf = expf(-pr.ent);
+    }
     return pr;
 }
 
-// clover.decoding.acceptance: indices into the candidates to commit (ascending); forced if none passed
-static std::vector<int> accept_rule(const Params & p, const std::vector<Proposal> & pr, bool & forced) {
+// clover.decoding.acceptance: indices into the candidates (block positions `pos`, ascending) to
+// commit; forced when none passed
+static std::vector<int> accept_rule(const Params & p, const std::vector<Proposal> & pr, const std::vector<int> & pos, bool & forced) {
     const int n = (int) pr.size();
     std::vector<int> take;
     if (p.policy == "threshold") {
         for (int i = 0; i < n; i++) if (pr[i].conf >= p.threshold) take.push_back(i);
+    } else if (p.policy == "hierarchy") {
+        for (int i = 0; i < n; i++) {
+            const float c = pr[i].conf;
+            const bool high = c >= p.threshold, mid = c >= p.low_threshold && !high;
+            const float left = i > 0 && pos[i] == pos[i - 1] + 1 ? pr[i - 1].conf : -1.f;
+            const float right = i + 1 < n && pos[i + 1] == pos[i] + 1 ? pr[i + 1].conf : -1.f;
+            if (high || (mid && c > left && c >= right)) take.push_back(i);
+        }
     } else if (p.policy == "entropy" || p.policy == "factor") {
         std::vector<int> order(n);
         for (int i = 0; i < n; i++) order[i] = i;
@@ -841,7 +1258,7 @@ static std::vector<int> accept_rule(const Params & p, const std::vector<Proposal
         take.assign(order.begin(), order.begin() + count);
         std::sort(take.begin(), take.end());
     } else {
-        die("unknown policy " + p.policy);
+        throw std::runtime_error("policy: unknown " + p.policy);
     }
     forced = take.empty();
     if (forced) {
@@ -855,24 +1272,28 @@ static std::vector<int> accept_rule(const Params & p, const std::vector<Proposal
     return take;
 }
 
+// speculative's argmax: the processed logits (EOS penalty, ignore_eos), no history
 static int argmax_tok(const float * lg, int V, const Params & p) {
-    int best = -1;
-    for (int i = 0; i < V; i++) {
-        if (p.ignore_eos && p.eos.count(i)) continue;
-        if (best < 0 || lg[i] > lg[best]) best = i;
-    }
-    return best;
+    std::vector<float> x(lg, lg + V);
+    process_logits(p, x.data(), V, nullptr);
+    return (int) (std::max_element(x.begin(), x.end()) - x.begin());
 }
 
 // ------------------------------------------------------------------------------------ the engines
 static void run_ar(Model & m, const Params & p, const std::vector<int> & prompt, Row & r) {
     const int V = m.hp.n_vocab;
-    std::vector<int> pending = prompt;
+    std::vector<int> pending = prompt, seen;
     Forward f;
     while (!r.finished) {
         forward(m, pending, {}, {(int) pending.size() - 1}, false, f);
         if (++r.forwards == 1) r.first_forward_s = m.last_forward_s;
-        const int tok = argmax_tok(f.logits.data(), V, p);
+        const std::vector<int> * hist = nullptr;
+        if (p.uses_history()) {
+            seen = prompt;
+            seen.insert(seen.end(), r.tokens.begin(), r.tokens.end());
+            hist = &seen;
+        }
+        const int tok = propose(f.logits.data(), V, p, hist, r.rng, false).tok;
         row_accept(r, p, {tok});
         pending = {tok};
     }
@@ -921,7 +1342,6 @@ static bool prefix_ends_row(const Params & p, const Row & r, const std::vector<i
 // clover.decoding.diffusion.DiffusionEngine for one row
 static void run_diffusion(Model & m, const Params & p, const std::vector<int> & prompt, Row & r) {
     const int V = m.hp.n_vocab, Bs = p.block, mask = m.hp.mask_id;
-    if (mask < 0) die("the model has no mask token (clover.mask_token_id)");
     std::vector<int> pending = prompt, blk;
     std::vector<char> masked;
     std::vector<float> first(V);
@@ -932,15 +1352,30 @@ static void run_diffusion(Model & m, const Params & p, const std::vector<int> & 
         step = 0;
         need = std::min(Bs, p.max_new - (int) r.tokens.size());
     };
+    // DiffusionEngine._candidates: masked, before `need`, and inside the leftmost open sub-block
+    auto candidates = [&]() {
+        std::vector<char> open(Bs, 0);
+        int first_open = -1;
+        for (int j = 0; j < need; j++)
+            if (masked[j]) { open[j] = 1; if (first_open < 0) first_open = j; }
+        if (p.sub_block && p.sub_block < Bs && first_open >= 0) {
+            const int lo = first_open - first_open % p.sub_block;
+            for (int j = 0; j < Bs; j++) if (j < lo || j >= lo + p.sub_block) open[j] = 0;
+        }
+        return open;
+    };
     new_block();
     Forward f;
+    const bool want_ent = p.policy == "entropy";
+    std::vector<int> seen;
     while (!r.finished) {
         const int Tc = (int) pending.size();
         std::vector<int> rows;
         if (Tc) rows.push_back(Tc - 1);
+        const std::vector<char> open = candidates();
         std::vector<int> den_row(Bs, -1);  // block position j -> row of the logits that predict it
         for (int j = 1; j < Bs; j++)
-            if (masked[j] && j < need) { den_row[j] = (int) rows.size(); rows.push_back(Tc + j - 1); }
+            if (open[j]) { den_row[j] = (int) rows.size(); rows.push_back(Tc + j - 1); }
         forward(m, pending, blk, rows, false, f);
         if (++r.forwards == 1) r.first_forward_s = m.last_forward_s;
         if (Tc) {
@@ -949,14 +1384,25 @@ static void run_diffusion(Model & m, const Params & p, const std::vector<int> & 
         }
         step++;
         std::vector<int> cand;
-        for (int j = 0; j < need; j++) if (masked[j]) cand.push_back(j);
+        for (int j = 0; j < Bs; j++) if (open[j]) cand.push_back(j);
         std::vector<Proposal> pr;
+        const size_t base_n = prompt.size() + r.tokens.size();
+        if (p.uses_history()) {
+            seen = prompt;
+            seen.insert(seen.end(), r.tokens.begin(), r.tokens.end());
+        }
         for (int j : cand) {
             const float * lg = j == 0 ? first.data() : &f.logits[(size_t) den_row[j] * V];
-            pr.push_back(propose(lg, V, p));
+            const std::vector<int> * hist = nullptr;
+            if (p.uses_history()) {  // what position j follows: the output, then the block before it (-1: masked)
+                seen.resize(base_n);
+                for (int i = 0; i < j; i++) seen.push_back(masked[i] ? -1 : blk[i]);
+                hist = &seen;
+            }
+            pr.push_back(propose(lg, V, p, hist, r.rng, want_ent));
         }
         bool forced = false;
-        std::vector<int> take = accept_rule(p, pr, forced);
+        std::vector<int> take = accept_rule(p, pr, cand, forced);
         if (forced) r.forced_steps++;
         std::vector<int> pos;
         for (int i : take) {
@@ -991,7 +1437,6 @@ static void run_diffusion(Model & m, const Params & p, const std::vector<int> & 
 // clover.decoding.speculative.SpeculativeEngine for one row (greedy; lossless w.r.t. AR)
 static void run_speculative(Model & m, const Params & p, const std::vector<int> & prompt, Row & r) {
     const int V = m.hp.n_vocab, D = p.draft, mask = m.hp.mask_id;
-    if (mask < 0) die("the model has no mask token (clover.mask_token_id)");
     std::vector<int> pending = prompt, draft;
     bool has_draft = false;
     std::vector<float> first(V);
@@ -1035,6 +1480,73 @@ static void run_speculative(Model & m, const Params & p, const std::vector<int> 
     }
 }
 
+// ----------------------------------------------------------------------------------- one request
+// The prompt of a request: "prompt" as token ids or text, or "messages" (the chat template).
+static std::vector<int> request_prompt(const Model & m, const json & req) {
+    std::vector<int> ids;
+    if (req.contains("messages")) {
+        ids = chat_prompt(m, req["messages"], req.value("add_generation_prompt", true));
+    } else if (req.contains("prompt") && req["prompt"].is_string()) {
+        ids = tokenize(m, req["prompt"].get<std::string>());
+    } else if (req.contains("prompt") && req["prompt"].is_array()) {
+        for (const auto & x : req["prompt"]) {
+            if (!x.is_number_integer()) throw std::runtime_error("prompt: token ids must be integers");
+            const int t = x.get<int>();
+            if (t < 0 || t >= m.hp.n_vocab)
+                throw std::runtime_error("prompt: token id " + std::to_string(t) + " is outside the vocabulary (size " + std::to_string(m.hp.n_vocab) + ")");
+            ids.push_back(t);
+        }
+    } else {
+        throw std::runtime_error("prompt: give \"prompt\" (text or token ids) or \"messages\"");
+    }
+    if (ids.empty()) throw std::runtime_error("prompt: empty; give at least one token");
+    return ids;
+}
+
+static std::string dump(const json & j) { return j.dump(-1, ' ', false, json::error_handler_t::replace); }
+
+// Runs one request; `emit` gets each output line (commit events when streaming, then the result).
+static json run_request(Model & m, const json & defaults, const json & req, const std::function<void(const json &)> & emit) {
+    const Params p = make_params(m, defaults, req);
+    const std::vector<int> prompt = request_prompt(m, req);
+    Row r;
+    r.prompt = prompt;
+    r.rng.seed(p.seeded ? p.seed : std::random_device{}());
+    std::string emitted;
+    if (p.stream)
+        r.on_commit = [&](Row & row, const std::vector<int> & kept) {
+            const std::string text = detokenize(m, row.tokens);
+            std::string now = row.finished ? (row.finish == "stop" ? trim_at_stop(text, p.stop) : text)
+                                           : text.substr(0, held_back(text, p.stop));
+            json ev = {{"event", "commit"}, {"tokens", kept}, {"text", now.size() > emitted.size() ? now.substr(emitted.size()) : ""}};
+            if (req.contains("id")) ev["id"] = req["id"];
+            if (now.size() > emitted.size()) emitted = now;
+            emit(ev);
+        };
+    reset_cache(m, (int) prompt.size() + p.max_new + 2 * std::max(p.block, p.draft) + 1);
+    m.share_budget = p.mode == "ar" ? 0 : std::max(0, p.expert_budget);
+    m.share_max = p.expert_rank == "max";
+    const auto t0 = std::chrono::steady_clock::now();
+    if (p.max_new > 0) {
+        if (p.mode == "ar") run_ar(m, p, prompt, r);
+        else if (p.mode == "diffusion") run_diffusion(m, p, prompt, r);
+        else run_speculative(m, p, prompt, r);
+    } else {
+        r.finish = "length";
+    }
+    const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    const int n = (int) r.tokens.size();
+    std::string text = detokenize(m, r.tokens);
+    if (r.finish == "stop") text = trim_at_stop(text, p.stop);
+    json out = {{"event", "done"}, {"mode", p.mode}, {"prompt_tokens", prompt.size()}, {"tokens", r.tokens}, {"n_tokens", n},
+                {"text", text}, {"forwards", r.forwards}, {"tokens_per_forward", r.forwards ? (double) n / r.forwards : 0.0},
+                {"seconds", secs}, {"tokens_per_second", secs > 0 ? n / secs : 0.0}, {"prefill_forward_seconds", r.first_forward_s},
+                {"finish", r.finish}, {"block_steps", r.block_steps}, {"forced_steps", r.forced_steps},
+                {"accept_lengths", r.accept_lengths}};
+    if (req.contains("id")) out["id"] = req["id"];
+    return out;
+}
+
 // ------------------------------------------------------------------------------------------- CLI
 static std::vector<int> parse_ids(const std::string & line) {
     std::vector<int> v;
@@ -1044,72 +1556,91 @@ static std::vector<int> parse_ids(const std::string & line) {
     return v;
 }
 
-static std::set<int> parse_set(const std::string & s) {
-    std::set<int> out;
+static std::vector<int> parse_list(const std::string & s) {
     std::string t = s;
     for (char & ch : t) if (ch == ',') ch = ' ';
-    for (int x : parse_ids(t)) out.insert(x);
-    return out;
-}
-
-static std::string join(const std::vector<int> & v) {
-    std::string s;
-    for (size_t i = 0; i < v.size(); i++) s += (i ? "," : "") + std::to_string(v[i]);
-    return s;
+    return parse_ids(t);
 }
 
 static void usage() {
     fprintf(stderr,
-        "usage: llama-clover MODEL.gguf [--sidecar F] --mode ar|diffusion|speculative|forward\n"
-        "       [-n N] [--block B] [--draft D] [--threshold X] [--policy threshold|entropy|factor]\n"
-        "       [--entropy-budget X] [--factor X] [--fallback confident|leftmost] [--ignore-eos]\n"
-        "       [--eos IDS] [--stop-ids IDS] [--stop STR]... [--threads T] [--out F (forward)]\n"
-        "       < prompts (token ids, one per line)\n");
+        "usage: llama-clover MODEL.gguf [--sidecar F] [--mode ar|diffusion|speculative|forward] [options]\n"
+        "  input:  (default) stdin lines of token ids | --text (stdin lines of text) | -p TEXT (one prompt,\n"
+        "          its text streamed to stdout) | --chat (stdin lines: user turns, the GGUF's chat template)\n"
+        "          | --json (stdin lines: JSON requests {prompt|messages, options...}; events out)\n"
+        "  length: -n N, --ignore-eos, --eos IDS, --stop-ids IDS, --stop STR (repeatable)\n"
+        "  block:  --block B, --draft D, --sub-block S, --expert-budget M, --expert-rank sum|max\n"
+        "  accept: --threshold X, --policy threshold|entropy|factor|hierarchy, --entropy-budget X,\n"
+        "          --factor X, --low-threshold X, --fallback confident|leftmost, --confidence prob|margin|entropy\n"
+        "  sample: --temperature T, --top-p P, --top-k K, --seed S, --repetition-penalty X,\n"
+        "          --presence-penalty X, --eos-penalty X, --no-repeat-ngram N\n"
+        "  other:  --stream, --threads T, --out F (forward)\n");
     exit(2);
 }
 
 int main(int argc, char ** argv) {
     if (argc < 2) usage();
-    std::string model_path = argv[1], sidecar, out_path;
-    Params p;
+    std::string model_path = argv[1], sidecar, out_path, input = "ids", prompt_text, mode = "diffusion";
+    json defaults = json::object();
     int threads = 1;
-    bool eos_given = false;
+    std::vector<std::string> stops;
     for (int i = 2; i < argc; i++) {
         std::string a = argv[i];
         auto next = [&]() -> std::string { if (i + 1 >= argc) usage(); return argv[++i]; };
-        if (a == "--mode") p.mode = next();
+        auto num = [&]() { return json::parse(next()); };
+        if (a == "--mode") mode = next();
         else if (a == "--sidecar") sidecar = next();
-        else if (a == "-n" || a == "--max-new-tokens") p.max_new = atoi(next().c_str());
-        else if (a == "--block") p.block = atoi(next().c_str());
-        else if (a == "--draft") p.draft = atoi(next().c_str());
-        else if (a == "--threshold") p.threshold = (float) atof(next().c_str());
-        else if (a == "--policy") p.policy = next();
-        else if (a == "--entropy-budget") p.entropy_budget = (float) atof(next().c_str());
-        else if (a == "--factor") p.factor = (float) atof(next().c_str());
-        else if (a == "--fallback") p.fallback = next();
-        else if (a == "--ignore-eos") p.ignore_eos = true;
-        else if (a == "--eos") { p.eos = parse_set(next()); eos_given = true; }
-        else if (a == "--stop-ids") p.stop_ids = parse_set(next());
-        else if (a == "--stop") p.stop.push_back(next());
+        else if (a == "-n" || a == "--max-new-tokens") defaults["max_new_tokens"] = num();
+        else if (a == "--block") defaults["block_size"] = num();
+        else if (a == "--draft") defaults["draft_length"] = num();
+        else if (a == "--sub-block") defaults["sub_block"] = num();
+        else if (a == "--expert-budget") defaults["expert_budget"] = num();
+        else if (a == "--expert-rank") defaults["expert_rank"] = next();
+        else if (a == "--threshold") defaults["threshold"] = num();
+        else if (a == "--policy") defaults["policy"] = next();
+        else if (a == "--entropy-budget") defaults["entropy_budget"] = num();
+        else if (a == "--factor") defaults["factor"] = num();
+        else if (a == "--low-threshold") defaults["low_threshold"] = num();
+        else if (a == "--fallback") defaults["fallback"] = next();
+        else if (a == "--confidence") defaults["confidence"] = next();
+        else if (a == "--temperature" || a == "--temp") defaults["temperature"] = num();
+        else if (a == "--top-p") defaults["top_p"] = num();
+        else if (a == "--top-k") defaults["top_k"] = num();
+        else if (a == "--seed") defaults["seed"] = num();
+        else if (a == "--repetition-penalty") defaults["repetition_penalty"] = num();
+        else if (a == "--presence-penalty") defaults["presence_penalty"] = num();
+        else if (a == "--eos-penalty") defaults["eos_penalty"] = num();
+        else if (a == "--no-repeat-ngram") defaults["no_repeat_ngram_size"] = num();
+        else if (a == "--ignore-eos") defaults["ignore_eos"] = true;
+        else if (a == "--eos") defaults["eos_token_ids"] = parse_list(next());
+        else if (a == "--stop-ids") defaults["stop_token_ids"] = parse_list(next());
+        else if (a == "--stop") stops.push_back(next());
+        else if (a == "--stream") defaults["stream"] = true;
+        else if (a == "--text") input = "text";
+        else if (a == "--chat") input = "chat";
+        else if (a == "--json") input = "json";
+        else if (a == "-p" || a == "--prompt") { input = "prompt"; prompt_text = next(); }
         else if (a == "--threads" || a == "-t") threads = atoi(next().c_str());
         else if (a == "--out") out_path = next();
         else usage();
     }
+    if (!stops.empty()) defaults["stop"] = stops;
+    if (mode != "forward") defaults["mode"] = mode;
     ggml_log_set([](ggml_log_level level, const char * text, void *) { if (level >= GGML_LOG_LEVEL_ERROR) fputs(text, stderr); }, nullptr);
     Model m;
     load_model(m, model_path, sidecar, threads);
-    if (p.block <= 0) p.block = m.hp.block_size;
-    if (p.draft <= 0) p.draft = p.block;
-    if (p.threshold <= 0) p.threshold = m.hp.threshold;
-    if (!eos_given && m.hp.eos_id >= 0) p.eos.insert(m.hp.eos_id);
-    p.pieces = &m.pieces;
-    if (!p.stop.empty() && m.pieces.empty()) die("--stop needs the GGUF's tokenizer.ggml.tokens");
-    if (p.mode != "ar" && p.mode != "diffusion" && p.mode != "speculative" && p.mode != "forward") usage();
-    if ((p.mode == "diffusion" || p.mode == "speculative" || p.mode == "forward") && !m.has_clover)
-        die("mode " + p.mode + " needs Clover's tensors: the .clover.gguf sidecar next to the model (or --sidecar)");
+    load_vocab(m, model_path);
+    if (mode != "forward") {
+        try {
+            make_params(m, defaults, json::object());  // the command line's options are checked before any input
+        } catch (const std::exception & e) {
+            die(e.what());
+        }
+    }
 
     std::string line;
-    if (p.mode == "forward") {
+    if (mode == "forward") {
+        if (!m.has_clover) die("mode forward needs Clover's tensors: the .clover.gguf sidecar next to the model (or --sidecar)");
         std::string l1, l2;
         std::getline(std::cin, l1);
         std::getline(std::cin, l2);
@@ -1127,28 +1658,73 @@ int main(int argc, char ** argv) {
         printf("{\"rows\": %zu, \"vocab\": %d}\n", rows.size(), m.hp.n_vocab);
         return 0;
     }
-    while (std::getline(std::cin, line)) {
-        std::vector<int> prompt = parse_ids(line);
-        if (prompt.empty()) continue;
-        reset_cache(m, (int) prompt.size() + p.max_new + 2 * std::max(p.block, p.draft) + 1);
-        Row r;
-        const auto t0 = std::chrono::steady_clock::now();
-        if (p.max_new > 0) {
-            if (p.mode == "ar") run_ar(m, p, prompt, r);
-            else if (p.mode == "diffusion") run_diffusion(m, p, prompt, r);
-            else run_speculative(m, p, prompt, r);
-        } else {
-            r.finish = "length";
-        }
-        const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-        const int n = (int) r.tokens.size();
-        printf("{\"mode\": \"%s\", \"prompt_tokens\": %zu, \"tokens\": [%s], \"n_tokens\": %d, \"forwards\": %d, "
-               "\"tokens_per_forward\": %.4f, \"seconds\": %.6f, \"tokens_per_second\": %.3f, \"prefill_forward_seconds\": %.6f, \"finish\": \"%s\", "
-               "\"block_steps\": [%s], \"forced_steps\": %d, \"accept_lengths\": [%s]}\n",
-               p.mode.c_str(), prompt.size(), join(r.tokens).c_str(), n, r.forwards,
-               r.forwards ? (double) n / r.forwards : 0.0, secs, secs > 0 ? n / secs : 0.0, r.first_forward_s, r.finish.c_str(),
-               join(r.block_steps).c_str(), r.forced_steps, join(r.accept_lengths).c_str());
+    auto print_line = [](const json & j) {
+        printf("%s\n", dump(j).c_str());
         fflush(stdout);
+    };
+    if (input == "prompt" || input == "chat") {  // text to stdout as it commits; statistics to stderr
+        json msgs = json::array();
+        json d = defaults;
+        d["stream"] = true;
+        auto show = [](const json & ev) {
+            if (ev["event"] == "commit") {
+                fputs(ev["text"].get<std::string>().c_str(), stdout);
+                fflush(stdout);
+            }
+        };
+        auto turn = [&](const json & req) -> json {
+            json out = run_request(m, d, req, show);
+            fprintf(stderr, "\n[%s · llama-clover] %d tokens, %d forwards (%.2f tokens/forward), %.1f tokens/s, finish %s\n",
+                    out["mode"].get<std::string>().c_str(), out["n_tokens"].get<int>(), out["forwards"].get<int>(),
+                    out["tokens_per_forward"].get<double>(), out["tokens_per_second"].get<double>(), out["finish"].get<std::string>().c_str());
+            return out;
+        };
+        try {
+            if (input == "prompt") {
+                turn({{"prompt", prompt_text}});
+                fputs("\n", stdout);
+                return 0;
+            }
+            fprintf(stderr, "llama-clover chat: one user turn per line (Ctrl-D ends)\n> ");
+            while (std::getline(std::cin, line)) {
+                if (line.empty()) { fprintf(stderr, "> "); continue; }
+                msgs.push_back({{"role", "user"}, {"content", line}});
+                json out = turn({{"messages", msgs}});
+                msgs.push_back({{"role", "assistant"}, {"content", out["text"]}});
+                fputs("\n", stdout);
+                fprintf(stderr, "> ");
+            }
+        } catch (const std::exception & e) {
+            die(e.what());
+        }
+        return 0;
+    }
+    while (std::getline(std::cin, line)) {
+        json req;
+        if (input == "json") {
+            if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
+            try {
+                req = json::parse(line);
+                if (!req.is_object()) throw std::runtime_error("a request is a JSON object");
+            } catch (const std::exception & e) {
+                print_line({{"event", "error"}, {"message", std::string("request: not a JSON object: ") + e.what()}});
+                continue;
+            }
+        } else if (input == "text") {
+            req = {{"prompt", line}};
+        } else {
+            std::vector<int> ids = parse_ids(line);
+            if (ids.empty()) continue;
+            req = {{"prompt", ids}};
+        }
+        try {
+            print_line(run_request(m, defaults, req, print_line));
+        } catch (const std::exception & e) {
+            if (input != "json") die(e.what());
+            json err = {{"event", "error"}, {"message", e.what()}};
+            if (req.contains("id")) err["id"] = req["id"];
+            print_line(err);
+        }
     }
     return 0;
 }

@@ -608,6 +608,7 @@ def export_gguf(
         "threshold": float(config.threshold) if config.is_clover else None,
         "mask_token_id": tok.mask_id,
         "expert_budget": config.expert_budget,
+        "policy": config.policy if config.is_clover else None,  # the default acceptance rule (llama-clover reads it)
         "tensors": mode,
         "tensors_file": side.name if side else None,
         "v_head_order": "tiled",
