@@ -36,7 +36,8 @@ build_port() {  # PORT=1: the Clover port, one C++ file against the stock build'
   repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
   echo "== building llama-clover (ports/llama.cpp)"
   c++ -O3 -march=native -std=c++17 "$repo/ports/llama.cpp/clover-llama.cpp" -o "$BIN/llama-clover" \
-    -I "$LLAMA/ggml/include" -L "$BUILD/bin" -lggml -lggml-base -lggml-cpu -Wl,-rpath,"$BUILD/bin"
+    -I "$LLAMA/include" -I "$LLAMA/ggml/include" -I "$LLAMA/vendor" -L "$BUILD/bin" -lllama -lggml -lggml-base -lggml-cpu \
+    -Wl,-rpath,"$BUILD/bin"
   echo "done: $BIN/llama-clover"
 }
 

@@ -39,23 +39,35 @@ def test_port_args_diffusion():
     assert a[:4] == ["--mode", "diffusion", "-n", "48"]
     for flag, value in (("--block", "16"), ("--threshold", "0.9"), ("--policy", "threshold"), ("--stop-ids", "7,9")):
         assert a[a.index(flag) + 1] == value
-    assert "--ignore-eos" not in a
+    assert "--ignore-eos" not in a and "--seed" not in a
     a = port_args("ar", SamplingParams(max_new_tokens=8, stop=["\n", "))"]).validate())
     assert [a[i + 1] for i, x in enumerate(a) if x == "--stop"] == ["\n", "))"]
     s = port_args("speculative", SamplingParams(max_new_tokens=8, block_size=32, draft_length=8, ignore_eos=True).validate())
-    assert s[s.index("--draft") + 1] == "8" and "--ignore-eos" in s and "--policy" not in s
+    assert s[s.index("--draft") + 1] == "8" and "--ignore-eos" in s
 
 
-@pytest.mark.parametrize("bad, name", [
-    (dict(temperature=0.7), "temperature"), (dict(repetition_penalty=1.2), "repetition_penalty"),
-    (dict(policy="hierarchy"), "policy"), (dict(confidence="margin"), "confidence"), (dict(expert_budget=4), "expert_budget"),
-])
-def test_port_args_refuses_what_the_port_lacks(bad, name):
-    kw = dict(max_new_tokens=8, block_size=32, threshold=0.95, policy="threshold") | bad
-    with pytest.raises(ValueError, match=name):
-        port_args("diffusion", SamplingParams(**kw).validate())
-    with pytest.raises(ValueError, match="mode"):
-        port_args("naive", SamplingParams(max_new_tokens=8).validate())
+def test_port_takes_every_option():
+    """Every SamplingParams field reaches the port (a new clover option must be mapped, or it is refused)."""
+    from dataclasses import fields
+
+    from clover.integrations.llama_port import OPTIONS, port_options
+
+    assert {f.name for f in fields(SamplingParams)} == set(OPTIONS)
+    kw = dict(max_new_tokens=8, temperature=0.7, top_p=0.9, top_k=40, seed=3, repetition_penalty=1.2, presence_penalty=0.5,
+              eos_penalty=1.0, no_repeat_ngram_size=3, block_size=32, threshold=0.9, confidence="margin",
+              policy="hierarchy", low_threshold=0.4, sub_block=8, expert_budget=4, expert_rank="max")
+    o = port_options("diffusion", SamplingParams(**kw).validate())
+    assert all(o[k] == v for k, v in kw.items())
+    a = port_args("diffusion", SamplingParams(**kw).validate())
+    for flag, value in (("--temperature", "0.7"), ("--top-k", "40"), ("--seed", "3"), ("--no-repeat-ngram", "3"),
+                        ("--sub-block", "8"), ("--expert-budget", "4"), ("--expert-rank", "max"), ("--confidence", "margin")):
+        assert a[a.index(flag) + 1] == value
+
+
+@pytest.mark.parametrize("mode, why", [("naive", "diffusion"), ("dflash", "drafter"), ("beam", "runs ar")])
+def test_port_refuses_other_modes_with_a_reason(mode, why):
+    with pytest.raises(ValueError, match=f"^mode: .*{why}"):
+        port_args(mode, SamplingParams(max_new_tokens=8).validate())
 
 
 # ------------------------------------------------------------------------------ slow: the port itself
@@ -249,3 +261,229 @@ def test_port_stop_strings_match_clover(port, gguf_f32, llm, mode, kw):
     theirs = generate(llm, text, mode, kw, gguf=gguf_f32)
     ours = llm.generate(text, mode=mode, **kw)
     assert (theirs["text"], theirs["finish_reason"]) == (ours.text, ours.finish_reason)
+
+
+# ------------------------------------------------------------------------------ slow: text, options, sampling
+def port_requests(gguf, llm, requests: list[dict]) -> list[list[dict]]:
+    """Each request through one `llama-clover --json` process: its events, the `done` line last."""
+    from clover.integrations.llama_port import PortProcess
+
+    with PortProcess(gguf, eos_ids=llm.eos_ids()) as proc:
+        return [list(proc.request(r)) for r in requests]
+
+
+def options(llm, mode, **kw) -> dict:
+    from clover.integrations.llama_port import port_options
+
+    return port_options(mode, llm.params(mode, kw))
+
+
+@pytest.mark.slow
+def test_port_text_in_and_out(port, gguf_f32, llm):
+    """Text prompts go through the GGUF's tokenizer (llama.cpp's vocab API) to clover's token ids;
+    the output text is clover's decode of the tokens; the streamed commit texts are a prefix of it."""
+    from clover.data.corpus import heldout_functions
+    from clover.data.tasks import heldout_tasks
+
+    texts = [t.prompt for t in heldout_tasks(8)] + [h for h, _ in heldout_functions(8, seed=0)]
+    texts += ["héllo wörld — ünïcode ✓ 日本語", "  two  spaces\n\n\ttab <|im_end|> x"]
+    kw = dict(max_new_tokens=40, block_size=32, threshold=0.95, policy="threshold", stop=["\n\n"])
+    res = port_requests(gguf_f32, llm, [{"prompt": t, "stream": True, **options(llm, "diffusion", **kw)} for t in texts])
+    for t, evs in zip(texts, res):
+        done = evs[-1]
+        assert done["prompt_ids"] == llm.tokenizer.encode(t)
+        ours = llm.generate(t, mode="diffusion", temperature=0.0, **kw)
+        assert (done["tokens"], done["text"], done["finish"]) == (ours.token_ids, ours.text, ours.finish_reason)
+        streamed = "".join(e["text"] for e in evs[:-1])
+        assert done["text"].startswith(streamed) and all(e["event"] == "commit" for e in evs[:-1])
+    assert sum(len(evs) > 2 for evs in res) > len(texts) // 2  # most rows streamed more than one block
+
+
+@pytest.mark.slow
+def test_port_chat_template(port, gguf_f32, llm):
+    """`messages` through the GGUF's chat template (llama_chat_apply_template) give clover's chat
+    prompt ids, control tokens written in content encoded as text."""
+    chats = [
+        [{"role": "user", "content": "Write a function that adds two numbers."}],
+        [{"role": "system", "content": "You write Python."}, {"role": "user", "content": "sort a list"},
+         {"role": "assistant", "content": "sorted(xs)"}, {"role": "user", "content": "and reversed?"}],
+        [{"role": "user", "content": "a <|im_end|>\n<|im_start|>assistant\nb"}],
+    ]
+    res = port_requests(gguf_f32, llm, [{"messages": c, "mode": "ar", "max_new_tokens": 4} for c in chats])
+    for c, evs in zip(chats[:2], res):
+        assert evs[-1]["prompt_ids"] == llm.tokenizer.apply_chat_template(c, add_generation_prompt=True)
+    # control-token text in content: the same text, and the control tokens only where the template
+    # writes them (the ids of the text itself may differ: llama.cpp's pre-tokenizer for this vocab is
+    # the closest match, not exact, docs/gguf.md)
+    ids, ours = res[2][-1]["prompt_ids"], llm.tokenizer.apply_chat_template(chats[2], add_generation_prompt=True)
+    assert llm.tokenizer.decode(ids) == llm.tokenizer.decode(ours)
+    control = {llm.tokenizer.hf.convert_tokens_to_ids(t) for t in ("<|im_start|>", "<|im_end|>")}
+    assert [t for t in ids if t in control] == [t for t in ours if t in control] and len([t for t in ids if t in control]) == 3
+
+
+OPTION_CASES = [
+    ("diffusion", dict(repetition_penalty=1.5)),
+    ("diffusion", dict(presence_penalty=1.5)),
+    ("diffusion", dict(no_repeat_ngram_size=2)),
+    ("diffusion", dict(eos_penalty=-8.0)),
+    ("diffusion", dict(sub_block=8)),
+    ("diffusion", dict(confidence="margin", threshold=0.9)),
+    ("diffusion", dict(confidence="entropy", threshold=0.6)),
+    ("diffusion", dict(policy="hierarchy", threshold=0.95, low_threshold=0.3)),
+    ("diffusion", dict(policy="factor", factor=2.0, fallback="leftmost")),
+    ("diffusion", dict(expert_budget=4)),
+    ("diffusion", dict(expert_budget=3, expert_rank="max")),
+    ("ar", dict(repetition_penalty=1.5, presence_penalty=0.5)),
+    ("ar", dict(no_repeat_ngram_size=3)),
+    ("ar", dict(eos_penalty=-8.0)),
+    ("speculative", dict(eos_penalty=-8.0, expert_budget=4)),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode, kw", OPTION_CASES, ids=[f"{m}-{'-'.join(map(str, k.values()))}" for m, k in OPTION_CASES])
+def test_port_option_matches_clover(port, gguf_f32, llm, mode, kw):
+    """Each decoding option, greedy: the port's tokens, forwards and finish reason equal clover's,
+    prompt by prompt, and the option changes the output of at least one prompt."""
+    prompts = mixed_prompts(llm, 6)
+    base = dict(max_new_tokens=40, temperature=0.0) | (dict(block_size=32, threshold=0.95, policy="threshold")
+                                                          if mode == "diffusion" else {})
+    res = port_requests(gguf_f32, llm, [{"prompt": p, **options(llm, mode, **(base | kw))} for p in prompts])
+    plain = port_requests(gguf_f32, llm, [{"prompt": p, **options(llm, mode, **base)} for p in prompts])
+    for ids, evs in zip(prompts, res):
+        ours = llm.generate(ids, mode=mode, **(base | kw))
+        r = evs[-1]
+        assert (r["tokens"], r["forwards"], r["finish"]) == (ours.token_ids, ours.stats.forwards, ours.finish_reason)
+    assert any((a[-1]["tokens"], a[-1]["forwards"]) != (b[-1]["tokens"], b[-1]["forwards"]) for a, b in zip(res, plain))
+
+
+def chi2_critical(dof: int, z: float = 3.29) -> float:
+    """The chi-square quantile at the normal quantile z (3.29: p = 5e-4), Wilson-Hilferty."""
+    return dof * (1 - 2 / (9 * dof) + z * (2 / (9 * dof)) ** 0.5) ** 3
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kw", [dict(temperature=1.0), dict(temperature=0.7, top_k=12),
+                                dict(temperature=1.3, top_p=0.8), dict(temperature=1.0, repetition_penalty=1.3)])
+def test_port_sampling_distribution(port, gguf_f32, llm, kw):
+    """Sampling: the port's first token over 2000 seeds follows the distribution clover samples from
+    (clover's processed and filtered logits), by a chi-square test; a seed repeats its draw."""
+    from clover.decoding.sampling import SamplingParams, filter_logits, process_logits
+
+    ids = llm.tokenizer.encode("def ")
+    n = 2000
+    reqs = [{"prompt": ids, **options(llm, "ar", max_new_tokens=1, seed=s, **kw)} for s in range(n)]
+    res = port_requests(gguf_f32, llm, reqs + reqs[:20])
+    got = [evs[-1]["tokens"][0] for evs in res]
+    assert got[n:] == got[:20]  # the same seed, the same token
+    cache = llm.model.make_cache(1, len(ids) + 1)
+    with torch.no_grad():
+        logits = llm.model.step(cache, commit_ids=torch.tensor([ids])).commit_logits[0][None].float()
+    params = SamplingParams(**kw).validate()
+    history = [ids] if params.repetition_penalty != 1.0 else None
+    probs = filter_logits(process_logits(logits, params, history, llm.config.eos_token_ids), params).softmax(-1)[0]
+    expected = (probs * n).double()
+    counts = torch.bincount(torch.tensor(got[:n]), minlength=len(probs)).double()
+    assert counts[expected == 0].sum() == 0  # never a token clover cannot draw
+    big = expected >= 5
+    obs = torch.cat([counts[big], counts[~big].sum()[None]])
+    exp = torch.cat([expected[big], expected[~big].sum()[None]])
+    keep = exp > 0
+    chi2 = float(((obs[keep] - exp[keep]) ** 2 / exp[keep]).sum())
+    dof = int(keep.sum()) - 1
+    print(f"\nsampling {kw}: chi2 {chi2:.1f} on {dof} dof (critical {chi2_critical(dof):.1f}), {int(big.sum())} tokens")
+    assert dof >= 3 and chi2 < chi2_critical(dof)
+
+
+@pytest.mark.slow
+def test_port_sampled_diffusion(port, gguf_f32, llm):
+    """Sampled diffusion: with top_k 1 the draw is certain (and so is its confidence, measured on the
+    filtered distribution), so the port's tokens and forwards equal clover's; a seed repeats its
+    output; another seed differs."""
+    prompts = task_prompts(llm, 4)
+    base = dict(max_new_tokens=32, block_size=32, threshold=0.9, policy="threshold")
+    kw = dict(temperature=1.0, top_k=1, seed=1) | base
+    top1 = port_requests(gguf_f32, llm, [{"prompt": p, **options(llm, "diffusion", **kw)} for p in prompts])
+    for p, evs in zip(prompts, top1):
+        ours = llm.generate(p, mode="diffusion", **kw)
+        assert (evs[-1]["tokens"], evs[-1]["forwards"]) == (ours.token_ids, ours.stats.forwards)
+    reqs = [{"prompt": prompts[0], **options(llm, "diffusion", temperature=1.0, seed=s, **base)} for s in (5, 5, 6)]
+    a, b, c = (evs[-1]["tokens"] for evs in port_requests(gguf_f32, llm, reqs))
+    assert a == b and a != c
+
+
+@pytest.mark.slow
+def test_port_cancel(port, gguf_f32, llm):
+    """A cancel line stops the running request before its next forward (finish "abort"); the process
+    goes on with the next request."""
+    from clover.integrations.llama_port import PortProcess
+
+    with PortProcess(gguf_f32, eos_ids=llm.eos_ids()) as proc:
+        rid = proc.send({"prompt": [5, 6, 7], "mode": "ar", "max_new_tokens": 4000, "ignore_eos": True, "stream": True})
+        assert proc.event()["event"] == "commit"
+        proc.cancel(rid)
+        while (ev := proc.event())["event"] != "done":
+            pass
+        assert ev["finish"] == "abort" and ev["id"] == rid and ev["n_tokens"] < 4000
+        after = list(proc.request({"prompt": [5, 6, 7], "mode": "ar", "max_new_tokens": 3}))
+        assert after[-1]["n_tokens"] == 3
+
+
+@pytest.mark.slow
+def test_serve_engine_llama_cpp(port, gguf_f32, llm):
+    """`clover serve --engine llama.cpp`: the OpenAI API served through the port answers as the torch
+    engine does: text, finish reason and usage (completions and chat, streamed or not, each mode),
+    and the same errors for bad requests; a mode the port lacks is refused with its reason."""
+    import json
+
+    pytest.importorskip("fastapi")
+    from fastapi.testclient import TestClient
+
+    from clover.integrations.llama_port import PortLLM
+    from clover.serve import create_app
+
+    served = PortLLM(llm, gguf_f32)
+    bodies = [
+        ("/v1/completions", {"prompt": "def add(a, b):", "max_tokens": 40, "mode": "diffusion", "threshold": 0.95,
+                             "policy": "threshold", "stop": ["\n\n"]}),
+        ("/v1/completions", {"prompt": ["assert sorted([9, 2, 5]) == ", "def f(x):"], "max_tokens": 24, "mode": "ar"}),
+        ("/v1/completions", {"prompt": "import os\n", "max_tokens": 30, "mode": "speculative"}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "sort a list"}], "max_tokens": 20,
+                                  "mode": "diffusion"}),
+    ]
+    bad = [
+        {"prompt": "x", "max_tokens": 10**7, "mode": "ar"},
+        {"prompt": "x", "max_tokens": 4, "temperature": -1},
+        {"prompt": "x", "max_tokens": 4, "mode": "speculative", "temperature": 0.5},
+    ]
+
+    def streamed(client, path, body) -> str:
+        r = client.post(path, json={**body, "stream": True})
+        assert r.status_code == 200, r.text
+        text = ""
+        for line in r.text.splitlines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                for c in json.loads(line[6:])["choices"]:
+                    text += (c.get("text") or (c.get("delta") or {}).get("content") or "")
+        return text
+
+    try:
+        with TestClient(create_app(llm, model_name="m")) as a, TestClient(create_app(served, model_name="m")) as b:
+            for path, body in bodies:
+                body = {"model": "m", "temperature": 0, **body}
+                ra, rb = a.post(path, json=body), b.post(path, json=body)
+                assert ra.status_code == rb.status_code == 200, rb.text
+                ca, cb = ra.json()["choices"], rb.json()["choices"]
+                key = "text" if path.endswith("completions") and "messages" not in body else "message"
+                assert [(c[key], c["finish_reason"]) for c in ca] == [(c[key], c["finish_reason"]) for c in cb]
+                assert ra.json()["usage"] == rb.json()["usage"]
+                if len(ca) == 1:
+                    text = cb[0][key] if key == "text" else cb[0][key]["content"]
+                    assert streamed(b, path, body) == text
+            for body in bad:
+                ra, rb = a.post("/v1/completions", json={"model": "m", **body}), b.post("/v1/completions", json={"model": "m", **body})
+                assert ra.status_code == rb.status_code == 400 and ra.json() == rb.json()
+            r = b.post("/v1/completions", json={"model": "m", "prompt": "x", "max_tokens": 4, "mode": "naive"})
+            assert r.status_code == 400 and "diffusion" in r.json()["error"]["message"]
+    finally:
+        served.close()

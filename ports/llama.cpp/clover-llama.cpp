@@ -35,6 +35,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <deque>
 #include <functional>
 #include <iostream>
 #include <map>
@@ -44,6 +45,9 @@
 #include <stdexcept>
 #include <string>
 #include <vector>
+
+#include <poll.h>
+#include <unistd.h>
 
 static void die(const std::string & msg) {
     fprintf(stderr, "llama-clover: error: %s\n", msg.c_str());
@@ -938,6 +942,7 @@ struct Params {
     float repetition_penalty = 1.f, presence_penalty = 0.f, eos_penalty = 0.f;
     int no_repeat_ngram_size = 0, sub_block = 0, expert_budget = -1;  // expert_budget -1: the model's
     std::string expert_rank = "sum";
+    std::vector<std::pair<int, float>> logit_bias;  // token id -> added to its logit (OpenAI's logit_bias)
     bool ignore_eos = false, stream = false;
     std::set<int> eos, stop_ids;
     std::vector<std::string> stop;               // stop strings (UTF-8)
@@ -989,7 +994,11 @@ static void set_option(Params & p, const std::string & k, const json & v) {
         else if (k == "sub_block") p.sub_block = v.is_null() ? 0 : v.get<int>();
         else if (k == "expert_budget") p.expert_budget = v.is_null() ? -1 : v.get<int>();
         else if (k == "expert_rank") p.expert_rank = choice(v, k, {"sum", "max"});
-        else if (k == "ignore_eos") p.ignore_eos = v.get<bool>();
+        else if (k == "logit_bias") {
+            p.logit_bias.clear();
+            if (!v.is_null())
+                for (auto it = v.begin(); it != v.end(); ++it) p.logit_bias.push_back({std::stoi(it.key()), it.value().get<float>()});
+        } else if (k == "ignore_eos") p.ignore_eos = v.get<bool>();
         else if (k == "stream") p.stream = v.get<bool>();
         else if (k == "eos_token_ids") p.eos = id_set(v);
         else if (k == "stop_token_ids") p.stop_ids = id_set(v);
@@ -999,6 +1008,8 @@ static void set_option(Params & p, const std::string & k, const json & v) {
             else if (!v.is_null()) for (const auto & x : v) p.stop.push_back(x.get<std::string>());
             p.stop.erase(std::remove(p.stop.begin(), p.stop.end(), std::string()), p.stop.end());
         } else throw std::runtime_error(k + ": unknown option");
+    } catch (const std::invalid_argument &) {
+        throw std::runtime_error(k + ": keys must be token ids, got " + v.dump());
     } catch (const json::exception &) {
         throw std::runtime_error(k + ": wrong type, got " + v.dump());
     }
@@ -1037,6 +1048,7 @@ static Params make_params(const Model & m, const json & defaults, const json & r
         bad("expert_budget: must lie in [" + std::to_string(hp.n_expert_used) + ", " + std::to_string(hp.n_expert) + "]");
     if (p.policy == "hierarchy" && p.low_threshold > p.threshold) bad("low_threshold: must be <= threshold");
     for (int t : p.stop_ids) if (t < 0 || t >= hp.n_vocab) bad("stop_token_ids: " + std::to_string(t) + " is outside the vocabulary");
+    for (const auto & b : p.logit_bias) if (b.first < 0 || b.first >= hp.n_vocab) bad("logit_bias: token id " + std::to_string(b.first) + " is outside the vocabulary");
     if (!p.stop.empty() && m.pieces.empty()) bad("stop: needs the GGUF's tokenizer.ggml.tokens");
     if (p.mode == "speculative") {  // speculative.check_speculative_params
         if (!p.greedy()) bad("temperature: speculative mode is greedy-only (lossless w.r.t. AR greedy); use mode 'ar' or 'diffusion' to sample");
@@ -1058,6 +1070,11 @@ struct Row {
     bool finished = false;
     std::mt19937_64 rng;
     std::function<void(Row &, const std::vector<int> &)> on_commit;  // streaming: the tokens kept by one accept
+    std::function<bool()> cancelled;  // --json: a cancel line for this request arrived (checked before each forward)
+    bool stop_now() {
+        if (!finished && cancelled && cancelled()) { finished = true; finish = "abort"; }
+        return finished;
+    }
 };
 
 // RowState.accept: append tokens, stopping at EOS / a stop token (not kept), a stop string (kept up to
@@ -1126,6 +1143,7 @@ static std::vector<int> banned_ngram_tokens(const std::vector<int> & seen, int n
 // clover.decoding.sampling.process_logits for one position; `seen`: the tokens it follows (prompt,
 // output, then the block's positions before it, -1 where still masked), or null (no history)
 static void process_logits(const Params & p, float * x, int V, const std::vector<int> * seen) {
+    for (const auto & b : p.logit_bias) x[b.first] += b.second;
     if (seen && p.uses_history() && (p.repetition_penalty != 1.f || p.presence_penalty != 0.f)) {
         std::vector<char> known(V, 0);
         for (int t : *seen) if (t >= 0 && t < V) known[t] = 1;
@@ -1284,7 +1302,7 @@ static void run_ar(Model & m, const Params & p, const std::vector<int> & prompt,
     const int V = m.hp.n_vocab;
     std::vector<int> pending = prompt, seen;
     Forward f;
-    while (!r.finished) {
+    while (!r.stop_now()) {
         forward(m, pending, {}, {(int) pending.size() - 1}, false, f);
         if (++r.forwards == 1) r.first_forward_s = m.last_forward_s;
         const std::vector<int> * hist = nullptr;
@@ -1368,7 +1386,7 @@ static void run_diffusion(Model & m, const Params & p, const std::vector<int> & 
     Forward f;
     const bool want_ent = p.policy == "entropy";
     std::vector<int> seen;
-    while (!r.finished) {
+    while (!r.stop_now()) {
         const int Tc = (int) pending.size();
         std::vector<int> rows;
         if (Tc) rows.push_back(Tc - 1);
@@ -1442,7 +1460,7 @@ static void run_speculative(Model & m, const Params & p, const std::vector<int> 
     std::vector<float> first(V);
     const std::vector<int> block(D, mask);
     Forward f;
-    while (!r.finished) {
+    while (!r.stop_now()) {
         const std::vector<int> & src = has_draft ? draft : pending;
         const int Tc = (int) src.size();
         std::vector<int> rows;
@@ -1506,11 +1524,13 @@ static std::vector<int> request_prompt(const Model & m, const json & req) {
 static std::string dump(const json & j) { return j.dump(-1, ' ', false, json::error_handler_t::replace); }
 
 // Runs one request; `emit` gets each output line (commit events when streaming, then the result).
-static json run_request(Model & m, const json & defaults, const json & req, const std::function<void(const json &)> & emit) {
+static json run_request(Model & m, const json & defaults, const json & req, const std::function<void(const json &)> & emit,
+                        const std::function<bool()> & cancelled = nullptr) {
     const Params p = make_params(m, defaults, req);
     const std::vector<int> prompt = request_prompt(m, req);
     Row r;
     r.prompt = prompt;
+    r.cancelled = cancelled;
     r.rng.seed(p.seeded ? p.seed : std::random_device{}());
     std::string emitted;
     if (p.stream)
@@ -1544,8 +1564,51 @@ static json run_request(Model & m, const json & defaults, const json & req, cons
                 {"finish", r.finish}, {"block_steps", r.block_steps}, {"forced_steps", r.forced_steps},
                 {"accept_lengths", r.accept_lengths}};
     if (req.contains("id")) out["id"] = req["id"];
+    if (!(req.contains("prompt") && req["prompt"].is_array())) out["prompt_ids"] = prompt;  // the port tokenized it
     return out;
 }
+
+// --json's stdin: request lines, read as they come; between forwards the running request looks for
+// a {"cancel": id} line (poll, no wait), and a cancelled request still queued is answered at once.
+struct Requests {
+    std::string buf;
+    std::deque<std::string> lines;
+    std::set<std::string> cancelled;  // ids (as JSON text) of cancel lines seen
+    bool eof = false;
+    void read_some() {
+        char chunk[65536];
+        const ssize_t n = read(0, chunk, sizeof chunk);
+        if (n <= 0) { eof = true; return; }
+        buf.append(chunk, (size_t) n);
+        for (size_t nl; (nl = buf.find('\n')) != std::string::npos; buf.erase(0, nl + 1)) take(buf.substr(0, nl));
+    }
+    void take(const std::string & line) {  // a cancel line is recorded, anything else queued
+        if (line.find("\"cancel\"") != std::string::npos) {
+            try {
+                const json j = json::parse(line);
+                if (j.is_object() && j.size() == 1 && j.contains("cancel")) { cancelled.insert(j["cancel"].dump()); return; }
+            } catch (const std::exception &) {}
+        }
+        lines.push_back(line);
+    }
+    bool next(std::string & line) {
+        while (lines.empty() && !eof) read_some();
+        if (lines.empty()) {
+            if (buf.empty()) return false;
+            line.swap(buf);
+            buf.clear();
+            return true;
+        }
+        line = lines.front();
+        lines.pop_front();
+        return true;
+    }
+    bool is_cancelled(const json & id) {
+        pollfd pf{0, POLLIN, 0};
+        while (!eof && poll(&pf, 1, 0) > 0 && (pf.revents & (POLLIN | POLLHUP))) read_some();
+        return cancelled.count(id.dump()) > 0;
+    }
+};
 
 // ------------------------------------------------------------------------------------------- CLI
 static std::vector<int> parse_ids(const std::string & line) {
@@ -1573,7 +1636,7 @@ static void usage() {
         "  accept: --threshold X, --policy threshold|entropy|factor|hierarchy, --entropy-budget X,\n"
         "          --factor X, --low-threshold X, --fallback confident|leftmost, --confidence prob|margin|entropy\n"
         "  sample: --temperature T, --top-p P, --top-k K, --seed S, --repetition-penalty X,\n"
-        "          --presence-penalty X, --eos-penalty X, --no-repeat-ngram N\n"
+        "          --presence-penalty X, --eos-penalty X, --no-repeat-ngram N, --logit-bias JSON\n"
         "  other:  --stream, --threads T, --out F (forward)\n");
     exit(2);
 }
@@ -1611,6 +1674,7 @@ int main(int argc, char ** argv) {
         else if (a == "--presence-penalty") defaults["presence_penalty"] = num();
         else if (a == "--eos-penalty") defaults["eos_penalty"] = num();
         else if (a == "--no-repeat-ngram") defaults["no_repeat_ngram_size"] = num();
+        else if (a == "--logit-bias") defaults["logit_bias"] = num();  // JSON: {"id": bias, ...}
         else if (a == "--ignore-eos") defaults["ignore_eos"] = true;
         else if (a == "--eos") defaults["eos_token_ids"] = parse_list(next());
         else if (a == "--stop-ids") defaults["stop_token_ids"] = parse_list(next());
@@ -1699,7 +1763,9 @@ int main(int argc, char ** argv) {
         }
         return 0;
     }
-    while (std::getline(std::cin, line)) {
+    Requests requests;
+    auto next_line = [&](std::string & l) { return input == "json" ? requests.next(l) : (bool) std::getline(std::cin, l); };
+    while (next_line(line)) {
         json req;
         if (input == "json") {
             if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
@@ -1718,7 +1784,12 @@ int main(int argc, char ** argv) {
             req = {{"prompt", ids}};
         }
         try {
-            print_line(run_request(m, defaults, req, print_line));
+            std::function<bool()> cancelled = nullptr;
+            if (input == "json" && req.contains("id")) {
+                const json id = req["id"];
+                cancelled = [&requests, id]() { return requests.is_cancelled(id); };
+            }
+            print_line(run_request(m, defaults, req, print_line, cancelled));
         } catch (const std::exception & e) {
             if (input != "json") die(e.what());
             json err = {{"event", "error"}, {"message", e.what()}};

@@ -105,11 +105,17 @@ def run(args: argparse.Namespace) -> int:
     if args.engine == "llama.cpp":
         from ..integrations.llama_port import generate as port_generate
 
-        rec = port_generate(llm, prompt, mode, kwargs, gguf=args.gguf, threads=args.threads)
+        def show(delta: str) -> None:  # the text as blocks commit
+            sys.stdout.write(viz.printable_text(delta) if tty else delta)
+            sys.stdout.flush()
+
+        rec = port_generate(llm, prompt, mode, kwargs, gguf=args.gguf, threads=args.threads,
+                            on_text=None if args.json else show)
+        streamed = rec.pop("streamed")
         if args.json:
             print(json.dumps({"model": str(llm.path), "mode": mode.name, "engine": "llama.cpp", **rec}, ensure_ascii=False))
         else:
-            sys.stdout.write(rec["text"] + ("" if rec["text"].endswith("\n") else "\n"))
+            sys.stdout.write(rec["text"][len(streamed):] + ("" if rec["text"].endswith("\n") else "\n"))
             s = rec["stats"]
             stderr(f"[{mode.name} · llama.cpp] " + viz.stats_line(s["tokens"], s["forwards"], s["seconds"], rec["finish_reason"]))
         return 0

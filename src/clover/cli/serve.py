@@ -22,6 +22,11 @@ def configure(p: argparse.ArgumentParser) -> None:
                    help=f"the largest request body; larger ones get 413 (default {d.MAX_BODY_BYTES})")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
     p.add_argument("--served-model-name", default=None, help="the model id clients send (default: the directory name)")
+    eng = p.add_argument_group("engine")
+    eng.add_argument("--engine", choices=("torch", "llama.cpp"), default="torch",
+                     help="llama.cpp: decode with the ggml port (PORT=1 scripts/build-llama-cpp.sh; docs/llama-port.md)")
+    eng.add_argument("--gguf", metavar="FILE", help="--engine llama.cpp: the model's GGUF export (default: export it, f32)")
+    eng.add_argument("--threads", type=int, default=1, help="--engine llama.cpp: CPU threads (default: 1)")
 
 
 def _missing_serve_extra() -> str | None:
@@ -54,7 +59,15 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--max-queue: must be >= 0, got {args.max_queue}")
     if args.max_body_bytes < 1:
         raise ValueError(f"--max-body-bytes: must be >= 1, got {args.max_body_bytes}")
+    import contextlib
+
     llm = load_llm(args)
-    run_app(llm, host=args.host, port=args.port, max_batch=args.max_batch, max_queue=args.max_queue,
-            api_key=args.api_key, model_name=args.served_model_name, max_body_bytes=args.max_body_bytes)
+    with contextlib.ExitStack() as stack:
+        if args.engine == "llama.cpp":
+            from ..integrations.llama_port import port_llm
+
+            llm = port_llm(llm, stack, gguf=args.gguf, threads=args.threads)
+        run_app(llm, host=args.host, port=args.port, max_batch=args.max_batch, max_queue=args.max_queue,
+                api_key=args.api_key, model_name=args.served_model_name,
+                max_body_bytes=args.max_body_bytes)
     return 0

@@ -2,14 +2,17 @@
 docs/llama-port.md), from Python.
 
 The port is a separate program built by `PORT=1 scripts/build-llama-cpp.sh` into the llama.cpp cache
-dir. It reads a GGUF export (`clover export-gguf`, plus its `.clover.gguf` sidecar) and prompts as
-token ids, one per line, and prints one JSON line per prompt: the generated ids and the statistics
-(forwards, tokens per forward, seconds). Tokenization stays on the Python side, so inputs are exactly
-clover's.
+dir. It reads a GGUF export (`clover export-gguf`, plus its `.clover.gguf` sidecar). Two ways in:
+- `run`: prompts as token ids on stdin, the options as command-line flags (`port_args`), one JSON
+  result line per prompt (what the tests and benchmarks use);
+- `PortProcess`: one long-lived `llama-clover --json` process; each request is a JSON line with the
+  prompt (token ids, text or chat messages) and clover's option names (`port_options`), answered by
+  `commit` events as blocks commit (when streaming) and a `done` line. `generate` and the server's
+  engine (`PortEngine`, `clover serve --engine llama.cpp`) use it.
 
-Only what the port implements is passed through: greedy decoding; the `threshold`, `entropy` and
-`factor` acceptance rules with the `prob` confidence; EOS, ignore_eos, stop token ids and the length
-limit. `port_args` raises ValueError naming any other option that is set.
+Every option of `clover generate` maps onto the port (`port_options`); the modes it runs are `MODES`.
+The port samples with its own generator, so a seed gives a different (equally distributed) draw
+than clover's torch generator.
 """
 
 from __future__ import annotations
@@ -17,14 +20,24 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import threading
+from dataclasses import fields
 from pathlib import Path
+from typing import Iterator
 
 import numpy as np
 
-from ..decoding.base import trim_at_stop
-
 MODES = ("ar", "diffusion", "speculative")
-POLICIES = ("threshold", "entropy", "factor")
+OTHER_MODES = {  # clover's other modes: why the port does not run them
+    "naive": "naive is diffusion without the cache (the uncached baseline); the port always caches: use mode diffusion (the same tokens)",
+    "dflash": "dflash needs its drafter model, which the port does not load; use mode speculative (the model drafts itself)",
+}
+OPTIONS = ("max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "ignore_eos",
+           "repetition_penalty", "presence_penalty", "eos_penalty", "no_repeat_ngram_size", "block_size", "threshold",
+           "confidence", "policy", "fallback", "factor", "low_threshold", "entropy_budget", "sub_block", "expert_budget",
+           "expert_rank", "draft_length", "logit_bias")  # SamplingParams' fields, the names of the port's JSON requests
+FLAGS = {"max_new_tokens": "-n", "block_size": "--block", "draft_length": "--draft", "no_repeat_ngram_size": "--no-repeat-ngram",
+         "stop_token_ids": "--stop-ids"}
 
 
 def llama_cache_dir() -> Path:
@@ -46,48 +59,63 @@ def require_port() -> Path:
     return b
 
 
-def port_args(mode: str, params) -> list[str]:
-    """`SamplingParams` (with the model's defaults filled in, `LLM.params`) -> llama-clover flags."""
+def check_mode(mode: str) -> None:
+    if mode in OTHER_MODES:
+        raise ValueError(f"mode: {OTHER_MODES[mode]}")
     if mode not in MODES:
         raise ValueError(f"mode: the llama.cpp port runs {', '.join(MODES)}, got {mode!r}")
-    unsupported = {
-        "temperature": params.temperature != 0.0,
-        "repetition_penalty": params.repetition_penalty != 1.0,
-        "presence_penalty": bool(params.presence_penalty),
-        "eos_penalty": bool(params.eos_penalty),
-        "no_repeat_ngram_size": bool(params.no_repeat_ngram_size),
-        "sub_block": params.sub_block is not None and params.sub_block < (params.block_size or 0),
-        "expert_budget": params.expert_budget is not None,
-        "confidence": params.confidence != "prob",
-        "policy": mode == "diffusion" and params.policy not in POLICIES,
-    }
-    bad = [k for k, v in unsupported.items() if v]
-    if bad:
-        raise ValueError(f"{bad[0]}: not supported by the llama.cpp port (greedy; policies {', '.join(POLICIES)}; "
-                         "no penalties, sub-blocks or expert budget)")
-    a = ["--mode", mode, "-n", str(params.max_new_tokens)]
-    if params.ignore_eos:
-        a.append("--ignore-eos")
-    if params.stop_token_ids:
-        a += ["--stop-ids", ",".join(map(str, params.stop_token_ids))]
-    for s in params.stop or ():
-        a += ["--stop", s]
-    if mode in ("diffusion", "speculative") and params.block_size:
-        a += ["--block", str(params.block_size)]
-    if mode == "speculative" and params.draft_length:
-        a += ["--draft", str(params.draft_length)]
-    if mode == "diffusion":
-        a += ["--policy", params.policy, "--threshold", repr(float(params.threshold)),
-              "--entropy-budget", repr(float(params.entropy_budget)), "--factor", repr(float(params.factor)),
-              "--fallback", params.fallback]
+
+
+def port_options(mode: str, params) -> dict:
+    """`SamplingParams` (with the model's defaults filled in, `LLM.params`) -> the port's request
+    options (clover's names). ValueError for a mode the port does not run."""
+    check_mode(mode)
+    known = {f.name for f in fields(params)}
+    missing = known - set(OPTIONS)
+    if missing:  # an option added to clover that the port does not know yet: refuse it when it is set
+        from ..decoding.sampling import SamplingParams
+
+        default = SamplingParams()
+        for name in sorted(missing):
+            if getattr(params, name) != getattr(default, name):
+                raise ValueError(f"{name}: not supported by the llama.cpp port yet")
+    if params.block_size == "auto":
+        raise ValueError("block_size: 'auto' (a width chosen per block) is not in the llama.cpp port; give a number")
+    out = {"mode": mode}
+    out.update({k: getattr(params, k) for k in OPTIONS if k in known})
+    if out.get("logit_bias"):
+        out["logit_bias"] = {str(k): v for k, v in out["logit_bias"].items()}
+    return out
+
+
+def port_args(mode: str, params) -> list[str]:
+    """The same as command-line flags of `llama-clover`."""
+    a = ["--mode", mode]
+    for k, v in port_options(mode, params).items():
+        if k == "mode" or v is None or (k == "stop_token_ids" and not v):
+            continue
+        if k == "logit_bias":
+            a += ["--logit-bias", json.dumps(v)]
+            continue
+        flag = FLAGS.get(k, "--" + k.replace("_", "-"))
+        if k == "stop":
+            for s in v:
+                a += ["--stop", s]
+        elif k == "stop_token_ids":
+            a += [flag, ",".join(map(str, v))]
+        elif isinstance(v, bool):
+            if v:
+                a.append(flag)
+        else:
+            a += [flag, repr(v) if isinstance(v, float) else str(v)]
     return a
 
 
 def run(gguf: str | os.PathLike, prompts: list[list[int]], args: list[str], *, eos_ids=None, threads: int = 1,
         binary: str | os.PathLike | None = None, timeout: float | None = None) -> list[dict]:
     """Run llama-clover on `prompts` (token ids) with flags `args` (`port_args`); one dict per prompt:
-    tokens, n_tokens, forwards, tokens_per_forward, seconds, tokens_per_second, finish, block_steps,
-    forced_steps, accept_lengths. `eos_ids` overrides the GGUF's EOS id."""
+    tokens, n_tokens, text, forwards, tokens_per_forward, seconds, tokens_per_second, finish,
+    block_steps, forced_steps, accept_lengths. `eos_ids` overrides the GGUF's EOS id."""
     cmd = [str(binary or require_port()), str(gguf), *args, "--threads", str(threads)]
     if eos_ids:
         cmd += ["--eos", ",".join(map(str, eos_ids))]
@@ -114,29 +142,241 @@ def forward_logits(gguf: str | os.PathLike, commit: list[int], block: list[int],
     return np.fromfile(out, dtype=np.float32).reshape(info["rows"], info["vocab"])
 
 
-def generate(llm, prompt, mode, kwargs: dict, *, gguf: str | os.PathLike | None = None, threads: int = 1) -> dict:
+class PortProcess:
+    """One `llama-clover --json` process: requests in, events out, one request at a time."""
+
+    def __init__(self, gguf: str | os.PathLike, *, threads: int = 1, eos_ids=None,
+                 binary: str | os.PathLike | None = None) -> None:
+        cmd = [str(binary or require_port()), str(gguf), "--json", "--threads", str(threads)]
+        if eos_ids:
+            cmd += ["--eos", ",".join(map(str, sorted(eos_ids)))]
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                     text=True, encoding="utf-8", bufsize=1)
+        self.lock = threading.Lock()
+        self._n = 0
+
+    def send(self, request: dict) -> int:
+        """Queue one request (its prompt: token ids, text or `messages`); returns its id."""
+        self._n += 1
+        self.proc.stdin.write(json.dumps({**request, "id": self._n}) + "\n")
+        self.proc.stdin.flush()
+        return self._n
+
+    def cancel(self, rid: int) -> None:
+        """Stop request `rid` before its next forward (its `done` line then says finish "abort")."""
+        self.proc.stdin.write(json.dumps({"cancel": rid}) + "\n")
+        self.proc.stdin.flush()
+
+    def event(self) -> dict:
+        """The next output line: {"event": "commit" | "done" | "error", "id", ...}."""
+        line = self.proc.stdout.readline()
+        if not line:
+            err = self.proc.stderr.read()[-2000:] if self.proc.poll() is not None else ""
+            raise RuntimeError(f"llama-clover stopped ({self.proc.poll()}): {err}")
+        return json.loads(line)
+
+    def request(self, request: dict) -> Iterator[dict]:
+        """Send one request and yield its events up to its `done` line (an `error` line raises ValueError)."""
+        with self.lock:
+            self.send(request)
+            while True:
+                ev = self.event()
+                if ev["event"] == "error":
+                    raise ValueError(ev["message"])
+                yield ev
+                if ev["event"] == "done":
+                    return
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.stdin.close()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+    def __enter__(self) -> "PortProcess":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def export_for_port(llm, directory: str | os.PathLike) -> Path:
+    """The model's f32 GGUF export (with the sidecar) in `directory`."""
+    from ..export.gguf import export_gguf
+
+    gguf = Path(directory) / "model.gguf"
+    export_gguf(llm.path, gguf, dtype="f32", progress=False)
+    return gguf
+
+
+def generate(llm, prompt, mode: str, kwargs: dict, *, gguf: str | os.PathLike | None = None, threads: int = 1,
+             on_text=None) -> dict:
     """One prompt through the port with the options of `clover generate` (`kwargs`, the model's
-    defaults filled in as `LLM.generate` does). Without `gguf` the model is exported (f32) to a
-    temporary file first. Returns {text, token_ids, finish_reason, stats}."""
+    defaults filled in as `LLM.generate` does). The prompt goes as clover's token ids (its tokenizer
+    is exact; the port tokenizes text itself when given text); the text is the port's. Without `gguf`
+    the model is exported (f32) to a temporary file first. `on_text(delta)` gets the text as blocks
+    commit. Returns {text, token_ids, finish_reason, stats, streamed (the text given to on_text)}."""
     import tempfile
 
     mode = llm.mode(mode)
     params = llm.params(mode, kwargs)
     ids = llm.encode_prompt(prompt)
     llm.check_length(len(ids), params, mode)
-    args = port_args(mode.name, params)
-    eos = llm.eos_ids()
+    req = {"prompt": ids, "stream": on_text is not None, **port_options(mode.name, params)}
+    streamed = ""
     with tempfile.TemporaryDirectory() as tmp:
-        if gguf is None:
-            from ..export.gguf import export_gguf
-
-            gguf = Path(tmp) / "model.gguf"
-            export_gguf(llm.path, gguf, dtype="f32", progress=False)
-        r = run(gguf, [ids], args, eos_ids=sorted(eos), threads=threads)[0]
+        path = gguf or export_for_port(llm, tmp)
+        with PortProcess(path, threads=threads, eos_ids=llm.eos_ids()) as port:
+            for ev in port.request(req):
+                if ev["event"] == "commit" and on_text and ev["text"]:
+                    on_text(ev["text"])
+                    streamed += ev["text"]
+                r = ev
     stats = {k: r[k] for k in ("forwards", "tokens_per_forward", "seconds", "tokens_per_second", "block_steps",
                                "forced_steps", "accept_lengths")}
     stats.update(prompt_tokens=len(ids), tokens=r["n_tokens"])
-    text = llm.tokenizer.decode(r["tokens"])
-    if r["finish"] == "stop":
-        text = trim_at_stop(text, params.stop)
-    return {"text": text, "token_ids": r["tokens"], "finish_reason": r["finish"], "stats": stats}
+    return {"text": r["text"], "token_ids": r["tokens"], "finish_reason": r["finish"], "stats": stats, "streamed": streamed}
+
+
+# ------------------------------------------------------------------ the server's engine
+class PortEngine:
+    """The llama.cpp port as a decoding engine of clover's server (`LLM.engine`'s interface:
+    `add(row)`, `step()`, `rows`, `cancel(row)`; events as clover's engines yield them). Rows are
+    requests to one shared `llama-clover --json` process, which decodes them one after another
+    (no two rows share a forward yet); each streamed block becomes a "commit" event, applied to the
+    row with `RowState.accept` (which reproduces the port's own EOS / stop / length decision)."""
+
+    def __init__(self, backend: "PortBackend", mode: str) -> None:  # mode: its name
+        self.backend, self.mode = backend, mode
+        self.rows: list = []
+        self.events: list = []  # events routed here by the backend, not yet returned
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def add(self, row) -> list:
+        from ..decoding.base import DecodeEvent
+
+        if getattr(row, "constraint", None) is not None:
+            raise ValueError("response_format: structured output (a grammar) is not in the llama.cpp port; "
+                             "serve with --engine torch for it")
+        if row.params.max_new_tokens == 0:
+            row._finish("length")
+            return [DecodeEvent("finish", -1, [], [], row_state=row)]
+        req = {"prompt": list(row.prompt), "stream": True, "eos_token_ids": sorted(row.eos_ids),
+               **port_options(self.mode, row.params)}
+        self.backend.send(self, row, req)
+        self.rows.append(row)
+        return []
+
+    def cancel(self, row, reason: str = "abort") -> None:
+        row.cancel(reason)
+        self.backend.cancel(row)
+        self.rows = [r for r in self.rows if r is not row]
+
+    def step(self) -> list:
+        while not self.events and self.rows:
+            self.backend.read_one()
+        out, self.events = self.events, []
+        return out
+
+    def run(self):
+        while self.rows:
+            yield from self.step()
+
+    def on_event(self, row, ev: dict) -> None:
+        from ..decoding.base import DecodeEvent
+
+        if row.finished and row not in self.rows:
+            return  # cancelled: what the port still sends is dropped
+        i = self.rows.index(row)
+        if ev["event"] == "error":
+            raise RuntimeError(f"llama-clover: {ev['message']}")
+        if ev["event"] == "commit":
+            kept = row.accept(list(ev["tokens"]), [1] * len(ev["tokens"]))
+            if kept:
+                self.events.append(DecodeEvent("commit", i, kept, [1] * len(kept), row_state=row))
+            return
+        row.forwards = ev["forwards"]
+        row.block_steps = list(ev["block_steps"])
+        row.forced_steps = ev["forced_steps"]
+        row.accept_lengths = list(ev["accept_lengths"])
+        if not row.finished:
+            row._finish(ev["finish"])
+        self.events.append(DecodeEvent("finish", i, [], [], row_state=row))
+        self.rows.remove(row)
+
+
+class PortBackend:
+    """One `llama-clover --json` process shared by the server's engines; routes its events by request id."""
+
+    def __init__(self, gguf, *, threads: int = 1, eos_ids=None, binary=None) -> None:
+        self.proc = PortProcess(gguf, threads=threads, eos_ids=eos_ids, binary=binary)
+        self.owner: dict[int, tuple] = {}
+
+    def send(self, engine: PortEngine, row, req: dict) -> None:
+        rid = self.proc.send(req)
+        self.owner[rid] = (engine, row)
+        row.state = rid
+
+    def cancel(self, row) -> None:
+        if row.state in self.owner:
+            self.proc.cancel(row.state)
+
+    def read_one(self) -> None:
+        ev = self.proc.event()
+        engine, row = self.owner.get(ev.get("id"), (None, None))
+        if engine is None:
+            raise RuntimeError(f"llama-clover answered an unknown request: {ev}")
+        if ev["event"] != "commit":
+            del self.owner[ev["id"]]
+        engine.on_event(row, ev)
+
+    def close(self) -> None:
+        self.proc.close()
+
+
+class PortLLM:
+    """An `LLM` whose engines are the llama.cpp port (`clover serve --engine llama.cpp`): the same
+    tokenizer, options, limits and errors; generation goes through `PortEngine`."""
+
+    def __init__(self, llm, gguf, *, threads: int = 1, binary=None) -> None:
+        self._llm = llm
+        self.backend = PortBackend(gguf, threads=threads, eos_ids=llm.eos_ids(), binary=binary)
+
+    def __getattr__(self, name):
+        return getattr(self._llm, name)
+
+    from ..api import LLM as _LLM
+
+    generate, stream, _events = _LLM.generate, _LLM.stream, _LLM._events  # clover's API, on the port's engines
+    del _LLM
+
+    def params(self, mode, kwargs: dict):
+        check_mode(self._llm.mode(mode).name)
+        return self._llm.params(mode, kwargs)
+
+    def engine(self, spec) -> PortEngine:
+        """The engine for rows of `spec` (`Mode.spec`): all share the one port process."""
+        if spec.provisional:
+            raise ValueError("provisional: the llama.cpp engine streams committed blocks only")
+        check_mode(spec.mode.name)
+        return PortEngine(self.backend, spec.mode.name)
+
+    def close(self) -> None:
+        self.backend.close()
+
+
+def port_llm(llm, stack, *, gguf=None, threads: int = 1) -> PortLLM:
+    """`llm` served through the port: `gguf`, or the model exported (f32) into a temporary directory
+    that `stack` (a contextlib.ExitStack) removes, as it closes the port process."""
+    import tempfile
+
+    require_port()
+    path = gguf or export_for_port(llm, stack.enter_context(tempfile.TemporaryDirectory()))
+    out = PortLLM(llm, path, threads=threads)
+    stack.callback(out.close)
+    return out
