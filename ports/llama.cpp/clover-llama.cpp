@@ -332,10 +332,15 @@ static void load_model(Model & m, const std::string & path, const std::string & 
     m.galloc = ggml_gallocr_new(ggml_backend_get_default_buffer_type(m.backend));
 }
 
+static const int KV_PAD = 256;  // the cache's capacity and the key length a graph reads: multiples of this
+static void clear_graphs();
+
 // (Re)creates an empty cache for n_ctx positions.
 static void reset_cache(Model & m, int n_ctx) {
     const Hparams & hp = m.hp;
+    n_ctx = (n_ctx + KV_PAD - 1) / KV_PAD * KV_PAD;
     if (m.cache_ctx == nullptr || n_ctx > m.n_ctx) {
+        clear_graphs();  // their views point into the old cache
         if (m.cache_buf) ggml_backend_buffer_free(m.cache_buf);
         if (m.cache_ctx) ggml_free(m.cache_ctx);
         ggml_init_params p = {ggml_tensor_overhead() * (2 * hp.n_layer + 4), nullptr, true};
@@ -745,6 +750,37 @@ struct Forward {
 
 // commit: tokens appended to the cache; block: one denoise block read against the cache after the
 // commit (not written); out_rows: indices into [commit | block] whose logits are wanted.
+// The graph of one forward shape, kept for the next forward of that shape: the cache positions it
+// writes and the key length it reads are inputs (K/V rows written by ggml_set_rows at input indices;
+// attention reads the cache padded to KV_PAD positions, the padding masked), so a graph depends only on
+// the shape (commit length, block length, logit rows, padded key length, recording, expert sharing)
+// and is built, planned and allocated once.
+struct CachedGraph {
+    std::vector<uint8_t> mem;
+    ggml_context * ctx = nullptr;
+    ggml_cgraph * gf = nullptr;
+    ggml_gallocr_t galloc = nullptr;
+    ggml_tensor *ids = nullptr, *pos = nullptr, *kq_mask = nullptr, *out_ids = nullptr, *kv_idx = nullptr, *logits = nullptr;
+    std::vector<GdnCall> calls;
+    ShareCall share_call{};
+    uint64_t used = 0;
+    ~CachedGraph() {
+        if (galloc) ggml_gallocr_free(galloc);
+        if (ctx) ggml_free(ctx);
+    }
+};
+
+static std::map<std::vector<int>, std::unique_ptr<CachedGraph>> & graph_cache() {
+    static std::map<std::vector<int>, std::unique_ptr<CachedGraph>> graphs;
+    return graphs;
+}
+
+static void clear_graphs() { graph_cache().clear(); }
+
+static CachedGraph * build_graph(Model & m, int Tc, int Bd, int n_out, int n_kv, bool record);
+
+// commit: tokens appended to the cache; block: one denoise block read against the cache after the
+// commit (not written); out_rows: indices into [commit | block] whose logits are wanted.
 static void forward(Model & m, const std::vector<int> & commit, const std::vector<int> & block,
                     const std::vector<int> & out_rows, bool record, Forward & res) {
     const Hparams & hp = m.hp;
@@ -753,25 +789,91 @@ static void forward(Model & m, const std::vector<int> & commit, const std::vecto
     if (m.n_past + T > m.n_ctx) die("context full");
     const int n_past = m.n_past, n_kv = n_past + T;
     const auto t_start = std::chrono::steady_clock::now();
-    const size_t graph_size = 8192;
-    const size_t mem = ggml_tensor_overhead() * graph_size + ggml_graph_overhead_custom(graph_size, false);
-    if (m.graph_mem.size() < mem) m.graph_mem.resize(mem);
-    ggml_init_params ip = {mem, m.graph_mem.data(), true};
-    ggml_context * ctx = ggml_init(ip);
-    ggml_cgraph * gf = ggml_new_graph_custom(ctx, graph_size, false);
-
-    ggml_tensor * ids = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, T);
-    ggml_set_input(ids);
-    ggml_tensor * pos = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, T);
-    ggml_set_input(pos);
-    ggml_tensor * kq_mask = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, n_kv, T);
-    ggml_set_input(kq_mask);
     const int n_out = (int) out_rows.size();
-    ggml_tensor * out_ids = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, std::max(1, n_out));
-    ggml_set_input(out_ids);
+    const int n_kv_pad = std::min(m.n_ctx, (n_kv + KV_PAD - 1) / KV_PAD * KV_PAD);
+    const bool share = Bd > 0 && m.share_budget > 0 && m.share_budget < hp.n_expert;
+    const std::vector<int> key = {Tc, Bd, n_out, n_kv_pad, record, share ? m.share_budget : 0, share && m.share_max};
+    auto & graphs = graph_cache();
+    static uint64_t tick = 0;
+    auto it = graphs.find(key);
+    if (it == graphs.end()) {
+        if (graphs.size() >= 24) {  // the least recently used goes
+            auto old = graphs.begin();
+            for (auto g = graphs.begin(); g != graphs.end(); ++g) if (g->second->used < old->second->used) old = g;
+            graphs.erase(old);
+        }
+        it = graphs.emplace(key, std::unique_ptr<CachedGraph>(build_graph(m, Tc, Bd, n_out, n_kv_pad, record))).first;
+    }
+    CachedGraph & G = *it->second;
+    G.used = ++tick;
+    for (Layer & L : m.layers) {  // the GDN ops' per-forward buffers (the ops find them through the layer)
+        if (!L.recurrent) continue;
+        if (Tc) L.window.resize((size_t) hp.conv_dim() * (hp.conv_k - 1 + Tc));
+        L.window_len = hp.conv_k - 1 + Tc;
+        if (record) {
+            L.S0.resize(L.S.size());
+            L.rec.resize((size_t) hp.hv * Tc * (2 * hp.dk + hp.dv + 2));
+            L.rec_T = Tc;
+        }
+    }
+    auto set = [](ggml_tensor * t, const void * data, size_t n) {  // an input the graph does not use has no buffer
+        if (t && t->buffer) ggml_backend_tensor_set(t, data, 0, n);
+    };
+    std::vector<int32_t> buf(T);
+    for (int t = 0; t < Tc; t++) buf[t] = commit[t];
+    for (int t = 0; t < Bd; t++) buf[Tc + t] = block[t];
+    set(G.ids, buf.data(), sizeof(int32_t) * T);
+    for (int t = 0; t < T; t++) buf[t] = n_past + t;
+    set(G.pos, buf.data(), sizeof(int32_t) * T);
+    std::vector<int64_t> kvi(T);
+    for (int t = 0; t < T; t++) kvi[t] = n_past + t;
+    set(G.kv_idx, kvi.data(), sizeof(int64_t) * T);
+    std::vector<float> mask((size_t) n_kv_pad * T);
+    for (int t = 0; t < T; t++) {
+        float * row = &mask[(size_t) t * n_kv_pad];
+        for (int j = 0; j < n_kv_pad; j++) {
+            // commit query t: the prefix and commit tokens up to itself; block query: everything; padding: nothing
+            const bool vis = j < n_kv && (t < Tc ? j <= n_past + t : true);
+            row[j] = vis ? 0.f : -INFINITY;
+        }
+    }
+    set(G.kq_mask, mask.data(), sizeof(float) * mask.size());
+    std::vector<int32_t> oi(std::max(1, n_out), 0);
+    for (int i = 0; i < n_out; i++) oi[i] = out_rows[i];
+    set(G.out_ids, oi.data(), sizeof(int32_t) * oi.size());
 
-    std::vector<GdnCall> calls(hp.n_layer);
-    ShareCall share_call{Tc, m.share_budget, m.share_max};
+    if (ggml_backend_graph_compute(m.backend, G.gf) != GGML_STATUS_SUCCESS) die("graph compute failed");
+    res.logits.resize((size_t) n_out * hp.n_vocab);
+    if (n_out) ggml_backend_tensor_get(G.logits, res.logits.data(), 0, sizeof(float) * res.logits.size());
+    m.n_past += Tc;
+    m.last_forward_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start).count();
+}
+
+static CachedGraph * build_graph(Model & m, int Tc, int Bd, int n_out, int n_kv, bool record) {
+    const Hparams & hp = m.hp;
+    const int T = Tc + Bd;
+    auto * G = new CachedGraph();
+    const size_t graph_size = 8192;
+    G->mem.resize(ggml_tensor_overhead() * graph_size + ggml_graph_overhead_custom(graph_size, false));
+    ggml_init_params ip = {G->mem.size(), G->mem.data(), true};
+    ggml_context * ctx = G->ctx = ggml_init(ip);
+    ggml_cgraph * gf = G->gf = ggml_new_graph_custom(ctx, graph_size, false);
+
+    ggml_tensor * ids = G->ids = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, T);
+    ggml_set_input(ids);
+    ggml_tensor * pos = G->pos = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, T);
+    ggml_set_input(pos);
+    ggml_tensor * kq_mask = G->kq_mask = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, n_kv, T);
+    ggml_set_input(kq_mask);
+    ggml_tensor * out_ids = G->out_ids = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, std::max(1, n_out));
+    ggml_set_input(out_ids);
+    ggml_tensor * kv_idx = G->kv_idx = ggml_new_tensor_1d(ctx, GGML_TYPE_I64, T);  // the cache rows written
+    ggml_set_input(kv_idx);
+
+    std::vector<GdnCall> & calls = G->calls;
+    calls.resize(hp.n_layer);
+    ShareCall & share_call = G->share_call;
+    share_call = {Tc, m.share_budget, m.share_max};
     const bool share = Bd > 0 && m.share_budget > 0 && m.share_budget < hp.n_expert;
     ggml_tensor * x = ggml_get_rows(ctx, m.tok_embd, ids);  // [H, T]
     const int H = hp.n_embd, hd = hp.head_dim, nh = hp.n_head, nkv = hp.n_head_kv;
@@ -784,13 +886,6 @@ static void forward(Model & m, const std::vector<int> & commit, const std::vecto
             ggml_tensor * al = ggml_mul_mat(ctx, L.walpha, cur);     // [Hv, T]
             ggml_tensor * be = ggml_mul_mat(ctx, L.wbeta, cur);      // [Hv, T]
             calls[il] = {&m, &L, Tc, Bd, record};
-            if (Tc) L.window.resize((size_t) hp.conv_dim() * (hp.conv_k - 1 + Tc));  // before the graph runs
-            L.window_len = hp.conv_k - 1 + Tc;
-            if (record) {
-                L.S0.resize(L.S.size());
-                L.rec.resize((size_t) hp.hv * Tc * (2 * hp.dk + hp.dv + 2));
-                L.rec_T = Tc;
-            }
             ggml_tensor * pre = ggml_custom_4d(ctx, GGML_TYPE_F32, hp.conv_dim(), T, 1, 1, &mixed, 1, gdn_conv, GGML_N_TASKS_MAX, &calls[il]);
             ggml_tensor * args[3] = {ggml_silu(ctx, pre), al, be};
             ggml_tensor * o = ggml_custom_4d(ctx, GGML_TYPE_F32, hp.dv, hp.hv, T, 1, args, 3, gdn_mix, GGML_N_TASKS_MAX, &calls[il]);
@@ -813,10 +908,10 @@ static void forward(Model & m, const std::vector<int> & commit, const std::vecto
             // the block part is scratch that the next commit overwrites (never read past this forward:
             // every later query's keys end at its own forward's last position). The copies are expanded
             // first, so they run before the attention reads the cache view.
-            ggml_tensor * kdst = ggml_view_3d(ctx, L.k_cache, hd, nkv, T, L.k_cache->nb[1], L.k_cache->nb[2], L.k_cache->nb[2] * n_past);
-            ggml_tensor * vdst = ggml_view_3d(ctx, L.v_cache, hd, nkv, T, L.v_cache->nb[1], L.v_cache->nb[2], L.v_cache->nb[2] * n_past);
-            ggml_build_forward_expand(gf, ggml_cpy(ctx, k, kdst));
-            ggml_build_forward_expand(gf, ggml_cpy(ctx, v, vdst));
+            ggml_tensor * k_rows = ggml_reshape_2d(ctx, L.k_cache, hd * nkv, L.k_cache->ne[2]);
+            ggml_tensor * v_rows = ggml_reshape_2d(ctx, L.v_cache, hd * nkv, L.v_cache->ne[2]);
+            ggml_build_forward_expand(gf, ggml_set_rows(ctx, k_rows, ggml_reshape_2d(ctx, k, hd * nkv, T), kv_idx));
+            ggml_build_forward_expand(gf, ggml_set_rows(ctx, v_rows, ggml_reshape_2d(ctx, v, hd * nkv, T), kv_idx));
             ggml_tensor * K = ggml_view_3d(ctx, L.k_cache, hd, nkv, n_kv, L.k_cache->nb[1], L.k_cache->nb[2], 0);
             ggml_tensor * V = ggml_view_3d(ctx, L.v_cache, hd, nkv, n_kv, L.v_cache->nb[1], L.v_cache->nb[2], 0);
             ggml_tensor * Kp = ggml_permute(ctx, K, 0, 2, 1, 3);                  // [hd, n_kv, nkv]
@@ -856,48 +951,19 @@ static void forward(Model & m, const std::vector<int> & commit, const std::vecto
         ggml_tensor * sg = ggml_sigmoid(ctx, ggml_mul_mat(ctx, L.gate_inp_shexp, h));  // [1, T]
         x = ggml_add(ctx, x, ggml_add(ctx, moe, ggml_mul(ctx, sh, sg)));
     }
-    ggml_tensor * logits = nullptr;
     if (n_out) {
         ggml_tensor * xo = ggml_get_rows(ctx, x, out_ids);
         xo = ggml_mul(ctx, ggml_rms_norm(ctx, xo, hp.eps), m.out_norm);
-        logits = ggml_mul_mat(ctx, m.output, xo);
-        ggml_set_output(logits);
-        ggml_build_forward_expand(gf, logits);
+        G->logits = ggml_mul_mat(ctx, m.output, xo);
+        ggml_set_output(G->logits);
+        ggml_build_forward_expand(gf, G->logits);
     } else {
         ggml_set_output(x);
         ggml_build_forward_expand(gf, x);
     }
-    if (!ggml_gallocr_alloc_graph(m.galloc, gf)) die("graph allocation failed");
-
-    auto set = [](ggml_tensor * t, const void * data, size_t n) {  // an input the graph does not use has no buffer
-        if (t->buffer) ggml_backend_tensor_set(t, data, 0, n);
-    };
-    std::vector<int32_t> buf(T);
-    for (int t = 0; t < Tc; t++) buf[t] = commit[t];
-    for (int t = 0; t < Bd; t++) buf[Tc + t] = block[t];
-    set(ids, buf.data(), sizeof(int32_t) * T);
-    for (int t = 0; t < T; t++) buf[t] = n_past + t;
-    set(pos, buf.data(), sizeof(int32_t) * T);
-    std::vector<float> mask((size_t) n_kv * T);
-    for (int t = 0; t < T; t++) {
-        float * row = &mask[(size_t) t * n_kv];
-        for (int j = 0; j < n_kv; j++) {
-            // commit query t: the prefix and commit tokens up to itself; block query: everything
-            const bool vis = t < Tc ? j <= n_past + t : true;
-            row[j] = vis ? 0.f : -INFINITY;
-        }
-    }
-    set(kq_mask, mask.data(), sizeof(float) * mask.size());
-    std::vector<int32_t> oi(std::max(1, n_out), 0);
-    for (int i = 0; i < n_out; i++) oi[i] = out_rows[i];
-    set(out_ids, oi.data(), sizeof(int32_t) * oi.size());
-
-    if (ggml_backend_graph_compute(m.backend, gf) != GGML_STATUS_SUCCESS) die("graph compute failed");
-    res.logits.resize((size_t) n_out * hp.n_vocab);
-    if (n_out) ggml_backend_tensor_get(logits, res.logits.data(), 0, sizeof(float) * res.logits.size());
-    ggml_free(ctx);
-    m.n_past += Tc;
-    m.last_forward_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start).count();
+    G->galloc = ggml_gallocr_new(ggml_backend_get_default_buffer_type(m.backend));
+    if (!ggml_gallocr_alloc_graph(G->galloc, gf)) die("graph allocation failed");
+    return G;
 }
 
 // Roll the commit of the last forward back to its first `keep` tokens (speculative partial accept).
