@@ -1,15 +1,20 @@
 """Timing of the llama.cpp port against stock llama.cpp AR (docs/llama-port.md, "Speed").
 
     python ports/llama.cpp/bench_port.py [--model DIR] [--dtypes f32,bf16,q8_0] [--prompts 20] [-n 64]
+                                         [--rounds 3] [--clock cpu|wall] [--configs ar,diffusion,...]
 
-One thread, one run per configuration, the same held-out task prompts (as token ids) everywhere:
-- stock llama.cpp AR: `clover-llama-probe greedy N` per prompt, timed as wall(greedy N) - wall(greedy 0)
+One thread, the same held-out task prompts (as token ids) everywhere, `--rounds` interleaved rounds
+(stock and every port row in turn, per round), the median round reported:
+- stock llama.cpp AR: `clover-llama-probe greedy N` per prompt, timed as t(greedy N) - t(greedy 0)
   (process start, load and prefill cancel; EOS banned so every prompt runs N tokens), and
-  `llama-bench -p 0 -n N -r 1 -t 1`;
+  `llama-bench -p 0 -n N -r 1 -t 1` (wall clock, its own);
 - the port (`llama-clover`): ar, diffusion (threshold 0.95: block 32 with the threshold rule and the
   model's entropy rule, blocks 16 and 8 with the threshold rule), speculative (draft 32, 8, 4); its own
-  clock: the decode loop, prefill included.
-Prints a Markdown table: tokens, forwards, tokens per forward, tokens/s, and tokens/s over stock AR.
+  clock over the decode loop with the first (prefill) forward taken out, as stock's.
+`--clock cpu` (the default) times CPU seconds (the child's user + system time for the probe, the
+port's process CPU clock), which a loaded machine disturbs far less than wall time; `wall` times
+wall seconds. Prints a Markdown table: tokens, forwards, tokens per forward, tokens/s, and tokens/s
+over stock AR.
 """
 
 from __future__ import annotations
@@ -17,6 +22,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -29,18 +36,30 @@ sys.path.insert(0, str(REPO / "src"))
 from clover.integrations.llama_port import llama_cache_dir, port_binary, run  # noqa: E402
 
 
-def probe_tokens_per_s(probe: Path, gguf: Path, prompts, n: int, eos) -> float:
+def child_cpu() -> float:
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
+
+
+def probe_tokens_per_s(probe: Path, gguf: Path, prompts, n: int, eos, clock: str) -> float:
     env = {**os.environ, "CLOVER_PROBE_THREADS": "1"}
     total = 0.0
     for ids in prompts:
-        walls = []
+        spent = []
         for k in (n, 0):
-            t = time.perf_counter()
+            t, c = time.perf_counter(), child_cpu()
             subprocess.run([str(probe), str(gguf), "greedy", str(k), *map(str, eos)], input=" ".join(map(str, ids)).encode(),
                            capture_output=True, check=True, env=env)
-            walls.append(time.perf_counter() - t)
-        total += walls[0] - walls[1]
+            spent.append(child_cpu() - c if clock == "cpu" else time.perf_counter() - t)
+        total += spent[0] - spent[1]
     return len(prompts) * n / total
+
+
+def port_seconds(r: dict, clock: str) -> float:
+    """The port's decode time with the first (prefill) forward taken out."""
+    if clock == "cpu":
+        return r["cpu_seconds"] - r["prefill_forward_cpu_seconds"]
+    return r["seconds"] - r["prefill_forward_seconds"]
 
 
 def llama_bench_tokens_per_s(gguf: Path, n: int) -> float | None:
@@ -52,12 +71,27 @@ def llama_bench_tokens_per_s(gguf: Path, n: int) -> float | None:
     return float(json.loads(r.stdout)[0]["avg_ts"])
 
 
+CONFIGS = {
+    "ar": ["--mode", "ar", "--ignore-eos"],
+    "diffusion, threshold rule": ["--mode", "diffusion", "--block", "32", "--policy", "threshold", "--threshold", "0.95"],
+    "diffusion, entropy rule": ["--mode", "diffusion", "--block", "32", "--policy", "entropy", "--threshold", "0.95"],
+    "diffusion, threshold rule, block 16": ["--mode", "diffusion", "--block", "16", "--policy", "threshold", "--threshold", "0.95"],
+    "diffusion, threshold rule, block 8": ["--mode", "diffusion", "--block", "8", "--policy", "threshold", "--threshold", "0.95"],
+    "speculative, draft 32": ["--mode", "speculative", "--block", "32", "--ignore-eos"],
+    "speculative, draft 8": ["--mode", "speculative", "--block", "32", "--draft", "8", "--ignore-eos"],
+    "speculative, draft 4": ["--mode", "speculative", "--block", "32", "--draft", "4", "--ignore-eos"],
+}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default=str(REPO / "src" / "clover" / "assets" / "clover-tiny"))
     ap.add_argument("--dtypes", default="f32,bf16,q8_0")
     ap.add_argument("--prompts", type=int, default=20)
     ap.add_argument("-n", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--clock", choices=("cpu", "wall"), default="cpu")
+    ap.add_argument("--configs", default="all", help="comma-separated names of the port rows (default: all)")
     a = ap.parse_args()
 
     import clover
@@ -69,33 +103,31 @@ def main() -> int:
     eos = llm.config.eos_token_ids
     probe = llama_cache_dir() / "bin" / "clover-llama-probe"
     port = port_binary()
-    configs = [
-        ("ar", ["--mode", "ar", "--ignore-eos"]),
-        ("diffusion, threshold rule", ["--mode", "diffusion", "--block", "32", "--policy", "threshold", "--threshold", "0.95"]),
-        ("diffusion, entropy rule", ["--mode", "diffusion", "--block", "32", "--policy", "entropy", "--threshold", "0.95"]),
-        ("diffusion, threshold rule, block 16", ["--mode", "diffusion", "--block", "16", "--policy", "threshold", "--threshold", "0.95"]),
-        ("diffusion, threshold rule, block 8", ["--mode", "diffusion", "--block", "8", "--policy", "threshold", "--threshold", "0.95"]),
-        ("speculative, draft 32", ["--mode", "speculative", "--block", "32", "--ignore-eos"]),
-        ("speculative, draft 8", ["--mode", "speculative", "--block", "32", "--draft", "8", "--ignore-eos"]),
-        ("speculative, draft 4", ["--mode", "speculative", "--block", "32", "--draft", "4", "--ignore-eos"]),
-    ]
-    print(f"| dtype | engine | tokens | forwards | tokens/forward | tokens/s | × stock AR |")
+    configs = CONFIGS if a.configs == "all" else {k: CONFIGS[k] for k in a.configs.split(",")}
+    print(f"clock: {a.clock}; {a.rounds} interleaved rounds, the median shown")
+    print("| dtype | engine | tokens | forwards | tokens/forward | tokens/s | × stock AR |")
     print("|---|---|---:|---:|---:|---:|---:|")
     with tempfile.TemporaryDirectory() as tmp:
         for dtype in a.dtypes.split(","):
             gguf = Path(tmp) / f"model-{dtype}.gguf"
             export_gguf(a.model, gguf, dtype=dtype, progress=False)
-            stock = probe_tokens_per_s(probe, gguf, prompts, a.n, eos)
+            stock, rows = [], {name: [] for name in configs}
+            for _ in range(a.rounds):
+                stock.append(probe_tokens_per_s(probe, gguf, prompts, a.n, eos, a.clock))
+                for name, args in configs.items():
+                    res = run(gguf, prompts, ["-n", str(a.n), *args], eos_ids=eos, binary=port)
+                    tok = sum(r["n_tokens"] for r in res)
+                    fwd = sum(r["forwards"] for r in res)
+                    rows[name].append((tok / sum(port_seconds(r, a.clock) for r in res), tok, fwd))
+            s = statistics.median(stock)
             bench = llama_bench_tokens_per_s(gguf, a.n)
-            print(f"| {dtype} | stock llama.cpp AR (probe) | {len(prompts) * a.n} | {len(prompts) * a.n} | 1.00 | {stock:.1f} | 1.00 |")
+            print(f"| {dtype} | stock llama.cpp AR (probe) | {len(prompts) * a.n} | {len(prompts) * a.n} | 1.00 | {s:.1f} | 1.00 |")
             if bench is not None:
-                print(f"| {dtype} | stock llama.cpp AR (llama-bench) | {a.n} | {a.n} | 1.00 | {bench:.1f} | {bench / stock:.2f} |")
-            for name, args in configs:
-                res = run(gguf, prompts, ["-n", str(a.n), *args], eos_ids=eos, binary=port)
-                tok = sum(r["n_tokens"] for r in res)
-                fwd = sum(r["forwards"] for r in res)
-                sec = sum(r["seconds"] for r in res)
-                print(f"| {dtype} | port {name} | {tok} | {fwd} | {tok / fwd:.2f} | {tok / sec:.1f} | {tok / sec / stock:.2f} |")
+                print(f"| {dtype} | stock llama.cpp AR (llama-bench, wall) | {a.n} | {a.n} | 1.00 | {bench:.1f} | {bench / s:.2f} |")
+            for name, vals in rows.items():
+                tps = statistics.median(v[0] for v in vals)
+                tok, fwd = vals[0][1], vals[0][2]
+                print(f"| {dtype} | port {name} | {tok} | {fwd} | {tok / fwd:.2f} | {tps:.1f} | {tps / s:.2f} |")
             sys.stdout.flush()
     return 0
 

@@ -35,6 +35,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <ctime>
 #include <deque>
 #include <functional>
 #include <iostream>
@@ -113,6 +114,7 @@ struct Model {
     int n_ctx = 0;
     int n_past = 0;  // committed positions
     double last_forward_s = 0.0;  // wall time of the last forward (graph build + compute)
+    double last_forward_cpu_s = 0.0;  // its process CPU time
     ggml_gallocr_t galloc = nullptr;
     std::vector<uint8_t> graph_mem;
 };
@@ -789,6 +791,8 @@ static void forward(Model & m, const std::vector<int> & commit, const std::vecto
     if (m.n_past + T > m.n_ctx) die("context full");
     const int n_past = m.n_past, n_kv = n_past + T;
     const auto t_start = std::chrono::steady_clock::now();
+    timespec c_start{};
+    clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &c_start);
     const int n_out = (int) out_rows.size();
     const int n_kv_pad = std::min(m.n_ctx, (n_kv + KV_PAD - 1) / KV_PAD * KV_PAD);
     const bool share = Bd > 0 && m.share_budget > 0 && m.share_budget < hp.n_expert;
@@ -847,6 +851,9 @@ static void forward(Model & m, const std::vector<int> & commit, const std::vecto
     if (n_out) ggml_backend_tensor_get(G.logits, res.logits.data(), 0, sizeof(float) * res.logits.size());
     m.n_past += Tc;
     m.last_forward_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start).count();
+    timespec c_end{};
+    clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &c_end);
+    m.last_forward_cpu_s = (c_end.tv_sec - c_start.tv_sec) + 1e-9 * (c_end.tv_nsec - c_start.tv_nsec);
 }
 
 static CachedGraph * build_graph(Model & m, int Tc, int Bd, int n_out, int n_kv, bool record) {
@@ -1130,7 +1137,7 @@ static Params make_params(const Model & m, const json & defaults, const json & r
 struct Row {
     std::vector<int> prompt, tokens;
     int forwards = 0, forced_steps = 0;
-    double first_forward_s = 0.0;  // the forward that carried the prompt (prefill)
+    double first_forward_s = 0.0, first_forward_cpu_s = 0.0;  // the forward that carried the prompt (prefill)
     std::vector<int> block_steps, accept_lengths;
     std::string finish;
     bool finished = false;
@@ -1370,7 +1377,7 @@ static void run_ar(Model & m, const Params & p, const std::vector<int> & prompt,
     Forward f;
     while (!r.stop_now()) {
         forward(m, pending, {}, {(int) pending.size() - 1}, false, f);
-        if (++r.forwards == 1) r.first_forward_s = m.last_forward_s;
+        if (++r.forwards == 1) { r.first_forward_s = m.last_forward_s; r.first_forward_cpu_s = m.last_forward_cpu_s; }
         const std::vector<int> * hist = nullptr;
         if (p.uses_history()) {
             seen = prompt;
@@ -1461,7 +1468,7 @@ static void run_diffusion(Model & m, const Params & p, const std::vector<int> & 
         for (int j = 1; j < Bs; j++)
             if (open[j]) { den_row[j] = (int) rows.size(); rows.push_back(Tc + j - 1); }
         forward(m, pending, blk, rows, false, f);
-        if (++r.forwards == 1) r.first_forward_s = m.last_forward_s;
+        if (++r.forwards == 1) { r.first_forward_s = m.last_forward_s; r.first_forward_cpu_s = m.last_forward_cpu_s; }
         if (Tc) {
             std::copy(f.logits.begin(), f.logits.begin() + V, first.begin());
             pending.clear();
@@ -1535,7 +1542,7 @@ static void run_speculative(Model & m, const Params & p, const std::vector<int> 
         const int n_commit_rows = (int) rows.size();
         for (int j = 0; j < D - 1; j++) rows.push_back(Tc + j);
         forward(m, src, block, rows, /*record: per-token GDN states, for a rollback*/ has_draft, f);
-        if (++r.forwards == 1) r.first_forward_s = m.last_forward_s;
+        if (++r.forwards == 1) { r.first_forward_s = m.last_forward_s; r.first_forward_cpu_s = m.last_forward_cpu_s; }
         int keep = Tc;
         bool next_ok = true;
         if (has_draft) {
@@ -1613,6 +1620,8 @@ static json run_request(Model & m, const json & defaults, const json & req, cons
     m.share_budget = p.mode == "ar" ? 0 : std::max(0, p.expert_budget);
     m.share_max = p.expert_rank == "max";
     const auto t0 = std::chrono::steady_clock::now();
+    timespec c0{}, c1{};
+    clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &c0);
     if (p.max_new > 0) {
         if (p.mode == "ar") run_ar(m, p, prompt, r);
         else if (p.mode == "diffusion") run_diffusion(m, p, prompt, r);
@@ -1621,12 +1630,15 @@ static json run_request(Model & m, const json & defaults, const json & req, cons
         r.finish = "length";
     }
     const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &c1);
+    const double cpu = (c1.tv_sec - c0.tv_sec) + 1e-9 * (c1.tv_nsec - c0.tv_nsec);
     const int n = (int) r.tokens.size();
     std::string text = detokenize(m, r.tokens);
     if (r.finish == "stop") text = trim_at_stop(text, p.stop);
     json out = {{"event", "done"}, {"mode", p.mode}, {"prompt_tokens", prompt.size()}, {"tokens", r.tokens}, {"n_tokens", n},
                 {"text", text}, {"forwards", r.forwards}, {"tokens_per_forward", r.forwards ? (double) n / r.forwards : 0.0},
                 {"seconds", secs}, {"tokens_per_second", secs > 0 ? n / secs : 0.0}, {"prefill_forward_seconds", r.first_forward_s},
+                {"cpu_seconds", cpu}, {"prefill_forward_cpu_seconds", r.first_forward_cpu_s},
                 {"finish", r.finish}, {"block_steps", r.block_steps}, {"forced_steps", r.forced_steps},
                 {"accept_lengths", r.accept_lengths}};
     if (req.contains("id")) out["id"] = req["id"];
