@@ -122,7 +122,7 @@ def test_auto_changes_width_between_blocks_and_reports_why(llm, monkeypatch):
     pol = W.WidthPolicy((4, 8, 16), {4: 1.5, 8: 2.0, 16: 3.0}, flat_curve({4, 8, 16, 32}))
     eng = DiffusionEngine(llm.model, block_size="auto", mask_id=llm.config.mask_token_id, width_policy=pol)
     params = SamplingParams(max_new_tokens=20, ignore_eos=True, block_size="auto", threshold=0.9, policy="threshold")
-    row = RowState(prompt=llm.tokenizer.encode("abc"), params=params, eos_ids=set())
+    row = RowState(prompt=llm.tokenizer.encode("abc"), params=params, eos_ids=set(llm.config.eos_token_ids))
     eng.add(row)
     list(eng.run())
     assert len(row.tokens) == 20
@@ -132,10 +132,45 @@ def test_auto_changes_width_between_blocks_and_reports_why(llm, monkeypatch):
 
 
 def test_auto_is_refused_where_it_means_nothing(llm):
-    out = llm.generate("abc", mode="speculative", block_size="auto", max_new_tokens=8)  # the model's block size
+    out = llm.generate("abc", mode="ar", block_size="auto", max_new_tokens=8)  # ignored, as any block size
     assert out.token_ids == llm.generate("abc", mode="ar", max_new_tokens=8).token_ids
     with pytest.raises(ValueError, match="block_size"):
         llm.generate("abc", mode="diffusion", block_size="wide", max_new_tokens=8)
+    with pytest.raises(ValueError, match="draft_length"):
+        llm.generate("abc", mode="speculative", block_size="auto", draft_length=4, max_new_tokens=8)
+
+
+def test_draft_choice_follows_acceptance():
+    linear = W.CostCurve()
+    for p in (1, 4, 8, 16):
+        linear.add("verify", 1, p, 1.0 + p / 4)
+    pol = W.DraftPolicy((4, 8, 16), linear)
+    assert pol.choose([(0.1, 100)]).width == 4  # unsure: a short draft
+    assert pol.choose([(0.99, 100)]).width == 16  # sure: a long one
+    assert pol.acceptance(0, 0) == pytest.approx(pol.PRIOR_RATE)
+    assert pol.acceptance(30, 0) > 0.9 and pol.acceptance(0, 30) < 0.1
+
+
+@pytest.mark.parametrize("sure", [0.05, 0.99])
+def test_adaptive_draft_stays_identical_to_ar(llm, monkeypatch, sure):
+    curve = W.CostCurve()
+    for b in (1, 2):
+        for p in (1, 4, 8, 16):
+            curve.add("verify", b, p, 1.0 + p / 4)
+    monkeypatch.setattr(W, "curve_for", lambda model, widths, kind="denoise": curve)
+    monkeypatch.setattr(W.DraftPolicy, "PRIOR_RATE", sure)
+    monkeypatch.setattr(W.DraftPolicy, "PRIOR_N", 1000.0)  # the prior decides: one draft length throughout
+    prompts = ["abc", "def f(x):"]
+    kw = dict(max_new_tokens=30, ignore_eos=True)
+    ar = llm.generate(prompts, mode="ar", **kw)
+    sp = llm.generate(prompts, mode="speculative", block_size="auto", **kw)
+    assert [g.token_ids for g in sp] == [g.token_ids for g in ar]
+    want = 4 if sure < 0.5 else 16
+    assert all(f"draft width {want}" in g.stats.width_why[0] for g in sp)
+    assert all(a <= want for g in sp for a in g.stats.accept_lengths)
+    torch.manual_seed(0)
+    sampled = llm.generate("abc", mode="speculative", block_size="auto", temperature=0.8, **kw)
+    assert len(sampled.token_ids) == 30
 
 
 def test_bench_cost_table_json_and_plot(llm, cache_home, tmp_path):
@@ -159,3 +194,30 @@ def test_bench_cost_cli_errors(tiny_dir, capsys):
 
     assert main(["bench", "cost", "--model", str(tiny_dir), "--positions", "0,2"]) != 0
     assert "--positions" in capsys.readouterr().err
+
+
+def test_draft_length_switching_every_forward_stays_identical_to_ar(llm):
+    from clover.decoding.base import RowState
+    from clover.decoding.sampling import SamplingParams
+    from clover.decoding.speculative import SpeculativeEngine
+
+    class Alternating(W.DraftPolicy):
+        calls = 0
+
+        def choose(self, rows):
+            self.calls += 1
+            w = (4, 16, 8)[self.calls % 3]
+            return W.WidthChoice(w, len(rows), {w: 1.0})
+
+    curve = W.CostCurve()
+    curve.add("verify", 1, 4, 1.0)
+    for prompt in ("abc", "hello world"):
+        eng = SpeculativeEngine(llm.model, draft_length="auto", mask_id=llm.config.mask_token_id,
+                                draft_policy=Alternating((4, 8, 16), curve))
+        params = SamplingParams(max_new_tokens=40, ignore_eos=True, block_size="auto")
+        row = RowState(prompt=llm.tokenizer.encode(prompt), params=params, eos_ids=set(llm.config.eos_token_ids))
+        eng.add(row)
+        list(eng.run())
+        ar = llm.generate(prompt, mode="ar", max_new_tokens=40, ignore_eos=True)
+        assert row.tokens == ar.token_ids
+        assert len(eng.choices) > 3

@@ -28,7 +28,7 @@ import torch
 
 from .base import BatchEngine, DecodeEvent, EngineRow, RowState, pad_right
 from .modes import EngineSpec, Mode, register
-from .sampling import filter_logits
+from .sampling import AUTO, filter_logits
 
 
 def check_speculative_params(params) -> None:
@@ -65,19 +65,42 @@ class SpeculativeRow(EngineRow):
     draft: list[int] | None = None  # a draft awaiting verification by the next forward
     draft_q: torch.Tensor | None = None  # sampling: [D-1, V] the distributions draft[1:] were drawn from
     next_first: int | None = None  # sampling: the residual draw at a rejection, the next draft's first token
+    kept_draft: int = 0  # draft tokens after the first kept so far (draft "auto": the acceptance rate)
+    rejected_draft: int = 0  # verifies that rejected a draft token
 
 
 class SpeculativeEngine(BatchEngine):
     row_type = SpeculativeRow
 
-    def __init__(self, model, *, draft_length: int, mask_id: int, pad_id: int = 0,
-                 expert_budget: int | None = None, expert_rank: str = "sum") -> None:
+    def __init__(self, model, *, draft_length: int | str, mask_id: int, pad_id: int = 0,
+                 expert_budget: int | None = None, expert_rank: str = "sum", draft_policy=None) -> None:
         super().__init__(model, pad_id=pad_id)
+        self.draft_policy = None
+        if draft_length == AUTO:
+            from .width import DraftPolicy
+
+            self.draft_policy = draft_policy or DraftPolicy.for_model(model)
+            draft_length = max(self.draft_policy.widths)
         self.draft_length, self.mask_id, self.expert_budget = draft_length, mask_id, expert_budget
+        self.max_draft = draft_length
         self.expert_rank = expert_rank
+        self.choices: list = []  # draft "auto": each WidthChoice (draft length, why), in order
+        self.forwards = 0
 
     def _capacity(self, row: RowState) -> int:
-        return len(row.prompt) + row.params.max_new_tokens + 2 * self.draft_length + 1
+        return len(row.prompt) + row.params.max_new_tokens + 2 * self.max_draft + 1
+
+    def _choose_draft(self) -> None:
+        """Draft "auto": the draft length of the drafts this forward makes (a verify of a draft of D
+        costs a forward of 2D positions; each draft token is kept with the row's acceptance rate)."""
+        rates = [self.draft_policy.acceptance(r.state.kept_draft, r.state.rejected_draft) for r in self.rows]
+        choice = self.draft_policy.choose([(a, r.remaining) for a, r in zip(rates, self.rows)])
+        choice.forward = self.forwards
+        if not self.choices or self.choices[-1].width != choice.width or self.choices[-1].batch != choice.batch:
+            self.choices.append(choice)
+            for r in self.rows:
+                r.width_why.append(f"forward {self.forwards}: draft {choice.why()}")
+        self.draft_length = choice.width
 
     def _init_row(self, row: RowState) -> None:
         check_speculative_params(row.params)
@@ -146,6 +169,10 @@ class SpeculativeEngine(BatchEngine):
 
     @torch.inference_mode()
     def step(self) -> list[DecodeEvent]:
+        drafted_at = self.draft_length  # the length of the drafts this forward verifies
+        if self.draft_policy is not None:
+            self._choose_draft()
+        self.forwards += 1
         D, rows = self.draft_length, self.rows
         commit_src = [r.state.draft if r.state.draft is not None else r.state.pending for r in rows]
         has_commit = any(commit_src)
@@ -161,22 +188,25 @@ class SpeculativeEngine(BatchEngine):
             r.forwards += 1
             r.experts_touched.extend(out.experts_touched)
             next_draft_ok = True
+            Dv = len(r.state.draft) if r.state.draft is not None else 0
             if r.state.draft is not None and r.constraint is not None:  # verify (constrained: greedy)
-                m = self._verify_constrained(r, out.commit_logits[i, :D])
+                m = self._verify_constrained(r, out.commit_logits[i, :Dv])
             elif r.state.draft is not None and not r.params.greedy:  # verify by the rejection rule
-                p = self._probs(r, out.commit_logits[i, : D - 1]) if D > 1 else None
+                p = self._probs(r, out.commit_logits[i, : Dv - 1]) if Dv > 1 else None
                 m, r.state.next_first = accept_draft(r.state.draft, r.state.draft_q, p, r.state.sampler.generator)
             elif r.state.draft is not None:  # verify
-                causal = self._argmax(r, out.commit_logits[i, :D])  # causal[j] = AR token after draft[:j+1]
+                causal = self._argmax(r, out.commit_logits[i, :Dv])  # causal[j] = AR token after draft[:j+1]
                 m = 1
-                while m < D and r.state.draft[m] == causal[m - 1]:
+                while m < Dv and r.state.draft[m] == causal[m - 1]:
                     m += 1
             if r.state.draft is not None:
                 accepted = r.state.draft[:m]
                 r.accept_lengths.append(m)
                 keep[i] = m
                 r.state.first_logits = out.commit_logits[i, m - 1]
-                next_draft_ok = m == D
+                r.state.kept_draft += m - 1
+                r.state.rejected_draft += m < Dv
+                next_draft_ok = m == Dv == drafted_at
                 kept = r.accept(accepted, [1] * m)
                 r.grammar_done()
                 if kept:
@@ -209,13 +239,21 @@ class Speculative(Mode):
     summary = ("self-speculative: drafts a block by denoising, verifies it causally (greedy == AR greedy; sampling "
                "distributed as AR's by the rejection rule)")
 
+    auto_width = True  # block_size="auto": the draft length adapts to acceptance
+
     def check(self, params) -> None:
         check_speculative_params(params)
+        if params.block_size == AUTO:
+            if params.draft_length is not None:
+                raise ValueError("draft_length: block_size \"auto\" chooses the draft length; give one or the other")
+            return
         if (params.draft_length or params.block_size) > params.block_size:
             raise ValueError(f"draft_length: must be <= block_size ({params.block_size}), got {params.draft_length}")
 
     def extra_positions(self, params) -> int:
-        return params.block_size
+        from .width import AUTO_MAX_WIDTH
+
+        return AUTO_MAX_WIDTH if params.block_size == AUTO else params.block_size
 
     def spec(self, params, provisional=False) -> EngineSpec:
         return EngineSpec(self, params.draft_length or params.block_size, params.expert_budget, params.expert_rank)

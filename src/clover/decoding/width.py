@@ -238,19 +238,20 @@ def measure_curve(model, *, kinds=KINDS, batches=(1,), positions=POSITIONS, repe
     return curve
 
 
-def curve_for(model, widths) -> CostCurve:
-    """The cached curve when it covers the denoise forward; else a quick calibration (the denoise
-    forward at each width and twice it, batch 1, 3 timed forwards each), cached for the next time."""
+def curve_for(model, widths, kind: str = "denoise") -> CostCurve:
+    """The cached curve when it covers `kind`; else a quick calibration (the denoise forward at each
+    width and twice it, or the verify forward at each width; batch 1, 3 timed forwards each), cached
+    for the next time."""
     curve = load_curve(model)
-    if curve is not None and curve.has("denoise"):
+    if curve is not None and curve.has(kind):
         return curve
-    pts = sorted({p for w in widths for p in (w, 2 * w)})
-    curve = measure_curve(model, kinds=("denoise",), batches=(1,), positions=pts, repeat=3)
+    pts = sorted({p for w in widths for p in ((w, 2 * w) if kind == "denoise" else (w,))})
+    fresh = measure_curve(model, kinds=(kind,), batches=(1,), positions=pts, repeat=3)
     try:
-        save_curve(model, curve)
+        save_curve(model, fresh)
     except OSError:  # a read-only cache: the choice still works for this process
-        pass
-    return curve
+        return fresh
+    return load_curve(model) or fresh
 
 
 # ------------------------------------------------------------------------------ the choice
@@ -322,4 +323,41 @@ class WidthPolicy:
             tpf = [self.tokens_per_forward(w, s, rem) for s, rem in rows] or [1.0]
             expected[w] = sum(tpf) / self.forward_seconds(w, B, sum(tpf) / len(tpf))
         best = max(self.widths, key=lambda w: (expected[w], -w))
+        return WidthChoice(best, B, expected)
+
+
+class DraftPolicy:
+    """Speculative decoding's draft length (`block_size="auto"` in mode speculative): the trained
+    width D with the most expected tokens per second, a verify forward of a draft of D keeping
+    1 + a + ... + a^(D-1) tokens for a row whose draft tokens are kept at rate a (its own so far,
+    after a prior of `PRIOR_RATE` worth `PRIOR_N` verifies), over the measured verify forward."""
+
+    PRIOR_RATE = 0.5
+    PRIOR_N = 4.0
+
+    def __init__(self, widths, curve: CostCurve) -> None:
+        self.widths = tuple(sorted(widths))
+        self.curve = curve
+
+    @classmethod
+    def for_model(cls, model, curve: CostCurve | None = None) -> "DraftPolicy":
+        widths = trained_widths(model.config)
+        return cls(widths, curve or curve_for(model, widths, kind="verify"))
+
+    def acceptance(self, kept: int, rejected: int) -> float:
+        """The row's rate of keeping a draft token: kept tokens over kept + rejected ones."""
+        k = self.PRIOR_N
+        return (k * self.PRIOR_RATE + kept) / (k + kept + rejected)
+
+    @staticmethod
+    def expected_tokens(D: int, rate: float, remaining: int) -> float:
+        e = float(D) if rate >= 1 else (1 - rate ** D) / (1 - rate)
+        return max(1.0, min(e, float(max(remaining, 1))))
+
+    def choose(self, rows: list[tuple[float, int]]) -> WidthChoice:
+        """rows: (acceptance rate, remaining tokens) per row -> the draft length (ties: the shorter)."""
+        B = max(1, len(rows))
+        expected = {D: sum(self.expected_tokens(D, a, rem) for a, rem in rows or [(self.PRIOR_RATE, 1 << 30)])
+                    / self.curve.seconds("verify", B, D) for D in self.widths}
+        best = max(self.widths, key=lambda D: (expected[D], -D))
         return WidthChoice(best, B, expected)
