@@ -105,7 +105,7 @@ def test_bundle_follows_the_source(tmp_path):
 def test_bundle_covers_every_backbone():
     """The exported model picks the backbone class the registry picks, for every backbone."""
     from clover.config import BACKBONES
-    from clover.export.hf_modeling import backbone_class
+    from clover.integrations.hf_modeling import backbone_class
     from clover.models import model_class
     from clover.tiny import tiny_config
 

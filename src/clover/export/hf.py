@@ -5,7 +5,7 @@ DST holds config.json (clover's, plus `auto_map`), generation_config.json, the t
 safetensors in clover's key layout, and the remote code. The remote code is generated here, at
 export time, from clover's own modules — there is no second copy to keep in step:
 `configuration_clover.py` is `clover/export/hf_configuration.py`, `modeling_clover.py` is
-`clover/export/hf_modeling.py`, and every clover module they import, at any depth, is written next
+`clover/integrations/hf_modeling.py`, and every clover module they import, at any depth, is written next
 to them as one flat file (`clover.models.layers` -> `clover_models_layers.py`), because transformers'
 loader copies only flat sibling files named by `from .name import`. Each file is the module's source
 with only its relative import lines rewritten (`from ..cache import X` ->
@@ -31,7 +31,7 @@ PACKAGE_ROOT = Path(__file__).resolve().parents[1]  # src/clover
 # the modules transformers loads by name (auto_map), and the file each becomes
 ENTRY_MODULES = {
     "clover.export.hf_configuration": "configuration_clover",
-    "clover.export.hf_modeling": "modeling_clover",
+    "clover.integrations.hf_modeling": "modeling_clover",
 }
 AUTO_MAP = {
     "AutoConfig": "configuration_clover.CloverHFConfig",

@@ -39,7 +39,7 @@ from ..models.qwen3_5 import MODEL_TYPES as DENSE_TYPES
 from ..models.qwen3_5 import model_class as dense_class
 from ..models.qwen3_5_moe import MODEL_TYPES as MOE_TYPES
 from ..models.qwen3_5_moe import model_class as moe_class
-from .hf_configuration import CloverHFConfig
+from ..export.hf_configuration import CloverHFConfig
 
 MODES = (AR.name, Diffusion.name, Speculative.name)  # what diffusion_generate runs (registered on import)
 
