@@ -28,11 +28,17 @@ def main(spec_path: str, out_path: str) -> None:
     spec = json.loads(open(spec_path).read())
     results, trainer = [], None
     for job in spec["jobs"]:
+        if job.get("no_meta_start"):  # the whole model first, then shards (what a run without init does)
+            from clover.train import parallel
+
+            parallel.meta_start_reason = lambda recipe: "forced by the job"
         trainer = Trainer(recipe_from_dict(job["raw"]), resume=job.get("resume"), quiet=True,
                           reset_data=job.get("reset_data", False))
+        rss_start = peak_rss_mb()  # after the model is built, loaded and sharded, before any step
         hist = trainer.train(steps=job.get("steps"))
         res = {"losses": [h["loss"] for h in hist], "step": trainer.step, "peak_rss_mb": peak_rss_mb(),
-               "grad_norms": [h.get("grad_norm") for h in hist], "gain_grad_norms": [h.get("gain_grad_norm") for h in hist]}
+               "grad_norms": [h.get("grad_norm") for h in hist], "meta_start": getattr(trainer, "meta_start", None),
+               "peak_rss_start_mb": rss_start, "gain_grad_norms": [h.get("gain_grad_norm") for h in hist]}
         if job.get("gather_to"):
             full = get_model_state_dict(trainer.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
             if trainer.dist.main:

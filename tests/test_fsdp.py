@@ -35,7 +35,7 @@ from clover.train.recipes import RecipeError, recipe_from_dict
 from clover.train.trainer import Trainer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from test_train import micro_raw  # noqa: E402
+from test_train import MICRO_MODEL, micro_raw  # noqa: E402
 
 WORKER = Path(__file__).resolve().parent / "fsdp_worker.py"
 RTOL = 1e-5
@@ -248,3 +248,71 @@ def test_train_cli_plan_and_parallel_flag(capsys, tmp_path):
     assert rc == 0 and "per-rank memory" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         train_main([str(RECIPES / "clover-tiny-ar.toml"), "--parallel", "zero3"])
+
+
+# ----------------------------------------------------------------------------- start on meta
+def test_fsdp_from_a_model_directory_starts_on_meta(tmp_path):
+    """FSDP from `init` (a model directory) builds on meta, shards, and each rank reads only its
+    shards (`parallel.load_shards`): the same losses as DDP from the same directory, both from a
+    Clover directory and from an AR one converted in memory (the Clover parameters at their initial
+    values)."""
+    from clover.checkpoint import save_model
+    from clover.models import build_model
+
+    cache = tmp_path / "cache"
+    dirs = {}
+    for kind in ("clover", "ar"):
+        cfg = tiny_config(clover=kind == "clover", **MICRO_MODEL)
+        model = build_model(cfg, device="cpu")
+        model.init_weights(seed=5)
+        d = tmp_path / kind
+        save_model(model, d)
+        write_byte_tokenizer(d)
+        dirs[kind] = d
+    jobs, names = [], []
+    for kind, d in dirs.items():
+        for parallel in ("ddp", "fsdp"):
+            raw = micro_raw(d, cache, tmp_path / f"{kind}-{parallel}", stage="diffusion", steps=4, parallel=parallel)
+            raw.pop("model")
+            raw["init"] = str(d)
+            raw["diffusion"]["shared_block_size"] = True
+            jobs.append({"raw": raw, "steps": 4, "resume": False})
+            names.append(f"{kind}-{parallel}")
+    res = dict(zip(names, launch({"jobs": jobs}, tmp_path, timeout=600)))
+    for kind in dirs:
+        assert [r["meta_start"] for r in res[f"{kind}-fsdp"]] == [True, True]
+        assert [r["meta_start"] for r in res[f"{kind}-ddp"]] == [False, False]
+        torch.testing.assert_close(losses(res[f"{kind}-fsdp"]), losses(res[f"{kind}-ddp"]), rtol=RTOL, atol=0)
+
+
+@pytest.mark.skipif(not os.environ.get("CLOVER_FSDP_RSS"), reason="opt-in figure: CLOVER_FSDP_RSS=1")
+def test_meta_start_peak_rss(tmp_path):
+    """Peak RSS per rank at start (model built, loaded, sharded) and after 2 steps, from a ~200M
+    model directory: one process, DDP on 2 ranks, FSDP whole-then-shard, FSDP meta start."""
+    from clover.checkpoint import save_model
+    from clover.models import build_model, parameter_counts
+
+    cfg = tiny_config(**RSS_MODEL)
+    model = build_model(cfg, device="cpu")
+    model.init_weights(seed=0)
+    init = tmp_path / "init"
+    save_model(model, init)
+    write_byte_tokenizer(init)
+    del model
+    figures = {}
+    for name, nproc, parallel, extra in (("1 process", 1, "ddp", {}), ("ddp x2", 2, "ddp", {}),
+                                         ("fsdp x2, whole then shard", 2, "fsdp", {"no_meta_start": True}),
+                                         ("fsdp x2, meta start", 2, "fsdp", {})):
+        raw = micro_raw(init, tmp_path / "cache", tmp_path / name.replace(" ", "_").replace(",", ""), stage="diffusion",
+                        steps=2, parallel=parallel)
+        raw.pop("model")
+        raw["init"] = str(init)
+        raw["data"].update(seq_len=64, batch_size=2)
+        raw["diffusion"].update(block_sizes=[16], shared_block_size=True)
+        res = launch({"jobs": [{"raw": raw, "steps": 2, "resume": False, **extra}]}, tmp_path, nproc=nproc, timeout=1800)[0]
+        figures[name] = {"start": [round(r["peak_rss_start_mb"]) for r in res], "after 2 steps": [round(r["peak_rss_mb"]) for r in res],
+                         "meta_start": res[0]["meta_start"]}
+    print(f"\nparams {parameter_counts(cfg)['total'] / 1e6:.1f}M, peak RSS per rank (MB):")
+    for k, v in figures.items():
+        print(f"  {k}: {v}")
+    assert max(figures["fsdp x2, meta start"]["start"]) < max(figures["fsdp x2, whole then shard"]["start"])

@@ -18,12 +18,20 @@ Options (recipe `[run]`):
 Stage 2 calls `forward_block_diffusion`, not `forward`; it is registered as an FSDP forward method
 so the root's parameters are gathered for it (the layers are called through their `forward`).
 
+Starting from a checkpoint (`init`, a safetensors model directory) the model is built on the meta
+device, sharded there, and each rank then allocates only its shards and reads them from the files
+(`build_on_meta`, `load_shards`): no rank ever holds the whole model, so a 35B-A3B run can start
+on ranks that hold 1/N of it. A run from scratch, from a DCP checkpoint, with a self-distillation
+set or an adapter still builds the whole model first (`meta_start_reason` says which).
+
 Gradient clipping on sharded gradients (`clip_grad_norm_`): the norm is the global one -- each rank
 sums the squares of its local shards, one all-reduce adds them -- so a clip gives the same scale on
 every rank as clipping the full gradients would.
 """
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -113,3 +121,103 @@ def clip_grad_norm_(params: list[torch.nn.Parameter], max_norm: float) -> torch.
     for g in grads:
         g.mul_(coef.to(g.dtype))
     return total
+
+
+# ----------------------------------------------------------------------------- start on meta
+def meta_start_reason(recipe) -> str | None:
+    """Why this FSDP run cannot start on the meta device (None: it can). The meta start needs a
+    safetensors model directory as `init` (the weights each rank reads its shards from)."""
+    from ..config import CloverConfig
+    from . import checkpointing as ck
+
+    if not recipe.init:
+        return "no init (a model trained from scratch is initialised whole, then sharded)"
+    if ck.checkpoint_format(recipe.init) != "safetensors":
+        return "init is a DCP checkpoint (it is loaded through DCP)"
+    if CloverConfig.from_file(recipe.init).quantization_config:
+        return "init is quantized"
+    if recipe.data.distill_fraction:
+        return "the self-distillation set needs the whole init model"
+    if getattr(getattr(recipe, "adapter", None), "rank", 0):
+        return "adapters are attached to the whole model"
+    return None
+
+
+def build_on_meta(recipe, mask_token_id: int | None) -> tuple[nn.Module, dict[str, torch.Tensor]]:
+    """The model of `recipe.init` on the meta device (a Clover model when stage "diffusion" starts
+    from an AR one), and the tensors that are not in the files (the Clover parameters at their
+    initial values, small). Nothing of the weights is read."""
+    from ..config import CloverConfig
+    from ..models import build_model
+    from ..models.clover import clover_config, clover_parameters
+
+    config = CloverConfig.from_file(recipe.init)
+    extra: dict[str, torch.Tensor] = {}
+    if recipe.stage == "diffusion" and not config.is_clover:
+        if mask_token_id is None:
+            raise ValueError("stage 'diffusion' from an AR model needs <|mask|> in the tokenizer: run "
+                             "`clover convert AR_DIR CLOVER_DIR` first and set init = CLOVER_DIR")
+        config = clover_config(config, mask_token_id)
+        extra = clover_parameters(config)
+    if config.tie_word_embeddings:
+        raise ValueError("the FSDP meta start does not handle tied embeddings")
+    model = build_model(config, device="meta")
+    model.train()
+    return model, extra
+
+
+def load_shards(model: nn.Module, directory: str | Path, extra: dict[str, torch.Tensor] | None = None,
+                device: torch.device | str = "cpu") -> int:
+    """Materialise a model that `shard_model` sharded on the meta device: allocate each rank's shards
+    on `device` (`to_empty`), then read the safetensors files one tensor at a time and copy into
+    each parameter the rows this rank owns. A rank never holds more than its shards plus the one
+    full tensor being read (a layer's stacked experts, for per-expert files). Checks names and
+    shapes as `clover.load` does; returns the number of tensors loaded."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    from ..weights import CheckpointError, iter_tensors, shard_files
+
+    model.to_empty(device=device)
+    params = dict(model.named_parameters())
+    layout = model.key_layout
+    done: set[str] = set()
+
+    def put(name: str, full: torch.Tensor, where) -> None:
+        p = params.get(name)
+        if p is None:
+            raise CheckpointError(f"{where}: unexpected key {name!r} (no such parameter in this model)")
+        shape = p.shape  # a DTensor's shape is the full one
+        if tuple(full.shape) != tuple(shape):
+            raise CheckpointError(f"{where}: {name!r} has shape {tuple(full.shape)} but the config implies {tuple(shape)}")
+        with torch.no_grad():
+            if isinstance(p.data, DTensor):
+                local = distribute_tensor(full.to(p.dtype), p.device_mesh, p.placements, src_data_rank=None).to_local()
+                p.data.to_local().copy_(local)
+            else:
+                p.data.copy_(full.to(p.dtype))
+        done.add(name)
+
+    experts: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
+    for path in shard_files(Path(directory)):
+        for key, t in iter_tensors(path, None):
+            name = layout.name(key)
+            if name is None:
+                continue
+            part = layout.expert_part(name)
+            if part is None:
+                put(name, t, path)
+                continue
+            prefix, e, which = part
+            layer = experts.setdefault(prefix, {})
+            layer.setdefault(e, {})[which] = t
+            n = params[prefix + ".gate_up_proj"].shape[0] if prefix + ".gate_up_proj" in params else None
+            if n is not None and len(layer) == n and all(len(v) == 3 for v in layer.values()):
+                for k, v in layout.stack_experts(prefix, layer).items():
+                    put(k, v, path)
+                del experts[prefix]
+    for name, t in (extra or {}).items():
+        put(name, t, "the Clover parameters")
+    missing = sorted(set(params) - done)
+    if missing or experts:
+        raise CheckpointError(f"{directory}: missing {', '.join((missing or list(experts))[:5])}")
+    return len(done)

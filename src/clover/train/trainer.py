@@ -270,7 +270,13 @@ class Trainer:
         self.dist.barrier()
         self.tokenizer = self._tokenizer_dir()
         ids = tokenizer_special_ids(self.tokenizer)
-        self.model = build_or_load_model(recipe, ids).to(self.device)
+        self.sharded = recipe.run.parallel == "fsdp" and self.dist.active
+        # FSDP from a model directory: built on meta, sharded, then each rank reads only its shards
+        self.meta_start = self.sharded and parallel.meta_start_reason(recipe) is None
+        if self.meta_start:
+            self.model, meta_extra = parallel.build_on_meta(recipe, ids.get("<|mask|>"))
+        else:
+            self.model = build_or_load_model(recipe, ids).to(self.device)
         cfg = self.model.config
         if recipe.stage == "ar":
             for n, p in self.model.named_parameters():  # unused in commit mode
@@ -284,12 +290,13 @@ class Trainer:
         distill = self._distill_set()  # built from the full model, before it is sharded
         if recipe.adapter.rank:
             self._attach_adapter()
-        self.sharded = recipe.run.parallel == "fsdp" and self.dist.active
         if recipe.run.activation_checkpointing:
             parallel.apply_activation_checkpointing(self.model)
         if self.sharded:
             parallel.shard_model(self.model, device=self.device, mixed_precision=recipe.run.fsdp_mixed_precision,
                                  cpu_offload=recipe.run.fsdp_cpu_offload)
+            if self.meta_start:
+                parallel.load_shards(self.model, recipe.init, meta_extra, device=self.device)
         o = recipe.optim
         groups, self.params, self.names = param_groups(self.model, o.weight_decay)
         self.opt = torch.optim.AdamW(groups, lr=o.lr, betas=tuple(o.betas), eps=o.eps, foreach=True)
