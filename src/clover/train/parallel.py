@@ -166,57 +166,90 @@ def build_on_meta(recipe, mask_token_id: int | None) -> tuple[nn.Module, dict[st
     return model, extra
 
 
+def _rows(p) -> tuple[int, int] | None:
+    """The dim-0 rows [start, stop) of the full parameter that this rank's shard holds (FSDP2's
+    Shard(0) over a 1-D mesh: chunks of ceil(n / world)); None for a parameter that is not sharded."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    d = p.data
+    if not isinstance(d, DTensor) or d.device_mesh.ndim != 1 or list(d.placements) != [Shard(0)]:
+        return None
+    n, world = d.shape[0], d.device_mesh.size()
+    chunk = -(-n // world)
+    start = min(d.device_mesh.get_local_rank() * chunk, n)
+    return start, start + d.to_local().shape[0]
+
+
 def load_shards(model: nn.Module, directory: str | Path, extra: dict[str, torch.Tensor] | None = None,
                 device: torch.device | str = "cpu") -> int:
     """Materialise a model that `shard_model` sharded on the meta device: allocate each rank's shards
-    on `device` (`to_empty`), then read the safetensors files one tensor at a time and copy into
-    each parameter the rows this rank owns. A rank never holds more than its shards plus the one
-    full tensor being read (a layer's stacked experts, for per-expert files). Checks names and
-    shapes as `clover.load` does; returns the number of tensors loaded."""
+    on `device` (`to_empty`), then copy into each parameter the rows this rank owns, read from the
+    safetensors files as slices (`safe_open(...).get_slice`): a rank reads its own rows only, never the
+    whole model. Per-expert files (one tensor per expert) are stacked a layer at a time first. Checks
+    names, shapes and finiteness as `clover.load` does; returns the number of parameters loaded."""
+    from safetensors import safe_open
     from torch.distributed.tensor import DTensor, distribute_tensor
 
-    from ..weights import CheckpointError, iter_tensors, shard_files
+    from ..weights import CheckpointError, first_non_finite, shard_files
 
     model.to_empty(device=device)
     params = dict(model.named_parameters())
     layout = model.key_layout
     done: set[str] = set()
 
-    def put(name: str, full: torch.Tensor, where) -> None:
+    def check(name: str, shape, where) -> torch.nn.Parameter:
         p = params.get(name)
         if p is None:
             raise CheckpointError(f"{where}: unexpected key {name!r} (no such parameter in this model)")
-        shape = p.shape  # a DTensor's shape is the full one
-        if tuple(full.shape) != tuple(shape):
-            raise CheckpointError(f"{where}: {name!r} has shape {tuple(full.shape)} but the config implies {tuple(shape)}")
+        if tuple(shape) != tuple(p.shape):  # a DTensor's shape is the full one
+            raise CheckpointError(f"{where}: {name!r} has shape {tuple(shape)} but the config implies {tuple(p.shape)}")
+        return p
+
+    def copy(p, local: torch.Tensor, name: str, where) -> None:
+        if local.is_floating_point() and first_non_finite(local) is not None:
+            raise CheckpointError(f"{where}: tensor {name!r} holds non-finite values; the checkpoint is corrupt")
         with torch.no_grad():
-            if isinstance(p.data, DTensor):
-                local = distribute_tensor(full.to(p.dtype), p.device_mesh, p.placements, src_data_rank=None).to_local()
-                p.data.to_local().copy_(local)
-            else:
-                p.data.copy_(full.to(p.dtype))
+            (p.data.to_local() if isinstance(p.data, DTensor) else p.data).copy_(local.to(p.dtype))
         done.add(name)
+
+    def put_full(name: str, full: torch.Tensor, where) -> None:
+        p = check(name, full.shape, where)
+        rows = _rows(p)
+        if rows is not None:
+            local = full[rows[0]:rows[1]]
+        elif isinstance(p.data, DTensor):
+            local = distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None).to_local()
+        else:
+            local = full
+        copy(p, local, name, where)
 
     experts: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
     for path in shard_files(Path(directory)):
-        for key, t in iter_tensors(path, None):
-            name = layout.name(key)
-            if name is None:
-                continue
-            part = layout.expert_part(name)
-            if part is None:
-                put(name, t, path)
-                continue
-            prefix, e, which = part
-            layer = experts.setdefault(prefix, {})
-            layer.setdefault(e, {})[which] = t
-            n = params[prefix + ".gate_up_proj"].shape[0] if prefix + ".gate_up_proj" in params else None
-            if n is not None and len(layer) == n and all(len(v) == 3 for v in layer.values()):
-                for k, v in layout.stack_experts(prefix, layer).items():
-                    put(k, v, path)
-                del experts[prefix]
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            for key in f.keys():
+                name = layout.name(key)
+                if name is None:
+                    continue
+                part = layout.expert_part(name)
+                if part is None:
+                    sl = f.get_slice(key)
+                    p = check(name, sl.get_shape(), path)
+                    rows = _rows(p)
+                    if rows is not None:
+                        copy(p, sl[rows[0]:rows[1]], name, path)  # only this rank's rows are read
+                    else:
+                        put_full(name, f.get_tensor(key), path)
+                    continue
+                prefix, e, which = part
+                layer = experts.setdefault(prefix, {})
+                layer.setdefault(e, {})[which] = f.get_tensor(key)
+                fused = params.get(prefix + ".gate_up_proj")
+                if fused is not None and len(layer) == fused.shape[0] and all(len(v) == 3 for v in layer.values()):
+                    for k, v in layout.stack_experts(prefix, layer).items():
+                        put_full(k, v, path)
+                    del experts[prefix]
     for name, t in (extra or {}).items():
-        put(name, t, "the Clover parameters")
+        put_full(name, t, "the Clover parameters")
     missing = sorted(set(params) - done)
     if missing or experts:
         raise CheckpointError(f"{directory}: missing {', '.join((missing or list(experts))[:5])}")
