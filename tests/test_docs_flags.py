@@ -34,7 +34,7 @@ def _subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentP
 
 
 def _train_options() -> set[str]:
-    from clover.train import main as train_main
+    from clover.cli.train import main as train_main
 
     out: set[str] = set()
     for argv in (["--help"], ["export", "--help"], ["plan", "--help"], ["plot", "--help"]):

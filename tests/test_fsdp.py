@@ -30,7 +30,7 @@ RECIPES = Path(__file__).resolve().parents[1] / "recipes"
 
 from clover.tiny import tiny_config
 from clover.tokenizer import write_byte_tokenizer
-from clover.train import main as train_main
+from clover.cli.train import main as train_main
 from clover.train.recipes import RecipeError, recipe_from_dict
 from clover.train.trainer import Trainer
 
@@ -240,7 +240,7 @@ def test_plan_figures(tmp_path, capsys):
 
 
 def test_train_cli_plan_and_parallel_flag(capsys, tmp_path):
-    from clover.train import main as train_main
+    from clover.cli.train import main as train_main
 
     rc = train_main(["plan", str(RECIPES / "clover-tiny-diffusion-tasks.toml"), "--model", "qwen3.6-35b-a3b", "--gpus", "16",
                      "--micro-batch", "1", "--set", "data.seq_len=4096", "--set", "run.parallel=fsdp",
