@@ -213,6 +213,16 @@ def _emit(result: dict, table, json_path: str | None) -> None:
         print(f"json written to {json_path}")
 
 
+def _plot(draw, result: dict, args) -> None:
+    """`draw(result, args.plot)` once the results are out (`draw_plot`: without matplotlib, one line),
+    saying where it went unless the JSON goes to stdout."""
+    if not args.plot:
+        return
+    path = draw_plot(draw, result, args.plot)
+    if path and args.json != "-":
+        print(f"plot written to {path}")
+
+
 def _progress(json_path: str | None):
     if json_path == "-" or not sys.stderr.isatty():
         return None
@@ -307,10 +317,7 @@ def run_cost(args) -> int:
     if args.json != "-":
         for variant, path in result["cached"].items():
             print(f"{variant} curve cached in {path}")
-    if args.plot:
-        path = plot_cost(result, args.plot)
-        if path and args.json != "-":
-            print(f"plot written to {path}")
+    _plot(plot_cost, result, args)
     return 0
 
 
@@ -332,10 +339,7 @@ def run_decode(args) -> int:
     if result["settings"]["skipped_modes"]:
         print(f"skipped (no mask token in this checkpoint): {', '.join(result['settings']['skipped_modes'])}", file=sys.stderr)
     _emit(result, decode_table(result), args.json)
-    if args.plot:
-        path = draw_plot(plot_decode, result, args.plot)
-        if path and args.json != "-":
-            print(f"plot written to {path}")
+    _plot(plot_decode, result, args)
     return 0
 
 
@@ -357,9 +361,7 @@ def run_sweep(args) -> int:
     if _progress(args.json):
         print(file=sys.stderr)
     _emit(result, sweep_table(result), args.json)  # the results first: a plot that fails loses nothing
-    path = draw_plot(plot_sweep, result, args.plot)
-    if path and args.json != "-":
-        print(f"plot written to {path}")
+    _plot(plot_sweep, result, args)
     return 0
 
 
@@ -480,7 +482,5 @@ def run_peers(args) -> int:
 
         print(peers_markdown(result))
         print(skip_notes(result))
-    path = draw_plot(plot_peers, result, args.plot)
-    if path and args.json != "-":
-        print(f"plot written to {path}")
+    _plot(plot_peers, result, args)
     return 0
