@@ -232,6 +232,17 @@ def read_state_dict(
     state: dict[str, torch.Tensor] = {}
     origin: dict[str, Path] = {}
     per_expert: dict[str, dict[int, dict[str, torch.Tensor]]] = defaultdict(lambda: defaultdict(dict))
+
+    def place(name: str, t: torch.Tensor, path: Path, what: str, unexpected: str, shaped: str, hint: str) -> None:
+        """Keep `t` as parameter `name`, or CheckpointError: not a parameter, or not its shape."""
+        if name not in expected:
+            raise CheckpointError(f"{path}: {unexpected}")
+        if t.shape != expected[name]:
+            raise CheckpointError(f"{path}: {what} {shaped} {tuple(t.shape)} but the config implies "
+                                  f"{tuple(expected[name])}{hint}")
+        state[name] = t
+        origin[name] = path
+
     for path in shard_files(directory):
         for key, t in iter_tensors(path, dtype, check_finite=check_finite):
             name = layout.name(key)
@@ -248,14 +259,8 @@ def read_state_dict(
                 per_expert[prefix][e][which] = t
                 origin[prefix] = path
                 continue
-            if name not in expected:
-                raise CheckpointError(f"{path}: unexpected key {key!r} (no such parameter in this model); is config.json the one these weights were saved with?")
-            if t.shape != expected[name]:
-                raise CheckpointError(
-                    f"{path}: key {key!r} has shape {tuple(t.shape)} but the config implies {tuple(expected[name])}; the weights and config.json disagree"
-                )
-            state[name] = t
-            origin[name] = path
+            place(name, t, path, f"key {key!r}", f"unexpected key {key!r} (no such parameter in this model); "
+                  "is config.json the one these weights were saved with?", "has shape", "; the weights and config.json disagree")
     for prefix, experts in per_expert.items():
         path = origin[prefix]
         try:
@@ -263,13 +268,8 @@ def read_state_dict(
         except ValueError as e:
             raise CheckpointError(f"{path}: {e}") from None
         for name, t in stacked.items():
-            if name not in expected:
-                raise CheckpointError(f"{path}: unexpected per-expert weights under {prefix!r}")
-            if t.shape != expected[name]:
-                raise CheckpointError(
-                    f"{path}: per-expert weights under {prefix!r} stack to {tuple(t.shape)} but the config implies {tuple(expected[name])}"
-                )
-            state[name] = t
+            place(name, t, path, f"per-expert weights under {prefix!r}",
+                  f"unexpected per-expert weights under {prefix!r}", "stack to", "")
         per_expert[prefix].clear()
     missing = sorted(set(expected) - set(state) - set(allow_missing))
     if missing:
