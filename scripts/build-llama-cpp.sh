@@ -81,7 +81,7 @@ cat >"$BIN/clover-llama-probe.cpp" <<'EOF'
 //   greedy N [BAN..]  stdin: prompt token ids  -> stdout: N greedy (argmax) token ids; EOS is an ordinary
 //                     token, the BAN ids are never picked (clover's ignore_eos bans its EOS ids the same way)
 //   logits OUT.f32    stdin: token ids         -> OUT.f32: float32 [n_tokens, n_vocab], one causal pass
-// Environment: CLOVER_PROBE_THREADS (default 2).
+// Environment: CLOVER_PROBE_THREADS (default 2); CLOVER_PROBE_NO_REPACK=1: no weight repacking (extra buffer types).
 #include "llama.h"
 #include <cstdio>
 #include <cstdlib>
@@ -110,6 +110,7 @@ int main(int argc, char ** argv) {
     llama_backend_init();
     llama_model_params mp = llama_model_default_params();
     mp.progress_callback = [](float, void *) { return true; };  // no loading dots on stderr
+    if (getenv("CLOVER_PROBE_NO_REPACK")) mp.use_extra_bufts = false;  // no weight repacking (it dies with SIGILL on some VMs)
     llama_model * model = llama_model_load_from_file(argv[1], mp);
     if (!model) { fprintf(stderr, "error: cannot load %s\n", argv[1]); return 1; }
     const llama_vocab * vocab = llama_model_get_vocab(model);

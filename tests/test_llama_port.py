@@ -70,6 +70,13 @@ def test_port_refuses_other_modes_with_a_reason(mode, why):
         port_args(mode, SamplingParams(max_new_tokens=8).validate())
 
 
+def test_port_refuses_what_it_lacks_with_a_reason():
+    with pytest.raises(ValueError, match="^temperature: sampled speculative"):
+        port_args("speculative", SamplingParams(max_new_tokens=8, temperature=0.7).validate())
+    with pytest.raises(ValueError, match="^block_size: 'auto'"):
+        port_args("diffusion", SamplingParams(max_new_tokens=8, block_size="auto").validate())
+
+
 # ------------------------------------------------------------------------------ slow: the port itself
 PORT = port_binary()
 PROBE = llama_cache_dir() / "bin" / "clover-llama-probe"
@@ -456,7 +463,7 @@ def test_serve_engine_llama_cpp(port, gguf_f32, llm):
     bad = [
         {"prompt": "x", "max_tokens": 10**7, "mode": "ar"},
         {"prompt": "x", "max_tokens": 4, "temperature": -1},
-        {"prompt": "x", "max_tokens": 4, "mode": "speculative", "temperature": 0.5},
+        {"prompt": "x", "max_tokens": 4, "mode": "speculative", "repetition_penalty": 1.2},
     ]
 
     def streamed(client, path, body) -> str:
@@ -487,5 +494,8 @@ def test_serve_engine_llama_cpp(port, gguf_f32, llm):
                 assert ra.status_code == rb.status_code == 400 and ra.json() == rb.json()
             r = b.post("/v1/completions", json={"model": "m", "prompt": "x", "max_tokens": 4, "mode": "naive"})
             assert r.status_code == 400 and "diffusion" in r.json()["error"]["message"]
+            r = b.post("/v1/completions", json={"model": "m", "prompt": "x", "max_tokens": 4, "mode": "speculative",
+                                                "temperature": 0.5})
+            assert r.status_code == 400 and "rejection rule" in r.json()["error"]["message"]
     finally:
         served.close()

@@ -1124,7 +1124,7 @@ static Params make_params(const Model & m, const json & defaults, const json & r
     for (const auto & b : p.logit_bias) if (b.first < 0 || b.first >= hp.n_vocab) bad("logit_bias: token id " + std::to_string(b.first) + " is outside the vocabulary");
     if (!p.stop.empty() && m.pieces.empty()) bad("stop: needs the GGUF's tokenizer.ggml.tokens");
     if (p.mode == "speculative") {  // speculative.check_speculative_params
-        if (!p.greedy()) bad("temperature: speculative mode is greedy-only (lossless w.r.t. AR greedy); use mode 'ar' or 'diffusion' to sample");
+        if (!p.greedy()) bad("temperature: sampled speculative decoding (the rejection rule) is not in the llama.cpp port; use temperature 0, or mode ar or diffusion to sample");
         if (p.uses_history()) bad("repetition_penalty: history-dependent penalties are not supported in speculative mode");
         if (p.draft > p.block) bad("draft_length: must be <= block_size (" + std::to_string(p.block) + ")");
     }

@@ -79,6 +79,9 @@ def port_options(mode: str, params) -> dict:
         for name in sorted(missing):
             if getattr(params, name) != getattr(default, name):
                 raise ValueError(f"{name}: not supported by the llama.cpp port yet")
+    if mode == "speculative" and params.temperature != 0:
+        raise ValueError("temperature: sampled speculative decoding (the rejection rule) is not in the llama.cpp port; "
+                         "use temperature 0, or mode ar or diffusion to sample")
     if params.block_size == "auto":
         raise ValueError("block_size: 'auto' (a width chosen per block) is not in the llama.cpp port; give a number")
     out = {"mode": mode}
@@ -356,8 +359,12 @@ class PortLLM:
     del _LLM
 
     def params(self, mode, kwargs: dict):
-        check_mode(self._llm.mode(mode).name)
-        return self._llm.params(mode, kwargs)
+        """clover's options, checked, and refused here when the port lacks them (a 400 in the server)."""
+        name = self._llm.mode(mode).name
+        check_mode(name)
+        params = self._llm.params(mode, kwargs)
+        port_options(name, params)
+        return params
 
     def engine(self, spec) -> PortEngine:
         """The engine for rows of `spec` (`Mode.spec`): all share the one port process."""
