@@ -140,7 +140,7 @@ def test_save_roundtrip(tmp_path, tiny_dir):
 
 
 def test_full_size_config_on_meta():
-    from clover.config import full_size_config
+    from clover.models.qwen3_5_moe import full_size_config
     from clover.models import build_model, parameter_counts
 
     cfg = full_size_config()
@@ -154,14 +154,15 @@ def test_full_size_config_on_meta():
 
 
 def test_registry_covers_every_model_type():
-    """Every model_type the config accepts has an architecture, and each builds its own model class."""
-    from clover.config import SUPPORTED_MODEL_TYPES
-    from clover.models import ARCHITECTURES, architecture, build_model
+    """Every model_type the registry reads has an architecture, whose config class answers to it, and
+    each builds its own model class."""
+    from clover.models import ARCHITECTURES, REGISTERED, SUPPORTED_MODEL_TYPES, architecture, build_model
     from clover.tiny import tiny_config
 
-    assert set(ARCHITECTURES) == set(SUPPORTED_MODEL_TYPES)
+    assert set(ARCHITECTURES) | {"clover"} == set(SUPPORTED_MODEL_TYPES)
     for model_type in ARCHITECTURES:
-        assert model_type in architecture(model_type).MODEL_TYPES
+        assert model_type in architecture(model_type).model_types
+    assert len({t for a in REGISTERED for t in a.model_types}) == sum(len(a.model_types) for a in REGISTERED)
     for dense in (False, True):
         for clover_ in (False, True):
             cfg = tiny_config(clover=clover_, dense=dense)

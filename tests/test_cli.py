@@ -17,7 +17,8 @@ import pytest
 from clover import cli, viz
 from clover.cli.chat import fit_history
 from clover.cli.common import UsageError, process_escapes, sampling_kwargs
-from clover.config import CloverConfig
+from clover.models import make_config
+from clover.models import read_config
 from clover.tiny import build_tiny_checkpoint
 
 # short generations in small blocks keep every call well under a second
@@ -144,7 +145,7 @@ def test_missing_and_broken_model_dirs(capsys, tmp_path):
     # config fine, weights missing
     nosafe = tmp_path / "nosafe"
     nosafe.mkdir()
-    (nosafe / "config.json").write_text(json.dumps(CloverConfig(**_small_config()).to_dict()))
+    (nosafe / "config.json").write_text(json.dumps(make_config(**_small_config()).to_dict()))
     rc, _, err = run(capsys, "generate", "hi", "--model", nosafe)
     assert rc == 2 and err.count("\n") == 1 and "Traceback" not in err
 
@@ -260,7 +261,7 @@ def test_info(capsys, model):
     assert rc == 0, err
     from clover.models import parameter_counts
 
-    counts = parameter_counts(CloverConfig.from_file(model))
+    counts = parameter_counts(read_config(model))
     for needle in ("3 GDN", "1 full attention", "8 routed, top-2", f"{counts['total']:,}", f"{counts['active']:,}",
                    "float32", "size on disk", "context length  4,096", "block size", "0.95", "<|mask|>", "quantization    none"):
         assert needle in out, needle

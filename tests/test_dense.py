@@ -10,7 +10,7 @@ from safetensors.torch import load_file, save_file
 
 import clover
 from clover.checkpoint import load_model
-from clover.config import CloverConfig
+from clover.models import read_config
 
 from hf_reference import hf_dense_config, hf_model
 
@@ -81,7 +81,7 @@ def test_multimodal_layout_with_skipped_keys(tmp_path):
     cfg = {"model_type": "qwen3_5", "architectures": ["Qwen3_5ForConditionalGeneration"], "text_config": text_cfg,
            "vision_config": {"depth": 1}, "image_token_id": 5}
     (out / "config.json").write_text(json.dumps(cfg))
-    assert CloverConfig.from_file(out).model_type == "qwen3_5_text"
+    assert read_config(out).model_type == "qwen3_5_text"
     ours = load_model(out)
     ids = torch.randint(0, 300, (1, 33))
     with torch.no_grad():
@@ -139,7 +139,7 @@ def test_parameter_counts_dense_and_tiny_dense_checkpoint(tmp_path):
     from clover.tiny import build_tiny_checkpoint
 
     path = build_tiny_checkpoint(tmp_path / "tiny", dense=True)
-    cfg = CloverConfig.from_file(path)
+    cfg = read_config(path)
     assert cfg.is_clover and cfg.backbone == "qwen3_5_text"
     counts = parameter_counts(cfg)
     assert counts["total"] == counts["active"] == sum(p.numel() for p in build_model(cfg).parameters())

@@ -25,6 +25,7 @@ gguf = pytest.importorskip("gguf")
 
 from clover.checkpoint import load_model, save_state_dict  # noqa: E402
 from clover.config import CloverConfig  # noqa: E402
+from clover.models import read_config
 from clover.export.gguf import (  # noqa: E402
     GGUFExportError,
     detect_pre_tokenizer,
@@ -136,7 +137,7 @@ def to_clover(tensors: dict[str, np.ndarray], cfg: CloverConfig) -> dict[str, to
 
 
 def assert_roundtrip(src: Path, files: list[Path], *, atol: float = 1e-6, rtol: float = 1e-6) -> dict:
-    cfg = CloverConfig.from_file(src)
+    cfg = read_config(src)
     fields, tensors = {}, {}
     for f in files:
         fl, ts, _ = read_gguf(f)
@@ -204,7 +205,7 @@ def test_roundtrip_bundled_f32(bundled_f32):
     assert not any(".clover_" in n for n in main_tensors)  # the main file stays loadable by stock llama.cpp
     assert set(types.values()) == {"F32"}
     fields = assert_roundtrip(BUNDLED, [bundled_f32, side])
-    cfg = CloverConfig.from_file(BUNDLED)
+    cfg = read_config(BUNDLED)
     assert fields["general.architecture"] == "qwen35moe"
     assert fields["qwen35moe.block_count"] == cfg.num_hidden_layers
     assert fields["qwen35moe.embedding_length"] == cfg.hidden_size
@@ -246,7 +247,7 @@ def test_roundtrip_multimodal_per_expert_sharded(tmp_path, tiny_dir):
     fields = assert_roundtrip(mm, [out])
     assert fields["clover.tensors"] == "inline"
     # the byte tokenizer: vocab padded with unused tokens, one inert placeholder merge
-    cfg = CloverConfig.from_file(mm)
+    cfg = read_config(mm)
     assert len(fields["tokenizer.ggml.tokens"]) == cfg.vocab_size
     assert fields["tokenizer.ggml.token_type"][-1] == int(gguf.TokenType.UNUSED)
     assert any("placeholder merge" in n for n in r.notes)

@@ -104,15 +104,14 @@ def test_bundle_follows_the_source(tmp_path):
 
 def test_bundle_covers_every_backbone():
     """The exported model picks the backbone class the registry picks, for every backbone."""
-    from clover.config import BACKBONES
     from clover.integrations.hf_modeling import backbone_class
-    from clover.models import model_class
+    from clover.models import TEXT_MODEL_TYPES, model_class
     from clover.tiny import tiny_config
 
-    for base, kind in BACKBONES.items():
-        cfg = tiny_config(dense=kind == "dense")
+    for base, arch in TEXT_MODEL_TYPES.items():
+        cfg = tiny_config(backbone=base, dense=base != "qwen3_5_moe_text")
         assert cfg.base_model_type == base
-        assert backbone_class(cfg) is model_class(cfg)
+        assert backbone_class(cfg) is model_class(cfg) is arch.model_class
 
 
 def test_flat_names_are_unique():

@@ -9,7 +9,8 @@ import torch
 
 import clover
 from clover.checkpoint import load_model
-from clover.config import CloverConfig, ConfigError
+from clover.config import ConfigError
+from clover.models import config_from_dict, read_config
 from clover.tiny import build_tiny_checkpoint
 
 LLAMA3 = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
@@ -57,12 +58,15 @@ def test_logits_match_transformers(name, tmp_path):
 def test_config_defaults_and_round_trip(tmp_path):
     raw = {"model_type": "llama", "vocab_size": 10, "hidden_size": 8, "intermediate_size": 16, "num_hidden_layers": 2,
            "num_attention_heads": 2, "num_key_value_heads": 1}
-    c = CloverConfig.from_dict(raw)
-    assert (c.rope_theta, c.partial_rotary_factor, c.layer_types) == (10000.0, 1.0, ["full_attention"] * 2)
-    c = CloverConfig.from_dict({**raw, "rope_scaling": {"type": "llama3", **{k: v for k, v in LLAMA3.items() if k != "rope_type"}}})
+    c = config_from_dict(raw)
+    # Llama's own defaults (its arguments dataclass), none of the Qwen3.5 hybrid's (a quarter rotary, GDN keys)
+    assert type(c).__name__ == "LlamaConfig"
+    assert (c.rope_theta, c.rotary_dim, c.max_position_embeddings, c.layer_types) == (10000.0, 4, 2048, ["full_attention"] * 2)
+    assert not hasattr(c, "partial_rotary_factor") and not hasattr(c, "linear_num_key_heads")
+    c = config_from_dict({**raw, "rope_scaling": {"type": "llama3", **{k: v for k, v in LLAMA3.items() if k != "rope_type"}}})
     assert c.rope_scaling["rope_type"] == "llama3" and c.rope_theta == 500000.0
     c.save(tmp_path)
-    again = CloverConfig.from_file(tmp_path)
+    again = read_config(tmp_path)
     assert again == c
     from transformers import AutoConfig
 
@@ -71,7 +75,7 @@ def test_config_defaults_and_round_trip(tmp_path):
     with pytest.raises(ConfigError, match="rope type 'yarn'"):
         from clover.models import build_model
 
-        build_model(CloverConfig.from_dict({**raw, "rope_parameters": {"rope_type": "yarn", "factor": 2.0}}))
+        build_model(config_from_dict({**raw, "rope_parameters": {"rope_type": "yarn", "factor": 2.0}}))
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,8 @@ from safetensors.torch import load_file, save_file
 
 import clover
 from clover.checkpoint import CheckpointError, load_model
-from clover.config import CloverConfig, ConfigError
+from clover.config import ConfigError
+from clover.models import config_from_dict, read_config
 
 
 def _copy(src, dst):
@@ -92,15 +93,15 @@ def test_index_listing_missing_shard(tiny_dir, tmp_path):
 def test_config_variants():
     base = dict(vocab_size=100, hidden_size=32, num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2,
                 num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16)
-    c = CloverConfig.from_dict({**base, "model_type": "qwen3_5_moe_text", "full_attention_interval": 2, "unknown_key": 1})
+    c = config_from_dict({**base, "model_type": "qwen3_5_moe_text", "full_attention_interval": 2, "unknown_key": 1})
     assert c.layer_types == ["linear_attention", "full_attention"] * 4
     assert c.head_dim == 8
-    nested = CloverConfig.from_dict({"model_type": "qwen3_5_moe", "text_config": base, "eos_token_id": 7})
+    nested = config_from_dict({"model_type": "qwen3_5_moe", "text_config": base, "eos_token_id": 7})
     assert nested.eos_token_id == 7 and nested.layer_types[3] == "full_attention"
-    cl = CloverConfig.from_dict({**base, "model_type": "clover", "mask_token_id": 5, "block_size": 16, "threshold": 0.9,
+    cl = config_from_dict({**base, "model_type": "clover", "mask_token_id": 5, "block_size": 16, "threshold": 0.9,
                                  "rope_parameters": {"rope_type": "default", "rope_theta": 1e6, "partial_rotary_factor": 0.5}})
     assert cl.is_clover and cl.block_size == 16 and cl.rope_theta == 1e6 and cl.partial_rotary_factor == 0.5
-    assert CloverConfig.from_dict(cl.to_dict()) == cl
+    assert config_from_dict(cl.to_dict()) == cl
 
 
 @pytest.mark.parametrize(
@@ -113,15 +114,15 @@ def test_config_variants():
 )
 def test_config_errors(raw, match):
     with pytest.raises(ConfigError, match=match):
-        CloverConfig.from_dict(raw)
+        config_from_dict(raw)
 
 
 def test_config_file_errors(tmp_path):
     with pytest.raises(ConfigError, match="no config.json"):
-        CloverConfig.from_file(tmp_path)
+        read_config(tmp_path)
     (tmp_path / "config.json").write_text("{not json")
     with pytest.raises(ConfigError, match="not valid JSON"):
-        CloverConfig.from_file(tmp_path)
+        read_config(tmp_path)
 
 
 def test_dtype_choice(tiny_dir):
@@ -330,9 +331,9 @@ def test_config_types_in_text_config_name_the_nested_key():
     base = dict(vocab_size=100, hidden_size=32, num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2,
                 num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16)
     with pytest.raises(ConfigError, match=r"x/config.json: 'text_config.hidden_size'"):
-        CloverConfig.from_dict({"model_type": "qwen3_5_moe", "text_config": {**base, "hidden_size": "32"}},
+        config_from_dict({"model_type": "qwen3_5_moe", "text_config": {**base, "hidden_size": "32"}},
                                source="x/config.json")
-    ok = CloverConfig.from_dict({**base, "rope_theta": 10000, "rms_norm_eps": 1e-6})  # an int where a float goes
+    ok = config_from_dict({**base, "rope_theta": 10000, "rms_norm_eps": 1e-6})  # an int where a float goes
     assert ok.rope_theta == 10000
 
 
@@ -348,7 +349,7 @@ def test_config_values_checked(raw, match):
     base = dict(vocab_size=100, hidden_size=32, num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2,
                 num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16)
     with pytest.raises(ConfigError, match=match):
-        CloverConfig.from_dict({**base, **raw}, source="config.json")
+        config_from_dict({**base, **raw}, source="config.json")
 
 
 def test_unknown_torch_dtype_names_the_key(tiny_dir, tmp_path):

@@ -15,7 +15,7 @@ from safetensors import safe_open
 from clover import cli
 from clover.bench import peers
 from clover.models.layers import is_clover_parameter
-from clover.config import CloverConfig
+from clover.models import read_config
 
 ROW_KEYS = {"engine", "variant", "threads", "batch", "samples", "tokens", "seconds", "tokens_per_second",
             "vs_clover_ar", "vs_clover_ar_paired_median", "matches_clover_ar", "matches_clover_mode"}
@@ -41,7 +41,7 @@ def fake_llama(tmp_path) -> Path:
 
 # ------------------------------------------------------------------------------- discovery
 def test_discover_skips_with_notes(tiny_dir, tmp_path):
-    cfg = CloverConfig.from_file(tiny_dir)
+    cfg = read_config(tiny_dir)
     found = peers.discover(cfg, llama_dir=tmp_path / "none")
     assert set(found) == set(peers.ENGINES)
     assert found["clover"]["available"]
@@ -65,14 +65,14 @@ def test_discover_skips_with_notes(tiny_dir, tmp_path):
 
 
 def test_discover_llama_binaries(tiny_dir, fake_llama):
-    found = peers.discover(CloverConfig.from_file(tiny_dir), llama_dir=fake_llama)["llama.cpp"]
+    found = peers.discover(read_config(tiny_dir), llama_dir=fake_llama)["llama.cpp"]
     assert found["available"] and found["version"] == "llama-cpp-python==test"
     assert set(found["binaries"]) == {"llama-bench", "probe"}
     assert "llama-batched-bench" in found["note"]  # batch 16 skipped, and how to build it
 
 
 def test_discover_llama_clover(tiny_dir, fake_llama, tmp_path):
-    cfg = CloverConfig.from_file(tiny_dir)
+    cfg = read_config(tiny_dir)
     found = peers.discover(cfg, llama_dir=fake_llama)["llama-clover"]
     assert not found["available"] and "PORT=1 scripts/build-llama-cpp.sh" in found["note"]
     _exe(fake_llama / "bin" / "llama-clover", "exit 0\n")
@@ -105,7 +105,7 @@ def test_llama_env_dir(monkeypatch, tmp_path):
 
 
 def test_hf_dir_drops_clover_tensors(tiny_dir, tmp_path):
-    cfg = CloverConfig.from_file(tiny_dir)
+    cfg = read_config(tiny_dir)
     d = peers.write_hf_dir(tiny_dir, tmp_path / "hf", cfg, dtype="bfloat16", copy=True)
     c = json.loads((d / "config.json").read_text())
     assert c["model_type"] == "qwen3_5_moe_text" and c["architectures"] == ["Qwen3_5MoeForCausalLM"]
@@ -210,7 +210,7 @@ def test_cli(tiny_dir, tmp_path, capsys):
 
 # ------------------------------------------------------------------ the real llama.cpp build
 def test_real_llama_cpp(tiny_dir, tmp_path):
-    found = peers.discover(CloverConfig.from_file(tiny_dir))["llama.cpp"]
+    found = peers.discover(read_config(tiny_dir))["llama.cpp"]
     if not found["available"]:
         print(f"llama.cpp part skipped: {found['note']}")
         pytest.skip(f"llama.cpp build absent: {found['note']}")
@@ -226,7 +226,7 @@ def test_real_llama_cpp(tiny_dir, tmp_path):
 def test_real_llama_clover(tiny_dir, tmp_path):
     """The port through `clover bench peers`: f32 on a tiny random checkpoint, its ar and diffusion
     tokens equal clover's in the same mode (tests/test_llama_port.py pins the port itself)."""
-    found = peers.discover(CloverConfig.from_file(tiny_dir))["llama-clover"]
+    found = peers.discover(read_config(tiny_dir))["llama-clover"]
     if not found["available"]:
         print(f"llama-clover part skipped: {found['note']}")
         pytest.skip(f"llama.cpp port absent: {found['note']}")

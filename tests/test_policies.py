@@ -109,8 +109,9 @@ def test_default_policy_comes_from_the_model(llm, tiny_llm):
 
 
 def test_config_refuses_an_unknown_policy():
-    from clover.config import CloverConfig, ConfigError
+    from clover.config import ConfigError
+    from clover.models import config_from_dict
     from clover.tiny import tiny_config
 
     with pytest.raises(ConfigError, match="policy"):
-        CloverConfig.from_dict({**tiny_config().to_dict(), "policy": "yolo"})
+        config_from_dict({**tiny_config().to_dict(), "policy": "yolo"})

@@ -224,7 +224,9 @@ def test_on_disk_format_round_trip(float_dir, quant_dirs, name):
     assert (d / "tokenizer.json").exists() and (d / "tokenizer_config.json").exists()
     on_disk = load_file(str(d / "model.safetensors"))
     fl = load_file(str(float_dir / "model.safetensors"))
-    targets = quantizable(clover.CloverConfig.from_file(d))
+    from clover.models import read_config
+
+    targets = quantizable(read_config(d))
     expected_keys = set()
     for m in qc["modules"]:
         specs = tensor_specs(targets[m], bits, group)
@@ -447,7 +449,7 @@ def test_cli(float_dir, tmp_path, capsys):
 
 
 def test_footprint_full_size():
-    from clover.config import full_size_config
+    from clover.models.qwen3_5_moe import full_size_config
     from clover.quant import footprint
 
     c = full_size_config()

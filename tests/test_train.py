@@ -94,9 +94,9 @@ def test_bundled_recipes_parse(tmp_path, monkeypatch):
     for p in found:
         r = load_recipe(p)
         if r.model:
-            from clover.config import CloverConfig
+            from clover.models import config_from_dict
 
-            cfg = CloverConfig.from_dict({**r.model, "model_type": r.model.get("model_type", "clover")})
+            cfg = config_from_dict({**r.model, "model_type": r.model.get("model_type", "clover")})
             from clover.models import parameter_counts
 
             assert parameter_counts(cfg)["total"] * 2 <= 25 * 2**20

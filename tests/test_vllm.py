@@ -63,17 +63,17 @@ def test_entry_point_declared():
     proj = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
     assert proj["entry-points"]["vllm.general_plugins"] == {"clover": "clover.integrations.vllm:register"}
     assert "vllm" in proj["optional-dependencies"]
-    from clover.integrations.vllm import MODEL_CLASSES
-    from clover.integrations.vllm.config import ARCHITECTURES
+    from clover.integrations.vllm import model_classes
+    from clover.integrations.vllm.config import served
+    from clover.models import QWEN3_5, QWEN3_5_MOE
 
-    assert set(ARCHITECTURES.values()) == set(MODEL_CLASSES)
-    text = (REPO / "src" / "clover" / "integrations" / "vllm" / "model.py").read_text()
-    for cls in MODEL_CLASSES.values():
-        assert f"class {cls}(" in text
+    # the plugin serves what the registry declares: the two Qwen3.5 backbones
+    assert {s.architecture for s in served().values()} == set(model_classes()) == {"CloverForCausalLM", "CloverDenseForCausalLM"}
+    assert served()["qwen3_5_moe_text"] is QWEN3_5_MOE.vllm and served()["qwen3_5_text"] is QWEN3_5.vllm
 
 
 def test_config_bundled():
-    from clover.config import CloverConfig
+    from clover.models import read_config
     from clover.integrations.vllm.config import CloverVLLMConfig
 
     raw = json.loads((BUNDLED / "config.json").read_text())
@@ -81,7 +81,7 @@ def test_config_bundled():
     t = c.get_text_config()
     assert c.model_type == "clover" and t.model_type == "qwen3_5_moe_text"
     assert c.architectures == ["CloverForCausalLM"]
-    ours = CloverConfig.from_file(BUNDLED)
+    ours = read_config(BUNDLED)
     for k in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
               "num_experts", "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size",
               "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
@@ -145,7 +145,7 @@ def test_dropped_tensors_are_the_clover_only_ones():
 
 def test_deployment_memory_counts_every_parameter(tiny_dir):
     from clover.checkpoint import load_model
-    from clover.config import full_size_config
+    from clover.models.qwen3_5_moe import full_size_config
     from clover.integrations.vllm.memory import parameters, per_gpu
     from clover.models import parameter_counts
 
@@ -156,7 +156,11 @@ def test_deployment_memory_counts_every_parameter(tiny_dir):
     ar = sum(p.numel() for n, p in model.named_parameters() if not any(
         part in ("conv1d_right", "intra_scale", "block_gain_a", "block_gain_b") for part in n.split(".")))
     assert parameters(cfg).total == ar
-    dense = full.replace(model_type="qwen3_5_text", intermediate_size=5632)
+    import dataclasses
+
+    from clover.models import make_config
+
+    dense = make_config(**{**dataclasses.asdict(full), "model_type": "qwen3_5_text", "intermediate_size": 5632})
     assert parameters(dense).experts == 0 and parameters(dense).total == parameter_counts(dense)["total"]
     one, eight = per_gpu(full, 1), per_gpu(full, 8)
     assert one.weight_bytes == 2 * parameters(full).total

@@ -15,6 +15,7 @@ from typing import Iterator, Literal, Sequence
 import torch
 
 from .checkpoint import load_model, parse_dtype
+from .models import read_config
 from .config import CloverConfig
 from .decoding.base import DecodeEvent, GenerationStats, RowState
 from .decoding.modes import EngineSpec, Mode, default_mode, get_mode, resolve_params
@@ -297,7 +298,7 @@ class LLM:
 
     def __repr__(self) -> str:
         c = self.config
-        return f"LLM({self.path}, {c.model_type}, layers={c.num_hidden_layers}, experts={c.num_experts}, dtype={self.model.dtype})"
+        return f"LLM({self.path}, {c.model_type}, layers={c.num_hidden_layers}, experts={getattr(c, 'num_experts', 0)}, dtype={self.model.dtype})"
 
 
 def _cpu_compute_dtype(path: Path, config) -> torch.dtype | None:
@@ -352,7 +353,7 @@ def load(path: str | os.PathLike | None = None, *, dtype: str | torch.dtype | No
         path = named
     bundled = path.resolve() == BUNDLED_MODEL.resolve()
     dtype = parse_dtype(dtype)
-    config = CloverConfig.from_file(path) if path.is_dir() else None  # read once (load_model reports a missing one)
+    config = read_config(path) if path.is_dir() else None  # read once (load_model reports a missing one)
     if dtype is None and (device is None or str(device) == "cpu"):
         if bundled:
             dtype = torch.float32  # the bundled model is stored in bf16; fp32 matmuls are faster on CPUs

@@ -14,9 +14,7 @@ from pathlib import Path
 import torch
 
 from .config import CloverConfig, ConfigError
-from .models import build_model
-from .models.qwen3_5 import KeyLayout
-from .models.qwen3_5_moe import PER_EXPERT as _PER_EXPERT
+from .models import build_model, read_config
 from .quant.loader import load_quantized
 from .weights import (  # noqa: F401  (re-exported: the names callers import from here)
     DTYPES,
@@ -38,11 +36,6 @@ from .weights import (  # noqa: F401  (re-exported: the names callers import fro
     shard_files,
 )
 
-def canonical_name(key: str) -> str | None:
-    """A stored key -> our parameter name (the Qwen3.5 family's layout); None for keys skipped on purpose."""
-    return KeyLayout().name(key)
-
-
 def load_model(
     directory: str | Path,
     *,
@@ -63,7 +56,7 @@ def load_model(
     if check_finite is None:
         check_finite = _CHECK_FINITE.get()
     if config is None:
-        config = CloverConfig.from_file(directory)
+        config = read_config(directory)
     dtype = parse_dtype(dtype)
     if dtype is None:
         try:

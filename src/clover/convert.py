@@ -19,6 +19,7 @@ import torch
 from safetensors.torch import save_file
 
 from .config import CloverConfig
+from .models import read_config
 from .models import build_model
 from .models.clover import clover_config, clover_parameters
 from .tokenizer import MASK_TOKEN, copy_tokenizer_files
@@ -39,7 +40,7 @@ def convert_to_clover(
     from transformers import PreTrainedTokenizerFast
 
     src, dst = Path(src), Path(dst)
-    config = CloverConfig.from_file(src)
+    config = read_config(src)
     if config.is_clover:
         raise ValueError(f"{src} is already a Clover checkpoint (model_type 'clover'); nothing to convert")
     if src.resolve() == dst.resolve():

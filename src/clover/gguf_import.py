@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from .config import CloverConfig
-from .models import build_model
+from .models import build_model, config_from_dict
 from .weights import expected_shapes, save_state_dict
 
 ARCHITECTURES = ("llama",)
@@ -170,7 +170,7 @@ def llama_config(reader, path: Path, tensor_names: set[str]) -> CloverConfig:
     fields["bos_token_id"] = None if ids["bos"] is None else int(ids["bos"])
     fields["pad_token_id"] = None if ids["padding"] is None else int(ids["padding"])
     fields["eos_token_id"] = end_of_generation_ids(reader)
-    return CloverConfig.from_dict(fields, source=str(path))
+    return config_from_dict(fields, source=str(path))
 
 
 # the token texts llama.cpp treats as end of generation besides the file's eos (llama-vocab.cpp)

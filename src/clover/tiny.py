@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -9,7 +10,7 @@ import torch
 
 from .checkpoint import save_model
 from .config import CloverConfig
-from .models import build_model
+from .models import build_model, config_class
 from .tokenizer import MASK_TOKEN, SPECIAL_TOKENS, write_byte_tokenizer
 
 TINY_DEFAULTS: dict[str, Any] = dict(
@@ -73,7 +74,9 @@ def tiny_config(*, clover: bool = True, dense: bool = False, vocab_size: int | N
         fields["mask_token_id"] = ids[MASK_TOKEN]
         fields["backbone"] = base
     fields.update(overrides)
-    return CloverConfig(**fields)
+    cls = config_class(fields.get("backbone") or fields["model_type"])
+    names = {f.name for f in dataclasses.fields(cls)}  # the shared defaults hold keys other families lack
+    return cls(**{k: v for k, v in fields.items() if k in names})
 
 
 def build_tiny_checkpoint(

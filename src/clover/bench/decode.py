@@ -478,8 +478,8 @@ def run_decode(
         "model": str(llm.path),
         "model_note": model_note,
         "config": {
-            "hidden_size": c.hidden_size, "num_hidden_layers": c.num_hidden_layers, "num_experts": c.num_experts,
-            "num_experts_per_tok": c.num_experts_per_tok, "vocab_size": c.vocab_size,
+            "hidden_size": c.hidden_size, "num_hidden_layers": c.num_hidden_layers, "num_experts": getattr(c, "num_experts", 0),
+            "num_experts_per_tok": getattr(c, "num_experts_per_tok", 0), "vocab_size": c.vocab_size,
             "parameters": parameter_counts(c), "dtype": str(llm.model.dtype).replace("torch.", ""),
         },
         "settings": {

@@ -119,11 +119,11 @@ def _bench_gdn(*, T: int, H: int, K: int, V: int, repeat: int, dtype) -> list[di
 def bench_attention(*, prefixes: list[int], block: int, heads: int, kv_heads: int, head_dim: int, repeat: int,
                     dtype=torch.float32) -> list[dict]:
     from ..cache import HybridCache
-    from ..config import CloverConfig
+    from ..models import make_config
     from ..models.layers import GatedAttention, Segments, cached_attention_mask
 
     hidden = heads * head_dim
-    cfg = CloverConfig(vocab_size=8, hidden_size=hidden, num_hidden_layers=1, num_attention_heads=heads,
+    cfg = make_config(vocab_size=8, hidden_size=hidden, num_hidden_layers=1, num_attention_heads=heads,
                        num_key_value_heads=kv_heads, head_dim=head_dim, num_experts=1, num_experts_per_tok=1,
                        moe_intermediate_size=1, layer_types=["full_attention"])
     attn = GatedAttention(cfg)

@@ -118,7 +118,7 @@ def _transformers(config) -> dict:
         return {"available": False, "note": "transformers is not installed"}
     import transformers
 
-    cls = "Qwen3_5ForCausalLM" if config.mlp_kind == "dense" else "Qwen3_5MoeForCausalLM"
+    cls = type(config).HF_ARCHITECTURE
     if not hasattr(transformers, cls):
         return {"available": False, "note": f"transformers {transformers.__version__} has no {cls}"}
     fast = [m for m in ("fla", "causal_conv1d") if importlib.util.find_spec(m) is not None]
@@ -129,14 +129,10 @@ def _transformers(config) -> dict:
 
 # --------------------------------------------------------------------- model directories
 def hf_config_dict(config) -> dict:
-    """transformers' text config (Qwen3.5 / Qwen3.5-MoE) for a clover config."""
-    d = config.to_dict()
-    for k in ("mask_token_id", "block_size", "threshold", "policy", "expert_budget", "backbone", "architectures",
-              "auto_map", "torch_dtype"):
+    """transformers' text config (the backbone's: Qwen3.5, Qwen3.5-MoE, ...) for a clover config."""
+    d = config.replace(model_type=config.base_model_type, backbone=None).to_dict()  # the AR config: no Clover keys
+    for k in ("auto_map", "torch_dtype"):
         d.pop(k, None)
-    dense = config.mlp_kind == "dense"
-    d["model_type"] = "qwen3_5_text" if dense else "qwen3_5_moe_text"
-    d["architectures"] = ["Qwen3_5ForCausalLM" if dense else "Qwen3_5MoeForCausalLM"]
     return d
 
 

@@ -49,7 +49,7 @@ def cast_checkpoint(src: str | Path, dst: str | Path, dtype: str) -> Path:
     from safetensors.torch import save_file
 
     from ..checkpoint import INDEX_FILE, iter_tensors, parse_dtype, shard_files
-    from ..config import CloverConfig
+    from ..models import read_config
 
     src, dst = Path(src), Path(dst)
     dst.mkdir(parents=True, exist_ok=True)
@@ -60,7 +60,7 @@ def cast_checkpoint(src: str | Path, dst: str | Path, dtype: str) -> Path:
         del state
     if (src / INDEX_FILE).exists():
         shutil.copy2(src / INDEX_FILE, dst / INDEX_FILE)
-    config = CloverConfig.from_file(src)
+    config = read_config(src)
     config.torch_dtype = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[dt]
     config.save(dst)
     for f in src.iterdir():

@@ -28,10 +28,10 @@ SCHEMA = "clover.bench.roofline/1"
 
 
 def roofline_config(quick: bool = False):
-    from ..config import CloverConfig
+    from ..models import make_config
 
     if quick:
-        return CloverConfig(
+        return make_config(
             vocab_size=4096, hidden_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
             head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=32,
             linear_value_head_dim=32, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64,
@@ -39,7 +39,7 @@ def roofline_config(quick: bool = False):
             mask_token_id=4095, rope_theta=10_000_000.0,
         )
     # the 35B-A3B text config with fewer layers (same 3:1 GDN/attention pattern), experts and vocab
-    return CloverConfig(
+    return make_config(
         vocab_size=32768, hidden_size=2048, num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=2,
         head_dim=256, linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128,
         linear_value_head_dim=128, num_experts=32, num_experts_per_tok=8, moe_intermediate_size=512,

@@ -1,7 +1,7 @@
 """`clover bench slice`: 4 of Qwen3.6-35B-A3B's 40 layers at their real shapes, bf16 and int4.
 
 The roofline benchmark scales the 35B-A3B down to ~1B parameters; this one keeps every shape of the
-real model (`clover.config.full_size_config()`: hidden 2048; 256 experts top-8, moe 512 plus the
+real model (`clover.models.qwen3_5_moe.full_size_config()`: hidden 2048; 256 experts top-8, moe 512 plus the
 shared expert; attention 16/2 heads × 256; GDN 16/32 heads × 128; vocab 248,320) and keeps only
 `layers` of its layers (default 4: three GDN and one attention layer, the model's 3:1 pattern).
 Weights are random, built in place in bf16 (no fp32 copy of any large tensor: the routed experts,
@@ -49,10 +49,11 @@ POOL = 1 << 22  # random values shared by the large tensors
 def slice_config(layers: int = 4, quick: bool = False):
     """The 35B-A3B text config with `layers` layers (clover model type: GDN layers carry the denoise
     parameters); `quick` shrinks every width for tests."""
-    from ..config import CloverConfig, full_size_config
+    from ..models import make_config
+    from ..models.qwen3_5_moe import full_size_config
 
     if quick:
-        c = CloverConfig(
+        c = make_config(
             vocab_size=4096, hidden_size=128, num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
             head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=32,
             linear_value_head_dim=32, num_experts=16, num_experts_per_tok=4, moe_intermediate_size=64,

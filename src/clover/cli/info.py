@@ -65,14 +65,14 @@ def _token_string(path: Path, token_id: int | None) -> str | None:
 
 def model_info(path: Path) -> dict:
     """The facts `clover info` prints, from config.json and file sizes (no weights are loaded)."""
-    from ..config import CloverConfig
+    from ..models import read_config
     from ..models import parameter_counts
 
     if not path.exists():
         raise UsageError(f"{path}: no such model directory")
     if not path.is_dir():
         raise UsageError(f"{path}: not a directory; pass the folder holding config.json and the safetensors")
-    c = CloverConfig.from_file(path)
+    c = read_config(path)
     counts = parameter_counts(c)
     n_attn = sum(t == "full_attention" for t in c.layer_types)
     n_gdn = sum(t == "linear_attention" for t in c.layer_types)
@@ -87,10 +87,10 @@ def model_info(path: Path) -> dict:
         "vocab_size": c.vocab_size,
         "attention": {"q_heads": c.num_attention_heads, "kv_heads": c.num_key_value_heads, "head_dim": c.head_dim,
                       "rotary_dim": c.rotary_dim, "rope_theta": c.rope_theta},
-        "gdn": {"key_heads": c.linear_num_key_heads, "value_heads": c.linear_num_value_heads,
-                "key_dim": c.linear_key_head_dim, "value_dim": c.linear_value_head_dim, "conv_kernel": c.linear_conv_kernel_dim},
-        "experts": {"num": c.num_experts, "top_k": c.num_experts_per_tok, "intermediate": c.moe_intermediate_size,
-                    "shared_intermediate": c.shared_expert_intermediate_size, "expert_budget": c.expert_budget},
+        "gdn": {"key_heads": getattr(c, "linear_num_key_heads", 0), "value_heads": getattr(c, "linear_num_value_heads", 0),
+                "key_dim": getattr(c, "linear_key_head_dim", 0), "value_dim": getattr(c, "linear_value_head_dim", 0), "conv_kernel": getattr(c, "linear_conv_kernel_dim", 0)},
+        "experts": {"num": getattr(c, "num_experts", 0), "top_k": getattr(c, "num_experts_per_tok", 0), "intermediate": getattr(c, "moe_intermediate_size", 0),
+                    "shared_intermediate": getattr(c, "shared_expert_intermediate_size", 0), "expert_budget": c.expert_budget},
         "parameters": {"total": counts["total"], "active": counts["active"]},
         "dtype": c.torch_dtype or _stored_dtype(path),
         "disk_bytes": _disk_size(path),

@@ -42,8 +42,9 @@ from typing import Callable, Iterator
 import numpy as np
 import torch
 
-from ..checkpoint import CheckpointError, canonical_name, shard_files
+from ..checkpoint import CheckpointError, shard_files
 from ..config import CloverConfig
+from ..models import architecture_of, key_layout, read_config
 from ..models.layers import CLOVER_PARAMETERS
 from ..tokenizer import MASK_TOKEN
 
@@ -422,6 +423,10 @@ def mrope_sections(rotary_dim: int) -> list[int]:
 
 def check_supported(config: CloverConfig, src: Path) -> None:
     c = config
+    arch = architecture_of(c)
+    if arch.gguf_arch != ARCH:  # the registry says which architectures this writer's tensor mapping covers
+        raise GGUFExportError(f"{src}: cannot export to GGUF: model_type {c.base_model_type!r} ({arch.name}) has no "
+                              f"GGUF export; the writer produces llama.cpp's {ARCH} for the architectures that declare it")
     problems = []
     if c.quantization_config:
         problems.append("the checkpoint is quantized (clover quantize); export the unquantized checkpoint and pick --dtype q8_0")
@@ -511,9 +516,12 @@ def sidecar_path(dst: Path) -> Path:
     return dst.with_name((dst.name[: -len(".gguf")] if dst.name.endswith(".gguf") else dst.name) + SIDECAR_SUFFIX)
 
 
-def _source_tensors(shards: list[Path], *, meta: bool) -> Iterator[tuple[Path, str, torch.Tensor, int]]:
-    """(shard, our name, tensor as float32 or on meta, bytes on disk) for every key we keep."""
+def _source_tensors(shards: list[Path], config: CloverConfig, *, meta: bool) -> Iterator[tuple[Path, str, torch.Tensor, int]]:
+    """(shard, our name, tensor as float32 or on meta, bytes on disk) for every key we keep (named by
+    the architecture's key layout)."""
     from safetensors import safe_open
+
+    layout = key_layout(config)
 
     itemsize = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
     for path in shards:
@@ -523,7 +531,7 @@ def _source_tensors(shards: list[Path], *, meta: bool) -> Iterator[tuple[Path, s
         except Exception as e:  # noqa: BLE001 - truncated or not safetensors
             raise CheckpointError(f"{path}: cannot read safetensors header ({e}); the file is truncated or corrupt") from None
         for key in keys:
-            name = canonical_name(key)
+            name = layout.name(key)
             if name is None:
                 continue
             sl = f.get_slice(key)
@@ -568,7 +576,7 @@ def export_gguf(
         raise GGUFExportError(f"{src}: not a directory; pass the folder holding config.json and the safetensors")
     if dst.is_dir():
         raise GGUFExportError(f"{dst}: is a directory; give the GGUF file to write (e.g. {dst / 'model.gguf'})")
-    config = CloverConfig.from_file(src)
+    config = read_config(src)
     check_supported(config, src)
     tok = read_tokenizer(src, config, pre_tokenizer=pre_tokenizer)
     shards = shard_files(src)
@@ -579,7 +587,7 @@ def export_gguf(
     plan: list[tuple[str, tuple[int, ...]]] = []
     src_bytes = 0
     mapper = _Mapper(config)
-    for path, name, t, nbytes in _source_tensors(shards, meta=True):
+    for path, name, t, nbytes in _source_tensors(shards, config, meta=True):
         src_bytes += nbytes
         m = _LAYER.match(name)
         if m and _PER_EXPERT.match(m.group(2)):
@@ -654,7 +662,7 @@ def export_gguf(
         order = iter(plan)
         bar = tqdm(total=src_bytes, unit="B", unit_scale=True, desc="export-gguf", disable=not progress)
         current = None
-        for path, name, t, nbytes in _source_tensors(shards, meta=False):
+        for path, name, t, nbytes in _source_tensors(shards, config, meta=False):
             if path != current:
                 current = path
                 bar.set_postfix_str(f"shard {shards.index(path) + 1}/{len(shards)}: {path.name}")

@@ -25,6 +25,7 @@ from pathlib import Path
 
 from .. import __version__
 from ..config import CloverConfig, ConfigError
+from ..models import read_config
 from ..tokenizer import copy_tokenizer_files
 
 PACKAGE_ROOT = Path(__file__).resolve().parents[1]  # src/clover
@@ -188,7 +189,7 @@ def export_hf(src: str | Path, dst: str | Path, *, overwrite: bool = False) -> E
     src, dst = Path(src), Path(dst)
     if not src.is_dir():
         raise FileNotFoundError(f"{src}: no such model directory")
-    config = CloverConfig.from_file(src)
+    config = read_config(src)
     if not config.is_clover:
         raise ConfigError(f"{src}: model_type {config.model_type!r} is a plain AR checkpoint; run `clover convert` first "
                           "(the transformers model needs the mask token for diffusion_generate)")

@@ -11,6 +11,7 @@ from __future__ import annotations
 from transformers import PretrainedConfig
 
 from ..config import CloverConfig
+from ..models import config_from_dict
 
 
 class CloverHFConfig(PretrainedConfig):
@@ -25,4 +26,4 @@ class CloverHFConfig(PretrainedConfig):
         """clover's config (checked) from the keys of this one."""
         raw = self.to_dict()
         raw["model_type"] = "clover"
-        return CloverConfig.from_dict(raw, source="config.json")
+        return config_from_dict(raw, source="config.json")

@@ -35,23 +35,15 @@ from ..decoding.diffusion import Diffusion
 from ..decoding.modes import get_mode, resolve_params
 from ..decoding.speculative import Speculative
 from ..models.layers import Experts, GatedDeltaNet, GatedRMSNorm, RMSNorm, denoise_parameters
-from ..models.qwen3_5 import MODEL_TYPES as DENSE_TYPES
-from ..models.qwen3_5 import model_class as dense_class
-from ..models.qwen3_5_moe import MODEL_TYPES as MOE_TYPES
-from ..models.qwen3_5_moe import model_class as moe_class
 from ..export.hf_configuration import CloverHFConfig
+from ..models import model_class
 
 MODES = (AR.name, Diffusion.name, Speculative.name)  # what diffusion_generate runs (registered on import)
 
 
 def backbone_class(config) -> type[nn.Module]:
-    """clover's model class for a Clover config (its `backbone`)."""
-    base = config.base_model_type
-    if base in MOE_TYPES:
-        return moe_class(config)
-    if base in DENSE_TYPES:
-        return dense_class(config)
-    raise ValueError(f"backbone {base!r} is not supported by this export")
+    """clover's model class for a Clover config (its `backbone`), as the registry says."""
+    return model_class(config)
 
 
 class CloverCache:

@@ -18,15 +18,6 @@ from ..config import CloverConfig
 from ..tokenizer import MASK_TOKEN
 from .layers import denoise_parameters
 
-MODEL_TYPES = ("clover",)
-
-
-def model_class(config: CloverConfig) -> type[nn.Module]:
-    from . import architecture
-
-    return architecture(config.backbone).model_class(config)
-
-
 def clover_config(config: CloverConfig, mask_token_id: int, **fields) -> CloverConfig:
     """The Clover config of an AR config: same backbone, plus the mask token and `fields`
     (block_size, threshold, a grown vocab_size, ...)."""

@@ -94,6 +94,10 @@ class RotaryEmbedding(nn.Module):
         self.dim, self.theta = dim, theta
         self._inv_freq: torch.Tensor | None = None  # not a buffer: nothing to load, nothing left on `meta`
 
+    @classmethod
+    def from_config(cls, config) -> "RotaryEmbedding":
+        return cls(config.rotary_dim, config.rope_theta)
+
     def inv_freq(self, device: torch.device) -> torch.Tensor:
         if self._inv_freq is None or self._inv_freq.device != device:
             exponents = torch.arange(0, self.dim, 2, dtype=torch.float32, device=device) / self.dim

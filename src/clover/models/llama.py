@@ -8,7 +8,8 @@ the cached prefix and bidirectionally to itself (`cached_attention_mask`), its m
 hold the mask token, and the hidden state at position i predicts token i+1 (shift by one, as in
 commit mode), so a converted checkpoint starts from the AR model itself. The cached `step`, the
 block-diffusion training forward and `make_cache` are the family's (`qwen3_5.Qwen3_5ForCausalLM`);
-this file supplies the layers and reads its own arguments (`LlamaArgs`).
+this file supplies its arguments (`LlamaConfig`: its keys and defaults), its layers and its
+registration (`ARCHITECTURE`).
 
 **The denoise adapter** (`config.denoise_adapter = {"rank", "alpha", "targets"}`): low-rank
 adapters on the chosen projections and a learned mask-token embedding that act on the denoise
@@ -34,8 +35,8 @@ from ..config import CloverConfig, ConfigError
 from ..moe import BlockSharing
 from .layers import GatedAttention, Segments, apply_rope, block_diffusion_mask
 from .qwen3_5 import KeyLayout, Qwen3_5ForCausalLM
+from .registry import Architecture
 
-MODEL_TYPES = ("llama",)
 ROPE_TYPES = ("default", "linear", "llama3")
 ADAPTER_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 MASK_LOGIT = -1e9  # finite: an entropy over the logits stays finite (0 * log 0 -> 0)
@@ -76,24 +77,48 @@ class Adapted(nn.Module):
         return torch.cat([y[:, :start], y[:, start:] + delta.to(y.dtype)], dim=1)
 
 
-@dataclass(frozen=True)
-class LlamaArgs:
-    """What a Llama layer reads from the config, with Llama's meaning (full rotary, plain norm weight)."""
+@dataclass(kw_only=True)
+class LlamaConfig(CloverConfig):
+    """A Llama `config.json`, with Llama's defaults (full rotary, theta 1e4, 2048 positions) and
+    meaning (plain norm weight, every layer full attention); the hybrid stack's keys do not exist here."""
 
-    hidden_size: int
-    intermediate_size: int
+    MODEL_TYPES = ("llama",)
+    HF_ARCHITECTURE = "LlamaForCausalLM"
+
     num_attention_heads: int
     num_key_value_heads: int
-    head_dim: int
+    intermediate_size: int
+    head_dim: int | None = None
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
-    rope_scaling: dict | None = None
+    rope_scaling: dict | None = None  # the rope_parameters beyond theta ({"rope_type": "llama3", ...})
+    max_position_embeddings: int = 2048
     attention_bias: bool = False
     mlp_bias: bool = False
+    hidden_act: str = "silu"
+    layer_types: list[str] | None = None  # every layer "full_attention"
+    # Clover: low-rank adapters applied in denoise mode only ({"rank", "alpha", "targets"}; below)
+    denoise_adapter: dict | None = None
 
-    @classmethod
-    def from_config(cls, c: CloverConfig) -> "LlamaArgs":
-        scaling = c.rope_scaling or None
+    def derive(self) -> None:
+        if self.head_dim is None:
+            self.head_dim = self.hidden_size // self.num_attention_heads
+        if self.layer_types is None:
+            self.layer_types = ["full_attention"] * self.num_hidden_layers
+
+    def validate(self) -> None:
+        super().validate()
+        for name in ("head_dim", "max_position_embeddings", "rms_norm_eps", "rope_theta"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"invalid config: {name} must be positive, got {getattr(self, name)}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ConfigError(f"invalid config: num_attention_heads ({self.num_attention_heads}) must be a multiple "
+                              f"of num_key_value_heads ({self.num_key_value_heads})")
+        if self.layer_types != ["full_attention"] * self.num_hidden_layers:
+            raise ConfigError("llama: every layer is full attention; layer_types lists other kinds or another count")
+        if self.hidden_act != "silu":
+            raise ConfigError(f"llama: hidden_act {self.hidden_act!r} is not supported (silu only)")
+        scaling = self.rope_scaling
         if scaling is not None:
             kind = scaling.get("rope_type", "default")
             if kind not in ROPE_TYPES:
@@ -103,11 +128,36 @@ class LlamaArgs:
             missing = [k for k in need if k not in scaling]
             if missing:
                 raise ConfigError(f"llama: rope type {kind!r} needs {', '.join(missing)} in rope_parameters")
-        return cls(c.hidden_size, c.intermediate_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim,
-                   c.rms_norm_eps, c.rope_theta, scaling, c.attention_bias, c.mlp_bias)
+
+    @property
+    def rotary_dim(self) -> int:
+        return self.head_dim
+
+    @classmethod
+    def read_keys(cls, d: dict, shown: dict, source: str) -> None:
+        """`rope_parameters` (or the older `rope_scaling`): theta, and a scaling other than the
+        default kept in `rope_scaling` (checked by `validate`)."""
+        rope_key = "rope_parameters" if d.get("rope_parameters") else "rope_scaling"
+        rope = d.pop(rope_key, None) or {}
+        d.pop("rope_scaling", None)
+        if not isinstance(rope, dict):
+            raise ConfigError(f"{source}: {shown.get(rope_key, rope_key)!r} must be an object, got {rope!r}")
+        if "rope_theta" in rope and "rope_theta" not in d:
+            d["rope_theta"] = rope["rope_theta"]
+            shown["rope_theta"] = f"{shown.get(rope_key, rope_key)}.rope_theta"
+        kind = rope.get("rope_type", rope.get("type", "default"))
+        if kind not in ("default", None):
+            d["rope_scaling"] = {"rope_type": kind, **{k: v for k, v in rope.items()
+                                                       if k not in ("rope_theta", "partial_rotary_factor", "type", "rope_type")}}
+
+    def write_keys(self, d: dict) -> None:
+        if d.get("denoise_adapter") is None or not self.is_clover:
+            d.pop("denoise_adapter", None)
+        d.pop("layer_types")  # every layer full attention: derived
+        d["rope_parameters"] = {"rope_type": "default", "rope_theta": d.pop("rope_theta"), **(d.pop("rope_scaling") or {})}
 
 
-def rope_inv_freq(args: LlamaArgs, device=None) -> torch.Tensor:
+def rope_inv_freq(args: LlamaConfig, device=None) -> torch.Tensor:
     """[head_dim/2] inverse frequencies, scaled as `rope_scaling` says (transformers' formulas)."""
     d = args.head_dim
     inv = 1.0 / (args.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32, device=device) / d))
@@ -129,7 +179,7 @@ def rope_inv_freq(args: LlamaArgs, device=None) -> torch.Tensor:
 class LlamaRotaryEmbedding(nn.Module):
     """Full RoPE (rotate-half) with Llama's scaled frequencies; same call as `layers.RotaryEmbedding`."""
 
-    def __init__(self, args: LlamaArgs) -> None:
+    def __init__(self, args: LlamaConfig) -> None:
         super().__init__()
         self.args = args
         self._inv_freq: torch.Tensor | None = None  # not a buffer: nothing to load, nothing left on `meta`
@@ -160,7 +210,7 @@ class LlamaAttention(Adapted, GatedAttention):
     """Grouped-query attention without output gate or q/k norms; the cached path (writing K/V at each
     row's length, attending under the step's mask) is the family's."""
 
-    def __init__(self, args: LlamaArgs) -> None:
+    def __init__(self, args: LlamaConfig) -> None:
         nn.Module.__init__(self)
         a = args
         self.num_heads, self.num_kv_heads, self.head_dim = a.num_attention_heads, a.num_key_value_heads, a.head_dim
@@ -183,7 +233,7 @@ class LlamaAttention(Adapted, GatedAttention):
 
 
 class LlamaMLP(Adapted):
-    def __init__(self, args: LlamaArgs) -> None:
+    def __init__(self, args: LlamaConfig) -> None:
         super().__init__()
         h, i, bias = args.hidden_size, args.intermediate_size, args.mlp_bias
         self.gate_proj = nn.Linear(h, i, bias=bias)
@@ -199,7 +249,7 @@ class LlamaDecoderLayer(nn.Module):
 
     layer_type = "full_attention"
 
-    def __init__(self, args: LlamaArgs) -> None:
+    def __init__(self, args: LlamaConfig) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(args)
         self.mlp = LlamaMLP(args)
@@ -244,7 +294,7 @@ class LlamaEmbedding(nn.Embedding):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: CloverConfig, args: LlamaArgs) -> None:
+    def __init__(self, config: CloverConfig, args: LlamaConfig) -> None:
         super().__init__()
         self.embed_tokens = LlamaEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(LlamaDecoderLayer(args) for _ in range(config.num_hidden_layers))
@@ -260,10 +310,8 @@ class LlamaForCausalLM(Qwen3_5ForCausalLM):
 
     def __init__(self, config: CloverConfig) -> None:
         nn.Module.__init__(self)
-        if any(t != "full_attention" for t in config.layer_types):
-            raise ConfigError("llama: every layer is full attention; layer_types lists other kinds")
         self.config = config
-        self.args = LlamaArgs.from_config(config)
+        self.args = config
         self.model = LlamaModel(config, self.args)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
@@ -384,5 +432,4 @@ def adapter_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach() for k, v in model.state_dict().items() if is_adapter_parameter(k)}
 
 
-def model_class(config: CloverConfig) -> type[nn.Module]:
-    return LlamaForCausalLM
+ARCHITECTURE = Architecture(name="llama", config_class=LlamaConfig, model_class=LlamaForCausalLM)

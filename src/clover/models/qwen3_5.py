@@ -23,8 +23,9 @@ import torch
 from torch import nn
 
 from ..cache import HybridCache
-from ..config import CloverConfig
+from ..config import CloverConfig, ConfigError
 from ..moe import BlockSharing
+from .registry import Architecture, VLLMSupport
 from .layers import (
     DenseMLP,
     GatedAttention,
@@ -38,7 +39,120 @@ from .layers import (
     denoise_parameters,
 )
 
-MODEL_TYPES = ("qwen3_5", "qwen3_5_text")
+MULTIMODAL = {"qwen3_5": "qwen3_5_text"}  # the multimodal model_type -> the text model in its `text_config`
+
+
+# --------------------------------------------------------------------------- arguments
+@dataclass(kw_only=True)
+class Qwen3_5Config(CloverConfig):
+    """The text part of a Qwen3.5 `config.json` (the hybrid stack with a dense SwiGLU MLP), with
+    Qwen3.5's defaults (partial RoPE at 0.25, theta 1e7, a full-attention layer every 4)."""
+
+    MODEL_TYPES = ("qwen3_5_text",)
+    HF_ARCHITECTURE = "Qwen3_5ForCausalLM"
+
+    num_attention_heads: int
+    num_key_value_heads: int
+    intermediate_size: int
+    # the sparse MoE's keys (`Qwen3_5MoeConfig` requires them); 0 for the dense MLP
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0
+    router_aux_loss_coef: float = 0.001
+    head_dim: int | None = None
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10_000_000.0
+    partial_rotary_factor: float = 0.25
+    max_position_embeddings: int = 32768
+    attention_bias: bool = False
+    linear_conv_kernel_dim: int = 4
+    linear_key_head_dim: int = 128
+    linear_value_head_dim: int = 128
+    linear_num_key_heads: int = 16
+    linear_num_value_heads: int = 32
+    layer_types: list[str] | None = None
+    full_attention_interval: int = 4
+    hidden_act: str = "silu"
+
+    def derive(self) -> None:
+        if self.full_attention_interval <= 0:
+            raise ConfigError(f"invalid config: full_attention_interval must be positive, got {self.full_attention_interval}")
+        if self.head_dim is None:
+            self.head_dim = self.hidden_size // self.num_attention_heads
+        if self.layer_types is None:
+            n = self.full_attention_interval
+            self.layer_types = ["full_attention" if (i + 1) % n == 0 else "linear_attention"
+                                for i in range(self.num_hidden_layers)]
+
+    def validate(self) -> None:
+        super().validate()
+
+        def bad(msg: str) -> None:
+            raise ConfigError(f"invalid config: {msg}")
+
+        for name in ("head_dim", "max_position_embeddings", "linear_conv_kernel_dim", "linear_key_head_dim",
+                     "linear_value_head_dim", "linear_num_key_heads", "linear_num_value_heads",
+                     "full_attention_interval", "rms_norm_eps", "rope_theta"):
+            if getattr(self, name) <= 0:
+                bad(f"{name} must be positive, got {getattr(self, name)}")
+        for name in self.mlp_fields():
+            if getattr(self, name) < 0:
+                bad(f"{name} must be >= 0, got {getattr(self, name)}")
+        if not (0 < self.partial_rotary_factor <= 1):
+            bad(f"partial_rotary_factor must lie in (0, 1], got {self.partial_rotary_factor}")
+        if len(self.layer_types) != self.num_hidden_layers:
+            bad(f"layer_types has {len(self.layer_types)} entries but num_hidden_layers is {self.num_hidden_layers}")
+        unknown = set(self.layer_types) - {"full_attention", "linear_attention"}
+        if unknown:
+            bad(f"unknown layer types {sorted(unknown)}; expected 'full_attention' or 'linear_attention'")
+        if self.num_attention_heads % self.num_key_value_heads:
+            bad(f"num_attention_heads ({self.num_attention_heads}) must be a multiple of num_key_value_heads ({self.num_key_value_heads})")
+        if self.linear_num_value_heads % self.linear_num_key_heads:
+            bad(f"linear_num_value_heads ({self.linear_num_value_heads}) must be a multiple of linear_num_key_heads ({self.linear_num_key_heads})")
+        if self.rotary_dim % 2 or self.rotary_dim > self.head_dim:
+            bad(f"partial_rotary_factor {self.partial_rotary_factor} gives an odd or too large rotary dim {self.rotary_dim}")
+
+    @classmethod
+    def mlp_fields(cls) -> tuple[str, ...]:
+        return ("intermediate_size", "num_experts", "num_experts_per_tok", "moe_intermediate_size",
+                "shared_expert_intermediate_size")
+
+    # the other MLP's keys, not written into this one's config.json
+    UNUSED_KEYS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size",
+                   "router_aux_loss_coef")
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def linear_conv_dim(self) -> int:
+        return 2 * self.linear_num_key_heads * self.linear_key_head_dim + self.linear_num_value_heads * self.linear_value_head_dim
+
+    @classmethod
+    def read_keys(cls, d: dict, shown: dict, source: str) -> None:
+        """`rope_parameters` (or the older `rope_scaling`): theta and the partial rotary factor;
+        only the default RoPE."""
+        rope_key = "rope_parameters" if d.get("rope_parameters") else "rope_scaling"
+        rope = d.get(rope_key) or {}
+        if not isinstance(rope, dict):
+            raise ConfigError(f"{source}: {shown.get(rope_key, rope_key)!r} must be an object, got {rope!r}")
+        where = shown.get(rope_key, rope_key)
+        for key in ("rope_theta", "partial_rotary_factor"):
+            if key in rope and key not in d:
+                d[key] = rope[key]
+                shown[key] = f"{where}.{key}"
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type not in ("default", None):
+            raise ConfigError(f"{source}: rope type {rope_type!r} is not supported (only the default RoPE)")
+
+    def write_keys(self, d: dict) -> None:
+        for k in self.UNUSED_KEYS:
+            d.pop(k)
+        d.pop("full_attention_interval")
+        d["rope_parameters"] = {"rope_type": "default", "rope_theta": d.pop("rope_theta"),
+                                "partial_rotary_factor": d.pop("partial_rotary_factor")}
 
 
 # --------------------------------------------------------------------------- key layout
@@ -69,16 +183,18 @@ class KeyLayout:
 class DecoderLayer(nn.Module):
     """`h = x + mixer(input_layernorm(x))`, `out = h + mlp(post_attention_layernorm(h))`."""
 
-    def __init__(self, config: CloverConfig, layer_idx: int, mlp_class: type[nn.Module]) -> None:
+    def __init__(self, config: CloverConfig, layer_idx: int, parts: type) -> None:
+        """`parts`: the model class, whose `attention_class`, `linear_attention_class`, `mlp_class`
+        and `norm_class` this layer is made of."""
         super().__init__()
         self.layer_type = config.layer_types[layer_idx]
         if self.layer_type == "full_attention":
-            self.self_attn = GatedAttention(config)
+            self.self_attn = parts.attention_class(config)
         else:
-            self.linear_attn = GatedDeltaNet(config)
-        self.mlp = mlp_class(config)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+            self.linear_attn = parts.linear_attention_class(config)
+        self.mlp = parts.mlp_class(config)
+        self.input_layernorm = parts.norm_class(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = parts.norm_class(config.hidden_size, config.rms_norm_eps)
 
     @property
     def mixer(self) -> nn.Module:
@@ -113,12 +229,12 @@ class DecoderLayer(nn.Module):
 
 
 class TextModel(nn.Module):
-    def __init__(self, config: CloverConfig, mlp_class: type[nn.Module]) -> None:
+    def __init__(self, config: CloverConfig, parts: type) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, i, mlp_class) for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.rotary_emb = RotaryEmbedding(config.rotary_dim, config.rope_theta)
+        self.layers = nn.ModuleList(DecoderLayer(config, i, parts) for i in range(config.num_hidden_layers))
+        self.norm = parts.norm_class(config.hidden_size, config.rms_norm_eps)
+        self.rotary_emb = parts.rotary_class.from_config(config)
 
 
 @dataclass
@@ -129,13 +245,19 @@ class StepOutput:
 
 
 class Qwen3_5ForCausalLM(nn.Module):
-    mlp_class: type[nn.Module] = DenseMLP
+    # the architecture's parts: another member of the family (or another architecture reusing this
+    # stack, `step` and training forward) swaps any of them; each is built from the config
+    attention_class: type[nn.Module] = GatedAttention  # full-attention layers
+    linear_attention_class: type[nn.Module] = GatedDeltaNet  # linear-attention layers
+    mlp_class: type[nn.Module] = DenseMLP  # called as mlp(x, sharing, count_experts, static) -> (y, ExpertStats | None)
+    norm_class: type[nn.Module] = RMSNorm  # norm_class(dim, eps)
+    rotary_class: type[nn.Module] = RotaryEmbedding  # rotary_class.from_config(config)
     key_layout: KeyLayout = KeyLayout()
 
     def __init__(self, config: CloverConfig) -> None:
         super().__init__()
         self.config = config
-        self.model = TextModel(config, self.mlp_class)
+        self.model = TextModel(config, type(self))
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -383,5 +505,9 @@ class Qwen3_5ForCausalLM(nn.Module):
                 normal_(p)
 
 
-def model_class(config: CloverConfig) -> type[nn.Module]:
-    return Qwen3_5ForCausalLM
+
+ARCHITECTURE = Architecture(
+    name="qwen3_5", config_class=Qwen3_5Config, model_class=Qwen3_5ForCausalLM, multimodal=MULTIMODAL,
+    vllm=VLLMSupport("CloverDenseForCausalLM", "vllm.model_executor.models.qwen3_5:Qwen3_5ForCausalLM",
+                     "transformers.models.qwen3_5.configuration_qwen3_5:Qwen3_5TextConfig"),
+)

@@ -11,15 +11,53 @@ older and other exports) are stacked into the fused layout at load.
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 
 import torch
-from torch import nn
 
-from ..config import CloverConfig
+from ..config import ConfigError
 from .layers import SparseMoE
-from .qwen3_5 import KeyLayout, Qwen3_5ForCausalLM
+from .qwen3_5 import KeyLayout, Qwen3_5Config, Qwen3_5ForCausalLM
+from .registry import Architecture, VLLMSupport
 
-MODEL_TYPES = ("qwen3_5_moe", "qwen3_5_moe_text")
+MULTIMODAL = {"qwen3_5_moe": "qwen3_5_moe_text"}
+
+
+@dataclass(kw_only=True)
+class Qwen3_5MoeConfig(Qwen3_5Config):
+    """The text part of a Qwen3.5/3.6-MoE `config.json`: Qwen3.5's, with the sparse MoE's keys."""
+
+    MODEL_TYPES = ("qwen3_5_moe_text",)
+    HF_ARCHITECTURE = "Qwen3_5MoeForCausalLM"
+
+    UNUSED_KEYS = ("intermediate_size",)
+
+    num_experts: int
+    num_experts_per_tok: int
+    moe_intermediate_size: int
+    intermediate_size: int = 0  # the dense MLP's
+
+    @property
+    def mlp_kind(self) -> str:
+        return "moe"
+
+    def validate(self) -> None:
+        super().validate()
+        if self.num_experts_per_tok > self.num_experts:
+            raise ConfigError(f"invalid config: num_experts_per_tok ({self.num_experts_per_tok}) exceeds num_experts ({self.num_experts})")
+        if self.expert_budget is not None and not (self.num_experts_per_tok <= self.expert_budget <= self.num_experts):
+            raise ConfigError(f"invalid config: expert_budget must lie in [num_experts_per_tok, num_experts], got {self.expert_budget}")
+
+
+def full_size_config() -> Qwen3_5MoeConfig:
+    """The Qwen3.5/3.6-35B-A3B text config (used for accounting and meta-device tests)."""
+    return Qwen3_5MoeConfig(
+        vocab_size=248320, hidden_size=2048, num_hidden_layers=40, num_attention_heads=16, num_key_value_heads=2,
+        head_dim=256, num_experts=256, num_experts_per_tok=8, moe_intermediate_size=512,
+        shared_expert_intermediate_size=512, linear_num_key_heads=16, linear_num_value_heads=32,
+        linear_key_head_dim=128, linear_value_head_dim=128, max_position_embeddings=262144,
+        rope_theta=10_000_000.0, partial_rotary_factor=0.25,
+    )
 PER_EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 EXPERT_PARTS = ("gate_proj", "up_proj", "down_proj")
 
@@ -46,5 +84,10 @@ class Qwen3_5MoeForCausalLM(Qwen3_5ForCausalLM):
     key_layout = MoeKeyLayout()
 
 
-def model_class(config: CloverConfig) -> type[nn.Module]:
-    return Qwen3_5MoeForCausalLM
+
+ARCHITECTURE = Architecture(
+    name="qwen3_5_moe", config_class=Qwen3_5MoeConfig, model_class=Qwen3_5MoeForCausalLM, multimodal=MULTIMODAL,
+    gguf_arch="qwen35moe",
+    vllm=VLLMSupport("CloverForCausalLM", "vllm.model_executor.models.qwen3_5:Qwen3_5MoeForCausalLM",
+                     "transformers.models.qwen3_5_moe.configuration_qwen3_5_moe:Qwen3_5MoeTextConfig"),
+)

@@ -51,7 +51,7 @@ def _gib(n: float) -> str:
 
 def footprint_table(config=None) -> str:
     """A markdown table of the weight footprint at bf16 / int8 / int4 (default: the full 35B-A3B)."""
-    from ..config import full_size_config
+    from ..models.qwen3_5_moe import full_size_config
 
     config = config or full_size_config()
     rows = [

@@ -20,6 +20,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from ..config import CloverConfig
+from ..models import read_config
 from ..models import build_model
 from ..weights import INDEX_FILE, SINGLE_FILE, CheckpointError, expected_shapes, iter_tensors, shard_files
 from .format import (
@@ -69,7 +70,7 @@ def quantize_checkpoint(
         raise FileNotFoundError(f"{src}: no such model directory")
     if dst.exists() and src.resolve() == dst.resolve():
         raise ValueError("destination must differ from the source directory")
-    config = CloverConfig.from_file(src)
+    config = read_config(src)
     if config.quantization_config:
         raise ValueError(f"{src} is already quantized ({config.quantization_config.get('quant_method')}, "
                          f"{config.quantization_config.get('bits')} bits); quantize the float checkpoint")

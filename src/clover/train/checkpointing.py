@@ -234,11 +234,11 @@ def load_dcp_model(path: str | Path, dtype: torch.dtype = torch.float32):
     """A sharded (DCP) training checkpoint -> the full model in one process (for export)."""
     import torch.distributed.checkpoint as dcp
 
-    from ..config import CloverConfig
+    from ..models import read_config
     from ..models import build_model
 
     path = Path(path)
-    model = build_model(CloverConfig.from_file(path), device="cpu", dtype=torch.float32)
+    model = build_model(read_config(path), device="cpu", dtype=torch.float32)
     state = {"model": model.state_dict()}
     dcp.load(state, checkpoint_id=str(path / DCP_DIR), no_dist=True)  # fills the tensors in place
     model.load_state_dict(state["model"], strict=True)

@@ -38,7 +38,7 @@ from pathlib import Path
 
 GB = 1e9
 CHUNK = 64  # GDN chunk length of the chunked delta rule: one fp32 state per chunk is kept for backward
-MODEL_ALIASES = ("qwen3.6-35b-a3b", "qwen3.5-35b-a3b", "full")  # clover.config.full_size_config()
+MODEL_ALIASES = ("qwen3.6-35b-a3b", "qwen3.5-35b-a3b", "full")  # clover.models.qwen3_5_moe.full_size_config()
 
 
 @dataclass
@@ -61,17 +61,18 @@ class Plan:
 
 
 def _model_config(recipe, model: str | None):
-    from ..config import CloverConfig, full_size_config
+    from ..models.qwen3_5_moe import full_size_config
+    from ..models import config_from_dict, read_config
 
     if model:
         if model.lower() in MODEL_ALIASES:
             return full_size_config()
-        return CloverConfig.from_file(model)
+        return read_config(model)
     if recipe.model:
-        return CloverConfig.from_dict({**recipe.model, "model_type": recipe.model.get("model_type", "clover")},
+        return config_from_dict({**recipe.model, "model_type": recipe.model.get("model_type", "clover")},
                                       source="recipe [model]")
     if recipe.init and (Path(recipe.init) / "config.json").is_file():
-        return CloverConfig.from_file(recipe.init)
+        return read_config(recipe.init)
     raise ValueError(f"no model config: the recipe's init {recipe.init!r} has no config.json here; pass --model")
 
 
@@ -100,7 +101,7 @@ def activation_bytes_per_position(cfg, layer_type: str, elem: int) -> float:
         n += 2 * cfg.linear_conv_dim + 3 * vd  # qkv projection and its convolution; z, core output, gated norm output
         hv = cfg.linear_num_value_heads
         extra += 4 * hv * cfg.linear_key_head_dim * cfg.linear_value_head_dim / CHUNK  # fp32 chunk states
-    if cfg.num_experts:
+    if getattr(cfg, "num_experts", 0):
         k, inter, shared = cfg.num_experts_per_tok, cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size
         n += h + k * (h + 3 * inter) + (h + 3 * shared if shared else 0)
         extra += 4 * cfg.num_experts  # fp32 router logits (kept for the aux loss)
@@ -191,7 +192,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="peak bf16 dense TFLOPS per GPU (default 989: H100 SXM)")
     parser.add_argument("--tokens", type=float, default=1e9, help="token budget for the days figure (default 1e9)")
     parser.add_argument("--model", default=None,
-                        help="a config.json or model dir, or qwen3.6-35b-a3b (clover.config.full_size_config()); "
+                        help="a config.json or model dir, or qwen3.6-35b-a3b (clover.models.qwen3_5_moe.full_size_config()); "
                              "default: the recipe's [model] or init")
     parser.add_argument("--micro-batch", type=int, default=None,
                         help="rows per rank per forward (default data.batch_size / (gpus x grad_accum))")

@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from ..checkpoint import load_model
-from ..config import CloverConfig
+from ..models import config_from_dict
 from ..models import build_model, parameter_counts
 from ..models.clover import convert_model
 from ..models.layers import CLOVER_PARAMETERS, is_clover_parameter
@@ -166,7 +166,7 @@ def build_or_load_model(recipe: Recipe, tokenizer_ids: dict[str, int]):
     if fields.get("model_type", "clover") == "clover":
         fields.setdefault("model_type", "clover")
         fields.setdefault("mask_token_id", tokenizer_ids.get(MASK_TOKEN))
-    cfg = CloverConfig.from_dict(fields, source=f"recipe {recipe.source or recipe.name} [model]")
+    cfg = config_from_dict(fields, source=f"recipe {recipe.source or recipe.name} [model]")
     model = build_model(cfg, device="cpu", dtype=torch.float32)
     model.init_weights(seed=recipe.seed)
     model.train()
@@ -466,13 +466,13 @@ class Trainer:
     def _loss(self, ids: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
         r, cfg = self.recipe, self.model.config
         if r.stage == "ar":
-            loss, stats = ar_step_loss(self.model, ids, aux_coef=r.optim.aux_loss_coef, top_k=cfg.num_experts_per_tok)
+            loss, stats = ar_step_loss(self.model, ids, aux_coef=r.optim.aux_loss_coef, top_k=getattr(cfg, "num_experts_per_tok", 0))
         else:
             d = r.diffusion
             loss, stats = diffusion_step_loss(
                 self.model, ids, self.gen,
                 mask_token_id=cfg.mask_token_id, block_sizes=tuple(d.block_sizes), ar_weight=d.ar_weight,
-                aux_coef=r.optim.aux_loss_coef, top_k=cfg.num_experts_per_tok,
+                aux_coef=r.optim.aux_loss_coef, top_k=getattr(cfg, "num_experts_per_tok", 0),
                 complementary=d.complementary, min_mask_ratio=d.min_mask_ratio,
                 certainty_weight=d.certainty_weight, certainty_temperature=d.certainty_temperature,
                 block_size_gen=self.size_gen,

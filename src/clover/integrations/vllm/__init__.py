@@ -20,8 +20,14 @@ This module imports neither vLLM nor torch at import time: clover without vLLM i
 from __future__ import annotations
 
 MODEL_MODULE = "clover.integrations.vllm.model"
-# vLLM architecture -> class in MODEL_MODULE (the names CloverVLLMConfig writes into `architectures`)
-MODEL_CLASSES = {"CloverForCausalLM": "CloverForCausalLM", "CloverDenseForCausalLM": "CloverDenseForCausalLM"}
+
+
+def model_classes() -> dict[str, str]:
+    """vLLM architecture -> class in MODEL_MODULE (the names CloverVLLMConfig writes into
+    `architectures`): one per backbone the registry serves (`clover.models`, `VLLMSupport`)."""
+    from .config import served
+
+    return {s.architecture: s.architecture for s in served().values()}
 
 
 def register() -> None:
@@ -34,9 +40,9 @@ def register() -> None:
 
     AutoConfig.register("clover", CloverVLLMConfig, exist_ok=True)
     supported = set(ModelRegistry.get_supported_archs())
-    for arch, cls in MODEL_CLASSES.items():
+    for arch, cls in model_classes().items():
         if arch not in supported:
             ModelRegistry.register_model(arch, f"{MODEL_MODULE}:{cls}")
 
 
-__all__ = ["register", "MODEL_CLASSES"]
+__all__ = ["register", "model_classes"]

@@ -12,7 +12,9 @@ backbone (`backbone`, default `qwen3_5_moe_text`), built from the same keys. vLL
 `CloverDenseForCausalLM` over the dense one) whatever the file says (`CloverForBlockDiffusion` from
 `clover convert` / `clover train`, `CloverForCausalLM` from `clover export-hf`): one name per backbone.
 
-Imports transformers and (to check a file) `clover.config`, no vLLM: testable in clover's own environment.
+Which backbones are served, and by which class: clover's registry (`clover.models`, each
+architecture's `VLLMSupport`). Imports transformers and (when used) clover, no vLLM: testable in
+clover's own environment.
 """
 
 from __future__ import annotations
@@ -21,36 +23,44 @@ from typing import Any
 
 from transformers import PretrainedConfig
 
-# backbone (a text model_type) -> the vLLM architecture this plugin registers for it
-ARCHITECTURES = {"qwen3_5_moe_text": "CloverForCausalLM", "qwen3_5_text": "CloverDenseForCausalLM"}
-DEFAULT_BACKBONE = "qwen3_5_moe_text"
-# Clover's own fields (clover.config.CloverConfig), kept on the outer config
-CLOVER_FIELDS = ("backbone", "mask_token_id", "block_size", "threshold", "policy", "expert_budget")
 # keys of config.json that describe the file, not the text model
 OUTER_ONLY = ("model_type", "architectures", "auto_map", "clover_version", "transformers_version", "quantization_config")
 
 
+def served() -> dict[str, object]:
+    """backbone (a text model_type) -> its `VLLMSupport` (the vLLM architecture registered for Clover
+    checkpoints over it), from clover's registry (`clover.models`)."""
+    from clover.models import TEXT_MODEL_TYPES
+
+    return {t: a.vllm for t, a in TEXT_MODEL_TYPES.items() if a.vllm is not None}
+
+
+def default_backbone() -> str:
+    from clover.models import DEFAULT_BACKBONE
+
+    return DEFAULT_BACKBONE
+
+
 def text_config_class(backbone: str):
     """transformers' config class for a backbone's text model."""
-    if backbone == "qwen3_5_moe_text":
-        from transformers.models.qwen3_5_moe.configuration_qwen3_5_moe import Qwen3_5MoeTextConfig
+    import importlib
 
-        return Qwen3_5MoeTextConfig
-    if backbone == "qwen3_5_text":
-        from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5TextConfig
-
-        return Qwen3_5TextConfig
-    raise ValueError(f"clover config: backbone {backbone!r} is not one of {', '.join(ARCHITECTURES)}")
+    support = served().get(backbone)
+    if support is None:
+        raise ValueError(f"clover config: backbone {backbone!r} is not one of {', '.join(served())}")
+    module, name = support.text_config_class.split(":")
+    return getattr(importlib.import_module(module), name)
 
 
 def check_with_clover(d: dict[str, Any]) -> None:
-    """Read a flat Clover config.json as clover does (`clover.config.CloverConfig.from_dict`: required
+    """Read a flat Clover config.json as clover does (`clover.models.config_from_dict`: required
     keys, JSON types, head and layer counts that fit), so a broken file stops here with clover's
     message instead of loading as transformers' defaults (the 35B shapes) and failing at the weights."""
-    from clover.config import CloverConfig, ConfigError
+    from clover.config import ConfigError
+    from clover.models import config_from_dict
 
     try:
-        CloverConfig.from_dict({**d, "model_type": "clover"}, source="clover config (vLLM plugin)")
+        config_from_dict({**d, "model_type": "clover"}, source="clover config (vLLM plugin)")
     except ConfigError as e:
         raise ValueError(str(e)) from None
 
@@ -61,7 +71,9 @@ class CloverVLLMConfig(PretrainedConfig):
     model_type = "clover"
 
     def __init__(self, text_config: Any = None, **kwargs: Any) -> None:
-        backbone = kwargs.pop("backbone", None) or DEFAULT_BACKBONE
+        from clover.config import CLOVER_FIELDS
+
+        backbone = kwargs.pop("backbone", None) or default_backbone()
         cls = text_config_class(backbone)
         clover = {k: kwargs.pop(k) for k in CLOVER_FIELDS if k in kwargs}
         if kwargs.get("quantization_config") and text_config is None:
@@ -93,7 +105,7 @@ class CloverVLLMConfig(PretrainedConfig):
         self.threshold = clover.get("threshold", 0.95)
         self.policy = clover.get("policy")
         self.expert_budget = clover.get("expert_budget")
-        self.architectures = [ARCHITECTURES[backbone]]
+        self.architectures = [served()[backbone].architecture]
 
     def to_dict(self) -> dict[str, Any]:
         d = super().to_dict()

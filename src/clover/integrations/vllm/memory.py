@@ -109,7 +109,7 @@ def table(c, gpus=(1, 2, 4, 8), *, tokens: int = 262144, seqs: int = 64, weight_
 
 
 if __name__ == "__main__":  # python -m clover.integrations.vllm.memory: the tables of docs/scale-out.md
-    from clover.config import full_size_config
+    from clover.models.qwen3_5_moe import full_size_config
 
     cfg = full_size_config()
     print(f"parameters (AR, as vLLM loads them): {parameters(cfg).total:,}")
