@@ -23,6 +23,7 @@ from .decoding.sampling import SamplingParams
 from .tokenizer import Tokenizer
 
 BUNDLED_MODEL = Path(__file__).parent / "assets" / "clover-tiny"
+BUNDLED_DRAFTER = Path(__file__).parent / "assets" / "clover-tiny-dflash"  # the bundled model's DFlash drafter
 
 
 def default_model_path() -> Path:
@@ -127,13 +128,14 @@ def check_device(device: str | torch.device | None) -> None:
 
 
 class LLM:
-    def __init__(self, model, tokenizer: Tokenizer, path: Path | None = None) -> None:
+    def __init__(self, model, tokenizer: Tokenizer, path: Path | None = None, drafter=None) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.path = path
         self.config = model.config
         self._eos_ids = frozenset(self.config.eos_token_ids) | (
             {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set())
+        self.drafter = drafter  # a DFlash drafter for mode "dflash" (`clover.models.dflash`), or None
 
     # ---------------------------------------------------------------- helpers
     @property
@@ -150,10 +152,22 @@ class LLM:
         """The `Mode` of that name; None: the model's default (as the CLI and the server use)."""
         return default_mode(self.config) if name is None else get_mode(name)
 
+    def mode_available(self, mode: str | Mode) -> bool:
+        """Whether `mode` can run here: a mask token for the modes that decode with it (a Clover
+        checkpoint), a loaded drafter for those that need one (dflash)."""
+        m = self.mode(mode)
+        return ((not m.needs_mask or self.config.mask_token_id is not None)
+                and (not getattr(m, "needs_drafter", False) or self.drafter is not None))
+
     def params(self, mode: str | Mode | None, kwargs: dict) -> SamplingParams:
         """The generation options for `mode`, checked (ValueError "option: why" / TypeError for an
         unknown option), with the model's defaults filled in."""
-        return resolve_params(self.mode(mode), kwargs, self.config)
+        m = self.mode(mode)
+        params = resolve_params(m, kwargs, self.config)
+        if getattr(m, "needs_drafter", False) and self.drafter is None:
+            raise ValueError(f"mode: {m.name!r} needs a DFlash drafter; load one with clover.load(model, drafter=DIR) "
+                             "(CLI and server: --drafter DIR)")
+        return params
 
     def encode_prompt(self, prompt: str | Sequence[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -220,8 +234,12 @@ class LLM:
 
     def engine(self, spec: EngineSpec):
         """A fresh batch engine for rows of `spec` (`Mode.spec`; rows join it with `add`, `run()`
-        yields events)."""
-        return spec.make_engine(self.model, mask_id=self.config.mask_token_id, pad_id=self.tokenizer.pad_token_id or 0)
+        yields events). A mode that needs a drafter gets this LLM's."""
+        pad = self.tokenizer.pad_token_id or 0
+        if getattr(spec.mode, "needs_drafter", False):
+            return spec.mode.make_engine(self.model, spec, mask_id=self.config.mask_token_id, pad_id=pad,
+                                         drafter=self.drafter)
+        return spec.make_engine(self.model, mask_id=self.config.mask_token_id, pad_id=pad)
 
     def _events(self, rows: list[RowState], spec: EngineSpec) -> Iterator[DecodeEvent]:
         engine = self.engine(spec)
@@ -331,7 +349,7 @@ def _cpu_compute_dtype(path: Path, config) -> torch.dtype | None:
 
 
 def load(path: str | os.PathLike | None = None, *, dtype: str | torch.dtype | None = None, device: str | None = None,
-         check_finite: bool | None = None, compile: bool | str = False) -> LLM:
+         check_finite: bool | None = None, compile: bool | str = False, drafter: str | os.PathLike | None = None) -> LLM:
     """Load a model directory (config.json + safetensors + tokenizer). None = `default_model_path()`.
 
     `device` is checked first (`check_device`); a missing directory is a FileNotFoundError.
@@ -341,7 +359,8 @@ def load(path: str | os.PathLike | None = None, *, dtype: str | torch.dtype | No
     every weight for NaN/Inf; False loads them as they are. `compile=True` (or "static") torch.compiles
     the AR, denoise and block-commit steps whole over static shapes (`clover.models.compile`; opt-in:
     each new batch size or cache size compiles for tens of seconds on a CPU; figures in
-    docs/benchmarks.md)."""
+    docs/benchmarks.md). `drafter` is a DFlash drafter directory for mode "dflash" (`clover.models.dflash`; refused with one line when it does not fit the model);
+    the bundled model comes with its own (`BUNDLED_DRAFTER`)."""
     check_device(device)
     path = Path(path) if path is not None else default_model_path()
     if not path.exists():
@@ -369,4 +388,11 @@ def load(path: str | os.PathLike | None = None, *, dtype: str | torch.dtype | No
         eos_token_id=model.config.eos_token_ids[0] if model.config.eos_token_ids else None,
         mask_token_id=model.config.mask_token_id,
     )
-    return LLM(model, tokenizer, path)
+    if drafter is None and bundled and (BUNDLED_DRAFTER / "config.json").is_file():
+        drafter = BUNDLED_DRAFTER
+    draft_model = None
+    if drafter is not None:
+        from .checkpoint import load_drafter
+
+        draft_model = load_drafter(drafter, model, device=device)
+    return LLM(model, tokenizer, path, drafter=draft_model)

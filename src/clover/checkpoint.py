@@ -90,3 +90,41 @@ def save_model(model, directory: str | Path, *, max_shard_bytes: int = 4 * 1024*
     if model.config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
     save_state_dict(state, directory, max_shard_bytes=max_shard_bytes)
+
+
+# --------------------------------------------------------------------------- DFlash drafters
+def load_drafter(directory: str | Path, target=None, *, dtype: torch.dtype | str | None = None,
+                 device: torch.device | str | None = None):
+    """A DFlash drafter directory (config.json + safetensors in the published layout,
+    `clover.models.dflash`) -> the drafter, in eval mode. With `target` (the target model or its
+    config) a drafter that does not fit it is refused with a one-line `DrafterMismatch`."""
+    from .models.dflash import DFlashConfig, DFlashDrafter
+
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise FileNotFoundError(f"drafter: {directory} is not a directory; pass the folder holding the drafter's "
+                                "config.json and safetensors")
+    config = DFlashConfig.from_file(directory)
+    if target is not None:
+        config.check_target(getattr(target, "config", target))
+    dtype = parse_dtype(dtype) or getattr(target, "dtype", None) or torch.float32
+    with torch.device("meta"):
+        model = DFlashDrafter(config)
+    state = read_state_dict(directory, expected_shapes(model), layout=model.key_layout, dtype=dtype)
+    if device is None and hasattr(target, "device"):
+        device = target.device
+    if device is not None and str(device) != "cpu":
+        state = {k: v.to(device) for k, v in state.items()}
+    model.load_state_dict(state, strict=True, assign=True)
+    model.eval()
+    return model
+
+
+def save_drafter(drafter, directory: str | Path, *, dtype: torch.dtype | str | None = None) -> Path:
+    """Write a drafter as config.json + model.safetensors in the published layout."""
+    directory = Path(directory)
+    dtype = parse_dtype(dtype) or drafter.dtype
+    drafter.config.torch_dtype = str(dtype).replace("torch.", "")
+    drafter.config.save(directory)
+    save_state_dict({k: v.detach().to(dtype).contiguous() for k, v in drafter.state_dict().items()}, directory)
+    return directory

@@ -309,6 +309,7 @@ def generate_once(llm, item: Item, mode: str, kwargs: dict) -> dict:
         "accept_lengths": list(s.accept_lengths),
         "grammar_forced": s.grammar_forced,
         "grammar_seconds": s.grammar_seconds,
+        "draft_forwards": s.draft_forwards,
         "finish_reason": gen.finish_reason,
         "cache_bytes": probe.peak,
         "cuda_peak_bytes": torch.cuda.max_memory_allocated(device) if cuda else None,
@@ -343,6 +344,10 @@ def summarize(runs: list[dict], modes: Iterable[str], key: str = "mode") -> dict
             "tokens_per_second": dict(spread([r["tokens_per_second"] for r in rs]),
                                       aggregate=tokens / seconds if seconds > 0 else 0.0),
             "experts_touched": sum(et) / len(et) if et else None,
+            # tokens gained per verify (speculative, dflash: accepted drafts + the model's own token)
+            "accepted_length": sum(sum(r["accept_lengths"]) for r in rs) / n_acc
+            if (n_acc := sum(len(r["accept_lengths"]) for r in rs)) else None,
+            "draft_forwards": sum(r.get("draft_forwards", 0) for r in rs),
             # share of forwards that committed one position below the threshold (diffusion, naive)
             "forced_share": sum(r["forced_steps"] for r in rs) / forwards
             if forwards and get_mode(s_mode(m, runs, key)).threshold_commit else None,
@@ -402,9 +407,7 @@ def usable_modes(llm, modes: Iterable[str]) -> tuple[list[str], list[str]]:
     modes = list(dict.fromkeys(modes))
     for m in modes:
         get_mode(m)  # ValueError naming the registered modes
-    if llm.config.mask_token_id is None:
-        return [m for m in modes if not get_mode(m).needs_mask], [m for m in modes if get_mode(m).needs_mask]
-    return modes, []
+    return [m for m in modes if llm.mode_available(m)], [m for m in modes if not llm.mode_available(m)]
 
 
 def decode_kwargs(max_new_tokens: int, block_size: int | None, threshold: float | None, stop_newline: bool = False) -> dict:
@@ -523,8 +526,8 @@ def decode_table(result: dict):
     title = (f"clover bench decode · {result['model']}{note} · {s['workload']} · {s['prompts']} prompts · "
              f"{s['max_new_tokens']} new tokens · block {s['block_size']} · threshold {s['threshold']}")
     t = Table(title=title, title_justify="left")
-    for col in ("mode", "tok/s median", "IQR", "×AR", "forwards", "tok/fwd", "forced", "ms/fwd", "experts", "cache MiB",
-                "quality"):
+    for col in ("mode", "tok/s median", "IQR", "×AR", "forwards", "tok/fwd", "acc len", "forced", "ms/fwd", "experts",
+                "cache MiB", "quality"):
         t.add_column(col, justify="left" if col in ("mode", "quality") else "right")
     for m, r in result["modes"].items():
         tps = r["tokens_per_second"]
@@ -539,8 +542,9 @@ def decode_table(result: dict):
                                                    if d["first_at_forced_commit"] is not None else "")
         t.add_row(
             m, fmt(tps["median"], ".1f"), f"{fmt(tps['q1'], '.1f')}–{fmt(tps['q3'], '.1f')}",
-            fmt(vs.get("tokens_per_second"), ".2f"), str(r["forwards"]), fmt(r["tokens_per_forward"]),
-            fmt(r["forced_share"], ".0%"), fmt(r["ms_per_forward"], ".1f"), fmt(r["experts_touched"], ".1f"),
+            fmt(vs.get("tokens_per_second"), ".2f"),
+            str(r["forwards"]) + (f" +{r['draft_forwards']} draft" if r.get("draft_forwards") else ""),
+            fmt(r["tokens_per_forward"]), fmt(r.get("accepted_length")), fmt(r["forced_share"], ".0%"), fmt(r["ms_per_forward"], ".1f"), fmt(r["experts_touched"], ".1f"),
             f"{mem / 2**20:.2f}", q,
         )
     return t

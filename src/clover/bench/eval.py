@@ -80,8 +80,7 @@ def teacher_forced(llm, *, files: int = 8, seq_len: int = 256, block_size: int =
 
 def run_eval(llm, *, task_prompts: int = 100, code_prompts: int = 20, max_new_tokens: int = 64, sweep: bool = True,
              modes=None, progress=None) -> dict:
-    modes = [m for m in (mode_names() if modes is None else modes)
-             if not get_mode(m).needs_mask or llm.config.mask_token_id is not None]
+    modes = [m for m in (mode_names() if modes is None else modes) if llm.mode_available(m)]
     result: dict = {"model": str(llm.path)}
     tasks = load_items("tasks", task_prompts)
     result["tasks"] = run_decode(llm, items=tasks, workload="tasks", max_new_tokens=32, modes=modes,

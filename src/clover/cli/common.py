@@ -74,6 +74,8 @@ def add_model_arguments(p: argparse.ArgumentParser, *, positional: bool = False,
                    help="torch.compile the AR, denoise and block-commit steps whole over static shapes "
                         "(tens of seconds per new batch size or cache size on a CPU, then faster steps)")
     if weights:
+        p.add_argument("--drafter", metavar="DIR",
+                       help="a DFlash drafter directory for --mode dflash (default: the bundled model's own)")
         p.add_argument("--no-check-finite", dest="check_finite", action="store_false",
                        help="load weights holding NaN/Inf instead of refusing them (skips the scan at load)")
 
@@ -128,9 +130,14 @@ def load_llm(args: argparse.Namespace, path: Path | None = None):
     path = path or model_dir(args)
     device = getattr(args, "device", None)
     check_device(device)
+    from ..models.dflash import DrafterMismatch
+
     try:
         return api.load(path, dtype=getattr(args, "dtype", None), device=device,
-                        check_finite=getattr(args, "check_finite", True), compile=getattr(args, "compile", False))
+                        check_finite=getattr(args, "check_finite", True), compile=getattr(args, "compile", False),
+                        drafter=getattr(args, "drafter", None))
+    except DrafterMismatch as e:
+        raise UsageError(f"--{e}") from None
     except (CheckpointError, ConfigError, FileNotFoundError, UsageError):
         raise
     except Exception as e:  # a corrupt safetensors or tokenizer file, ...

@@ -117,3 +117,43 @@ def ensure_distill_set(path: str | Path, teacher, **kw) -> DistillSet:
     if (path / "meta.json").exists():
         return load_distill_set(path)
     return build_distill_set(teacher(), path, **kw)
+
+
+class DistillRows:
+    """Rows of a self-distillation set, one document per row (not packed), right-padded with
+    `pad_id`: each continuation is seen after its own prompt only, exactly as it was generated, so the
+    data is the model's greedy output in its own context (a DFlash drafter's training stream).
+    A `task_fraction` of the rows is one task line, the rest one code document; documents longer than
+    `seq_len` are cut. Seeded per batch, so `state_dict` is just the batch count."""
+
+    def __init__(self, distill: DistillSet, tokenizer: str | Path, *, seq_len: int, batch_size: int, seed: int,
+                 task_fraction: float, pad_id: int) -> None:
+        from .tokenizer import load_tokenizer
+
+        if not (distill.task_lines or distill.code_docs):
+            raise ValueError("the self-distillation set is empty")
+        tok = load_tokenizer(str(tokenizer))
+        self.task = [tok.encode(t, add_special_tokens=False).ids[:seq_len] for t in distill.task_lines]
+        self.code = [tok.encode(t, add_special_tokens=False).ids[:seq_len] for t in distill.code_docs]
+        self.seq_len, self.batch_size, self.seed = seq_len, batch_size, seed
+        self.task_fraction, self.pad_id = task_fraction, pad_id
+        self.batches = 0
+
+    def next_batch(self):
+        import torch
+
+        rng = random.Random(f"clover-distill-rows:{self.seed}:{self.batches}")
+        self.batches += 1
+        ids = torch.full((self.batch_size, self.seq_len), self.pad_id, dtype=torch.long)
+        for b in range(self.batch_size):
+            pool = self.task if self.task and (not self.code or rng.random() < self.task_fraction) else self.code
+            doc = rng.choice(pool)
+            ids[b, : len(doc)] = torch.tensor(doc, dtype=torch.long)
+        return ids
+
+    def state_dict(self) -> dict:
+        return {"batches": self.batches, "config": {"seed": self.seed, "seq_len": self.seq_len,
+                                                    "batch_size": self.batch_size, "task_fraction": self.task_fraction}}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.batches = int(state["batches"])

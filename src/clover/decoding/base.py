@@ -48,6 +48,7 @@ class RowState:
     finished: bool = False
     finish_reason: str | None = None
     forwards: int = 0
+    draft_forwards: int = 0  # forwards of a separate drafter (dflash), beside the model's `forwards`
     experts_touched: list[int] = field(default_factory=list)
     block_steps: list[int] = field(default_factory=list)
     block_widths: list[int] = field(default_factory=list)  # the width of each block (diffusion; block_size="auto" varies it)
@@ -177,6 +178,7 @@ class GenerationStats:
     accept_lengths: list[int] = field(default_factory=list)  # tokens per iteration (speculative)
     grammar_forced: int = 0  # tokens placed because the grammar forced them (a constrained diffusion row)
     grammar_seconds: float = 0.0  # time spent in the grammar (masks, checks, forced tokens)
+    draft_forwards: int = 0  # forwards of a separate drafter (dflash); `forwards` counts the model's
 
     @property
     def tokens_per_forward(self) -> float:
@@ -200,6 +202,7 @@ class GenerationStats:
             "forced_steps": self.forced_steps,
             **({"grammar_forced": self.grammar_forced, "grammar_seconds": round(self.grammar_seconds, 6)}
                if self.grammar_seconds else {}),
+            **({"draft_forwards": self.draft_forwards} if self.draft_forwards else {}),
         }
 
     @classmethod
@@ -219,6 +222,7 @@ class GenerationStats:
             accept_lengths=list(row.accept_lengths),
             grammar_forced=getattr(row.constraint, "forced_tokens", 0),
             grammar_seconds=getattr(row.constraint, "seconds", 0.0),
+            draft_forwards=row.draft_forwards,
         )
 
 

@@ -298,15 +298,19 @@ class Qwen3_5ForCausalLM(nn.Module):
         static: bool = False,
         router_logits: list | None = None,
         records: list | None = None,
+        hidden_out: dict | None = None,
     ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """Run every layer (the one layer loop: training, the plain forward and every cached step,
         eager or compiled); collect router logits (into `router_logits`), the GDN commit inputs
-        (into `records`) and the experts touched per MoE layer (0-d tensors, when counted)."""
+        (into `records`), the experts touched per MoE layer (0-d tensors, when counted) and the
+        outputs of the layers keyed in `hidden_out` (layer index -> [B, T, H], filled in)."""
         touched: list[torch.Tensor] = []
         for i, layer in enumerate(self.model.layers):
             state = states[i] if states is not None else None
             x, stats = layer(x, rope, segments, mask=mask, state=state, lengths=lengths, sharing=sharing,
                              count_experts=count_experts, static=static, records=records)
+            if hidden_out is not None and i in hidden_out:
+                hidden_out[i] = x
             if stats is not None:
                 if router_logits is not None:
                     router_logits.append(stats.router_logits)
@@ -318,13 +322,15 @@ class Qwen3_5ForCausalLM(nn.Module):
         return self.lm_head(self.model.norm(h))
 
     # -- plain causal forward (no cache): logits [B, T, V]
-    def forward(self, input_ids: torch.Tensor, *, router_logits: list | None = None) -> torch.Tensor:
-        """`router_logits`, when a list, receives each MoE layer's router logits (for the aux loss)."""
+    def forward(self, input_ids: torch.Tensor, *, router_logits: list | None = None,
+                hidden_out: dict | None = None) -> torch.Tensor:
+        """`router_logits`, when a list, receives each MoE layer's router logits (for the aux loss);
+        `hidden_out`, when a dict, the outputs of the layers it has as keys (e.g. for a DFlash drafter)."""
         B, T = input_ids.shape
         positions = torch.arange(T, device=input_ids.device).expand(B, T)
         x = self.model.embed_tokens(input_ids)
         rope = self.model.rotary_emb(positions, x.dtype)
-        x, _ = self._layers(x, rope, Segments(commit_len=T), router_logits=router_logits)
+        x, _ = self._layers(x, rope, Segments(commit_len=T), router_logits=router_logits, hidden_out=hidden_out)
         return self._logits(x)
 
     # -- block-diffusion training forward (clean stream + noisy stream, vectorised over blocks)
@@ -380,12 +386,15 @@ class Qwen3_5ForCausalLM(nn.Module):
         all_logits: bool = False,
         track_experts: bool = False,
         denoise_need: torch.Tensor | None = None,
+        hidden_out: dict | None = None,
     ) -> StepOutput:
         """One forward. `commit_ids [B, Tc]` (right-padded, `n_commit[b]` valid; None = all valid) are
         appended to `cache`; `denoise_ids [B, Bd]` is one block denoised against the updated cache.
         `expert_budget` shares that many experts across the denoise block (MoE only), ranked by
         `expert_rank` ("sum" or "max" of the block's router probabilities).
         `denoise_need [B, Bd]` (bool) limits the denoise logits to those positions (others are garbage).
+        `hidden_out` (a dict keyed by layer index) receives those layers' outputs over the commit part
+        ([B, Tc, H]; a DFlash drafter's context); such a step runs eagerly.
 
         The host side of a step (normalise `n_commit`, grow the cache, keep the commit's inputs
         while recording, advance the lengths) is here; the forward itself is `forward_step`, run
@@ -401,10 +410,11 @@ class Qwen3_5ForCausalLM(nn.Module):
         args = (commit_ids, n_commit, denoise_ids, cache.lengths, states)
         kw = dict(expert_budget=expert_budget, expert_rank=expert_rank, all_logits=all_logits, record=record)
         out = None
-        if self.static_steps is not None:
+        if self.static_steps is not None and hidden_out is None:
             out = self.static_steps.run(*args, **kw)
         if out is None:
-            out = self.forward_step(*args, **kw, count_experts=track_experts, denoise_need=denoise_need)
+            out = self.forward_step(*args, **kw, count_experts=track_experts, denoise_need=denoise_need,
+                                    hidden_out=hidden_out)
         commit_logits, denoise_logits, touched, records = out
         if record:  # what `HybridCache.rollback` re-runs
             for state, rec in zip(cache.deltanet_states(), records):
@@ -428,6 +438,7 @@ class Qwen3_5ForCausalLM(nn.Module):
         count_experts: bool = False,
         denoise_need: torch.Tensor | None = None,
         static: bool = False,
+        hidden_out: dict | None = None,
     ):
         """The forward of a cached step, over the cache's tensors (`states`: per layer
         `state.tensors()`, updated in place; `lengths` [B] before the step, not advanced here) ->
@@ -456,7 +467,11 @@ class Qwen3_5ForCausalLM(nn.Module):
             mask = cached_attention_mask(lengths, segments, key_slots=slots)
         records: list | None = [] if record else None
         x, touched = self._layers(x, rope, segments, mask=mask, states=states, lengths=lengths, sharing=sharing,
-                                  count_experts=count_experts or static, static=static, records=records)
+                                  count_experts=count_experts or static, static=static, records=records,
+                                  hidden_out=hidden_out)
+        if hidden_out is not None and Bd:
+            for i in hidden_out:
+                hidden_out[i] = hidden_out[i][:, :Tc]
         commit_logits = denoise_logits = None
         if Tc:
             if all_logits:

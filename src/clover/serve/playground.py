@@ -52,13 +52,12 @@ def modes_info(llm, model_name: str, default_mode: str) -> dict:
         options[name] = spec
     options["policy"]["choices"] = list(POLICIES)
     options["fallback"]["choices"] = list(FALLBACKS)
-    has_mask = llm.config.mask_token_id is not None
     data = []
     for name in mode_names():
         m = get_mode(name)
         data.append({"id": name, "summary": m.summary, "needs_mask": m.needs_mask,
                      "threshold_commit": m.threshold_commit, "reference": m.reference,
-                     "available": has_mask or not m.needs_mask})
+                     "available": llm.mode_available(name)})
     return {"object": "list", "model": model_name, "default": default_mode, "max_model_len": llm.context_length,
             "data": data, "options": options}
 

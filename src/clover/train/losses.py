@@ -254,3 +254,60 @@ def ar_step_loss(model, ids: torch.Tensor, *, aux_coef: float, top_k: int) -> tu
     aux = router_aux_loss(rl, top_k)
     loss = ar + aux_coef * aux
     return loss, {"loss": float(loss.detach()), "ar_loss": float(ar.detach()), "aux": float(aux.detach())}
+
+
+def dflash_step_loss(drafter, target, ids: torch.Tensor, gen: torch.Generator, *, anchors: int, decay: float,
+                     kl_weight: float, pad_id: int | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+    """The DFlash drafter's training loss (arXiv 2602.06036) on a batch `ids` [B, L], the target frozen.
+
+    The target runs once over the batch (no grad): its logits and the hidden states of the drafter's
+    target layers. Per row, `anchors` random anchor positions a (each with a whole block inside the
+    row) each give one block `[ids[a], mask x (Bs-1)]` that sees the context of positions < a; block
+    position k predicts the token the target's greedy chain puts at a+k. That chain is known where the
+    data is the target's own greedy output: position k counts while ids[a+1 .. a+k-1] equal the
+    target's argmax after each of their prefixes (in AR greedy text, always; in a prompt, the block
+    stops counting at the first token greedy decoding would not have written). The label is the
+    target's argmax at a+k-1 (cross-entropy) and its distribution there (KL(p_target || p_draft),
+    weight `kl_weight`); position k weighs exp(-(k-1)/decay), since a draft is only accepted up to
+    its first miss. With `pad_id`, rows are right-padded documents: anchors are drawn from their
+    tokens and a block stops counting at the padding. Reported: `accept_len`, the mean accepted length per block that these
+    predictions would give in a verify (the anchor's successor counted as 1 + leading hits)."""
+    B, L = ids.shape
+    Bs = drafter.block_size
+    if L <= Bs:
+        raise ValueError(f"data.seq_len ({L}) must exceed the drafter's block_size ({Bs})")
+    A = max(1, min(anchors, L - Bs))
+    with torch.no_grad():
+        hidden = dict.fromkeys(drafter.target_layer_ids)
+        t_logits = target(ids, hidden_out=hidden).float()  # [B, L, V]
+        ctx = drafter.context_features(hidden, target)
+        greedy = t_logits.argmax(-1)  # [B, L]: the target's token after position i
+    real = (ids != pad_id) if pad_id is not None else torch.ones_like(ids, dtype=torch.bool)
+    weight = real[:, 1 : L - Bs + 1].float().cpu() + 1e-6  # anchors in [1, L - Bs], on real tokens
+    anchor = (torch.multinomial(weight, A, replacement=bool((weight > 0.5).sum(-1).min() < A), generator=gen) + 1)
+    anchor = anchor.sort(-1).values.to(ids.device)  # [B, A]
+    k = torch.arange(1, Bs, device=ids.device)
+    pred_pos = anchor[:, :, None] + k - 1  # [B, A, Bs-1]: the target position whose argmax is the label
+    rows = torch.arange(B, device=ids.device)[:, None, None]
+    labels = greedy[rows, pred_pos]
+    on_chain = ids[rows, pred_pos] == greedy[rows, pred_pos - 1]  # data token at a+k-1 is the target's
+    on_chain[:, :, 0] = True  # k = 1 follows the anchor itself
+    valid = (on_chain & real[rows, pred_pos]).cumprod(-1).bool()
+    block = torch.full((B, A, Bs), drafter.mask_token_id, dtype=torch.long, device=ids.device)
+    block[:, :, 0] = ids[rows[:, :, 0], anchor]
+    h = drafter.forward_train(ctx, anchor, drafter.embed(block, target))
+    logits = drafter.logits(h[:, :, 1:], target).float()  # [B, A, Bs-1, V]
+    w = torch.exp(-(k - 1).float() / decay)[None, None, :] * valid
+    logp = logits.log_softmax(-1)
+    ce = -logp.gather(-1, labels[..., None]).squeeze(-1)
+    t_logp = t_logits[rows, pred_pos].log_softmax(-1)
+    kl = (t_logp.exp() * (t_logp - logp)).sum(-1)
+    denom = w.sum().clamp_min(1e-9)
+    loss = ((1 - kl_weight) * (ce * w).sum() + kl_weight * (kl * w).sum()) / denom
+    with torch.no_grad():
+        hit = (logits.argmax(-1) == labels) & valid
+        accept_len = 1 + hit.long().cumprod(-1).sum(-1).float().mean()
+        acc = hit.sum() / valid.sum().clamp_min(1)
+    ce, kl = ce.detach(), kl.detach()
+    return loss, {"loss": float(loss.detach()), "ce": float((ce * w).sum() / denom), "kl": float((kl * w).sum() / denom),
+                  "acc": float(acc), "accept_len": float(accept_len), "valid": float(valid.float().mean())}

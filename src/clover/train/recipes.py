@@ -4,6 +4,7 @@ A recipe has a few top-level keys and one table per concern::
 
     name = "clover-tiny-ar"      # run name; default output dir <run root>/<name> (see [run].out)
     stage = "ar"                 # "ar" (next-token pretraining) | "diffusion" (AR -> Clover conversion)
+                                 # | "drafter" (a DFlash drafter for the frozen target `init`)
     seed = 0
     init = ""                    # optional model to start from: a model or checkpoint directory, or a
                                  # run directory (= its newest checkpoint), e.g. "${runs}/clover-tiny-ar"
@@ -16,6 +17,8 @@ A recipe has a few top-level keys and one table per concern::
     [adapter]    # rank, alpha, targets: train a denoise adapter only (llama backbones; rank 0 = off)
     [diffusion]  # block_sizes, ar_weight, complementary, min_mask_ratio, certainty_weight,
                  # certainty_temperature, shared_block_size (stage "diffusion" only)
+    [dflash]     # block_size, layers, target_layer_ids, intermediate_size, anchors, decay, kl_weight,
+                 # init (a drafter directory to continue) (stage "drafter" only)
     [run]        # out, threads, log_every, ckpt_every_s, ckpt_every_steps, keep, progress, eval_every,
                  # eval_tasks, autocast ("none" | "bf16" | "auto"), device ("auto" | "cpu" | "cuda"),
                  # parallel ("ddp" | "fsdp"), fsdp_mixed_precision ("none" | "bf16"), fsdp_cpu_offload,
@@ -40,7 +43,7 @@ from typing import Any
 
 import tomllib
 
-STAGES = ("ar", "diffusion")
+STAGES = ("ar", "diffusion", "drafter")
 SCHEDULES = ("cosine", "wsd", "constant")
 DEVICES = ("auto", "cpu", "cuda")
 PARALLEL = ("ddp", "fsdp")  # full replicas + one all-reduce | FSDP2 shards + DCP checkpoints (train/parallel.py)
@@ -135,6 +138,21 @@ class DiffusionSpec:
 
 
 @dataclass
+class DFlashSpec:
+    """Stage "drafter": a DFlash drafter (`clover.models.dflash`) trained for the frozen target `init`
+    on the target's own greedy outputs (`data.distill_fraction`), `train.losses.dflash_step_loss`."""
+
+    block_size: int = 16  # the anchor + block_size - 1 drafts
+    layers: int = 1  # draft layers
+    target_layer_ids: tuple[int, ...] = ()  # () = spread over the target as in the published drafters
+    intermediate_size: int = 0  # 0 = 4 x hidden
+    anchors: int = 16  # random anchors (blocks) per sequence
+    decay: float = 7.0  # position k of a block weighs exp(-(k-1)/decay) (the paper's gamma for block 16)
+    kl_weight: float = 0.5  # KL to the target's distribution; the rest is CE on its argmax
+    init: str = ""  # a drafter directory to start from
+
+
+@dataclass
 class RunSpec:
     out: str | None = None
     threads: int = 2
@@ -165,6 +183,7 @@ class Recipe:
     optim: OptimSpec = field(default_factory=OptimSpec)
     diffusion: DiffusionSpec = field(default_factory=DiffusionSpec)
     adapter: AdapterSpec = field(default_factory=AdapterSpec)
+    dflash: DFlashSpec = field(default_factory=DFlashSpec)
     run: RunSpec = field(default_factory=RunSpec)
     source: str | None = None  # the file it came from (not a recipe key)
 
@@ -203,6 +222,14 @@ class Recipe:
             raise RecipeError(f"run.fsdp_mixed_precision must be 'none' or 'bf16', not {self.run.fsdp_mixed_precision!r}")
         if self.run.parallel != "fsdp" and (self.run.fsdp_mixed_precision != "none" or self.run.fsdp_cpu_offload):
             raise RecipeError("run.fsdp_mixed_precision / run.fsdp_cpu_offload need run.parallel = 'fsdp'")
+        if self.stage == "drafter":
+            f = self.dflash
+            if not self.init:
+                raise RecipeError("stage 'drafter' needs `init`: the target model the drafter is trained for")
+            if f.block_size < 2 or f.layers < 1 or f.anchors < 1 or f.decay <= 0 or not 0 <= f.kl_weight <= 1:
+                raise RecipeError("dflash: block_size must be >= 2, layers and anchors >= 1, decay > 0, kl_weight in [0, 1]")
+            if self.data.seq_len <= f.block_size:
+                raise RecipeError(f"data.seq_len ({self.data.seq_len}) must exceed dflash.block_size ({f.block_size})")
         if self.stage == "diffusion":
             if not (self.diffusion.certainty_weight >= 0 and self.diffusion.certainty_temperature > 0):
                 raise RecipeError("diffusion.certainty_weight must be >= 0 and diffusion.certainty_temperature > 0")
@@ -242,6 +269,7 @@ def recipe_from_dict(raw: dict[str, Any], *, base: Path | None = None, source: s
         "optim": OptimSpec,
         "diffusion": DiffusionSpec,
         "adapter": AdapterSpec,
+        "dflash": DFlashSpec,
         "run": RunSpec,
     }
     kw: dict[str, Any] = {}
@@ -273,6 +301,10 @@ def recipe_from_dict(raw: dict[str, Any], *, base: Path | None = None, source: s
         r.data.tokenizer = _resolve(r.data.tokenizer, base)
         if r.init:
             r.init = _resolve(r.init, base)
+    if r.dflash.init:
+        r.dflash.init = expand_path(r.dflash.init)
+        if base is not None:
+            r.dflash.init = _resolve(r.dflash.init, base)
     if r.init:
         r.init = _newest_checkpoint_of_run(r.init)
     r.validate()

@@ -39,7 +39,7 @@ from ..models.layers import CLOVER_PARAMETERS, is_clover_parameter
 from ..tokenizer import MASK_TOKEN, copy_tokenizer_files
 from . import checkpointing as ck
 from . import parallel
-from .losses import ar_step_loss, diffusion_step_loss
+from .losses import ar_step_loss, dflash_step_loss, diffusion_step_loss
 from .recipes import Recipe
 
 
@@ -173,6 +173,23 @@ def build_or_load_model(recipe: Recipe, tokenizer_ids: dict[str, int]):
     return model
 
 
+def build_drafter_for(recipe: Recipe, target):
+    """Stage "drafter": the drafter to train (from `dflash.init`, or new with random weights) for `target`."""
+    from ..checkpoint import load_drafter
+    from ..models.dflash import build_drafter, drafter_config_for
+
+    f = recipe.dflash
+    if f.init:
+        drafter = load_drafter(f.init, target, dtype=torch.float32)
+    else:
+        cfg = drafter_config_for(target.config, target_layer_ids=list(f.target_layer_ids) or None,
+                                 num_hidden_layers=f.layers, intermediate_size=f.intermediate_size or None,
+                                 block_size=f.block_size)
+        drafter = build_drafter(cfg, seed=recipe.seed)
+    drafter.train()
+    return drafter
+
+
 def to_clover(model, mask_token_id: int | None):
     """An AR model (either backbone) -> a clover model with the Clover parameters at their initial values."""
     if mask_token_id is None:
@@ -277,8 +294,14 @@ class Trainer:
             self.model, meta_extra = parallel.build_on_meta(recipe, ids.get("<|mask|>"))
         else:
             self.model = build_or_load_model(recipe, ids).to(self.device)
+        self.target = None
+        if recipe.stage == "drafter":  # the loaded model is the frozen target; the drafter is trained
+            self.target = self.model.eval().requires_grad_(False)
+            self.model = build_drafter_for(recipe, self.target).to(self.device)
         cfg = self.model.config
-        if recipe.stage == "ar":
+        if recipe.stage == "drafter":
+            pass
+        elif recipe.stage == "ar":
             for n, p in self.model.named_parameters():  # unused in commit mode
                 if is_clover_parameter(n):
                     p.requires_grad_(False)
@@ -300,7 +323,17 @@ class Trainer:
         o = recipe.optim
         groups, self.params, self.names = param_groups(self.model, o.weight_decay)
         self.opt = torch.optim.AdamW(groups, lr=o.lr, betas=tuple(o.betas), eps=o.eps, foreach=True)
-        self.stream = make_stream(recipe, self.dist.rank, self.dist.world, self.tokenizer, distill)
+        if recipe.stage == "drafter":  # the target's greedy outputs, each in its own context
+            from ..data.distill import DistillRows
+
+            if distill is None:
+                raise ValueError("stage 'drafter' trains on the target's own greedy outputs: set data.distill_fraction = 1")
+            self.stream = DistillRows(distill, self.tokenizer, seq_len=recipe.data.seq_len,
+                                      batch_size=recipe.data.batch_size // self.dist.world,
+                                      seed=(recipe.seed if recipe.data.seed is None else recipe.data.seed) * 1000 + self.dist.rank,
+                                      task_fraction=recipe.data.task_fraction, pad_id=ids.get("<|pad|>", 0))
+        else:
+            self.stream = make_stream(recipe, self.dist.rank, self.dist.world, self.tokenizer, distill)
         self.gen = torch.Generator().manual_seed(recipe.seed * 7919 + 17 + self.dist.rank)
         # stage 2 under FSDP: one forward per micro-batch, the same on every rank, so each micro-batch
         # takes one block size from a generator all ranks share (the masks still come from `gen`)
@@ -326,10 +359,11 @@ class Trainer:
             from ..api import LLM
             from ..tokenizer import Tokenizer
 
-            cfg = self.model.config
+            model = self.target if self.target is not None else self.model
+            cfg = model.config
             tok = Tokenizer.from_dir(self.tokenizer, eos_token_id=cfg.eos_token_ids[0] if cfg.eos_token_ids else None,
                                      mask_token_id=cfg.mask_token_id)
-            return LLM(self.model, tok, Path(self.recipe.init))
+            return LLM(model, tok, Path(self.recipe.init))
 
         path = self.out / "distill"
         if self.dist.main:
@@ -465,7 +499,11 @@ class Trainer:
     # -- one optimizer step
     def _loss(self, ids: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
         r, cfg = self.recipe, self.model.config
-        if r.stage == "ar":
+        if r.stage == "drafter":
+            f = r.dflash
+            loss, stats = dflash_step_loss(self.model, self.target, ids, self.gen, anchors=f.anchors, decay=f.decay,
+                                           kl_weight=f.kl_weight, pad_id=self.stream.pad_id)
+        elif r.stage == "ar":
             loss, stats = ar_step_loss(self.model, ids, aux_coef=r.optim.aux_loss_coef, top_k=getattr(cfg, "num_experts_per_tok", 0))
         else:
             d = r.diffusion
@@ -524,7 +562,11 @@ class Trainer:
         if self.dist.main:  # the recipe as run now (with overrides), so `clover train <out>` continues it
             (self.out / "recipe.json").write_text(json.dumps(r.to_dict(), indent=2) + "\n")
         if self.dist.main and self.step == 0:
-            pc = parameter_counts(self.model.config)
+            if self.target is not None:
+                n = sum(p.numel() for p in self.model.parameters())
+                pc = {"total": n, "active": n}
+            else:
+                pc = parameter_counts(self.model.config)
             self._log_text(
                 f"start {r.name} stage={r.stage} world={self.dist.world} params total={pc['total']} active={pc['active']} "
                 f"bf16_MB={pc['total'] * 2 / 1e6:.2f} steps={total} autocast={'bf16' if self.autocast else 'none'}"
@@ -608,6 +650,11 @@ def export_model(ckpt: str | Path, out: str | Path, *, dtype: str = "bfloat16", 
     from ..checkpoint import parse_dtype, save_model
 
     ckpt, out = Path(ckpt), Path(out)
+    if _is_drafter(ckpt):  # a stage "drafter" checkpoint: the drafter in its published layout
+        from ..checkpoint import load_drafter, save_drafter
+
+        save_drafter(load_drafter(ckpt, dtype=torch.float32), out, dtype=dtype)
+        return out
     if ck.checkpoint_format(ckpt) == "dcp":
         model = ck.load_dcp_model(ckpt, dtype=torch.float32)
     else:
@@ -624,3 +671,10 @@ def export_model(ckpt: str | Path, out: str | Path, *, dtype: str = "bfloat16", 
     if tok is not None:  # only the tokenizer's files: a model directory's weights must not replace the export
         copy_tokenizer_files(tok, out)
     return out
+
+
+def _is_drafter(path: Path) -> bool:
+    try:
+        return "DFlashDraftModel" in json.loads((path / "config.json").read_text()).get("architectures", [])
+    except (OSError, ValueError, AttributeError):
+        return False

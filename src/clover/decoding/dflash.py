@@ -1,0 +1,200 @@
+"""AR decoding accelerated by a DFlash block drafter (arXiv 2602.06036): the comparator the seed's
+headline speed was measured against, on the same target weights.
+
+Per row, an iteration is one drafter forward and one target forward:
+- *draft*: the drafter (`clover.models.dflash`) takes the target's hidden states of the tokens
+  committed since its last draft (the context; its cache keeps the rest) and the block
+  `[anchor, mask x D]` -- the anchor being the last token the target produced, not yet in the
+  target's cache -- and proposes D tokens at once (greedy: the argmax; sampling: drawn from the
+  drafter's distribution q, processed like the target's);
+- *verify*: the target commits `[anchor, d_1..d_D]` in one causal forward, which also yields the
+  hidden states of the chosen layers (`step(hidden_out=...)`, the next draft's context). Greedy:
+  the longest prefix of drafts that equals the target's argmax is kept, plus the target's token at
+  the first mismatch (or after the last draft) as the next anchor. Sampling: the standard
+  speculative rejection rule (accept d_j with probability min(1, p_j(d_j) / q_j(d_j)); at the first
+  rejection draw from norm(max(p_j - q_j, 0)); after a full accept draw from p_{D+1}), so the output
+  follows the target's distribution exactly.
+- the target's cache is rolled back to the anchor plus the accepted drafts with the cache's
+  snapshot/rollback (K/V truncated, GDN state and conv window re-derived from the recorded inputs),
+  as in self-speculative decoding.
+The prompt's prefill yields the first anchor (sampled from the target as in AR) and the first
+context. Every token is the target's, so greedy output equals AR greedy token for token; penalties
+see the same history as in AR (the verify logits at position j follow the committed tokens and
+d_1..d_j). `forwards` counts the target's forwards; `draft_forwards` the drafter's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .base import BatchEngine, DecodeEvent, EngineRow, RowState, pad_right, propose_tokens
+from .modes import EngineSpec, Mode, register
+from .sampling import filter_logits
+
+DEFAULT_DRAFT = 15  # the published drafters' block of 16: the anchor + 15 drafts
+
+
+@dataclass(eq=False)
+class DFlashRow(EngineRow):
+    anchor: int | None = None  # the target's last token, not yet in its cache (None: prefill pending)
+    ctx: torch.Tensor | None = None  # [n, F] context features not yet in the drafter's cache
+
+
+class DFlashEngine(BatchEngine):
+    row_type = DFlashRow
+
+    def __init__(self, model, drafter, *, draft_length: int, pad_id: int = 0) -> None:
+        super().__init__(model, pad_id=pad_id)
+        if not 1 <= draft_length <= drafter.block_size - 1:
+            raise ValueError(f"draft_length: must lie in [1, {drafter.block_size - 1}] for this drafter "
+                             f"(block_size {drafter.block_size}), got {draft_length}")
+        self.drafter, self.draft_length = drafter, draft_length
+        self.draft_cache = None
+        self.layer_ids = drafter.target_layer_ids
+
+    def _capacity(self, row: RowState) -> int:
+        return len(row.prompt) + row.params.max_new_tokens + self.draft_length + 2
+
+    def add(self, row: RowState) -> list[DecodeEvent]:
+        n = len(self.rows)
+        events = super().add(row)
+        if len(self.rows) > n:  # admitted: a drafter cache row beside the target's
+            fresh = self.drafter.make_cache(1, self.cache.capacity)
+            self.draft_cache = fresh if self.draft_cache is None else self.draft_cache.concat([self.draft_cache, fresh])
+        return events
+
+    def _drop_finished(self) -> None:
+        keep = [i for i, r in enumerate(self.rows) if not r.finished]
+        if len(keep) < len(self.rows):
+            self.draft_cache = self.draft_cache.select_rows(keep) if keep else None
+        super()._drop_finished()
+
+    # -- the draft
+    def _probs(self, row: RowState, logits: torch.Tensor, history_tail: list | None = None) -> torch.Tensor:
+        """The distribution a row samples from: processed (penalties), then temperature / top-k / top-p."""
+        hist = None
+        if row.state.sampler.uses_history:
+            base = row.prompt + row.tokens
+            hist = [base + list(h) for h in (history_tail or [[]] * logits.shape[0])]
+        return filter_logits(row.state.sampler.process(logits, hist), row.params).softmax(-1)
+
+    def _draft(self, rows: list[RowState]) -> tuple[list[list[int] | None], list[torch.Tensor | None]]:
+        D, dr, dev = self.draft_length, self.drafter, self.device
+        ctx = [r.state.ctx if r.state.anchor is not None else None for r in rows]
+        Tc = max((c.shape[0] for c in ctx if c is not None), default=0)
+        F = len(self.layer_ids) * self.model.config.hidden_size
+        feats = torch.zeros(len(rows), Tc, F, dtype=dr.dtype, device=dev)
+        n_ctx = torch.zeros(len(rows), dtype=torch.long, device=dev)
+        for i, c in enumerate(ctx):
+            if c is not None:
+                feats[i, : c.shape[0]] = c
+                n_ctx[i] = c.shape[0]
+        block = torch.full((len(rows), D + 1), dr.mask_token_id, dtype=torch.long, device=dev)
+        for i, r in enumerate(rows):
+            if r.state.anchor is not None:
+                block[i, 0] = r.state.anchor
+        h = dr.draft(self.draft_cache, feats, n_ctx, dr.embed(block, self.model))
+        logits = dr.logits(h[:, 1:], self.model)  # [B, D, V]: block position j predicts its own token
+        drafts: list[list[int] | None] = []
+        q: list[torch.Tensor | None] = []
+        for i, r in enumerate(rows):
+            r.state.ctx = None
+            if r.state.anchor is None:
+                drafts.append(None)
+                q.append(None)
+                continue
+            r.draft_forwards += 1
+            if r.params.greedy:
+                drafts.append(r.state.sampler.process(logits[i], None).argmax(-1).tolist())
+                q.append(None)
+            else:
+                probs = self._probs(r, logits[i])
+                drafts.append(torch.multinomial(probs, 1, generator=r.state.sampler.generator).squeeze(-1).tolist())
+                q.append(probs)
+        return drafts, q
+
+    # -- the verify
+    def _verify(self, r: RowState, logits: torch.Tensor, draft: list[int], q: torch.Tensor | None) -> list[int]:
+        """logits [D+1, V] (after anchor, d_1, ..., d_D) -> the new tokens: accepted drafts + one."""
+        D = len(draft)
+        tails = [draft[:j] for j in range(D + 1)]
+        if r.params.greedy:
+            target = propose_tokens(r, logits, tails)[0].tolist()
+            m = 0
+            while m < D and draft[m] == target[m]:
+                m += 1
+            return draft[:m] + [target[m]]
+        p = self._probs(r, logits, tails)  # [D+1, V]
+        gen = r.state.sampler.generator
+        for j, d in enumerate(draft):
+            u = float(torch.rand((), generator=gen, device=p.device))
+            if u * float(q[j, d]) < float(p[j, d]):
+                continue
+            residual = (p[j] - q[j]).clamp_min(0)
+            residual = residual / residual.sum() if float(residual.sum()) > 0 else p[j]
+            return draft[:j] + [int(torch.multinomial(residual, 1, generator=gen))]
+        return draft + [int(torch.multinomial(p[D], 1, generator=gen))]
+
+    @torch.inference_mode()
+    def step(self) -> list[DecodeEvent]:
+        rows = self.rows
+        drafts, q = self._draft(rows) if any(r.state.anchor is not None for r in rows) else ([None] * len(rows),) * 2
+        src = [r.state.pending if d is None else [r.state.anchor] + d for r, d in zip(rows, drafts)]
+        ids, n = pad_right(src, self.pad_id, self.device)
+        snap = self.cache.start_recording()
+        hidden = dict.fromkeys(self.layer_ids)
+        out = self.model.step(self.cache, commit_ids=ids, n_commit=n, all_logits=True, track_experts=True,
+                              hidden_out=hidden)
+        feats = self.drafter.context_features(hidden, self.model)  # [B, Tc, F]
+        keep = n.clone()
+        events: list[DecodeEvent] = []
+        for i, r in enumerate(rows):
+            r.forwards += 1
+            r.experts_touched.extend(out.experts_touched)
+            if drafts[i] is None:  # the prefill: the first anchor, as AR samples it
+                m = len(r.state.pending)
+                new = propose_tokens(r, out.commit_logits[i, m - 1 : m])[0].tolist()
+                r.state.pending = []
+            else:
+                new = self._verify(r, out.commit_logits[i, : len(drafts[i]) + 1], drafts[i], q[i])
+                m = len(new)  # the anchor and the accepted drafts enter the cache
+                r.accept_lengths.append(m)
+            keep[i] = m
+            kept = r.accept(new, [1] * len(new))
+            if kept:
+                events.append(DecodeEvent("commit", i, kept, [1] * len(kept), block=len(r.accept_lengths), row_state=r))
+            if r.finished:
+                events.append(DecodeEvent("finish", i, [], [], row_state=r))
+                continue
+            r.state.anchor = new[-1]
+            r.state.ctx = feats[i, :m]
+        if bool((keep != n).any()):
+            self.cache.rollback(snap, keep)
+        else:
+            self.cache.record = None
+        self._drop_finished()
+        return events
+
+
+class DFlash(Mode):
+    name = "dflash"
+    needs_drafter = True  # the engine needs a DFlash drafter next to the target (`clover.load(..., drafter=)`)
+    reference = "ar"
+    summary = "AR with a DFlash block drafter: drafts a block in one drafter forward, verifies it causally (lossless)"
+
+    def extra_positions(self, params) -> int:
+        return (params.draft_length or DEFAULT_DRAFT) + 1
+
+    def spec(self, params, provisional: bool = False) -> EngineSpec:
+        return EngineSpec(self, width=params.draft_length)  # None: the drafter's block - 1
+
+    def make_engine(self, model, spec, *, mask_id, pad_id, drafter=None):
+        if drafter is None:
+            raise ValueError("mode: 'dflash' needs a DFlash drafter; load one with clover.load(model, drafter=DIR) "
+                             "(CLI and server: --drafter DIR)")
+        return DFlashEngine(model, drafter, draft_length=spec.width or drafter.block_size - 1, pad_id=pad_id)
+
+
+register(DFlash())

@@ -1,0 +1,419 @@
+"""DFlash block drafter (arXiv 2602.06036; reference code z-lab/dflash, `DFlashDraftModel`): a few
+Qwen3-style layers that draft a whole block in one non-causal forward, conditioned on a target
+model's hidden states.
+
+The published layout, which this module reads and writes:
+- `config.json`: a Qwen3 config (`hidden_size`, `num_hidden_layers`, `num_attention_heads`,
+  `num_key_value_heads`, `head_dim`, `intermediate_size`, `rms_norm_eps`, `rope_theta` or
+  `rope_parameters.rope_theta`, `vocab_size`), `block_size` (top level or in `dflash_config`),
+  `num_target_layers`, and `dflash_config` with `target_layer_ids` and `mask_token_id`
+  (`input_embedding_scale`, `output_multiplier`, `final_logit_softcapping` optional);
+- safetensors: `fc.weight [H, n*H_t]`, `hidden_norm.weight`, `layers.N.{input_layernorm,
+  post_attention_layernorm}.weight`, `layers.N.self_attn.{q,k,v,o}_proj.weight`,
+  `layers.N.self_attn.{q,k}_norm.weight`, `layers.N.mlp.{gate,up,down}_proj.weight`, `norm.weight`.
+  No embedding and no LM head: both are the target's.
+
+The computation: the target's hidden states after layers `target_layer_ids` (the reference's
+`hidden_states[i + 1]`: decoder layer i's output; the last layer's is after the final norm) are
+concatenated per token, projected by `fc` and normed (`hidden_norm`): one context vector per
+committed token. Every draft layer projects those vectors with its own `k_proj`/`v_proj` (+ `k_norm`,
+RoPE at the token's position) into extra keys and values, kept in the drafter's cache. The block --
+the anchor (the last token the target produced, not yet committed) and `block_size - 1` mask
+tokens, embedded with the target's embedding -- attends to all context keys and to itself
+bidirectionally. Block position i >= 1 (after the final `norm` and the target's LM head) predicts
+the token at that position (no shift: the anchor predicts nothing).
+
+Norms are Qwen3's (`w * x / rms(x)`, w initialised to 1), unlike the zero-centred norms of the target
+family; RoPE covers the whole head. Sliding-window layers and DFlash2's extra modules (dynamic convs,
+candidate selector) are refused with a message.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..cache import AttentionState, HybridCache, scatter_kv
+from ..config import ConfigError
+from .layers import MLP, RotaryEmbedding, Segments, apply_rope, cached_attention_mask, step_positions
+
+ARCHITECTURE = "DFlashDraftModel"
+
+
+class DrafterMismatch(ValueError):
+    """A drafter that does not fit the target it was loaded next to."""
+
+
+# --------------------------------------------------------------------------- config
+@dataclass
+class DFlashConfig:
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    intermediate_size: int
+    vocab_size: int
+    target_layer_ids: list[int]
+    mask_token_id: int
+    block_size: int = 16
+    head_dim: int | None = None
+    num_target_layers: int | None = None
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1e6
+    attention_bias: bool = False
+    max_position_embeddings: int = 32768
+    input_embedding_scale: float = 1.0
+    output_multiplier: float = 1.0
+    final_logit_softcapping: float | None = None
+    torch_dtype: str = "float32"
+    extra: dict = field(default_factory=dict)  # other config.json keys, written back unchanged
+
+    tie_word_embeddings = False  # no LM head of its own (`save_model` reads this)
+
+    def __post_init__(self) -> None:
+        if self.head_dim is None:
+            self.head_dim = self.hidden_size // self.num_attention_heads
+
+    @classmethod
+    def from_dict(cls, raw: dict, *, source: str = "config.json") -> "DFlashConfig":
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{source}: expected a JSON object")
+        archs = raw.get("architectures") or [ARCHITECTURE]
+        if any(a != ARCHITECTURE for a in archs):
+            raise ConfigError(f"{source}: architectures {archs} is not a DFlash drafter ({ARCHITECTURE}); "
+                              "DFlash2 and other drafters are not supported")
+        if "transformer_layer_config" in raw:
+            raise ConfigError(f"{source}: a vLLM speculators config (transformer_layer_config); convert it to the "
+                              "z-lab layout (Qwen3 keys at the top, dflash_config) first")
+        dc = raw.get("dflash_config") or {}
+        get = lambda k, d=None: dc.get(k, raw.get(k, d))  # noqa: E731 - dflash_config wins, as in the reference
+        types = raw.get("layer_types") or []
+        if any(t != "full_attention" for t in types) or raw.get("use_sliding_window"):
+            raise ConfigError(f"{source}: sliding-window drafter layers are not supported (layer_types {types})")
+        missing = [k for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
+                               "vocab_size") if k not in raw]
+        missing += [k for k in ("target_layer_ids", "mask_token_id") if get(k) is None]
+        if missing:
+            raise ConfigError(f"{source}: missing {', '.join(missing)}; not a DFlash drafter config")
+        rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+        known = {"hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "intermediate_size",
+                 "vocab_size", "dflash_config", "block_size", "head_dim", "num_target_layers", "rms_norm_eps",
+                 "rope_theta", "rope_parameters", "attention_bias", "max_position_embeddings", "torch_dtype", "dtype",
+                 "architectures", "model_type", "layer_types"}
+        try:
+            return cls(
+                hidden_size=int(raw["hidden_size"]), num_hidden_layers=int(raw["num_hidden_layers"]),
+                num_attention_heads=int(raw["num_attention_heads"]),
+                num_key_value_heads=int(raw.get("num_key_value_heads", raw["num_attention_heads"])),
+                intermediate_size=int(raw["intermediate_size"]), vocab_size=int(raw["vocab_size"]),
+                target_layer_ids=[int(i) for i in get("target_layer_ids")], mask_token_id=int(get("mask_token_id")),
+                block_size=int(get("block_size", 16)), head_dim=raw.get("head_dim"),
+                num_target_layers=raw.get("num_target_layers"), rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+                rope_theta=float(rope.get("rope_theta", raw.get("rope_theta", 1e6))),
+                attention_bias=bool(raw.get("attention_bias", False)),
+                max_position_embeddings=int(raw.get("max_position_embeddings", 32768)),
+                input_embedding_scale=float(get("input_embedding_scale", 1.0)),
+                output_multiplier=float(get("output_multiplier", 1.0)),
+                final_logit_softcapping=get("final_logit_softcapping"),
+                torch_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "float32"),
+                extra={k: v for k, v in raw.items() if k not in known},
+            )
+        except (TypeError, ValueError) as e:
+            raise ConfigError(f"{source}: {e}") from None
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> "DFlashConfig":
+        path = Path(path)
+        if path.is_dir():
+            path = path / "config.json"
+        if not path.is_file():
+            raise ConfigError(f"{path}: no config.json; a drafter directory holds config.json and its safetensors")
+        try:
+            raw = json.loads(path.read_text(encoding="utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ConfigError(f"{path}: not valid JSON ({e})") from None
+        return cls.from_dict(raw, source=str(path))
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        extra = d.pop("extra")
+        dc = {k: d.pop(k) for k in ("target_layer_ids", "mask_token_id", "input_embedding_scale",
+                                    "output_multiplier", "final_logit_softcapping")}
+        dc = {k: v for k, v in dc.items() if not (k in ("input_embedding_scale", "output_multiplier") and v == 1.0)
+              and v is not None}
+        theta = d.pop("rope_theta")
+        return {"architectures": [ARCHITECTURE], "model_type": "qwen3", **extra, **d, "dflash_config": dc,
+                "rope_parameters": {"rope_type": "default", "rope_theta": theta},
+                "layer_types": ["full_attention"] * self.num_hidden_layers}
+
+    def save(self, directory: str | Path) -> None:
+        Path(directory).mkdir(parents=True, exist_ok=True)
+        (Path(directory) / "config.json").write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+
+    def check_target(self, target) -> None:
+        """DrafterMismatch (one line naming the mismatch) unless this drafter fits `target` (a CloverConfig)."""
+        t, n = target, target.num_hidden_layers
+        if self.hidden_size != t.hidden_size:
+            raise DrafterMismatch(f"drafter: hidden_size {self.hidden_size} != the target's {t.hidden_size}; "
+                                  "this drafter was trained for another model")
+        if self.vocab_size != t.vocab_size:
+            raise DrafterMismatch(f"drafter: vocab_size {self.vocab_size} != the target's {t.vocab_size}; "
+                                  "this drafter was trained for another model")
+        bad = [i for i in self.target_layer_ids if not 0 <= i < n]
+        if bad:
+            raise DrafterMismatch(f"drafter: target_layer_ids {self.target_layer_ids} name layer {bad[0]}, but the "
+                                  f"target has {n} layers; this drafter was trained for another model")
+        if self.num_target_layers is not None and self.num_target_layers != n:
+            raise DrafterMismatch(f"drafter: num_target_layers {self.num_target_layers} != the target's {n} layers; "
+                                  "this drafter was trained for another model")
+        if not 0 <= self.mask_token_id < t.vocab_size:
+            raise DrafterMismatch(f"drafter: mask_token_id {self.mask_token_id} is outside the target's vocabulary "
+                                  f"({t.vocab_size})")
+
+
+# --------------------------------------------------------------------------- layers
+class Qwen3RMSNorm(nn.Module):
+    """y = w * x * rsqrt(mean(x^2) + eps), normalised in fp32 (w initialised to 1)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        y = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x)
+        return self.weight * y
+
+
+class DraftAttention(nn.Module):
+    """Queries from the block; keys/values from the context vectors (cached) and the block itself."""
+
+    def __init__(self, c: DFlashConfig) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        b = c.attention_bias
+        self.q_proj = nn.Linear(c.hidden_size, self.num_heads * self.head_dim, bias=b)
+        self.k_proj = nn.Linear(c.hidden_size, self.num_kv_heads * self.head_dim, bias=b)
+        self.v_proj = nn.Linear(c.hidden_size, self.num_kv_heads * self.head_dim, bias=b)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, c.hidden_size, bias=b)
+        self.q_norm = Qwen3RMSNorm(self.head_dim, c.rms_norm_eps)
+        self.k_norm = Qwen3RMSNorm(self.head_dim, c.rms_norm_eps)
+
+    def kv(self, x: torch.Tensor, rope) -> tuple[torch.Tensor, torch.Tensor]:
+        B, T, _ = x.shape
+        k = self.k_norm(self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim)).transpose(1, 2)
+        v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        return apply_rope(k, *rope), v
+
+    def forward(self, h: torch.Tensor, rope_q, ctx_k: torch.Tensor, ctx_v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """h [B, Bd, H] (normed block), ctx_k/v [B, Hkv, Lk, D] -> [B, Bd, H]; mask [B, 1, Bd, Lk + Bd]."""
+        B, T, _ = h.shape
+        q = apply_rope(self.q_norm(self.q_proj(h).view(B, T, self.num_heads, self.head_dim)).transpose(1, 2), *rope_q)
+        k, v = self.kv(h, rope_q)
+        k, v = torch.cat([ctx_k, k], dim=2), torch.cat([ctx_v, v], dim=2)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.num_kv_heads != self.num_heads)
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
+
+
+class DraftLayer(nn.Module):
+    def __init__(self, c: DFlashConfig) -> None:
+        super().__init__()
+        self.self_attn = DraftAttention(c)
+        self.mlp = MLP(c.hidden_size, c.intermediate_size)
+        self.input_layernorm = Qwen3RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.post_attention_layernorm = Qwen3RMSNorm(c.hidden_size, c.rms_norm_eps)
+
+    def forward(self, x, rope_q, ctx_k, ctx_v, mask) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), rope_q, ctx_k, ctx_v, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+# --------------------------------------------------------------------------- the drafter
+class DFlashDrafter(nn.Module):
+    key_layout = None  # set below: stored keys are our parameter names (an optional "model." prefix dropped)
+
+    def __init__(self, config: DFlashConfig) -> None:
+        super().__init__()
+        c = self.config = config
+        self.layers = nn.ModuleList(DraftLayer(c) for _ in range(c.num_hidden_layers))
+        self.norm = Qwen3RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.fc = nn.Linear(len(c.target_layer_ids) * c.hidden_size, c.hidden_size, bias=False)
+        self.hidden_norm = Qwen3RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(c.head_dim, c.rope_theta)
+
+    # -- properties the engine reads
+    @property
+    def target_layer_ids(self) -> list[int]:
+        return list(self.config.target_layer_ids)
+
+    @property
+    def block_size(self) -> int:
+        return self.config.block_size
+
+    @property
+    def mask_token_id(self) -> int:
+        return self.config.mask_token_id
+
+    @property
+    def device(self) -> torch.device:
+        return self.fc.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.fc.weight.dtype
+
+    # -- pieces
+    def context_features(self, hidden: dict[int, torch.Tensor], target) -> torch.Tensor:
+        """The target's layer outputs (`hidden[i]` [B, T, H_t], from `step(hidden_out=...)` or
+        `forward(hidden_out=...)`) -> the drafter's context input [B, T, n*H_t], as the reference's
+        `extract_context_feature` (the last layer's output is taken after the target's final norm)."""
+        last = target.config.num_hidden_layers - 1
+        parts = [target.model.norm(hidden[i]) if i == last else hidden[i] for i in self.config.target_layer_ids]
+        return torch.cat(parts, dim=-1).to(self.dtype)
+
+    def embed(self, ids: torch.Tensor, target) -> torch.Tensor:
+        x = target.model.embed_tokens(ids).to(self.dtype)
+        s = self.config.input_embedding_scale
+        return x * s if s != 1.0 else x
+
+    def logits(self, h: torch.Tensor, target) -> torch.Tensor:
+        """Drafter output (after `norm`) -> logits through the target's LM head (no target norm)."""
+        out = target.lm_head(h.to(target.lm_head.weight.dtype))
+        c = self.config
+        if c.output_multiplier != 1.0:
+            out = out * c.output_multiplier
+        if c.final_logit_softcapping:
+            cap = float(c.final_logit_softcapping)
+            out = torch.tanh(out / cap) * cap
+        return out
+
+    def make_cache(self, batch_size: int, capacity: int) -> HybridCache:
+        """Per draft layer the K/V of the context vectors; `lengths[b]` = context tokens of row b."""
+        c = self.config
+        states = [AttentionState.empty(batch_size, c.num_key_value_heads, capacity, c.head_dim, dtype=self.dtype,
+                                       device=self.device) for _ in self.layers]
+        return HybridCache(states, batch_size, capacity, device=self.device)
+
+    # -- the cached draft forward (decoding)
+    def draft(self, cache: HybridCache, ctx: torch.Tensor, n_ctx: torch.Tensor | None, block: torch.Tensor) -> torch.Tensor:
+        """ctx [B, Tc, n*H_t] context features of the tokens committed since the last draft
+        (right-padded, `n_ctx[b]` valid; Tc may be 0), block [B, Bd, H] embedded block ->
+        hidden [B, Bd, H] after the final norm. The context keys are appended to `cache`."""
+        B, Tc = ctx.shape[0], ctx.shape[1]
+        Bd = block.shape[1]
+        start = cache.lengths
+        n = n_ctx if n_ctx is not None else torch.full((B,), Tc, dtype=torch.long, device=ctx.device)
+        cache.ensure_capacity(int(start.max()) + Tc)
+        positions = step_positions(start, n, Tc, Bd)
+        cos, sin = self.rotary_emb(positions, block.dtype)
+        rope_c, rope_q = (cos[:, :Tc], sin[:, :Tc]), (cos[:, Tc:], sin[:, Tc:])
+        mask = cached_attention_mask(start, Segments(commit_len=Tc, denoise_len=Bd, n_commit=n))[:, :, Tc:]
+        c = self.hidden_norm(self.fc(ctx)) if Tc else None
+        slots = mask.shape[-1] - Bd  # the longest row's context after this write
+        x = block
+        for layer, state in zip(self.layers, cache.layers):
+            if Tc:
+                scatter_kv(state.keys, state.values, *layer.self_attn.kv(c, rope_c), start)
+            x = layer(x, rope_q, state.keys[:, :, :slots], state.values[:, :, :slots], mask)
+        if Tc:
+            cache.advance(n)
+        return self.norm(x)
+
+    # -- the training forward (no cache; many blocks per sequence)
+    def forward_train(self, ctx: torch.Tensor, anchors: torch.Tensor, block: torch.Tensor) -> torch.Tensor:
+        """ctx [B, L, n*H_t] context features of a whole sequence, anchors [B, A] anchor positions,
+        block [B, A, Bd, H] the embedded blocks -> hidden [B, A, Bd, H]. Block j sees the context
+        vectors of positions < anchors[j] and itself, at positions anchors[j] + i: exactly what
+        `draft` computes after committing those positions."""
+        B, L, _ = ctx.shape
+        A, Bd = anchors.shape[1], block.shape[2]
+        dev = ctx.device
+        pos_c = torch.arange(L, device=dev).expand(B, L)
+        pos_q = (anchors[:, :, None] + torch.arange(Bd, device=dev)).reshape(B, A * Bd)
+        rope_c = self.rotary_emb(pos_c, block.dtype)
+        rope_q = self.rotary_emb(pos_q, block.dtype)
+        q_anchor = anchors[:, :, None].expand(B, A, Bd).reshape(B, A * Bd)
+        see_ctx = torch.arange(L, device=dev)[None, None, :] < q_anchor[:, :, None]  # [B, A*Bd, L]
+        blk = torch.arange(A, device=dev).repeat_interleave(Bd)
+        see_blk = (blk[:, None] == blk[None, :]).expand(B, A * Bd, A * Bd)
+        mask = torch.cat([see_ctx, see_blk], dim=2)[:, None]
+        c = self.hidden_norm(self.fc(ctx))
+        x = block.reshape(B, A * Bd, -1)
+        for layer in self.layers:
+            k, v = layer.self_attn.kv(c, rope_c)
+            x = layer(x, rope_q, k, v, mask)
+        return self.norm(x).reshape(B, A, Bd, -1)
+
+    # -- initialisation
+    @torch.no_grad()
+    def init_weights(self, seed: int | None = None, std: float = 0.02) -> None:
+        gen = torch.Generator().manual_seed(seed) if seed is not None else None
+        for name, p in self.named_parameters():
+            if "norm" in name:
+                p.fill_(1.0)
+            elif name.endswith("bias"):
+                p.zero_()
+            else:
+                p.copy_(torch.randn(p.shape, generator=gen) * std)
+
+
+class DrafterKeyLayout:
+    """Stored key -> parameter name: the published layout is ours; a "model." prefix is dropped."""
+
+    def name(self, key: str) -> str | None:
+        return key[len("model."):] if key.startswith("model.") else key
+
+    def expert_part(self, name: str):
+        return None
+
+
+DFlashDrafter.key_layout = DrafterKeyLayout()
+
+
+# --------------------------------------------------------------------------- files
+def build_drafter(config: DFlashConfig, *, device="cpu", dtype: torch.dtype = torch.float32, seed: int | None = 0) -> DFlashDrafter:
+    """A drafter with random weights (tests, the start of training)."""
+    with torch.device(device):
+        d = DFlashDrafter(config)
+    d.init_weights(seed)
+    return d.to(dtype)
+
+
+def drafter_config_for(target, *, target_layer_ids: list[int] | None = None, num_hidden_layers: int = 1,
+                       intermediate_size: int | None = None, block_size: int = 16, mask_token_id: int | None = None,
+                       num_attention_heads: int | None = None, num_key_value_heads: int | None = None,
+                       head_dim: int | None = None) -> DFlashConfig:
+    """A drafter config that fits `target` (a CloverConfig): its hidden size and vocabulary, and by
+    default target layers spread as in the published drafters (from layer 1 to the third-last)."""
+    n = target.num_hidden_layers
+    if target_layer_ids is None:
+        k = min(5, max(1, n - 2))
+        lo, hi = min(1, n - 1), max(min(1, n - 1), n - 3)
+        target_layer_ids = sorted({round(lo + (hi - lo) * j / max(1, k - 1)) for j in range(k)})
+    mask = mask_token_id if mask_token_id is not None else target.mask_token_id
+    if mask is None:
+        raise ValueError("drafter: the target has no mask token; pass mask_token_id (a token id of its vocabulary)")
+    heads = num_attention_heads or target.num_attention_heads
+    return DFlashConfig(
+        hidden_size=target.hidden_size, num_hidden_layers=num_hidden_layers, num_attention_heads=heads,
+        num_key_value_heads=num_key_value_heads or target.num_key_value_heads,
+        intermediate_size=intermediate_size or 4 * target.hidden_size, vocab_size=target.vocab_size,
+        target_layer_ids=list(target_layer_ids), mask_token_id=int(mask), block_size=block_size,
+        head_dim=head_dim or target.head_dim, num_target_layers=n, rms_norm_eps=target.rms_norm_eps,
+        rope_theta=target.rope_theta, max_position_embeddings=target.max_position_embeddings,
+    )
+
+
+def drafter_parameters(config: DFlashConfig) -> int:
+    with torch.device("meta"):
+        return sum(p.numel() for p in DFlashDrafter(config).parameters())
+
+
+__all__ = ["DFlashConfig", "DFlashDrafter", "DrafterMismatch", "build_drafter", "drafter_config_for",
+           "drafter_parameters"]

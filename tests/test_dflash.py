@@ -1,0 +1,295 @@
+"""DFlash block drafter: the published checkpoint layout, the refusal of a drafter for another target,
+the cached draft equal to the training forward, and the `dflash` mode lossless w.r.t. AR (greedy token
+for token, alone and batched; sampling through the rejection rule, a statistical test)."""
+
+import json
+import math
+
+import pytest
+import torch
+from safetensors import safe_open
+
+import clover
+from clover.checkpoint import load_drafter, save_drafter
+from clover.decoding.dflash import DFlashEngine
+from clover.models.dflash import DFlashConfig, DrafterMismatch, build_drafter, drafter_config_for
+from clover.tiny import build_tiny_checkpoint
+
+
+def _drafter_dir(tmp_path, target_config, name="drafter", seed=1, **kw):
+    kw.setdefault("num_hidden_layers", 2)
+    kw.setdefault("block_size", 8)
+    cfg = drafter_config_for(target_config, **kw)
+    return save_drafter(build_drafter(cfg, seed=seed), tmp_path / name)
+
+
+@pytest.fixture(scope="module")
+def target_dir(tmp_path_factory):
+    return build_tiny_checkpoint(tmp_path_factory.mktemp("dflash") / "target", seed=3, init_std=0.2)
+
+
+@pytest.fixture(scope="module")
+def llm(target_dir, tmp_path_factory):
+    base = clover.load(target_dir)
+    d = _drafter_dir(tmp_path_factory.mktemp("drafter"), base.config)
+    return clover.load(target_dir, drafter=d)
+
+
+# ------------------------------------------------------------------------------ the layout
+def test_published_layout_round_trip(tmp_path, llm):
+    d = save_drafter(llm.drafter, tmp_path / "d")
+    raw = json.loads((d / "config.json").read_text())
+    assert raw["architectures"] == ["DFlashDraftModel"]
+    assert raw["dflash_config"]["target_layer_ids"] == llm.drafter.target_layer_ids
+    assert raw["dflash_config"]["mask_token_id"] == llm.config.mask_token_id
+    assert raw["block_size"] == 8 and raw["num_target_layers"] == llm.config.num_hidden_layers
+    with safe_open(str(d / "model.safetensors"), "pt") as f:
+        keys = set(f.keys())
+    n = len(llm.drafter.target_layer_ids)
+    with safe_open(str(d / "model.safetensors"), "pt") as f:
+        assert tuple(f.get_slice("fc.weight").get_shape()) == (llm.config.hidden_size, n * llm.config.hidden_size)
+    expected = {"fc.weight", "hidden_norm.weight", "norm.weight"}
+    for i in range(2):
+        expected |= {f"layers.{i}.{p}.weight" for p in (
+            "input_layernorm", "post_attention_layernorm", "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
+            "self_attn.o_proj", "self_attn.q_norm", "self_attn.k_norm", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")}
+    assert keys == expected  # no embedding, no LM head: the target's
+    again = load_drafter(d, llm.model)
+    for (k, a), (_, b) in zip(sorted(llm.drafter.state_dict().items()), sorted(again.state_dict().items())):
+        torch.testing.assert_close(a, b, msg=k)
+
+
+def test_reference_config_keys_are_read(tmp_path, llm):
+    """A config as z-lab writes it: block_size at the top, mask token and layer ids in dflash_config,
+    rope_theta at the top level; a "model." key prefix is accepted."""
+    d = save_drafter(llm.drafter, tmp_path / "d")
+    raw = json.loads((d / "config.json").read_text())
+    raw.pop("rope_parameters")
+    raw["rope_theta"] = 10000.0
+    raw["dflash_config"]["block_size"] = raw.pop("block_size")
+    (d / "config.json").write_text(json.dumps(raw))
+    cfg = DFlashConfig.from_file(d)
+    assert cfg.block_size == 8 and cfg.rope_theta == 10000.0 and cfg.mask_token_id == llm.config.mask_token_id
+
+
+@pytest.mark.parametrize("change, words", [
+    ({"hidden_size": 32, "num_attention_heads": 2, "head_dim": 16}, "hidden_size 32"),
+    ({"vocab_size": 999}, "vocab_size 999"),
+    ({"target_layer_ids": [1, 7]}, "layer 7"),
+    ({"num_target_layers": 12}, "num_target_layers 12"),
+])
+def test_wrong_target_is_refused_in_one_line(tmp_path, target_dir, llm, change, words):
+    cfg = drafter_config_for(llm.config, num_hidden_layers=1, block_size=8)
+    for k, v in change.items():
+        setattr(cfg, k, v)
+    d = save_drafter(build_drafter(cfg), tmp_path / "wrong")
+    with pytest.raises(DrafterMismatch) as e:
+        clover.load(target_dir, drafter=d)
+    msg = str(e.value)
+    assert words in msg and "\n" not in msg and msg.startswith("drafter:")
+
+
+def test_dflash_needs_a_drafter(target_dir):
+    plain = clover.load(target_dir)
+    with pytest.raises(ValueError, match="needs a DFlash drafter"):
+        plain.generate([1, 2, 3], mode="dflash", max_new_tokens=4)
+
+
+def test_cached_draft_equals_training_forward(llm):
+    m, dr = llm.model, llm.drafter
+    ids = torch.randint(0, 256, (2, 30), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        hidden = dict.fromkeys(dr.target_layer_ids)
+        m(ids, hidden_out=hidden)
+        ctx = dr.context_features(hidden, m)
+        anchors = torch.tensor([[12, 5], [20, 9]])
+        block = torch.full((2, 2, 8), dr.mask_token_id)
+        block[:, :, 0] = ids.gather(1, anchors)
+        train = dr.forward_train(ctx, anchors, dr.embed(block, m))
+        for b in range(2):
+            for j in range(2):
+                a = int(anchors[b, j])
+                cache = dr.make_cache(1, 8)  # grows as needed
+                dr.draft(cache, ctx[b : b + 1, :3], None, dr.embed(block[b : b + 1, j], m))  # context in two pieces
+                out = dr.draft(cache, ctx[b : b + 1, 3:a], None, dr.embed(block[b : b + 1, j], m))
+                torch.testing.assert_close(out[0], train[b, j], atol=1e-5, rtol=1e-5)
+        # the target's hidden states from the cached step equal the plain forward's
+        cache = m.make_cache(2, 64)
+        got = dict.fromkeys(dr.target_layer_ids)
+        m.step(cache, commit_ids=ids[:, :20], hidden_out=got)
+        for i in got:
+            torch.testing.assert_close(got[i], hidden[i][:, :20], atol=1e-5, rtol=1e-5)
+
+
+# ------------------------------------------------------------------------------ lossless
+def _oracle(monkeypatch, llm, refs: dict, wrong_every: int):
+    """Drafts from the AR reference continuation of each row's prompt, every `wrong_every`-th wrong:
+    acceptance of every length, rollback after partial accepts, full accepts."""
+    real = DFlashEngine._draft
+    calls = {"n": 0}
+
+    def draft(self, rows):
+        drafts, q = real(self, rows)
+        for i, r in enumerate(rows):
+            if drafts[i] is None:
+                continue
+            ref = refs[tuple(r.prompt)]
+            k = len(r.tokens)
+            d = (ref[k : k + self.draft_length] + [0] * self.draft_length)[: self.draft_length]
+            calls["n"] += 1
+            cut = calls["n"] % wrong_every
+            if cut < len(d):
+                d[cut] = (d[cut] + 1) % 256
+            drafts[i] = d
+        return drafts, q
+
+    monkeypatch.setattr(DFlashEngine, "_draft", draft)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_dflash_equals_ar_greedy_alone(llm, seed):
+    g = torch.Generator().manual_seed(seed)
+    for plen in (3, 17):
+        prompt = torch.randint(0, 256, (plen,), generator=g).tolist()
+        ar = llm.generate(prompt, mode="ar", max_new_tokens=20, ignore_eos=True)
+        df = llm.generate(prompt, mode="dflash", max_new_tokens=20, ignore_eos=True)
+        assert df.token_ids == ar.token_ids
+        assert df.stats.forwards == len(df.stats.accept_lengths) + 1  # + the prefill
+        assert df.stats.draft_forwards == len(df.stats.accept_lengths)
+
+
+def test_dflash_equals_ar_with_oracle_drafts_batched(monkeypatch, llm):
+    prompts = [[1, 2, 3], list(range(50, 70)), [9] * 5, [200, 7]]
+    kw = dict(max_new_tokens=40, ignore_eos=True)
+    ar = llm.generate(prompts, mode="ar", **kw)
+    refs = {tuple(p): a.token_ids for p, a in zip(prompts, ar)}
+    _oracle(monkeypatch, llm, refs, wrong_every=11)
+    batched = llm.generate(prompts, mode="dflash", **kw)
+    alone = [llm.generate(p, mode="dflash", **kw) for p in prompts]
+    for a, b, s in zip(ar, batched, alone):
+        assert b.token_ids == a.token_ids and s.token_ids == a.token_ids
+        assert max(b.stats.accept_lengths) == 8  # full accepts (7 drafts + 1) happened
+        assert min(b.stats.accept_lengths) < 8
+        assert b.stats.forwards < a.stats.forwards / 2
+
+
+@pytest.mark.parametrize("kw", [
+    dict(eos_penalty=-3.0),
+    dict(repetition_penalty=1.3, ignore_eos=True),
+    dict(presence_penalty=0.7, no_repeat_ngram_size=2, ignore_eos=True),
+    dict(stop=["a", "\x05"], ignore_eos=True),
+    dict(stop_token_ids=[17, 40], ignore_eos=True),
+])
+def test_dflash_options_as_ar(monkeypatch, llm, kw):
+    prompts = [[1, 2, 3], list(range(50, 70)), [9] * 5]
+    ar = llm.generate(prompts, mode="ar", max_new_tokens=25, **kw)
+    refs = {tuple(p): a.token_ids + [5] * 30 for p, a in zip(prompts, ar)}
+    _oracle(monkeypatch, llm, refs, wrong_every=4)
+    df = llm.generate(prompts, mode="dflash", max_new_tokens=25, **kw)
+    for a, b in zip(ar, df):
+        assert (b.token_ids, b.finish_reason, b.text) == (a.token_ids, a.finish_reason, a.text)
+
+
+def test_dflash_draft_length_limit(llm):
+    with pytest.raises(ValueError, match="draft_length"):
+        llm.generate([1, 2], mode="dflash", max_new_tokens=4, draft_length=8)  # the drafter's block is 8
+    out = llm.generate([1, 2], mode="dflash", max_new_tokens=12, draft_length=3, ignore_eos=True)
+    assert out.token_ids == llm.generate([1, 2], mode="ar", max_new_tokens=12, ignore_eos=True).token_ids
+    assert all(a <= 4 for a in out.stats.accept_lengths)
+
+
+# ------------------------------------------------------------------------------ sampling
+def test_dflash_sampling_keeps_ar_distribution(monkeypatch, llm):
+    """The second token (the first draft, through accept / reject / residual) follows the target's
+    distribution: sum over t1 of p(t1) p(t2 | t1), with top_k = 4, over 1000 rows; the draft for it
+    comes from q = (p + uniform over the target's raw top 8) / 2, so both branches of the rule run."""
+    prompt = [10, 20, 30]
+    kw = dict(temperature=1.0, top_k=4)
+    m = llm.model
+    real = DFlashEngine._draft
+
+    memo: dict[tuple, torch.Tensor] = {}  # the rows share 4 contexts
+
+    def draft(self, rows):
+        drafts, q = real(self, rows)
+        for i, r in enumerate(rows):
+            if drafts[i] is None:
+                continue
+            key = tuple(r.prompt + r.tokens)
+            if key not in memo:
+                with torch.no_grad():
+                    logits = m(torch.tensor([list(key)]))[0, -1:]
+                p = self._probs(r, logits)[0]
+                u = torch.zeros_like(p)
+                u[logits[0].topk(8).indices] = 1 / 8
+                memo[key] = (p + u) / 2
+            drafts[i][0] = int(torch.multinomial(memo[key], 1, generator=r.state.sampler.generator))
+            q[i][0] = memo[key]
+        return drafts, q
+
+    monkeypatch.setattr(DFlashEngine, "_draft", draft)
+
+    def dist(ids):
+        with torch.no_grad():
+            logits = m(torch.tensor([ids]))[0, -1]
+        top = logits.topk(4)
+        return dict(zip(top.indices.tolist(), top.values.softmax(-1).tolist()))
+
+    expected: dict[int, float] = {}
+    for t1, p1 in dist(prompt).items():
+        for t2, p2 in dist(prompt + [t1]).items():
+            expected[t2] = expected.get(t2, 0.0) + p1 * p2
+    N = 1000
+    torch.manual_seed(7)  # rows of one request share the options: unseeded, they draw from the global generator
+    outs = llm.generate([prompt] * N, mode="dflash", max_new_tokens=2, ignore_eos=True, **kw)
+    counts: dict[int, int] = {}
+    for o in outs:
+        counts[o.token_ids[1]] = counts.get(o.token_ids[1], 0) + 1
+    assert set(counts) <= set(expected)
+    chi2 = sum((counts.get(t, 0) - N * p) ** 2 / (N * p) for t, p in expected.items() if N * p >= 5)
+    dof = sum(1 for p in expected.values() if N * p >= 5) - 1
+    # p < 1e-3 for a chi-square with dof degrees of freedom: mean dof, sd sqrt(2 dof); 3.3 sd is ~1e-3
+    assert chi2 < dof + 3.3 * math.sqrt(2 * dof) + 6, (chi2, dof, counts, expected)
+
+
+# ------------------------------------------------------------------------------ training
+def test_train_a_drafter_resume_and_export(tmp_path, target_dir):
+    """`clover train` stage "drafter": the target's greedy outputs, one document per row; a checkpoint
+    resumes; the export is a drafter in the published layout that loads next to its target."""
+    from clover.train import load_recipe
+    from clover.train.trainer import Trainer, export_model
+
+    recipe = tmp_path / "r.toml"
+    recipe.write_text(f'''name = "d"
+stage = "drafter"
+init = "{target_dir}"
+[data]
+tokenizer = "{target_dir}"
+seq_len = 40
+batch_size = 2
+distill_fraction = 1.0
+distill_tasks = 4
+distill_code = 2
+[dflash]
+block_size = 8
+layers = 1
+anchors = 4
+[optim]
+steps = 2
+warmup_steps = 1
+[run]
+threads = 1
+autocast = "none"
+progress = false
+''')
+    r = load_recipe(recipe, {"run.out": str(tmp_path / "run")})
+    t = Trainer(r, quiet=True)
+    hist = t.train()
+    assert len(hist) == 2 and all(math.isfinite(h["loss"]) and 0 < h["valid"] <= 1 for h in hist)
+    t2 = Trainer(load_recipe(recipe, {"run.out": str(tmp_path / "run"), "optim.steps": 3}), quiet=True)
+    assert t2.step == 2 and len(t2.train()) == 1
+    out = export_model(tmp_path / "run" / "ckpt" / "step-00000003", tmp_path / "exported")
+    llm = clover.load(target_dir, drafter=out)
+    assert llm.drafter.block_size == 8 and llm.drafter.dtype == torch.float32
+    got = llm.generate([1, 2, 3], mode="dflash", max_new_tokens=10, ignore_eos=True)
+    assert got.token_ids == llm.generate([1, 2, 3], mode="ar", max_new_tokens=10, ignore_eos=True).token_ids
