@@ -32,6 +32,7 @@ import torch
 from .base import BatchEngine, DecodeEvent, EngineRow, RowState, pad_right, propose_tokens
 from .modes import EngineSpec, Mode, register
 from .sampling import filter_logits
+from .speculative import accept_draft
 
 DEFAULT_DRAFT = 15  # the published drafters' block of 16: the anchor + 15 drafts
 
@@ -128,14 +129,10 @@ class DFlashEngine(BatchEngine):
             return draft[:m] + [target[m]]
         p = self._probs(r, logits, tails)  # [D+1, V]
         gen = r.state.sampler.generator
-        for j, d in enumerate(draft):
-            u = float(torch.rand((), generator=gen, device=p.device))
-            if u * float(q[j, d]) < float(p[j, d]):
-                continue
-            residual = (p[j] - q[j]).clamp_min(0)
-            residual = residual / residual.sum() if float(residual.sum()) > 0 else p[j]
-            return draft[:j] + [int(torch.multinomial(residual, 1, generator=gen))]
-        return draft + [int(torch.multinomial(p[D], 1, generator=gen))]
+        m, token = accept_draft([r.state.anchor] + draft, q, p[:D], gen)  # the anchor is the target's own
+        if token is None:  # every draft kept: the next token from the target after the last one
+            token = int(torch.multinomial(p[D], 1, generator=gen))
+        return draft[: m - 1] + [token]
 
     @torch.inference_mode()
     def step(self) -> list[DecodeEvent]:
