@@ -345,8 +345,8 @@ def summarize(runs: list[dict], modes: Iterable[str], key: str = "mode") -> dict
                                       aggregate=tokens / seconds if seconds > 0 else 0.0),
             "experts_touched": sum(et) / len(et) if et else None,
             # tokens gained per verify (speculative, dflash: accepted drafts + the model's own token)
-            "accepted_length": sum(sum(r["accept_lengths"]) for r in rs) / n_acc
-            if (n_acc := sum(len(r["accept_lengths"]) for r in rs)) else None,
+            "accepted_length": sum(sum(r.get("accept_lengths", ())) for r in rs) / n_acc
+            if (n_acc := sum(len(r.get("accept_lengths", ())) for r in rs)) else None,
             "draft_forwards": sum(r.get("draft_forwards", 0) for r in rs),
             # share of forwards that committed one position below the threshold (diffusion, naive)
             "forced_share": sum(r["forced_steps"] for r in rs) / forwards
