@@ -138,7 +138,12 @@ class Tokenizer:
     def decode(self, ids: list[int], *, skip_special_tokens: bool = False) -> str:
         return self.raw.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict], *, add_generation_prompt: bool = True) -> list[int]:
+    def supports_tools(self) -> bool:
+        """Whether the chat template renders `tools` and tool calls itself."""
+        return "tools" in (getattr(self.hf, "chat_template", None) or "")
+
+    def apply_chat_template(self, messages: list[dict], *, add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None) -> list[int]:
         """The chat prompt's token ids. Control tokens (the special tokens) written in message
         content are encoded as text: only the template itself writes control tokens, so user text
         cannot open or close turns (transformers' `sanitize_control_tokens=True`; vLLM does the same).
@@ -148,9 +153,9 @@ class Tokenizer:
         try:
             if self._sanitize_supported():
                 out = self.hf.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True,
-                                                  sanitize_control_tokens=True)
+                                                  sanitize_control_tokens=True, **({"tools": tools} if tools else {}))
             else:
-                out = self._encode_rendered(messages, add_generation_prompt)
+                out = self._encode_rendered(messages, add_generation_prompt, tools)
         except ChatTemplateError:
             raise
         except Exception as e:  # noqa: BLE001 - jinja2.TemplateError, raise_exception(), a TypeError in the template
@@ -166,14 +171,15 @@ class Tokenizer:
             self._sanitize = "sanitize_control_tokens" in inspect.signature(self.hf.apply_chat_template).parameters
         return self._sanitize
 
-    def _encode_rendered(self, messages: list[dict], add_generation_prompt: bool) -> list[int]:
+    def _encode_rendered(self, messages: list[dict], add_generation_prompt: bool, tools=None) -> list[int]:
         """For transformers without `sanitize_control_tokens`: control tokens in the messages are
         swapped for private-use placeholders before rendering; the rendered text is split at the
         control tokens the template wrote, and each piece between them is encoded with special
         tokens read as text, the placeholders turned back into the text they stand for."""
         specials = sorted({t.content for t in self.hf.added_tokens_decoder.values() if t.special}, key=len, reverse=True)
+        extra = {"tools": tools} if tools else {}
         if not specials:
-            return self.hf.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True)
+            return self.hf.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True, **extra)
         used = "".join(str(v) for m in messages for v in m.values())
         lead = next(chr(c) for c in range(0xE000, 0xF8FF) if chr(c) not in used)
         marks = {s: f"{lead}{chr(0xF000 + i)}" for i, s in enumerate(specials)}
@@ -183,7 +189,7 @@ class Tokenizer:
             return pattern.sub(lambda m: marks[m.group(0)], v) if isinstance(v, str) else v
 
         text = self.hf.apply_chat_template([{k: mark(v) for k, v in m.items()} for m in messages],
-                                           add_generation_prompt=add_generation_prompt, tokenize=False)
+                                           add_generation_prompt=add_generation_prompt, tokenize=False, **extra)
         back = {v: k for k, v in marks.items()}
         ids: list[int] = []
         pos = 0
