@@ -89,7 +89,7 @@ def test_json_object_regex_lark_gbnf(bundled):
 
 def test_sampling_stays_valid(tiny_llm):
     schema = SCHEMAS["enum_array"]
-    for mode in ("ar", "diffusion"):
+    for mode in ("ar", "diffusion", "speculative"):
         for seed in range(3):
             g = tiny_llm.generate("x", mode=mode, max_new_tokens=96, temperature=1.0, seed=seed,
                                   response_format=_rf(schema))

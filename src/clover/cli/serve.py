@@ -27,6 +27,8 @@ def configure(p: argparse.ArgumentParser) -> None:
                      help="llama.cpp: decode with the ggml port (PORT=1 scripts/build-llama-cpp.sh; docs/llama-port.md)")
     eng.add_argument("--gguf", metavar="FILE", help="--engine llama.cpp: the model's GGUF export (default: export it, f32)")
     eng.add_argument("--threads", type=int, default=1, help="--engine llama.cpp: CPU threads (default: 1)")
+    p.add_argument("--tool-call-parser", default=None, metavar="NAME",
+                   help="the model family's tool-call format: hermes or qwen3_xml (default: read off the chat template)")
 
 
 def _missing_serve_extra() -> str | None:
@@ -59,6 +61,10 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--max-queue: must be >= 0, got {args.max_queue}")
     if args.max_body_bytes < 1:
         raise ValueError(f"--max-body-bytes: must be >= 1, got {args.max_body_bytes}")
+    if args.tool_call_parser is not None:
+        from ..serve.tools import get_parser
+
+        get_parser(args.tool_call_parser)  # ValueError naming the registered formats, before loading
     import contextlib
 
     llm = load_llm(args)
@@ -69,5 +75,5 @@ def run(args: argparse.Namespace) -> int:
             llm = port_llm(llm, stack, gguf=args.gguf, threads=args.threads)
         run_app(llm, host=args.host, port=args.port, max_batch=args.max_batch, max_queue=args.max_queue,
                 api_key=args.api_key, model_name=args.served_model_name,
-                max_body_bytes=args.max_body_bytes)
+                max_body_bytes=args.max_body_bytes, tool_parser=args.tool_call_parser)
     return 0

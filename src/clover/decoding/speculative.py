@@ -104,9 +104,6 @@ class SpeculativeEngine(BatchEngine):
 
     def _init_row(self, row: RowState) -> None:
         check_speculative_params(row.params)
-        if row.constraint is not None and not row.params.greedy:
-            raise ValueError("temperature: speculative mode decodes a grammar-constrained output greedily only; "
-                             "use temperature 0, or mode 'ar' to sample under the grammar")
         super()._init_row(row)
 
     def _argmax(self, row: RowState, logits: torch.Tensor) -> list[int]:
@@ -126,6 +123,46 @@ class SpeculativeEngine(BatchEngine):
             draft.append(tok)
         c.rollback(len(draft))
         return draft or [c.argmax(processed[0])]
+
+    def _draft_constrained_sampled(self, r: RowState, logits: torch.Tensor) -> list[int]:
+        """Sampling under a grammar: each draft token drawn from its distribution masked by the
+        grammar after the draft so far (kept in `draft_q` for the rejection rule)."""
+        c, draft, qs = r.constraint, [], []
+        gen = r.state.sampler.generator
+        if r.state.next_first is not None:
+            draft, r.state.next_first = [r.state.next_first], None
+        else:
+            draft = torch.multinomial(self._probs(r, c.mask(logits[:1])), 1, generator=gen).flatten().tolist()
+        c.consume(draft)
+        for j in range(1, logits.shape[0]):
+            if c.stopped:
+                break
+            q = self._probs(r, c.mask(logits[j : j + 1]))
+            tok = int(torch.multinomial(q, 1, generator=gen))
+            if not c.consume([tok]):
+                break
+            draft.append(tok)
+            qs.append(q[0])
+        c.rollback(len(draft))
+        r.state.draft_q = torch.stack(qs) if qs else None
+        return draft
+
+    def _verify_constrained_sampled(self, r: RowState, causal_logits: torch.Tensor) -> int:
+        """The rejection rule against AR's distributions masked by the grammar after each draft
+        prefix: distributed as constrained AR sampling. The grammar consumes the kept tokens."""
+        c, draft = r.constraint, r.state.draft
+        if len(draft) <= 1:
+            c.consume(draft)
+            return len(draft)
+        ps = []
+        c.consume(draft[:1])
+        for j in range(1, len(draft)):
+            ps.append(self._probs(r, c.mask(causal_logits[j - 1 : j]))[0])
+            c.consume(draft[j : j + 1])
+        c.rollback(len(draft) - 1)
+        m, r.state.next_first = accept_draft(draft, r.state.draft_q, torch.stack(ps), r.state.sampler.generator)
+        c.consume(draft[1:m])
+        return m
 
     def _verify_constrained(self, r: RowState, causal_logits: torch.Tensor) -> int:
         """How many draft tokens constrained AR greedy agrees with; the grammar consumes them.
@@ -189,8 +226,9 @@ class SpeculativeEngine(BatchEngine):
             r.experts_touched.extend(out.experts_touched)
             next_draft_ok = True
             Dv = len(r.state.draft) if r.state.draft is not None else 0
-            if r.state.draft is not None and r.constraint is not None:  # verify (constrained: greedy)
-                m = self._verify_constrained(r, out.commit_logits[i, :Dv])
+            if r.state.draft is not None and r.constraint is not None:  # verify under the grammar
+                verify = self._verify_constrained if r.params.greedy else self._verify_constrained_sampled
+                m = verify(r, out.commit_logits[i, :Dv])
             elif r.state.draft is not None and not r.params.greedy:  # verify by the rejection rule
                 p = self._probs(r, out.commit_logits[i, : Dv - 1]) if Dv > 1 else None
                 m, r.state.next_first = accept_draft(r.state.draft, r.state.draft_q, p, r.state.sampler.generator)
@@ -222,8 +260,8 @@ class SpeculativeEngine(BatchEngine):
                 if r.constraint is None:
                     r.state.draft = self._draft(r, out.denoise_logits[i])
                 else:
-                    r.state.draft = self._draft_constrained(r, torch.cat([r.state.first_logits[None],
-                                                                          out.denoise_logits[i, : D - 1]]))
+                    draft = self._draft_constrained if r.params.greedy else self._draft_constrained_sampled
+                    r.state.draft = draft(r, torch.cat([r.state.first_logits[None], out.denoise_logits[i, : D - 1]]))
         if any(int(keep[i]) != (int(n_commit[i]) if has_commit else 0) for i in range(len(rows))):
             self.cache.rollback(snap, keep)
         else:

@@ -35,11 +35,15 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ..api import Generation, StreamEvent
 from ..decoding import Mode
 from ..decoding.sampling import LIMITS, SamplingParams
+from ..grammar import GrammarError
 from . import playground
 from .defaults import HOST, MAX_BATCH, MAX_BODY_BYTES, MAX_QUEUE, PORT
 from .metrics import Metrics
 from ..tokenizer import ChatTemplateError
 from .scheduler import EngineDead, NotAccepting, QueueFull, Scheduler, ServeRequest
+from .structured import (RequestError, StreamCalls, Structured, assistant_message, chat_messages_with_tools,
+                         request_structure, unimplemented_fields)
+from .tools import get_parser, parser_for
 from .schemas import (CHAT_ROLES, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
                       message_text)
 
@@ -138,9 +142,12 @@ class Server:
     """The state behind one app: the model, its scheduler and metrics."""
 
     def __init__(self, llm, *, model_name: str, max_batch: int, max_queue: int, api_key: str | None,
-                 drain_timeout: float = 10.0, max_body_bytes: int = MAX_BODY_BYTES) -> None:
+                 drain_timeout: float = 10.0, max_body_bytes: int = MAX_BODY_BYTES,
+                 tool_parser: str | None = None) -> None:
         self.llm = llm
         self.tok = llm.tokenizer
+        # the model family's tool-call format (serve/tools.py): named, or read off the chat template
+        self.tool_parser = get_parser(tool_parser) if tool_parser else parser_for(getattr(self.tok.hf, "chat_template", None))
         self.model_name = model_name
         self.aliases = {model_name} | ({str(llm.path)} if getattr(llm, "path", None) else set())
         self.api_key = api_key
@@ -187,21 +194,47 @@ class Server:
                 raise APIError(400, f"{param}: {len(p)} {unit} cannot fit the context length {self.llm.context_length}",
                                param=param, code="context_length_exceeded")
 
-    def chat_messages(self, messages) -> list[dict]:
-        msgs = []
+    def chat_messages(self, messages, structured: Structured | None = None) -> list[dict]:
+        """The messages as the chat template takes them: tools, earlier tool calls and `role: "tool"`
+        results rendered natively when the template handles tools, else in the tool format."""
         for i, m in enumerate(messages):
             if m.role not in CHAT_ROLES:
                 raise APIError(400, f"messages.{i}.role: {m.role!r} is not a chat role; use one of {', '.join(CHAT_ROLES)}",
                                param="messages", code="invalid_value")
-            msgs.append({"role": m.role, "content": message_text(m.content)})
+        try:
+            msgs = chat_messages_with_tools(messages, structured or Structured(), self.tok.supports_tools())
+        except RequestError as e:
+            raise APIError(400, str(e), param=e.param, code="invalid_value") from None
         self.check_prompt_size(["".join(m["content"] for m in msgs)], "messages")
         return msgs
 
-    def chat_ids(self, msgs: list[dict], add_generation_prompt: bool) -> list[int]:
+    def chat_ids(self, msgs: list[dict], add_generation_prompt: bool, tools: list | None = None) -> list[int]:
         try:
-            return self.tok.apply_chat_template(msgs, add_generation_prompt=add_generation_prompt)
+            return self.tok.apply_chat_template(msgs, add_generation_prompt=add_generation_prompt,
+                                                tools=tools if tools and self.tok.supports_tools() else None)
         except ChatTemplateError as e:
             raise APIError(400, f"messages: {e}", param="messages", code="chat_template_error") from None
+
+    def structure(self, body, *, chat: bool) -> Structured:
+        """What the request asks of the output (a grammar, tool calls); a 400 naming the field for
+        an unimplemented field or a contradictory / malformed structured-output request."""
+        bad = unimplemented_fields(body, body.model_extra)
+        if bad:
+            raise APIError(400, f"{bad[0]}: not supported by this server" + (f" (nor {', '.join(bad[1:])})" if bad[1:] else "")
+                           + "; remove it", param=bad[0], code="invalid_value")
+        try:
+            return request_structure(body, self.tool_parser, chat=chat)
+        except RequestError as e:
+            raise APIError(400, str(e), param=e.param, code="invalid_value") from None
+        except GrammarError as e:
+            raise APIError(400, str(e), param=_grammar_param(body), code="invalid_value") from None
+
+    def compile(self, structured: Structured, params: SamplingParams, body):
+        """The request's grammar compiled (within the compile time limit), or None; a 400 saying why."""
+        try:
+            return self.llm.compile_grammar(structured.grammar, params)
+        except GrammarError as e:
+            raise APIError(400, str(e), param=_grammar_param(body), code="invalid_value") from None
 
     def encode(self, prompt, param: str = "prompt") -> list[int]:
         try:
@@ -223,6 +256,7 @@ class Server:
         kw["max_new_tokens"] = max_tokens if max_tokens is not None else default_max
         kw["stop"] = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
         kw["stop_token_ids"] = list(body.stop_token_ids) + [t for t in extra_stop_ids if t not in body.stop_token_ids]
+        kw["logit_bias"] = body.logit_bias
         try:
             mode = self.llm.mode(body.mode)
             params = self.llm.params(mode, kw)
@@ -237,12 +271,12 @@ class Server:
         return mode, params
 
     def submit(self, prompts: list[list[int]], mode: Mode, params: SamplingParams, n: int,
-               provisional: bool = False) -> ServeRequest:
+               provisional: bool = False, grammar=None) -> ServeRequest:
         rows = []
         for p in prompts:
             for i in range(n):
                 pi = dataclasses.replace(params, seed=(params.seed + i) % SEED_MOD) if params.seed is not None and i else params
-                rows.append(self.llm.row(p, pi))
+                rows.append(self.llm.row(p, pi, grammar))
         req = ServeRequest(rows, mode.spec(params, provisional), asyncio.get_running_loop(), provisional=provisional)
         if len(rows) > self.scheduler.capacity():
             raise APIError(400, f"n: {len(rows)} rows exceed what this server holds ({self.scheduler.capacity()})",
@@ -510,11 +544,11 @@ async def detokenize(body: DetokenizeRequest, srv: Srv):
 async def _generate(srv: Server, request: Request, body, prepared: tuple, *, chat: bool):
     """What both generation endpoints share: submit the rows, then either the SSE stream or
     the finished rows (a `_Run`)."""
-    prompts, mode, params = prepared
-    req = srv.submit(prompts, mode, params, body.n, provisional=_provisional(body))
+    prompts, mode, params, structured, grammar = prepared
+    req = srv.submit(prompts, mode, params, body.n, provisional=_provisional(body), grammar=grammar)
     rid, created = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", int(time.time())
     if body.stream:
-        return _stream(srv, req, prompts, body, rid, created, chat=chat)
+        return _stream(srv, req, prompts, body, rid, created, chat=chat, structured=structured)
     return _Run(srv, req, prompts, mode.name, rid, created, await srv.collect(request, req))
 
 
@@ -531,10 +565,12 @@ async def completions(body: CompletionRequest, request: Request, srv: Srv):
     if body.stream and body.logprobs is not None:
         raise APIError(400, "logprobs: not supported with stream; send a non-streaming request", param="logprobs")
     srv.check_prompt_size(raw, "prompt")
+    structured = srv.structure(body, chat=False)
 
     def prepare():
         prompts = [srv.encode(x) for x in raw]
-        return (prompts, *srv.params(body, prompts, default_max=COMPLETION_DEFAULT_MAX_TOKENS, prompt_param="prompt"))
+        mode, params = srv.params(body, prompts, default_max=COMPLETION_DEFAULT_MAX_TOKENS, prompt_param="prompt")
+        return prompts, mode, params, structured, srv.compile(structured, params, body)
 
     run = await _generate(srv, request, body, await srv.off_loop(prepare), chat=False)
     if isinstance(run, StreamingResponse):
@@ -576,15 +612,17 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, srv: S
     srv.check_model(body.model)
     if body.stream and body.logprobs:
         raise APIError(400, "logprobs: not supported with stream; send a non-streaming request", param="logprobs")
-    msgs = srv.chat_messages(body.messages)
+    structured = srv.structure(body, chat=True)
+    msgs = srv.chat_messages(body.messages, structured)
 
     def prepare():
-        ids = srv.chat_ids(msgs, body.add_generation_prompt)
+        ids = srv.chat_ids(msgs, body.add_generation_prompt, structured.tools)
         if not ids:
             raise APIError(400, "messages: the chat template produced no tokens", param="messages",
                            code="chat_template_error")
-        return ([ids], *srv.params(body, [ids], default_max=CHAT_DEFAULT_MAX_TOKENS, prompt_param="messages",
-                                   extra_stop_ids=srv.chat_stop_ids))
+        mode, params = srv.params(body, [ids], default_max=CHAT_DEFAULT_MAX_TOKENS, prompt_param="messages",
+                                  extra_stop_ids=srv.chat_stop_ids)
+        return [ids], mode, params, structured, srv.compile(structured, params, body)
 
     run = await _generate(srv, request, body, await srv.off_loop(prepare), chat=True)
     if isinstance(run, StreamingResponse):
@@ -606,19 +644,21 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, srv: S
                                 "top_logprobs": [{"token": srv.piece(a), "logprob": b, "bytes": list(srv.piece(a).encode())}
                                                  for a, b in top]})
             lp = {"content": content}
-        choices.append({"index": i, "message": {"role": "assistant", "content": g.text}, "logprobs": lp,
-                        "finish_reason": _finish_reason(g.finish_reason)})
+        message, finish = assistant_message(g.text, _finish_reason(g.finish_reason), structured)
+        choices.append({"index": i, "message": message, "logprobs": lp, "finish_reason": finish})
     return run.response("chat.completion", choices)
 
 
 def create_app(llm, *, model_name: str = "clover", max_batch: int = MAX_BATCH, max_queue: int = MAX_QUEUE,
-               api_key: str | None = None, drain_timeout: float = 10.0, max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
+               api_key: str | None = None, drain_timeout: float = 10.0, max_body_bytes: int = MAX_BODY_BYTES,
+               tool_parser: str | None = None) -> FastAPI:
     """The FastAPI app serving `llm` (a `clover.LLM`). `max_batch`: rows in flight at once;
     `max_queue`: rows that may wait beyond those (more answers 429); `api_key`: required as
     `Authorization: Bearer KEY` on /v1/*, /tokenize and /detokenize when set; `max_body_bytes`:
-    the largest request body (413 beyond)."""
+    the largest request body (413 beyond); `tool_parser`: the tool-call format by name
+    (`serve.tools.PARSERS`; default: read off the chat template)."""
     srv = Server(llm, model_name=model_name, max_batch=max_batch, max_queue=max_queue, api_key=api_key,
-                 drain_timeout=drain_timeout, max_body_bytes=max_body_bytes)
+                 drain_timeout=drain_timeout, max_body_bytes=max_body_bytes, tool_parser=tool_parser)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -678,8 +718,20 @@ def _provisional(body) -> bool:
     return bool(body.stream and body.stream_options and body.stream_options.provisional)
 
 
-def _stream(srv: Server, req: ServeRequest, prompts, body, rid: str, created: int, *, chat: bool) -> StreamingResponse:
+def _grammar_param(body) -> str | None:
+    """The request field that carries the grammar (for a 400's `param`)."""
+    for name in ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_grammar",
+                 "guided_choice", "tools"):
+        if getattr(body, name, None) is not None:
+            return name
+    return None
+
+
+def _stream(srv: Server, req: ServeRequest, prompts, body, rid: str, created: int, *, chat: bool,
+            structured: Structured | None = None) -> StreamingResponse:
     obj = "chat.completion.chunk" if chat else "text_completion"
+    # tool calls: content passes until a call may start; the calls go out as deltas at the end
+    calls = [StreamCalls(structured) for _ in req.rows] if chat and structured and structured.parse_calls else None
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     pieces: dict[int, str] = {}  # token id -> its text, for the provisional events
 
@@ -696,13 +748,16 @@ def _stream(srv: Server, req: ServeRequest, prompts, body, rid: str, created: in
             out["usage"] = None
         return _sse(out)
 
-    def chunk(index: int, text: str | None, finish: str | None = None, role: bool = False) -> str:
+    def chunk(index: int, text: str | None, finish: str | None = None, role: bool = False,
+              tool_calls: list | None = None) -> str:
         if chat:
             delta = {}
             if role:
                 delta["role"] = "assistant"
             if text is not None:
                 delta["content"] = text
+            if tool_calls:
+                delta["tool_calls"] = tool_calls
             choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
         else:
             choice = {"index": index, "text": text or "", "logprobs": None, "finish_reason": finish}
@@ -727,20 +782,29 @@ def _stream(srv: Server, req: ServeRequest, prompts, body, rid: str, created: in
                     if req.provisional:  # the clover extension (stream_options.provisional)
                         yield extension(i, "commit", token_ids=ev.token_ids, pieces=[piece(t) for t in ev.token_ids],
                                         steps=ev.steps, forced=ev.forced)
-                    if ev.text:
-                        yield chunk(i, ev.text)
+                    text = calls[i].feed(ev.text) if calls else ev.text
+                    if text:
+                        yield chunk(i, text)
                 elif ev.kind == "provisional":  # only for requests that asked
                     yield extension(i, "provisional", block=ev.block, step=ev.step, token_ids=ev.token_ids,
                                     pieces=[piece(t) for t in ev.token_ids], steps=ev.steps)
                 elif ev.kind == "done":
                     gen = gens[i] = ev.generation
                     left -= 1
-                    if ev.text:
-                        yield chunk(i, ev.text)
+                    finish = _finish_reason(gen.finish_reason)
+                    text, deltas = ev.text, None
+                    if calls:
+                        text = calls[i].feed(ev.text)
+                        rest, deltas, finish = calls[i].finish(finish)
+                        text += rest
+                    if text:
+                        yield chunk(i, text)
+                    for d in deltas or ():  # the official deltas: one per call, name and arguments whole
+                        yield chunk(i, None, tool_calls=[d])
                     if req.provisional:
                         yield extension(i, "done", finish_reason=_finish_reason(gen.finish_reason),
                                         stats=gen.stats.as_dict(), forced_tokens=gen.forced_tokens)
-                    yield chunk(i, None if chat else "", finish=_finish_reason(gen.finish_reason))
+                    yield chunk(i, None if chat else "", finish=finish)
                 else:  # "error": the request is over
                     left = 0
                     yield _sse({"error": {"message": ev.text, "type": "server_error", "param": None, "code": "engine_error"}})
@@ -761,13 +825,13 @@ def _stream(srv: Server, req: ServeRequest, prompts, body, rid: str, created: in
 def serve(model_dir=None, host: str = HOST, port: int = PORT, max_batch: int = MAX_BATCH, max_queue: int = MAX_QUEUE,
           api_key: str | None = None, device: str | None = None, dtype: str | None = None,
           model_name: str | None = None, log_level: str = "info", max_body_bytes: int = MAX_BODY_BYTES,
-          check_finite: bool | None = None) -> None:
+          check_finite: bool | None = None, tool_parser: str | None = None) -> None:
     """Load a model directory (`clover.load`) and serve it until interrupted."""
     from ..api import load
 
     llm = load(model_dir, dtype=dtype, device=device, check_finite=check_finite)
     run_app(llm, host=host, port=port, max_batch=max_batch, max_queue=max_queue, api_key=api_key,
-            model_name=model_name, log_level=log_level, max_body_bytes=max_body_bytes)
+            model_name=model_name, log_level=log_level, max_body_bytes=max_body_bytes, tool_parser=tool_parser)
 
 
 def uvicorn_server(app: FastAPI, *, host: str, port: int, log_level: str = "info", graceful: float | None = 30.0):
@@ -789,11 +853,11 @@ def uvicorn_server(app: FastAPI, *, host: str, port: int, log_level: str = "info
 
 def run_app(llm, *, host: str = HOST, port: int = PORT, max_batch: int = MAX_BATCH, max_queue: int = MAX_QUEUE,
             api_key: str | None = None, model_name: str | None = None, log_level: str = "info",
-            max_body_bytes: int = MAX_BODY_BYTES) -> None:
+            max_body_bytes: int = MAX_BODY_BYTES, tool_parser: str | None = None) -> None:
     """Serve a loaded `llm` until interrupted (the model id clients send: `model_name`, default the
     directory name)."""
     name = model_name or (llm.path.name if getattr(llm, "path", None) else "clover")
     app = create_app(llm, model_name=name, max_batch=max_batch, max_queue=max_queue, api_key=api_key,
-                     max_body_bytes=max_body_bytes)
+                     max_body_bytes=max_body_bytes, tool_parser=tool_parser)
     uvicorn_server(app, host=host, port=port, log_level=log_level).run()
 

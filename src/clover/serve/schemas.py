@@ -76,7 +76,8 @@ class StreamOptions(BaseModel):
 class _Request(BaseModel):
     """What /v1/completions and /v1/chat/completions share beside the generation options."""
 
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+    # unknown fields are kept so the server can refuse them by name (never silently dropped)
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
     model: str | None = Field(default=None, max_length=256)
     n: int = Field(default=1, ge=1, le=MAX_N)
@@ -86,6 +87,17 @@ class _Request(BaseModel):
     frequency_penalty: float = Field(default=0.0, ge=0, le=0, description="not supported: only 0 is accepted")
     mode: Annotated[str, AfterValidator(_registered_mode), Field(json_schema_extra=_mode_enum)] | None = Field(
         default=None, description="the decoding mode (null = the model's default: diffusion for a Clover checkpoint)")
+    # structured output (docs/structured-output.md): one of these constrains the output in every mode
+    logit_bias: dict[str, float] | None = Field(default=None, description="token id -> bias in [-100, 100] added to its logit")
+    response_format: dict | None = Field(default=None, description=(
+        '{"type": "text"}, {"type": "json_object"} or {"type": "json_schema", "json_schema": {"name", "schema", "strict"}}'))
+    structured_outputs: dict | None = Field(default=None, description=(
+        "vLLM's: one of json (a schema), json_object, regex, grammar (Lark or GBNF), choice (strings)"))
+    guided_json: Union[dict, str, None] = Field(default=None, description="vLLM's: a JSON schema")
+    guided_regex: str | None = Field(default=None, description="vLLM's: a regular expression")
+    guided_grammar: str | None = Field(default=None, description="vLLM's: a Lark or GBNF grammar")
+    guided_choice: list[str] | None = Field(default=None, description="vLLM's: the output is one of these strings")
+    best_of: int | None = Field(default=None, description="not supported (only 1)")
 
 
 # Every generation option of `clover.decoding.sampling.LIMITS`, under its request name, with the
@@ -117,12 +129,24 @@ class CompletionRequest(_Sampling):
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "function")
 
 
+class ToolCallIn(BaseModel):
+    """An assistant message's earlier tool call (as the OpenAI API returned it)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: dict
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     role: Literal[CHAT_ROLES]  # type: ignore[valid-type]
     content: Union[str, list[dict], None] = ""
     name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None
+    tool_call_id: str | None = None
 
 
 class ChatCompletionRequest(_Sampling):
@@ -131,6 +155,9 @@ class ChatCompletionRequest(_Sampling):
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     add_generation_prompt: bool = True
     max_completion_tokens: int | None = Field(default=None, ge=0)
+    tools: list[dict] | None = Field(default=None, max_length=128)
+    tool_choice: Union[Literal["auto", "required", "none"], dict, None] = None
+    parallel_tool_calls: bool | None = None
 
 
 class TokenizeRequest(BaseModel):
