@@ -337,8 +337,9 @@ def test_transformers_equals_clover(which, exports, isolated):
             torch.testing.assert_close(got, ref, atol=ATOL, rtol=0)
             worst = max(worst, float((got - ref).abs().max()))
         T = max(map(len, prompts))
-        for i, p in enumerate(prompts):  # left padding: the valid positions equal the row alone
-            torch.testing.assert_close(res["logits_left_padded"][i, T - len(p):], res["logits"][i], atol=ATOL, rtol=0)
+        for i, p in enumerate(prompts):  # left padding: the valid positions equal the row alone (padding
+            # lengthens the attention sums, so fp32 rounding moves large logits by a few ulps: rtol too)
+            torch.testing.assert_close(res["logits_left_padded"][i, T - len(p):], res["logits"][i], atol=ATOL, rtol=1e-5)
     report["max_abs_logit_diff"] = worst
     N = NEW_TOKENS
     same = 0

@@ -9,7 +9,7 @@ import json
 import pytest
 
 from clover.decoding.ar import AREngine
-from clover.decoding.modes import Mode, mode_names, register, unregister
+from clover.decoding.modes import EngineSpec, Mode, mode_names, register, unregister
 
 
 class Toy(Mode):
@@ -17,13 +17,13 @@ class Toy(Mode):
     summary = "AR greedy under another name: one token per forward, the argmax of the last position"
 
     def __init__(self) -> None:
-        self.built: list = []  # the options of every engine built, to see which front end reached it
+        self.built: list = []  # the options of every request resolved, to see which front end reached it
 
-    def group(self, params) -> tuple:
-        return (self.name, "its own batch")
+    def spec(self, params, provisional=False) -> EngineSpec:
+        self.built.append(params)  # every front end resolves a request's options to its spec here
+        return EngineSpec(self)  # its own batch: a spec carries its mode
 
-    def make_engine(self, model, params, *, mask_id, pad_id, provisional=False):
-        self.built.append(params)
+    def make_engine(self, model, spec, *, mask_id, pad_id):
         return AREngine(model, pad_id=pad_id)
 
 
