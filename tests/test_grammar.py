@@ -173,3 +173,13 @@ def test_bench_json_workload(tiny_llm):
         assert j["grammar_ms_per_forward"] is not None
     assert res["modes"]["diffusion"]["quality"]["json"]["grammar_forced_share"] > 0
     assert res["modes"]["speculative"]["matches_ar"] == 1.0
+
+
+def test_a_mode_without_grammar_support_refuses_one(bundled):
+    from clover.decoding import get_mode
+    from clover.decoding.modes import mode_names
+
+    for name in mode_names():
+        if not get_mode(name).grammar:
+            with pytest.raises(GrammarError, match="does not support structured output"):
+                bundled.compile_grammar({"regex": "a"}, bundled.params("ar", {}), mode=name)

@@ -202,13 +202,17 @@ class LLM:
         """The tokens that end a row: the config's EOS ids and the tokenizer's (every front end's set)."""
         return set(self._eos_ids)
 
-    def compile_grammar(self, grammar, params: SamplingParams, *, eos_ids=None):
+    def compile_grammar(self, grammar, params: SamplingParams, *, eos_ids=None, mode: Mode | str | None = None):
         """`grammar` (a `clover.grammar.GrammarSpec`, a dict {kind: source}, or None) compiled for
         this model's tokenizer; the EOS and stop tokens end the output once it is complete.
         GrammarError (a ValueError "grammar: why") when it cannot be used."""
         if grammar is None:
             return None
-        from .grammar import GrammarSpec, compile_grammar
+        from .grammar import GrammarError, GrammarSpec, compile_grammar
+
+        if mode is not None and not self.mode(mode).grammar:
+            raise GrammarError(f"mode: {self.mode(mode).name} does not support structured output; "
+                               "use ar, diffusion or speculative")
 
         ends = set(self.eos_ids() if eos_ids is None else eos_ids) | set(params.stop_token_ids)
         if params.ignore_eos:
@@ -276,7 +280,7 @@ class LLM:
         ids = [self.encode_prompt(p) for p in prompts]
         for p in ids:
             self.check_length(len(p), params, m)
-        compiled = self.compile_grammar(grammar, params)
+        compiled = self.compile_grammar(grammar, params, mode=m)
         rows = [self.row(p, params, compiled) for p in ids]
         for _ in self._events(rows, m.spec(params)):
             pass
@@ -292,7 +296,7 @@ class LLM:
         params = resolve_params(m, kwargs, self.config)
         ids = self.encode_prompt(prompt)
         self.check_length(len(ids), params, m)
-        row = self.row(ids, params, self.compile_grammar(grammar, params))
+        row = self.row(ids, params, self.compile_grammar(grammar, params, mode=m))
         stream = RowStream(self, row)
         held: StreamEvent | None = None  # tokens committed while the text could not advance yet
         for ev in self._events([row], m.spec(params, provisional)):

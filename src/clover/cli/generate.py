@@ -97,7 +97,7 @@ def run(args: argparse.Namespace) -> int:
     if grammar is not None:
         if args.engine != "torch":
             raise UsageError("--json-schema / --grammar: only with --engine torch")
-        llm.compile_grammar(grammar, params)  # a bad grammar is reported before anything runs
+        llm.compile_grammar(grammar, params, mode=mode)  # a bad grammar is reported before anything runs
         kwargs["grammar"] = grammar
     masked = mode.needs_mask  # block size and threshold mean something for this mode
     tty = sys.stdout.isatty()

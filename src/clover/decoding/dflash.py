@@ -176,6 +176,7 @@ class DFlashEngine(BatchEngine):
 
 
 class DFlash(Mode):
+    grammar = False  # the drafter's proposals are not grammar-masked yet: a constrained request is refused
     name = "dflash"
     needs_drafter = True  # the engine needs a DFlash drafter next to the target (`clover.load(..., drafter=)`)
     reference = "ar"

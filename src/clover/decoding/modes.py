@@ -49,6 +49,7 @@ class Mode:
     reference: str | None = None  # a lossless mode: its greedy tokens equal this mode's
     auto_width: bool = False  # takes block_size="auto" (otherwise "auto" means the model's block size)
     summary: str = ""
+    grammar: bool = True  # obeys a row's grammar (clover.grammar); a mode that does not refuses one
 
     def check(self, params: SamplingParams) -> None:
         """Mode-specific checks, after the model's defaults are filled in (ValueError "option: why")."""

@@ -229,10 +229,10 @@ class Server:
         except GrammarError as e:
             raise APIError(400, str(e), param=_grammar_param(body), code="invalid_value") from None
 
-    def compile(self, structured: Structured, params: SamplingParams, body):
+    def compile(self, structured: Structured, params: SamplingParams, body, mode: Mode | None = None):
         """The request's grammar compiled (within the compile time limit), or None; a 400 saying why."""
         try:
-            return self.llm.compile_grammar(structured.grammar, params)
+            return self.llm.compile_grammar(structured.grammar, params, mode=mode)
         except GrammarError as e:
             raise APIError(400, str(e), param=_grammar_param(body), code="invalid_value") from None
 
@@ -570,7 +570,7 @@ async def completions(body: CompletionRequest, request: Request, srv: Srv):
     def prepare():
         prompts = [srv.encode(x) for x in raw]
         mode, params = srv.params(body, prompts, default_max=COMPLETION_DEFAULT_MAX_TOKENS, prompt_param="prompt")
-        return prompts, mode, params, structured, srv.compile(structured, params, body)
+        return prompts, mode, params, structured, srv.compile(structured, params, body, mode)
 
     run = await _generate(srv, request, body, await srv.off_loop(prepare), chat=False)
     if isinstance(run, StreamingResponse):
@@ -622,7 +622,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, srv: S
                            code="chat_template_error")
         mode, params = srv.params(body, [ids], default_max=CHAT_DEFAULT_MAX_TOKENS, prompt_param="messages",
                                   extra_stop_ids=srv.chat_stop_ids)
-        return [ids], mode, params, structured, srv.compile(structured, params, body)
+        return [ids], mode, params, structured, srv.compile(structured, params, body, mode)
 
     run = await _generate(srv, request, body, await srv.off_loop(prepare), chat=True)
     if isinstance(run, StreamingResponse):
