@@ -15,7 +15,7 @@ PKG = SRC / "clover"
 # lowest first; a module may import its own layer and the ones below
 LAYERS = [
     # "clover": the package face (its names are imported lazily, through `clover.lazy`)
-    {"clover", "config", "kernels", "tokenizer", "moe", "decoding", "data", "precision", "grammar", "lazy"},
+    {"clover", "config", "kernels", "tokenizer", "moe", "decoding", "data", "precision", "grammar", "lazy", "paths"},
     {"cache", "models", "model"},
     {"checkpoint", "weights", "convert", "quant", "tiny", "export", "gguf_import", "named"},
     {"api"},

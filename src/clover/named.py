@@ -23,6 +23,7 @@ import sys
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
+from .paths import user_cache
 
 MODELS_ENV = "CLOVER_MODELS"
 ASSETS = Path(__file__).parent / "assets"
@@ -52,11 +53,7 @@ class PullError(RuntimeError):
 
 def models_root() -> Path:
     """Where named models live: `$CLOVER_MODELS`, else `${XDG_CACHE_HOME:-~/.cache}/clover/models`."""
-    env = os.environ.get(MODELS_ENV)
-    if env:
-        return Path(env).expanduser()
-    cache = os.environ.get("XDG_CACHE_HOME") or "~/.cache"
-    return Path(cache).expanduser() / "clover" / "models"
+    return user_cache("models", env=MODELS_ENV)
 
 
 def model_path(name: str) -> Path:

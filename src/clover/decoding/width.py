@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import platform
 import statistics
 import time
@@ -38,6 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from ..paths import user_cache
 
 KINDS = ("commit", "denoise", "verify")
 POSITIONS = (1, 2, 4, 8, 16, 32, 64)
@@ -48,7 +48,7 @@ PRIOR_PSEUDO_FORWARDS = 8.0  # how many forwards' worth of evidence the prior to
 
 # ------------------------------------------------------------------------------ identity
 def cost_root() -> Path:
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "clover" / "cost"
+    return user_cache("cost")
 
 
 def _cpu_name() -> str:

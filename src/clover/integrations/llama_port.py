@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Iterator
 
 import numpy as np
+from ..paths import user_cache
 
 MODES = ("ar", "diffusion", "speculative")
 OTHER_MODES = {  # clover's other modes: why the port does not run them
@@ -42,10 +43,7 @@ FLAGS = {"max_new_tokens": "-n", "block_size": "--block", "draft_length": "--dra
 
 def llama_cache_dir() -> Path:
     """The cache dir of scripts/build-llama-cpp.sh."""
-    env = os.environ.get("CLOVER_LLAMA_CPP_DIR")
-    if env:
-        return Path(env)
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "clover" / "llama.cpp"
+    return user_cache("llama.cpp", env="CLOVER_LLAMA_CPP_DIR")
 
 
 def port_binary() -> Path:

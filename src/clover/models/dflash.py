@@ -40,7 +40,7 @@ from torch import nn
 
 from ..cache import AttentionState, HybridCache, scatter_kv
 from ..config import ConfigError
-from .layers import MLP, RotaryEmbedding, Segments, apply_rope, cached_attention_mask, step_positions
+from .layers import PlainRMSNorm, MLP, RotaryEmbedding, Segments, apply_rope, cached_attention_mask, step_positions
 
 ARCHITECTURE = "DFlashDraftModel"
 
@@ -177,20 +177,6 @@ class DFlashConfig:
 
 
 # --------------------------------------------------------------------------- layers
-class Qwen3RMSNorm(nn.Module):
-    """y = w * x * rsqrt(mean(x^2) + eps), normalised in fp32 (w initialised to 1)."""
-
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        y = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x)
-        return self.weight * y
-
-
 class DraftAttention(nn.Module):
     """Queries from the block; keys/values from the context vectors (cached) and the block itself."""
 
@@ -202,8 +188,8 @@ class DraftAttention(nn.Module):
         self.k_proj = nn.Linear(c.hidden_size, self.num_kv_heads * self.head_dim, bias=b)
         self.v_proj = nn.Linear(c.hidden_size, self.num_kv_heads * self.head_dim, bias=b)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, c.hidden_size, bias=b)
-        self.q_norm = Qwen3RMSNorm(self.head_dim, c.rms_norm_eps)
-        self.k_norm = Qwen3RMSNorm(self.head_dim, c.rms_norm_eps)
+        self.q_norm = PlainRMSNorm(self.head_dim, c.rms_norm_eps)
+        self.k_norm = PlainRMSNorm(self.head_dim, c.rms_norm_eps)
 
     def kv(self, x: torch.Tensor, rope) -> tuple[torch.Tensor, torch.Tensor]:
         B, T, _ = x.shape
@@ -226,8 +212,8 @@ class DraftLayer(nn.Module):
         super().__init__()
         self.self_attn = DraftAttention(c)
         self.mlp = MLP(c.hidden_size, c.intermediate_size)
-        self.input_layernorm = Qwen3RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.post_attention_layernorm = Qwen3RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.input_layernorm = PlainRMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.post_attention_layernorm = PlainRMSNorm(c.hidden_size, c.rms_norm_eps)
 
     def forward(self, x, rope_q, ctx_k, ctx_v, mask) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), rope_q, ctx_k, ctx_v, mask)
@@ -242,9 +228,9 @@ class DFlashDrafter(nn.Module):
         super().__init__()
         c = self.config = config
         self.layers = nn.ModuleList(DraftLayer(c) for _ in range(c.num_hidden_layers))
-        self.norm = Qwen3RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.norm = PlainRMSNorm(c.hidden_size, c.rms_norm_eps)
         self.fc = nn.Linear(len(c.target_layer_ids) * c.hidden_size, c.hidden_size, bias=False)
-        self.hidden_norm = Qwen3RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.hidden_norm = PlainRMSNorm(c.hidden_size, c.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(c.head_dim, c.rope_theta)
 
     # -- properties the engine reads

@@ -56,6 +56,12 @@ class ExpertStats:
 
 
 # --------------------------------------------------------------------------- norms & rope
+def _rms_normalise(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """x * rsqrt(mean(x^2) + eps) over the last dim, in fp32."""
+    xf = x.float()
+    return xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+
+
 class RMSNorm(nn.Module):
     """Zero-centred RMSNorm: y = x * rsqrt(mean(x^2) + eps) * (1 + w), computed in fp32."""
 
@@ -65,25 +71,27 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.zeros(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (y * (1.0 + self.weight.float())).type_as(x)
+        return (_rms_normalise(x, self.eps) * (1.0 + self.weight.float())).type_as(x)
 
 
-class GatedRMSNorm(nn.Module):
-    """Plain-weight RMSNorm (w initialised to 1) followed by a SiLU gate, for the GDN output."""
+class PlainRMSNorm(nn.Module):
+    """Plain-weight RMSNorm: y = w * (x * rsqrt(mean(x^2) + eps)), normalised in fp32, w initialised to 1
+    (Llama's and Qwen3's norm, and the GDN output norm before its gate)."""
 
     def __init__(self, dim: int, eps: float = 1e-6) -> None:
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.weight * _rms_normalise(x, self.eps).to(x.dtype)
+
+
+class GatedRMSNorm(PlainRMSNorm):
+    """PlainRMSNorm followed by a SiLU gate, for the GDN output."""
+
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        xf = x.float()
-        y = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(dtype)
-        y = self.weight * y
-        return (y * F.silu(gate.float())).to(dtype)
+        return (super().forward(x) * F.silu(gate.float())).to(x.dtype)
 
 
 class RotaryEmbedding(nn.Module):

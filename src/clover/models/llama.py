@@ -33,7 +33,7 @@ from torch import nn
 
 from ..config import CloverConfig, ConfigError
 from ..moe import BlockSharing
-from .layers import GatedAttention, Segments, apply_rope, block_diffusion_mask
+from .layers import PlainRMSNorm, GatedAttention, Segments, apply_rope, block_diffusion_mask
 from .qwen3_5 import KeyLayout, Qwen3_5ForCausalLM
 from .registry import Architecture
 
@@ -192,20 +192,6 @@ class LlamaRotaryEmbedding(nn.Module):
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
-class LlamaRMSNorm(nn.Module):
-    """y = w * (x * rsqrt(mean(x^2) + eps)), normalised in fp32, w initialised to 1."""
-
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * y.to(x.dtype)
-
-
 class LlamaAttention(Adapted, GatedAttention):
     """Grouped-query attention without output gate or q/k norms; the cached path (writing K/V at each
     row's length, attending under the step's mask) is the family's."""
@@ -253,8 +239,8 @@ class LlamaDecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = LlamaAttention(args)
         self.mlp = LlamaMLP(args)
-        self.input_layernorm = LlamaRMSNorm(args.hidden_size, args.rms_norm_eps)
-        self.post_attention_layernorm = LlamaRMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.input_layernorm = PlainRMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.post_attention_layernorm = PlainRMSNorm(args.hidden_size, args.rms_norm_eps)
 
     @property
     def mixer(self) -> nn.Module:
@@ -298,7 +284,7 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.embed_tokens = LlamaEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(LlamaDecoderLayer(args) for _ in range(config.num_hidden_layers))
-        self.norm = LlamaRMSNorm(config.hidden_size, args.rms_norm_eps)
+        self.norm = PlainRMSNorm(config.hidden_size, args.rms_norm_eps)
         self.rotary_emb = LlamaRotaryEmbedding(args)
 
 

@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 import tomllib
+from ..paths import user_cache
 
 STAGES = ("ar", "diffusion", "drafter")
 SCHEDULES = ("cosine", "wsd", "constant")
@@ -53,11 +54,7 @@ RUNS_VAR = "${runs}"  # in a recipe path: the run root
 
 def runs_root() -> Path:
     """Where run directories go by default: `$CLOVER_RUNS`, else `${XDG_CACHE_HOME:-~/.cache}/clover/runs`."""
-    env = os.environ.get(RUNS_ENV)
-    if env:
-        return Path(env).expanduser()
-    cache = os.environ.get("XDG_CACHE_HOME") or "~/.cache"
-    return Path(cache).expanduser() / "clover" / "runs"
+    return user_cache("runs", env=RUNS_ENV)
 
 
 MODELS_VAR = "${models}"  # in a recipe path: the named models' root (`clover.named.models_root`)
