@@ -293,3 +293,12 @@ progress = false
     assert llm.drafter.block_size == 8 and llm.drafter.dtype == torch.float32
     got = llm.generate([1, 2, 3], mode="dflash", max_new_tokens=10, ignore_eos=True)
     assert got.token_ids == llm.generate([1, 2, 3], mode="ar", max_new_tokens=10, ignore_eos=True).token_ids
+
+
+def test_bundled_model_ships_its_drafter():
+    llm = clover.load()
+    assert llm.drafter is not None and llm.mode_available("dflash")
+    prompt = "def fibonacci(n):"
+    df = llm.generate(prompt, mode="dflash", max_new_tokens=24)
+    assert df.token_ids == llm.generate(prompt, mode="ar", max_new_tokens=24).token_ids
+    assert df.stats.forwards < 24 and df.stats.draft_forwards == len(df.stats.accept_lengths)
