@@ -321,14 +321,20 @@ def run_cost(args) -> int:
     return 0
 
 
-def run_decode(args) -> int:
-    from ..bench.decode import decode_table, plot_decode, run_decode as bench_decode
+def _check_run(args) -> None:
+    """The options decode and sweep share: counts positive, the threshold by a request's rule."""
     from ..decoding.sampling import LIMITS
 
     positive("--prompts", args.prompts)
     positive("--max-new-tokens", args.max_new_tokens)
     positive("--block-size", args.block_size)
-    LIMITS["threshold"].check("--threshold", args.threshold)  # the rule a request's threshold is checked by
+    LIMITS["threshold"].check("--threshold", args.threshold)
+
+
+def run_decode(args) -> int:
+    from ..bench.decode import decode_table, plot_decode, run_decode as bench_decode
+
+    _check_run(args)
     modes = parse_modes(args.modes)  # None: every registered mode
     llm, note = _load(args)
     result = bench_decode(llm, workload=args.workload, prompts=args.prompts, max_new_tokens=args.max_new_tokens,
@@ -346,9 +352,7 @@ def run_decode(args) -> int:
 def run_sweep(args) -> int:
     from ..bench.sweep import plot_sweep, run_sweep as bench_sweep, sweep_table
 
-    positive("--prompts", args.prompts)
-    positive("--max-new-tokens", args.max_new_tokens)
-    positive("--block-size", args.block_size)
+    _check_run(args)
     thresholds = parse_list(args.thresholds, float, "--thresholds")
     block_sizes = parse_list(args.block_sizes, int, "--block-sizes")
     confidences = parse_list(args.confidences, str, "--confidences")

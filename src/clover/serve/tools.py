@@ -61,6 +61,12 @@ class ToolCall:
         return d if index is None else {"index": index, **d}
 
 
+def call_arguments(call: dict) -> dict:
+    """An OpenAI tool call's arguments as a dict (the API sends them as a JSON string)."""
+    args = call["function"].get("arguments") or "{}"
+    return json.loads(args) if isinstance(args, str) else args
+
+
 def _functions(tools) -> list[dict]:
     return [t["function"] for t in tools]
 
@@ -125,9 +131,7 @@ class Hermes(ToolParser):
                 '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>')
 
     def render_call(self, call: dict) -> str:
-        fn = call["function"]
-        args = fn.get("arguments") or "{}"
-        args = json.loads(args) if isinstance(args, str) else args
+        fn, args = call["function"], call_arguments(call)
         return "<tool_call>\n" + json.dumps({"name": fn["name"], "arguments": args}, ensure_ascii=False) + "\n</tool_call>"
 
     def _call_rule(self, rule: str, fn: dict) -> str:
@@ -166,9 +170,7 @@ class Qwen3XML(ToolParser):
                 "</parameter>\n</function>\n</tool_call>")
 
     def render_call(self, call: dict) -> str:
-        fn = call["function"]
-        args = fn.get("arguments") or "{}"
-        args = json.loads(args) if isinstance(args, str) else args
+        fn, args = call["function"], call_arguments(call)
         out = f"<tool_call>\n<function={fn['name']}>\n"
         for k, v in args.items():
             out += f"<parameter={k}>\n{v if isinstance(v, str) else json.dumps(v, ensure_ascii=False)}\n</parameter>\n"
