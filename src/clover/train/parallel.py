@@ -127,14 +127,14 @@ def clip_grad_norm_(params: list[torch.nn.Parameter], max_norm: float) -> torch.
 def meta_start_reason(recipe) -> str | None:
     """Why this FSDP run cannot start on the meta device (None: it can). The meta start needs a
     safetensors model directory as `init` (the weights each rank reads its shards from)."""
-    from ..config import CloverConfig
+    from ..models import read_config
     from . import checkpointing as ck
 
     if not recipe.init:
         return "no init (a model trained from scratch is initialised whole, then sharded)"
     if ck.checkpoint_format(recipe.init) != "safetensors":
         return "init is a DCP checkpoint (it is loaded through DCP)"
-    if CloverConfig.from_file(recipe.init).quantization_config:
+    if read_config(recipe.init).quantization_config:
         return "init is quantized"
     if recipe.data.distill_fraction:
         return "the self-distillation set needs the whole init model"
@@ -147,11 +147,10 @@ def build_on_meta(recipe, mask_token_id: int | None) -> tuple[nn.Module, dict[st
     """The model of `recipe.init` on the meta device (a Clover model when stage "diffusion" starts
     from an AR one), and the tensors that are not in the files (the Clover parameters at their
     initial values, small). Nothing of the weights is read."""
-    from ..config import CloverConfig
-    from ..models import build_model
+    from ..models import build_model, read_config
     from ..models.clover import clover_config, clover_parameters
 
-    config = CloverConfig.from_file(recipe.init)
+    config = read_config(recipe.init)
     extra: dict[str, torch.Tensor] = {}
     if recipe.stage == "diffusion" and not config.is_clover:
         if mask_token_id is None:
