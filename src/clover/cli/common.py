@@ -81,9 +81,16 @@ def add_model_arguments(p: argparse.ArgumentParser, *, positional: bool = False,
 
 
 def model_dir(args: argparse.Namespace) -> Path:
-    """The model directory the user chose, or the default one (raises FileNotFoundError)."""
+    """The model directory the user chose (a directory, or a model name such as clover-smol, pulled
+    into the user cache), or the default one (raises FileNotFoundError)."""
     given = getattr(args, "model_pos", None) or getattr(args, "model", None)
     if given:
+        if not Path(given).exists():
+            from ..named import resolve_named
+
+            named = resolve_named(str(given))
+            if named is not None:
+                return named
         return Path(given)
     from ..api import default_model_path
 
