@@ -40,7 +40,7 @@ from torch import nn
 
 from ..cache import AttentionState, HybridCache, scatter_kv
 from ..config import ConfigError
-from .layers import PlainRMSNorm, MLP, RotaryEmbedding, Segments, apply_rope, cached_attention_mask, step_positions
+from .layers import PlainRMSNorm, init_plain_weights, MLP, RotaryEmbedding, Segments, apply_rope, cached_attention_mask, step_positions
 
 ARCHITECTURE = "DFlashDraftModel"
 
@@ -339,14 +339,7 @@ class DFlashDrafter(nn.Module):
     # -- initialisation
     @torch.no_grad()
     def init_weights(self, seed: int | None = None, std: float = 0.02) -> None:
-        gen = torch.Generator().manual_seed(seed) if seed is not None else None
-        for name, p in self.named_parameters():
-            if "norm" in name:
-                p.fill_(1.0)
-            elif name.endswith("bias"):
-                p.zero_()
-            else:
-                p.copy_(torch.randn(p.shape, generator=gen) * std)
+        init_plain_weights(self, seed, std)
 
 
 class DrafterKeyLayout:

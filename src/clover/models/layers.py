@@ -87,6 +87,20 @@ class PlainRMSNorm(nn.Module):
         return self.weight * _rms_normalise(x, self.eps).to(x.dtype)
 
 
+@torch.no_grad()
+def init_plain_weights(module: nn.Module, seed: int | None, std: float) -> None:
+    """The plain-weight families' initialisation (Llama, the DFlash drafter): normal(0, std) for
+    matrices and embeddings, zero biases, norms at 1, drawn in parameter order from `seed`."""
+    gen = torch.Generator().manual_seed(seed) if seed is not None else None
+    for name, p in module.named_parameters():
+        if "norm" in name:
+            p.fill_(1.0)
+        elif name.endswith("bias"):
+            p.zero_()
+        else:
+            p.copy_(torch.randn(p.shape, generator=gen) * std)
+
+
 class GatedRMSNorm(PlainRMSNorm):
     """PlainRMSNorm followed by a SiLU gate, for the GDN output."""
 

@@ -33,7 +33,7 @@ from torch import nn
 
 from ..config import CloverConfig, ConfigError
 from ..moe import BlockSharing
-from .layers import PlainRMSNorm, GatedAttention, Segments, apply_rope, block_diffusion_mask
+from .layers import init_plain_weights, PlainRMSNorm, GatedAttention, Segments, apply_rope, block_diffusion_mask
 from .qwen3_5 import KeyLayout, Qwen3_5ForCausalLM
 from .registry import Architecture
 
@@ -398,15 +398,7 @@ class LlamaForCausalLM(Qwen3_5ForCausalLM):
     @torch.no_grad()
     def init_weights(self, seed: int | None = None, std: float | None = None) -> None:
         """normal(0, std) for matrices and embeddings, zero biases, norms at 1."""
-        gen = torch.Generator().manual_seed(seed) if seed is not None else None
-        std = std if std is not None else self.config.initializer_range
-        for name, p in self.named_parameters():
-            if "norm" in name:
-                p.fill_(1.0)
-            elif name.endswith(".bias"):
-                p.zero_()
-            else:
-                p.copy_(torch.randn(p.shape, generator=gen) * std)
+        init_plain_weights(self, seed, std if std is not None else self.config.initializer_range)
 
 
 def is_adapter_parameter(name: str) -> bool:
