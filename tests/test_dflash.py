@@ -14,6 +14,7 @@ from clover.checkpoint import load_drafter, save_drafter
 from clover.decoding.dflash import DFlashEngine
 from clover.models.dflash import DFlashConfig, DrafterMismatch, build_drafter, drafter_config_for
 from clover.tiny import build_tiny_checkpoint
+from heldout import held_out_prompts
 
 
 def _drafter_dir(tmp_path, target_config, name="drafter", seed=1, **kw):
@@ -302,3 +303,21 @@ def test_bundled_model_ships_its_drafter():
     df = llm.generate(prompt, mode="dflash", max_new_tokens=24)
     assert df.token_ids == llm.generate(prompt, mode="ar", max_new_tokens=24).token_ids
     assert df.stats.forwards < 24 and df.stats.draft_forwards == len(df.stats.accept_lengths)
+
+
+def test_bundled_dflash_equals_ar_on_held_out_prompts_batched_and_alone():
+    """The goal's check with the shipped drafter: on held-out task prompts and `def` headers,
+    greedy dflash gives AR's tokens, every row of one batch and each prompt alone, and drafts pay
+    (fewer target forwards than tokens)."""
+    llm = clover.load()
+    prompts = held_out_prompts(12)
+    kw = dict(max_new_tokens=32)
+    ar = [llm.generate(p, mode="ar", **kw) for p in prompts]
+    batched = llm.generate(prompts, mode="dflash", **kw)
+    alone = [llm.generate(p, mode="dflash", **kw) for p in prompts]
+    for p, a, b, s in zip(prompts, ar, batched, alone):
+        assert b.token_ids == a.token_ids, p
+        assert s.token_ids == a.token_ids, p
+        assert (b.finish_reason, s.finish_reason) == (a.finish_reason, a.finish_reason)
+    tokens = sum(s.stats.tokens for s in alone)
+    assert sum(s.stats.forwards for s in alone) < 0.6 * tokens

@@ -241,11 +241,16 @@ def propose_tokens(row: RowState, logits: torch.Tensor, history_tail: list | Non
     """Process and propose for positions of one row. logits [N, V] -> (tokens [N], confidences [N]);
     `history_tail[n]`: what position n follows inside the current block (for the penalties)."""
     sampler = row.state.sampler
-    history = None
-    if sampler.uses_history:
-        base = row.prompt + row.tokens
-        history = [base + list(h) for h in (history_tail or [[]] * logits.shape[0])]
-    return sampler(logits, history, with_entropy)
+    return sampler(logits, row_history(row, history_tail, logits.shape[0]), with_entropy)
+
+
+def row_history(row: RowState, history_tail: list | None, n: int) -> list[list[int]] | None:
+    """What the penalties of a row's n positions see: its prompt and tokens, then `history_tail[i]`
+    (None when its sampler uses no history)."""
+    if not row.state.sampler.uses_history:
+        return None
+    base = row.prompt + row.tokens
+    return [base + list(h) for h in (history_tail or [[]] * n)]
 
 
 def next_tokens(row: RowState, logits: torch.Tensor) -> list[int]:

@@ -31,8 +31,7 @@ import torch
 
 from .base import BatchEngine, DecodeEvent, EngineRow, RowState, pad_right, propose_tokens
 from .modes import EngineSpec, Mode, register
-from .sampling import filter_logits
-from .speculative import accept_draft
+from .speculative import accept_draft, agreed, commit_verified, sampling_probs, settle_cache
 
 DEFAULT_DRAFT = 15  # the published drafters' block of 16: the anchor + 15 drafts
 
@@ -73,13 +72,7 @@ class DFlashEngine(BatchEngine):
         super()._drop_finished()
 
     # -- the draft
-    def _probs(self, row: RowState, logits: torch.Tensor, history_tail: list | None = None) -> torch.Tensor:
-        """The distribution a row samples from: processed (penalties), then temperature / top-k / top-p."""
-        hist = None
-        if row.state.sampler.uses_history:
-            base = row.prompt + row.tokens
-            hist = [base + list(h) for h in (history_tail or [[]] * logits.shape[0])]
-        return filter_logits(row.state.sampler.process(logits, hist), row.params).softmax(-1)
+    _probs = staticmethod(sampling_probs)  # the distribution a row samples from (AR's)
 
     def _draft(self, rows: list[RowState]) -> tuple[list[list[int] | None], list[torch.Tensor | None]]:
         D, dr, dev = self.draft_length, self.drafter, self.device
@@ -123,9 +116,7 @@ class DFlashEngine(BatchEngine):
         tails = [draft[:j] for j in range(D + 1)]
         if r.params.greedy:
             target = propose_tokens(r, logits, tails)[0].tolist()
-            m = 0
-            while m < D and draft[m] == target[m]:
-                m += 1
+            m = agreed(draft, target)
             return draft[:m] + [target[m]]
         p = self._probs(r, logits, tails)  # [D+1, V]
         gen = r.state.sampler.generator
@@ -154,23 +145,20 @@ class DFlashEngine(BatchEngine):
                 m = len(r.state.pending)
                 new = propose_tokens(r, out.commit_logits[i, m - 1 : m])[0].tolist()
                 r.state.pending = []
+                kept = r.accept(new, [1])
+                if kept:
+                    events.append(DecodeEvent("commit", i, kept, [1], row_state=r))
             else:
                 new = self._verify(r, out.commit_logits[i, : len(drafts[i]) + 1], drafts[i], q[i])
                 m = len(new)  # the anchor and the accepted drafts enter the cache
-                r.accept_lengths.append(m)
+                commit_verified(r, i, new, events)
             keep[i] = m
-            kept = r.accept(new, [1] * len(new))
-            if kept:
-                events.append(DecodeEvent("commit", i, kept, [1] * len(kept), block=len(r.accept_lengths), row_state=r))
             if r.finished:
                 events.append(DecodeEvent("finish", i, [], [], row_state=r))
                 continue
             r.state.anchor = new[-1]
             r.state.ctx = feats[i, :m]
-        if bool((keep != n).any()):
-            self.cache.rollback(snap, keep)
-        else:
-            self.cache.record = None
+        settle_cache(self.cache, snap, keep, n)
         self._drop_finished()
         return events
 

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import BatchEngine, DecodeEvent, EngineRow, RowState, pad_right
+from .base import BatchEngine, DecodeEvent, EngineRow, RowState, pad_right, row_history
 from .modes import EngineSpec, Mode, register
 from .sampling import AUTO, filter_logits
 
@@ -57,6 +57,45 @@ def accept_draft(draft: list[int], q: torch.Tensor, p: torch.Tensor, generator: 
     total = residual.sum()
     residual = residual / total if total > 0 else p[j]  # p == q there: any draw from p is exact
     return j + 1, int(torch.multinomial(residual, 1, generator=generator))
+
+
+def sampling_probs(row: RowState, logits: torch.Tensor, history_tail: list | None = None) -> torch.Tensor:
+    """AR's sampling distribution for logits [N, V] of one row: processed (penalties, whose history
+    is the row's tokens plus `history_tail[n]` at position n), then temperature / top-k / top-p."""
+    s = row.state.sampler
+    return filter_logits(s.process(logits, row_history(row, history_tail, logits.shape[0])), s.params).softmax(-1)
+
+
+def agreed(draft: list[int], target: list[int]) -> int:
+    """Greedy verification: how many leading draft tokens equal the target's tokens there."""
+    m = 0
+    while m < min(len(draft), len(target)) and draft[m] == target[m]:
+        m += 1
+    return m
+
+
+def commit_verified(r: RowState, i: int, tokens: list[int], events: list[DecodeEvent]) -> list[int]:
+    """The outcome of a verify for row `r` (batch index `i`): `tokens` (the kept drafts and the
+    model's own token) recorded as one accept length and appended by `RowState.accept` (EOS, stops,
+    limits; a complete grammar ends the row); a commit event for what was kept. Returns it."""
+    r.accept_lengths.append(len(tokens))
+    kept = r.accept(tokens, [1] * len(tokens))
+    r.grammar_done()
+    if kept:
+        events.append(DecodeEvent("commit", i, kept, [1] * len(kept), block=len(r.accept_lengths) - 1, row_state=r))
+    return kept
+
+
+def settle_cache(cache, snap, keep: torch.Tensor, committed: torch.Tensor | None) -> None:
+    """After a verify forward that committed `committed[b]` tokens per row (None: none) since `snap`
+    (`cache.start_recording()`): roll the cache back to the first `keep[b]` of them where a row
+    keeps fewer, else just stop recording."""
+    if committed is None:
+        committed = torch.zeros_like(keep)
+    if bool((keep != committed).any()):
+        cache.rollback(snap, keep)
+    else:
+        cache.record = None
 
 
 @dataclass(eq=False)
@@ -179,11 +218,7 @@ class SpeculativeEngine(BatchEngine):
             m += 1
         return m
 
-    @staticmethod
-    def _probs(row: RowState, logits: torch.Tensor) -> torch.Tensor:
-        """AR's sampling distribution (penalties, temperature, top-k, top-p) for logits [N, V]."""
-        s = row.state.sampler
-        return filter_logits(s.process(logits), s.params).softmax(-1)
+    _probs = staticmethod(sampling_probs)
 
     def _draft(self, r: RowState, denoise_logits: torch.Tensor) -> list[int]:
         """The next draft: token 0 from the causal logits (or a rejection's residual draw), the rest
@@ -234,21 +269,14 @@ class SpeculativeEngine(BatchEngine):
                 m, r.state.next_first = accept_draft(r.state.draft, r.state.draft_q, p, r.state.sampler.generator)
             elif r.state.draft is not None:  # verify
                 causal = self._argmax(r, out.commit_logits[i, :Dv])  # causal[j] = AR token after draft[:j+1]
-                m = 1
-                while m < Dv and r.state.draft[m] == causal[m - 1]:
-                    m += 1
+                m = 1 + agreed(r.state.draft[1:], causal)
             if r.state.draft is not None:
-                accepted = r.state.draft[:m]
-                r.accept_lengths.append(m)
                 keep[i] = m
                 r.state.first_logits = out.commit_logits[i, m - 1]
                 r.state.kept_draft += m - 1
                 r.state.rejected_draft += m < Dv
                 next_draft_ok = m == Dv == drafted_at
-                kept = r.accept(accepted, [1] * m)
-                r.grammar_done()
-                if kept:
-                    events.append(DecodeEvent("commit", i, kept, [1] * len(kept), block=len(r.accept_lengths) - 1, row_state=r))
+                commit_verified(r, i, r.state.draft[:m], events)
             elif r.state.pending:  # prompt prefill rides with the first draft
                 r.state.first_logits = out.commit_logits[i, len(r.state.pending) - 1]
                 r.state.pending = []
@@ -262,10 +290,7 @@ class SpeculativeEngine(BatchEngine):
                 else:
                     draft = self._draft_constrained if r.params.greedy else self._draft_constrained_sampled
                     r.state.draft = draft(r, torch.cat([r.state.first_logits[None], out.denoise_logits[i, : D - 1]]))
-        if any(int(keep[i]) != (int(n_commit[i]) if has_commit else 0) for i in range(len(rows))):
-            self.cache.rollback(snap, keep)
-        else:
-            self.cache.record = None
+        settle_cache(self.cache, snap, keep, n_commit if has_commit else None)
         self._drop_finished()
         return events
 
