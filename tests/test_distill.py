@@ -43,6 +43,51 @@ def test_build_is_ar_greedy_and_round_trips(bundled, tmp_path):
         load_distill_set(tmp_path / "set")
 
 
+def test_interrupted_build_continues(bundled, tmp_path):
+    """A build killed after its first batch (and mid-line) resumes from the part file: it decodes only
+    the rest, and the set equals an uninterrupted build's."""
+    kw = dict(n_tasks=5, n_code=1, task_tokens=10, code_tokens=6, batch_size=2, progress=False)
+    whole = build_distill_set(bundled, tmp_path / "whole", **kw)
+
+    class Killed(Exception):
+        pass
+
+    class DiesAfterOneBatch:
+        def __init__(self, llm):
+            self.llm, self.tokenizer, self.calls = llm, llm.tokenizer, 0
+
+        def generate(self, prompts, **k):
+            self.calls += 1
+            if self.calls > 1:
+                raise Killed
+            return self.llm.generate(prompts, **k)
+
+    with pytest.raises(Killed):
+        build_distill_set(DiesAfterOneBatch(bundled), tmp_path / "cut", **kw)
+    part = tmp_path / "cut" / "distill.jsonl.part"
+    assert len(part.read_text().splitlines()) == 1 + 2 and not (tmp_path / "cut" / "meta.json").exists()
+    with open(part, "a") as f:
+        f.write('{"kind": "task", "te')  # torn by the kill
+    seen = []
+
+    class Counting(DiesAfterOneBatch):
+        def generate(self, prompts, **k):
+            seen.extend(prompts)
+            return self.llm.generate(prompts, **k)
+
+    again = build_distill_set(Counting(bundled), tmp_path / "cut", **kw)
+    task_prompts, code_prompts = distill_prompts(5, 1, seed=0)
+    assert seen == task_prompts[2:] + code_prompts  # the first batch was not decoded again
+    assert (again.task_lines, again.code_docs, again.digest) == (whole.task_lines, whole.code_docs, whole.digest)
+    assert not part.exists()
+    # a part file for other prompts (another count) is not reused
+    with pytest.raises(Killed):
+        build_distill_set(DiesAfterOneBatch(bundled), tmp_path / "other", **kw)
+    seen.clear()
+    build_distill_set(Counting(bundled), tmp_path / "other", **{**kw, "n_tasks": 4})
+    assert seen[:2] == distill_prompts(4, 1, seed=0)[0][:2]
+
+
 def test_stream_mixes_the_set(tmp_path):
     from clover.data import tokenizer as ctok
 

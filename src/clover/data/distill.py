@@ -62,31 +62,45 @@ def build_distill_set(llm, out: str | Path, *, n_tasks: int, n_code: int, seed: 
     chat_prompts = [tok.apply_chat_template([{"role": "user", "content": m}])
                     for m in instructions.instructions("train", n_chat, seed=seed)] if n_chat else []
     jobs = [("task", p) for p in task_prompts] + [("code", p) for p in code_prompts] + [("chat", p) for p in chat_prompts]
-    results: list[tuple[str, str]] = []
-    bar = tqdm(total=len(jobs), desc="self-distillation (AR greedy)", unit="prompt", disable=not progress)
-    for kind, size in (("task", task_tokens), ("code", code_tokens), ("chat", chat_tokens)):
-        prompts = [p for k, p in jobs if k == kind]
-        for i in range(0, len(prompts), batch_size):
-            chunk = prompts[i : i + batch_size]
-            kw = dict(mode="ar", max_new_tokens=size, temperature=0.0)
-            if kind == "task":
-                kw["stop"] = ["\n"]
-            gens = llm.generate(chunk, **kw)
-            for p, g in zip(chunk, gens):
-                if kind == "chat":  # the turn, closed by the end token when the answer ended in time
-                    end = tok.decode([tok.eos_token_id]) if g.finish_reason == "stop" else ""
-                    results.append((kind, tok.decode(p) + g.text + end))
-                else:
-                    results.append((kind, p + g.text))
-            bar.update(len(chunk))
-    bar.close()
+    # rows are appended to a part file after every batch, so an interrupted build continues where it
+    # stopped (the prompts are a function of the counts and the seed; the part file's header says which)
+    out.mkdir(parents=True, exist_ok=True)
+    part = out / "distill.jsonl.part"
+    header = {"format": FORMAT, "seed": seed, "tasks": n_tasks, "code": n_code, "chat": n_chat,
+              "task_tokens": task_tokens, "code_tokens": code_tokens, "chat_tokens": chat_tokens}
+    results = _read_part(part, header)
+    with open(part, "w", encoding="utf-8") as f:  # rewritten: a torn last line of a killed build goes
+        f.write(json.dumps(header) + "\n")
+        f.write("".join(json.dumps({"kind": k, "text": t}, ensure_ascii=False) + "\n" for k, t in results))
+        bar = tqdm(total=len(jobs), initial=len(results), desc="self-distillation (AR greedy)", unit="prompt",
+                   disable=not progress)
+        for kind, size in (("task", task_tokens), ("code", code_tokens), ("chat", chat_tokens)):
+            prompts = [p for k, p in jobs if k == kind]
+            first = sum(1 for k, _ in results if k == kind)
+            for i in range(first, len(prompts), batch_size):
+                chunk = prompts[i : i + batch_size]
+                kw = dict(mode="ar", max_new_tokens=size, temperature=0.0)
+                if kind == "task":
+                    kw["stop"] = ["\n"]
+                gens = llm.generate(chunk, **kw)
+                rows = []
+                for p, g in zip(chunk, gens):
+                    if kind == "chat":  # the turn, closed by the end token when the answer ended in time
+                        end = tok.decode([tok.eos_token_id]) if g.finish_reason == "stop" else ""
+                        rows.append((kind, tok.decode(p) + g.text + end))
+                    else:
+                        rows.append((kind, p + g.text))
+                f.write("".join(json.dumps({"kind": k, "text": t}, ensure_ascii=False) + "\n" for k, t in rows))
+                f.flush()
+                results.extend(rows)
+                bar.update(len(chunk))
+        bar.close()
     task_lines = [t for k, t in results if k == "task" and t.strip()]
     code_docs = [t for k, t in results if k in ("code", "chat") and t.strip()]
     digest = hashlib.sha256("\x00".join(t for _, t in results).encode()).hexdigest()[:16]
     meta = {"format": FORMAT, "teacher": str(getattr(llm, "path", "")), "tasks": len(task_lines),
             "code": sum(k == "code" for k, _ in results), "chat": sum(k == "chat" for k, _ in results), "seed": seed, "task_tokens": task_tokens, "code_tokens": code_tokens,
             "digest": digest}
-    out.mkdir(parents=True, exist_ok=True)
     tmp = out / "distill.jsonl.tmp"
     with open(tmp, "w", encoding="utf-8") as f:
         for kind, text in results:
@@ -94,7 +108,26 @@ def build_distill_set(llm, out: str | Path, *, n_tasks: int, n_code: int, seed: 
                 f.write(json.dumps({"kind": kind, "text": text}, ensure_ascii=False) + "\n")
     tmp.replace(out / "distill.jsonl")
     (out / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
+    part.unlink()
     return DistillSet(task_lines, code_docs, meta)
+
+
+def _read_part(part: Path, header: dict) -> list[tuple[str, str]]:
+    """The rows an interrupted build left in `part` (none when it is absent or was for other prompts)."""
+    try:
+        lines = part.read_text(encoding="utf-8").splitlines()
+    except OSError:
+        return []
+    rows: list[tuple[str, str]] = []
+    try:
+        if not lines or json.loads(lines[0]) != header:
+            return []
+        for line in lines[1:]:
+            r = json.loads(line)
+            rows.append((r["kind"], r["text"]))
+    except (ValueError, KeyError):  # a torn last line: keep the complete rows before it
+        pass
+    return rows
 
 
 def load_distill_set(path: str | Path) -> DistillSet:

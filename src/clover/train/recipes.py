@@ -92,6 +92,7 @@ class DataSpec:
     distill_chat: int = 0  # instructions in that set, written with the model's chat template (clover.data.instructions)
     distill_chat_tokens: int = 48  # longest AR answer to one of them
     distill_code_tokens: int = 96  # longest AR continuation of a function header
+    distill_batch: int = 16  # prompts decoded together while the set is built (AR is memory-bound: wider is cheaper)
     # [[data.sources]]: local text files, JSON Lines, saved `datasets`, the stdlib, mixed by weight
     # (clover.data.sources); empty = the stdlib (+ the tasks, as task_fraction says)
     sources: tuple[dict, ...] = ()
