@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -80,12 +81,20 @@ def test_interrupted_build_continues(bundled, tmp_path):
     assert seen == task_prompts[2:] + code_prompts  # the first batch was not decoded again
     assert (again.task_lines, again.code_docs, again.digest) == (whole.task_lines, whole.code_docs, whole.digest)
     assert not part.exists()
-    # a part file for other prompts (another count) is not reused
-    with pytest.raises(Killed):
-        build_distill_set(DiesAfterOneBatch(bundled), tmp_path / "other", **kw)
-    seen.clear()
-    build_distill_set(Counting(bundled), tmp_path / "other", **{**kw, "n_tasks": 4})
-    assert seen[:2] == distill_prompts(4, 1, seed=0)[0][:2]
+    # another count keeps the rows of the prompts both builds share; another token limit keeps none
+    for other, reused in (({"n_tasks": 4}, 2), ({"task_tokens": 9}, 0)):
+        shutil.rmtree(tmp_path / "other", ignore_errors=True)
+        with pytest.raises(Killed):
+            build_distill_set(DiesAfterOneBatch(bundled), tmp_path / "other", **kw)
+        seen.clear()
+        build_distill_set(Counting(bundled), tmp_path / "other", **{**kw, **other})
+        assert seen[0] == distill_prompts(5, 1, seed=0)[0][reused]
+
+
+def test_instructions_are_a_prefix_of_more():
+    from clover.data.instructions import instructions
+
+    assert instructions("train", 300, seed=3)[:40] == instructions("train", 40, seed=3)
 
 
 def test_stream_mixes_the_set(tmp_path):

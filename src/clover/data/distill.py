@@ -63,12 +63,21 @@ def build_distill_set(llm, out: str | Path, *, n_tasks: int, n_code: int, seed: 
                     for m in instructions.instructions("train", n_chat, seed=seed)] if n_chat else []
     jobs = [("task", p) for p in task_prompts] + [("code", p) for p in code_prompts] + [("chat", p) for p in chat_prompts]
     # rows are appended to a part file after every batch, so an interrupted build continues where it
-    # stopped (the prompts are a function of the counts and the seed; the part file's header says which)
+    # stopped; a row is kept only while it is the answer to the same prompt at the same place (so a
+    # build with other counts keeps the prefix they share), decoded with the same token limits
     out.mkdir(parents=True, exist_ok=True)
     part = out / "distill.jsonl.part"
-    header = {"format": FORMAT, "seed": seed, "tasks": n_tasks, "code": n_code, "chat": n_chat,
-              "task_tokens": task_tokens, "code_tokens": code_tokens, "chat_tokens": chat_tokens}
-    results = _read_part(part, header)
+    header = {"format": FORMAT, "seed": seed, "task_tokens": task_tokens, "code_tokens": code_tokens,
+              "chat_tokens": chat_tokens}
+    old = _read_part(part, header)
+    shown = {"task": task_prompts, "code": code_prompts, "chat": [tok.decode(p) for p in chat_prompts]}
+    results = []
+    for kind in ("task", "code", "chat"):
+        rows = [t for k, t in old if k == kind]
+        n = 0
+        while n < min(len(rows), len(shown[kind])) and rows[n].startswith(shown[kind][n]):
+            n += 1
+        results += [(kind, t) for t in rows[:n]]
     with open(part, "w", encoding="utf-8") as f:  # rewritten: a torn last line of a killed build goes
         f.write(json.dumps(header) + "\n")
         f.write("".join(json.dumps({"kind": k, "text": t}, ensure_ascii=False) + "\n" for k, t in results))

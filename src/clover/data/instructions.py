@@ -122,11 +122,15 @@ def _open_instruction(rng: random.Random) -> str:
     return ""  # a stdlib function: filled in by the caller
 
 
+FUNCTION_POOL = 120  # stdlib functions the instructions draw from: fixed, so that fewer is a prefix of more
+
+
 def instructions(split: str, n: int, seed: int = 0) -> list[str]:
     """`n` distinct user messages of `split` ("train" or "heldout"): half open instructions
-    (writing, advice, code, lists, stdlib functions to explain or complete), half questions."""
+    (writing, advice, code, lists, stdlib functions to explain or complete), half questions.
+    The first `n` of a longer list (same split and seed) are this list."""
     rng = random.Random(f"clover-instructions:{seed}")
-    funcs = corpus.functions("train" if split == "train" else "heldout", max(8, n // 6), seed=seed)
+    funcs = corpus.functions("train" if split == "train" else "heldout", FUNCTION_POOL, seed=seed)
     out: list[str] = []
     seen: set[str] = set()
     tries = 0
