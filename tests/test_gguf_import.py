@@ -34,7 +34,7 @@ def permute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def hf_llama(tmp_path: Path, *, tied: bool, seed: int = 0):
+def hf_llama(tmp_path: Path, *, tied: bool, seed: int = 0, rope_scaling: dict | None = None):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     tok_dir = tmp_path / "tok"
@@ -43,7 +43,8 @@ def hf_llama(tmp_path: Path, *, tied: bool, seed: int = 0):
     n = len(vocab) + len(ids)
     cfg = LlamaConfig(vocab_size=n, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
                       num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-5, rope_theta=50000.0,
-                      tie_word_embeddings=tied, bos_token_id=ids["<|im_start|>"], eos_token_id=ids["<|im_end|>"])
+                      tie_word_embeddings=tied, bos_token_id=ids["<|im_start|>"], eos_token_id=ids["<|im_end|>"],
+                      **({"rope_scaling": {"rope_theta": 50000.0, **rope_scaling}} if rope_scaling else {}))
     torch.manual_seed(seed)
     model = LlamaForCausalLM(cfg).eval()
     with torch.no_grad():
@@ -54,7 +55,7 @@ def hf_llama(tmp_path: Path, *, tied: bool, seed: int = 0):
 
 
 def write_gguf(path: Path, model, tok_dir: Path, ids: dict, *, matrix_type=T.F32, skip=(), shapes=None,
-               raw_types=None) -> Path:
+               raw_types=None, extra=None) -> Path:
     c = model.config
     w = gguf.GGUFWriter(str(path), "llama")
     w.add_block_count(c.num_hidden_layers)
@@ -81,6 +82,8 @@ def write_gguf(path: Path, model, tok_dir: Path, ids: dict, *, matrix_type=T.F32
     w.add_bos_token_id(ids["<|im_start|>"])
     w.add_eos_token_id(ids["<|im_end|>"])
     w.add_chat_template(TEMPLATE)
+    for name, a in (extra or {}).items():
+        w.add_tensor(name, np.asarray(a, dtype=np.float32), raw_dtype=T.F32)
     for name, p in model.state_dict().items():
         if name == "lm_head.weight" and c.tie_word_embeddings:
             continue
@@ -139,6 +142,54 @@ def test_f32_import_matches_transformers(tmp_path, tied):
     chat = llm.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}])
     assert llm.tokenizer.decode(chat) == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
     assert ids["<|im_end|>"] in llm.config.eos_token_ids
+
+
+def converter_rope_factors(theta: float, dim: int, rope: dict) -> np.ndarray:
+    """`rope_freqs.weight` as llama.cpp's convert_hf_to_gguf (LlamaModel.generate_extra_tensors) writes it."""
+    import math
+
+    freqs = 1.0 / (theta ** (np.arange(0, dim, 2, dtype=np.float32) / dim))
+    factor, low, high, old = (rope[k] for k in ("factor", "low_freq_factor", "high_freq_factor",
+                                                "original_max_position_embeddings"))
+    out = []
+    for freq in freqs:
+        wavelen = 2 * math.pi / freq
+        if wavelen < old / high:
+            out.append(1)
+        elif wavelen > old / low:
+            out.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(out, dtype=np.float32)
+
+
+def test_llama3_rope_freqs_become_rope_scaling(tmp_path):
+    """llama3 RoPE stored as `rope_freqs.weight` (no scaling keys): the import recovers the parameters
+    and the logits equal transformers' llama3 model at every position."""
+    rope = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 8.0,
+            "original_max_position_embeddings": 2048}
+    ref, tok_dir, ids = hf_llama(tmp_path, tied=True, seed=2, rope_scaling=rope)
+    factors = converter_rope_factors(50000.0, 16, rope)
+    assert 1 < sorted(factors)[3] < 8 and 1 < sorted(factors)[4] < 8  # two factors between: recoverable
+    src = write_gguf(tmp_path / "m.gguf", ref, tok_dir, ids, extra={"rope_freqs.weight": factors})
+    cfg = import_gguf(src, tmp_path / "out", progress=False)
+    assert cfg.rope_scaling == rope
+    x = torch.randint(0, ref.config.vocab_size, (1, 120), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = ref(x).logits
+        ours = load_model(tmp_path / "out")(x)
+        torch.testing.assert_close(ours, expected, atol=1e-4, rtol=1e-4)
+        plain, _, _ = hf_llama(tmp_path / "plain", tied=True, seed=2)
+        # the scaling matters to these logits, far beyond the import's difference
+        assert (plain(x).logits - expected).abs().max() > 20 * (ours - expected).abs().max()
+    # a factor table llama3 cannot produce, or one with no factor between 1 and `factor`: one line
+    for bad, why in ((factors[::-1].copy(), "not a llama3 RoPE factor table"),
+                     (np.where(factors > 1, 8.0, 1.0).astype(np.float32), "cannot be recovered")):
+        src = write_gguf(tmp_path / "bad.gguf", ref, tok_dir, ids, extra={"rope_freqs.weight": bad})
+        with pytest.raises(GGUFImportError, match=why) as e:
+            import_gguf(src, tmp_path / "bad", progress=False)
+        assert "rope_freqs.weight" in str(e.value) and "\n" not in str(e.value)
 
 
 @pytest.mark.parametrize("qtype", [T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_1])

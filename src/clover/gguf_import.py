@@ -1,6 +1,6 @@
 """Import a GGUF file as a model directory (`clover import-gguf FILE.gguf OUT_DIR`).
 
-A GGUF of llama.cpp's `llama` architecture (SmolLM2, TinyLlama, Llama 3.x without rope_freqs)
+A GGUF of llama.cpp's `llama` architecture (SmolLM2, TinyLlama, Llama 3.x)
 becomes the Hugging Face layout clover and transformers load: `config.json`, `model.safetensors`
 (dequantized by the `gguf` package: F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and the K-quants
 it implements), `tokenizer.json` and `tokenizer_config.json` with the chat template, all rebuilt
@@ -10,7 +10,9 @@ What llama.cpp's converter (`convert_hf_to_gguf.py`, `LlamaModel`) changed is un
 - tensor names (`blk.N.attn_q.weight` -> `model.layers.N.self_attn.q_proj.weight`, ...);
 - the q_proj and k_proj rows (and biases) were permuted per head from the rotate-half layout to
   interleaved pairs (`permute(w, n_head, n_head_kv)`); the inverse permutation restores them;
-- no `output.weight`: the embeddings are tied.
+- no `output.weight`: the embeddings are tied;
+- llama3 RoPE scaling became a tensor of per-frequency factors (`rope_freqs.weight`); the
+  `rope_scaling` parameters that give the same factors are recovered from it.
 The tokenizer: `tokenizer.ggml.model = gpt2` is byte-level BPE (tokens, merges, token types: control
 and user-defined tokens become added tokens), with the pre-tokenizer that `tokenizer.ggml.pre` names
 (gpt-2, smollm: individual digits, then the GPT-2 regex).
@@ -141,9 +143,6 @@ def llama_config(reader, path: Path, tensor_names: set[str]) -> CloverConfig:
     if rot != head_dim:
         raise GGUFImportError(f"{path}: {a}.rope.dimension_count is {rot} but the head dim is {head_dim}; "
                               "partial rotary llama files are not supported")
-    if "rope_freqs.weight" in tensor_names:
-        raise GGUFImportError(f"{path}: tensor 'rope_freqs.weight' (llama3 RoPE factors baked into the file) is not "
-                              "supported yet; import the Hugging Face checkpoint instead")
     fields = dict(
         model_type="llama",
         vocab_size=vocab,
@@ -162,7 +161,14 @@ def llama_config(reader, path: Path, tensor_names: set[str]) -> CloverConfig:
         torch_dtype="float32",
     )
     scaling = _field(reader, f"{a}.rope.scaling.type")
-    if scaling and scaling != "none":
+    if "rope_freqs.weight" in tensor_names:
+        if scaling and scaling != "none":
+            raise GGUFImportError(f"{path}: tensor 'rope_freqs.weight' and {a}.rope.scaling.type {scaling!r} together "
+                                  "are not supported (llama3 RoPE factors alone are)")
+        freqs = next(t for t in reader.tensors if t.name == "rope_freqs.weight")
+        fields["rope_scaling"] = llama3_rope_from_factors(dequantize(freqs, path).reshape(-1), fields["rope_theta"],
+                                                          head_dim, path)
+    elif scaling and scaling != "none":
         if scaling != "linear":
             raise GGUFImportError(f"{path}: {a}.rope.scaling.type {scaling!r} is not supported (none or linear)")
         fields["rope_scaling"] = {"rope_type": "linear", "factor": float(_require(reader, path, f"{a}.rope.scaling.factor"))}
@@ -171,6 +177,56 @@ def llama_config(reader, path: Path, tensor_names: set[str]) -> CloverConfig:
     fields["pad_token_id"] = None if ids["padding"] is None else int(ids["padding"])
     fields["eos_token_id"] = end_of_generation_ids(reader)
     return config_from_dict(fields, source=str(path))
+
+
+def llama3_rope_from_factors(factors: torch.Tensor, theta: float, head_dim: int, path: Path) -> dict | None:
+    """`rope_freqs.weight` (what llama.cpp's converter writes for `rope_type: llama3`: per frequency,
+    the divisor of the inverse frequency) -> the llama3 `rope_scaling` that gives back those factors.
+
+    The factors are 1 at high frequencies, `factor` at low ones, and 1 / ((1 - s) / factor + s) in
+    between, with s = (original_max / wavelength - low_freq_factor) / (high - low): s is linear in
+    1 / wavelength, so two intermediate factors fix the line. Only the ratios of original_max,
+    low_freq_factor and high_freq_factor are determined; low_freq_factor = 1 (Llama 3's) picks the
+    rest. The parameters are checked by recomputing every factor; None when all factors are 1."""
+    import math
+
+    f = factors.double()
+    if f.numel() != head_dim // 2:
+        raise GGUFImportError(f"{path}: tensor 'rope_freqs.weight' has {f.numel()} values but the head dim {head_dim} "
+                              f"has {head_dim // 2} frequencies")
+    factor = float(f.max())
+    if factor == 1.0 and float(f.min()) == 1.0:
+        return None
+    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    x = inv / (2 * math.pi)  # 1 / wavelength
+    mid = (f > 1 + 1e-6) & (f < factor - 1e-6 * factor)
+    if int(mid.sum()) < 2:
+        raise GGUFImportError(f"{path}: tensor 'rope_freqs.weight' has {int(mid.sum())} factor(s) between 1 and "
+                              f"{factor:g}; llama3 RoPE parameters cannot be recovered from it")
+    s = (factor / f[mid] - 1) / (factor - 1)
+    slope, icept = torch.linalg.lstsq(torch.stack([x[mid], torch.ones_like(x[mid])], 1), s[:, None]).solution[:, 0]
+    if not float(icept) < 0:
+        raise GGUFImportError(f"{path}: tensor 'rope_freqs.weight' is not a llama3 RoPE factor table")
+    low = 1.0
+    high = low - 1.0 / float(icept)  # icept = -low / (high - low)
+    original = float(slope) * (high - low)  # slope = original / (high - low)
+    if not (high > low and original > 0):
+        raise GGUFImportError(f"{path}: tensor 'rope_freqs.weight' is not a llama3 RoPE factor table")
+    from types import SimpleNamespace
+
+    from .models.llama import rope_inv_freq
+
+    exact = {"rope_type": "llama3", "factor": factor, "low_freq_factor": low, "high_freq_factor": high,
+             "original_max_position_embeddings": original}
+    rounded = {**exact, "factor": round(factor, 6), "high_freq_factor": round(high, 4),
+               "original_max_position_embeddings": round(original)}
+    for rope in (rounded, exact):  # the round numbers a config holds, when they give the same factors
+        got = inv.float() / rope_inv_freq(SimpleNamespace(head_dim=head_dim, rope_theta=theta, rope_scaling=rope))
+        if torch.allclose(got, factors.float(), rtol=1e-4, atol=0):
+            return rope
+    worst = int((got - factors.float()).abs().argmax())
+    raise GGUFImportError(f"{path}: tensor 'rope_freqs.weight' is not a llama3 RoPE factor table (value {worst}: "
+                          f"{float(factors[worst]):g}, llama3 would give {float(got[worst]):g})")
 
 
 # the token texts llama.cpp treats as end of generation besides the file's eos (llama-vocab.cpp)
@@ -196,6 +252,8 @@ def llama_state_dict(reader, path: Path, config: CloverConfig, progress: bool = 
     expected = expected_shapes(build_model(config, device="meta"))
     state: dict[str, torch.Tensor] = {}
     for t in tqdm(reader.tensors, desc="dequantize", unit="tensor", disable=not progress):
+        if t.name == "rope_freqs.weight":  # read into the config's rope_scaling (llama_config)
+            continue
         if t.name in GLOBAL_TENSORS:
             name = GLOBAL_TENSORS[t.name]
         else:
