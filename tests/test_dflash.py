@@ -321,3 +321,67 @@ def test_bundled_dflash_equals_ar_on_held_out_prompts_batched_and_alone():
         assert (b.finish_reason, s.finish_reason) == (a.finish_reason, a.finish_reason)
     tokens = sum(s.stats.tokens for s in alone)
     assert sum(s.stats.forwards for s in alone) < 0.6 * tokens
+
+
+# ------------------------------------------------------------------------------ draft "auto"
+def test_adaptive_draft_length_stays_identical_to_ar(monkeypatch, llm):
+    """block_size="auto": the block (anchor + drafts) changes every iteration (an alternating
+    policy), rows batched, oracle drafts with rejections: the tokens stay AR's; the choices and why
+    are recorded."""
+    from clover.decoding import width as W
+    from clover.decoding.base import RowState
+    from clover.decoding.sampling import SamplingParams
+
+    class Alternating(W.DraftPolicy):
+        calls = 0
+
+        def choose(self, rows):
+            self.calls += 1
+            w = (2, 8, 4)[self.calls % 3]
+            return W.WidthChoice(w, len(rows), {w: 1.0})
+
+    prompts = [[1, 2, 3], list(range(50, 70)), [9] * 5]
+    ar = llm.generate(prompts, mode="ar", max_new_tokens=40, ignore_eos=True)
+    _oracle(monkeypatch, llm, {tuple(p): a.token_ids for p, a in zip(prompts, ar)}, wrong_every=5)
+    curve = W.CostCurve()
+    curve.add("verify", 1, 2, 1.0)
+    eng = DFlashEngine(llm.model, llm.drafter, draft_length="auto", draft_policy=Alternating((2, 4, 8), curve))
+    eos = set(llm.config.eos_token_ids)
+    rows = [RowState(list(p), SamplingParams(max_new_tokens=40, ignore_eos=True), eos) for p in prompts]
+    for r in rows:
+        eng.add(r)
+    list(eng.run())
+    assert [r.tokens for r in rows] == [a.token_ids for a in ar]
+    assert len(eng.choices) > 3 and {c.width for c in eng.choices} == {2, 4, 8}
+    assert max(a for r in rows for a in r.accept_lengths) > 4 and "draft width" in rows[0].width_why[0]
+
+
+@pytest.mark.parametrize("sure", [0.05, 0.99])
+def test_adaptive_draft_follows_acceptance(monkeypatch, llm, sure):
+    """The measured iteration cost and the row's acceptance rate pick the block: a short one for a
+    row whose drafts are rejected, the drafter's whole block for one whose drafts are kept (the
+    prior decides here); greedy tokens equal AR's either way."""
+    from clover.decoding import dflash as DF
+    from clover.decoding import width as W
+
+    curve = W.CostCurve()
+    for b in (2, 4, 8):
+        curve.add("verify", 1, b, 1.0 + b / 4)
+    monkeypatch.setattr(DF, "iteration_curve", lambda model, drafter, blocks: curve)
+    monkeypatch.setattr(W.DraftPolicy, "PRIOR_RATE", sure)
+    monkeypatch.setattr(W.DraftPolicy, "PRIOR_N", 1000.0)
+    kw = dict(max_new_tokens=20, ignore_eos=True)
+    got = llm.generate([1, 2, 3], mode="dflash", block_size="auto", **kw)
+    assert got.token_ids == llm.generate([1, 2, 3], mode="ar", **kw).token_ids
+    want = 2 if sure < 0.5 else 8
+    assert f"draft width {want}" in got.stats.width_why[0] and max(got.stats.accept_lengths) <= want
+    with pytest.raises(ValueError, match="draft_length"):
+        llm.generate([1, 2, 3], mode="dflash", block_size="auto", draft_length=3, **kw)
+
+
+def test_iteration_curve_is_measured_per_block(llm):
+    from clover.decoding.dflash import iteration_curve
+
+    curve = iteration_curve(llm.model, llm.drafter, (2, 8), repeat=1)
+    assert set(curve.seconds_by["verify"][1]) == {2, 8} and all(s > 0 for s in curve.seconds_by["verify"][1].values())
+    assert iteration_curve(llm.model, llm.drafter, (2, 8)) is curve  # once per process

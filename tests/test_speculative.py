@@ -35,7 +35,8 @@ def test_speculative_batched_and_eos(llm):
         assert a.token_ids == s.token_ids and a.finish_reason == s.finish_reason
 
 
-def test_rollback_equals_fresh_prefill(llm):
+@pytest.mark.parametrize("keep", [[3, 6], [1, 4], [0, 2]])  # re-run chunked; token by token; nothing kept
+def test_rollback_equals_fresh_prefill(llm, keep):
     m = llm.model
     ids = torch.randint(0, 256, (2, 30), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
@@ -43,7 +44,7 @@ def test_rollback_equals_fresh_prefill(llm):
         m.step(cache, commit_ids=ids[:, :12])
         snap = cache.start_recording()
         m.step(cache, commit_ids=ids[:, 12:20], denoise_ids=torch.full((2, 4), llm.config.mask_token_id))
-        keep = torch.tensor([3, 6])
+        keep = torch.tensor(keep)
         cache.rollback(snap, keep)
         for b in range(2):
             n = 12 + int(keep[b])

@@ -18,7 +18,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .kernels import chunk_gated_delta_rule
+from .kernels import chunk_gated_delta_rule, recurrent_gated_delta_rule
+
+RECURRENT_ROLLBACK = 4  # a rollback re-runs up to this many kept tokens one by one (measured cheaper on CPU)
 
 
 # --------------------------------------------------------------------------- per-layer states
@@ -126,11 +128,15 @@ class DeltaNetState:
         if self.record is None:  # the layer saw no commit since the snapshot
             return
         q, k, v, g, beta, window = self.record
-        T = q.shape[1]
-        valid = (torch.arange(T, device=keep.device)[None, :] < keep[:, None])[..., None]
-        _, self.recurrent = chunk_gated_delta_rule(
-            q, k, v, g * valid, beta * valid, initial_state=snap[1], output_final_state=True, use_qk_l2norm_in_kernel=True
-        )
+        T = min(q.shape[1], int(keep.max()))  # the tokens after the longest kept prefix need not run
+        if T == 0:
+            self.recurrent = snap[1].clone()
+        else:
+            valid = (torch.arange(T, device=keep.device)[None, :] < keep[:, None])[..., None]
+            # a few tokens (a typical rejected draft): token by token, as AR's own steps; else chunked
+            kernel = recurrent_gated_delta_rule if T <= RECURRENT_ROLLBACK else chunk_gated_delta_rule
+            _, self.recurrent = kernel(q[:, :T], k[:, :T], v[:, :T], g[:, :T] * valid, beta[:, :T] * valid,
+                                       initial_state=snap[1], output_final_state=True, use_qk_l2norm_in_kernel=True)
         self.conv = conv_window_tail(window, self.conv.shape[2], keep).contiguous()
 
 

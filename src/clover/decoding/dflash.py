@@ -25,37 +25,53 @@ d_1..d_j). `forwards` counts the target's forwards; `draft_forwards` the drafter
 
 from __future__ import annotations
 
+import statistics
+import time
 from dataclasses import dataclass
 
 import torch
 
 from .base import BatchEngine, DecodeEvent, EngineRow, RowState, pad_right, propose_tokens
 from .modes import EngineSpec, Mode, register
-from .speculative import accept_draft, agreed, commit_verified, sampling_probs, settle_cache
+from .sampling import AUTO, SamplingParams
+from .speculative import accept_draft, agreed, choose_draft, commit_verified, sampling_probs, settle_cache
 
 DEFAULT_DRAFT = 15  # the published drafters' block of 16: the anchor + 15 drafts
+AUTO_BLOCKS = (2, 4, 8, 16)  # draft "auto": the blocks (anchor + drafts) it picks among, up to the drafter's
 
 
 @dataclass(eq=False)
 class DFlashRow(EngineRow):
     anchor: int | None = None  # the target's last token, not yet in its cache (None: prefill pending)
     ctx: torch.Tensor | None = None  # [n, F] context features not yet in the drafter's cache
+    kept_draft: int = 0  # drafts kept so far (draft "auto": the acceptance rate)
+    rejected_draft: int = 0  # verifies that rejected a draft
 
 
 class DFlashEngine(BatchEngine):
     row_type = DFlashRow
 
-    def __init__(self, model, drafter, *, draft_length: int, pad_id: int = 0) -> None:
+    def __init__(self, model, drafter, *, draft_length: int | str, pad_id: int = 0, draft_policy=None) -> None:
         super().__init__(model, pad_id=pad_id)
-        if not 1 <= draft_length <= drafter.block_size - 1:
+        self.drafter = drafter
+        self.draft_policy = None
+        if draft_length == AUTO:
+            from .width import DraftPolicy
+
+            blocks = sorted({b for b in AUTO_BLOCKS if b <= drafter.block_size} | {drafter.block_size})
+            self.draft_policy = draft_policy or DraftPolicy(blocks, iteration_curve(model, drafter, blocks))
+            draft_length = max(self.draft_policy.widths) - 1
+        elif not 1 <= draft_length <= drafter.block_size - 1:
             raise ValueError(f"draft_length: must lie in [1, {drafter.block_size - 1}] for this drafter "
                              f"(block_size {drafter.block_size}), got {draft_length}")
-        self.drafter, self.draft_length = drafter, draft_length
+        self.draft_length = self.max_draft = draft_length
         self.draft_cache = None
         self.layer_ids = drafter.target_layer_ids
+        self.choices: list = []  # draft "auto": each WidthChoice (block = anchor + drafts, why), in order
+        self.forwards = 0
 
     def _capacity(self, row: RowState) -> int:
-        return len(row.prompt) + row.params.max_new_tokens + self.draft_length + 2
+        return len(row.prompt) + row.params.max_new_tokens + self.max_draft + 2
 
     def add(self, row: RowState) -> list[DecodeEvent]:
         n = len(self.rows)
@@ -117,18 +133,26 @@ class DFlashEngine(BatchEngine):
         if r.params.greedy:
             target = propose_tokens(r, logits, tails)[0].tolist()
             m = agreed(draft, target)
-            return draft[:m] + [target[m]]
-        p = self._probs(r, logits, tails)  # [D+1, V]
-        gen = r.state.sampler.generator
-        m, token = accept_draft([r.state.anchor] + draft, q, p[:D], gen)  # the anchor is the target's own
-        if token is None:  # every draft kept: the next token from the target after the last one
-            token = int(torch.multinomial(p[D], 1, generator=gen))
-        return draft[: m - 1] + [token]
+            new = draft[:m] + [target[m]]
+        else:
+            p = self._probs(r, logits, tails)  # [D+1, V]
+            gen = r.state.sampler.generator
+            m, token = accept_draft([r.state.anchor] + draft, q, p[:D], gen)  # the anchor is the target's own
+            if token is None:  # every draft kept: the next token from the target after the last one
+                token = int(torch.multinomial(p[D], 1, generator=gen))
+            new = draft[: m - 1] + [token]
+        r.state.kept_draft += len(new) - 1
+        r.state.rejected_draft += len(new) - 1 < D
+        return new
 
     @torch.inference_mode()
     def step(self) -> list[DecodeEvent]:
         rows = self.rows
-        drafts, q = self._draft(rows) if any(r.state.anchor is not None for r in rows) else ([None] * len(rows),) * 2
+        drafting = any(r.state.anchor is not None for r in rows)
+        if drafting and self.draft_policy is not None:
+            self.draft_length = choose_draft(self.draft_policy, rows, self.choices, self.forwards) - 1
+        self.forwards += 1
+        drafts, q = self._draft(rows) if drafting else ([None] * len(rows),) * 2
         src = [r.state.pending if d is None else [r.state.anchor] + d for r, d in zip(rows, drafts)]
         ids, n = pad_right(src, self.pad_id, self.device)
         snap = self.cache.start_recording()
@@ -163,18 +187,57 @@ class DFlashEngine(BatchEngine):
         return events
 
 
+_ITERATION_COSTS: dict = {}  # (model, drafter, eager/compiled, blocks) -> CostCurve, measured once per process
+
+
+@torch.inference_mode()
+def iteration_curve(model, drafter, blocks, *, repeat: int = 3) -> "CostCurve":
+    """What one dflash iteration (draft, verify, rollback, bookkeeping) costs at each block (anchor
+    + drafts) in `blocks`: an engine of that fixed draft length decoding a random prompt at batch 1,
+    the median of `repeat` iterations after one untimed one (where a compiled model compiles).
+    Kept in the `"verify"` kind of a `width.CostCurve` for `DraftPolicy`; measured once per
+    process."""
+    from .width import CostCurve, compiled_kind
+
+    key = (id(model), id(drafter), compiled_kind(model), tuple(blocks))
+    if key in _ITERATION_COSTS:
+        return _ITERATION_COSTS[key]
+    curve = CostCurve()
+    gen = torch.Generator().manual_seed(0)
+    prompt = torch.randint(3, model.config.vocab_size, (32,), generator=gen).tolist()
+    for b in blocks:
+        engine = DFlashEngine(model, drafter, draft_length=b - 1)
+        engine.add(RowState(prompt, SamplingParams(max_new_tokens=(repeat + 2) * b + 1, ignore_eos=True), set()))
+        engine.step()  # the prefill
+        engine.step()
+        seconds = []
+        for _ in range(repeat):
+            t0 = time.perf_counter()
+            engine.step()
+            seconds.append(time.perf_counter() - t0)
+        curve.add("verify", 1, b, statistics.median(seconds))
+    _ITERATION_COSTS[key] = curve
+    return curve
+
+
 class DFlash(Mode):
     grammar = False  # the drafter's proposals are not grammar-masked yet: a constrained request is refused
     name = "dflash"
     needs_drafter = True  # the engine needs a DFlash drafter next to the target (`clover.load(..., drafter=)`)
     reference = "ar"
     summary = "AR with a DFlash block drafter: drafts a block in one drafter forward, verifies it causally (lossless)"
+    auto_width = True  # block_size="auto": the draft length adapts to acceptance
+
+    def check(self, params) -> None:
+        if params.block_size == AUTO and params.draft_length is not None:
+            raise ValueError("draft_length: block_size \"auto\" chooses the draft length; give one or the other")
 
     def extra_positions(self, params) -> int:
         return (params.draft_length or DEFAULT_DRAFT) + 1
 
     def spec(self, params, provisional: bool = False) -> EngineSpec:
-        return EngineSpec(self, width=params.draft_length)  # None: the drafter's block - 1
+        # None: the drafter's block - 1; "auto": adapted to acceptance
+        return EngineSpec(self, width=params.draft_length or (AUTO if params.block_size == AUTO else None))
 
     def make_engine(self, model, spec, *, mask_id, pad_id, drafter=None):
         if drafter is None:

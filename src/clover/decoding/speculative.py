@@ -98,6 +98,21 @@ def settle_cache(cache, snap, keep: torch.Tensor, committed: torch.Tensor | None
         cache.record = None
 
 
+def choose_draft(policy, rows: list[RowState], choices: list, forward: int) -> int:
+    """Draft "auto" (a `width.DraftPolicy`): the width with the most expected tokens per second for
+    these rows, each keeping a draft token at its own rate so far (`state.kept_draft` kept,
+    `state.rejected_draft` verifies that rejected one). A new decision is appended to `choices`
+    and to each row's `width_why`; returns the width."""
+    rates = [policy.acceptance(r.state.kept_draft, r.state.rejected_draft) for r in rows]
+    choice = policy.choose([(a, r.remaining) for a, r in zip(rates, rows)])
+    choice.forward = forward
+    if not choices or choices[-1].width != choice.width or choices[-1].batch != choice.batch:
+        choices.append(choice)
+        for r in rows:
+            r.width_why.append(f"forward {forward}: draft {choice.why()}")
+    return choice.width
+
+
 @dataclass(eq=False)
 class SpeculativeRow(EngineRow):
     first_logits: torch.Tensor | None = None  # causal logits after the last accepted token
@@ -132,14 +147,7 @@ class SpeculativeEngine(BatchEngine):
     def _choose_draft(self) -> None:
         """Draft "auto": the draft length of the drafts this forward makes (a verify of a draft of D
         costs a forward of 2D positions; each draft token is kept with the row's acceptance rate)."""
-        rates = [self.draft_policy.acceptance(r.state.kept_draft, r.state.rejected_draft) for r in self.rows]
-        choice = self.draft_policy.choose([(a, r.remaining) for a, r in zip(rates, self.rows)])
-        choice.forward = self.forwards
-        if not self.choices or self.choices[-1].width != choice.width or self.choices[-1].batch != choice.batch:
-            self.choices.append(choice)
-            for r in self.rows:
-                r.width_why.append(f"forward {self.forwards}: draft {choice.why()}")
-        self.draft_length = choice.width
+        self.draft_length = choose_draft(self.draft_policy, self.rows, self.choices, self.forwards)
 
     def _init_row(self, row: RowState) -> None:
         check_speculative_params(row.params)
