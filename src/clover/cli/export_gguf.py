@@ -1,4 +1,4 @@
-"""`clover export-gguf SRC DST.gguf [--dtype f32|bf16|f16|q8_0]`."""
+"""`clover export-gguf SRC DST.gguf [--dtype f32|bf16|f16|q8_0]` (SRC may be a `clover quantize` directory)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,9 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("src", help="a model directory (clover or Qwen3.5-MoE: config.json, safetensors, tokenizer.json)")
     p.add_argument("dst", help="the GGUF file to write (e.g. model.gguf)")
     p.add_argument("--dtype", choices=DTYPES, default="f32",
-                   help="type of the weight matrices (default f32); norms, router, conv and per-head vectors stay f32")
+                   help="type of the weight matrices (default f32); norms, router, conv and per-head vectors stay f32. "
+                        "From a `clover quantize` directory its INT8 / INT4 matrices go out as Q8_0 / Q4_1 (codes carried "
+                        "over, see docs/gguf.md) and --dtype sets the others")
     p.add_argument("--clover-tensors", choices=CLOVER_TENSOR_MODES, default="sidecar",
                    help="where Clover's denoise-mode tensors go: a sidecar DST.clover.gguf (default; DST stays loadable "
                         "by stock llama.cpp), inline in DST (for a llama.cpp port; stock llama.cpp refuses it), or none")
@@ -26,7 +28,7 @@ def run(args: argparse.Namespace) -> int:
     r = export_gguf(args.src, args.dst, dtype=args.dtype, clover_tensors=args.clover_tensors,
                     pre_tokenizer=args.pre_tokenizer, progress=not args.no_progress)
     size = r.path.stat().st_size
-    print(f"wrote {r.path}: {r.tensors} tensors, {size / 2**20:.1f} MiB, arch qwen35moe, dtype {args.dtype}, "
+    print(f"wrote {r.path}: {r.tensors} tensors, {size / 2**20:.1f} MiB, arch qwen35moe, {r.types}, "
           f"pre-tokenizer {r.pre_tokenizer}{'' if r.pre_tokenizer_exact else ' (closest match)'}")
     if r.sidecar is not None:
         print(f"wrote {r.sidecar}: {r.clover_tensors} Clover tensors (denoise mode)")

@@ -47,6 +47,7 @@ from ..config import CloverConfig
 from ..models import architecture_of, key_layout, read_config
 from ..models.layers import CLOVER_PARAMETERS
 from ..tokenizer import MASK_TOKEN
+from .gguf_quant import QuantPlanes, Rounding, block_type_fits, encode_q4_1, encode_q8_0, planes_from_parts
 
 ARCH = "qwen35moe"
 FORMAT_VERSION = 1
@@ -171,6 +172,8 @@ GLOBAL_TENSORS: dict[str, tuple[str, Transform]] = {
     "model.norm.weight": ("output_norm.weight", _norm_offset),
     "lm_head.weight": ("output.weight", _same),
 }
+# the transforms that only reorder elements: what a quantized weight may go through (`_Mapper.planes`)
+_REARRANGING = (_same, _qkv_rows, _v_rows, _v_cols)
 # kept in float32 whatever --dtype says (llama.cpp's converter does the same; its ops expect f32 here)
 _F32_ALWAYS = re.compile(r"(_norm\.weight|ffn_gate_inp\.weight|ffn_gate_inp_shexp\.weight|ssm_conv1d\.weight|clover_conv1d_right\.weight)$")
 
@@ -212,6 +215,31 @@ class _Mapper:
         gname, fn = LAYER_TENSORS[leaf]
         return [(gname.format(bid=bid), fn(t, self.heads))]
 
+    def transform_of(self, name: str) -> Transform | None:
+        """The transform a quantized weight's name maps through (None: the fused-experts split, a
+        pure slice), or GGUFExportError when it is one that is not a pure rearrangement."""
+        if name in GLOBAL_TENSORS:
+            fn = GLOBAL_TENSORS[name][1]
+        else:
+            m = _LAYER.match(name)
+            leaf = m.group(2) if m else None
+            fn = None if leaf == FUSED_GATE_UP else LAYER_TENSORS.get(leaf, (None, None))[1]
+            if fn is None and leaf != FUSED_GATE_UP:
+                raise GGUFExportError(f"{name!r}: quantized, but GGUF export has no mapping for it")
+        if fn is not None and fn not in _REARRANGING:
+            raise GGUFExportError(f"{name!r}: quantized, but its GGUF transform ({fn.__name__}) is arithmetic, not a reordering")
+        return fn
+
+    def column_chunk(self, name: str) -> int | None:
+        """For a weight whose transform moves columns: the chunk of columns that moves together."""
+        return self.heads.dv if self.transform_of(name) is _v_cols and self.heads.n_k != self.heads.n_v else None
+
+    def planes(self, name: str, qp: QuantPlanes, origin: str) -> list[tuple[str, QuantPlanes]]:
+        """A quantized weight through the same mapping, plane by plane (codes, scale, offset)."""
+        self.transform_of(name)
+        mapped = [self(name, plane, origin) for plane in qp.planes()]
+        return [(gname, qp.like([m[i][1] for m in mapped])) for i, (gname, _) in enumerate(mapped[0])]
+
     def _per_expert(self, bid: int, e: int, kind: str, t: torch.Tensor, origin: str) -> list[tuple[str, torch.Tensor]]:
         n_exp = self.config.num_experts
         if e >= n_exp:
@@ -252,12 +280,29 @@ def _file_type(dtype: str):
     import gguf
 
     F = gguf.LlamaFileType
-    return {"f32": F.ALL_F32, "f16": F.MOSTLY_F16, "bf16": F.MOSTLY_BF16, "q8_0": F.MOSTLY_Q8_0}[dtype]
+    return {"f32": F.ALL_F32, "f16": F.MOSTLY_F16, "bf16": F.MOSTLY_BF16, "q8_0": F.MOSTLY_Q8_0,
+            "int8": F.MOSTLY_Q8_0, "int4": F.MOSTLY_Q4_1}[dtype]
 
 
-def _encode(t: torch.Tensor, qtype) -> np.ndarray:
+def _block_type(bits: int, fits: bool):
+    """The GGUF type of a clover-quantized weight (gguf_quant): its block type, or float32 when its
+    rows do not split into blocks."""
     import gguf
 
+    Q = gguf.GGMLQuantizationType
+    return (Q.Q8_0 if bits == 8 else Q.Q4_1) if fits else Q.F32
+
+
+def _encode(t: torch.Tensor | QuantPlanes, qtype, rounding: Rounding) -> np.ndarray:
+    import gguf
+
+    Q = gguf.GGMLQuantizationType
+    if isinstance(t, QuantPlanes):
+        if qtype == Q.Q8_0:
+            return encode_q8_0(t, rounding)
+        if qtype == Q.Q4_1:
+            return encode_q4_1(t, rounding)
+        t = t.dequantize()
     a = t.detach().to(torch.float32).contiguous().numpy()
     if qtype == gguf.GGMLQuantizationType.F32:
         return a
@@ -428,8 +473,6 @@ def check_supported(config: CloverConfig, src: Path) -> None:
         raise GGUFExportError(f"{src}: cannot export to GGUF: model_type {c.base_model_type!r} ({arch.name}) has no "
                               f"GGUF export; the writer produces llama.cpp's {ARCH} for the architectures that declare it")
     problems = []
-    if c.quantization_config:
-        problems.append("the checkpoint is quantized (clover quantize); export the unquantized checkpoint and pick --dtype q8_0")
     if c.linear_key_head_dim != c.linear_value_head_dim:
         problems.append(f"llama.cpp's qwen35moe needs linear_key_head_dim == linear_value_head_dim (got {c.linear_key_head_dim} and {c.linear_value_head_dim})")
     if c.attention_bias:
@@ -443,6 +486,19 @@ def check_supported(config: CloverConfig, src: Path) -> None:
     mrope_sections(c.rotary_dim)
 
 
+# the architecture keys (`qwen35moe.*`, docs/gguf.md "Metadata"): gguf.GGUFWriter.add_<key> -> config attribute;
+# `rope.dimension_sections`, `ssm.inner_size` and `attention.recurrent_layers` are derived (_write_metadata)
+ARCH_KEYS = {
+    "context_length": "max_position_embeddings", "embedding_length": "hidden_size", "block_count": "num_hidden_layers",
+    "head_count": "num_attention_heads", "head_count_kv": "num_key_value_heads",
+    "key_length": "head_dim", "value_length": "head_dim", "rope_freq_base": "rope_theta", "rope_dimension_count": "rotary_dim",
+    "layer_norm_rms_eps": "rms_norm_eps", "expert_count": "num_experts", "expert_used_count": "num_experts_per_tok",
+    "expert_feed_forward_length": "moe_intermediate_size", "expert_shared_feed_forward_length": "shared_expert_intermediate_size",
+    "ssm_conv_kernel": "linear_conv_kernel_dim", "ssm_state_size": "linear_key_head_dim", "ssm_group_count": "linear_num_key_heads",
+    "ssm_time_step_rank": "linear_num_value_heads", "full_attention_interval": "full_attention_interval",
+}
+
+
 def _write_metadata(w, config: CloverConfig, tok: TokenizerMetadata, *, name: str, dtype: str, clover: dict) -> None:
     import gguf
 
@@ -450,29 +506,12 @@ def _write_metadata(w, config: CloverConfig, tok: TokenizerMetadata, *, name: st
     w.add_name(name)
     w.add_type(gguf.GGUFType.MODEL)
     w.add_file_type(_file_type(dtype))
-    if dtype == "q8_0":
+    if dtype in ("q8_0", "int8", "int4"):
         w.add_quantization_version(gguf.GGML_QUANT_VERSION)
-    w.add_context_length(c.max_position_embeddings)
-    w.add_embedding_length(c.hidden_size)
-    w.add_block_count(c.num_hidden_layers)
-    w.add_head_count(c.num_attention_heads)
-    w.add_head_count_kv(c.num_key_value_heads)
-    w.add_key_length(c.head_dim)
-    w.add_value_length(c.head_dim)
-    w.add_rope_freq_base(float(c.rope_theta))
-    w.add_rope_dimension_count(c.rotary_dim)
+    for key, attr in ARCH_KEYS.items():
+        getattr(w, f"add_{key}")(getattr(c, attr))
     w.add_rope_dimension_sections(mrope_sections(c.rotary_dim))
-    w.add_layer_norm_rms_eps(float(c.rms_norm_eps))
-    w.add_expert_count(c.num_experts)
-    w.add_expert_used_count(c.num_experts_per_tok)
-    w.add_expert_feed_forward_length(c.moe_intermediate_size)
-    w.add_expert_shared_feed_forward_length(c.shared_expert_intermediate_size)
-    w.add_ssm_conv_kernel(c.linear_conv_kernel_dim)
-    w.add_ssm_state_size(c.linear_key_head_dim)
-    w.add_ssm_group_count(c.linear_num_key_heads)
-    w.add_ssm_time_step_rank(c.linear_num_value_heads)
     w.add_ssm_inner_size(c.linear_value_head_dim * c.linear_num_value_heads)
-    w.add_full_attention_interval(c.full_attention_interval)
     w.add_array(f"{ARCH}.attention.recurrent_layers", [t == "linear_attention" for t in c.layer_types])
     # tokenizer
     w.add_tokenizer_model("gpt2")
@@ -510,20 +549,63 @@ class ExportResult:
     pre_tokenizer: str
     pre_tokenizer_exact: bool
     notes: list[str] = field(default_factory=list)
+    types: str = ""  # what the weight matrices are, e.g. "f32" or "int4 group 64 -> Q4_1 (other matrices f32)"
 
 
 def sidecar_path(dst: Path) -> Path:
     return dst.with_name((dst.name[: -len(".gguf")] if dst.name.endswith(".gguf") else dst.name) + SIDECAR_SUFFIX)
 
 
-def _source_tensors(shards: list[Path], config: CloverConfig, *, meta: bool) -> Iterator[tuple[Path, str, torch.Tensor, int]]:
+@dataclass
+class _QuantSource:
+    """Where a `clover quantize` directory keeps each quantized weight (see `quant.format`)."""
+
+    bits: int
+    group_size: int | None
+    parts: dict[str, tuple[str, str, int]]  # on-disk key -> (weight name, part, K of the float weight)
+    specs: dict[str, tuple[torch.dtype, tuple[int, ...]]]  # on-disk key -> (dtype, shape)
+    n_parts: int
+
+    @property
+    def weights(self) -> set[str]:
+        return {wname for wname, _, _ in self.parts.values()}
+
+    @classmethod
+    def of(cls, config: CloverConfig, src: Path) -> "_QuantSource | None":
+        if not config.quantization_config:
+            return None
+        from ..quant.format import parse_quantization_config, tensor_specs
+
+        try:
+            bits, group, targets = parse_quantization_config(config.quantization_config, config, str(src / "config.json"))
+        except CheckpointError as e:
+            raise GGUFExportError(str(e)) from None
+        parts, specs = {}, {}
+        for t in targets.values():
+            spec = tensor_specs(t, bits, group)
+            for wname, shape in t.weight_shapes().items():
+                base = wname.removesuffix(".weight")
+                for key in spec:
+                    if key.rsplit(".", 1)[0] == base:
+                        parts[key] = (wname, key.rsplit(".", 1)[1], shape[-1])
+                        specs[key] = spec[key]
+        return cls(bits, group, parts, specs, 2 if bits == 8 else 3)
+
+
+_ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
+_TORCH_DTYPE = {torch.int8: "I8", torch.uint8: "U8", torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
+
+
+def _source_tensors(shards: list[Path], config: CloverConfig, *, meta: bool, quant: _QuantSource | None = None,
+                    float_shapes: dict[str, tuple[int, ...]] | None = None) -> Iterator[tuple[Path, str, torch.Tensor | QuantPlanes, int]]:
     """(shard, our name, tensor as float32 or on meta, bytes on disk) for every key we keep (named by
-    the architecture's key layout)."""
+    the architecture's key layout). A quantized weight comes once all its parts are read: on meta as
+    a float tensor of the float shape (`float_shapes`), otherwise as `QuantPlanes`."""
     from safetensors import safe_open
 
     layout = key_layout(config)
-
-    itemsize = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
+    pending: dict[str, dict[str, torch.Tensor]] = {}
+    pending_bytes: dict[str, int] = {}
     for path in shards:
         try:
             f = safe_open(str(path), framework="pt", device="cpu")
@@ -536,15 +618,38 @@ def _source_tensors(shards: list[Path], config: CloverConfig, *, meta: bool) -> 
                 continue
             sl = f.get_slice(key)
             shape = tuple(sl.get_shape())
-            nbytes = int(np.prod(shape)) * itemsize.get(sl.get_dtype(), 4)
+            nbytes = int(np.prod(shape)) * _ITEMSIZE.get(sl.get_dtype(), 4)
+            part = quant.parts.get(name) if quant else None
+            if part is not None:
+                dtype, want = quant.specs[name]
+                if sl.get_dtype() != _TORCH_DTYPE.get(dtype) or shape != tuple(want):
+                    raise GGUFExportError(f"{path}: {key!r} is {sl.get_dtype()} {shape} but config.json's quantization_config "
+                                          f"(int{quant.bits}) implies {_TORCH_DTYPE.get(dtype)} {tuple(want)}")
             if meta:
                 t = torch.empty(shape, dtype=torch.float32, device="meta")
             else:
                 try:
-                    t = f.get_tensor(key).to(torch.float32)
+                    t = f.get_tensor(key)
+                    t = t if part is not None else t.to(torch.float32)
                 except Exception as e:  # noqa: BLE001
                     raise CheckpointError(f"{path}: cannot read tensor {key!r} ({e}); the file is truncated or corrupt") from None
-            yield path, name, t, nbytes
+            if part is None:
+                yield path, name, t, nbytes
+                continue
+            wname, leaf, k = part
+            got = pending.setdefault(wname, {})
+            got[leaf] = t
+            pending_bytes[wname] = pending_bytes.get(wname, 0) + nbytes
+            if len(got) == quant.n_parts:
+                del pending[wname]
+                if meta:
+                    value = torch.empty(float_shapes[wname], dtype=torch.float32, device="meta")
+                else:
+                    value = planes_from_parts(got, quant.bits, quant.group_size, k)
+                yield path, wname, value, pending_bytes.pop(wname)
+    if pending:
+        wname, got = next(iter(pending.items()))
+        raise GGUFExportError(f"{shards[0].parent}: quantized weight {wname!r} has only {sorted(got)} on disk; the checkpoint is incomplete")
 
 
 def _expected(config: CloverConfig) -> dict[str, tuple[int, ...]]:
@@ -580,14 +685,16 @@ def export_gguf(
     check_supported(config, src)
     tok = read_tokenizer(src, config, pre_tokenizer=pre_tokenizer)
     shards = shard_files(src)
+    quant = _QuantSource.of(config, src)
 
     # -- plan: names, shapes and types of every output tensor, from the headers alone
     expected = _expected(config)
     seen: set[str] = set()
     plan: list[tuple[str, tuple[int, ...]]] = []
+    block_typed: dict[str, bool] = {}  # quantized outputs: True = Q8_0 / Q4_1, False = float32
     src_bytes = 0
     mapper = _Mapper(config)
-    for path, name, t, nbytes in _source_tensors(shards, config, meta=True):
+    for path, name, t, nbytes in _source_tensors(shards, config, meta=True, quant=quant, float_shapes=expected):
         src_bytes += nbytes
         m = _LAYER.match(name)
         if m and _PER_EXPERT.match(m.group(2)):
@@ -598,7 +705,11 @@ def export_gguf(
             raise GGUFExportError(f"{path}: {name!r} has shape {tuple(t.shape)} but config.json implies {expected[name]}; the weights and config disagree")
         else:
             seen.add(name)
-        plan += [(g, tuple(o.shape)) for g, o in mapper(name, t, str(path))]
+        outs = [(g, tuple(o.shape)) for g, o in mapper(name, t, str(path))]
+        if quant is not None and name in quant.weights:
+            chunk = mapper.column_chunk(name)
+            block_typed.update({g: block_type_fits(quant.bits, quant.group_size, shape[-1], chunk) for g, shape in outs})
+        plan += outs
     mapper.finish(src)
     missing = sorted(set(expected) - seen - ({"lm_head.weight"} if config.tie_word_embeddings else set()))
     if missing:
@@ -626,11 +737,12 @@ def export_gguf(
     dst.parent.mkdir(parents=True, exist_ok=True)
     tmp = dst.with_name(dst.name + ".partial")
     writers = {"main": gguf.GGUFWriter(tmp, ARCH)}
-    _write_metadata(writers["main"], config, tok, name=name, dtype=dtype, clover=clover_meta)
+    file_type = dtype if quant is None else f"int{quant.bits}"
+    _write_metadata(writers["main"], config, tok, name=name, dtype=file_type, clover=clover_meta)
     if side is not None:
         side_tmp = side.with_name(side.name + ".partial")
         writers["side"] = gguf.GGUFWriter(side_tmp, ARCH)
-        _write_metadata(writers["side"], config, tok, name=name + " (clover tensors)", dtype=dtype, clover=clover_meta)
+        _write_metadata(writers["side"], config, tok, name=name + " (clover tensors)", dtype=file_type, clover=clover_meta)
 
     def target(gname: str) -> str | None:
         if not is_clover_tensor(gname):
@@ -644,7 +756,7 @@ def export_gguf(
         where = target(gname)
         if where is None:
             continue
-        qtype = _ggml_type(gname, shape, dtype)
+        qtype = _ggml_type(gname, shape, dtype) if gname not in block_typed else _block_type(quant.bits, block_typed[gname])
         kinds[gname] = qtype
         decl_shape, np_dtype, nbytes = _nbytes(shape, qtype)
         writers[where].add_tensor_info(gname, decl_shape, np_dtype, nbytes, raw_dtype=None if qtype in (
@@ -662,16 +774,18 @@ def export_gguf(
         order = iter(plan)
         bar = tqdm(total=src_bytes, unit="B", unit_scale=True, desc="export-gguf", disable=not progress)
         current = None
-        for path, name, t, nbytes in _source_tensors(shards, config, meta=False):
+        rounding = Rounding()
+        for path, name, t, nbytes in _source_tensors(shards, config, meta=False, quant=quant):
             if path != current:
                 current = path
                 bar.set_postfix_str(f"shard {shards.index(path) + 1}/{len(shards)}: {path.name}")
-            for gname, out in mapper(name, t, str(path)):
+            mapped = mapper.planes(name, t, str(path)) if isinstance(t, QuantPlanes) else mapper(name, t, str(path))
+            for gname, out in mapped:
                 want, shape = next(order)
                 assert gname == want and tuple(out.shape) == shape, (gname, want)
                 where = target(gname)
                 if where is not None:
-                    writers[where].write_tensor_data(_encode(out, kinds[gname]))
+                    writers[where].write_tensor_data(_encode(out, kinds[gname], rounding))
             bar.update(nbytes)
         bar.close()
         for w in writers.values():
@@ -697,8 +811,16 @@ def export_gguf(
         notes.append("tokenizer: no merges; one inert placeholder merge written (llama.cpp requires the array)")
     if mode == "inline":
         notes.append("clover tensors inline: stock llama.cpp refuses this file (it holds tensors qwen35moe does not load)")
-    q8_fallback = [g for g, q in kinds.items() if dtype == "q8_0" and q == gguf.GGMLQuantizationType.F16]
+    q8_fallback = [g for g, q in kinds.items() if dtype == "q8_0" and q == gguf.GGMLQuantizationType.F16 and g not in block_typed]
     if q8_fallback:
         notes.append(f"q8_0: {len(q8_fallback)} tensor(s) with rows not a multiple of 32 written as f16")
+    unblocked = [g for g, fits in block_typed.items() if not fits and target(g) is not None]
+    if unblocked:
+        notes.append(f"int{quant.bits}: {len(unblocked)} quantized tensor(s) with rows not a multiple of 32 inputs "
+                     f"(or groups that are not) written as float32, dequantized (e.g. {unblocked[0]})")
+    notes += rounding.summary()
+    types = dtype
+    if quant is not None:
+        types = ("int8 -> Q8_0" if quant.bits == 8 else f"int4 group {quant.group_size} -> Q4_1") + f" (other matrices {dtype})"
     return ExportResult(dst, side, counts["main"], counts["side"] if side else sum(is_clover_tensor(g) for g in kinds),
-                        total, tok.pre, tok.pre_exact, notes)
+                        total, tok.pre, tok.pre_exact, notes, types)

@@ -3,7 +3,9 @@
 On-disk layouts (format_version 1), for a weight W [N, K] (N output rows, K inputs):
 
 - INT8, symmetric per output channel: `qweight` int8 [N, K], `scales` fp32 [N];
-  W ≈ qweight * scales[:, None], qweight in [-127, 127].
+  W ≈ qweight * scales[:, None], qweight in [-127, 127]; scale = max|row| / 127 rounded up to a
+  float16 value where that is a normal float16, so GGUF's Q8_0 (float16 block scales) holds the same
+  weights bit for bit.
 - INT4, asymmetric per group of G inputs: K is padded with zeros to Kp = ceil(K / G) * G;
   `qweight` uint8 [N, Kp / 2] holds two 4-bit codes per byte, the even input in the high nibble
   (byte = q[2j] << 4 | q[2j + 1]); `scales` and `zeros` bf16 [N, Kp / G];
@@ -44,11 +46,26 @@ FP32_VIA_BF16 = True
 
 
 # --------------------------------------------------------------------------------------- int8
+FP16_MIN_NORMAL = 2.0**-14
+
+
+def fp16_scale_at_least(s: torch.Tensor) -> torch.Tensor:
+    """The smallest float16 value >= each (positive, fp32) scale, as fp32, where that is a normal
+    float16 (relative change < 2^-10); elsewhere (rows with max |w| under ~7.8e-3, or past float16's
+    range) the scale itself, whose precision a float16 could not keep. A scale rounded this way is
+    one GGUF's Q8_0 stores exactly (its block scale is float16); rounding up keeps every code within
+    [-127, 127]."""
+    h = s.to(torch.float16)
+    h = torch.where(h.float() < s, torch.nextafter(h, torch.full_like(h, float("inf"))), h)
+    return torch.where(torch.isfinite(h) & (h >= FP16_MIN_NORMAL), h.float(), s)
+
+
 def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """w [..., N, K] float -> (qweight int8 [..., N, K], scales fp32 [..., N])."""
+    """w [..., N, K] float -> (qweight int8 [..., N, K], scales fp32 [..., N]); scale = max|row| / 127
+    rounded up to a float16 value (`fp16_scale_at_least`)."""
     wf = w.float()
     amax = wf.abs().amax(dim=-1)
-    scales = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax))
+    scales = torch.where(amax > 0, fp16_scale_at_least(amax / 127.0), torch.ones_like(amax))
     q = torch.round(wf / scales[..., None]).clamp_(-127, 127).to(torch.int8)
     return q, scales.to(INT8_SCALE_DTYPE)
 
