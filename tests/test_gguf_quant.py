@@ -83,15 +83,25 @@ def quantized(tmp_path_factory):
         q = root / f"int{bits}-{group}"
         quantize_checkpoint(BUNDLED, q, bits=bits, group_size=group or 64, progress=False)
         g = root / f"int{bits}-{group}.gguf"
-        r = export_gguf(q, g, clover_tensors="inline", progress=False)
+        r = export_gguf(q, g, progress=False)  # the backbone for stock llama.cpp, Clover's tensors in the sidecar
         out[(bits, group)] = (q, g, r)
     return out
+
+
+def read_back(result) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Both files of an export, dequantized by the gguf package -> ({name: tensor}, {name: GGUF type})."""
+    tensors, types = {}, {}
+    for path in (result.path, result.sidecar):
+        _, t, ty = read_gguf(path)
+        tensors.update(t)
+        types.update(ty)
+    return tensors, types
 
 
 @pytest.mark.parametrize("bits,group", [(8, None), (4, 32), (4, 64)])
 def test_weights_read_back(quantized, bits, group):
     qdir, path, result = quantized[(bits, group)]
-    _, tensors, types = read_gguf(path)  # the gguf package's dequantizers
+    tensors, types = read_back(result)  # the gguf package's dequantizers
     cfg = read_config(qdir)
     theirs = to_clover(tensors, cfg)
     ours, step = clover_dequantized(qdir)
@@ -128,8 +138,8 @@ def test_token_for_token_with_clovers_quantized_engine(quantized, tmp_path, monk
     from clover.tokenizer import Tokenizer
 
     monkeypatch.setattr(ops, "FP32_VIA_BF16", False)
-    qdir, path, _ = quantized[(bits, group)]
-    _, tensors, _ = read_gguf(path)
+    qdir, path, result = quantized[(bits, group)]
+    tensors, _ = read_back(result)
     fdir = float_dir(to_clover(tensors, read_config(qdir)), qdir, tmp_path / "from-gguf")
     engine, from_gguf = clover.load(qdir, dtype="float32"), clover.load(fdir, dtype="float32")
     tok = Tokenizer.from_dir(BUNDLED)

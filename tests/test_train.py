@@ -376,3 +376,13 @@ def test_plot_training_curves(tmp_path):
     (run / "log.jsonl").write_text('{"step": 5, "tokens": 1')
     with pytest.raises(ValueError, match="truncated"):
         read_run_log(run)
+
+
+def test_plot_without_matplotlib_is_one_line(tmp_path, capsys, monkeypatch):
+    from clover.cli import main
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` raises ModuleNotFoundError
+    assert main(["train", "plot", str(tmp_path), "--out", str(tmp_path / "c.png")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "matplotlib is not installed" in err and "clover-dlm[plot]" in err, err
+    assert not (tmp_path / "c.png").exists()

@@ -34,7 +34,12 @@ def main(argv: list[str]) -> int:
     """The `clover train` arguments (after `train`): a sub-command (export, plot, plan) or a run."""
     if argv[0] == "plot":
         from ..train.plot import main as plot_main
+        from .common import extra_hint
 
+        try:
+            import matplotlib  # noqa: F401  (the plot is all this command makes)
+        except ModuleNotFoundError:
+            raise UsageError(f"train plot: matplotlib is not installed; {extra_hint('plot')}") from None
         try:
             return plot_main(argv[1:])
         except (OSError, ValueError) as e:
