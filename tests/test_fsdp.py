@@ -255,9 +255,11 @@ def test_fsdp_from_a_model_directory_starts_on_meta(tmp_path):
     """FSDP from `init` (a model directory) builds on meta, shards, and each rank reads only its
     shards (`parallel.load_shards`): the same losses as DDP from the same directory, both from a
     Clover directory and from an AR one converted in memory (the Clover parameters at their initial
-    values)."""
+    values); and from the Clover weights stored per expert over several shard files (as Qwen's releases
+    store them: stacked a layer at a time), the same losses as DDP from the fused directory."""
     from clover.checkpoint import save_model
     from clover.models import build_model
+    from clover.weights import save_state_dict
 
     cache = tmp_path / "cache"
     dirs = {}
@@ -269,9 +271,28 @@ def test_fsdp_from_a_model_directory_starts_on_meta(tmp_path):
         save_model(model, d)
         write_byte_tokenizer(d)
         dirs[kind] = d
+    per_expert = {}
+    for k, v in load_file(str(dirs["clover"] / "model.safetensors")).items():
+        if k.endswith("mlp.experts.gate_up_proj"):
+            inter = v.shape[1] // 2
+            for e in range(v.shape[0]):
+                per_expert[k.replace("gate_up_proj", f"{e}.gate_proj.weight")] = v[e, :inter].clone()
+                per_expert[k.replace("gate_up_proj", f"{e}.up_proj.weight")] = v[e, inter:].clone()
+        elif k.endswith("mlp.experts.down_proj"):
+            for e in range(v.shape[0]):
+                per_expert[k.replace("down_proj", f"{e}.down_proj.weight")] = v[e].clone()
+        else:
+            per_expert[k] = v
+    pe = tmp_path / "clover-per-expert"
+    total = sum(v.numel() * v.element_size() for v in per_expert.values())
+    save_state_dict(per_expert, pe, max_shard_bytes=total // 2 + 1)
+    assert len(list(pe.glob("*.safetensors"))) >= 2
+    for f in dirs["clover"].iterdir():
+        if f.suffix != ".safetensors" and f.is_file():
+            (pe / f.name).write_bytes(f.read_bytes())
     jobs, names = [], []
-    for kind, d in dirs.items():
-        for parallel in ("ddp", "fsdp"):
+    for kind, d in [*dirs.items(), ("clover-per-expert", pe)]:
+        for parallel in (("ddp", "fsdp") if kind in dirs else ("fsdp",)):
             raw = micro_raw(d, cache, tmp_path / f"{kind}-{parallel}", stage="diffusion", steps=4, parallel=parallel)
             raw.pop("model")
             raw["init"] = str(d)
@@ -283,6 +304,8 @@ def test_fsdp_from_a_model_directory_starts_on_meta(tmp_path):
         assert [r["meta_start"] for r in res[f"{kind}-fsdp"]] == [True, True]
         assert [r["meta_start"] for r in res[f"{kind}-ddp"]] == [False, False]
         torch.testing.assert_close(losses(res[f"{kind}-fsdp"]), losses(res[f"{kind}-ddp"]), rtol=RTOL, atol=0)
+    assert [r["meta_start"] for r in res["clover-per-expert-fsdp"]] == [True, True]
+    torch.testing.assert_close(losses(res["clover-per-expert-fsdp"]), losses(res["clover-ddp"]), rtol=RTOL, atol=0)
 
 
 @pytest.mark.skipif(not os.environ.get("CLOVER_FSDP_RSS"), reason="opt-in figure: CLOVER_FSDP_RSS=1")
