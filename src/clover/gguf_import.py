@@ -17,6 +17,14 @@ The tokenizer: `tokenizer.ggml.model = gpt2` is byte-level BPE (tokens, merges, 
 and user-defined tokens become added tokens), with the pre-tokenizer that `tokenizer.ggml.pre` names
 (gpt-2, smollm: individual digits, then the GPT-2 regex).
 
+A GGUF of `qwen35moe` as clover's exporter writes it (`clover export-gguf`, docs/gguf.md) comes
+back as the checkpoint it was written from: the exporter's transforms are undone (norm weights stored
+as 1 + w, `ssm_a = -exp(A_log)`, value heads tiled for ggml, the conv as [C, K], the fused experts
+split in two, the shared-expert gate squeezed), the Clover tensors are read from the sidecar file
+the metadata names (or inline), and the `clover.*` keys give the block-diffusion settings back; the
+tokenizer's `qwen2` / `qwen35` pre-tokenizers are rebuilt, and the exporter's padding tokens and
+placeholder merge dropped. An f32 export round-trips bit for bit.
+
 A file that cannot be imported stops with one line that says why and names the tensor or key:
 an unsupported architecture or tensor type, a truncated file, a tensor of the wrong shape.
 """
@@ -34,10 +42,10 @@ from .config import CloverConfig
 from .models import build_model, config_from_dict
 from .weights import expected_shapes, save_state_dict
 
-ARCHITECTURES = ("llama",)
+ARCHITECTURES = ("llama", "qwen35moe")
 # the types `gguf.quants.dequantize` implements that a model file is expected to hold
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
-PRE_TOKENIZERS = ("gpt-2", "gpt2", "smollm", "default")
+PRE_TOKENIZERS = ("gpt-2", "gpt2", "smollm", "default", "qwen2", "qwen35")
 
 GLOBAL_TENSORS = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -100,6 +108,11 @@ def _field(reader, key: str, default=None):
     return f.contents()
 
 
+def _f32(v) -> float:
+    """A float32 metadata value as the decimal it was written from (1e-06, not 9.99999997e-07)."""
+    return float(str(np.float32(v)))
+
+
 def _require(reader, path: Path, key: str):
     v = _field(reader, key)
     if v is None:
@@ -152,8 +165,8 @@ def llama_config(reader, path: Path, tensor_names: set[str]) -> CloverConfig:
         num_attention_heads=heads,
         num_key_value_heads=int(_field(reader, f"{a}.attention.head_count_kv", heads)),
         head_dim=head_dim,
-        rms_norm_eps=float(_field(reader, f"{a}.attention.layer_norm_rms_epsilon", 1e-5)),
-        rope_theta=float(_field(reader, f"{a}.rope.freq_base", 10000.0)),
+        rms_norm_eps=_f32(_field(reader, f"{a}.attention.layer_norm_rms_epsilon", 1e-5)),
+        rope_theta=_f32(_field(reader, f"{a}.rope.freq_base", 10000.0)),
         max_position_embeddings=int(_field(reader, f"{a}.context_length", 2048)),
         tie_word_embeddings="output.weight" not in tensor_names,
         attention_bias="blk.0.attn_q.bias" in tensor_names,
@@ -280,6 +293,185 @@ def llama_state_dict(reader, path: Path, config: CloverConfig, progress: bool = 
     return state
 
 
+# ----------------------------------------------------------------------------- qwen35moe
+# what clover's exporter (`clover.export.gguf`, docs/gguf.md) wrote, undone: GGUF name -> (our name, inverse)
+def _untile_v_heads(t: torch.Tensor, dim: int, n_k: int, per_k: int, head_dim: int) -> torch.Tensor:
+    """A value-head axis from tiled ([k0 v0, k1 v0, ...], ggml's broadcast) back to grouped ([k0: v0 v1 ...])."""
+    shape = list(t.shape)
+    t = t.reshape(*shape[:dim], per_k, n_k, head_dim, *shape[dim + 1 :])
+    return t.transpose(dim, dim + 1).reshape(shape)
+
+
+def _qwen35moe_inverse(config) -> dict[str, tuple[str, object]]:
+    c = config
+    n_k, per = c.linear_num_key_heads, c.linear_num_value_heads // c.linear_num_key_heads
+    qk = 2 * n_k * c.linear_key_head_dim
+
+    def heads(t):
+        return _untile_v_heads(t, 0, n_k, per, 1)
+
+    def v_rows(t):
+        return _untile_v_heads(t, 0, n_k, per, c.linear_value_head_dim)
+
+    def qkv_rows(t):
+        return torch.cat([t[:qk], v_rows(t[qk:])])
+
+    def norm(t):
+        return t - 1.0  # stored as 1 + w (zero-centred RMSNorm)
+
+    same = lambda t: t  # noqa: E731
+    return {
+        "attn_norm.weight": ("input_layernorm.weight", norm),
+        "post_attention_norm.weight": ("post_attention_layernorm.weight", norm),
+        "attn_q.weight": ("self_attn.q_proj.weight", same),
+        "attn_k.weight": ("self_attn.k_proj.weight", same),
+        "attn_v.weight": ("self_attn.v_proj.weight", same),
+        "attn_output.weight": ("self_attn.o_proj.weight", same),
+        "attn_q_norm.weight": ("self_attn.q_norm.weight", norm),
+        "attn_k_norm.weight": ("self_attn.k_norm.weight", norm),
+        "attn_qkv.weight": ("linear_attn.in_proj_qkv.weight", qkv_rows),
+        "attn_gate.weight": ("linear_attn.in_proj_z.weight", v_rows),
+        "ssm_alpha.weight": ("linear_attn.in_proj_a.weight", heads),
+        "ssm_beta.weight": ("linear_attn.in_proj_b.weight", heads),
+        "ssm_a": ("linear_attn.A_log", lambda t: torch.log(-heads(t))),
+        "ssm_dt.bias": ("linear_attn.dt_bias", heads),
+        "ssm_conv1d.weight": ("linear_attn.conv1d.weight", lambda t: qkv_rows(t).unsqueeze(1)),
+        "ssm_norm.weight": ("linear_attn.norm.weight", same),
+        "ssm_out.weight": ("linear_attn.out_proj.weight",
+                           lambda t: _untile_v_heads(t, 1, n_k, per, c.linear_value_head_dim)),
+        "ffn_gate_inp.weight": ("mlp.gate.weight", same),
+        "ffn_down_exps.weight": ("mlp.experts.down_proj", same),
+        "ffn_gate_shexp.weight": ("mlp.shared_expert.gate_proj.weight", same),
+        "ffn_up_shexp.weight": ("mlp.shared_expert.up_proj.weight", same),
+        "ffn_down_shexp.weight": ("mlp.shared_expert.down_proj.weight", same),
+        "ffn_gate_inp_shexp.weight": ("mlp.shared_expert_gate.weight", lambda t: t.reshape(1, -1)),
+        "clover_conv1d_right.weight": ("linear_attn.conv1d_right.weight", lambda t: qkv_rows(t).unsqueeze(1)),
+        "clover_intra_scale": ("linear_attn.intra_scale", heads),
+        "clover_block_gain_a": ("linear_attn.block_gain_a", heads),
+        "clover_block_gain_b": ("linear_attn.block_gain_b", heads),
+    }
+
+
+SPLIT_EXPERTS = {"ffn_gate_exps.weight": "gate", "ffn_up_exps.weight": "up"}
+
+
+def qwen35moe_config(reader, path: Path, tensor_names: set[str]) -> CloverConfig:
+    a = "qwen35moe"
+    tokens = _field(reader, "tokenizer.ggml.tokens")
+    if not tokens:
+        raise GGUFImportError(f"{path}: metadata key 'tokenizer.ggml.tokens' is missing; the vocabulary size is unknown")
+    head_dim = int(_require(reader, path, f"{a}.attention.key_length"))
+    rotary = int(_field(reader, f"{a}.rope.dimension_count", head_dim))
+    n_v = int(_require(reader, path, f"{a}.ssm.time_step_rank"))
+    layers = int(_require(reader, path, f"{a}.block_count"))
+    recurrent = _field(reader, f"{a}.attention.recurrent_layers")
+    if recurrent is None or len(recurrent) != layers:
+        raise GGUFImportError(f"{path}: metadata key '{a}.attention.recurrent_layers' is missing or not one flag per "
+                              f"layer ({layers})")
+    fields = dict(
+        model_type="qwen3_5_moe_text",
+        vocab_size=len(tokens),
+        hidden_size=int(_require(reader, path, f"{a}.embedding_length")),
+        num_hidden_layers=layers,
+        num_attention_heads=int(_require(reader, path, f"{a}.attention.head_count")),
+        num_key_value_heads=int(_require(reader, path, f"{a}.attention.head_count_kv")),
+        head_dim=head_dim,
+        rms_norm_eps=_f32(_require(reader, path, f"{a}.attention.layer_norm_rms_epsilon")),
+        rope_theta=_f32(_require(reader, path, f"{a}.rope.freq_base")),
+        partial_rotary_factor=rotary / head_dim,
+        max_position_embeddings=int(_require(reader, path, f"{a}.context_length")),
+        num_experts=int(_require(reader, path, f"{a}.expert_count")),
+        num_experts_per_tok=int(_require(reader, path, f"{a}.expert_used_count")),
+        moe_intermediate_size=int(_require(reader, path, f"{a}.expert_feed_forward_length")),
+        shared_expert_intermediate_size=int(_require(reader, path, f"{a}.expert_shared_feed_forward_length")),
+        linear_conv_kernel_dim=int(_require(reader, path, f"{a}.ssm.conv_kernel")),
+        linear_key_head_dim=int(_require(reader, path, f"{a}.ssm.state_size")),
+        linear_num_key_heads=int(_require(reader, path, f"{a}.ssm.group_count")),
+        linear_num_value_heads=n_v,
+        linear_value_head_dim=int(_require(reader, path, f"{a}.ssm.inner_size")) // n_v,
+        layer_types=["linear_attention" if r else "full_attention" for r in recurrent],
+        full_attention_interval=int(_field(reader, f"{a}.full_attention_interval", 4)),
+        tie_word_embeddings="output.weight" not in tensor_names,
+        torch_dtype="float32",
+    )
+    ids = {k: _field(reader, f"tokenizer.ggml.{k}_token_id") for k in ("bos", "padding")}
+    fields["bos_token_id"] = None if ids["bos"] is None else int(ids["bos"])
+    fields["pad_token_id"] = None if ids["padding"] is None else int(ids["padding"])
+    eos = _field(reader, "tokenizer.ggml.eos_token_id")
+    fields["eos_token_id"] = None if eos is None else int(eos)
+    if _field(reader, "clover.model_type") == "clover":  # a Clover checkpoint: its block-diffusion settings
+        fields["backbone"] = fields.pop("model_type")
+        fields["model_type"] = "clover"
+        for key in ("mask_token_id", "block_size", "threshold", "policy", "expert_budget"):
+            v = _field(reader, f"clover.{key}")
+            if v is not None:
+                fields[key] = _f32(v) if isinstance(v, float) else v
+        if "mask_token_id" not in fields:
+            raise GGUFImportError(f"{path}: a Clover file without 'clover.mask_token_id'; export it again")
+    return config_from_dict(fields, source=str(path))
+
+
+def qwen35moe_state_dict(reader, path: Path, config: CloverConfig, progress: bool = True,
+                         extra_readers: tuple = ()) -> dict[str, torch.Tensor]:
+    from tqdm import tqdm
+
+    inverse = _qwen35moe_inverse(config)
+    expected = expected_shapes(build_model(config, device="meta"))
+    state: dict[str, torch.Tensor] = {}
+    gate_up: dict[str, dict[str, torch.Tensor]] = {}
+    tensors = [(t, p) for r, p in ((reader, path), *extra_readers) for t in r.tensors]
+    for t, where in tqdm(tensors, desc="dequantize", unit="tensor", disable=not progress):
+        if t.name in GLOBAL_TENSORS:
+            name, w = GLOBAL_TENSORS[t.name], dequantize(t, where)
+            if t.name == "output_norm.weight":
+                w = w - 1.0
+        else:
+            m = re.match(r"^blk\.(\d+)\.(.+)$", t.name)
+            leaf = m.group(2) if m else None
+            if leaf in SPLIT_EXPERTS:  # fused again: [E, 2I, H], gate rows first
+                gate_up.setdefault(f"model.layers.{m.group(1)}.mlp.experts.gate_up_proj", {})[SPLIT_EXPERTS[leaf]] = \
+                    dequantize(t, where)
+                continue
+            if leaf not in inverse:
+                raise GGUFImportError(f"{where}: tensor {t.name!r} is not part of a qwen35moe model this importer knows")
+            ours, fn = inverse[leaf]
+            name = f"model.layers.{m.group(1)}.{ours}"
+            raw = dequantize(t, where)
+            want = expected.get(name)
+            if want is not None and raw.numel() != int(np.prod(want)):
+                raise GGUFImportError(f"{where}: tensor {t.name!r} has shape {list(raw.shape)}, which cannot hold "
+                                      f"{list(want)} for {name}")
+            w = fn(raw)
+        state[name] = w
+    for name, parts in gate_up.items():
+        if set(parts) != {"gate", "up"}:
+            raise GGUFImportError(f"{path}: {name} needs both ffn_gate_exps and ffn_up_exps; the file has one")
+        state[name] = torch.cat([parts["gate"], parts["up"]], dim=1)
+    for name, w in state.items():
+        want = expected.get(name)
+        if want is None:
+            raise GGUFImportError(f"{path}: {name} has no place in a model of this config")
+        if tuple(w.shape) != tuple(want):
+            raise GGUFImportError(f"{path}: {name} has shape {list(w.shape)} but the metadata gives {list(want)}")
+    missing = [k for k in expected if k not in state and not (k == "lm_head.weight" and config.tie_word_embeddings)]
+    if missing:
+        raise GGUFImportError(f"{path}: the file lacks tensor(s) for {', '.join(missing[:3])}"
+                              + (f" and {len(missing) - 3} more" if len(missing) > 3 else ""))
+    return state
+
+
+def _clover_sidecar(reader, path: Path):
+    """The reader of the file holding a Clover export's own tensors, when they are not inline."""
+    if _field(reader, "clover.tensors") != "sidecar":
+        return ()
+    name = _field(reader, "clover.tensors_file")
+    side = path.with_name(str(name))
+    if not side.is_file():
+        raise GGUFImportError(f"{path}: its Clover tensors are in {name} (clover.tensors_file), which is not next to "
+                              "it; put the two files in one folder")
+    return ((_reader(side), side),)
+
+
 # ----------------------------------------------------------------------------- tokenizer
 def write_tokenizer(reader, path: Path, out: Path) -> None:
     """tokenizer.json + tokenizer_config.json (special tokens, chat template) from the metadata."""
@@ -297,10 +489,20 @@ def write_tokenizer(reader, path: Path, out: Path) -> None:
     types = list(_field(reader, "tokenizer.ggml.token_type") or [gguf.TokenType.NORMAL] * len(tokens))
     merges = [tuple(m.split(" ", 1)) for m in _field(reader, "tokenizer.ggml.merges") or []]
     vocab = {t: i for i, t in enumerate(tokens)}
+    unused = {i for i, ty in enumerate(types) if ty == gguf.TokenType.UNUSED}  # padding rows of the vocabulary
+    vocab = {t: i for t, i in vocab.items() if i not in unused}
+    if len(merges) == 1 and merges[0][0] == merges[0][1] and types[vocab.get(merges[0][0], 0)] == gguf.TokenType.CONTROL:
+        merges = []  # clover's exporter writes one inert merge (two control tokens) for a tokenizer without any
     tok = RawTokenizer(models.BPE(vocab=vocab, merges=merges, ignore_merges=False))
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     if pre == "smollm":
         tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+    elif pre in ("qwen2", "qwen35"):
+        from .export.gguf import _QWEN2_REGEX, _QWEN35_REGEX
+
+        split = pre_tokenizers.Split(Regex(_QWEN35_REGEX if pre == "qwen35" else _QWEN2_REGEX), behavior="isolated")
+        tok.pre_tokenizer = pre_tokenizers.Sequence([split, pre_tokenizers.ByteLevel(add_prefix_space=False,
+                                                                                     use_regex=False)])
     else:
         tok.pre_tokenizer = byte_level
     tok.decoder = decoders.ByteLevel()
@@ -308,7 +510,7 @@ def write_tokenizer(reader, path: Path, out: Path) -> None:
     user = [i for i, ty in enumerate(types) if ty == gguf.TokenType.USER_DEFINED]
     tok.add_tokens([AddedToken(tokens[i], special=False, normalized=False) for i in user])
     tok.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False) for i in special])
-    if len(tok.get_vocab()) != len(tokens):
+    if len(tok.get_vocab()) != len(tokens) - len(unused):
         raise GGUFImportError(f"{path}: tokenizer.ggml.tokens holds duplicate tokens; the vocabulary cannot be rebuilt")
     out.mkdir(parents=True, exist_ok=True)
     tok.save(str(out / "tokenizer.json"))
@@ -336,7 +538,7 @@ def write_tokenizer(reader, path: Path, out: Path) -> None:
         "add_bos_token": False,  # the chat template writes the turn markers itself
         "add_eos_token": False,
         "clean_up_tokenization_spaces": False,
-        "model_max_length": int(_field(reader, "llama.context_length", 2048) or 2048),
+        "model_max_length": int(_field(reader, f"{_field(reader, 'general.architecture')}.context_length", 2048) or 2048),
         "gguf_add_bos_token": bool(_field(reader, "tokenizer.ggml.add_bos_token", False)),
     }
     if template:
@@ -356,8 +558,12 @@ def import_gguf(src: str | Path, dst: str | Path, *, dtype: str = "float32", pro
         raise GGUFImportError(f"{src}: architecture {arch!r} is not supported by import-gguf (supported: "
                               f"{', '.join(ARCHITECTURES)})")
     names = {t.name for t in reader.tensors}
-    config = llama_config(reader, src, names)
-    state = llama_state_dict(reader, src, config, progress=progress)
+    if arch == "llama":
+        config = llama_config(reader, src, names)
+        state = llama_state_dict(reader, src, config, progress=progress)
+    else:
+        config = qwen35moe_config(reader, src, names)
+        state = qwen35moe_state_dict(reader, src, config, progress=progress, extra_readers=_clover_sidecar(reader, src))
     torch_dtype = parse_dtype(dtype)
     config.torch_dtype = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[torch_dtype]
     state = {k: v.to(torch_dtype).contiguous() for k, v in state.items()}

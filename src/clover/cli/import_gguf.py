@@ -1,4 +1,4 @@
-"""`clover import-gguf FILE.gguf OUT_DIR`: a llama GGUF -> a model directory (clover.gguf_import)."""
+"""`clover import-gguf FILE.gguf OUT_DIR`: a GGUF (llama, or qwen35moe as `clover export-gguf` writes it) -> a model directory (clover.gguf_import)."""
 
 from __future__ import annotations
 
