@@ -45,7 +45,7 @@ def _save_hf(name, tmp_path, seed=0):
 def test_logits_match_transformers(name, tmp_path):
     ref, path = _save_hf(name, tmp_path)
     ours = load_model(path)
-    assert ours.config.model_type == "qwen3_5_text" and not ours.config.is_moe
+    assert ours.config.model_type == "qwen3_5_text" and not ours.config.has_experts
     assert type(ours).__name__ == "Qwen3_5ForCausalLM"
     ids = torch.randint(0, ref.config.vocab_size, (2, 75), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
@@ -114,7 +114,7 @@ def test_convert_then_block_diffusion(tmp_path):
     ref.save_pretrained(src)
     write_byte_tokenizer(src, specials=specials)
     cfg = convert_to_clover(src, tmp_path / "clover", block_size=4, progress=False)
-    assert cfg.is_clover and cfg.backbone == "qwen3_5_text" and not cfg.is_moe
+    assert cfg.is_clover and cfg.backbone == "qwen3_5_text" and not cfg.has_experts
     saved = json.loads((tmp_path / "clover" / "config.json").read_text())
     assert saved["model_type"] == "clover" and saved["backbone"] == "qwen3_5_text" and "num_experts" not in saved
     llm = clover.load(tmp_path / "clover")

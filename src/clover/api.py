@@ -320,7 +320,7 @@ class LLM:
 
     def __repr__(self) -> str:
         c = self.config
-        return f"LLM({self.path}, {c.model_type}, layers={c.num_hidden_layers}, experts={getattr(c, 'num_experts', 0)}, dtype={self.model.dtype})"
+        return f"LLM({self.path}, {c.model_type}, layers={c.num_hidden_layers}, experts={c.num_experts if c.has_experts else 0}, dtype={self.model.dtype})"
 
 
 def _cpu_compute_dtype(path: Path, config) -> torch.dtype | None:

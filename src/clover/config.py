@@ -158,7 +158,7 @@ class CloverConfig:
                 bad(f"{name}: must be given")
         if self.mask_token_id is not None and not (0 <= self.mask_token_id < self.vocab_size):
             bad(f"mask_token_id {self.mask_token_id} is outside the vocabulary (size {self.vocab_size})")
-        if self.expert_budget is not None and not self.is_moe:
+        if self.expert_budget is not None and not self.has_experts:
             bad("expert_budget needs a mixture-of-experts backbone; this model's MLP is dense")
 
     # -------------------------------------------------------------- properties
@@ -171,14 +171,22 @@ class CloverConfig:
         """The text model's model_type: this one's, or for Clover the backbone underneath."""
         return self.backbone if self.is_clover else self.model_type
 
+    # ------------------------------------------------------------ capabilities
+    # What an architecture has beyond full attention and one dense MLP per layer. Generic code (info,
+    # the benchmarks, the planner, the trainer) asks these before it reads the fields that come with
+    # them, which only the architectures having them define: a missing field is an AttributeError,
+    # never a silent 0. An architecture with experts or linear attention overrides them.
     @property
-    def mlp_kind(self) -> str:
-        """"moe" (sparse mixture of experts) or "dense" (one MLP per layer)."""
-        return "dense"
+    def has_experts(self) -> bool:
+        """A sparse mixture-of-experts MLP (`num_experts`, `num_experts_per_tok`,
+        `moe_intermediate_size`, `shared_expert_intermediate_size`)."""
+        return False
 
     @property
-    def is_moe(self) -> bool:
-        return self.mlp_kind == "moe"
+    def has_linear_attention(self) -> bool:
+        """Gated DeltaNet layers, "linear_attention" in `layer_types` (`linear_num_key_heads`,
+        `linear_num_value_heads`, `linear_key_head_dim`, `linear_value_head_dim`, `linear_conv_kernel_dim`)."""
+        return False
 
     @classmethod
     def required_keys(cls) -> tuple[str, ...]:

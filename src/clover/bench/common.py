@@ -59,16 +59,29 @@ def max_rss_bytes() -> int:
     return int(peak if sys.platform == "darwin" else peak * 1024)
 
 
-SHAPE_FIELDS = (
-    "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
-    "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim", "num_experts",
-    "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size", "layer_types",
-)
+SHAPE_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim")
+LINEAR_ATTENTION_FIELDS = ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim")
+EXPERT_FIELDS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size")
+
+
+def _fields(config, has: bool, names: Sequence[str]) -> dict:
+    """The fields of a capability the architecture has (`has_experts`, ...), else every value 0."""
+    return {k: getattr(config, k) if has else 0 for k in names}
 
 
 def shape_summary(config) -> dict:
     """The config fields that set a forward's cost, for a benchmark's JSON."""
-    return {k: getattr(config, k) for k in SHAPE_FIELDS}
+    return {**_fields(config, True, SHAPE_FIELDS), **_fields(config, config.has_linear_attention, LINEAR_ATTENTION_FIELDS),
+            **_fields(config, config.has_experts, EXPERT_FIELDS), "layer_types": config.layer_types}
+
+
+def config_summary(config, dtype: str) -> dict:
+    """The model a benchmark ran: width, depth, experts, vocabulary, parameters, dtype."""
+    from ..models import parameter_counts
+
+    return {"hidden_size": config.hidden_size, "num_hidden_layers": config.num_hidden_layers,
+            **_fields(config, config.has_experts, EXPERT_FIELDS[:2]), "vocab_size": config.vocab_size,
+            "parameters": parameter_counts(config), "dtype": dtype}
 
 
 def machine(device: torch.device | str | None = None) -> dict:

@@ -32,8 +32,7 @@ from typing import Callable, Iterable
 import torch
 
 from ..decoding import get_mode, mode_names
-from ..models import parameter_counts
-from .common import machine, max_rss_bytes, spread, synchronize, timed
+from .common import config_summary, machine, max_rss_bytes, spread, synchronize, timed
 
 SCHEMA = "clover.bench.decode/1"
 WORKLOADS = ("tasks", "code", "both", "json")
@@ -475,16 +474,11 @@ def run_decode(
     kw = decode_kwargs(max_new_tokens, block_size, threshold, stop_newline)
     runs = interleaved(llm, items, [{"mode": m} for m in modes], lambda c: kw, warm=warmup,
                        warm_tokens=min(max_new_tokens, 2 * block_size), progress=progress)
-    c = llm.config
     return {
         "schema": SCHEMA,
         "model": str(llm.path),
         "model_note": model_note,
-        "config": {
-            "hidden_size": c.hidden_size, "num_hidden_layers": c.num_hidden_layers, "num_experts": getattr(c, "num_experts", 0),
-            "num_experts_per_tok": getattr(c, "num_experts_per_tok", 0), "vocab_size": c.vocab_size,
-            "parameters": parameter_counts(c), "dtype": str(llm.model.dtype).replace("torch.", ""),
-        },
+        "config": config_summary(llm.config, str(llm.model.dtype).replace("torch.", "")),
         "settings": {
             "workload": workload, "prompts": len(items), "max_new_tokens": max_new_tokens, "modes": modes,
             "skipped_modes": skipped, "block_size": block_size, "threshold": threshold, "greedy": True,

@@ -48,7 +48,7 @@ from typing import Callable, Iterable
 import torch
 
 from ..models.layers import is_clover_parameter
-from .common import machine, max_rss_bytes, set_threads, spread, timed
+from .common import config_summary, machine, max_rss_bytes, set_threads, spread, timed
 
 SCHEMA = "clover.bench.peers/1"
 GGUF_DTYPES = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}
@@ -691,7 +691,6 @@ def run_peers(
     import clover
 
     from ..decoding import get_mode, mode_names
-    from ..models import parameter_counts
 
     threads = list(dict.fromkeys(threads))
     for t in threads:
@@ -776,11 +775,7 @@ def run_peers(
         "schema": SCHEMA,
         "model": str(src),
         "model_note": model_note,
-        "config": {
-            "hidden_size": cfg.hidden_size, "num_hidden_layers": cfg.num_hidden_layers, "num_experts": cfg.num_experts,
-            "num_experts_per_tok": cfg.num_experts_per_tok, "vocab_size": cfg.vocab_size,
-            "parameters": parameter_counts(cfg), "dtype": dtype,
-        },
+        "config": config_summary(cfg, dtype),
         "settings": {
             "prompts": len(ids), "max_new_tokens": max_new_tokens, "threads": threads, "batch": batch,
             "batch_rounds": batch_rounds, "modes": run_modes, "skipped_modes": skipped_modes, "greedy": True,

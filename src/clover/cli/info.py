@@ -63,6 +63,11 @@ def _token_string(path: Path, token_id: int | None) -> str | None:
         return None
 
 
+def _fields(c, has: bool, **names: str) -> dict:
+    """{shown name: the config's field} for a capability the architecture has, else every value 0."""
+    return {k: getattr(c, field) if has else 0 for k, field in names.items()}
+
+
 def model_info(path: Path) -> dict:
     """The facts `clover info` prints, from config.json and file sizes (no weights are loaded)."""
     from ..models import read_config
@@ -87,10 +92,10 @@ def model_info(path: Path) -> dict:
         "vocab_size": c.vocab_size,
         "attention": {"q_heads": c.num_attention_heads, "kv_heads": c.num_key_value_heads, "head_dim": c.head_dim,
                       "rotary_dim": c.rotary_dim, "rope_theta": c.rope_theta},
-        "gdn": {"key_heads": getattr(c, "linear_num_key_heads", 0), "value_heads": getattr(c, "linear_num_value_heads", 0),
-                "key_dim": getattr(c, "linear_key_head_dim", 0), "value_dim": getattr(c, "linear_value_head_dim", 0), "conv_kernel": getattr(c, "linear_conv_kernel_dim", 0)},
-        "experts": {"num": getattr(c, "num_experts", 0), "top_k": getattr(c, "num_experts_per_tok", 0), "intermediate": getattr(c, "moe_intermediate_size", 0),
-                    "shared_intermediate": getattr(c, "shared_expert_intermediate_size", 0), "expert_budget": c.expert_budget},
+        "gdn": _fields(c, c.has_linear_attention, key_heads="linear_num_key_heads", value_heads="linear_num_value_heads",
+                       key_dim="linear_key_head_dim", value_dim="linear_value_head_dim", conv_kernel="linear_conv_kernel_dim"),
+        "experts": {**_fields(c, c.has_experts, num="num_experts", top_k="num_experts_per_tok", intermediate="moe_intermediate_size",
+                              shared_intermediate="shared_expert_intermediate_size"), "expert_budget": c.expert_budget},
         "parameters": {"total": counts["total"], "active": counts["active"]},
         "dtype": c.torch_dtype or _stored_dtype(path),
         "disk_bytes": _disk_size(path),

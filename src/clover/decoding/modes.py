@@ -121,7 +121,7 @@ def resolve_params(m: Mode, kwargs: dict, config) -> SamplingParams:
         params.threshold = config.threshold
     if params.expert_budget is None:
         params.expert_budget = config.expert_budget
-    if params.expert_budget is not None and not config.is_moe:
+    if params.expert_budget is not None and not config.has_experts:
         raise ValueError("expert_budget: needs a mixture-of-experts backbone; this model's MLP is dense")
     if params.expert_budget is not None and not (
         config.num_experts_per_tok <= params.expert_budget <= config.num_experts

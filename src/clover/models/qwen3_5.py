@@ -123,6 +123,10 @@ class Qwen3_5Config(CloverConfig):
                    "router_aux_loss_coef")
 
     @property
+    def has_linear_attention(self) -> bool:
+        return "linear_attention" in self.layer_types
+
+    @property
     def rotary_dim(self) -> int:
         return int(self.head_dim * self.partial_rotary_factor)
 

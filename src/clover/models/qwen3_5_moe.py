@@ -38,8 +38,8 @@ class Qwen3_5MoeConfig(Qwen3_5Config):
     intermediate_size: int = 0  # the dense MLP's
 
     @property
-    def mlp_kind(self) -> str:
-        return "moe"
+    def has_experts(self) -> bool:
+        return True
 
     def validate(self) -> None:
         super().validate()

@@ -94,7 +94,7 @@ def quantizable(config: CloverConfig) -> dict[str, Target]:
         "mlp.up_proj": (c.intermediate_size, c.hidden_size, False),
         "mlp.down_proj": (c.hidden_size, c.intermediate_size, False),
     }
-    mlp = ("mlp.shared_expert.",) if c.is_moe else ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+    mlp = ("mlp.shared_expert.",) if c.has_experts else ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
     out[EMBEDDING] = Target(EMBEDDING, "embedding", c.vocab_size, c.hidden_size)
     for i, t in enumerate(c.layer_types):
         mixer = "self_attn" if t == "full_attention" else "linear_attn"
@@ -106,7 +106,7 @@ def quantizable(config: CloverConfig) -> dict[str, Target]:
             n, k, bias = shapes[suffix]
             name = f"model.layers.{i}.{suffix}"
             out[name] = Target(name, "linear", n, k, bias)
-        if c.is_moe:
+        if c.has_experts:
             name = f"model.layers.{i}.{EXPERTS_SUFFIX}"
             out[name] = Target(name, "experts", c.num_experts, c.hidden_size, inter=c.moe_intermediate_size)
     if not c.tie_word_embeddings:

@@ -500,18 +500,19 @@ class Trainer:
     # -- one optimizer step
     def _loss(self, ids: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
         r, cfg = self.recipe, self.model.config
+        top_k = cfg.num_experts_per_tok if cfg.has_experts else 0  # the router's aux loss; none without experts
         if r.stage == "drafter":
             f = r.dflash
             loss, stats = dflash_step_loss(self.model, self.target, ids, self.gen, anchors=f.anchors, decay=f.decay,
                                            kl_weight=f.kl_weight, pad_id=self.stream.pad_id)
         elif r.stage == "ar":
-            loss, stats = ar_step_loss(self.model, ids, aux_coef=r.optim.aux_loss_coef, top_k=getattr(cfg, "num_experts_per_tok", 0))
+            loss, stats = ar_step_loss(self.model, ids, aux_coef=r.optim.aux_loss_coef, top_k=top_k)
         else:
             d = r.diffusion
             loss, stats = diffusion_step_loss(
                 self.model, ids, self.gen,
                 mask_token_id=cfg.mask_token_id, block_sizes=tuple(d.block_sizes), ar_weight=d.ar_weight,
-                aux_coef=r.optim.aux_loss_coef, top_k=getattr(cfg, "num_experts_per_tok", 0),
+                aux_coef=r.optim.aux_loss_coef, top_k=top_k,
                 complementary=d.complementary, min_mask_ratio=d.min_mask_ratio,
                 certainty_weight=d.certainty_weight, certainty_temperature=d.certainty_temperature,
                 block_size_gen=self.size_gen,

@@ -49,7 +49,7 @@ def parameters(c) -> Parameters:
     sharded = n_attn * attn + n_gdn * gdn
     replicated = n_attn * attn_rep + n_gdn * gdn_rep + c.num_hidden_layers * 2 * h + h  # layer norms, final norm
     experts = 0
-    if c.is_moe:
+    if c.has_experts:
         experts = c.num_hidden_layers * c.num_experts * 3 * h * c.moe_intermediate_size
         sharded += c.num_hidden_layers * 3 * h * c.shared_expert_intermediate_size
         replicated += c.num_hidden_layers * (c.num_experts * h + h)  # router, shared_expert_gate
