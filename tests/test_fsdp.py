@@ -210,8 +210,6 @@ def test_peak_rss_fsdp_vs_ddp(tmp_path):
 
 # ----------------------------------------------------------------------------- plan
 def test_plan_figures(tmp_path, capsys):
-    import argparse
-
     from clover.train import plan as plan_mod
 
     raw = {"name": "big", "stage": "diffusion", "model": {"vocab_size": 264, "hidden_size": 64, "num_hidden_layers": 4,
@@ -229,13 +227,12 @@ def test_plan_figures(tmp_path, capsys):
     assert fsdp.tokens_per_s == pytest.approx(ddp.tokens_per_s) and fsdp.days == pytest.approx(1e9 / fsdp.tokens_per_s / 86400)
     r.run.activation_checkpointing = True
     assert plan_mod.plan(r, **kw).memory_gb["activations"] < fsdp.memory_gb["activations"] / 5
-    p = argparse.ArgumentParser()
-    plan_mod.add_arguments(p)
-    args = p.parse_args([str(tmp_path / "r.json"), "--gpus", "2", "--set", "run.parallel=fsdp"])
-    assert plan_mod.run(args) == 0
+    from clover.cli.train import main as train_main
+
+    assert train_main(["plan", str(tmp_path / "r.json"), "--gpus", "2", "--set", "run.parallel=fsdp"]) == 0
     out = capsys.readouterr().out
     assert "per-rank memory" in out and "fits in 80 GB" in out and "tokens/s" in out and "days" in out
-    assert plan_mod.run(p.parse_args([str(tmp_path / "r.json"), "--gpus", "16"])) == 2  # 8 rows over 16 GPUs
+    assert train_main(["plan", str(tmp_path / "r.json"), "--gpus", "16"]) == 2  # 8 rows over 16 GPUs
     assert "--micro-batch" in capsys.readouterr().err
 
 

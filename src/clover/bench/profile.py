@@ -1,19 +1,19 @@
 """Where a forward's time goes: torch.profiler (top aten ops by self time) and cProfile (top Python
 functions by own time) over AR decode steps and diffusion denoise steps of a small model.
 
-    python -m clover.bench.profile [--model DIR] [--ar-steps 50] [--denoise-steps 20] [--block-size 32]
+    clover bench profile [--model DIR] [--ar-steps 50] [--denoise-steps 20] [--block-size 32]
 
 Without --model: random weights in the shape of the clover-tiny recipe (hidden 256, 8 layers,
-8 experts top-2, vocab 4096). The numbers in docs/benchmarks.md come from this script.
+8 experts top-2, vocab 4096). The numbers in docs/benchmarks.md come from this benchmark.
 """
 
 from __future__ import annotations
 
-import argparse
 import cProfile
 import io
 import pstats
 import time
+from typing import Iterator
 
 import torch
 
@@ -71,31 +71,13 @@ def profile(fn, rows: int = 15) -> str:
     return ops + "\n" + s.getvalue()
 
 
-def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", help="a model directory (default: random recipe-shaped weights)")
-    p.add_argument("--ar-steps", type=int, default=50)
-    p.add_argument("--denoise-steps", type=int, default=20)
-    p.add_argument("--block-size", type=int, default=32)
-    p.add_argument("--threads", type=int, default=1)
-    args = p.parse_args(argv)
-    torch.set_num_threads(args.threads)
-    if args.model:
-        from ..api import load
-
-        model = load(args.model).model
-    else:
-        model = recipe_model()
-    ar, denoise = step_functions(model, ar_steps=args.ar_steps, denoise_steps=args.denoise_steps,
-                                 block_size=args.block_size)
+def profile_steps(model, *, ar_steps: int = 50, denoise_steps: int = 20, block_size: int = 32) -> Iterator[str]:
+    """After one warm-up of each: per kind (AR, denoise), a line with the time per step, then its profile."""
+    ar, denoise = step_functions(model, ar_steps=ar_steps, denoise_steps=denoise_steps, block_size=block_size)
     with torch.inference_mode():
         ar(), denoise()  # warm-up
-        for name, fn, n in (("AR step", ar, args.ar_steps), (f"denoise step (block {args.block_size})", denoise, args.denoise_steps)):
+        for name, fn, n in (("AR step", ar, ar_steps), (f"denoise step (block {block_size})", denoise, denoise_steps)):
             t0 = time.perf_counter()
             fn()
-            print(f"== {name}: {1e3 * (time.perf_counter() - t0) / n:.2f} ms per step (incl. one prefill / {n} steps)")
-            print(profile(fn))
-
-
-if __name__ == "__main__":
-    main()
+            yield f"== {name}: {1e3 * (time.perf_counter() - t0) / n:.2f} ms per step (incl. one prefill / {n} steps)"
+            yield profile(fn)

@@ -1,4 +1,4 @@
-"""`clover bench {decode,sweep,cost,experts,kernels,roofline,slice,matmul,quant,peers}`: the arguments of each benchmark and
+"""`clover bench {decode,chat,sweep,cost,experts,kernels,roofline,slice,matmul,profile,quant,peers}`: the arguments of each benchmark and
 the dispatch to `clover.bench` (which holds the benchmarks as functions returning JSON-ready dicts)."""
 
 from __future__ import annotations
@@ -8,14 +8,18 @@ import json
 import sys
 from pathlib import Path
 
-from .common import (UsageError, add_model_arguments, check_device, draw_plot, load_llm, model_dir_or_tiny, parse_list,
-                     parse_modes, positive)
+from .common import (UsageError, add_model_arguments, check_device, draw_plot, load_llm, model_dir, model_dir_or_tiny,
+                     parse_list, parse_modes, positive)
+
+
+def _run_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--threads", type=int, metavar="N", help="torch CPU threads (default: torch's)")
+    p.add_argument("--json", metavar="FILE", help="also write the full result as JSON ('-' = stdout, no table)")
 
 
 def _model_arguments(p: argparse.ArgumentParser) -> None:
     add_model_arguments(p)
-    p.add_argument("--threads", type=int, metavar="N", help="torch CPU threads (default: torch's)")
-    p.add_argument("--json", metavar="FILE", help="also write the full result as JSON ('-' = stdout, no table)")
+    _run_arguments(p)
 
 
 def _workload_arguments(p: argparse.ArgumentParser, *, workload: str, prompts: int, max_new_tokens: int) -> None:
@@ -104,8 +108,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--repeat", type=int, metavar="N", help="timed repetitions (default: 7, quick: 3)")
     p.add_argument("--only", default=",".join(KERNEL_GROUPS), help=f"comma-separated subset of {','.join(KERNEL_GROUPS)}")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
-    p.add_argument("--threads", type=int, metavar="N", help="torch CPU threads (default: torch's)")
-    p.add_argument("--json", metavar="FILE", help="also write the result as JSON ('-' = stdout, no table)")
+    _run_arguments(p)
 
     p = sub.add_parser("roofline", help="~1B random Clover-shaped model: forwards/s vs the bandwidth limit",
                        description="Builds a ~1B-parameter Clover-shaped model with random weights in memory, measures "
@@ -117,8 +120,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--prefix", type=int, metavar="N", help="committed prefix length (default: 128, quick: 16)")
     p.add_argument("--ar-steps", type=int, metavar="N", help="timed AR steps (default: 12, quick: 4)")
     p.add_argument("--denoise-steps", type=int, metavar="N", help="timed denoise steps (default: 6, quick: 2)")
-    p.add_argument("--threads", type=int, metavar="N", help="torch CPU threads (default: torch's)")
-    p.add_argument("--json", metavar="FILE", help="also write the result as JSON ('-' = stdout, no table)")
+    _run_arguments(p)
 
     p = sub.add_parser("slice", help="4 of the 35B-A3B's 40 layers at real shapes: ms/layer, experts, %% of bandwidth",
                        description="Qwen3.6-35B-A3B's real layer shapes (random weights), a few of its 40 layers, bf16 "
@@ -134,8 +136,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--group-size", type=int, default=64, metavar="G", help="int4 group size (default: 64)")
     p.add_argument("--prefix", type=int, metavar="N", help="cached prompt length (default: 128, quick: 16)")
     p.add_argument("--repeat", type=int, metavar="N", help="timed rounds (default: 5, quick: 2)")
-    p.add_argument("--threads", type=int, metavar="N", help="torch CPU threads (default: torch's)")
-    p.add_argument("--json", metavar="FILE", help="also write the result as JSON ('-' = stdout, no table)")
+    _run_arguments(p)
 
     p = sub.add_parser("matmul", help="fp32 / bf16 / int8 / int4 matmul per row count at the 35B-A3B's shapes",
                        description="x [M, K] @ W^T on the CPU paths (fp32 and bf16 F.linear, _weight_int8pack_mm, "
@@ -143,8 +144,17 @@ def configure(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true", help="small shapes (seconds; for tests)")
     p.add_argument("--rows", default="1,2,4,8,16,32,64", metavar="LIST", help="row counts M (default: 1,2,4,8,16,32,64)")
     p.add_argument("--repeat", type=int, metavar="N", help="timed repetitions (default: 7, quick: 3)")
-    p.add_argument("--threads", type=int, metavar="N", help="torch CPU threads (default: torch's)")
-    p.add_argument("--json", metavar="FILE", help="also write the result as JSON ('-' = stdout, no table)")
+    _run_arguments(p)
+
+    p = sub.add_parser("profile", help="torch.profiler + cProfile of AR and denoise steps: where a forward's time goes",
+                       description="Top aten ops by self time and top Python functions by own time over AR decode "
+                                   "steps and denoise steps of a block, after one warm-up of each.")
+    p.add_argument("--model", "-m", metavar="DIR",
+                   help="a model directory or name (default: random weights in the clover-tiny recipe's shape)")
+    p.add_argument("--ar-steps", type=int, default=50, metavar="N", help="AR steps after a 128-token prefill (default: 50)")
+    p.add_argument("--denoise-steps", type=int, default=20, metavar="N", help="denoise steps (default: 20)")
+    p.add_argument("--block-size", type=int, default=32, metavar="N", help="denoise block (default: 32)")
+    p.add_argument("--threads", type=int, default=1, metavar="N", help="torch CPU threads (default: 1)")
 
     p = sub.add_parser("quant", help="fp32 / bf16 / int8 / int4: size, peak memory, speed and quality",
                        description="Each variant of MODEL_DIR is written to a work folder (a cast copy, or `clover "
@@ -213,6 +223,18 @@ def _emit(result: dict, table, json_path: str | None) -> None:
         print(f"json written to {json_path}")
 
 
+def _emit_text(result: dict, text, json_path: str | None) -> None:
+    """`_emit` for a benchmark that prints Markdown: `text(result)`, and the JSON to FILE; or with
+    '-' the JSON alone on stdout."""
+    if json_path and json_path != "-":
+        Path(json_path).parent.mkdir(parents=True, exist_ok=True)
+        Path(json_path).write_text(json.dumps(result, indent=1, default=str) + "\n")
+    if json_path == "-":
+        json.dump(result, sys.stdout, indent=1, default=str)
+    else:
+        print(text(result))
+
+
 def _plot(draw, result: dict, args) -> None:
     """`draw(result, args.plot)` once the results are out (`draw_plot`: without matplotlib, one line),
     saying where it went unless the JSON goes to stdout."""
@@ -244,7 +266,7 @@ def run(args: argparse.Namespace) -> int:
         set_threads(getattr(args, "threads", None))
     return {"decode": run_decode, "chat": run_chat, "sweep": run_sweep, "cost": run_cost, "kernels": run_kernels, "roofline": run_roofline,
             "experts": run_experts, "quant": run_quant, "slice": run_slice, "matmul": run_matmul,
-            "peers": run_peers}[args.bench_command](args)
+            "profile": run_profile, "peers": run_peers}[args.bench_command](args)
 
 
 def run_chat(args) -> int:
@@ -262,13 +284,7 @@ def run_chat(args) -> int:
 
         result["llama_cpp"] = llama_bench(args.llama_bench, args.gguf, threads=torch.get_num_threads(),
                                           n=args.max_new_tokens)
-    if args.json and args.json != "-":
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
-    if args.json == "-":
-        json.dump(result, sys.stdout, indent=1)
-    else:
-        print(markdown(result))
+    _emit_text(result, markdown, args.json)
     return 0
 
 
@@ -281,13 +297,7 @@ def run_experts(args) -> int:
     result = bench_experts(llm, workload=args.workload, prompts=args.prompts, max_new_tokens=args.max_new_tokens,
                            stop_newline=args.stop_newline, progress=_progress(args.json))
     result["model_note"] = note
-    if args.json and args.json != "-":
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(result, indent=1, default=str) + "\n")
-    if args.json == "-":
-        json.dump(result, sys.stdout, indent=1, default=str)
-    else:
-        print(experts_markdown(result))
+    _emit_text(result, experts_markdown, args.json)
     return 0
 
 
@@ -431,6 +441,22 @@ def run_matmul(args) -> int:
     if _progress(args.json):
         print(file=sys.stderr)
     _emit(result, matmul_table(result), args.json)
+    return 0
+
+
+def run_profile(args) -> int:
+    from ..bench.profile import profile_steps, recipe_model
+
+    for name in ("ar_steps", "denoise_steps", "block_size"):
+        positive("--" + name.replace("_", "-"), getattr(args, name))
+    if args.model:
+        from ..api import load
+
+        model = load(model_dir(args)).model
+    else:
+        model = recipe_model()
+    for text in profile_steps(model, ar_steps=args.ar_steps, denoise_steps=args.denoise_steps, block_size=args.block_size):
+        print(text, flush=True)
     return 0
 
 

@@ -8,14 +8,11 @@
   >= `threshold` (what a confidence-threshold decoder could accept at once), and exact match
   (every answer token argmax-correct, which is what greedy AR decoding produces).
 
-CLI: `python -m clover.train.evaluate MODEL_OR_CKPT_DIR [--tokenizer DIR] [--tasks 500] [--batches 8]`.
+CLI: `clover train evaluate MODEL_OR_CKPT_DIR [--tokenizer DIR] [--tasks 500] [--batches 8]`.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-import sys
 from collections import defaultdict
 from pathlib import Path
 
@@ -83,33 +80,18 @@ def task_answer_metrics(model, tokenizer, *, n_tasks: int = 500, threshold: floa
     }
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m clover.train.evaluate")
-    p.add_argument("model", help="model directory or training checkpoint (config.json + model.safetensors)")
-    p.add_argument("--tokenizer", default=None, help="default: the model dir, or <run>/tokenizer for a checkpoint")
-    p.add_argument("--tasks", type=int, default=500)
-    p.add_argument("--batches", type=int, default=8)
-    p.add_argument("--threshold", type=float, default=0.95)
-    p.add_argument("--threads", type=int, default=1)
-    a = p.parse_args(argv)
+def find_tokenizer(model: str | Path) -> str | None:
+    """The tokenizer beside a model directory, or a training checkpoint's run's (`<run>/tokenizer`)."""
+    d = Path(model)
+    for cand in (d, d.parent.parent / "tokenizer"):
+        if (cand / "tokenizer.json").is_file():
+            return str(cand)
+    return None
+
+
+def evaluate(model: str | Path, tokenizer: str, *, tasks: int = 500, batches: int = 8, threshold: float = 0.95) -> dict:
+    """`heldout_lm` and `task_answer_metrics` of a model directory or checkpoint, in float32."""
     from ..checkpoint import load_model
 
-    torch.set_num_threads(a.threads)
-    d = Path(a.model)
-    tok = a.tokenizer
-    if tok is None:
-        for cand in (d, d.parent.parent / "tokenizer"):
-            if (cand / "tokenizer.json").is_file():
-                tok = str(cand)
-                break
-    if tok is None:
-        print("no tokenizer found; pass --tokenizer", file=sys.stderr)
-        return 2
-    model = load_model(d, dtype=torch.float32)
-    out = {**heldout_lm(model, tok, batches=a.batches), **task_answer_metrics(model, tok, n_tasks=a.tasks, threshold=a.threshold)}
-    print(json.dumps(out, indent=1))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    m = load_model(Path(model), dtype=torch.float32)
+    return {**heldout_lm(m, tokenizer, batches=batches), **task_answer_metrics(m, tokenizer, n_tasks=tasks, threshold=threshold)}

@@ -29,10 +29,7 @@ model FLOPs only, so activation recomputation shows up as a lower MFU, not as mo
 
 from __future__ import annotations
 
-import argparse
-import json
 import math
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -101,7 +98,7 @@ def activation_bytes_per_position(cfg, layer_type: str, elem: int) -> float:
         n += 2 * cfg.linear_conv_dim + 3 * vd  # qkv projection and its convolution; z, core output, gated norm output
         hv = cfg.linear_num_value_heads
         extra += 4 * hv * cfg.linear_key_head_dim * cfg.linear_value_head_dim / CHUNK  # fp32 chunk states
-    if getattr(cfg, "num_experts", 0):
+    if cfg.has_experts:
         k, inter, shared = cfg.num_experts_per_tok, cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size
         n += h + k * (h + 3 * inter) + (h + 3 * shared if shared else 0)
         extra += 4 * cfg.num_experts  # fp32 router logits (kept for the aux loss)
@@ -181,64 +178,3 @@ def format_plan(p: Plan, recipe, gpu_mem_gb: float, mfu: float, peak_tflops: flo
                  f"TFLOPS per GPU: {p.tokens_per_s:,.0f} tokens/s")
     lines.append(f"{p.tokens:.3g} tokens: {p.days:.2f} days")
     return "\n".join(lines)
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("recipe", help="recipe file (.toml/.json) or a run directory holding recipe.json")
-    parser.add_argument("--gpus", type=int, required=True, help="number of GPUs (ranks)")
-    parser.add_argument("--gpu-mem", type=float, default=80.0, help="memory per GPU in GB (default 80)")
-    parser.add_argument("--mfu", type=float, default=0.25, help="assumed model-FLOPs utilisation (default 0.25)")
-    parser.add_argument("--peak-tflops", type=float, default=989.0,
-                        help="peak bf16 dense TFLOPS per GPU (default 989: H100 SXM)")
-    parser.add_argument("--tokens", type=float, default=1e9, help="token budget for the days figure (default 1e9)")
-    parser.add_argument("--model", default=None,
-                        help="a config.json or model dir, or qwen3.6-35b-a3b (clover.models.qwen3_5_moe.full_size_config()); "
-                             "default: the recipe's [model] or init")
-    parser.add_argument("--micro-batch", type=int, default=None,
-                        help="rows per rank per forward (default data.batch_size / (gpus x grad_accum))")
-    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                        help="override a recipe key, e.g. run.parallel=fsdp, data.seq_len=4096")
-    parser.add_argument("--json", action="store_true", help="print the figures as JSON")
-
-
-def run(args: argparse.Namespace) -> int:
-    from .recipes import RecipeError, apply_override, load_recipe, recipe_from_dict
-
-    overrides = {}
-    for item in args.set:
-        if "=" not in item:
-            print(f"clover train plan: --set expects KEY=VALUE, got {item!r}", file=sys.stderr)
-            return 2
-        k, v = item.split("=", 1)
-        try:
-            overrides[k] = json.loads(v)
-        except json.JSONDecodeError:
-            overrides[k] = v
-    try:
-        src = Path(args.recipe)
-        if src.is_dir():
-            raw = json.loads((src / "recipe.json").read_text())
-            for k, v in overrides.items():
-                apply_override(raw, k, v)
-            recipe = recipe_from_dict(raw, source=str(src / "recipe.json"))
-        else:
-            recipe = load_recipe(src, overrides)
-        if args.gpus < 1 or args.gpu_mem <= 0 or not 0 < args.mfu <= 1:
-            raise ValueError("--gpus must be >= 1, --gpu-mem > 0 and --mfu in (0, 1]")
-        p = plan(recipe, gpus=args.gpus, gpu_mem_gb=args.gpu_mem, mfu=args.mfu, peak_tflops=args.peak_tflops,
-                 tokens=args.tokens, model=args.model, micro_batch=args.micro_batch)
-    except (RecipeError, OSError, ValueError, json.JSONDecodeError) as e:
-        print(f"clover train plan: {e}", file=sys.stderr)
-        return 2
-    print(json.dumps(p.to_dict(), indent=1) if args.json else format_plan(p, recipe, args.gpu_mem, args.mfu, args.peak_tflops))
-    return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="clover train plan", description="memory, speed and days of a training run, on paper")
-    add_arguments(p)
-    return run(p.parse_args(argv))
-
-
-if __name__ == "__main__":  # python -m clover.train.plan RECIPE --gpus N
-    raise SystemExit(main())

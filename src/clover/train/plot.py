@@ -139,29 +139,3 @@ def plot_runs(runs: list[RunLog], path: str | Path, *, chain: bool = False, titl
     fig.savefig(path)
     plt.close(fig)
     return path
-
-
-def main(argv: list[str]) -> int:
-    import argparse
-
-    p = argparse.ArgumentParser(prog="clover train plot", description="loss and held-out task curves from run directories")
-    p.add_argument("runs", nargs="+", help="run directories (holding log.jsonl)")
-    p.add_argument("--out", default="training-curves.png", help="image path (PNG/SVG/PDF by suffix)")
-    p.add_argument("--chain", action="store_true", help="the runs are consecutive phases of one model: lay them end to end")
-    p.add_argument("--labels", default=None, help="comma-separated names for the runs (default: directory names)")
-    p.add_argument("--title", default=None)
-    p.add_argument("--smooth", type=int, default=5, help="moving-average window over logged records (1 = raw)")
-    a = p.parse_args(argv)
-    runs = [read_run_log(r) for r in a.runs]
-    if a.labels:
-        labels = a.labels.split(",")
-        if len(labels) != len(runs):
-            p.error(f"--labels has {len(labels)} names for {len(runs)} runs")
-        for r, lab in zip(runs, labels):
-            r.name = lab
-    if not any(r.train or r.evals for r in runs):
-        p.error("the logs hold no records yet")
-    if a.smooth < 1:
-        p.error("--smooth must be >= 1")
-    print(plot_runs(runs, a.out, chain=a.chain, title=a.title, smooth=a.smooth))
-    return 0
