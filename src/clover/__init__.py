@@ -14,18 +14,10 @@ from .lazy import lazy_exports
 
 __version__ = "0.1.0"
 
-_EXPORTS = {
-    "LLM": "clover.api",
-    "Generation": "clover.api",
-    "StreamEvent": "clover.api",
-    "load": "clover.api",
-    "CloverConfig": "clover.config",
-    "ConfigError": "clover.config",
-    "CheckpointError": "clover.checkpoint",
-    "GenerationStats": "clover.decoding.base",
-    "build_tiny_checkpoint": "clover.tiny",
-}
-
-__all__ = list(_EXPORTS)
-
-__getattr__ = lazy_exports(__name__, _EXPORTS)
+__getattr__, __all__ = lazy_exports(__name__, {
+    "clover.api": ("LLM", "Generation", "StreamEvent", "load"),
+    "clover.config": ("CloverConfig", "ConfigError"),
+    "clover.checkpoint": ("CheckpointError",),
+    "clover.decoding.base": ("GenerationStats",),
+    "clover.tiny": ("build_tiny_checkpoint",),
+})

@@ -44,7 +44,24 @@ def conv_window_tail(window: torch.Tensor, width: int, n: torch.Tensor | None = 
 
 
 
-class AttentionState:
+class LayerState:
+    """What every layer's state does with its tensors (`tensors()`, in the constructor's order): pick
+    rows and join caches along the batch."""
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        raise NotImplementedError
+
+    def select(self, idx: torch.Tensor):
+        """A copy holding the rows `idx`."""
+        return type(self)(*(t[idx].clone() for t in self.tensors()))
+
+    @classmethod
+    def cat(cls, states: list):
+        """One state whose rows are those of `states`, in order."""
+        return cls(*(torch.cat(ts) for ts in zip(*(s.tensors() for s in states))))
+
+
+class AttentionState(LayerState):
     """K/V buffers of one full-attention layer."""
 
     def __init__(self, keys: torch.Tensor, values: torch.Tensor) -> None:
@@ -66,13 +83,6 @@ class AttentionState:
     def tensors(self) -> tuple[torch.Tensor, ...]:
         return self.keys, self.values
 
-    def select(self, idx: torch.Tensor) -> "AttentionState":
-        return AttentionState(self.keys[idx].clone(), self.values[idx].clone())
-
-    @staticmethod
-    def cat(states: list["AttentionState"]) -> "AttentionState":
-        return AttentionState(torch.cat([s.keys for s in states]), torch.cat([s.values for s in states]))
-
     # K/V slots past the restored lengths are ignored: nothing to snapshot
     def snapshot(self) -> None:
         return None
@@ -84,7 +94,7 @@ class AttentionState:
         pass
 
 
-class DeltaNetState:
+class DeltaNetState(LayerState):
     """Conv and recurrent state of one Gated DeltaNet layer. While `recording`, the layer keeps the
     inputs of its next commit in `record` (q, k, v, g, beta, conv window) so `rollback` can keep a prefix."""
 
@@ -106,13 +116,6 @@ class DeltaNetState:
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
         return self.conv, self.recurrent
-
-    def select(self, idx: torch.Tensor) -> "DeltaNetState":
-        return DeltaNetState(self.conv[idx].clone(), self.recurrent[idx].clone())
-
-    @staticmethod
-    def cat(states: list["DeltaNetState"]) -> "DeltaNetState":
-        return DeltaNetState(torch.cat([s.conv for s in states]), torch.cat([s.recurrent for s in states]))
 
     def snapshot(self) -> tuple[torch.Tensor, torch.Tensor]:
         return self.conv.clone(), self.recurrent.clone()

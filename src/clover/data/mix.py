@@ -64,55 +64,6 @@ def _default_cache_dir() -> Path:
 DEFAULT_CACHE_DIR = _default_cache_dir()
 
 
-def load_file_tokens(
-    tokenizer: Any,
-    split: corpus.Split = "train",
-    cache_dir: str | Path | None = None,
-    max_files: int | None = None,
-    verbose: bool = False,
-) -> tuple[np.ndarray, np.ndarray, list[str]]:
-    """Token ids of the split's stdlib files, from the on-disk cache.
-
-    Returns ``(tokens, offsets, relpaths)``: file ``j`` is
-    ``tokens[offsets[j]:offsets[j+1]]`` (no EOS).  ``max_files`` keeps only
-    the first files of the sorted split (for tests).  Builds the cache if
-    missing.
-    """
-    tok = load_tokenizer(tokenizer)
-    paths = corpus.stdlib_files(split)
-    if max_files is not None:
-        paths = paths[:max_files]
-    rels = [corpus.relpath(p) for p in paths]
-    key_src = json.dumps(
-        {
-            "v": CACHE_VERSION,
-            "tok": tokenizer_hash(tok),
-            "split": split,
-            "py": sys.version,
-            "files": rels,
-        },
-        sort_keys=True,
-    )
-    key = hashlib.sha1(key_src.encode()).hexdigest()[:20]
-    base = Path(cache_dir) if cache_dir is not None else DEFAULT_CACHE_DIR
-    d = base / f"{split}-{key}"
-    if not (d / "files.json").is_file():
-        docs = []
-        for p in paths:
-            text = corpus.read_text(p)
-            if text is not None and text.strip():
-                docs.append((corpus.relpath(p), text))
-        _build_cache(tok, docs, d, verbose)
-    return _read_cache(d)
-
-
-def _read_cache(d: Path) -> tuple[np.ndarray, np.ndarray, list[str]]:
-    tokens = np.load(d / "tokens.npy", mmap_mode="r", allow_pickle=False)
-    offsets = np.load(d / "offsets.npy", allow_pickle=False)
-    files = json.loads((d / "files.json").read_text())
-    return tokens, offsets, files
-
-
 def load_source_tokens(
     tokenizer: Any,
     source: Source,
@@ -121,20 +72,38 @@ def load_source_tokens(
     max_files: int | None = None,
     verbose: bool = False,
 ) -> tuple[np.ndarray, np.ndarray, list[str]]:
-    """`load_file_tokens` for any data source (`clover.data.sources`): its split's documents,
-    tokenised once and cached, keyed by the tokenizer, the source's settings and its files' sizes and
-    modification times."""
-    if source.kind == "stdlib":
-        return load_file_tokens(tokenizer, split, cache_dir=cache_dir, max_files=max_files, verbose=verbose)
+    """Token ids of a data source's split (`clover.data.sources`; "stdlib": the split's stdlib files),
+    tokenised once and cached on disk, keyed by the tokenizer and the documents: the stdlib files'
+    names and the Python version, another source's settings and its files' sizes and modification times.
+
+    Returns ``(tokens, offsets, names)``: document ``j`` is ``tokens[offsets[j]:offsets[j+1]]`` (no
+    EOS). ``max_files`` keeps only the first files of the sorted split (for tests). Builds the cache
+    if missing.
+    """
     tok = load_tokenizer(tokenizer)
-    key_src = json.dumps({"v": CACHE_VERSION, "tok": tokenizer_hash(tok), "split": split, "max_files": max_files,
-                          "source": sources.fingerprint(source)}, sort_keys=True)
-    key = hashlib.sha1(key_src.encode()).hexdigest()[:20]
+    if source.kind == "stdlib":
+        paths = corpus.stdlib_files(split)
+        if max_files is not None:
+            paths = paths[:max_files]
+        name, key = split, {"split": split, "py": sys.version, "files": [corpus.relpath(p) for p in paths]}
+
+        def documents() -> list[tuple[str, str]]:
+            texts = ((corpus.relpath(p), corpus.read_text(p)) for p in paths)
+            return [(rel, text) for rel, text in texts if text is not None and text.strip()]
+    else:
+        name = f"{source.kind}-{split}"
+        key = {"split": split, "max_files": max_files, "source": sources.fingerprint(source)}
+
+        def documents() -> list[tuple[str, str]]:
+            return sources.read_documents(source, split, max_files=max_files)
+    key_src = json.dumps({"v": CACHE_VERSION, "tok": tokenizer_hash(tok), **key}, sort_keys=True)
     base = Path(cache_dir) if cache_dir is not None else DEFAULT_CACHE_DIR
-    d = base / f"{source.kind}-{split}-{key}"
+    d = base / f"{name}-{hashlib.sha1(key_src.encode()).hexdigest()[:20]}"
     if not (d / "files.json").is_file():
-        _build_cache(tok, sources.read_documents(source, split, max_files=max_files), d, verbose)
-    return _read_cache(d)
+        _build_cache(tok, documents(), d, verbose)
+    tokens = np.load(d / "tokens.npy", mmap_mode="r", allow_pickle=False)
+    offsets = np.load(d / "offsets.npy", allow_pickle=False)
+    return tokens, offsets, json.loads((d / "files.json").read_text())
 
 
 def _build_cache(tok, docs: list[tuple[str, str]], d: Path, verbose: bool) -> None:

@@ -15,17 +15,9 @@ from __future__ import annotations
 
 from ..lazy import lazy_exports
 
-_EXPORTS = {
-    "load_quantized": "clover.quant.loader",
-    "quantize_checkpoint": "clover.quant.writer",
-    "Int8Linear": "clover.quant.modules",
-    "Int4Linear": "clover.quant.modules",
-    "QuantExperts": "clover.quant.modules",
-    "QuantEmbedding": "clover.quant.modules",
-    "footprint": "clover.quant.sizes",
-    "footprint_table": "clover.quant.sizes",
-}
-
-__all__ = list(_EXPORTS)
-
-__getattr__ = lazy_exports(__name__, _EXPORTS)
+__getattr__, __all__ = lazy_exports(__name__, {
+    "clover.quant.loader": ("load_quantized",),
+    "clover.quant.writer": ("quantize_checkpoint",),
+    "clover.quant.modules": ("Int8Linear", "Int4Linear", "QuantExperts", "QuantEmbedding"),
+    "clover.quant.sizes": ("footprint", "footprint_table"),
+})

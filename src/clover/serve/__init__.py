@@ -8,8 +8,4 @@ from __future__ import annotations
 
 from ..lazy import lazy_exports
 
-_EXPORTS = {"create_app": "clover.serve.app", "serve": "clover.serve.app", "run_app": "clover.serve.app"}
-
-__all__ = list(_EXPORTS)
-
-__getattr__ = lazy_exports(__name__, _EXPORTS)
+__getattr__, __all__ = lazy_exports(__name__, {"clover.serve.app": ("create_app", "serve", "run_app")})
