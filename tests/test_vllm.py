@@ -65,11 +65,11 @@ def test_entry_point_declared():
     assert "vllm" in proj["optional-dependencies"]
     from clover.integrations.vllm import model_classes
     from clover.integrations.vllm.config import served
-    from clover.models import QWEN3_5, QWEN3_5_MOE
+    from clover.models import ARCHITECTURES
 
     # the plugin serves what the registry declares: the two Qwen3.5 backbones
     assert {s.architecture for s in served().values()} == set(model_classes()) == {"CloverForCausalLM", "CloverDenseForCausalLM"}
-    assert served()["qwen3_5_moe_text"] is QWEN3_5_MOE.vllm and served()["qwen3_5_text"] is QWEN3_5.vllm
+    assert all(served()[t] is ARCHITECTURES[t].vllm for t in ("qwen3_5_moe_text", "qwen3_5_text"))
 
 
 def test_config_bundled():

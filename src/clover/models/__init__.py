@@ -3,7 +3,7 @@
 Each architecture is one module: its arguments dataclass (a `clover.config.CloverConfig` subclass
 with its keys, defaults and checks), its model class (its layers, `make_cache`, its checkpoint
 `key_layout`) and `ARCHITECTURE` (`registry.Architecture`: also its GGUF and vLLM names).
-Registering one is one line below. `config_from_dict` / `read_config` read a config.json as the
+Registering one is adding its module's name to `ARCHITECTURE_MODULES` below. `config_from_dict` / `read_config` read a config.json as the
 class of its architecture (a multimodal wrapper through its `text_config`, a Clover file through its
 `backbone`); `model_class`, `build_model`, `key_layout` and `parameter_counts` build on it.
 """
@@ -11,6 +11,7 @@ class of its architecture (a multimodal wrapper through its `text_config`, a Clo
 from __future__ import annotations
 
 import contextlib
+import importlib
 from pathlib import Path
 from typing import Any
 
@@ -20,15 +21,13 @@ from torch import nn
 from ..config import CloverConfig, ConfigError, read_json
 from .registry import Architecture
 
-# The registry: one line per architecture module.
-from .llama import ARCHITECTURE as LLAMA  # noqa: E402
-from .qwen3_5 import ARCHITECTURE as QWEN3_5  # noqa: E402
-from .qwen3_5_moe import ARCHITECTURE as QWEN3_5_MOE  # noqa: E402
-
-REGISTERED: tuple[Architecture, ...] = (QWEN3_5_MOE, QWEN3_5, LLAMA)
+# The registry: the architecture modules, `clover.models.<name>`, each defining ARCHITECTURE. Adding one
+# is adding its name here.
+ARCHITECTURE_MODULES = ("qwen3_5_moe", "qwen3_5", "llama")
+REGISTERED: tuple[Architecture, ...] = tuple(importlib.import_module(f"{__name__}.{m}").ARCHITECTURE for m in ARCHITECTURE_MODULES)
 
 CLOVER = "clover"  # a Clover config.json: its `backbone` names the text model underneath
-DEFAULT_BACKBONE = QWEN3_5_MOE.config_class.MODEL_TYPES[0]  # of Clover checkpoints written before `backbone` existed
+DEFAULT_BACKBONE = "qwen3_5_moe_text"  # of Clover checkpoints written before `backbone` existed
 # text model_type -> its architecture; multimodal model_type -> the text model_type in its `text_config`
 TEXT_MODEL_TYPES: dict[str, Architecture] = {t: a for a in REGISTERED for t in a.config_class.MODEL_TYPES}
 MULTIMODAL: dict[str, str] = {k: v for a in REGISTERED for k, v in a.multimodal.items()}
