@@ -163,10 +163,10 @@ def test_logit_bias_in_every_mode(bundled):
 
 
 def test_bench_json_workload(tiny_llm):
-    from clover.bench.decode import run_decode
+    from clover.bench.decode import Workload, run_decode
 
-    res = run_decode(tiny_llm, workload="json", prompts=2, max_new_tokens=160,
-                     modes=["ar", "diffusion", "speculative"], warmup=False)
+    res = run_decode(tiny_llm, Workload("json", prompts=2, max_new_tokens=160), modes=["ar", "diffusion", "speculative"],
+                     warmup=False)
     for mode, r in res["modes"].items():
         j = r["quality"]["json"]
         assert j["n"] == 2 and j["valid_when_finished"] == 1.0, (mode, j)

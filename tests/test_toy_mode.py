@@ -75,9 +75,9 @@ def test_server(toy, tiny_llm):
 
 
 def test_bench(toy, tiny_llm):
-    from clover.bench.decode import run_decode
+    from clover.bench.decode import Workload, run_decode
 
-    result = run_decode(tiny_llm, workload="tasks", prompts=1, max_new_tokens=4, modes=["ar", "toy"], warmup=False)
+    result = run_decode(tiny_llm, Workload("tasks", prompts=1, max_new_tokens=4), modes=["ar", "toy"], warmup=False)
     assert set(result["modes"]) == {"ar", "toy"}
     runs = {r["mode"]: r for r in result["runs"]}
     assert runs["toy"]["token_ids"] == runs["ar"]["token_ids"]

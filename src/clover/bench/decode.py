@@ -409,15 +409,40 @@ def usable_modes(llm, modes: Iterable[str]) -> tuple[list[str], list[str]]:
     return [m for m in modes if llm.mode_available(m)], [m for m in modes if not llm.mode_available(m)]
 
 
-def decode_kwargs(max_new_tokens: int, block_size: int | None, threshold: float | None, stop_newline: bool = False) -> dict:
-    kw: dict = {"max_new_tokens": max_new_tokens}
-    if block_size is not None:
-        kw["block_size"] = block_size
-    if threshold is not None:
-        kw["threshold"] = threshold
-    if stop_newline:
-        kw["stop"] = ["\n"]
-    return kw
+@dataclass(frozen=True)
+class Workload:
+    """What the decode, sweep and experts benchmarks generate from: `prompts` held-out prompts of a
+    kind (`load_items`; or the `items` given), `max_new_tokens` each, greedy, stopped at the first
+    newline when `stop_newline`."""
+
+    kind: str = "tasks"
+    prompts: int = 8
+    max_new_tokens: int = 64
+    stop_newline: bool = False
+    items: list[Item] | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens <= 0:
+            raise ValueError(f"max_new_tokens: must be a positive integer, got {self.max_new_tokens}")
+
+    def load(self) -> list[Item]:
+        return self.items if self.items is not None else load_items(self.kind, self.prompts)
+
+    def kwargs(self, block_size: int | None = None, threshold: float | None = None) -> dict:
+        """The generation options of one run (block size and threshold: None, the model's)."""
+        kw: dict = {"max_new_tokens": self.max_new_tokens}
+        if block_size is not None:
+            kw["block_size"] = block_size
+        if threshold is not None:
+            kw["threshold"] = threshold
+        if self.stop_newline:
+            kw["stop"] = ["\n"]
+        return kw
+
+    def settings(self, items: list[Item]) -> dict:
+        """The result's record of it."""
+        return {"workload": self.kind, "prompts": len(items), "max_new_tokens": self.max_new_tokens,
+                "stop_newline": self.stop_newline}
 
 
 def interleaved(llm, items: list[Item], configs: list[dict], kwargs: Callable[[dict], dict], *, warm_tokens: int,
@@ -447,42 +472,27 @@ def interleaved(llm, items: list[Item], configs: list[dict], kwargs: Callable[[d
     return runs
 
 
-def run_decode(
-    llm,
-    *,
-    workload: str = "both",
-    prompts: int = 8,
-    max_new_tokens: int = 64,
-    modes: Iterable[str] | None = None,
-    block_size: int | None = None,
-    threshold: float | None = None,
-    stop_newline: bool = False,
-    items: list[Item] | None = None,
-    warmup: bool = True,
-    progress: Callable[[str], None] | None = None,
-    model_note: str | None = None,
-) -> dict:
+def run_decode(llm, work: Workload = Workload("both"), *, modes: Iterable[str] | None = None, block_size: int | None = None,
+               threshold: float | None = None, warmup: bool = True, progress: Callable[[str], None] | None = None,
+               model_note: str | None = None) -> dict:
     """The decode benchmark; returns the JSON-ready result (schema `SCHEMA`)."""
-    if max_new_tokens <= 0:
-        raise ValueError(f"max_new_tokens: must be a positive integer, got {max_new_tokens}")
     modes, skipped = usable_modes(llm, mode_names() if modes is None else modes)
     if not modes:
         raise ValueError("modes: none of the requested modes can run on this (AR-only) checkpoint")
-    items = items if items is not None else load_items(workload, prompts)
+    items = work.load()
     block_size = block_size if block_size is not None else llm.config.block_size
     threshold = threshold if threshold is not None else llm.config.threshold
-    kw = decode_kwargs(max_new_tokens, block_size, threshold, stop_newline)
+    kw = work.kwargs(block_size, threshold)
     runs = interleaved(llm, items, [{"mode": m} for m in modes], lambda c: kw, warm=warmup,
-                       warm_tokens=min(max_new_tokens, 2 * block_size), progress=progress)
+                       warm_tokens=min(work.max_new_tokens, 2 * block_size), progress=progress)
     return {
         "schema": SCHEMA,
         "model": str(llm.path),
         "model_note": model_note,
         "config": config_summary(llm.config, str(llm.model.dtype).replace("torch.", "")),
         "settings": {
-            "workload": workload, "prompts": len(items), "max_new_tokens": max_new_tokens, "modes": modes,
-            "skipped_modes": skipped, "block_size": block_size, "threshold": threshold, "greedy": True,
-            "batch_size": 1, "stop_newline": stop_newline, "interleaved": True, "warmup": warmup,
+            **work.settings(items), "modes": modes, "skipped_modes": skipped, "block_size": block_size,
+            "threshold": threshold, "greedy": True, "batch_size": 1, "interleaved": True, "warmup": warmup,
         },
         "machine": machine(llm.model.device),
         "max_rss_bytes": max_rss_bytes(),

@@ -19,7 +19,7 @@ import math
 
 import torch
 
-from .decode import fmt, load_items, run_decode
+from .decode import Workload, fmt, load_items, run_decode
 from ..decoding import get_mode, mode_names
 from .sweep import run_sweep
 
@@ -83,14 +83,14 @@ def run_eval(llm, *, task_prompts: int = 100, code_prompts: int = 20, max_new_to
     modes = [m for m in (mode_names() if modes is None else modes) if llm.mode_available(m)]
     result: dict = {"model": str(llm.path)}
     tasks = load_items("tasks", task_prompts)
-    result["tasks"] = run_decode(llm, items=tasks, workload="tasks", max_new_tokens=32, modes=modes,
-                                 stop_newline=True, progress=progress)
+    result["tasks"] = run_decode(llm, Workload("tasks", max_new_tokens=32, stop_newline=True, items=tasks), modes=modes,
+                                 progress=progress)
     if sweep and llm.config.mask_token_id is not None:
-        result["tasks_sweep"] = run_sweep(llm, items=tasks[: max(8, task_prompts // 4)], workload="tasks",
-                                          max_new_tokens=32, stop_newline=True, block_sizes=(8, 16, 32, 64),
-                                          progress=progress)
+        result["tasks_sweep"] = run_sweep(llm, Workload("tasks", max_new_tokens=32, stop_newline=True,
+                                                        items=tasks[: max(8, task_prompts // 4)]),
+                                          block_sizes=(8, 16, 32, 64), progress=progress)
     code = load_items("code", code_prompts)
-    result["code"] = run_decode(llm, items=code, workload="code", max_new_tokens=max_new_tokens, modes=modes,
+    result["code"] = run_decode(llm, Workload("code", max_new_tokens=max_new_tokens, items=code), modes=modes,
                                 progress=progress)
     result["teacher_forced"] = teacher_forced(llm, block_size=llm.config.block_size)
     for key in ("tasks", "code"):  # keep the JSON small: per-run texts are in the bench output if needed

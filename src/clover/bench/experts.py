@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Callable
 
 from .common import machine
-from .decode import Item, decode_kwargs, interleaved, load_items, summarize
+from .decode import Workload, interleaved, summarize
 
 SCHEMA = "clover.bench.experts/1"
 
@@ -25,19 +25,18 @@ def budgets(k: int, num_experts: int) -> list[int | None]:
     return out
 
 
-def run_experts(llm, *, workload: str = "tasks", prompts: int = 8, max_new_tokens: int = 64,
-                stop_newline: bool = False, items: list[Item] | None = None,
-                progress: Callable[[str], None] | None = None, ranks: tuple[str, ...] = ("sum", "max")) -> dict:
+def run_experts(llm, work: Workload = Workload(), *, progress: Callable[[str], None] | None = None,
+                ranks: tuple[str, ...] = ("sum", "max")) -> dict:
     c = llm.config
     if c.mask_token_id is None:
         raise ValueError("this is a plain AR checkpoint (no mask token): block expert sharing applies to diffusion")
-    items = items if items is not None else load_items(workload, prompts)
+    items = work.load()
     configs = [{"label": "ar", "mode": "ar", "expert_budget": None, "expert_rank": "sum"}]
     for m in budgets(c.num_experts_per_tok, c.num_experts):
         for rank in ((None,) if m is None else ranks):
             configs.append({"label": "off" if m is None else f"budget {m} ({rank})", "mode": "diffusion",
                             "expert_budget": m, "expert_rank": rank or "sum"})
-    base = decode_kwargs(max_new_tokens, None, None, stop_newline)
+    base = work.kwargs()
 
     def kw(cfg: dict) -> dict:
         return dict(base, expert_budget=cfg["expert_budget"], expert_rank=cfg["expert_rank"])
@@ -45,8 +44,7 @@ def run_experts(llm, *, workload: str = "tasks", prompts: int = 8, max_new_token
     runs = interleaved(llm, items, configs, kw, warm_tokens=8, keep_text=False, progress=progress)
     summary = summarize(runs, [cfg["label"] for cfg in configs], key="label")
     return {"schema": SCHEMA, "model": str(llm.path), "machine": machine(llm.model.device),
-            "settings": {"workload": workload, "prompts": len(items), "max_new_tokens": max_new_tokens,
-                         "num_experts": c.num_experts, "top_k": c.num_experts_per_tok, "stop_newline": stop_newline},
+            "settings": {**work.settings(items), "num_experts": c.num_experts, "top_k": c.num_experts_per_tok},
             "configs": configs, "summary": summary}
 
 

@@ -14,7 +14,7 @@ from typing import Callable, Iterable
 
 from ..decoding.sampling import CONFIDENCE_KINDS, LIMITS
 from .common import machine, max_rss_bytes
-from .decode import Item, decode_kwargs, interleaved, load_items, summarize
+from .decode import Workload, interleaved, summarize
 
 SCHEMA = "clover.bench.sweep/1"
 DEFAULT_THRESHOLDS = (0.5, 0.7, 0.8, 0.9, 0.95, 0.99)
@@ -85,41 +85,26 @@ def configurations(thresholds: Iterable[float], block_sizes: Iterable[int], bloc
     return out
 
 
-def run_sweep(
-    llm,
-    *,
-    workload: str = "tasks",
-    prompts: int = 8,
-    max_new_tokens: int = 64,
-    thresholds: Iterable[float] = DEFAULT_THRESHOLDS,
-    block_sizes: Iterable[int] = DEFAULT_BLOCK_SIZES,
-    block_size: int | None = None,
-    threshold: float | None = None,
-    confidences: Iterable[str] = (),
-    policies: Iterable[str] = (),
-    stop_newline: bool = False,
-    items: list[Item] | None = None,
-    progress: Callable[[str], None] | None = None,
-    model_note: str | None = None,
-) -> dict:
+def run_sweep(llm, work: Workload = Workload(), *, thresholds: Iterable[float] = DEFAULT_THRESHOLDS,
+              block_sizes: Iterable[int] = DEFAULT_BLOCK_SIZES, block_size: int | None = None,
+              threshold: float | None = None, confidences: Iterable[str] = (), policies: Iterable[str] = (),
+              progress: Callable[[str], None] | None = None, model_note: str | None = None) -> dict:
     if llm.config.mask_token_id is None:
         raise ValueError("this is a plain AR checkpoint (no mask token): there is no diffusion mode to sweep")
-    if max_new_tokens <= 0:
-        raise ValueError(f"max_new_tokens: must be a positive integer, got {max_new_tokens}")
     block_size = block_size or llm.config.block_size
     threshold = threshold or llm.config.threshold
     configs = configurations(thresholds, block_sizes, block_size, threshold, confidences, policies)
-    items = items if items is not None else load_items(workload, prompts)
+    items = work.load()
 
     def kwargs(c: dict) -> dict:
-        kw = decode_kwargs(max_new_tokens, c["block_size"], c["threshold"], stop_newline)
+        kw = work.kwargs(c["block_size"], c["threshold"])
         if "confidence" in c:
             kw = dict(kw, confidence=c["confidence"])
         return dict(kw, **c.get("options", {}))
 
     # warm-up: one short generation per distinct block size (and AR)
     runs = interleaved(llm, items, configs, kwargs, warm=lambda c: c["sweep"] in ("baseline", "block", "both"),
-                       warm_tokens=min(max_new_tokens, 16), keep_text=False, progress=progress)
+                       warm_tokens=min(work.max_new_tokens, 16), keep_text=False, progress=progress)
     labels = [c["label"] for c in configs]
     summary = summarize(runs, labels, key="label")
     points = []
@@ -133,12 +118,10 @@ def run_sweep(
         "schema": SCHEMA,
         "model": str(llm.path),
         "model_note": model_note,
-        "settings": {"workload": workload, "prompts": len(items), "max_new_tokens": max_new_tokens,
-                     "block_size": block_size, "threshold": threshold, "thresholds": list(thresholds),
-                     "block_sizes": list(block_sizes),
+        "settings": {**work.settings(items), "block_size": block_size, "threshold": threshold,
+                     "thresholds": list(thresholds), "block_sizes": list(block_sizes),
                      "confidences": [DEFAULT_CONFIDENCE] + [c["confidence"] for c in configs if "confidence" in c],
-                     "policies": list(dict.fromkeys(policies)),
-                     "stop_newline": stop_newline, "greedy": True, "batch_size": 1},
+                     "policies": list(dict.fromkeys(policies)), "greedy": True, "batch_size": 1},
         "machine": machine(llm.model.device),
         "max_rss_bytes": max_rss_bytes(),
         "points": points,

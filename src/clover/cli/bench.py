@@ -251,6 +251,13 @@ def _progress(json_path: str | None):
     return lambda msg: print(f"\r{msg}", end="", file=sys.stderr, flush=True)
 
 
+def _workload(args):
+    """The `_workload_arguments` as a `bench.decode.Workload`."""
+    from ..bench.decode import Workload
+
+    return Workload(args.workload, args.prompts, args.max_new_tokens, args.stop_newline)
+
+
 def _load(args):
     """The model to benchmark; without --model and without a bundled model, a tiny random one
     (still runs; the result is labelled)."""
@@ -294,8 +301,7 @@ def run_experts(args) -> int:
     positive("--prompts", args.prompts)
     positive("--max-new-tokens", args.max_new_tokens)
     llm, note = _load(args)
-    result = bench_experts(llm, workload=args.workload, prompts=args.prompts, max_new_tokens=args.max_new_tokens,
-                           stop_newline=args.stop_newline, progress=_progress(args.json))
+    result = bench_experts(llm, _workload(args), progress=_progress(args.json))
     result["model_note"] = note
     _emit_text(result, experts_markdown, args.json)
     return 0
@@ -347,9 +353,8 @@ def run_decode(args) -> int:
     _check_run(args)
     modes = parse_modes(args.modes)  # None: every registered mode
     llm, note = _load(args)
-    result = bench_decode(llm, workload=args.workload, prompts=args.prompts, max_new_tokens=args.max_new_tokens,
-                          modes=modes, block_size=args.block_size, threshold=args.threshold,
-                          stop_newline=args.stop_newline, progress=_progress(args.json), model_note=note)
+    result = bench_decode(llm, _workload(args), modes=modes, block_size=args.block_size, threshold=args.threshold,
+                          progress=_progress(args.json), model_note=note)
     if _progress(args.json):
         print(file=sys.stderr)
     if result["settings"]["skipped_modes"]:
@@ -368,10 +373,9 @@ def run_sweep(args) -> int:
     confidences = parse_list(args.confidences, str, "--confidences")
     policies = parse_list(args.policies, str, "--policies") if args.policies else []
     llm, note = _load(args)
-    result = bench_sweep(llm, workload=args.workload, prompts=args.prompts, max_new_tokens=args.max_new_tokens,
-                         thresholds=thresholds, block_sizes=block_sizes, block_size=args.block_size,
+    result = bench_sweep(llm, _workload(args), thresholds=thresholds, block_sizes=block_sizes, block_size=args.block_size,
                          threshold=args.threshold, confidences=confidences, policies=policies,
-                         stop_newline=args.stop_newline, progress=_progress(args.json), model_note=note)
+                         progress=_progress(args.json), model_note=note)
     if _progress(args.json):
         print(file=sys.stderr)
     _emit(result, sweep_table(result), args.json)  # the results first: a plot that fails loses nothing
