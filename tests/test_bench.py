@@ -137,6 +137,16 @@ def test_roofline_quick(capsys):
         assert s["pct_of_read_bandwidth"] == pytest.approx(100 * s["achieved_gbps"] / r["bandwidth"]["read_gbps"])
 
 
+def test_profile_steps(tiny_dir, capsys):
+    rc, out, err = bench(capsys, "profile", "--model", str(tiny_dir), "--ar-steps", "1", "--denoise-steps", "1",
+                         "--block-size", "4")
+    assert rc == 0, err
+    assert "== AR step:" in out and "== denoise step (block 4):" in out
+    assert out.count("Self CPU") >= 2 and out.count("function calls") >= 2  # torch.profiler and cProfile, each kind
+    rc, out, err = bench(capsys, "profile", "--ar-steps", "0")
+    assert rc == 2 and "--ar-steps: must be a positive integer" in err
+
+
 def test_code_scoring():
     header = "    def f(self, x):\n"
     body = "        y = x + 1\n        if y:\n            return y\n        return 0\n"

@@ -386,3 +386,18 @@ def test_plot_without_matplotlib_is_one_line(tmp_path, capsys, monkeypatch):
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and "matplotlib is not installed" in err and "clover-dlm[plot]" in err, err
     assert not (tmp_path / "c.png").exists()
+
+
+def test_evaluate_finds_the_tokenizer_or_says_so(tmp_path, capsys):
+    from clover.cli import main
+    from clover.train.evaluate import find_tokenizer
+
+    run = tmp_path / "run"
+    ckpt = run / "ckpt" / "step-00000001"
+    ckpt.mkdir(parents=True)
+    assert find_tokenizer(ckpt) is None
+    assert main(["train", "evaluate", str(ckpt)]) == 2
+    assert capsys.readouterr().err.strip() == "no tokenizer found; pass --tokenizer"
+    (run / "tokenizer").mkdir()
+    (run / "tokenizer" / "tokenizer.json").write_text("{}")
+    assert find_tokenizer(ckpt) == str(run / "tokenizer")  # a training checkpoint: its run's tokenizer
