@@ -8,6 +8,7 @@ The command line is `clover train` (`clover.cli.train`)::
     clover train plot RUN_DIR [RUN_DIR ...] [--out curves.png] [--chain]   # loss / held-out curves
     clover train plan RECIPE --gpus N [--gpu-mem 80] [--mfu 0.25] [--tokens 1e9] [--model CONFIG|qwen3.6-35b-a3b]
                       [--micro-batch B] [--set K=V] [--json]           # memory, speed and days, on paper
+    clover train evaluate CKPT [--tokenizer DIR] [--tasks 500] [--batches 8]   # quick held-out metrics
 
 Multi-process: `torchrun --nproc_per_node N -m clover train RECIPE` (gloo on CPU, nccl with one GPU
 per rank when `run.device` / `--device` resolves to CUDA); `--parallel ddp` (full replicas) or
