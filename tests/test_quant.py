@@ -282,6 +282,33 @@ def test_generate_ar_and_diffusion(quant_dirs, name):
     torch.testing.assert_close(out.commit_logits, ref, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("bits", [8, 4])
+def test_llama_quantizes_its_own_layers(tmp_path, bits, monkeypatch):
+    """The quantizable layers are read off the architecture's model: a Llama (no GDN, no experts, no
+    attention gate) quantizes its q/k/v/o and SwiGLU projections at their own shapes, and the loaded
+    model computes exactly its dequantized float model."""
+    from clover.models import build_model
+    from clover.tiny import build_tiny_checkpoint
+
+    float_dir = build_tiny_checkpoint(tmp_path / "f", seed=3, init_std=0.15, dense=True, backbone="llama")
+    quant_dir = tmp_path / "q"
+    quantize_checkpoint(float_dir, quant_dir, bits=bits, group_size=32, progress=False)
+    config = load_model(float_dir).config
+    linear = {n: m for n, m in build_model(config).named_modules()
+              if isinstance(m, torch.nn.Linear) and n.startswith("model.layers.") and ".adapters." not in n}
+    targets = quantizable(config)
+    assert set(targets) - {"model.embed_tokens", "lm_head"} == set(linear)
+    for n, m in linear.items():
+        assert (targets[n].n, targets[n].k) == (m.out_features, m.in_features), n
+    llm = clover.load(quant_dir)
+    assert isinstance(llm.model.model.layers[0].self_attn.q_proj, Int8Linear if bits == 8 else Int4Linear)
+    monkeypatch.setattr(ops, "FP32_VIA_BF16", False)
+    ids = torch.randint(0, 256, (2, 19), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        _tight(llm.model(ids), _dequantized_float_model(float_dir, quant_dir)(ids))
+    assert len(llm.generate("def f(x):", mode="ar", max_new_tokens=6, ignore_eos=True).token_ids) == 6
+
+
 def test_bfloat16_compute(quant_dirs):
     llm = clover.load(quant_dirs["int4-g64"], dtype="bfloat16")
     assert llm.model.dtype == torch.bfloat16

@@ -74,44 +74,37 @@ class Target:
 
 
 def quantizable(config: CloverConfig) -> dict[str, Target]:
-    """Every module the format can quantize, in model order (embeddings included)."""
+    """Every module the format can quantize, in model order (embeddings included): per layer the
+    linear layers named by `LINEAR_SUFFIXES` that this architecture has, then its routed experts;
+    the shapes are those of the model the config builds (on `meta`, nothing allocated)."""
+    modules = _modules(config)
     c = config
-    out: dict[str, Target] = {}
-    hd = c.head_dim
-    hv_dim = c.linear_num_value_heads * c.linear_value_head_dim
-    shapes = {
-        "self_attn.q_proj": (c.num_attention_heads * hd * 2, c.hidden_size, c.attention_bias),
-        "self_attn.k_proj": (c.num_key_value_heads * hd, c.hidden_size, c.attention_bias),
-        "self_attn.v_proj": (c.num_key_value_heads * hd, c.hidden_size, c.attention_bias),
-        "self_attn.o_proj": (c.hidden_size, c.num_attention_heads * hd, c.attention_bias),
-        "linear_attn.in_proj_qkv": (c.linear_conv_dim, c.hidden_size, False),
-        "linear_attn.in_proj_z": (hv_dim, c.hidden_size, False),
-        "linear_attn.out_proj": (c.hidden_size, hv_dim, False),
-        "mlp.shared_expert.gate_proj": (c.shared_expert_intermediate_size, c.hidden_size, False),
-        "mlp.shared_expert.up_proj": (c.shared_expert_intermediate_size, c.hidden_size, False),
-        "mlp.shared_expert.down_proj": (c.hidden_size, c.shared_expert_intermediate_size, False),
-        "mlp.gate_proj": (c.intermediate_size, c.hidden_size, False),
-        "mlp.up_proj": (c.intermediate_size, c.hidden_size, False),
-        "mlp.down_proj": (c.hidden_size, c.intermediate_size, False),
-    }
-    mlp = ("mlp.shared_expert.",) if c.has_experts else ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
-    out[EMBEDDING] = Target(EMBEDDING, "embedding", c.vocab_size, c.hidden_size)
-    for i, t in enumerate(c.layer_types):
-        mixer = "self_attn" if t == "full_attention" else "linear_attn"
+    out: dict[str, Target] = {EMBEDDING: Target(EMBEDDING, "embedding", c.vocab_size, c.hidden_size)}
+    for i in range(c.num_hidden_layers):
         for suffix in LINEAR_SUFFIXES:
-            if not suffix.startswith((*mlp, mixer + ".")):
-                continue
-            if suffix.startswith("mlp.shared_expert") and c.shared_expert_intermediate_size <= 0:
-                continue
-            n, k, bias = shapes[suffix]
             name = f"model.layers.{i}.{suffix}"
-            out[name] = Target(name, "linear", n, k, bias)
-        if c.has_experts:
-            name = f"model.layers.{i}.{EXPERTS_SUFFIX}"
-            out[name] = Target(name, "experts", c.num_experts, c.hidden_size, inter=c.moe_intermediate_size)
+            if name in modules and isinstance(modules[name], torch.nn.Linear):
+                m = modules[name]
+                out[name] = Target(name, "linear", m.out_features, m.in_features, m.bias is not None)
+        name = f"model.layers.{i}.{EXPERTS_SUFFIX}"
+        if name in modules:
+            out[name] = Target(name, "experts", modules[name].num_experts, c.hidden_size, inter=modules[name].inter)
     if not c.tie_word_embeddings:
         out[LM_HEAD] = Target(LM_HEAD, "linear", c.vocab_size, c.hidden_size)
     return out
+
+
+_MODULES: dict[str, dict] = {}  # repr(config) -> its meta model's modules (footprint tables ask again and again)
+
+
+def _modules(config: CloverConfig) -> dict:
+    key = repr(config)
+    if key not in _MODULES:
+        from ..models import build_model
+
+        _MODULES.clear()
+        _MODULES[key] = dict(build_model(config, device="meta").named_modules())
+    return _MODULES[key]
 
 
 def select_modules(config: CloverConfig, *, include_embeddings: bool = False, skip: list[str] | tuple[str, ...] = ()) -> list[str]:

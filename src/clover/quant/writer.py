@@ -103,7 +103,7 @@ def quantize_checkpoint(
     seen: set[str] = set()
     pending: dict[str, dict[int, dict[str, torch.Tensor]]] = defaultdict(dict)  # per-expert sources
     total_bytes = 0
-    E = config.num_experts
+    E = config.num_experts if config.has_experts else 0  # experts stored one by one are stacked (MoE only)
     bar = tqdm(total=sum(_n_keys(p) for p in files), desc=f"quantize int{bits}", unit="tensor", disable=not progress)
     try:
         for path, out_name in zip(files, out_names):
