@@ -385,3 +385,97 @@ def test_iteration_curve_is_measured_per_block(llm):
     curve = iteration_curve(llm.model, llm.drafter, (2, 8), repeat=1)
     assert set(curve.seconds_by["verify"][1]) == {2, 8} and all(s > 0 for s in curve.seconds_by["verify"][1].values())
     assert iteration_curve(llm.model, llm.drafter, (2, 8)) is curve  # once per process
+
+
+# ------------------------------------------------------------------------------ compiled
+def test_static_dflash_equals_eager(monkeypatch, target_dir, llm, tmp_path):
+    """compile=True with a drafter: the verify (every logit, the drafter's hidden states, the GDN
+    inputs for the rollback) runs as the target's static "verify" step and the draft as the
+    drafter's static forward (context padded to the block) -- here with torch.compile replaced by
+    the identity, so the static code runs eagerly -- and the tokens stay AR's, batched and alone,
+    fixed and adaptive draft lengths."""
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: fn)
+    d = save_drafter(llm.drafter, tmp_path / "d")
+    static = clover.load(target_dir, drafter=d, compile=True)
+    drafts = []
+    real = static.drafter.static_draft
+    static.drafter.static_draft = lambda *a: drafts.append(a[0].shape[1]) or real(*a)
+    prompts = [[1, 2, 3], list(range(50, 70)), [9] * 5]
+    kw = dict(max_new_tokens=30, ignore_eos=True)
+    ar = llm.generate(prompts, mode="ar", **kw)
+    for extra in (dict(draft_length=5), dict(block_size="auto")):
+        batched = static.generate(prompts, mode="dflash", **kw, **extra)
+        alone = [static.generate(p, mode="dflash", **kw, **extra) for p in prompts]
+        for a, b, s in zip(ar, batched, alone):
+            assert b.token_ids == a.token_ids and s.token_ids == a.token_ids, extra
+    assert static.model.static_steps.calls["verify"] > 0 and drafts and set(drafts) != {0}
+
+
+@pytest.mark.slow
+def test_compiled_dflash_equals_ar(target_dir, llm, tmp_path):
+    torch.set_num_threads(1)
+    compiled = clover.load(target_dir, drafter=save_drafter(llm.drafter, tmp_path / "d"), compile=True)
+    kw = dict(max_new_tokens=16, ignore_eos=True)
+    got = compiled.generate([1, 2, 3], mode="dflash", draft_length=7, **kw)
+    assert got.token_ids == llm.generate([1, 2, 3], mode="ar", **kw).token_ids
+    assert compiled.model.static_steps.calls["verify"] > 0
+
+
+def test_static_draft_forward_equals_eager(llm):
+    """The drafter's static forward (context padded to the block's width, attention over the
+    whole capacity under the length mask) gives the eager draft's hidden states, rows at different
+    lengths with different context counts."""
+    m, dr = llm.model, llm.drafter
+    ids = torch.randint(0, 256, (2, 30), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        hidden = dict.fromkeys(dr.target_layer_ids)
+        m(ids, hidden_out=hidden)
+        ctx = dr.context_features(hidden, m)
+        block = dr.embed(torch.full((2, 8), dr.mask_token_id), m)
+        n1, n2 = torch.tensor([9, 14]), torch.tensor([3, 8])
+        first = torch.zeros(2, 14, ctx.shape[-1])
+        first[0, :9], first[1] = ctx[0, :9], ctx[1, :14]
+        second = torch.zeros(2, 8, ctx.shape[-1])
+        second[0, :3], second[1] = ctx[0, 9:12], ctx[1, 14:22]
+        eager, static = dr.make_cache(2, 64), dr.make_cache(2, 64)
+        dr.draft(eager, first, n1, block)
+        dr.draft(static, first, n1, block)
+        want = dr.draft(eager, second, n2, block)
+        got = dr.forward_draft(second, n2, block, static.lengths, [s.tensors() for s in static.layers], static=True)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+# ------------------------------------------------------------------------------ grammar
+def test_constrained_dflash_equals_constrained_ar():
+    """A grammar masks each draft token (after the anchor and the drafts before it) and each verify
+    position: greedy constrained dflash gives constrained AR's tokens on the held-out schemas,
+    alone and batched, and a GBNF grammar."""
+    jsonschema = pytest.importorskip("jsonschema")
+    from test_grammar import SCHEMAS, _rf
+
+    llm = clover.load()
+    for name, schema in SCHEMAS.items():
+        ar = llm.generate("Data:", mode="ar", max_new_tokens=96, response_format=_rf(schema))
+        df = llm.generate("Data:", mode="dflash", max_new_tokens=96, response_format=_rf(schema))
+        assert df.token_ids == ar.token_ids and df.finish_reason == ar.finish_reason == "stop", name
+        jsonschema.validate(json.loads(df.text), schema)
+        assert df.stats.forwards < ar.stats.forwards, name
+    prompts = ["a", "bb", "Data:"]
+    rf = _rf(SCHEMAS["nested"])
+    ar = [llm.generate(p, mode="ar", max_new_tokens=96, response_format=rf) for p in prompts]
+    for a, b in zip(ar, llm.generate(prompts, mode="dflash", max_new_tokens=96, response_format=rf)):
+        assert b.token_ids == a.token_ids
+    gbnf = {"gbnf": 'root ::= ("yes" | "no") "!"'}
+    assert (llm.generate("Answer:", mode="dflash", max_new_tokens=16, grammar=gbnf).token_ids
+            == llm.generate("Answer:", mode="ar", max_new_tokens=16, grammar=gbnf).token_ids)
+
+
+def test_constrained_dflash_sampling_stays_valid(llm):
+    jsonschema = pytest.importorskip("jsonschema")
+    from test_grammar import SCHEMAS, _rf
+
+    schema = SCHEMAS["enum_array"]
+    for seed in range(3):
+        g = llm.generate("x", mode="dflash", max_new_tokens=96, temperature=1.0, seed=seed, response_format=_rf(schema))
+        jsonschema.validate(json.loads(g.text), schema)
+        assert g.stats.draft_forwards > 0

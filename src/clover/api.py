@@ -399,4 +399,6 @@ def load(path: str | os.PathLike | None = None, *, dtype: str | torch.dtype | No
         from .checkpoint import load_drafter
 
         draft_model = load_drafter(drafter, model, device=device)
+        if compile:
+            draft_model.compile_static()
     return LLM(model, tokenizer, path, drafter=draft_model)

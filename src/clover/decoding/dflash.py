@@ -31,10 +31,11 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import BatchEngine, DecodeEvent, EngineRow, RowState, pad_right, propose_tokens
+from .base import BatchEngine, DecodeEvent, EngineRow, RowState, next_tokens, pad_right, propose_tokens, row_history
 from .modes import EngineSpec, Mode, register
 from .sampling import AUTO, SamplingParams
-from .speculative import accept_draft, agreed, choose_draft, commit_verified, sampling_probs, settle_cache
+from .speculative import (accept_draft, agreed, choose_draft, commit_verified, constrained_draft,
+                          constrained_sampled_draft, sampling_probs, settle_cache)
 
 DEFAULT_DRAFT = 15  # the published drafters' block of 16: the anchor + 15 drafts
 AUTO_BLOCKS = (2, 4, 8, 16)  # draft "auto": the blocks (anchor + drafts) it picks among, up to the drafter's
@@ -94,6 +95,8 @@ class DFlashEngine(BatchEngine):
         D, dr, dev = self.draft_length, self.drafter, self.device
         ctx = [r.state.ctx if r.state.anchor is not None else None for r in rows]
         Tc = max((c.shape[0] for c in ctx if c is not None), default=0)
+        if dr.static_draft is not None and Tc <= D + 1:
+            Tc = D + 1  # the compiled draft's shape: the context padded to the block
         F = len(self.layer_ids) * self.model.config.hidden_size
         feats = torch.zeros(len(rows), Tc, F, dtype=dr.dtype, device=dev)
         n_ctx = torch.zeros(len(rows), dtype=torch.long, device=dev)
@@ -116,7 +119,15 @@ class DFlashEngine(BatchEngine):
                 q.append(None)
                 continue
             r.draft_forwards += 1
-            if r.params.greedy:
+            if r.constraint is not None:  # each draft token masked by the grammar after those before it
+                if r.params.greedy:
+                    drafts.append(constrained_draft(r, logits[i]))
+                    q.append(None)
+                else:
+                    d, qd = constrained_sampled_draft(r, logits[i])
+                    drafts.append(d)
+                    q.append(qd)
+            elif r.params.greedy:
                 drafts.append(r.state.sampler.process(logits[i], None).argmax(-1).tolist())
                 q.append(None)
             else:
@@ -130,7 +141,9 @@ class DFlashEngine(BatchEngine):
         """logits [D+1, V] (after anchor, d_1, ..., d_D) -> the new tokens: accepted drafts + one."""
         D = len(draft)
         tails = [draft[:j] for j in range(D + 1)]
-        if r.params.greedy:
+        if r.constraint is not None:
+            new = self._verify_constrained(r, logits, draft, q, tails)
+        elif r.params.greedy:
             target = propose_tokens(r, logits, tails)[0].tolist()
             m = agreed(draft, target)
             new = draft[:m] + [target[m]]
@@ -141,8 +154,43 @@ class DFlashEngine(BatchEngine):
             if token is None:  # every draft kept: the next token from the target after the last one
                 token = int(torch.multinomial(p[D], 1, generator=gen))
             new = draft[: m - 1] + [token]
-        r.state.kept_draft += len(new) - 1
+        r.state.kept_draft += max(len(new) - 1, 0)
         r.state.rejected_draft += len(new) - 1 < D
+        return new
+
+    def _verify_constrained(self, r: RowState, logits: torch.Tensor, draft: list[int], q: torch.Tensor | None,
+                            tails: list) -> list[int]:
+        """The verify of a constrained row: position j's logits masked by the grammar after the
+        anchor and d_1..d_j, so that greedy keeps exactly the tokens constrained AR chooses and
+        sampling (the rejection rule over the masked distributions) draws as constrained AR does.
+        The grammar consumes the new tokens; where it completes, the row ends (no further token)."""
+        c, D = r.constraint, len(draft)
+        if r.params.greedy:
+            processed = r.state.sampler.process(logits, row_history(r, tails, D + 1))
+            new = []
+            for j in range(D + 1):
+                if c.stopped:
+                    break
+                tok = c.argmax(processed[j])
+                c.consume([tok])
+                new.append(tok)
+                if j == D or tok != draft[j]:
+                    break
+            return new
+        ps = []  # p_j: AR's distribution after the anchor and d_1..d_j, masked by the grammar there
+        for j in range(D + 1):
+            if c.stopped:
+                break
+            ps.append(self._probs(r, c.mask(logits[j : j + 1]), tails[j : j + 1])[0])
+            if j < D:
+                c.consume(draft[j : j + 1])
+        c.rollback(min(len(ps), D))
+        gen = r.state.sampler.generator
+        m, token = accept_draft([r.state.anchor] + draft, q, torch.stack(ps[:D]) if D else None, gen)
+        if token is None and len(ps) > D:  # every draft kept: the next token after the last one
+            token = int(torch.multinomial(ps[D], 1, generator=gen))
+        new = draft[: m - 1] + ([token] if token is not None else [])
+        c.consume(new)
         return new
 
     @torch.inference_mode()
@@ -167,9 +215,10 @@ class DFlashEngine(BatchEngine):
             r.experts_touched.extend(out.experts_touched)
             if drafts[i] is None:  # the prefill: the first anchor, as AR samples it
                 m = len(r.state.pending)
-                new = propose_tokens(r, out.commit_logits[i, m - 1 : m])[0].tolist()
+                new = next_tokens(r, out.commit_logits[i, m - 1 : m])
                 r.state.pending = []
                 kept = r.accept(new, [1])
+                r.grammar_done()
                 if kept:
                     events.append(DecodeEvent("commit", i, kept, [1], row_state=r))
             else:
@@ -221,7 +270,6 @@ def iteration_curve(model, drafter, blocks, *, repeat: int = 3) -> "CostCurve":
 
 
 class DFlash(Mode):
-    grammar = False  # the drafter's proposals are not grammar-masked yet: a constrained request is refused
     name = "dflash"
     needs_drafter = True  # the engine needs a DFlash drafter next to the target (`clover.load(..., drafter=)`)
     reference = "ar"

@@ -98,6 +98,42 @@ def settle_cache(cache, snap, keep: torch.Tensor, committed: torch.Tensor | None
         cache.record = None
 
 
+def constrained_draft(r: RowState, logits: torch.Tensor) -> list[int]:
+    """A greedy draft under the row's grammar: position j's logits [D, V] masked by the grammar
+    after draft[:j] (the grammar state is restored afterwards; the draft stops where the grammar
+    is complete, so it may be shorter than D or empty)."""
+    c, draft = r.constraint, []
+    processed = r.state.sampler.process(logits)
+    for j in range(logits.shape[0]):
+        if c.stopped:
+            break
+        tok = c.argmax(processed[j])
+        if not c.consume([tok]):
+            break
+        draft.append(tok)
+    c.rollback(len(draft))
+    return draft
+
+
+def constrained_sampled_draft(r: RowState, logits: torch.Tensor) -> tuple[list[int], torch.Tensor | None]:
+    """A sampled draft under the row's grammar: token j drawn from AR's sampling distribution of
+    logits[j] masked by the grammar after draft[:j] (the grammar state is restored afterwards; the
+    draft stops where the grammar is complete). Returns the draft and those distributions
+    ([len, V], for the rejection rule; None when empty)."""
+    c, gen, draft, qs = r.constraint, r.state.sampler.generator, [], []
+    for j in range(logits.shape[0]):
+        if c.stopped:
+            break
+        q = sampling_probs(r, c.mask(logits[j : j + 1]))
+        tok = int(torch.multinomial(q, 1, generator=gen))
+        if not c.consume([tok]):
+            break
+        draft.append(tok)
+        qs.append(q[0])
+    c.rollback(len(draft))
+    return draft, (torch.stack(qs) if qs else None)
+
+
 def choose_draft(policy, rows: list[RowState], choices: list, forward: int) -> int:
     """Draft "auto" (a `width.DraftPolicy`): the width with the most expected tokens per second for
     these rows, each keeping a draft token at its own rate so far (`state.kept_draft` kept,
@@ -157,42 +193,22 @@ class SpeculativeEngine(BatchEngine):
         return row.state.sampler.process(logits).argmax(-1).tolist()
 
     def _draft_constrained(self, r: RowState, logits: torch.Tensor) -> list[int]:
-        """The draft of a constrained row: position j's logits masked by the grammar after draft[:j]
-        (the grammar state is restored afterwards; the draft stops where the grammar is complete)."""
-        c, draft = r.constraint, []
-        processed = r.state.sampler.process(logits)
-        for j in range(logits.shape[0]):
-            if c.stopped:
-                break
-            tok = c.argmax(processed[j])
-            if not c.consume([tok]):
-                break
-            draft.append(tok)
-        c.rollback(len(draft))
-        return draft or [c.argmax(processed[0])]
+        """The draft of a constrained row (`constrained_draft`), at least one token."""
+        return constrained_draft(r, logits) or [r.constraint.argmax(r.state.sampler.process(logits[:1])[0])]
 
     def _draft_constrained_sampled(self, r: RowState, logits: torch.Tensor) -> list[int]:
         """Sampling under a grammar: each draft token drawn from its distribution masked by the
         grammar after the draft so far (kept in `draft_q` for the rejection rule)."""
-        c, draft, qs = r.constraint, [], []
+        c = r.constraint
         gen = r.state.sampler.generator
         if r.state.next_first is not None:
             draft, r.state.next_first = [r.state.next_first], None
         else:
             draft = torch.multinomial(self._probs(r, c.mask(logits[:1])), 1, generator=gen).flatten().tolist()
         c.consume(draft)
-        for j in range(1, logits.shape[0]):
-            if c.stopped:
-                break
-            q = self._probs(r, c.mask(logits[j : j + 1]))
-            tok = int(torch.multinomial(q, 1, generator=gen))
-            if not c.consume([tok]):
-                break
-            draft.append(tok)
-            qs.append(q[0])
+        rest, r.state.draft_q = constrained_sampled_draft(r, logits[1:])
         c.rollback(len(draft))
-        r.state.draft_q = torch.stack(qs) if qs else None
-        return draft
+        return draft + rest
 
     def _verify_constrained_sampled(self, r: RowState, causal_logits: torch.Tensor) -> int:
         """The rejection rule against AR's distributions masked by the grammar after each draft

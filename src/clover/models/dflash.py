@@ -30,6 +30,7 @@ candidate selector) are refused with a message.
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -287,29 +288,55 @@ class DFlashDrafter(nn.Module):
         return HybridCache(states, batch_size, capacity, device=self.device)
 
     # -- the cached draft forward (decoding)
+    static_draft = None  # `forward_draft(static=True)` compiled (`compile_static`), or None
+
     def draft(self, cache: HybridCache, ctx: torch.Tensor, n_ctx: torch.Tensor | None, block: torch.Tensor) -> torch.Tensor:
         """ctx [B, Tc, n*H_t] context features of the tokens committed since the last draft
         (right-padded, `n_ctx[b]` valid; Tc may be 0), block [B, Bd, H] embedded block ->
-        hidden [B, Bd, H] after the final norm. The context keys are appended to `cache`."""
-        B, Tc = ctx.shape[0], ctx.shape[1]
-        Bd = block.shape[1]
-        start = cache.lengths
+        hidden [B, Bd, H] after the final norm. The context keys are appended to `cache`. Compiled
+        (`compile_static`) when the context is padded to the block's width."""
+        B, Tc, Bd = ctx.shape[0], ctx.shape[1], block.shape[1]
         n = n_ctx if n_ctx is not None else torch.full((B,), Tc, dtype=torch.long, device=ctx.device)
-        cache.ensure_capacity(int(start.max()) + Tc)
-        positions = step_positions(start, n, Tc, Bd)
-        cos, sin = self.rotary_emb(positions, block.dtype)
-        rope_c, rope_q = (cos[:, :Tc], sin[:, :Tc]), (cos[:, Tc:], sin[:, Tc:])
-        mask = cached_attention_mask(start, Segments(commit_len=Tc, denoise_len=Bd, n_commit=n))[:, :, Tc:]
-        c = self.hidden_norm(self.fc(ctx)) if Tc else None
-        slots = mask.shape[-1] - Bd  # the longest row's context after this write
-        x = block
-        for layer, state in zip(self.layers, cache.layers):
-            if Tc:
-                scatter_kv(state.keys, state.values, *layer.self_attn.kv(c, rope_c), start)
-            x = layer(x, rope_q, state.keys[:, :, :slots], state.values[:, :, :slots], mask)
+        cache.ensure_capacity(int(cache.lengths.max()) + Tc)
+        states = [s.tensors() for s in cache.layers]
+        if self.static_draft is not None and Tc == Bd:
+            h = self.static_draft(ctx, n, block, cache.lengths, states)
+        else:
+            h = self.forward_draft(ctx, n, block, cache.lengths, states)
         if Tc:
             cache.advance(n)
+        return h
+
+    def forward_draft(self, ctx: torch.Tensor, n: torch.Tensor, block: torch.Tensor, lengths: torch.Tensor,
+                      states: list, *, static: bool = False) -> torch.Tensor:
+        """`draft`'s forward over the cache's tensors (`states`: per layer K/V buffers, written in
+        place at `lengths`, which are not advanced here). `static=True`: fixed shapes and no host
+        read (attention over the whole capacity under the length mask), what `compile_static`
+        compiles."""
+        Tc, Bd = ctx.shape[1], block.shape[1]
+        positions = step_positions(lengths, n, Tc, Bd)
+        cos, sin = self.rotary_emb(positions, block.dtype)
+        rope_c, rope_q = (cos[:, :Tc], sin[:, :Tc]), (cos[:, Tc:], sin[:, Tc:])
+        segments = Segments(commit_len=Tc, denoise_len=Bd, n_commit=n)
+        mask = cached_attention_mask(lengths, segments, key_slots=states[0][0].shape[2] if static else None)[:, :, Tc:]
+        c = self.hidden_norm(self.fc(ctx)) if Tc else None
+        slots = mask.shape[-1] - Bd  # the longest row's context after this write (static: the capacity)
+        x = block
+        for layer, (keys, values) in zip(self.layers, states):
+            if Tc:
+                scatter_kv(keys, values, *layer.self_attn.kv(c, rope_c), lengths)
+            x = layer(x, rope_q, keys[:, :, :slots], values[:, :, :slots], mask)
         return self.norm(x)
+
+    def compile_static(self, backend: str = "inductor") -> "DFlashDrafter":
+        """Compile the draft forward as the target's static steps are (`clover.models.static`): one
+        graph per (batch size, block width, cache capacity), used when the context is padded to
+        the block's width (the decoding engine does so once a row has drafted)."""
+        from .static import compile_static
+
+        self.rotary_emb.inv_freq(self.device)  # cached outside the graph
+        self.static_draft = compile_static(functools.partial(self.forward_draft, static=True), self.device, backend)
+        return self
 
     # -- the training forward (no cache; many blocks per sequence)
     def forward_train(self, ctx: torch.Tensor, anchors: torch.Tensor, block: torch.Tensor) -> torch.Tensor:

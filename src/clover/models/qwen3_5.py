@@ -398,7 +398,7 @@ class Qwen3_5ForCausalLM(nn.Module):
         `expert_rank` ("sum" or "max" of the block's router probabilities).
         `denoise_need [B, Bd]` (bool) limits the denoise logits to those positions (others are garbage).
         `hidden_out` (a dict keyed by layer index) receives those layers' outputs over the commit part
-        ([B, Tc, H]; a DFlash drafter's context); such a step runs eagerly.
+        ([B, Tc, H]; a DFlash drafter's context).
 
         The host side of a step (normalise `n_commit`, grow the cache, keep the commit's inputs
         while recording, advance the lengths) is here; the forward itself is `forward_step`, run
@@ -414,8 +414,8 @@ class Qwen3_5ForCausalLM(nn.Module):
         args = (commit_ids, n_commit, denoise_ids, cache.lengths, states)
         kw = dict(expert_budget=expert_budget, expert_rank=expert_rank, all_logits=all_logits, record=record)
         out = None
-        if self.static_steps is not None and hidden_out is None:
-            out = self.static_steps.run(*args, **kw)
+        if self.static_steps is not None:
+            out = self.static_steps.run(*args, **kw, hidden_out=hidden_out)
         if out is None:
             out = self.forward_step(*args, **kw, count_experts=track_experts, denoise_need=denoise_need,
                                     hidden_out=hidden_out)

@@ -14,7 +14,9 @@ the device. The forward kinds served:
 - **commit+denoise**: a finished block committed (rows may commit fewer tokens, `n_commit`) fused
   with the next block's first denoise step;
 - **verify**: the same with logits at every commit position and the GDN commit inputs returned for
-  a rollback (speculative decoding: the draft verified causally, the next block drafted).
+  a rollback (speculative decoding: the draft verified causally, the next block drafted), or a
+  commit alone of that kind (dflash: the anchor and drafts verified, with the hidden states of the
+  layers the drafter reads, `hidden_out`).
 
 Every other forward runs eagerly: the prompt prefill (its length would be one graph more), and
 every forward of a model with quantized experts (`unsupported_reason`). A speculative rollback
@@ -62,13 +64,25 @@ def step_kind(commit_ids, n_commit, denoise_ids, *, all_logits: bool, record: bo
     Bd = 0 if denoise_ids is None else denoise_ids.shape[1]
     if all_logits and not Tc:
         return None
-    if Tc and not (Tc == 1 or Tc == Bd):
+    if Tc and not (Tc == 1 or Tc == Bd or (record and not Bd)):
         return None  # a prompt: its length would be one more graph
     if Tc == 1 and n_commit is not None:
         return None
     if record:
         return "verify"
     return "ar" if Tc == 1 and not Bd else "commit+denoise" if Tc else "denoise"
+
+
+def compile_static(fn, device: torch.device, backend: str = "inductor"):
+    """`fn` compiled as the static steps are: one graph-break-free graph per input shape."""
+    # one graph per (forward kind, batch size, cache capacity, ...): more than dynamo's default of 8
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
+    opts = dict(fullgraph=True, dynamic=False, backend=backend)
+    if backend == "inductor" and device.type == "cpu":
+        # a C++ wrapper around the kernels instead of a Python one: measured 3.0x vs 2.4x over eager
+        # on the bundled model's AR step (docs/benchmarks.md)
+        opts["options"] = {"cpp_wrapper": True}
+    return torch.compile(fn, **opts)
 
 
 class StaticSteps:
@@ -80,19 +94,12 @@ class StaticSteps:
             raise ValueError(reason)
         self.model = model
         model.model.rotary_emb.inv_freq(model.device)  # cached outside the graph
-        # one graph per (forward kind, batch size, cache capacity, ...): more than dynamo's default of 8
-        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
-        opts = dict(fullgraph=True, dynamic=False, backend=backend)
-        if backend == "inductor" and model.device.type == "cpu":
-            # a C++ wrapper around the kernels instead of a Python one: measured 3.0x vs 2.4x over eager
-            # on the bundled model's AR step (docs/benchmarks.md)
-            opts["options"] = {"cpp_wrapper": True}
-        self._forward = torch.compile(functools.partial(model.forward_step, static=True), **opts)
+        self._forward = compile_static(functools.partial(model.forward_step, static=True), model.device, backend)
         self.calls: Counter = Counter()  # forwards served per kind (and "eager": past the graph limit)
         self.limit_hit = False
 
     def run(self, commit_ids, n_commit, denoise_ids, lengths: torch.Tensor, states: list, *, expert_budget,
-            expert_rank: str, all_logits: bool, record: bool):
+            expert_rank: str, all_logits: bool, record: bool, hidden_out: dict | None = None):
         """`model.forward_step`'s result from the compiled graph, or None when the step is not one
         of its kinds (or past the graph limit): the caller then runs it eagerly. Called by `step`
         with the cache already large enough and `n_commit` None when every row commits all its
@@ -102,7 +109,7 @@ class StaticSteps:
             return None
         try:
             out = self._forward(commit_ids, n_commit, denoise_ids, lengths, states, expert_budget=expert_budget,
-                                expert_rank=expert_rank, all_logits=all_logits, record=record)
+                                expert_rank=expert_rank, all_logits=all_logits, record=record, hidden_out=hidden_out)
         except torch._dynamo.exc.FailOnRecompileLimitHit:
             # more shapes than RECOMPILE_LIMIT graphs: raised while compiling, before the graph runs
             # (nothing was written to the cache), so this call and later new shapes run eagerly
