@@ -75,6 +75,8 @@ class DFlashConfig:
     extra: dict = field(default_factory=dict)  # other config.json keys, written back unchanged
 
     tie_word_embeddings = False  # no LM head of its own (`save_model` reads this)
+    has_experts = False  # dense MLPs: no router (the trainer's aux loss asks)
+    has_linear_attention = False
 
     def __post_init__(self) -> None:
         if self.head_dim is None:
