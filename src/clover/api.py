@@ -1,7 +1,8 @@
 """The public entry points: `clover.load(...) -> LLM`, `LLM.generate`, `LLM.stream`.
 
-Loading helpers every front end shares (the CLI, the server, bench, eval): `default_model_path()`
-(`$CLOVER_MODEL`, else the bundled model), `check_device(device)` (a device this machine has),
+Loading helpers every front end shares (the CLI, the server, bench, eval): `model_path(given)` (a
+directory, or a model name resolved to its directory), `default_model_path()` (`$CLOVER_MODEL`, else
+the bundled model), `check_device(device)` (a device this machine has),
 `load(path, dtype=, device=, check_finite=)` and `LLM.default_mode` (the mode used when none is
 named)."""
 
@@ -24,6 +25,21 @@ from .tokenizer import Tokenizer
 
 BUNDLED_MODEL = Path(__file__).parent / "assets" / "clover-tiny"
 BUNDLED_DRAFTER = Path(__file__).parent / "assets" / "clover-tiny-dflash"  # the bundled model's DFlash drafter
+
+
+def model_path(given: str | os.PathLike) -> Path:
+    """What a user's model argument names: the directory itself when it exists, else the directory
+    of the named model (a name such as clover-smol, pulled into the user cache; FileNotFoundError
+    with the `clover pull` command when it is not there yet), else the path as given (for the caller
+    to report)."""
+    path = Path(given)
+    if not path.exists():
+        from .named import resolve_named
+
+        named = resolve_named(str(path))
+        if named is not None:
+            return named
+    return path
 
 
 def default_model_path() -> Path:
@@ -366,14 +382,9 @@ def load(path: str | os.PathLike | None = None, *, dtype: str | torch.dtype | No
     docs/benchmarks.md). `drafter` is a DFlash drafter directory for mode "dflash" (`clover.models.dflash`; refused with one line when it does not fit the model);
     the bundled model comes with its own (`BUNDLED_DRAFTER`)."""
     check_device(device)
-    path = Path(path) if path is not None else default_model_path()
+    path = model_path(path) if path is not None else default_model_path()
     if not path.exists():
-        from .named import resolve_named  # a name such as "clover-smol", pulled into the user cache
-
-        named = resolve_named(str(path))
-        if named is None:
-            raise FileNotFoundError(f"{path}: no such model directory (nor a model name: clover pull lists them)")
-        path = named
+        raise FileNotFoundError(f"{path}: no such model directory (nor a model name: clover pull lists them)")
     bundled = path.resolve() == BUNDLED_MODEL.resolve()
     dtype = parse_dtype(dtype)
     config = read_config(path) if path.is_dir() else None  # read once (load_model reports a missing one)

@@ -83,28 +83,20 @@ def add_model_arguments(p: argparse.ArgumentParser, *, positional: bool = False,
 def model_dir(args: argparse.Namespace) -> Path:
     """The model directory the user chose (a directory, or a model name such as clover-smol, pulled
     into the user cache), or the default one (raises FileNotFoundError)."""
+    from ..api import default_model_path, model_path
+
     given = getattr(args, "model_pos", None) or getattr(args, "model", None)
-    if given:
-        if not Path(given).exists():
-            from ..named import resolve_named
-
-            named = resolve_named(str(given))
-            if named is not None:
-                return named
-        return Path(given)
-    from ..api import default_model_path
-
-    return default_model_path()
+    return model_path(given) if given else default_model_path()
 
 
 def model_dir_or_tiny(args: argparse.Namespace) -> tuple[Path, str | None]:
     """The model the user chose, else the default one, else a tiny random checkpoint built once in
     build/demo-tiny (so `clover demo` and `clover bench` run before any model is trained). Returns
     (directory, a note when it is the tiny random one)."""
-    if getattr(args, "model", None):
-        return Path(args.model), None
-    from ..api import default_model_path
+    from ..api import default_model_path, model_path
 
+    if getattr(args, "model", None):
+        return model_path(args.model), None
     try:
         return default_model_path(), None
     except FileNotFoundError:
