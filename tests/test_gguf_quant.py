@@ -6,8 +6,9 @@ with clover's dequantized INT8/INT4 weights: Q8_0 bit for bit, Q4_1 within the f
 its block offset. Then token for token: a float model holding the GGUF's weights decodes greedily
 the same tokens as clover's own quantized engine (its exact fp32 path).
 
-Slow (CLOVER_SLOW=1 and a llama.cpp build): llama.cpp's greedy tokens on the same Q8_0 / Q4_1 file
-against clover's quantized engine on the bundled model.
+Slow (CLOVER_SLOW=1 and a llama.cpp build): llama.cpp on the same Q8_0 / Q4_1 file against clover's
+quantized engine on the bundled model (argmax per position, logits, greedy text; llama.cpp rounds
+the activations to 8 bits in these dot products, so not token for token: see the test).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from clover.models import read_config  # noqa: E402
 from clover.quant import quantize_checkpoint  # noqa: E402
 from clover.quant import ops  # noqa: E402
 from heldout import held_out_prompts  # noqa: E402
-from test_gguf import BUNDLED, read_gguf, to_clover  # noqa: E402
+from test_gguf import BUNDLED, probe, read_gguf, to_clover  # noqa: E402,F401  (probe: the llama.cpp fixture)
 
 QUANTIZED = ("self_attn.q_proj", "self_attn.o_proj", "linear_attn.in_proj_qkv", "linear_attn.in_proj_z",
              "linear_attn.out_proj", "mlp.experts", "mlp.shared_expert.down_proj")
@@ -221,3 +222,53 @@ def test_incomplete_quantized_weight_is_one_line(quantized, tmp_path):
     with pytest.raises(GGUFExportError, match="implies BF16"):
         export_gguf(bad, tmp_path / "x.gguf", progress=False)
     assert not list(tmp_path.glob("x.gguf*"))
+
+
+# ------------------------------------------------------------- slow: against llama.cpp itself
+@pytest.mark.slow
+@pytest.mark.parametrize("bits,group", [(8, None), (4, 32), (4, 64)])
+def test_llama_cpp_runs_the_quantized_file(probe, quantized, tmp_path, bits, group):
+    """llama.cpp on the Q8_0 / Q4_1 file against clover's quantized engine, the bundled model.
+
+    Not token for token: llama.cpp's Q8_0 / Q4_1 dot products quantize the activations to 8 bits
+    per block of 32, which moves the logits by up to ~10% of their scale (llama.cpp's own q8_0
+    export of the float model against that float model: 5/20 greedy identical, max |Δ| / scale
+    0.108; docs/gguf.md). What is checked: the next token agrees at nearly every position of a
+    held-out text, the logits stay within that activation-rounding level, and for INT4, whose
+    greedy text leaves the float model's on 15-17 of 20 prompts, llama.cpp's greedy text follows
+    clover's INT4 engine, not the float model (measured 10 and 16 of 20 prompts identical to the
+    engine at groups 32 and 64, 3 of 20 to the float model)."""
+    import clover
+    from clover.tokenizer import Tokenizer
+    from test_gguf import GREEDY_PROMPTS, GREEDY_TOKENS, LOGIT_TOKENS, llama_greedy, llama_logits
+    from heldout import held_out_text
+
+    qdir, path, _ = quantized[(bits, group)]
+    tok = Tokenizer.from_dir(BUNDLED)
+    text = held_out_text(tok, LOGIT_TOKENS)
+    engine, fp32 = clover.load(qdir, dtype="float32"), clover.load(BUNDLED, dtype="float32")
+    theirs = llama_logits(probe, path, text, tmp_path, engine.config.vocab_size)
+    with torch.no_grad():
+        ours = engine.model(torch.tensor([text]))[0].float().numpy()
+        float_logits = fp32.model(torch.tensor([text]))[0].float().numpy()
+
+    def rel(a, b):
+        return float((abs(a - b) / abs(b).max(axis=1, keepdims=True)).max())
+
+    prompts = [tok.encode(p) for p in held_out_prompts(GREEDY_PROMPTS)]
+    eos = engine.config.eos_token_ids
+    same = same_float = 0
+    for ids in prompts:
+        theirs_ids = llama_greedy(probe, path, ids, GREEDY_TOKENS, banned=eos)
+        for llm in (engine, fp32):
+            ours_ids = llm.generate(ids, mode="ar", max_new_tokens=GREEDY_TOKENS, ignore_eos=True, temperature=0.0).token_ids
+            if ours_ids == theirs_ids:
+                same, same_float = same + (llm is engine), same_float + (llm is fp32)
+    argmax = int((theirs.argmax(1) == ours.argmax(1)).sum())
+    stats = {"greedy_identical_to_engine": same, "to_float": same_float, "of": len(prompts),
+             "argmax": f"{argmax}/{len(text)}", "logits_vs_engine": rel(theirs, ours), "vs_float": rel(theirs, float_logits)}
+    print(f"\nint{bits} g{group}: {stats}")
+    assert argmax >= len(text) - 3, stats
+    assert stats["logits_vs_engine"] < 0.2, stats
+    if bits == 4:
+        assert same >= 2 * max(same_float, 2), stats
