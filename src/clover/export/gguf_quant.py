@@ -24,7 +24,7 @@ codes and their scales together; a block that would straddle two scales is refus
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -89,30 +89,32 @@ def block_type_fits(bits: int, group_size: int | None, k_out: int, column_chunk:
     return group_size % BLOCK == 0 and (column_chunk is None or column_chunk % BLOCK == 0)
 
 
-@dataclass
 class Rounding:
-    """What the float16 block fields changed, over an export."""
+    """What the float16 block fields changed, over an export: counts (Q8_0 rows and rows whose
+    scale was rounded; Q4_1 blocks, blocks whose m or d was rounded) and the largest changes."""
 
-    q8_rows: int = 0
-    q8_rows_rounded: int = 0
-    q8_max_rel: float = 0.0
-    q4_blocks: int = 0
-    q4_m_rounded: int = 0
-    q4_max_m_steps: float = 0.0  # |m16 - m| / d, in quantization steps
-    q4_d_rounded: int = 0
-    notes: list[str] = field(default_factory=list)
+    def __init__(self) -> None:
+        self.count = dict.fromkeys(("q8_rows", "q8_rounded", "q4_blocks", "q4_m_rounded", "q4_d_rounded"), 0)
+        self.largest = {"q8_relative": 0.0, "q4_m_steps": 0.0}  # q4: |m16 - m| / d, in quantization steps
+
+    def add(self, key: str, n: int) -> None:
+        self.count[key] += n
+
+    def at_least(self, key: str, value: float) -> None:
+        self.largest[key] = max(self.largest[key], value)
 
     def summary(self) -> list[str]:
+        c, big = self.count, self.largest
         out = []
-        if self.q8_rows_rounded:
-            out.append(f"q8_0: {self.q8_rows_rounded} of {self.q8_rows} row scales were not float16 values (a directory "
-                       f"quantized by an older clover) and were rounded to nearest float16 (largest relative change "
-                       f"{self.q8_max_rel:.1e}); quantize again for bit-equal weights")
-        if self.q4_m_rounded:
-            out.append(f"q4_1: m = zero - 8*scale rounded to float16 in {self.q4_m_rounded} of {self.q4_blocks} blocks "
-                       f"(largest change {self.q4_max_m_steps:.1e} of a quantization step)")
-        if self.q4_d_rounded:
-            out.append(f"q4_1: {self.q4_d_rounded} block scales outside float16's normal range were rounded")
+        if c["q8_rounded"]:
+            out.append(f"q8_0: {c['q8_rounded']} of {c['q8_rows']} row scales were not float16 values (quantized by an "
+                       f"older clover, or below float16's normal range) and were rounded to nearest float16 (largest "
+                       f"relative change {big['q8_relative']:.1e})")
+        if c["q4_m_rounded"]:
+            out.append(f"q4_1: m = zero - 8*scale rounded to float16 in {c['q4_m_rounded']} of {c['q4_blocks']} blocks "
+                       f"(largest change {big['q4_m_steps']:.1e} of a quantization step)")
+        if c["q4_d_rounded"]:
+            out.append(f"q4_1: {c['q4_d_rounded']} block scales outside float16's normal range were rounded")
         return out
 
 
@@ -137,10 +139,10 @@ def encode_q8_0(p: QuantPlanes, rounding: Rounding) -> np.ndarray:
     d = s.to(torch.float16)
     changed = d.float() != s
     per_row = p.shape[-1] // BLOCK
-    rounding.q8_rows += s.numel() // per_row
-    rounding.q8_rows_rounded += int(changed.sum()) // per_row
+    rounding.add("q8_rows", s.numel() // per_row)
+    rounding.add("q8_rounded", int(changed.sum()) // per_row)
     if bool(changed.any()):
-        rounding.q8_max_rel = max(rounding.q8_max_rel, float(((d.float() - s).abs() / s.abs()).max()))
+        rounding.at_least("q8_relative", float(((d.float() - s).abs() / s.abs()).max()))
     codes = _blocks(p.codes).to(torch.int8).numpy().view(np.uint8)
     out = np.concatenate([d.numpy().view(np.uint8).reshape(-1, 2), codes], axis=1)
     return out.reshape(*p.shape[:-1], per_row * Q8_0_BYTES)
@@ -154,12 +156,12 @@ def encode_q4_1(p: QuantPlanes, rounding: Rounding) -> np.ndarray:
     d = s.to(torch.float16)
     m_exact = z - 8.0 * s
     m = m_exact.to(torch.float16)
-    rounding.q4_blocks += s.numel()
-    rounding.q4_d_rounded += int((d.float() != s).sum())
+    rounding.add("q4_blocks", s.numel())
+    rounding.add("q4_d_rounded", int((d.float() != s).sum()))
     dm = (m.float() - m_exact).abs()
-    rounding.q4_m_rounded += int((dm > 0).sum())
+    rounding.add("q4_m_rounded", int((dm > 0).sum()))
     if bool((dm > 0).any()):
-        rounding.q4_max_m_steps = max(rounding.q4_max_m_steps, float((dm / s.abs().clamp_min(1e-30)).max()))
+        rounding.at_least("q4_m_steps", float((dm / s.abs().clamp_min(1e-30)).max()))
     q = _blocks(p.codes).to(torch.uint8)
     packed = (q[:, : BLOCK // 2] | (q[:, BLOCK // 2 :] << 4)).numpy()
     out = np.concatenate([d.numpy().view(np.uint8).reshape(-1, 2), m.numpy().view(np.uint8).reshape(-1, 2), packed], axis=1)
