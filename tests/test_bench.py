@@ -204,6 +204,17 @@ def test_bench_experts_ablation(tiny_dir, capsys):
     assert "| off |" in out and "| budget 2 (sum) |" in out and "| budget 2 (max) |" in out and "| ar |" in out
 
 
+def test_bench_experts_refuses_a_dense_model(tmp_path, capsys):
+    from clover import cli
+    from clover.tiny import build_tiny_checkpoint
+
+    for backbone in ("qwen3_5_text", "llama"):  # dense: no expert fields to share (Llama has none at all)
+        d = build_tiny_checkpoint(tmp_path / backbone, dense=True, backbone=backbone)
+        assert cli.main(["bench", "experts", "--model", str(d), "--prompts", "1", "--max-new-tokens", "4"]) == 2
+        err = capsys.readouterr().err.strip()
+        assert "\n" not in err and "block expert sharing needs a mixture-of-experts backbone" in err, err
+
+
 def test_sweep_policy_specs():
     from clover.bench.sweep import configurations, parse_policy
 

@@ -30,6 +30,8 @@ def run_experts(llm, work: Workload = Workload(), *, progress: Callable[[str], N
     c = llm.config
     if c.mask_token_id is None:
         raise ValueError("this is a plain AR checkpoint (no mask token): block expert sharing applies to diffusion")
+    if not c.has_experts:
+        raise ValueError("this model's MLP is dense: block expert sharing needs a mixture-of-experts backbone")
     items = work.load()
     configs = [{"label": "ar", "mode": "ar", "expert_budget": None, "expert_rank": "sum"}]
     for m in budgets(c.num_experts_per_tok, c.num_experts):
