@@ -294,13 +294,53 @@ def test_qwen35moe_ar_checkpoint_and_errors(tmp_path):
 # ----------------------------------------------------------------------------- llama.cpp (slow)
 LLAMA_CACHE = Path(os.environ.get("CLOVER_LLAMA_CPP", Path.home() / ".cache" / "clover" / "llama.cpp"))
 PROBE = LLAMA_CACHE / "bin" / "clover-llama-probe"
-SMOL_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def dequantized_copy(src: Path, dst: Path) -> Path:
+    """`src` with every tensor stored as the F32 values the `gguf` package dequantizes it to (the
+    weights import-gguf reads), the metadata unchanged: llama.cpp then computes in float32 too."""
+    r = gguf.GGUFReader(str(src))
+    w = gguf.GGUFWriter(str(dst), r.fields["general.architecture"].contents())
+    for k, f in r.fields.items():
+        if k.startswith("GGUF.") or k in ("general.architecture", "general.file_type", "general.quantization_version"):
+            continue
+        kind = f.types[0]
+        w.add_key_value(k, f.contents(), kind, f.types[-1] if kind == gguf.GGUFValueType.ARRAY else None)
+    w.add_file_type(gguf.LlamaFileType.ALL_F32)
+    for t in r.tensors:
+        a = gguf.quants.dequantize(np.asarray(t.data), t.tensor_type)
+        w.add_tensor(t.name, np.asarray(a, dtype=np.float32).reshape([int(x) for x in reversed(t.shape)]), raw_dtype=T.F32)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return dst
+
+
+def _probe_greedy(path: Path, ids: list[int], n: int, banned: list[int]) -> list[int]:
+    r = subprocess.run([str(PROBE), str(path), "greedy", str(n), *map(str, banned)], input=" ".join(map(str, ids)).encode(),
+                       capture_output=True, timeout=600, env={**os.environ, "CLOVER_PROBE_THREADS": "1"})
+    assert r.returncode == 0, r.stderr.decode()[-500:]
+    return [int(x) for x in r.stdout.split()]
+
+
+def _probe_logits(path: Path, ids: list[int], out: Path) -> np.ndarray:
+    r = subprocess.run([str(PROBE), str(path), "logits", str(out)], input=" ".join(map(str, ids)).encode(),
+                       capture_output=True, timeout=600, env={**os.environ, "CLOVER_PROBE_THREADS": "1"})
+    assert r.returncode == 0, r.stderr.decode()[-500:]
+    return np.fromfile(out, dtype=np.float32).reshape(len(ids), -1)
 
 
 @pytest.mark.slow
 def test_llama_cpp_agrees_on_smollm2(tmp_path):
-    """clover's AR greedy continuation of 32 tokens equals llama.cpp's on >= 90% of held-out prompts,
-    and the next-token logits agree, on the same Q4_1 file."""
+    """SmolLM2-135M-Instruct's Q4_1 GGUF, imported, against llama.cpp on 20 held-out chat prompts.
+
+    Same weights, same arithmetic: on an F32 GGUF holding exactly the weights the import reads,
+    clover's AR greedy continuation of 32 tokens equals llama.cpp's on >= 90% of prompts and the
+    logits agree at every position of 5 prompts (argmax everywhere, |diff| < 0.1 on logits of mean
+    magnitude ~7). On the Q4_1 file itself llama.cpp also quantizes the activations to 8 bits for
+    each Q4_1 product, so the logits differ by more (measured: mean |diff| 0.23, 7 of 20 greedy
+    continuations identical); there the next-token argmax agrees at >= 95% of positions."""
     from clover.data.instructions import instructions
     from clover.named import smol_gguf
 
@@ -312,23 +352,23 @@ def test_llama_cpp_agrees_on_smollm2(tmp_path):
         pytest.skip(f"SmolLM2 GGUF not available: {e}")
     import_gguf(src, tmp_path / "smol", progress=False)
     llm = clover.load(tmp_path / "smol")
+    f32 = dequantized_copy(src, tmp_path / "smol-f32.gguf")
     prompts = [llm.tokenizer.apply_chat_template([{"role": "user", "content": m}]) for m in instructions("heldout", 20)]
-    same = 0
-    for ids in prompts:
-        ours = llm.generate(ids, mode="ar", max_new_tokens=32, ignore_eos=True).token_ids
-        r = subprocess.run([str(PROBE), str(src), "greedy", str(32), *map(str, llm.config.eos_token_ids)],
-                           input=" ".join(map(str, ids)).encode(), capture_output=True, timeout=600)
-        assert r.returncode == 0, r.stderr.decode()[-500:]
-        same += [int(x) for x in r.stdout.split()] == ours
-    out = tmp_path / "logits.bin"
-    ids = prompts[0]
-    r = subprocess.run([str(PROBE), str(src), "logits", str(out)], input=" ".join(map(str, ids)).encode(),
-                       capture_output=True, timeout=600)
-    assert r.returncode == 0, r.stderr.decode()[-500:]
-    theirs = np.fromfile(out, dtype=np.float32).reshape(len(ids), -1)
-    with torch.no_grad():
-        mine = llm.model(torch.tensor([ids]))[0].numpy()
-    print(f"greedy agreement {same}/{len(prompts)}; max |logit diff| {np.abs(theirs - mine).max():.4f}")
-    assert same >= 0.9 * len(prompts)
-    assert (theirs.argmax(-1) == mine.argmax(-1)).mean() >= 0.95
-    assert np.abs(theirs - mine).max() < 0.5
+    banned = list(llm.config.eos_token_ids)
+    ours = [llm.generate(ids, mode="ar", max_new_tokens=32, ignore_eos=True).token_ids for ids in prompts]
+    same = {name: sum(_probe_greedy(path, ids, 32, banned) == mine for ids, mine in zip(prompts, ours))
+            for name, path in (("f32", f32), ("q4_1", src))}
+    diff, agree = {"f32": [], "q4_1": []}, {"f32": [], "q4_1": []}
+    for ids in prompts[:5]:
+        with torch.no_grad():
+            mine = llm.model(torch.tensor([ids]))[0].numpy()
+        for name, path in (("f32", f32), ("q4_1", src)):
+            theirs = _probe_logits(path, ids, tmp_path / "logits.bin")
+            diff[name].append(np.abs(theirs - mine).max())
+            agree[name].append((theirs.argmax(-1) == mine.argmax(-1)).mean())
+    print(f"greedy 32 tokens identical: f32 {same['f32']}/20, q4_1 {same['q4_1']}/20; max |logit diff| "
+          f"f32 {max(diff['f32']):.4f}, q4_1 {max(diff['q4_1']):.4f}; argmax agreement "
+          f"f32 {np.mean(agree['f32']):.3f}, q4_1 {np.mean(agree['q4_1']):.3f}")
+    assert same["f32"] >= 0.9 * len(prompts)
+    assert max(diff["f32"]) < 0.1 and min(agree["f32"]) == 1.0
+    assert np.mean(agree["q4_1"]) >= 0.95
