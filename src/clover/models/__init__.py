@@ -3,9 +3,10 @@
 Each architecture is one module: its arguments dataclass (a `clover.config.CloverConfig` subclass
 with its keys, defaults and checks), its model class (its layers, `make_cache`, its checkpoint
 `key_layout`) and `ARCHITECTURE` (`registry.Architecture`: also its GGUF and vLLM names).
-Registering one is adding its module's name to `ARCHITECTURE_MODULES` below. `config_from_dict` / `read_config` read a config.json as the
-class of its architecture (a multimodal wrapper through its `text_config`, a Clover file through its
-`backbone`); `model_class`, `build_model`, `key_layout` and `parameter_counts` build on it.
+Registering one is adding its module's name to `ARCHITECTURE_MODULES` below. `config_from_dict` /
+`read_config` read a config.json as the class of its architecture (a multimodal wrapper through its
+`text_config`, a Clover file through its `backbone`); `model_class`, `build_model`, `key_layout` and
+`parameter_counts` build on it.
 """
 
 from __future__ import annotations
