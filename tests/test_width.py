@@ -23,11 +23,13 @@ def llm(tiny_dir):
 
 
 def flat_curve(cheap: set[int], positions=range(1, 129), batches=(1,)) -> W.CostCurve:
-    """Denoise forwards that cost 1 at the positions in `cheap` and 100 elsewhere."""
+    """Denoise forwards that cost 1 at the positions in `cheap` and 100 elsewhere; the AR step
+    (a commit of 1) costs 1 when 1 is in `cheap`, else 100."""
     c = W.CostCurve()
     for b in batches:
         for p in positions:
             c.add("denoise", b, p, 1.0 if p in cheap else 100.0)
+        c.add("commit", b, 1, 1.0 if 1 in cheap else 100.0)
     return c
 
 
@@ -68,8 +70,8 @@ def test_curve_cached_per_model_and_machine(llm, cache_home):
 
 
 def test_calibration_when_nothing_is_cached(llm, cache_home):
-    curve = W.curve_for(llm.model, (4, 8))
-    assert set(curve.seconds_by["denoise"][1]) == {4, 8, 16}
+    curve = W.curve_for(llm.model, (1, 4, 8))
+    assert set(curve.seconds_by["denoise"][1]) == {4, 8, 16} and set(curve.seconds_by["commit"][1]) == {1}
     assert W.load_curve(llm.model) is not None  # cached for the next time
 
 
@@ -98,8 +100,9 @@ def test_priors_and_trained_widths(llm):
     assert W.trained_widths(cfg.replace(block_sizes=None)) == (cfg.block_size,)
 
 
-@pytest.mark.parametrize("width", [4, 8, 16])
+@pytest.mark.parametrize("width", [1, 4, 8, 16])
 def test_auto_equals_the_fixed_width_it_chose(llm, monkeypatch, width):
+    """Width 1 is the AR step: auto's tokens, block 1's and AR's are the same."""
     monkeypatch.setattr(W, "curve_for", lambda model, widths: flat_curve({width, 2 * width}, batches=(1, 3)))
     prompts = ["abc", "hello world", "def f(x):"]
     kw = dict(max_new_tokens=40, ignore_eos=True)
@@ -108,9 +111,25 @@ def test_auto_equals_the_fixed_width_it_chose(llm, monkeypatch, width):
         fixed = llm.generate(p, mode="diffusion", block_size=width, **kw)
         assert auto.token_ids == fixed.token_ids
         assert auto.stats.block_widths and set(auto.stats.block_widths) == {width}
+        if width == 1:
+            assert auto.token_ids == llm.generate(p, mode="ar", **kw).token_ids
+            assert auto.stats.forwards == len(auto.token_ids)  # one AR step per token, no denoise forward
     batch = llm.generate(prompts, mode="diffusion", block_size="auto", **kw)
     alone = [llm.generate(p, mode="diffusion", block_size=width, **kw) for p in prompts]
     assert [g.token_ids for g in batch] == [g.token_ids for g in alone]
+
+
+def test_auto_narrows_to_ar_as_the_batch_grows(llm):
+    """A denoise forward that costs what the AR step does at batch 1 and grows with the positions
+    under batch: one row decodes wide, a batch of 8 rows at width 1 (the AR step)."""
+    c = W.CostCurve()
+    for b in (1, 8):
+        for p in (1, 2, 4, 8, 16, 32):
+            c.add("denoise", b, p, 1.0 if b == 1 else float(p))
+        c.add("commit", b, 1, 1.0)
+    pol = W.WidthPolicy((1, 4, 8), {1: 1.0, 4: 2.0, 8: 2.5}, c)
+    assert pol.choose([(1.0, 100)]).width == 8
+    assert pol.choose([(1.0, 100)] * 8).width == 1
 
 
 def test_auto_changes_width_between_blocks_and_reports_why(llm, monkeypatch):

@@ -21,7 +21,9 @@ finished block, or nothing) plus its current block, so rows can join or leave at
 `block_size="auto"` (`clover.decoding.width`): whenever every row stands at a block boundary (a fresh,
 all-masked block), the engine picks the trained width with the most expected tokens per second for
 the rows it holds (their tokens per forward so far against the model's prior, over the measured
-cost of a forward at that width); every block is then decoded exactly as at that fixed width. Rows
+cost of a forward at that width), or width 1 when the AR step wins; every block is then decoded
+exactly as at that fixed width. A block of width 1 is the AR step: its one position is predicted by
+the commit part (the last committed position), so no block is denoised and its tokens are AR's. Rows
 that ride together share one width, so with rows at different points of their blocks the width
 holds until they meet a boundary together. `choices` keeps each decision and why.
 
@@ -187,15 +189,17 @@ class DiffusionEngine(BatchEngine):
         need = torch.zeros(len(rows), Bs, dtype=torch.bool, device=self.device)
         for i, r in enumerate(rows):
             need[i, : Bs - 1] = self._candidates(r)[1:]
+        # a block of one position is predicted by the commit part alone (the AR step): nothing to denoise
+        ar_step = Bs == 1 and has_commit and all(commit_src)
         out = self.model.step(
             cache,
             commit_ids=commit_ids,
             n_commit=n_commit,
-            denoise_ids=torch.stack([r.state.blk for r in rows]),
+            denoise_ids=None if ar_step else torch.stack([r.state.blk for r in rows]),
             expert_budget=self.expert_budget,
             expert_rank=self.expert_rank,
             track_experts=True,
-            denoise_need=need,
+            denoise_need=None if ar_step else need,
         )
         events: list[DecodeEvent] = []
         for i, r in enumerate(rows):
@@ -203,7 +207,8 @@ class DiffusionEngine(BatchEngine):
                 r.state.first_logits = out.commit_logits[i]
                 r.state.pending = []
             # position 0 from the commit part, position j >= 1 from block position j-1
-            logits = torch.cat([r.state.first_logits[None], out.denoise_logits[i, : Bs - 1]], dim=0)
+            logits = r.state.first_logits[None] if Bs == 1 else torch.cat(
+                [r.state.first_logits[None], out.denoise_logits[i, : Bs - 1]], dim=0)
             r.forwards += 1
             if self.width_policy is not None:
                 r.state.expected_gain += self.width_policy.prior[Bs] - 1.0

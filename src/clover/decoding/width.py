@@ -22,6 +22,10 @@ block boundary, the trained width `w` that maximises the expected tokens per sec
   committed beyond one per forward, against what the prior expected; 8 forwards' worth of prior);
 - `cost(w)`: the curve's denoise forward at w positions, the block-commit forwards (once per block)
   counted as a denoise forward of 2w positions.
+Width 1 is among the choices: a block of one position is the AR step (its token is predicted by the
+commit part, so it is AR's token), at one token per forward and the cost of the commit forward of
+one position. So when the AR step wins (a compiled forward, a batch large enough for the denoise
+forward to turn compute-bound), auto decodes as AR.
 The choice depends only on the committed tokens and the cost table, so a run with a given table is
 reproducible; `WidthChoice` records each decision and why (the expected tokens/s per width).
 """
@@ -42,6 +46,7 @@ from ..paths import user_cache
 KINDS = ("commit", "denoise", "verify")
 POSITIONS = (1, 2, 4, 8, 16, 32, 64)
 SCHEMA = "clover.cost/1"
+AR_WIDTH = 1  # the width-1 block: the AR step (block_size="auto" may choose it)
 AUTO_MAX_WIDTH = 64  # block_size="auto" picks among the trained widths up to this (the context it reserves)
 PRIOR_PSEUDO_FORWARDS = 8.0  # how many forwards' worth of evidence the prior tokens-per-forward carries
 
@@ -239,14 +244,16 @@ def measure_curve(model, *, kinds=KINDS, batches=(1,), positions=POSITIONS, repe
 
 
 def curve_for(model, widths, kind: str = "denoise") -> CostCurve:
-    """The cached curve when it covers `kind`; else a quick calibration (the denoise forward at each
-    width and twice it, or the verify forward at each width; batch 1, 3 timed forwards each), cached
-    for the next time."""
+    """The cached curve when it covers `kind` (and, for the denoise kind, the AR step); else a quick
+    calibration (the denoise forward at each width and twice it plus the AR step, or the verify
+    forward at each width; batch 1, 3 timed forwards each), cached for the next time."""
     curve = load_curve(model)
-    if curve is not None and curve.has(kind):
+    if curve is not None and curve.has(kind) and (kind != "denoise" or curve.has("commit")):
         return curve
-    pts = sorted({p for w in widths for p in ((w, 2 * w) if kind == "denoise" else (w,))})
+    pts = sorted({p for w in widths if w > AR_WIDTH for p in ((w, 2 * w) if kind == "denoise" else (w,))})
     fresh = measure_curve(model, kinds=(kind,), batches=(1,), positions=pts, repeat=3)
+    if kind == "denoise":
+        fresh.add("commit", 1, 1, statistics.median(time_forward(model, "commit", 1, 1, repeat=3)))
     try:
         save_curve(model, fresh)
     except OSError:  # a read-only cache: the choice still works for this process
@@ -296,13 +303,16 @@ class WidthPolicy:
 
     @classmethod
     def for_model(cls, model, curve: CostCurve | None = None) -> "WidthPolicy":
-        widths = trained_widths(model.config)
-        return cls(widths, prior_tokens_per_forward(model.config, widths), curve or curve_for(model, widths))
+        """The trained widths and the AR step (width 1), the model's prior, the measured curve."""
+        widths = (AR_WIDTH,) + tuple(w for w in trained_widths(model.config) if w > AR_WIDTH)
+        prior = prior_tokens_per_forward(model.config, widths) | {AR_WIDTH: 1.0}
+        return cls(widths, prior, curve or curve_for(model, widths))
 
     def row_scale(self, tokens: int, forwards: int, expected_gain: float) -> float:
         """s_row: the row's observed gain over one token per forward against the prior's."""
         k = PRIOR_PSEUDO_FORWARDS
-        mean_gain = sum(p - 1 for p in self.prior.values()) / len(self.prior)
+        gains = [p - 1 for w, p in self.prior.items() if w > AR_WIDTH] or [0.0]
+        mean_gain = sum(gains) / len(gains)
         return max(0.0, (k * mean_gain + (tokens - forwards)) / (k * mean_gain + expected_gain)) if (
             k * mean_gain + expected_gain) > 0 else 1.0
 
@@ -310,6 +320,8 @@ class WidthPolicy:
         return max(1.0, min(float(w), float(max(remaining, 1)), 1.0 + scale * (self.prior[w] - 1.0)))
 
     def forward_seconds(self, w: int, batch: int, tpf: float) -> float:
+        if w == AR_WIDTH and self.curve.has("commit"):
+            return self.curve.seconds("commit", batch, 1)  # the AR step
         blocks_per_forward = min(1.0, tpf / w)
         return ((1 - blocks_per_forward) * self.curve.seconds("denoise", batch, w)
                 + blocks_per_forward * self.curve.seconds("denoise", batch, 2 * w))
