@@ -11,7 +11,7 @@ import torch
 import clover
 from clover.decoding import mode_names
 from clover.models.compile import compile_model, is_compiled
-from clover.models.static import CAPACITY_QUANTUM
+from clover.models.static import CAPACITY_QUANTUM, batch_buckets, load_shapes
 
 
 def _identity_compile(monkeypatch, seen=None):
@@ -67,6 +67,7 @@ def test_static_cache_capacity_is_rounded(tiny_dir, monkeypatch):
     llm = clover.load(tiny_dir, compile=True)
     assert llm.model.make_cache(2, 37).capacity == CAPACITY_QUANTUM
     assert llm.model.make_cache(1, CAPACITY_QUANTUM + 1).capacity == 2 * CAPACITY_QUANTUM
+    assert llm.model.make_cache(1, 3 * CAPACITY_QUANTUM + 1).capacity == 4 * CAPACITY_QUANTUM  # powers of two
     assert clover.load(tiny_dir).model.make_cache(2, 37).capacity == 37
 
 
@@ -82,6 +83,50 @@ def test_warm_compiles_one_shape_ahead(tiny_dir, monkeypatch):
     assert not +steps.calls
     with pytest.raises(ValueError, match="kind"):
         steps.warm("prefill", 1, 4, CAPACITY_QUANTUM)
+
+
+def test_load_compiles_a_bounded_set_then_freezes(tiny_dir, monkeypatch):
+    """`clover.load(compile=True)` warms `load_shapes` (batch sizes in powers of two, the model's
+    block size) and freezes; a batch between two compiled sizes runs on the larger graph with
+    dummy rows, giving eager's tokens in every mode."""
+    _identity_compile(monkeypatch)
+    warmed = []
+    from clover.models.static import StaticSteps
+
+    real_warm = StaticSteps.warm
+    monkeypatch.setattr(StaticSteps, "warm", lambda self, *a, **k: warmed.append(a) or real_warm(self, *a, **k))
+    llm = clover.load(tiny_dir, compile=True, compile_batch=5)
+    steps = llm.model.static_steps
+    assert steps.frozen and steps.batches == batch_buckets(5) == (1, 2, 4)
+    w = llm.config.block_size
+    assert len(warmed) == len(load_shapes(llm.config, batches=(1, 2, 4))) and ("denoise", 4, w, 512) in warmed
+    assert {a[0] for a in warmed} == {"ar", "denoise", "commit+denoise", "verify"} and not +steps.calls
+    eager = clover.load(tiny_dir)
+    prompts = ["def f(x):", "ab", "a longer prompt of a few words"]  # 3 rows: the graphs of 4
+    for mode in filter(eager.mode_available, mode_names()):
+        kw = dict(mode=mode, max_new_tokens=w + 6, ignore_eos=True)  # a second block: a commit+denoise step
+        for a, b in zip(eager.generate(prompts, **kw), llm.generate(prompts, **kw)):
+            assert a.token_ids == b.token_ids and a.finish_reason == b.finish_reason, mode
+    assert steps.calls["padded"] and steps.calls["commit+denoise"] and steps.calls["verify"], steps.calls
+
+
+@pytest.mark.slow
+def test_frozen_steps_never_compile_a_new_shape(tiny_dir):
+    """After `warm_all` a shape without a graph runs eagerly (dynamo's "fail_on_recompile" stance)
+    instead of compiling: same tokens, counted as eager."""
+    torch.set_num_threads(1)
+    eager = clover.load(tiny_dir)
+    llm = clover.load(tiny_dir)
+    compile_model(llm.model, backend="eager")  # dynamo's tracing without inductor: seconds
+    steps = llm.model.static_steps
+    steps.warm_all([("ar", 1, 1, CAPACITY_QUANTUM, False)], progress=False)
+    kw = dict(max_new_tokens=10, ignore_eos=True)
+    assert llm.generate("def f(x):", mode="ar", **kw).token_ids == eager.generate("def f(x):", mode="ar", **kw).token_ids
+    assert steps.calls["ar"] and not steps.calls["eager"]
+    kw["block_size"] = 4
+    got = llm.generate("def f(x):", mode="diffusion", **kw)  # denoise / commit+denoise: no graph
+    assert got.token_ids == eager.generate("def f(x):", mode="diffusion", **kw).token_ids
+    assert steps.calls["eager"] and not steps.calls["denoise"] and not steps.calls["commit+denoise"]
 
 
 @pytest.mark.slow

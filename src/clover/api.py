@@ -369,7 +369,8 @@ def _cpu_compute_dtype(path: Path, config) -> torch.dtype | None:
 
 
 def load(path: str | os.PathLike | None = None, *, dtype: str | torch.dtype | None = None, device: str | None = None,
-         check_finite: bool | None = None, compile: bool | str = False, drafter: str | os.PathLike | None = None) -> LLM:
+         check_finite: bool | None = None, compile: bool | str = False, drafter: str | os.PathLike | None = None,
+         compile_batch: int = 1) -> LLM:
     """Load a model directory (config.json + safetensors + tokenizer). None = `default_model_path()`.
 
     `device` is checked first (`check_device`); a missing directory is a FileNotFoundError.
@@ -377,8 +378,10 @@ def load(path: str | os.PathLike | None = None, *, dtype: str | torch.dtype | No
     checkpoint on a CPU without native half matmuls (`clover.precision`) load in float32 when that
     fits in half the available memory. `check_finite` (default: on, or what an enclosing `checkpoint.finite_check(...)` says) scans
     every weight for NaN/Inf; False loads them as they are. `compile=True` (or "static") torch.compiles
-    the AR, denoise and block-commit steps whole over static shapes (`clover.models.compile`; opt-in:
-    each new batch size or cache size compiles for tens of seconds on a CPU; figures in
+    the AR, denoise, block-commit and verify steps whole over static shapes (`clover.models.compile`),
+    a bounded set compiled here with a progress bar (`clover.models.static.load_shapes`: the model's
+    block size, batch sizes in powers of two up to `compile_batch`, cache capacities up to 512);
+    any other shape then runs eagerly, so no request waits on a compile (figures in
     docs/benchmarks.md). `drafter` is a DFlash drafter directory for mode "dflash" (`clover.models.dflash`; refused with one line when it does not fit the model);
     the bundled model comes with its own (`BUNDLED_DRAFTER`)."""
     check_device(device)
@@ -398,6 +401,9 @@ def load(path: str | os.PathLike | None = None, *, dtype: str | torch.dtype | No
         from .models.compile import compile_model
 
         compile_model(model, mode="static" if compile is True else compile)
+        from .models.static import batch_buckets, load_shapes
+
+        model.static_steps.warm_all(load_shapes(model.config, batches=batch_buckets(compile_batch)))
     tokenizer = Tokenizer.from_dir(
         path,
         eos_token_id=model.config.eos_token_ids[0] if model.config.eos_token_ids else None,

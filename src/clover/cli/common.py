@@ -71,8 +71,9 @@ def add_model_arguments(p: argparse.ArgumentParser, *, positional: bool = False,
     p.add_argument("--device", help="torch device, e.g. cpu, cuda, cuda:1 (default: cpu)")
     p.add_argument("--dtype", choices=DTYPE_CHOICES, help="weight dtype (default: the checkpoint's)")
     p.add_argument("--compile", action="store_const", const="static", default=False,
-                   help="torch.compile the AR, denoise and block-commit steps whole over static shapes "
-                        "(tens of seconds per new batch size or cache size on a CPU, then faster steps)")
+                   help="torch.compile the AR, denoise, block-commit and verify steps whole over static shapes: "
+                        "a bounded set at load (the model's block size, batch sizes in powers of two, cache "
+                        "sizes up to 512; minutes on a CPU, with a progress bar), other shapes run eagerly")
     if weights:
         p.add_argument("--drafter", metavar="DIR",
                        help="a DFlash drafter directory for --mode dflash (default: the bundled model's own)")
@@ -134,7 +135,7 @@ def load_llm(args: argparse.Namespace, path: Path | None = None):
     try:
         return api.load(path, dtype=getattr(args, "dtype", None), device=device,
                         check_finite=getattr(args, "check_finite", True), compile=getattr(args, "compile", False),
-                        drafter=getattr(args, "drafter", None))
+                        drafter=getattr(args, "drafter", None), compile_batch=getattr(args, "max_batch", 1))
     except DrafterMismatch as e:
         raise UsageError(f"--{e}") from None
     except (CheckpointError, ConfigError, FileNotFoundError, UsageError):

@@ -298,9 +298,12 @@ class BatchEngine:
     def _capacity(self, row: RowState) -> int:
         return len(row.prompt) + row.params.max_new_tokens + 1
 
+    @torch.inference_mode()
     def add(self, row: RowState) -> list[DecodeEvent]:
         """Admit a row; its prompt is committed with the next forward. A row with nothing to
-        generate finishes at once."""
+        generate finishes at once. The cache is made in inference mode, as every step runs (so a
+        compiled step sees the same kind of tensors whether the cache was made here or grown,
+        joined or cut inside a step)."""
         if row.params.max_new_tokens == 0:
             row._finish("length")
             return [DecodeEvent("finish", -1, [], [], row_state=row)]
@@ -320,6 +323,7 @@ class BatchEngine:
         sampler = Sampler(row.params, row.eos_ids, make_generator(row.params.seed, self.device))
         row.state = self.row_type(sampler=sampler, pending=list(row.prompt))
 
+    @torch.inference_mode()
     def cancel(self, row: RowState, reason: str = "abort") -> None:
         """Finish a row now (e.g. its client went away) and release its cache slot."""
         row.cancel(reason)

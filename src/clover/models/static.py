@@ -23,8 +23,15 @@ every forward of a model with quantized experts (`unsupported_reason`). A specul
 re-runs the recurrence over the kept tokens eagerly (`HybridCache.rollback`). A graph is built per
 (forward kind, batch size, block width, cache capacity, ragged commit or not, expert budget);
 `warm` compiles one ahead of use. To keep requests of different lengths on one graph,
-`make_cache` rounds the capacity up to a multiple of `CAPACITY_QUANTUM`; past `RECOMPILE_LIMIT`
-graphs, new shapes run eagerly (one warning). Results equal the eager step up to floating-point
+`make_cache` rounds the capacity up to a power of two of at least `CAPACITY_QUANTUM` (the cache
+grows by doubling, so it stays on those sizes); past `RECOMPILE_LIMIT` graphs, new shapes run
+eagerly (one warning).
+
+`clover.load(compile=True)` and `clover serve --compile` compile a bounded set at load
+(`load_shapes`: the AR step and, at the model's block size, the denoise, commit+denoise and verify
+forwards, for batch sizes in powers of two and the capacities in `LOAD_CAPACITIES`), with a
+progress bar (`warm_all`), and then freeze: a shape outside the set runs eagerly instead of
+compiling, so no request waits on a compile. Results equal the eager step up to floating-point
 reassociation (tests compare generated tokens); compile times and speed-ups are in
 docs/benchmarks.md.
 """
@@ -32,12 +39,14 @@ docs/benchmarks.md.
 from __future__ import annotations
 
 import functools
+import sys
 import warnings
 from collections import Counter
 
 import torch
 
 CAPACITY_QUANTUM = 256
+LOAD_CAPACITIES = (256, 512)  # cache capacities compiled at load: prompt + max_new_tokens + 2 blocks up to 512
 RECOMPILE_LIMIT = 64
 KINDS = ("ar", "denoise", "commit+denoise", "verify")
 
@@ -53,7 +62,36 @@ def unsupported_reason(model) -> str | None:
 
 
 def round_capacity(capacity: int) -> int:
-    return -(-int(capacity) // CAPACITY_QUANTUM) * CAPACITY_QUANTUM
+    """The power of two at least `capacity` and `CAPACITY_QUANTUM`."""
+    return max(CAPACITY_QUANTUM, 1 << max(0, int(capacity) - 1).bit_length())
+
+
+def load_shapes(config, *, batches=(1,), capacities=LOAD_CAPACITIES) -> list[tuple]:
+    """The graphs compiled at load, as `StaticSteps.warm` arguments (kind, batch, width, capacity,
+    ragged): the AR step and, for a model with a mask token, the denoise, commit+denoise and verify
+    forwards at its block size (the diffusion block and speculative draft), at every batch size in
+    `batches` (rows committing fewer tokens than the block, ragged, only occur at batch > 1) and
+    every capacity in `capacities`."""
+    shapes = []
+    w = int(config.block_size) if config.mask_token_id is not None else None
+    for b in batches:
+        for cap in capacities:
+            shapes.append(("ar", b, 1, cap, False))
+            if w is None:
+                continue
+            shapes += [("denoise", b, w, cap, False), ("commit+denoise", b, w, cap, False), ("verify", b, w, cap, False)]
+            if b > 1:
+                shapes += [("commit+denoise", b, w, cap, True), ("verify", b, w, cap, True)]
+    return shapes
+
+
+def batch_buckets(max_batch: int) -> tuple[int, ...]:
+    """The batch sizes compiled at load for up to `max_batch` rows: the powers of two up to it."""
+    out, b = [], 1
+    while b <= max(1, int(max_batch)):
+        out.append(b)
+        b *= 2
+    return tuple(out)
 
 
 def step_kind(commit_ids, n_commit, denoise_ids, *, all_logits: bool, record: bool) -> str | None:
@@ -95,8 +133,10 @@ class StaticSteps:
         self.model = model
         model.model.rotary_emb.inv_freq(model.device)  # cached outside the graph
         self._forward = compile_static(functools.partial(model.forward_step, static=True), model.device, backend)
-        self.calls: Counter = Counter()  # forwards served per kind (and "eager": past the graph limit)
+        self.calls: Counter = Counter()  # forwards served per kind (and "eager": past the graph limit, or frozen)
         self.limit_hit = False
+        self.frozen = False  # after `warm_all`: a shape without a graph runs eagerly, never compiles
+        self.batches: tuple[int, ...] = ()  # the batch sizes `warm_all` compiled (a batch between them is padded)
 
     def run(self, commit_ids, n_commit, denoise_ids, lengths: torch.Tensor, states: list, *, expert_budget,
             expert_rank: str, all_logits: bool, record: bool, hidden_out: dict | None = None):
@@ -107,9 +147,28 @@ class StaticSteps:
         kind = step_kind(commit_ids, n_commit, denoise_ids, all_logits=all_logits, record=record)
         if kind is None:
             return None
+        B = lengths.shape[0]
+        b = min((x for x in self.batches if x >= B), default=B) if self.frozen else B
+        if b != B:
+            return self._run_padded(b, commit_ids, n_commit, denoise_ids, lengths, states, expert_budget=expert_budget,
+                                    expert_rank=expert_rank, all_logits=all_logits, record=record,
+                                    hidden_out=hidden_out)
         try:
-            out = self._forward(commit_ids, n_commit, denoise_ids, lengths, states, expert_budget=expert_budget,
-                                expert_rank=expert_rank, all_logits=all_logits, record=record, hidden_out=hidden_out)
+            if self.frozen:
+                with torch.compiler.set_stance("fail_on_recompile"):
+                    out = self._forward(commit_ids, n_commit, denoise_ids, lengths, states, expert_budget=expert_budget,
+                                        expert_rank=expert_rank, all_logits=all_logits, record=record,
+                                        hidden_out=hidden_out)
+            else:
+                out = self._forward(commit_ids, n_commit, denoise_ids, lengths, states, expert_budget=expert_budget,
+                                    expert_rank=expert_rank, all_logits=all_logits, record=record, hidden_out=hidden_out)
+        except RuntimeError as e:
+            # frozen and no graph of this shape (dynamo's "fail_on_recompile" stance): raised before
+            # anything ran, so the step runs eagerly
+            if not (self.frozen and "fail_on_recompile" in str(e)):
+                raise
+            self.calls["eager"] += 1
+            return None
         except torch._dynamo.exc.FailOnRecompileLimitHit:
             # more shapes than RECOMPILE_LIMIT graphs: raised while compiling, before the graph runs
             # (nothing was written to the cache), so this call and later new shapes run eagerly
@@ -122,6 +181,35 @@ class StaticSteps:
         self.calls[kind] += 1
         return out
 
+    def _run_padded(self, b: int, commit_ids, n_commit, denoise_ids, lengths, states, **kw):
+        """A step of B rows on the graph of `b` > B rows (frozen: the batch sizes compiled are powers
+        of two): b - B dummy rows at length 0 are appended to the inputs and to copies of the cache's
+        tensors, the graph runs on those, and the first B rows of the tensors it updated and of its
+        outputs are kept (the experts-touched count includes the dummy rows)."""
+        B = lengths.shape[0]
+        self.calls["padded"] += 1
+
+        def pad(t, fill=0):
+            return None if t is None else torch.cat([t, t.new_full((b - B,) + tuple(t.shape[1:]), fill)])
+
+        if n_commit is not None:
+            n_commit = pad(n_commit, commit_ids.shape[1])
+        padded = [tuple(pad(t) for t in s) for s in states]
+        out = self.run(pad(commit_ids), n_commit, pad(denoise_ids), pad(lengths), padded, **kw)
+        if out is None:
+            return None
+        hidden = kw.get("hidden_out")
+        for i in hidden or ():
+            hidden[i] = hidden[i][:B]
+        for s, p in zip(states, padded):
+            for t, tp in zip(s, p):
+                t.copy_(tp[:B])
+        commit_logits, denoise_logits, touched, records = out
+        cut = (lambda t: None if t is None else t[:B])
+        records = tuple(tuple(x[:B] if isinstance(x, torch.Tensor) and x.dim() and x.shape[0] == b else x for x in r)
+                        for r in records)
+        return cut(commit_logits), cut(denoise_logits), touched, records
+
     def warm(self, kind: str, batch: int, width: int, capacity: int, *, ragged: bool = False,
              expert_budget: int | None = None, expert_rank: str = "sum") -> None:
         """Compile (or find compiled) the graph of one shape ahead of use, on a scratch cache:
@@ -131,19 +219,34 @@ class StaticSteps:
         if kind not in KINDS:
             raise ValueError(f"static step kind {kind!r}: expected one of {', '.join(KINDS)}")
         m = self.model
-        cache = m.make_cache(batch, capacity)
-        Tc = 1 if kind == "ar" else 0 if kind == "denoise" else width
-        if Tc > 1 and ragged:
-            n = torch.full((batch,), Tc - 1, dtype=torch.long, device=m.device)
-        else:
-            n = None
-        ids = torch.zeros(batch, width, dtype=torch.long, device=m.device)
-        commit = ids[:, :Tc] if Tc else None
-        denoise = ids if kind != "ar" else None
-        states = [s.tensors() for s in cache.layers]
-        with torch.no_grad():
+        # everything in inference mode, as the engines make their caches and step: a graph is
+        # specialised on the grad mode and on whether its inputs are inference tensors
+        with torch.inference_mode():
+            cache = m.make_cache(batch, capacity)
+            Tc = 1 if kind == "ar" else 0 if kind == "denoise" else width
+            if Tc > 1 and ragged:
+                n = torch.full((batch,), Tc - 1, dtype=torch.long, device=m.device)
+            else:
+                n = None
+            ids = torch.zeros(batch, width, dtype=torch.long, device=m.device)
+            commit = ids[:, :Tc] if Tc else None
+            denoise = ids if kind != "ar" else None
+            states = [s.tensors() for s in cache.layers]
             out = self.run(commit, n, denoise, cache.lengths, states, expert_budget=expert_budget,
                            expert_rank=expert_rank, all_logits=kind == "verify", record=kind == "verify")
         if out is None:
             raise ValueError(f"static step {kind} (batch {batch}, width {width}, capacity {capacity}) was not compiled")
         self.calls[kind] -= 1  # a warm-up serves no request
+
+    def warm_all(self, shapes, *, progress: bool = True) -> None:
+        """Compile every shape in `shapes` (`warm` arguments, e.g. `load_shapes`) with a progress bar
+        on stderr, then freeze: from then on a step of another shape runs eagerly."""
+        from tqdm import tqdm
+
+        bar = tqdm(shapes, desc="compile", unit="graph", disable=not progress, file=sys.stderr, dynamic_ncols=True)
+        for kind, batch, width, capacity, ragged in bar:
+            bar.set_postfix_str(f"{kind} batch {batch} width {width} capacity {capacity}{' ragged' if ragged else ''}")
+            self.warm(kind, batch, width, capacity, ragged=ragged)
+        bar.close()
+        self.batches = tuple(sorted({int(x[1]) for x in shapes}))
+        self.frozen = True
