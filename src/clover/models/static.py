@@ -45,8 +45,8 @@ from collections import Counter
 
 import torch
 
-CAPACITY_QUANTUM = 256
-LOAD_CAPACITIES = (256, 512)  # cache capacities compiled at load: prompt + max_new_tokens + 2 blocks up to 512
+CAPACITY_QUANTUM = 512  # the smallest static cache: prompt + max_new_tokens + 2 blocks up to 512 share one graph
+LOAD_CAPACITIES = (CAPACITY_QUANTUM,)  # the cache capacities compiled at load
 RECOMPILE_LIMIT = 64
 KINDS = ("ar", "denoise", "commit+denoise", "verify")
 
@@ -70,8 +70,8 @@ def load_shapes(config, *, batches=(1,), capacities=LOAD_CAPACITIES) -> list[tup
     """The graphs compiled at load, as `StaticSteps.warm` arguments (kind, batch, width, capacity,
     ragged): the AR step and, for a model with a mask token, the denoise, commit+denoise and verify
     forwards at its block size (the diffusion block and speculative draft), at every batch size in
-    `batches` (rows committing fewer tokens than the block, ragged, only occur at batch > 1) and
-    every capacity in `capacities`."""
+    `batches` and every capacity in `capacities`. At batch > 1 the commit kinds are compiled ragged
+    only (rows may commit fewer tokens than the block; a frozen `run` serves every commit there)."""
     shapes = []
     w = int(config.block_size) if config.mask_token_id is not None else None
     for b in batches:
@@ -79,9 +79,8 @@ def load_shapes(config, *, batches=(1,), capacities=LOAD_CAPACITIES) -> list[tup
             shapes.append(("ar", b, 1, cap, False))
             if w is None:
                 continue
-            shapes += [("denoise", b, w, cap, False), ("commit+denoise", b, w, cap, False), ("verify", b, w, cap, False)]
-            if b > 1:
-                shapes += [("commit+denoise", b, w, cap, True), ("verify", b, w, cap, True)]
+            ragged = b > 1
+            shapes += [("denoise", b, w, cap, False), ("commit+denoise", b, w, cap, ragged), ("verify", b, w, cap, ragged)]
     return shapes
 
 
@@ -149,6 +148,8 @@ class StaticSteps:
             return None
         B = lengths.shape[0]
         b = min((x for x in self.batches if x >= B), default=B) if self.frozen else B
+        if self.frozen and b > 1 and n_commit is None and commit_ids is not None and commit_ids.shape[1] > 1:
+            n_commit = torch.full_like(lengths, commit_ids.shape[1])  # the ragged graph serves every commit
         if b != B:
             return self._run_padded(b, commit_ids, n_commit, denoise_ids, lengths, states, expert_budget=expert_budget,
                                     expert_rank=expert_rank, all_logits=all_logits, record=record,
