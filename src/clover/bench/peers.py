@@ -705,7 +705,7 @@ def run_peers(
     static_llm = None
     if compiled:
         say("clover: compile=static")
-        static_llm = clover.load(src, dtype=dtype, compile="static")
+        static_llm = clover.load(src, dtype=dtype, compile="static", compile_batch=batch)  # batch sizes up to the bench's
     cfg = llm.config
     found = discover(cfg, dtype=dtype, engines=engines, llama_dir=llama_dir, vllm_python=vllm_python)
     wanted_modes = [get_mode(m) for m in (mode_names() if modes is None else modes)]
