@@ -3,16 +3,15 @@
 Each architecture is one module: its arguments dataclass (a `clover.config.CloverConfig` subclass
 with its keys, defaults and checks), its model class (its layers, `make_cache`, its checkpoint
 `key_layout`) and `ARCHITECTURE` (`registry.Architecture`: also its GGUF and vLLM names).
-Registering one is adding its module's name to `ARCHITECTURE_MODULES` below. `config_from_dict` /
-`read_config` read a config.json as the class of its architecture (a multimodal wrapper through its
-`text_config`, a Clover file through its `backbone`); `model_class`, `build_model`, `key_layout` and
-`parameter_counts` build on it.
+Registering one is one import line below (a static `from .module import ARCHITECTURE as NAME`, which
+the transformers remote-code bundle can follow). `config_from_dict` / `read_config` read a config.json
+as the class of its architecture (a multimodal wrapper through its `text_config`, a Clover file through
+its `backbone`); `model_class`, `build_model`, `key_layout` and `parameter_counts` build on it.
 """
 
 from __future__ import annotations
 
 import contextlib
-import importlib
 from pathlib import Path
 from typing import Any
 
@@ -22,10 +21,13 @@ from torch import nn
 from ..config import CloverConfig, ConfigError, read_json
 from .registry import Architecture
 
-# The registry: the architecture modules, `clover.models.<name>`, each defining ARCHITECTURE. Adding one
-# is adding its name here.
-ARCHITECTURE_MODULES = ("qwen3_5_moe", "qwen3_5", "llama")
-REGISTERED: tuple[Architecture, ...] = tuple(importlib.import_module(f"{__name__}.{m}").ARCHITECTURE for m in ARCHITECTURE_MODULES)
+# The registry: one import line per architecture module, in lookup order. REGISTERED collects them in
+# that order. (A static import, not importlib: the remote-code export bundles the modules it can see.)
+from .qwen3_5_moe import ARCHITECTURE as QWEN3_5_MOE  # noqa: E402
+from .qwen3_5 import ARCHITECTURE as QWEN3_5  # noqa: E402
+from .llama import ARCHITECTURE as LLAMA  # noqa: E402
+
+REGISTERED: tuple[Architecture, ...] = tuple(v for v in dict(globals()).values() if isinstance(v, Architecture))
 
 CLOVER = "clover"  # a Clover config.json: its `backbone` names the text model underneath
 DEFAULT_BACKBONE = "qwen3_5_moe_text"  # of Clover checkpoints written before `backbone` existed
