@@ -420,28 +420,21 @@ def test_llama_cpp_tokenization_matches(probe, bundled_f32):
 
 
 @pytest.mark.slow
-def test_llama_cpp_matches_clover_bundled(probe, bundled_f32, tmp_path):
+@pytest.mark.parametrize("source", ["bundled", "random-multimodal"])
+def test_llama_cpp_matches_clover(probe, bundled_f32, tmp_path, source):
+    """The bundled model, and a random checkpoint in the multimodal layout (fused experts)."""
     from clover.tokenizer import Tokenizer
 
-    tok = Tokenizer.from_dir(BUNDLED)
+    src, gguf_path = BUNDLED, bundled_f32
+    if source == "random-multimodal":
+        from clover.tiny import build_tiny_checkpoint
+
+        src = multimodal_checkpoint(build_tiny_checkpoint(tmp_path / "tiny", seed=3, init_std=0.2), tmp_path / "tiny-mm")
+        gguf_path = tmp_path / "tiny-mm.gguf"
+        export_gguf(src, gguf_path, progress=False)
+    tok = Tokenizer.from_dir(src)
     prompts = [tok.encode(p) for p in held_out_prompts(GREEDY_PROMPTS)]
-    s = compare_with_llama(probe, BUNDLED, bundled_f32, tmp_path, prompts, held_out_text(tok, LOGIT_TOKENS))
-    assert s["greedy_equal"] == GREEDY_PROMPTS, s
-    assert s["within_tolerance"], s
-
-
-@pytest.mark.slow
-def test_llama_cpp_matches_clover_random_multimodal(probe, tmp_path):
-    from clover.tiny import build_tiny_checkpoint
-    from clover.tokenizer import Tokenizer
-
-    src = build_tiny_checkpoint(tmp_path / "tiny", seed=3, init_std=0.2)
-    mm = multimodal_checkpoint(src, tmp_path / "tiny-mm")
-    out = tmp_path / "tiny-mm.gguf"
-    export_gguf(mm, out, progress=False)
-    tok = Tokenizer.from_dir(mm)
-    prompts = [tok.encode(p) for p in held_out_prompts(GREEDY_PROMPTS)]
-    s = compare_with_llama(probe, mm, out, tmp_path, prompts, held_out_text(tok, LOGIT_TOKENS))
+    s = compare_with_llama(probe, src, gguf_path, tmp_path, prompts, held_out_text(tok, LOGIT_TOKENS))
     assert s["greedy_equal"] == GREEDY_PROMPTS, s
     assert s["within_tolerance"], s
 
