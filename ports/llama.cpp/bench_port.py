@@ -2,6 +2,7 @@
 
     python ports/llama.cpp/bench_port.py [--model DIR] [--dtypes f32,bf16,q8_0] [--prompts 20] [-n 64]
                                          [--rounds 3] [--clock cpu|wall] [--configs "ar;speculative, draft 4"]
+                                         [--compare "--moe mul_mat_id"]
 
 One thread, the same held-out task prompts (as token ids) everywhere, `--rounds` interleaved rounds
 (stock and every port row in turn, per round), the median round reported:
@@ -14,7 +15,10 @@ One thread, the same held-out task prompts (as token ids) everywhere, `--rounds`
 `--clock cpu` (the default) times CPU seconds (the child's user + system time for the probe, the
 port's process CPU clock), which a loaded machine disturbs far less than wall time; `wall` times
 wall seconds. Prints a Markdown table: tokens, forwards, tokens per forward, tokens/s, and tokens/s
-over stock AR.
+over stock AR. `--compare ARGS` runs every port row a second time with ARGS added to its command
+line, in the same rounds (one change measured on its own: e.g. `--moe mul_mat_id`, the port's routed
+experts through ggml_mul_mat_id instead of its grouped expert matmul), and reports whether both
+gave the same tokens.
 """
 
 from __future__ import annotations
@@ -97,6 +101,7 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--clock", choices=("cpu", "wall"), default="cpu")
     ap.add_argument("--configs", default="all", help="names of the port rows separated by ; (default: all)")
+    ap.add_argument("--compare", default="", help="port arguments: every port row runs a second time with them")
     a = ap.parse_args()
 
     import clover
@@ -109,6 +114,8 @@ def main() -> int:
     probe = llama_cache_dir() / "bin" / "clover-llama-probe"
     port = port_binary()
     configs = CONFIGS if a.configs == "all" else {k.strip(): CONFIGS[k.strip()] for k in a.configs.split(";")}
+    if a.compare:
+        configs = {**configs, **{f"{name} [{a.compare}]": [*args, *a.compare.split()] for name, args in configs.items()}}
     print(f"clock: {a.clock}; {a.rounds} interleaved rounds, the median shown")
     print("| dtype | engine | tokens | forwards | tokens/forward | tokens/s | × stock AR |")
     print("|---|---|---:|---:|---:|---:|---:|")
@@ -123,7 +130,7 @@ def main() -> int:
                     res = run(gguf, prompts, ["-n", str(a.n), *args], eos_ids=eos, binary=port)
                     tok = sum(r["n_tokens"] for r in res)
                     fwd = sum(r["forwards"] for r in res)
-                    rows[name].append((tok / sum(port_seconds(r, a.clock) for r in res), tok, fwd))
+                    rows[name].append((tok / sum(port_seconds(r, a.clock) for r in res), tok, fwd, [r["tokens"] for r in res]))
             s = statistics.median(stock)
             bench = llama_bench_tokens_per_s(gguf, a.n)
             print(f"| {dtype} | stock llama.cpp AR (probe) | {len(prompts) * a.n} | {len(prompts) * a.n} | 1.00 | {s:.1f} | 1.00 |")
@@ -132,7 +139,11 @@ def main() -> int:
             for name, vals in rows.items():
                 tps = statistics.median(v[0] for v in vals)
                 tok, fwd = vals[0][1], vals[0][2]
-                print(f"| {dtype} | port {name} | {tok} | {fwd} | {tok / fwd:.2f} | {tps:.1f} | {tps / s:.2f} |")
+                same = ""
+                if a.compare and name.endswith(f" [{a.compare}]"):
+                    base = rows[name[: -len(f" [{a.compare}]")]][0][3]
+                    same = f" (same tokens: {sum(x == y for x, y in zip(base, vals[0][3]))}/{len(base)})"
+                print(f"| {dtype} | port {name}{same} | {tok} | {fwd} | {tok / fwd:.2f} | {tps:.1f} | {tps / s:.2f} |")
             sys.stdout.flush()
     return 0
 

@@ -10,8 +10,9 @@
 //     (design.md §2, §3.4);
 //   - the GDN core (causal conv + recurrence, and the denoise branch: decayed prefix readout +
 //     lambda(B) * softmax attention inside the block + the right-side conv) is two ggml custom ops
-//     written here, so its arithmetic follows clover's formulas one to one; everything else is stock
-//     ggml ops.
+//     written here, so its arithmetic follows clover's formulas one to one; the routed experts of a
+//     multi-token forward are one more custom op (moe_grouped: the tokens gathered per expert, each
+//     expert one matmul); everything else is stock ggml ops (attention by ggml_flash_attn_ext).
 // and runs clover's decoding loops: ar, diffusion (clover's commit rule, forward for forward) and
 // speculative (lossless w.r.t. AR greedy). docs/llama-port.md describes it.
 //
@@ -61,7 +62,7 @@ struct Layer {
     ggml_tensor *attn_norm = nullptr, *post_norm = nullptr;
     // gated attention
     ggml_tensor *wq = nullptr, *wk = nullptr, *wv = nullptr, *wo = nullptr, *q_norm = nullptr, *k_norm = nullptr;
-    ggml_tensor *k_cache = nullptr, *v_cache = nullptr;  // [hd, n_kv_heads, n_ctx] f32
+    ggml_tensor *k_cache = nullptr, *v_cache = nullptr;  // [hd, n_kv_heads, n_ctx] f32 (or f16: --kv f16)
     // gated deltanet
     ggml_tensor *wqkv = nullptr, *wgate = nullptr, *conv1d = nullptr, *dt = nullptr, *ssm_a = nullptr;
     ggml_tensor *wbeta = nullptr, *walpha = nullptr, *ssm_norm = nullptr, *ssm_out = nullptr;
@@ -106,6 +107,10 @@ struct Model {
     int share_budget = 0;       // block expert sharing of the current request (0: off)
     bool share_max = false;     // rank experts by the max (else the sum) of the block's router probabilities
     bool has_clover = false;
+    bool moe_grouped = true;    // routed experts of forwards of >= 2 tokens by moe_grouped (else ggml_mul_mat_id)
+    bool flash_attn = true;     // attention by ggml_flash_attn_ext (else mul_mat, soft_max, mul_mat)
+    ggml_type kv_type = GGML_TYPE_F32;
+    int n_threads = 1;
     ggml_tensor *tok_embd = nullptr, *out_norm = nullptr, *output = nullptr;
     std::vector<Layer> layers;
     ggml_backend_t backend = nullptr;
@@ -218,6 +223,7 @@ static std::string dir_of(const std::string & p) {
 
 static void load_model(Model & m, const std::string & path, const std::string & sidecar_arg, int n_threads) {
     m.backend = ggml_backend_cpu_init();
+    m.n_threads = n_threads;
     ggml_backend_cpu_set_n_threads(m.backend, n_threads);
     if (n_threads > 1) {  // one pool for the whole run, not threads created at every forward (as llama.cpp)
         ggml_threadpool_params tp = ggml_threadpool_params_default(n_threads);
@@ -349,8 +355,8 @@ static void reset_cache(Model & m, int n_ctx) {
         m.cache_ctx = ggml_init(p);
         for (Layer & L : m.layers) {
             if (L.recurrent) continue;
-            L.k_cache = ggml_new_tensor_3d(m.cache_ctx, GGML_TYPE_F32, hp.head_dim, hp.n_head_kv, n_ctx);
-            L.v_cache = ggml_new_tensor_3d(m.cache_ctx, GGML_TYPE_F32, hp.head_dim, hp.n_head_kv, n_ctx);
+            L.k_cache = ggml_new_tensor_3d(m.cache_ctx, m.kv_type, hp.head_dim, hp.n_head_kv, n_ctx);
+            L.v_cache = ggml_new_tensor_3d(m.cache_ctx, m.kv_type, hp.head_dim, hp.n_head_kv, n_ctx);
         }
         m.cache_buf = ggml_backend_alloc_ctx_tensors(m.cache_ctx, m.backend);
         m.n_ctx = n_ctx;
@@ -745,6 +751,159 @@ static void block_share(ggml_tensor * dst, int ith, int, void * ud) {
             if (!keep[e]) D[(size_t) t * dnb + e] = 0.f;
 }
 
+// ------------------------------------------------------------------- the grouped expert matmul
+// For a forward of several tokens, ggml_mul_mat_id multiplies each routed (token, slot) pair by its
+// expert with one vec_dot per weight row: the tokens routed to one expert share a weight row only
+// through its 16x16 blocking, and none of the tiled kernels a dense matmul uses runs. moe_grouped
+// instead gathers, per expert, the tokens routed to it into one [H, n] matrix and runs that expert's
+// FFN on it as plain ggml_mul_mat's (gate, up, SiLU(gate) * up, down): ggml's dense kernels
+// (llamafile's tinyBLAS for n >= 2, vec_dot for n = 1, each weight type's own), through a small
+// graph kept per (n, weight types) and computed by ggml_graph_compute on a one-thread pool owned by
+// the op's thread. The down projections scatter back to [H, k, T], mul_mat_id's layout, and are
+// weighted and summed over the slots as before. Experts are dealt to the op's threads whole, so an
+// expert's arithmetic does not depend on the thread count.
+//   src[0] h [H, T] (f32), src[1] selected experts [k, T] (i32) -> dst [H, k, T]
+struct ExpertGraph {
+    ggml_context * ctx = nullptr;
+    ggml_cgraph * gf = nullptr;
+    ggml_tensor *wg = nullptr, *wu = nullptr, *wd = nullptr, *x = nullptr, *out = nullptr;
+    std::vector<uint8_t> arena, work;
+    ggml_cplan plan{};
+};
+
+struct ExpertWorker {  // one per thread of the op
+    ggml_threadpool * pool = nullptr;
+    std::map<std::vector<int>, std::unique_ptr<ExpertGraph>> graphs;  // key: n, the three weight types
+    std::vector<int> rows;  // this forward's (slot, token) pairs of the expert at hand
+    std::vector<float> x, g, u, d;  // the row-dot path's gathered input, gate, up (then SiLU(gate) * up), down
+    std::vector<uint8_t> xq;
+};
+
+// An expert with fewer tokens than this goes by per-row dot products (below), one with at least this
+// many by ggml_mul_mat (tinyBLAS). Measured on one core with weights that are not in cache (every
+// expert's weights are read once per forward): a [2048 -> 512] q8_0 matrix times n columns takes
+// 98 / 173 / 300 / 593 us by row dots for n = 2 / 4 / 8 / 16 and 169 / 250 / 257 / 372 us by
+// tinyBLAS, which wins only from n = 8 (with the weights in cache it wins from n = 2).
+static const int MOE_GEMM_MIN = 8;
+
+// Y [n][R] = W X for one expert matrix W [R rows of K] (weight type `type`) and X [n][K] f32, as
+// ggml_mul_mat_id computes it: X converted to the type's vec_dot type, then 16 weight rows at a time
+// against every column, one vec_dot each (a weight row is read from memory once).
+static void rows_dot(ggml_type type, const char * W, int K, int R, const float * X, int n, float * Y, std::vector<uint8_t> & xq) {
+    const auto * tr = ggml_get_type_traits_cpu(type);
+    const ggml_type vt = tr->vec_dot_type;
+    const size_t xrow = ggml_row_size(vt, K), wrow = ggml_row_size(type, K);
+    xq.resize(xrow * n);
+    for (int j = 0; j < n; j++) {
+        if (vt == GGML_TYPE_F32) memcpy(&xq[xrow * j], X + (size_t) j * K, xrow);
+        else ggml_get_type_traits_cpu(vt)->from_float(X + (size_t) j * K, &xq[xrow * j], K);
+    }
+    for (int i0 = 0; i0 < R; i0 += 16)
+        for (int j = 0; j < n; j++)
+            for (int i = i0; i < std::min(R, i0 + 16); i++)
+                tr->vec_dot(K, &Y[(size_t) j * R + i], 0, W + wrow * i, 0, &xq[xrow * j], 0, 1);
+}
+
+struct MoeCall {
+    const Layer * L;
+    std::vector<ExpertWorker> * workers;
+};
+
+static std::vector<ExpertWorker> & expert_workers(int n_threads) {  // created once, one per thread
+    static std::vector<ExpertWorker> workers;
+    while ((int) workers.size() < n_threads) {
+        workers.emplace_back();
+        ggml_threadpool_params tp = ggml_threadpool_params_default(1);
+        workers.back().pool = ggml_threadpool_new(&tp);
+    }
+    return workers;
+}
+
+static ExpertGraph * expert_graph(ExpertWorker & w, const Layer & L, int n) {
+    const std::vector<int> key = {n, (int) L.gate_exps->type, (int) L.up_exps->type, (int) L.down_exps->type};
+    auto it = w.graphs.find(key);
+    if (it != w.graphs.end()) return it->second.get();
+    auto g = std::make_unique<ExpertGraph>();
+    const int64_t H = L.gate_exps->ne[0], I = L.gate_exps->ne[1];
+    ggml_init_params ip = {ggml_tensor_overhead() * 16 + ggml_graph_overhead_custom(16, false), nullptr, true};
+    ggml_context * ctx = g->ctx = ggml_init(ip);
+    g->wg = ggml_new_tensor_2d(ctx, L.gate_exps->type, H, I);  // data: the expert's slice, set per call
+    g->wu = ggml_new_tensor_2d(ctx, L.up_exps->type, H, I);
+    g->wd = ggml_new_tensor_2d(ctx, L.down_exps->type, I, H);
+    g->x = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, H, n);
+    ggml_tensor * par = ggml_mul(ctx, ggml_silu(ctx, ggml_mul_mat(ctx, g->wg, g->x)), ggml_mul_mat(ctx, g->wu, g->x));
+    g->out = ggml_mul_mat(ctx, g->wd, par);
+    g->gf = ggml_new_graph_custom(ctx, 16, false);
+    ggml_build_forward_expand(g->gf, g->out);
+    std::vector<ggml_tensor *> acts = {g->x};  // every activation gets a slot of the arena
+    for (int i = 0; i < ggml_graph_n_nodes(g->gf); i++) acts.push_back(ggml_graph_node(g->gf, i));
+    size_t size = 0;
+    for (ggml_tensor * t : acts) size += GGML_PAD(ggml_nbytes(t), 64);
+    g->arena.resize(size + 64);
+    uint8_t * base = (uint8_t *) GGML_PAD((uintptr_t) g->arena.data(), 64);
+    for (ggml_tensor * t : acts) {
+        t->data = base;
+        base += GGML_PAD(ggml_nbytes(t), 64);
+    }
+    g->plan = ggml_graph_plan(g->gf, 1, w.pool);
+    g->work.resize(g->plan.work_size + 64);
+    g->plan.work_data = g->work.data();
+    return w.graphs.emplace(key, std::move(g)).first->second.get();
+}
+
+static void moe_grouped(ggml_tensor * dst, int ith, int nth, void * ud) {
+    const MoeCall & c = *(const MoeCall *) ud;
+    const Layer & L = *c.L;
+    ExpertWorker & w = (*c.workers)[ith];
+    const ggml_tensor * h = dst->src[0], * sel = dst->src[1];
+    const int64_t H = h->ne[0], T = h->ne[1], k = sel->ne[0], E = L.gate_exps->ne[2];
+    std::vector<int> count(E, 0);
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t s = 0; s < k; s++) count[*(const int32_t *) ((const char *) sel->data + t * sel->nb[1] + s * sel->nb[0])]++;
+    int active = 0;
+    for (int64_t e = 0; e < E; e++) {
+        if (!count[e] || active++ % nth != ith) continue;  // the active experts dealt round-robin
+        w.rows.clear();
+        for (int64_t t = 0; t < T; t++)
+            for (int64_t s = 0; s < k; s++)
+                if (*(const int32_t *) ((const char *) sel->data + t * sel->nb[1] + s * sel->nb[0]) == e) {
+                    w.rows.push_back((int) s);
+                    w.rows.push_back((int) t);
+                }
+        const int n = count[e];
+        const char * wg = (const char *) L.gate_exps->data + e * L.gate_exps->nb[2];
+        const char * wu = (const char *) L.up_exps->data + e * L.up_exps->nb[2];
+        const char * wd = (const char *) L.down_exps->data + e * L.down_exps->nb[2];
+        const float * D;
+        if (n >= MOE_GEMM_MIN) {
+            ExpertGraph * g = expert_graph(w, L, n);
+            g->wg->data = (void *) wg;
+            g->wu->data = (void *) wu;
+            g->wd->data = (void *) wd;
+            float * X = (float *) g->x->data;
+            for (int j = 0; j < n; j++)
+                memcpy(X + (size_t) j * H, (const char *) h->data + w.rows[2 * j + 1] * h->nb[1], sizeof(float) * H);
+            if (ggml_graph_compute(g->gf, &g->plan) != GGML_STATUS_SUCCESS) die("expert graph compute failed");
+            D = (const float *) g->out->data;
+        } else {
+            const int I = (int) L.gate_exps->ne[1];
+            w.x.resize((size_t) n * H);
+            w.g.resize((size_t) n * I);
+            w.u.resize((size_t) n * I);
+            w.d.resize((size_t) n * H);
+            for (int j = 0; j < n; j++)
+                memcpy(&w.x[(size_t) j * H], (const char *) h->data + w.rows[2 * j + 1] * h->nb[1], sizeof(float) * H);
+            rows_dot(L.gate_exps->type, wg, (int) H, I, w.x.data(), n, w.g.data(), w.xq);
+            rows_dot(L.up_exps->type, wu, (int) H, I, w.x.data(), n, w.u.data(), w.xq);
+            for (size_t i = 0; i < w.g.size(); i++) w.u[i] *= w.g[i] / (1.f + expf(-w.g[i]));  // SiLU(gate) * up
+            rows_dot(L.down_exps->type, wd, I, (int) H, w.u.data(), n, w.d.data(), w.xq);
+            D = w.d.data();
+        }
+        for (int j = 0; j < n; j++)
+            memcpy((char *) dst->data + w.rows[2 * j] * dst->nb[1] + w.rows[2 * j + 1] * dst->nb[2], D + (size_t) j * H, sizeof(float) * H);
+    }
+}
+
 // ------------------------------------------------------------------------------------ the forward
 struct Forward {
     std::vector<float> logits;  // [n_out][V], rows in the order of `out_rows`
@@ -764,6 +923,7 @@ struct CachedGraph {
     ggml_gallocr_t galloc = nullptr;
     ggml_tensor *ids = nullptr, *pos = nullptr, *kq_mask = nullptr, *out_ids = nullptr, *kv_idx = nullptr, *logits = nullptr;
     std::vector<GdnCall> calls;
+    std::vector<MoeCall> moe_calls;
     ShareCall share_call{};
     uint64_t used = 0;
     ~CachedGraph() {
@@ -841,7 +1001,13 @@ static void forward(Model & m, const std::vector<int> & commit, const std::vecto
             row[j] = vis ? 0.f : -INFINITY;
         }
     }
-    set(G.kq_mask, mask.data(), sizeof(float) * mask.size());
+    if (G.kq_mask->type == GGML_TYPE_F16) {  // flash attention's mask
+        std::vector<ggml_fp16_t> mask16(mask.size());
+        ggml_fp32_to_fp16_row(mask.data(), mask16.data(), (int64_t) mask.size());
+        set(G.kq_mask, mask16.data(), sizeof(ggml_fp16_t) * mask16.size());
+    } else {
+        set(G.kq_mask, mask.data(), sizeof(float) * mask.size());
+    }
     std::vector<int32_t> oi(std::max(1, n_out), 0);
     for (int i = 0; i < n_out; i++) oi[i] = out_rows[i];
     set(G.out_ids, oi.data(), sizeof(int32_t) * oi.size());
@@ -870,7 +1036,7 @@ static CachedGraph * build_graph(Model & m, int Tc, int Bd, int n_out, int n_kv,
     ggml_set_input(ids);
     ggml_tensor * pos = G->pos = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, T);
     ggml_set_input(pos);
-    ggml_tensor * kq_mask = G->kq_mask = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, n_kv, T);
+    ggml_tensor * kq_mask = G->kq_mask = ggml_new_tensor_2d(ctx, m.flash_attn ? GGML_TYPE_F16 : GGML_TYPE_F32, n_kv, T);
     ggml_set_input(kq_mask);
     ggml_tensor * out_ids = G->out_ids = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, std::max(1, n_out));
     ggml_set_input(out_ids);
@@ -882,6 +1048,8 @@ static CachedGraph * build_graph(Model & m, int Tc, int Bd, int n_out, int n_kv,
     ShareCall & share_call = G->share_call;
     share_call = {Tc, m.share_budget, m.share_max};
     const bool share = Bd > 0 && m.share_budget > 0 && m.share_budget < hp.n_expert;
+    const bool grouped = m.moe_grouped && T >= 2;
+    G->moe_calls.resize(hp.n_layer);
     ggml_tensor * x = ggml_get_rows(ctx, m.tok_embd, ids);  // [H, T]
     const int H = hp.n_embd, hd = hp.head_dim, nh = hp.n_head, nkv = hp.n_head_kv;
     for (int il = 0; il < hp.n_layer; il++) {
@@ -922,12 +1090,19 @@ static CachedGraph * build_graph(Model & m, int Tc, int Bd, int n_out, int n_kv,
             ggml_tensor * K = ggml_view_3d(ctx, L.k_cache, hd, nkv, n_kv, L.k_cache->nb[1], L.k_cache->nb[2], 0);
             ggml_tensor * V = ggml_view_3d(ctx, L.v_cache, hd, nkv, n_kv, L.v_cache->nb[1], L.v_cache->nb[2], 0);
             ggml_tensor * Kp = ggml_permute(ctx, K, 0, 2, 1, 3);                  // [hd, n_kv, nkv]
-            ggml_tensor * Vt = ggml_cont(ctx, ggml_permute(ctx, V, 1, 2, 0, 3));   // [n_kv, hd, nkv]
             ggml_tensor * Q = ggml_permute(ctx, q, 0, 2, 1, 3);                   // [hd, T, nh]
-            ggml_tensor * kq = ggml_mul_mat(ctx, Kp, Q);                          // [n_kv, T, nh]
-            kq = ggml_soft_max_ext(ctx, kq, kq_mask, 1.f / sqrtf((float) hd), 0.f);
-            ggml_tensor * kqv = ggml_mul_mat(ctx, Vt, kq);                        // [hd, T, nh]
-            ggml_tensor * att = ggml_cont_2d(ctx, ggml_permute(ctx, kqv, 0, 2, 1, 3), hd * nh, T);
+            ggml_tensor * att;
+            if (m.flash_attn) {  // V read as stored: no transposed copy
+                ggml_tensor * Vp = ggml_permute(ctx, V, 0, 2, 1, 3);              // [hd, n_kv, nkv]
+                att = ggml_flash_attn_ext(ctx, Q, Kp, Vp, kq_mask, 1.f / sqrtf((float) hd), 0.f, 0.f);  // [hd, nh, T]
+                att = ggml_reshape_2d(ctx, att, hd * nh, T);
+            } else {
+                ggml_tensor * Vt = ggml_cont(ctx, ggml_permute(ctx, V, 1, 2, 0, 3));   // [n_kv, hd, nkv]
+                ggml_tensor * kq = ggml_mul_mat(ctx, Kp, Q);                          // [n_kv, T, nh]
+                kq = ggml_soft_max_ext(ctx, kq, kq_mask, 1.f / sqrtf((float) hd), 0.f);
+                ggml_tensor * kqv = ggml_mul_mat(ctx, Vt, kq);                        // [hd, T, nh]
+                att = ggml_cont_2d(ctx, ggml_permute(ctx, kqv, 0, 2, 1, 3), hd * nh, T);
+            }
             att = ggml_mul(ctx, att, ggml_sigmoid(ctx, gate));
             cur = ggml_mul_mat(ctx, L.wo, att);
         }
@@ -942,11 +1117,18 @@ static CachedGraph * build_graph(Model & m, int Tc, int Bd, int n_out, int n_kv,
         wts = ggml_reshape_2d(ctx, wts, k, T);
         wts = ggml_div(ctx, wts, ggml_sum_rows(ctx, wts));
         wts = ggml_reshape_3d(ctx, wts, 1, k, T);
-        ggml_tensor * h3 = ggml_reshape_3d(ctx, h, H, 1, T);
-        ggml_tensor * up = ggml_mul_mat_id(ctx, L.up_exps, h3, sel);      // [I, k, T]
-        ggml_tensor * gt = ggml_mul_mat_id(ctx, L.gate_exps, h3, sel);
-        ggml_tensor * par = ggml_mul(ctx, ggml_silu(ctx, gt), up);
-        ggml_tensor * dn = ggml_mul_mat_id(ctx, L.down_exps, par, sel);   // [H, k, T]
+        ggml_tensor * dn;  // [H, k, T]: each slot's expert FFN
+        if (grouped) {
+            G->moe_calls[il] = {&L, &expert_workers(m.n_threads)};
+            ggml_tensor * args[2] = {h, sel};
+            dn = ggml_custom_4d(ctx, GGML_TYPE_F32, H, k, T, 1, args, 2, moe_grouped, GGML_N_TASKS_MAX, &G->moe_calls[il]);
+        } else {
+            ggml_tensor * h3 = ggml_reshape_3d(ctx, h, H, 1, T);
+            ggml_tensor * up = ggml_mul_mat_id(ctx, L.up_exps, h3, sel);      // [I, k, T]
+            ggml_tensor * gt = ggml_mul_mat_id(ctx, L.gate_exps, h3, sel);
+            ggml_tensor * par = ggml_mul(ctx, ggml_silu(ctx, gt), up);
+            dn = ggml_mul_mat_id(ctx, L.down_exps, par, sel);
+        }
         dn = ggml_mul(ctx, dn, wts);
         ggml_tensor * moe = nullptr;
         for (int e = 0; e < k; e++) {
@@ -1715,7 +1897,10 @@ static void usage() {
         "          --factor X, --low-threshold X, --fallback confident|leftmost, --confidence prob|margin|entropy\n"
         "  sample: --temperature T, --top-p P, --top-k K, --seed S, --repetition-penalty X,\n"
         "          --presence-penalty X, --eos-penalty X, --no-repeat-ngram N, --logit-bias JSON\n"
-        "  other:  --stream, --threads T, --out F (forward)\n");
+        "  other:  --stream, --threads T, --out F (forward), --moe grouped|mul_mat_id (routed experts of\n"
+        "          multi-token forwards: gathered per expert, or ggml_mul_mat_id), --attn flash|plain\n"
+        "          (flash: ggml_flash_attn_ext, V read as stored; plain: mul_mat, soft_max, mul_mat on a\n"
+        "          transposed copy of V), --kv f32|f16 (the K/V cache's type)\n");
     exit(2);
 }
 
@@ -1724,6 +1909,7 @@ int main(int argc, char ** argv) {
     std::string model_path = argv[1], sidecar, out_path, input = "ids", prompt_text, mode = "diffusion";
     json defaults = json::object();
     int threads = 1;
+    std::string moe = "grouped", attn = "flash", kv = "f32";
     std::vector<std::string> stops;
     for (int i = 2; i < argc; i++) {
         std::string a = argv[i];
@@ -1764,6 +1950,17 @@ int main(int argc, char ** argv) {
         else if (a == "-p" || a == "--prompt") { input = "prompt"; prompt_text = next(); }
         else if (a == "--threads" || a == "-t") threads = atoi(next().c_str());
         else if (a == "--out") out_path = next();
+        else if (a == "--moe") {
+            const std::string v = next();
+            if (v != "grouped" && v != "mul_mat_id") die("--moe: grouped or mul_mat_id, not " + v);
+            moe = v;
+        } else if (a == "--attn") {
+            attn = next();
+            if (attn != "flash" && attn != "plain") die("--attn: flash or plain, not " + attn);
+        } else if (a == "--kv") {
+            kv = next();
+            if (kv != "f32" && kv != "f16") die("--kv: f32 or f16, not " + kv);
+        }
         else usage();
     }
     if (!stops.empty()) defaults["stop"] = stops;
@@ -1771,6 +1968,9 @@ int main(int argc, char ** argv) {
     ggml_log_set([](ggml_log_level level, const char * text, void *) { if (level >= GGML_LOG_LEVEL_ERROR) fputs(text, stderr); }, nullptr);
     Model m;
     load_model(m, model_path, sidecar, threads);
+    m.moe_grouped = moe == "grouped";
+    m.flash_attn = attn == "flash";
+    m.kv_type = kv == "f16" ? GGML_TYPE_F16 : GGML_TYPE_F32;
     load_vocab(m, model_path);
     if (mode != "forward") {
         try {
