@@ -119,7 +119,7 @@ def test_frozen_steps_never_compile_a_new_shape(tiny_dir):
     llm = clover.load(tiny_dir)
     compile_model(llm.model, backend="eager")  # dynamo's tracing without inductor: seconds
     steps = llm.model.static_steps
-    steps.warm_all([("ar", 1, 1, CAPACITY_QUANTUM, False)], progress=False)
+    steps.warm_all([("ar", 1, 1, CAPACITY_QUANTUM, False)])
     kw = dict(max_new_tokens=10, ignore_eos=True)
     assert llm.generate("def f(x):", mode="ar", **kw).token_ids == eager.generate("def f(x):", mode="ar", **kw).token_ids
     assert steps.calls["ar"] and not steps.calls["eager"]

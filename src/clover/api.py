@@ -9,6 +9,7 @@ named)."""
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator, Literal, Sequence
@@ -401,9 +402,13 @@ def load(path: str | os.PathLike | None = None, *, dtype: str | torch.dtype | No
         from .models.compile import compile_model
 
         compile_model(model, mode="static" if compile is True else compile)
+        from tqdm import tqdm
+
         from .models.static import batch_buckets, load_shapes
 
-        model.static_steps.warm_all(load_shapes(model.config, batches=batch_buckets(compile_batch)))
+        shapes = load_shapes(model.config, batches=batch_buckets(compile_batch))
+        with tqdm(total=len(shapes), desc="compile", unit="graph", file=sys.stderr, dynamic_ncols=True) as bar:
+            model.static_steps.warm_all(shapes, bar=bar)
     tokenizer = Tokenizer.from_dir(
         path,
         eos_token_id=model.config.eos_token_ids[0] if model.config.eos_token_ids else None,

@@ -39,7 +39,6 @@ docs/benchmarks.md.
 from __future__ import annotations
 
 import functools
-import sys
 import warnings
 from collections import Counter
 
@@ -239,15 +238,16 @@ class StaticSteps:
             raise ValueError(f"static step {kind} (batch {batch}, width {width}, capacity {capacity}) was not compiled")
         self.calls[kind] -= 1  # a warm-up serves no request
 
-    def warm_all(self, shapes, *, progress: bool = True) -> None:
-        """Compile every shape in `shapes` (`warm` arguments, e.g. `load_shapes`) with a progress bar
-        on stderr, then freeze: from then on a step of another shape runs eagerly."""
-        from tqdm import tqdm
-
-        bar = tqdm(shapes, desc="compile", unit="graph", disable=not progress, file=sys.stderr, dynamic_ncols=True)
-        for kind, batch, width, capacity, ragged in bar:
-            bar.set_postfix_str(f"{kind} batch {batch} width {width} capacity {capacity}{' ragged' if ragged else ''}")
+    def warm_all(self, shapes, *, bar=None) -> None:
+        """Compile every shape in `shapes` (`warm` arguments, e.g. `load_shapes`), then freeze: from then
+        on a step of another shape runs eagerly. `bar`: a progress bar (tqdm's `update` and
+        `set_postfix_str`), made by the caller: this module is bundled into the transformers export,
+        which may import only torch and transformers."""
+        for kind, batch, width, capacity, ragged in shapes:
+            if bar is not None:
+                bar.set_postfix_str(f"{kind} batch {batch} width {width} capacity {capacity}{' ragged' if ragged else ''}")
             self.warm(kind, batch, width, capacity, ragged=ragged)
-        bar.close()
+            if bar is not None:
+                bar.update()
         self.batches = tuple(sorted({int(x[1]) for x in shapes}))
         self.frozen = True
