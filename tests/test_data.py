@@ -193,6 +193,21 @@ def test_tokenizer_deterministic(tiny_tok_dir, tmp_path):
     assert (tmp_path / "tokenizer.json").read_text() == (tiny_tok_dir / "tokenizer.json").read_text()
 
 
+def test_clover_train_tokenizer(tiny_tok_dir, tmp_path, capsys):
+    """`clover train tokenizer OUT_DIR` writes the tokenizer `train_tokenizer` makes with the same
+    arguments; a vocabulary too small for the bytes and special tokens is a one-line usage error."""
+    from clover.cli.train import main as train_main
+
+    args = ["--vocab-size", "400", "--max-chars", "150000", "--task-lines", "400"]
+    assert train_main(["tokenizer", str(tmp_path / "tok"), *args]) == 0
+    assert (tmp_path / "tok" / "tokenizer.json").read_text() == (tiny_tok_dir / "tokenizer.json").read_text()
+    assert json.loads(capsys.readouterr().out)["special_token_ids"] == ctok.special_token_ids(ctok.load_tokenizer(tiny_tok_dir))
+    with pytest.raises(SystemExit) as e:
+        train_main(["tokenizer", str(tmp_path / "small"), "--vocab-size", "100"])
+    assert e.value.code == 2 and "--vocab-size must hold" in capsys.readouterr().err
+    assert not (tmp_path / "small").exists()
+
+
 def test_autotokenizer_loads(tiny_tok_dir):
     transformers = pytest.importorskip("transformers")
     at = transformers.AutoTokenizer.from_pretrained(str(tiny_tok_dir))

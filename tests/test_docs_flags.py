@@ -37,7 +37,7 @@ def _train_options() -> set[str]:
     from clover.cli.train import main as train_main
 
     out: set[str] = set()
-    for argv in (["--help"], ["export", "--help"], ["plan", "--help"], ["plot", "--help"]):
+    for argv in (["--help"], *([sub, "--help"] for sub in ("export", "plan", "plot", "evaluate", "tokenizer"))):
         buf = io.StringIO()
         with contextlib.redirect_stdout(buf), contextlib.suppress(SystemExit):
             train_main(argv)

@@ -1,4 +1,4 @@
-"""`clover train ...`: a recipe or a run directory (train), `export`, `plot`, `plan` and `evaluate`: the
+"""`clover train ...`: a recipe or a run directory (train), `export`, `plot`, `plan`, `evaluate` and `tokenizer`: the
 arguments of each and the dispatch to `clover.train` (also `torchrun --nproc_per_node N -m clover train RECIPE`)."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from .common import UsageError
 def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("train_args", nargs=argparse.REMAINDER,
                    help="RECIPE [--out DIR] [--steps N] [--resume|--no-resume] [--set KEY=VALUE]... | RUN_DIR | export CKPT OUT | plot RUN_DIR... "
-                        "| plan RECIPE --gpus N | evaluate CKPT (see docs/training.md; `clover train -- --help` for all options)")
+                        "| plan RECIPE --gpus N | evaluate CKPT | tokenizer OUT_DIR (see docs/training.md; `clover train -- --help` for all options)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -38,8 +38,8 @@ def _overrides(p: argparse.ArgumentParser, items: list[str]) -> dict:
 
 
 def main(argv: list[str]) -> int:
-    """The `clover train` arguments (after `train`): a sub-command (export, plot, plan, evaluate) or a run."""
-    sub = {"export": _export, "plot": _plot, "plan": _plan, "evaluate": _evaluate}.get(argv[0])
+    """The `clover train` arguments (after `train`): a sub-command (export, plot, plan, evaluate, tokenizer) or a run."""
+    sub = {"export": _export, "plot": _plot, "plan": _plan, "evaluate": _evaluate, "tokenizer": _tokenizer}.get(argv[0])
     return sub(argv[1:]) if sub else _train(argv)
 
 
@@ -147,6 +147,27 @@ def _evaluate(argv: list[str]) -> int:
         return 2
     torch.set_num_threads(a.threads)
     print(json.dumps(evaluate(a.model, tokenizer, tasks=a.tasks, batches=a.batches, threshold=a.threshold), indent=1))
+    return 0
+
+
+def _tokenizer(argv: list[str]) -> int:
+    from ..data import tokenizer as t
+
+    p = argparse.ArgumentParser(prog="clover train tokenizer",
+                                description="train clover's byte-level BPE tokenizer on the stdlib + task lines (deterministic)")
+    p.add_argument("out_dir", help="directory to write tokenizer.json and its config into")
+    p.add_argument("--vocab-size", type=int, default=t.DEFAULT_VOCAB_SIZE, metavar="N", help=f"(default: {t.DEFAULT_VOCAB_SIZE})")
+    p.add_argument("--seed", type=int, default=0, metavar="N", help="shuffles the training texts (default: 0)")
+    p.add_argument("--max-chars", type=int, default=t.DEFAULT_MAX_CHARS, metavar="N",
+                   help=f"characters of stdlib source to train on (default: {t.DEFAULT_MAX_CHARS})")
+    p.add_argument("--task-lines", type=int, default=t.DEFAULT_TASK_LINES, metavar="N",
+                   help=f"task lines added to the texts (default: {t.DEFAULT_TASK_LINES})")
+    a = p.parse_args(argv)
+    if a.vocab_size < len(t.SPECIAL_TOKENS) + 256:
+        p.error(f"--vocab-size must hold the {len(t.SPECIAL_TOKENS)} special tokens and the 256 bytes "
+                f"(at least {len(t.SPECIAL_TOKENS) + 256}), got {a.vocab_size}")
+    tok = t.train_tokenizer(a.out_dir, vocab_size=a.vocab_size, seed=a.seed, max_chars=a.max_chars, n_task_lines=a.task_lines)
+    print(json.dumps({"vocab_size": tok.get_vocab_size(), "special_token_ids": t.special_token_ids(tok)}))
     return 0
 
 

@@ -14,12 +14,11 @@ Pipeline (all exact and reversible):
 
 Special tokens get the first ids, in :data:`SPECIAL_TOKENS` order.
 
-CLI: ``python -m clover.data.tokenizer OUT_DIR [--vocab-size N]``.
+CLI: ``clover train tokenizer OUT_DIR [--vocab-size N]``.
 """
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import random
@@ -177,25 +176,3 @@ def tokenizer_hash(tok: Tokenizer) -> str:
 def special_token_ids(tok: Tokenizer) -> dict[str, int]:
     return {t: tok.token_to_id(t) for t in SPECIAL_TOKENS}
 
-
-def _main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m clover.data.tokenizer", description=__doc__.splitlines()[0])
-    ap.add_argument("out_dir")
-    ap.add_argument("--vocab-size", type=int, default=DEFAULT_VOCAB_SIZE)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--max-chars", type=int, default=DEFAULT_MAX_CHARS)
-    ap.add_argument("--task-lines", type=int, default=DEFAULT_TASK_LINES)
-    args = ap.parse_args(argv)
-    tok = train_tokenizer(
-        args.out_dir,
-        vocab_size=args.vocab_size,
-        seed=args.seed,
-        max_chars=args.max_chars,
-        n_task_lines=args.task_lines,
-    )
-    print(json.dumps({"vocab_size": tok.get_vocab_size(), "special_token_ids": special_token_ids(tok)}))
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(_main())

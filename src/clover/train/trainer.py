@@ -399,7 +399,7 @@ class Trainer:
             if not (src / "tokenizer.json").is_file():
                 raise FileNotFoundError(
                     f"tokenizer {src} not found; set data.tokenizer to a model directory (the bundled model's: "
-                    f"src/clover/assets/clover-tiny) or build one with `python -m clover.data.tokenizer {src} --vocab-size 4096`"
+                    f"src/clover/assets/clover-tiny) or build one with `clover train tokenizer {src} --vocab-size 4096`"
                 )
             dst.mkdir(parents=True, exist_ok=True)
             copy_tokenizer_files(src, dst)  # a model directory as the source: its weights stay behind
