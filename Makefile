@@ -30,7 +30,7 @@ test-slow: $(TEST_STAMP)
 	CLOVER_SLOW=1 $(BIN)/python -m pytest -q tests
 
 bench: $(STAMP)
-	$(BIN)/python -m clover.kernels.bench
+	$(BIN)/clover bench kernels --only gdn
 
 clean:
 	rm -rf $(VENV) build .pytest_cache

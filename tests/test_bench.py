@@ -123,6 +123,22 @@ def test_kernels_quick(capsys):
     assert moe_cases[0].startswith("1 ") and moe_cases[1].startswith("32 ")
 
 
+def test_kernels_gdn_shape(capsys):
+    """`make bench`'s GDN rows at a chosen shape and chunk: ours against transformers' fallback on
+    the same inputs; a shape that is not five positive integers is a one-line error."""
+    rc, out, err = bench(capsys, "kernels", "--only", "gdn", "--gdn-shape", "2,48,2,16,8", "--gdn-chunk", "16",
+                         "--repeat", "1", "--json", "-")
+    assert rc == 0, err
+    r = json.loads(out)
+    assert r["shapes"]["gdn"] == {"B": 2, "T": 48, "H": 2, "K": 16, "V": 8, "chunk": 16}
+    assert [row["case"] for row in r["rows"]] == ["chunk prefill B=2 T=48 H=2 K=16 V=8 chunk=16",
+                                                  "recurrent step B=2 T=1 H=2 K=16 V=8"]
+    assert all(d < 1e-4 for row in r["rows"] for d in row["max_abs_diff"].values())
+    for bad in ("2,48", "2,48,0,16,8"):
+        rc, _, err = bench(capsys, "kernels", "--only", "gdn", "--gdn-shape", bad)
+        assert rc == 2 and "--gdn-shape" in err
+
+
 def test_roofline_quick(capsys):
     rc, out, err = bench(capsys, "roofline", "--quick", "--json", "-")
     assert rc == 0, err

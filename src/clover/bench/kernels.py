@@ -1,8 +1,8 @@
 """`clover bench kernels`: micro-benchmarks of the three hot kernels, each against a reference on
 identical inputs (max |difference| reported next to the timing).
 
-- GDN: our chunked gated delta rule (prefill) and the T=1 recurrent step vs the transformers torch
-  fallback — the inputs and reference come from `clover.kernels.bench`.
+- GDN: our chunked gated delta rule (prefill) and the T=1 recurrent step (on a random state) vs the
+  transformers torch fallback, on random inputs (`gdn_inputs`; shape and chunk size adjustable).
 - Attention: our cached path (`GatedAttention._cached`: write K/V into the preallocated cache, build
   the prefix/block mask, SDPA with the mask) vs a bare SDPA over the same keys (no mask; the lower
   bound of what the cached path can cost) vs the eager softmax(QKᵀ)V definition, for an AR step
@@ -75,10 +75,34 @@ def _quiet_transformers() -> int | None:
         return None
 
 
-def bench_gdn(*, T: int, H: int, K: int, V: int, repeat: int, dtype=torch.float32) -> list[dict]:
+def gdn_reference():
+    """transformers' torch chunk and recurrent gated delta rule, or (None, None) where this
+    transformers has none (the GDN rows then time ours alone)."""
+    try:
+        from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import (
+            torch_chunk_gated_delta_rule,
+            torch_recurrent_gated_delta_rule,
+        )
+    except Exception:  # pragma: no cover - depends on the environment
+        return None, None
+    return torch_chunk_gated_delta_rule, torch_recurrent_gated_delta_rule
+
+
+def gdn_inputs(B: int, T: int, H: int, K: int, V: int, dtype, seed: int = 0):
+    """Random q, k, v [B, T, H, K|V], log-decay g in (-0.51, -0.01) and beta in (0, 1)."""
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, T, H, K, generator=gen).to(dtype)
+    k = torch.randn(B, T, H, K, generator=gen).to(dtype)
+    v = torch.randn(B, T, H, V, generator=gen).to(dtype)
+    g = -torch.rand(B, T, H, generator=gen) * 0.5 - 0.01
+    beta = torch.rand(B, T, H, generator=gen)
+    return q, k, v, g, beta
+
+
+def bench_gdn(*, T: int, H: int, K: int, V: int, repeat: int, B: int = 1, chunk: int = 64, dtype=torch.float32) -> list[dict]:
     prev = _quiet_transformers()
     try:
-        return _bench_gdn(T=T, H=H, K=K, V=V, repeat=repeat, dtype=dtype)
+        return _bench_gdn(B=B, T=T, H=H, K=K, V=V, chunk=chunk, repeat=repeat, dtype=dtype)
     finally:
         if prev is not None:
             from transformers.utils import logging as hf_logging
@@ -86,32 +110,33 @@ def bench_gdn(*, T: int, H: int, K: int, V: int, repeat: int, dtype=torch.float3
             hf_logging.set_verbosity(prev)
 
 
-def _bench_gdn(*, T: int, H: int, K: int, V: int, repeat: int, dtype) -> list[dict]:
-    from ..kernels import bench as kb
+def _bench_gdn(*, B: int, T: int, H: int, K: int, V: int, chunk: int, repeat: int, dtype) -> list[dict]:
     from ..kernels import chunk_gated_delta_rule, recurrent_gated_delta_rule
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        ref_chunk, ref_rec = kb._reference()
+        ref_chunk, ref_rec = gdn_reference()
     kw = dict(output_final_state=True, use_qk_l2norm_in_kernel=True)
-    q, k, v, g, beta = kb._inputs(1, T, H, K, V, dtype)
-    fns = {"ours": lambda: chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=64, **kw)}
+    q, k, v, g, beta = gdn_inputs(B, T, H, K, V, dtype)
+    fns = {"ours": lambda: chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=chunk, **kw)}
     err = {}
     if ref_chunk is not None:
-        fns["transformers"] = lambda: ref_chunk(q, k, v, g, beta, chunk_size=64, **kw)
+        fns["transformers"] = lambda: ref_chunk(q, k, v, g, beta, chunk_size=chunk, **kw)
         (o1, s1), (o2, s2) = fns["ours"](), fns["transformers"]()
         err["transformers"] = max(_maxdiff(o1, o2), _maxdiff(s1, s2))
-    rows = [_row("gdn", f"chunk prefill T={T} H={H} K={K} V={V}", interleaved(fns, repeat=repeat), "ours", err)]
+    batch = f"B={B} " if B != 1 else ""
+    rows = [_row("gdn", f"chunk prefill {batch}T={T} H={H} K={K} V={V} chunk={chunk}", interleaved(fns, repeat=repeat),
+                 "ours", err)]
 
-    dq, dk, dv, dg, db = kb._inputs(1, 1, H, K, V, dtype, seed=1)
-    state = torch.randn(1, H, K, V, generator=torch.Generator().manual_seed(2)) * 0.1
+    dq, dk, dv, dg, db = gdn_inputs(B, 1, H, K, V, dtype, seed=1)
+    state = torch.randn(B, H, K, V, generator=torch.Generator().manual_seed(2)) * 0.1
     fns = {"ours": lambda: recurrent_gated_delta_rule(dq, dk, dv, dg, db, initial_state=state, **kw)}
     err = {}
     if ref_rec is not None:
         fns["transformers"] = lambda: ref_rec(dq, dk, dv, dg, db, initial_state=state, **kw)
         (o1, s1), (o2, s2) = fns["ours"](), fns["transformers"]()
         err["transformers"] = max(_maxdiff(o1, o2), _maxdiff(s1, s2))
-    rows.append(_row("gdn", f"recurrent step T=1 H={H} K={K} V={V}", interleaved(fns, repeat=repeat, inner=20), "ours", err))
+    rows.append(_row("gdn", f"recurrent step {batch}T=1 H={H} K={K} V={V}", interleaved(fns, repeat=repeat, inner=20), "ours", err))
     return rows
 
 
@@ -213,8 +238,9 @@ def bench_moe(*, tokens: list[int], hidden: int, inter: int, experts: int, top_k
 
 # ---------------------------------------------------------------------------------- driver
 def run_kernels(*, quick: bool = False, repeat: int | None = None, dtype: torch.dtype = torch.float32,
-                only: tuple[str, ...] = ("gdn", "attention", "moe")) -> dict:
-    """`quick`: small shapes (seconds, for tests); default: Clover-shaped (35B-A3B head shapes)."""
+                only: tuple[str, ...] = ("gdn", "attention", "moe"), gdn: dict | None = None) -> dict:
+    """`quick`: small shapes (seconds, for tests); default: Clover-shaped (35B-A3B head shapes).
+    `gdn`: the GDN shape to time instead (keys of `bench_gdn`: B, T, H, K, V, chunk)."""
     if quick:
         shapes = {
             "gdn": dict(T=128, H=2, K=32, V=32),
@@ -229,6 +255,8 @@ def run_kernels(*, quick: bool = False, repeat: int | None = None, dtype: torch.
             "moe": dict(tokens=[1, 32, 512], hidden=2048, inter=512, experts=32, top_k=8),
         }
         repeat = repeat or 7
+    if gdn:
+        shapes["gdn"] = dict(shapes["gdn"], **gdn)
     rows: list[dict] = []
     if "gdn" in only:
         rows += bench_gdn(repeat=repeat, dtype=dtype, **shapes["gdn"])

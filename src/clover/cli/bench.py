@@ -108,6 +108,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--repeat", type=int, metavar="N", help="timed repetitions (default: 7, quick: 3)")
     p.add_argument("--only", default=",".join(KERNEL_GROUPS), help=f"comma-separated subset of {','.join(KERNEL_GROUPS)}")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    p.add_argument("--gdn-shape", metavar="B,T,H,K,V",
+                   help="the GDN rows' batch, tokens, heads, key and value dims (default: 1,2048,8,128,128; quick: 1,128,2,32,32)")
+    p.add_argument("--gdn-chunk", type=int, default=64, metavar="N", help="chunk size of the GDN prefill (default: 64)")
     _run_arguments(p)
 
     p = sub.add_parser("roofline", help="~1B random Clover-shaped model: forwards/s vs the bandwidth limit",
@@ -394,7 +397,16 @@ def run_kernels(args) -> int:
     if bad:
         raise ValueError(f"--only: unknown kernel group {bad[0]!r}; choose from {', '.join(KERNEL_GROUPS)}")
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
-    result = bench_kernels(quick=args.quick, repeat=args.repeat, dtype=dtype, only=only)
+    positive("--gdn-chunk", args.gdn_chunk)
+    gdn = {"chunk": args.gdn_chunk}
+    if args.gdn_shape is not None:
+        dims = parse_list(args.gdn_shape, int, "--gdn-shape")
+        if len(dims) != 5:
+            raise ValueError(f"--gdn-shape: expected B,T,H,K,V (five integers), got {args.gdn_shape!r}")
+        for d in dims:
+            positive("--gdn-shape", d)
+        gdn.update(zip("BTHKV", dims))
+    result = bench_kernels(quick=args.quick, repeat=args.repeat, dtype=dtype, only=only, gdn=gdn)
     _emit(result, kernels_table(result), args.json)
     return 0
 
