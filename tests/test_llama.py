@@ -255,3 +255,43 @@ def test_adapter_training_resumes_exactly(tmp_path):
         torch.testing.assert_close(trained.state_dict()[k], v, rtol=0, atol=0)
     moved = [k for k, v in trained.state_dict().items() if k.endswith("lora_B") and v.abs().max() > 0]
     assert moved
+
+
+def test_info_and_plan_tell_the_truth_for_a_llama(llm, capsys, tmp_path):
+    """A Llama has no GDN, no experts and no attention output gate (`has_linear_attention`,
+    `has_experts`, `has_gated_attention` False): `clover info` shows none of them (no rows of
+    zeros), and the training planner's activation estimate counts a plain attention (q, k, v, the
+    attention output) where the Qwen3.5 layer of the same shapes adds its gate and gated o_proj input."""
+    from clover.cli import main
+    from clover.models import build_model
+    from clover.tiny import tiny_config
+    from clover.train import plan as plan_mod
+    from clover.train.recipes import recipe_from_dict
+
+    c = llm.config
+    qwen = tiny_config(dense=True)
+    assert (c.has_linear_attention, c.has_experts, c.has_gated_attention) == (False, False, False)
+    assert (qwen.has_linear_attention, qwen.has_experts, qwen.has_gated_attention) == (True, False, True)
+    for cfg in (c, qwen):  # the capability is the model's: a gated q_proj yields q and the gate
+        attn = next(layer.self_attn for layer in build_model(cfg, device="meta").model.layers if hasattr(layer, "self_attn"))
+        assert attn.q_proj.out_features == (2 if cfg.has_gated_attention else 1) * cfg.num_attention_heads * cfg.head_dim
+
+    assert main(["info", str(llm.path), "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["gdn"] is None and info["experts"] is None and info["gdn_layers"] == 0
+    assert info["attention"]["output_gate"] is False and info["mlp_intermediate"] == c.intermediate_size
+    assert main(["info", str(llm.path)]) == 0
+    out = capsys.readouterr().out
+    assert "GDN" not in out and "experts" not in out and "output gate" not in out
+    assert f"{c.num_hidden_layers}: {c.num_hidden_layers} full attention" in out and f"dense, intermediate {c.intermediate_size}" in out
+
+    h, i = c.hidden_size, c.intermediate_size
+    q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+    plain = 4 * h + 2 * q + 2 * kv + h + 3 * i  # norms in/out; q, k, v, attention output; the dense MLP
+    assert plan_mod.activation_bytes_per_position(c, "full_attention", 2) == 2 * plain
+    same_shapes = tiny_config(dense=True, hidden_size=h, intermediate_size=i, num_attention_heads=c.num_attention_heads,
+                              num_key_value_heads=c.num_key_value_heads, head_dim=c.head_dim)
+    assert plan_mod.activation_bytes_per_position(same_shapes, "full_attention", 2) == 2 * (plain + 2 * q)
+    r = recipe_from_dict({"name": "llama", "stage": "ar", "init": str(llm.path), "data": {"seq_len": 64, "batch_size": 2}})
+    p = plan_mod.plan(r, gpus=1, micro_batch=2)  # bf16 autocast: 2 bytes an element
+    assert p.memory_gb["activations"] == pytest.approx(2 * 64 * c.num_hidden_layers * 4 * plain / 1e9)

@@ -175,7 +175,7 @@ class CloverConfig:
     # What an architecture has beyond full attention and one dense MLP per layer. Generic code (info,
     # the benchmarks, the planner, the trainer) asks these before it reads the fields that come with
     # them, which only the architectures having them define: a missing field is an AttributeError,
-    # never a silent 0. An architecture with experts or linear attention overrides them.
+    # never a silent 0. An architecture with experts, linear attention or an attention gate overrides them.
     @property
     def has_experts(self) -> bool:
         """A sparse mixture-of-experts MLP (`num_experts`, `num_experts_per_tok`,
@@ -186,6 +186,11 @@ class CloverConfig:
     def has_linear_attention(self) -> bool:
         """Gated DeltaNet layers, "linear_attention" in `layer_types` (`linear_num_key_heads`,
         `linear_num_value_heads`, `linear_key_head_dim`, `linear_value_head_dim`, `linear_conv_kernel_dim`)."""
+        return False
+
+    @property
+    def has_gated_attention(self) -> bool:
+        """Full attention with a sigmoid output gate (q_proj yields q and the gate) and q/k norms."""
         return False
 
     @classmethod

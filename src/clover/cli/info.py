@@ -63,9 +63,10 @@ def _token_string(path: Path, token_id: int | None) -> str | None:
         return None
 
 
-def _fields(c, has: bool, **names: str) -> dict:
-    """{shown name: the config's field} for a capability the architecture has, else every value 0."""
-    return {k: getattr(c, field) if has else 0 for k, field in names.items()}
+def _fields(c, has: bool, **names: str) -> dict | None:
+    """{shown name: the config's field} for a capability the architecture has, else None (a Llama
+    has no GDN heads and no experts: nothing to show, not zeros)."""
+    return {k: getattr(c, field) for k, field in names.items()} if has else None
 
 
 def model_info(path: Path) -> dict:
@@ -91,11 +92,12 @@ def model_info(path: Path) -> dict:
         "hidden_size": c.hidden_size,
         "vocab_size": c.vocab_size,
         "attention": {"q_heads": c.num_attention_heads, "kv_heads": c.num_key_value_heads, "head_dim": c.head_dim,
-                      "rotary_dim": c.rotary_dim, "rope_theta": c.rope_theta},
+                      "rotary_dim": c.rotary_dim, "rope_theta": c.rope_theta, "output_gate": c.has_gated_attention},
         "gdn": _fields(c, c.has_linear_attention, key_heads="linear_num_key_heads", value_heads="linear_num_value_heads",
                        key_dim="linear_key_head_dim", value_dim="linear_value_head_dim", conv_kernel="linear_conv_kernel_dim"),
-        "experts": {**_fields(c, c.has_experts, num="num_experts", top_k="num_experts_per_tok", intermediate="moe_intermediate_size",
-                              shared_intermediate="shared_expert_intermediate_size"), "expert_budget": c.expert_budget},
+        "experts": _fields(c, c.has_experts, num="num_experts", top_k="num_experts_per_tok", intermediate="moe_intermediate_size",
+                           shared_intermediate="shared_expert_intermediate_size", expert_budget="expert_budget"),
+        "mlp_intermediate": None if c.has_experts else c.intermediate_size,  # the dense MLP's
         "parameters": {"total": counts["total"], "active": counts["active"]},
         "dtype": c.torch_dtype or _stored_dtype(path),
         "disk_bytes": _disk_size(path),
@@ -117,13 +119,22 @@ def format_info(info: dict) -> str:
         pattern = pattern[:45] + "…"
     rows = [
         ("model", f"{info['path']} ({info['model_type']})"),
-        ("layers", f"{info['layers']}: {info['gdn_layers']} GDN (linear attention) + {info['attention_layers']} full attention  [{pattern}]"),
+        ("layers", f"{info['layers']}: " + (f"{info['gdn_layers']} GDN (linear attention) + " if g else "")
+         + f"{info['attention_layers']} full attention  [{pattern}]"),
         ("hidden / vocab", f"{info['hidden_size']} / {info['vocab_size']}"),
-        ("attention", f"{a['q_heads']} q heads, {a['kv_heads']} kv heads, head dim {a['head_dim']}, rotary dims {a['rotary_dim']}"),
-        ("GDN", f"{g['key_heads']} key heads × {g['key_dim']}, {g['value_heads']} value heads × {g['value_dim']}, conv kernel {g['conv_kernel']}"),
-        ("experts", f"{e['num']} routed, top-{e['top_k']}, intermediate {e['intermediate']}"
-         + (f", shared expert {e['shared_intermediate']}" if e["shared_intermediate"] else "")
-         + (f", block budget {e['expert_budget']}" if e["expert_budget"] else "")),
+        ("attention", f"{a['q_heads']} q heads, {a['kv_heads']} kv heads, head dim {a['head_dim']}, rotary dims {a['rotary_dim']}"
+         + (", output gate" if a["output_gate"] else "")),
+    ]
+    if g:
+        rows.append(("GDN", f"{g['key_heads']} key heads × {g['key_dim']}, {g['value_heads']} value heads × {g['value_dim']}, "
+                            f"conv kernel {g['conv_kernel']}"))
+    if e:
+        rows.append(("experts", f"{e['num']} routed, top-{e['top_k']}, intermediate {e['intermediate']}"
+                     + (f", shared expert {e['shared_intermediate']}" if e["shared_intermediate"] else "")
+                     + (f", block budget {e['expert_budget']}" if e["expert_budget"] else "")))
+    else:
+        rows.append(("MLP", f"dense, intermediate {info['mlp_intermediate']}"))
+    rows += [
         ("parameters", f"{human(p['total'])} total, {human(p['active'])} active per token ({p['total']:,} / {p['active']:,})"),
         ("dtype", info["dtype"] or "unknown"),
         ("size on disk", human(info["disk_bytes"], "B")),

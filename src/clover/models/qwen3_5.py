@@ -127,6 +127,10 @@ class Qwen3_5Config(CloverConfig):
         return "linear_attention" in self.layer_types
 
     @property
+    def has_gated_attention(self) -> bool:
+        return True  # GatedAttention: the family's full-attention layers
+
+    @property
     def rotary_dim(self) -> int:
         return int(self.head_dim * self.partial_rotary_factor)
 

@@ -13,8 +13,9 @@ Memory (P parameters, N ranks, fp32 master weights and AdamW, as the trainer kee
   copy reduce-scattered.
 - activations (per micro-batch of b rows x S tokens, stage 2 runs (1 + k) S positions: the clean
   stream and k noisy copies): per layer and position, in the compute dtype, the tensors autograd
-  keeps -- the two norms' inputs and outputs (4h), the mixer's projections (attention: q and its
-  gate, k, v, the attention output and the gated o_proj input; GDN: the qkv projection and its
+  keeps -- the two norms' inputs and outputs (4h), the mixer's projections (attention: q, k, v and
+  the attention output, plus the gate and the gated o_proj input where the attention has an output
+  gate, `has_gated_attention`; GDN: the qkv projection and its
   convolution, z, the core output and the gated norm output) plus GDN's fp32 chunk states (one
   hv x dk x dv state per 64 positions), and the MoE's (router input and fp32 logits, per routed slot
   the gathered input, the gate/up output and the activation, the shared expert likewise). With
@@ -92,7 +93,9 @@ def activation_bytes_per_position(cfg, layer_type: str, elem: int) -> float:
     if layer_type == "full_attention":
         q = cfg.num_attention_heads * cfg.head_dim
         kv = cfg.num_key_value_heads * cfg.head_dim
-        n += 2 * q + 2 * kv + 2 * q  # q + gate, k, v, attention output, gated o_proj input
+        n += 2 * q + 2 * kv  # q, k, v, attention output (a plain attention's o_proj input)
+        if cfg.has_gated_attention:
+            n += 2 * q  # the output gate and the gated o_proj input
     else:
         vd = cfg.linear_num_value_heads * cfg.linear_value_head_dim
         n += 2 * cfg.linear_conv_dim + 3 * vd  # qkv projection and its convolution; z, core output, gated norm output
