@@ -110,6 +110,15 @@ def bench_gdn(*, T: int, H: int, K: int, V: int, repeat: int, B: int = 1, chunk:
             hf_logging.set_verbosity(prev)
 
 
+def _against_transformers(ours: Callable, reference: Callable | None) -> tuple[dict, dict]:
+    """The functions to time ({"ours"}, and "transformers" when there is a reference) and the max
+    |difference| of the reference's output and final state from ours."""
+    if reference is None:
+        return {"ours": ours}, {}
+    (o1, s1), (o2, s2) = ours(), reference()
+    return {"ours": ours, "transformers": reference}, {"transformers": max(_maxdiff(o1, o2), _maxdiff(s1, s2))}
+
+
 def _bench_gdn(*, B: int, T: int, H: int, K: int, V: int, chunk: int, repeat: int, dtype) -> list[dict]:
     from ..kernels import chunk_gated_delta_rule, recurrent_gated_delta_rule
 
@@ -118,24 +127,16 @@ def _bench_gdn(*, B: int, T: int, H: int, K: int, V: int, chunk: int, repeat: in
         ref_chunk, ref_rec = gdn_reference()
     kw = dict(output_final_state=True, use_qk_l2norm_in_kernel=True)
     q, k, v, g, beta = gdn_inputs(B, T, H, K, V, dtype)
-    fns = {"ours": lambda: chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=chunk, **kw)}
-    err = {}
-    if ref_chunk is not None:
-        fns["transformers"] = lambda: ref_chunk(q, k, v, g, beta, chunk_size=chunk, **kw)
-        (o1, s1), (o2, s2) = fns["ours"](), fns["transformers"]()
-        err["transformers"] = max(_maxdiff(o1, o2), _maxdiff(s1, s2))
+    fns, err = _against_transformers(lambda: chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=chunk, **kw),
+                                     ref_chunk and (lambda: ref_chunk(q, k, v, g, beta, chunk_size=chunk, **kw)))
     batch = f"B={B} " if B != 1 else ""
     rows = [_row("gdn", f"chunk prefill {batch}T={T} H={H} K={K} V={V} chunk={chunk}", interleaved(fns, repeat=repeat),
                  "ours", err)]
 
     dq, dk, dv, dg, db = gdn_inputs(B, 1, H, K, V, dtype, seed=1)
     state = torch.randn(B, H, K, V, generator=torch.Generator().manual_seed(2)) * 0.1
-    fns = {"ours": lambda: recurrent_gated_delta_rule(dq, dk, dv, dg, db, initial_state=state, **kw)}
-    err = {}
-    if ref_rec is not None:
-        fns["transformers"] = lambda: ref_rec(dq, dk, dv, dg, db, initial_state=state, **kw)
-        (o1, s1), (o2, s2) = fns["ours"](), fns["transformers"]()
-        err["transformers"] = max(_maxdiff(o1, o2), _maxdiff(s1, s2))
+    fns, err = _against_transformers(lambda: recurrent_gated_delta_rule(dq, dk, dv, dg, db, initial_state=state, **kw),
+                                     ref_rec and (lambda: ref_rec(dq, dk, dv, dg, db, initial_state=state, **kw)))
     rows.append(_row("gdn", f"recurrent step {batch}T=1 H={H} K={K} V={V}", interleaved(fns, repeat=repeat, inner=20), "ours", err))
     return rows
 
