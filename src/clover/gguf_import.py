@@ -259,6 +259,16 @@ def end_of_generation_ids(reader) -> list[int] | int | None:
 
 
 # ----------------------------------------------------------------------------- weights
+def _complete(state: dict, expected: dict, config: CloverConfig, path: Path) -> dict:
+    """`state` when it holds every parameter the model expects (a tied LM head aside), else a
+    GGUFImportError naming the first missing ones."""
+    missing = [k for k in expected if k not in state and not (k == "lm_head.weight" and config.tie_word_embeddings)]
+    if missing:
+        raise GGUFImportError(f"{path}: the file lacks tensor(s) for {', '.join(missing[:3])}"
+                              + (f" and {len(missing) - 3} more" if len(missing) > 3 else ""))
+    return state
+
+
 def llama_state_dict(reader, path: Path, config: CloverConfig, progress: bool = True) -> dict[str, torch.Tensor]:
     from tqdm import tqdm
 
@@ -286,11 +296,7 @@ def llama_state_dict(reader, path: Path, config: CloverConfig, progress: bool = 
         elif name.endswith("k_proj.weight") or name.endswith("k_proj.bias"):
             w = unpermute_rows(w, config.num_key_value_heads)
         state[name] = w
-    missing = [k for k in expected if k not in state and not (k == "lm_head.weight" and config.tie_word_embeddings)]
-    if missing:
-        raise GGUFImportError(f"{path}: the file lacks tensor(s) for {', '.join(missing[:3])}"
-                              + (f" and {len(missing) - 3} more" if len(missing) > 3 else ""))
-    return state
+    return _complete(state, expected, config, path)
 
 
 # ----------------------------------------------------------------------------- qwen35moe
@@ -453,11 +459,7 @@ def qwen35moe_state_dict(reader, path: Path, config: CloverConfig, progress: boo
             raise GGUFImportError(f"{path}: {name} has no place in a model of this config")
         if tuple(w.shape) != tuple(want):
             raise GGUFImportError(f"{path}: {name} has shape {list(w.shape)} but the metadata gives {list(want)}")
-    missing = [k for k in expected if k not in state and not (k == "lm_head.weight" and config.tie_word_embeddings)]
-    if missing:
-        raise GGUFImportError(f"{path}: the file lacks tensor(s) for {', '.join(missing[:3])}"
-                              + (f" and {len(missing) - 3} more" if len(missing) > 3 else ""))
-    return state
+    return _complete(state, expected, config, path)
 
 
 def _clover_sidecar(reader, path: Path):
