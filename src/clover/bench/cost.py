@@ -46,7 +46,7 @@ def run_cost(llm, *, kinds=KINDS, batches=(1, 16), positions=POSITIONS, repeat: 
                 for p in positions:
                     s = curve.seconds_by[kind][b][p]
                     rows.append({"variant": variant, "kind": kind, "batch": b, "positions": p,
-                                 "forward_positions": 2 * p if kind == "verify" else p,
+                                 "forward_positions": 2 * p if kind in ("verify", "block") else p,
                                  "ms": s * 1e3, "ms_per_position": s * 1e3 / (b * p),
                                  "ar_steps": s / base if base else None})
     return {"schema": SCHEMA, "model": str(llm.path), "shapes": shape_summary(model.config),

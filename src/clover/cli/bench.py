@@ -86,7 +86,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--positions", default=",".join(map(str, COST_POSITIONS)), metavar="LIST",
                    help="positions per row, comma-separated (default: 1,2,4,8,16,32,64)")
     p.add_argument("--batches", default="1,16", metavar="LIST", help="batch sizes, comma-separated (default: 1,16)")
-    p.add_argument("--kinds", default="commit,denoise,verify", metavar="LIST", help="forward kinds (default: all three)")
+    p.add_argument("--kinds", default="commit,denoise,verify,block", metavar="LIST", help="forward kinds (default: all four)")
     p.add_argument("--repeat", type=int, default=5, metavar="N", help="timed forwards per point (default: 5)")
     p.add_argument("--prefix", type=int, default=64, metavar="N", help="committed prefix before each forward (default: 64)")
     p.add_argument("--both", action="store_true",

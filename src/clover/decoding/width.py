@@ -4,7 +4,9 @@
 - `commit`: n tokens appended causally (n = 1 is the AR step);
 - `denoise`: one block of n positions denoised against the cache;
 - `verify`: speculative decoding's forward, a draft of n committed causally with every logit plus the
-  next draft of n denoised (2n positions).
+  next draft of n denoised (2n positions);
+- `block`: a finished block of n committed fused with the next block's first denoise step (2n
+  positions), what the diffusion engine runs once per block.
 Measured on this machine at batch 1 and under batch (`time_forward`, `measure_curve`; `clover bench
 cost` runs the full sweep) and kept per model shape and machine in the user cache
 (`$XDG_CACHE_HOME/clover/cost/`, JSON), eager and compiled apart.
@@ -20,8 +22,8 @@ block boundary, the trained width `w` that maximises the expected tokens per sec
   tokens per forward at each width (`config.block_tokens_per_forward`, written with the model card;
   w/8 capped at 4 when absent), and `s_row` scales its gain by how this row has gone so far (tokens
   committed beyond one per forward, against what the prior expected; 8 forwards' worth of prior);
-- `cost(w)`: the curve's denoise forward at w positions, the block-commit forwards (once per block)
-  counted as a denoise forward of 2w positions.
+- `cost(w)`: the curve's denoise forward at w positions, and once per block its `block` forward at w
+  (without one measured, a denoise forward of 2w positions).
 Width 1 is among the choices: a block of one position is the AR step (its token is predicted by the
 commit part, so it is AR's token), at one token per forward and the cost of the commit forward of
 one position. So when the AR step wins (a compiled forward, a batch large enough for the denoise
@@ -43,7 +45,7 @@ from pathlib import Path
 import torch
 from ..paths import user_cache
 
-KINDS = ("commit", "denoise", "verify")
+KINDS = ("commit", "denoise", "verify", "block")
 POSITIONS = (1, 2, 4, 8, 16, 32, 64)
 SCHEMA = "clover.cost/1"
 AR_WIDTH = 1  # the width-1 block: the AR step (block_size="auto" may choose it)
@@ -211,6 +213,8 @@ def time_forward(model, kind: str, batch: int, positions: int, *, prefix: int = 
             model.step(cache, commit_ids=ids)
         elif kind == "denoise":
             model.step(cache, denoise_ids=block)
+        elif kind == "block":
+            model.step(cache, commit_ids=ids, denoise_ids=block)
         else:
             cache.start_recording()
             model.step(cache, commit_ids=ids, denoise_ids=block, all_logits=True)
@@ -244,14 +248,15 @@ def measure_curve(model, *, kinds=KINDS, batches=(1,), positions=POSITIONS, repe
 
 
 def curve_for(model, widths, kind: str = "denoise") -> CostCurve:
-    """The cached curve when it covers `kind` (and, for the denoise kind, the AR step); else a quick
-    calibration (the denoise forward at each width and twice it plus the AR step, or the verify
-    forward at each width; batch 1, 3 timed forwards each), cached for the next time."""
+    """The cached curve when it covers `kind` (for the denoise kind: with the block commit and the AR
+    step); else a quick calibration (the denoise and block forwards at each width and the AR step,
+    or the verify forward at each width; batch 1, 3 timed forwards each), cached for the next time."""
     curve = load_curve(model)
-    if curve is not None and curve.has(kind) and (kind != "denoise" or curve.has("commit")):
+    kinds = ("denoise", "block") if kind == "denoise" else (kind,)
+    if curve is not None and all(curve.has(k) for k in kinds) and (kind != "denoise" or curve.has("commit")):
         return curve
-    pts = sorted({p for w in widths if w > AR_WIDTH for p in ((w, 2 * w) if kind == "denoise" else (w,))})
-    fresh = measure_curve(model, kinds=(kind,), batches=(1,), positions=pts, repeat=3)
+    pts = sorted({w for w in widths if w > AR_WIDTH})
+    fresh = measure_curve(model, kinds=kinds, batches=(1,), positions=pts, repeat=3)
     if kind == "denoise":
         fresh.add("commit", 1, 1, statistics.median(time_forward(model, "commit", 1, 1, repeat=3)))
     try:
@@ -323,8 +328,9 @@ class WidthPolicy:
         if w == AR_WIDTH and self.curve.has("commit"):
             return self.curve.seconds("commit", batch, 1)  # the AR step
         blocks_per_forward = min(1.0, tpf / w)
-        return ((1 - blocks_per_forward) * self.curve.seconds("denoise", batch, w)
-                + blocks_per_forward * self.curve.seconds("denoise", batch, 2 * w))
+        commit = (self.curve.seconds("block", batch, w) if self.curve.has("block")
+                  else self.curve.seconds("denoise", batch, 2 * w))
+        return (1 - blocks_per_forward) * self.curve.seconds("denoise", batch, w) + blocks_per_forward * commit
 
     def choose(self, rows: list[tuple[float, int]]) -> WidthChoice:
         """rows: (s_row, remaining tokens) per row -> the width with the most expected tokens/s
