@@ -110,6 +110,18 @@ def test_load_compiles_a_bounded_set_then_freezes(tiny_dir, monkeypatch):
     assert steps.calls["padded"] and steps.calls["commit+denoise"] and steps.calls["verify"], steps.calls
 
 
+def test_serve_compiles_its_batch_sizes_at_load(tiny_dir, monkeypatch):
+    """`clover serve --compile --max-batch N` compiles the powers of two up to N at load."""
+    import argparse
+
+    from clover.cli.common import load_llm
+
+    _identity_compile(monkeypatch)
+    llm = load_llm(argparse.Namespace(model=str(tiny_dir), compile="static", max_batch=6))
+    assert llm.model.static_steps.frozen and llm.model.static_steps.batches == (1, 2, 4)
+    assert load_llm(argparse.Namespace(model=str(tiny_dir), compile="static")).model.static_steps.batches == (1,)
+
+
 @pytest.mark.slow
 def test_frozen_steps_never_compile_a_new_shape(tiny_dir):
     """After `warm_all` a shape without a graph runs eagerly (dynamo's "fail_on_recompile" stance)
