@@ -401,3 +401,10 @@ def test_evaluate_finds_the_tokenizer_or_says_so(tmp_path, capsys):
     (run / "tokenizer").mkdir()
     (run / "tokenizer" / "tokenizer.json").write_text("{}")
     assert find_tokenizer(ckpt) == str(run / "tokenizer")  # a training checkpoint: its run's tokenizer
+    for argv, what in ((["--tasks", "0"], "--tasks"), (["--batches", "0"], "--batches"), (["--threads", "0"], "--threads")):
+        assert main(["train", "evaluate", str(ckpt), *argv]) == 2  # a count below 1 is one line, before loading
+        err = capsys.readouterr().err.strip()
+        assert "\n" not in err and what in err and "positive" in err, err
+    assert main(["train", "evaluate", str(tmp_path / "nope")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "no such model directory" in err, err

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 from .common import UsageError
 
@@ -137,6 +138,12 @@ def _evaluate(argv: list[str]) -> int:
     p.add_argument("--threshold", type=float, default=0.95)
     p.add_argument("--threads", type=int, default=1)
     a = p.parse_args(argv)
+    from .common import positive
+
+    for flag, value in (("--tasks", a.tasks), ("--batches", a.batches), ("--threads", a.threads)):
+        positive(flag, value)
+    if not Path(a.model).is_dir():
+        raise FileNotFoundError(f"{a.model}: no such model directory or checkpoint")
     import torch
 
     from ..train.evaluate import evaluate, find_tokenizer
