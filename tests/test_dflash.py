@@ -409,6 +409,11 @@ def test_static_dflash_equals_eager(monkeypatch, target_dir, llm, tmp_path):
         for a, b, s in zip(ar, batched, alone):
             assert b.token_ids == a.token_ids and s.token_ids == a.token_ids, extra
     assert static.model.static_steps.calls["verify"] > 0 and drafts and set(drafts) != {0}
+    # the prompt's prefill is not a graph (one per prompt length): only the verifies are
+    calls = static.model.static_steps.calls
+    calls.clear()
+    one = static.generate(list(range(30, 53)), mode="dflash", draft_length=5, **kw)
+    assert calls["verify"] == len(one.stats.accept_lengths) == one.stats.forwards - 1
 
 
 @pytest.mark.slow

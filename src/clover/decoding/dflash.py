@@ -203,7 +203,7 @@ class DFlashEngine(BatchEngine):
         drafts, q = self._draft(rows) if drafting else ([None] * len(rows),) * 2
         src = [r.state.pending if d is None else [r.state.anchor] + d for r, d in zip(rows, drafts)]
         ids, n = pad_right(src, self.pad_id, self.device)
-        snap = self.cache.start_recording()
+        snap = self.cache.start_recording() if drafting else None  # a prefill alone is never rolled back
         hidden = dict.fromkeys(self.layer_ids)
         out = self.model.step(self.cache, commit_ids=ids, n_commit=n, all_logits=True, track_experts=True,
                               hidden_out=hidden)
@@ -231,7 +231,8 @@ class DFlashEngine(BatchEngine):
                 continue
             r.state.anchor = new[-1]
             r.state.ctx = feats[i, :m]
-        settle_cache(self.cache, snap, keep, n)
+        if snap is not None:
+            settle_cache(self.cache, snap, keep, n)
         self._drop_finished()
         return events
 

@@ -100,8 +100,8 @@ def step_kind(commit_ids, n_commit, denoise_ids, *, all_logits: bool, record: bo
     Bd = 0 if denoise_ids is None else denoise_ids.shape[1]
     if all_logits and not Tc:
         return None
-    if Tc and not (Tc == 1 or Tc == Bd or (record and not Bd)):
-        return None  # a prompt: its length would be one more graph
+    if Tc and not (Tc == 1 or Tc == Bd or (record and not Bd and n_commit is None)):
+        return None  # a prompt (or a batch with one): its length would be one more graph
     if Tc == 1 and n_commit is not None:
         return None
     if record:
