@@ -163,6 +163,14 @@ def test_profile_steps(tiny_dir, capsys):
     assert rc == 2 and "--ar-steps: must be a positive integer" in err
 
 
+def test_profile_of_an_ar_checkpoint_is_one_line(tmp_path, capsys):
+    from clover.tiny import build_tiny_checkpoint
+
+    ar = build_tiny_checkpoint(tmp_path / "ar", clover=False)
+    rc, out, err = bench(capsys, "profile", "--model", str(ar), "--ar-steps", "1", "--denoise-steps", "1")
+    assert rc == 2 and len(err.strip().splitlines()) == 1 and "no mask token" in err, err
+
+
 def test_code_scoring():
     header = "    def f(self, x):\n"
     body = "        y = x + 1\n        if y:\n            return y\n        return 0\n"

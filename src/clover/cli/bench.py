@@ -469,6 +469,9 @@ def run_profile(args) -> int:
         from ..api import load
 
         model = load(model_dir(args)).model
+        if model.config.mask_token_id is None:
+            raise ValueError(f"bench profile: {model_dir(args)} has no mask token (an AR checkpoint), so it has no denoise "
+                             "step to profile; give a Clover model (clover convert makes one)")
     else:
         model = recipe_model()
     for text in profile_steps(model, ar_steps=args.ar_steps, denoise_steps=args.denoise_steps, block_size=args.block_size):
