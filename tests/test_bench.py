@@ -153,12 +153,18 @@ def test_roofline_quick(capsys):
         assert s["pct_of_read_bandwidth"] == pytest.approx(100 * s["achieved_gbps"] / r["bandwidth"]["read_gbps"])
 
 
-def test_profile_steps(tiny_dir, capsys):
+def test_profile_steps(tiny_dir, tmp_path, capsys):
     rc, out, err = bench(capsys, "profile", "--model", str(tiny_dir), "--ar-steps", "1", "--denoise-steps", "1",
                          "--block-size", "4")
     assert rc == 0, err
     assert "== AR step:" in out and "== denoise step (block 4):" in out
     assert out.count("Self CPU") >= 2 and out.count("function calls") >= 2  # torch.profiler and cProfile, each kind
+
+    from clover.tiny import build_tiny_checkpoint
+
+    eight = build_tiny_checkpoint(tmp_path / "b8", block_size=8)
+    rc, out, err = bench(capsys, "profile", "--model", str(eight), "--ar-steps", "1", "--denoise-steps", "1")
+    assert rc == 0 and "== denoise step (block 8):" in out, err  # the model's block size by default
     rc, out, err = bench(capsys, "profile", "--ar-steps", "0")
     assert rc == 2 and "--ar-steps: must be a positive integer" in err
 

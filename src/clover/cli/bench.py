@@ -156,7 +156,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
                    help="a model directory or name (default: random weights in the clover-tiny recipe's shape)")
     p.add_argument("--ar-steps", type=int, default=50, metavar="N", help="AR steps after a 128-token prefill (default: 50)")
     p.add_argument("--denoise-steps", type=int, default=20, metavar="N", help="denoise steps (default: 20)")
-    p.add_argument("--block-size", type=int, default=32, metavar="N", help="denoise block (default: 32)")
+    p.add_argument("--block-size", type=int, metavar="N",
+                   help="denoise block (default: the model's block size; 32 for the random weights)")
     p.add_argument("--threads", type=int, default=1, metavar="N", help="torch CPU threads (default: 1)")
 
     p = sub.add_parser("quant", help="fp32 / bf16 / int8 / int4: size, peak memory, speed and quality",
@@ -474,7 +475,8 @@ def run_profile(args) -> int:
                              "step to profile; give a Clover model (clover convert makes one)")
     else:
         model = recipe_model()
-    for text in profile_steps(model, ar_steps=args.ar_steps, denoise_steps=args.denoise_steps, block_size=args.block_size):
+    block_size = args.block_size or model.config.block_size
+    for text in profile_steps(model, ar_steps=args.ar_steps, denoise_steps=args.denoise_steps, block_size=block_size):
         print(text, flush=True)
     return 0
 
