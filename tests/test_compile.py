@@ -97,9 +97,10 @@ def test_load_compiles_a_bounded_set_then_freezes(tiny_dir, monkeypatch):
     monkeypatch.setattr(StaticSteps, "warm", lambda self, *a, **k: warmed.append(a) or real_warm(self, *a, **k))
     llm = clover.load(tiny_dir, compile=True, compile_batch=5)
     steps = llm.model.static_steps
-    assert steps.frozen and steps.batches == batch_buckets(5) == (1, 2, 4)
+    assert steps.frozen and steps.batches == batch_buckets(5) == (1, 2, 4, 5)  # a full batch has its own graph
+    assert batch_buckets(1) == (1,) and batch_buckets(8) == (1, 2, 4, 8)
     w = llm.config.block_size
-    assert len(warmed) == len(load_shapes(llm.config, batches=(1, 2, 4))) and ("denoise", 4, w, 512) in warmed
+    assert len(warmed) == len(load_shapes(llm.config, batches=(1, 2, 4, 5))) and ("denoise", 4, w, 512) in warmed
     assert {a[0] for a in warmed} == {"ar", "denoise", "commit+denoise", "verify"} and not +steps.calls
     eager = clover.load(tiny_dir)
     prompts = ["def f(x):", "ab", "a longer prompt of a few words"]  # 3 rows: the graphs of 4
@@ -111,14 +112,14 @@ def test_load_compiles_a_bounded_set_then_freezes(tiny_dir, monkeypatch):
 
 
 def test_serve_compiles_its_batch_sizes_at_load(tiny_dir, monkeypatch):
-    """`clover serve --compile --max-batch N` compiles the powers of two up to N at load."""
+    """`clover serve --compile --max-batch N` compiles the powers of two below N and N itself at load (a full batch has its own graph)."""
     import argparse
 
     from clover.cli.common import load_llm
 
     _identity_compile(monkeypatch)
     llm = load_llm(argparse.Namespace(model=str(tiny_dir), compile="static", max_batch=6))
-    assert llm.model.static_steps.frozen and llm.model.static_steps.batches == (1, 2, 4)
+    assert llm.model.static_steps.frozen and llm.model.static_steps.batches == (1, 2, 4, 6)
     assert load_llm(argparse.Namespace(model=str(tiny_dir), compile="static")).model.static_steps.batches == (1,)
 
 

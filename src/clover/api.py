@@ -381,7 +381,7 @@ def load(path: str | os.PathLike | None = None, *, dtype: str | torch.dtype | No
     every weight for NaN/Inf; False loads them as they are. `compile=True` (or "static") torch.compiles
     the AR, denoise, block-commit and verify steps whole over static shapes (`clover.models.compile`),
     a bounded set compiled here with a progress bar (`clover.models.static.load_shapes`: the model's
-    block size, batch sizes in powers of two up to `compile_batch`, cache capacities up to 512);
+    block size, batch sizes in powers of two below `compile_batch` and `compile_batch` itself, cache capacities up to 512);
     any other shape then runs eagerly, so no request waits on a compile (figures in
     docs/benchmarks.md). `drafter` is a DFlash drafter directory for mode "dflash" (`clover.models.dflash`; refused with one line when it does not fit the model);
     the bundled model comes with its own (`BUNDLED_DRAFTER`)."""

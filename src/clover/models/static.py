@@ -29,7 +29,7 @@ eagerly (one warning).
 
 `clover.load(compile=True)` and `clover serve --compile` compile a bounded set at load
 (`load_shapes`: the AR step and, at the model's block size, the denoise, commit+denoise and verify
-forwards, for batch sizes in powers of two and the capacities in `LOAD_CAPACITIES`), with a
+forwards, for batch sizes in powers of two (and the largest batch itself) and the capacities in `LOAD_CAPACITIES`), with a
 progress bar (`warm_all`), and then freeze: a shape outside the set runs eagerly instead of
 compiling, so no request waits on a compile. Results equal the eager step up to floating-point
 reassociation (tests compare generated tokens); compile times and speed-ups are in
@@ -84,12 +84,15 @@ def load_shapes(config, *, batches=(1,), capacities=LOAD_CAPACITIES) -> list[tup
 
 
 def batch_buckets(max_batch: int) -> tuple[int, ...]:
-    """The batch sizes compiled at load for up to `max_batch` rows: the powers of two up to it."""
+    """The batch sizes compiled at load for up to `max_batch` rows: the powers of two below it and
+    `max_batch` itself, so that a full batch has its own graph (a batch between two sizes runs on the
+    larger one with dummy rows)."""
+    top = max(1, int(max_batch))
     out, b = [], 1
-    while b <= max(1, int(max_batch)):
+    while b < top:
         out.append(b)
         b *= 2
-    return tuple(out)
+    return (*out, top)
 
 
 def step_kind(commit_ids, n_commit, denoise_ids, *, all_logits: bool, record: bool) -> str | None:
