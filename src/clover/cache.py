@@ -90,7 +90,7 @@ class AttentionState(LayerState):
     def restore(self, snap: None) -> None:
         pass
 
-    def rollback(self, snap: None, keep: torch.Tensor) -> None:
+    def rollback(self, snap: None, keep: torch.Tensor, longest: int) -> None:
         pass
 
 
@@ -124,14 +124,14 @@ class DeltaNetState(LayerState):
         self.conv.copy_(snap[0])
         self.recurrent.copy_(snap[1])
 
-    def rollback(self, snap: tuple[torch.Tensor, torch.Tensor], keep: torch.Tensor) -> None:
+    def rollback(self, snap: tuple[torch.Tensor, torch.Tensor], keep: torch.Tensor, longest: int) -> None:
         """Re-run the recurrence from the snapshot state over exactly the first `keep[b]` recorded
-        tokens (no projections, no prefix recompute); the conv state is the last K-1 pre-conv inputs
-        ending at the last kept token."""
+        tokens (no projections, no prefix recompute; `longest` = max(keep), read once by the cache);
+        the conv state is the last K-1 pre-conv inputs ending at the last kept token."""
         if self.record is None:  # the layer saw no commit since the snapshot
             return
         q, k, v, g, beta, window = self.record
-        T = min(q.shape[1], int(keep.max()))  # the tokens after the longest kept prefix need not run
+        T = min(q.shape[1], longest)  # the tokens after the longest kept prefix need not run
         if T == 0:
             self.recurrent = snap[1].clone()
         else:
@@ -247,9 +247,10 @@ class HybridCache:
         Attention: lower the lengths. GDN: re-derived from the snapshot over the kept tokens."""
         if self.record is None:
             raise RuntimeError("rollback needs start_recording() before the commit")
+        longest = int(torch.as_tensor(keep).max())  # one host read (none for a list), not one per GDN layer
         keep = torch.as_tensor(keep, dtype=torch.long, device=self.device).expand(self.batch_size)
         for s, saved in zip(self.layers, snap.layers):
-            s.rollback(saved, keep)
+            s.rollback(saved, keep, longest)
         self.lengths.copy_(snap.lengths + keep)
         self._stop_recording()
 
