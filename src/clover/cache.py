@@ -143,9 +143,6 @@ class DeltaNetState(LayerState):
         self.conv = conv_window_tail(window, self.conv.shape[2], keep).contiguous()
 
 
-LayerState = AttentionState | DeltaNetState
-
-
 # --------------------------------------------------------------------------- the cache
 @dataclass
 class CacheSnapshot:
