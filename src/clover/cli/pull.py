@@ -20,12 +20,12 @@ def configure(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import time
 
-    from ..named import NAMED, PullError, is_pulled, model_path, pull
+    from ..named import NAMED, PullError, is_pulled, named_dir, pull
 
     if not args.name:
         for m in NAMED.values():
             state = "pulled" if is_pulled(m.name) else "not pulled"
-            print(f"{m.name}  ({state}: {model_path(m.name)})  {m.what}")
+            print(f"{m.name}  ({state}: {named_dir(m.name)})  {m.what}")
         return 0
     t0 = time.time()
     try:
