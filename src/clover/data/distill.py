@@ -61,7 +61,7 @@ def build_distill_set(llm, out: str | Path, *, n_tasks: int, n_code: int, seed: 
     tok = llm.tokenizer
     chat_prompts = [tok.apply_chat_template([{"role": "user", "content": m}])
                     for m in instructions.instructions("train", n_chat, seed=seed)] if n_chat else []
-    jobs = [("task", p) for p in task_prompts] + [("code", p) for p in code_prompts] + [("chat", p) for p in chat_prompts]
+    prompts = {"task": task_prompts, "code": code_prompts, "chat": chat_prompts}
     # rows are appended to a part file after every batch, so an interrupted build continues where it
     # stopped; a row is kept only while it is the answer to the same prompt at the same place (so a
     # build with other counts keeps the prefix they share), decoded with the same token limits
@@ -72,22 +72,22 @@ def build_distill_set(llm, out: str | Path, *, n_tasks: int, n_code: int, seed: 
     old = _read_part(part, header)
     shown = {"task": task_prompts, "code": code_prompts, "chat": [tok.decode(p) for p in chat_prompts]}
     results = []
+    kept: dict[str, int] = {}  # per kind: how many of the old rows stay
     for kind in ("task", "code", "chat"):
         rows = [t for k, t in old if k == kind]
         n = 0
         while n < min(len(rows), len(shown[kind])) and rows[n].startswith(shown[kind][n]):
             n += 1
         results += [(kind, t) for t in rows[:n]]
+        kept[kind] = n
     with open(part, "w", encoding="utf-8") as f:  # rewritten: a torn last line of a killed build goes
         f.write(json.dumps(header) + "\n")
-        f.write("".join(json.dumps({"kind": k, "text": t}, ensure_ascii=False) + "\n" for k, t in results))
-        bar = tqdm(total=len(jobs), initial=len(results), desc="self-distillation (AR greedy)", unit="prompt",
-                   disable=not progress)
+        f.write(_jsonl(results))
+        bar = tqdm(total=sum(map(len, prompts.values())), initial=len(results), desc="self-distillation (AR greedy)",
+                   unit="prompt", disable=not progress)
         for kind, size in (("task", task_tokens), ("code", code_tokens), ("chat", chat_tokens)):
-            prompts = [p for k, p in jobs if k == kind]
-            first = sum(1 for k, _ in results if k == kind)
-            for i in range(first, len(prompts), batch_size):
-                chunk = prompts[i : i + batch_size]
+            for i in range(kept[kind], len(prompts[kind]), batch_size):
+                chunk = prompts[kind][i : i + batch_size]
                 kw = dict(mode="ar", max_new_tokens=size, temperature=0.0)
                 if kind == "task":
                     kw["stop"] = ["\n"]
@@ -99,7 +99,7 @@ def build_distill_set(llm, out: str | Path, *, n_tasks: int, n_code: int, seed: 
                         rows.append((kind, tok.decode(p) + g.text + end))
                     else:
                         rows.append((kind, p + g.text))
-                f.write("".join(json.dumps({"kind": k, "text": t}, ensure_ascii=False) + "\n" for k, t in rows))
+                f.write(_jsonl(rows))
                 f.flush()
                 results.extend(rows)
                 bar.update(len(chunk))
@@ -111,14 +111,16 @@ def build_distill_set(llm, out: str | Path, *, n_tasks: int, n_code: int, seed: 
             "code": sum(k == "code" for k, _ in results), "chat": sum(k == "chat" for k, _ in results), "seed": seed, "task_tokens": task_tokens, "code_tokens": code_tokens,
             "digest": digest}
     tmp = out / "distill.jsonl.tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        for kind, text in results:
-            if text.strip():
-                f.write(json.dumps({"kind": kind, "text": text}, ensure_ascii=False) + "\n")
+    tmp.write_text(_jsonl((k, t) for k, t in results if t.strip()), encoding="utf-8")
     tmp.replace(out / "distill.jsonl")
     (out / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
     part.unlink()
     return DistillSet(task_lines, code_docs, meta)
+
+
+def _jsonl(rows) -> str:
+    """(kind, text) rows as the set's JSON Lines."""
+    return "".join(json.dumps({"kind": k, "text": t}, ensure_ascii=False) + "\n" for k, t in rows)
 
 
 def _read_part(part: Path, header: dict) -> list[tuple[str, str]]:
