@@ -302,10 +302,11 @@ def llama_state_dict(reader, path: Path, config: CloverConfig, progress: bool = 
 # ----------------------------------------------------------------------------- qwen35moe
 # what clover's exporter (`clover.export.gguf`, docs/gguf.md) wrote, undone: GGUF name -> (our name, inverse)
 def _untile_v_heads(t: torch.Tensor, dim: int, n_k: int, per_k: int, head_dim: int) -> torch.Tensor:
-    """A value-head axis from tiled ([k0 v0, k1 v0, ...], ggml's broadcast) back to grouped ([k0: v0 v1 ...])."""
-    shape = list(t.shape)
-    t = t.reshape(*shape[:dim], per_k, n_k, head_dim, *shape[dim + 1 :])
-    return t.transpose(dim, dim + 1).reshape(shape)
+    """A value-head axis from tiled ([k0 v0, k1 v0, ...], ggml's broadcast) back to grouped ([k0: v0 v1 ...]):
+    the exporter's tiling with the two counts swapped (a transpose of the [n_k, per_k] grid)."""
+    from .export.gguf import _tile_v_heads
+
+    return _tile_v_heads(t, dim, per_k, n_k, head_dim)
 
 
 def _qwen35moe_inverse(config) -> dict[str, tuple[str, object]]:
