@@ -208,7 +208,7 @@ class DFlashEngine(BatchEngine):
         out = self.model.step(self.cache, commit_ids=ids, n_commit=n, all_logits=True, track_experts=True,
                               hidden_out=hidden)
         feats = self.drafter.context_features(hidden, self.model)  # [B, Tc, F]
-        keep = n.clone()
+        keep = [0] * len(rows)
         events: list[DecodeEvent] = []
         for i, r in enumerate(rows):
             r.forwards += 1
@@ -232,7 +232,7 @@ class DFlashEngine(BatchEngine):
             r.state.anchor = new[-1]
             r.state.ctx = feats[i, :m]
         if snap is not None:
-            settle_cache(self.cache, snap, keep, n)
+            settle_cache(self.cache, snap, keep, [len(s) for s in src])
         self._drop_finished()
         return events
 

@@ -86,13 +86,11 @@ def commit_verified(r: RowState, i: int, tokens: list[int], events: list[DecodeE
     return kept
 
 
-def settle_cache(cache, snap, keep: torch.Tensor, committed: torch.Tensor | None) -> None:
-    """After a verify forward that committed `committed[b]` tokens per row (None: none) since `snap`
+def settle_cache(cache, snap, keep: list[int], committed: list[int]) -> None:
+    """After a verify forward that committed `committed[b]` tokens per row since `snap`
     (`cache.start_recording()`): roll the cache back to the first `keep[b]` of them where a row
-    keeps fewer, else just stop recording."""
-    if committed is None:
-        committed = torch.zeros_like(keep)
-    if bool((keep != committed).any()):
+    keeps fewer, else just stop recording. Both are host lists: deciding reads nothing back."""
+    if keep != committed:
         cache.rollback(snap, keep)
     else:
         cache.record = None
@@ -278,7 +276,8 @@ class SpeculativeEngine(BatchEngine):
         out = self.model.step(self.cache, commit_ids=commit_ids, n_commit=n_commit, denoise_ids=block,
                               all_logits=True, track_experts=True, expert_budget=self.expert_budget,
                               expert_rank=self.expert_rank)
-        keep = n_commit.clone() if has_commit else torch.zeros(len(rows), dtype=torch.long, device=self.device)
+        committed = [len(s) for s in commit_src]
+        keep = list(committed)
         events: list[DecodeEvent] = []
         for i, r in enumerate(rows):
             r.forwards += 1
@@ -314,7 +313,7 @@ class SpeculativeEngine(BatchEngine):
                 else:
                     draft = self._draft_constrained if r.params.greedy else self._draft_constrained_sampled
                     r.state.draft = draft(r, torch.cat([r.state.first_logits[None], out.denoise_logits[i, : D - 1]]))
-        settle_cache(self.cache, snap, keep, n_commit if has_commit else None)
+        settle_cache(self.cache, snap, keep, committed)
         self._drop_finished()
         return events
 
