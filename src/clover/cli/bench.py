@@ -469,9 +469,10 @@ def run_profile(args) -> int:
     if args.model:
         from ..api import load
 
-        model = load(model_dir(args)).model
+        path = model_dir(args)
+        model = load(path).model
         if model.config.mask_token_id is None:
-            raise ValueError(f"bench profile: {model_dir(args)} has no mask token (an AR checkpoint), so it has no denoise "
+            raise ValueError(f"bench profile: {path} has no mask token (an AR checkpoint), so it has no denoise "
                              "step to profile; give a Clover model (clover convert makes one)")
     else:
         model = recipe_model()
