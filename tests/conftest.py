@@ -32,3 +32,20 @@ def tiny_llm(tiny_dir):
     import clover
 
     return clover.load(tiny_dir)
+
+
+@pytest.fixture
+def alternating_policy():
+    """A draft "auto" policy class (`width.DraftPolicy(widths, curve)`) that switches the width every
+    forward: its widths from the largest down, round and round."""
+    from clover.decoding import width as W
+
+    class Alternating(W.DraftPolicy):
+        calls = 0
+
+        def choose(self, rows):
+            self.calls += 1
+            w = self.widths[-1 - (self.calls - 1) % len(self.widths)]
+            return W.WidthChoice(w, len(rows), {w: 1.0})
+
+    return Alternating

@@ -324,7 +324,7 @@ def test_bundled_dflash_equals_ar_on_held_out_prompts_batched_and_alone():
 
 
 # ------------------------------------------------------------------------------ draft "auto"
-def test_adaptive_draft_length_stays_identical_to_ar(monkeypatch, llm):
+def test_adaptive_draft_length_stays_identical_to_ar(monkeypatch, llm, alternating_policy):
     """block_size="auto": the block (anchor + drafts) changes every iteration (an alternating
     policy), rows batched, oracle drafts with rejections: the tokens stay AR's; the choices and why
     are recorded."""
@@ -332,20 +332,12 @@ def test_adaptive_draft_length_stays_identical_to_ar(monkeypatch, llm):
     from clover.decoding.base import RowState
     from clover.decoding.sampling import SamplingParams
 
-    class Alternating(W.DraftPolicy):
-        calls = 0
-
-        def choose(self, rows):
-            self.calls += 1
-            w = (2, 8, 4)[self.calls % 3]
-            return W.WidthChoice(w, len(rows), {w: 1.0})
-
     prompts = [[1, 2, 3], list(range(50, 70)), [9] * 5]
     ar = llm.generate(prompts, mode="ar", max_new_tokens=40, ignore_eos=True)
     _oracle(monkeypatch, llm, {tuple(p): a.token_ids for p, a in zip(prompts, ar)}, wrong_every=5)
     curve = W.CostCurve()
     curve.add("verify", 1, 2, 1.0)
-    eng = DFlashEngine(llm.model, llm.drafter, draft_length="auto", draft_policy=Alternating((2, 4, 8), curve))
+    eng = DFlashEngine(llm.model, llm.drafter, draft_length="auto", draft_policy=alternating_policy((2, 4, 8), curve))
     eos = set(llm.config.eos_token_ids)
     rows = [RowState(list(p), SamplingParams(max_new_tokens=40, ignore_eos=True), eos) for p in prompts]
     for r in rows:
