@@ -96,13 +96,20 @@ def test_dflash_needs_a_drafter(target_dir):
         plain.generate([1, 2, 3], mode="dflash", max_new_tokens=4)
 
 
+def _context_features(llm, seed: int):
+    """Two random rows of 30 tokens through the target: (ids, the drafter's target layers' hidden
+    states, the drafter's context features of them)."""
+    m, dr = llm.model, llm.drafter
+    ids = torch.randint(0, 256, (2, 30), generator=torch.Generator().manual_seed(seed))
+    hidden = dict.fromkeys(dr.target_layer_ids)
+    m(ids, hidden_out=hidden)
+    return ids, hidden, dr.context_features(hidden, m)
+
+
 def test_cached_draft_equals_training_forward(llm):
     m, dr = llm.model, llm.drafter
-    ids = torch.randint(0, 256, (2, 30), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        hidden = dict.fromkeys(dr.target_layer_ids)
-        m(ids, hidden_out=hidden)
-        ctx = dr.context_features(hidden, m)
+        ids, hidden, ctx = _context_features(llm, seed=0)
         anchors = torch.tensor([[12, 5], [20, 9]])
         block = torch.full((2, 2, 8), dr.mask_token_id)
         block[:, :, 0] = ids.gather(1, anchors)
@@ -424,11 +431,8 @@ def test_static_draft_forward_equals_eager(llm):
     whole capacity under the length mask) gives the eager draft's hidden states, rows at different
     lengths with different context counts."""
     m, dr = llm.model, llm.drafter
-    ids = torch.randint(0, 256, (2, 30), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
-        hidden = dict.fromkeys(dr.target_layer_ids)
-        m(ids, hidden_out=hidden)
-        ctx = dr.context_features(hidden, m)
+        _, _, ctx = _context_features(llm, seed=1)
         block = dr.embed(torch.full((2, 8), dr.mask_token_id), m)
         n1, n2 = torch.tensor([9, 14]), torch.tensor([3, 8])
         first = torch.zeros(2, 14, ctx.shape[-1])
