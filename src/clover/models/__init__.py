@@ -30,7 +30,7 @@ from .llama import ARCHITECTURE as LLAMA  # noqa: E402
 REGISTERED: tuple[Architecture, ...] = tuple(v for v in dict(globals()).values() if isinstance(v, Architecture))
 
 CLOVER = "clover"  # a Clover config.json: its `backbone` names the text model underneath
-DEFAULT_BACKBONE = "qwen3_5_moe_text"  # of Clover checkpoints written before `backbone` existed
+DEFAULT_BACKBONE = QWEN3_5_MOE.config_class.MODEL_TYPES[0]  # of Clover checkpoints written before `backbone` existed
 # text model_type -> its architecture; multimodal model_type -> the text model_type in its `text_config`
 TEXT_MODEL_TYPES: dict[str, Architecture] = {t: a for a in REGISTERED for t in a.config_class.MODEL_TYPES}
 MULTIMODAL: dict[str, str] = {k: v for a in REGISTERED for k, v in a.multimodal.items()}
