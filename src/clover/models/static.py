@@ -38,6 +38,7 @@ docs/benchmarks.md.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import warnings
 from collections import Counter
@@ -157,12 +158,7 @@ class StaticSteps:
                                     expert_rank=expert_rank, all_logits=all_logits, record=record,
                                     hidden_out=hidden_out)
         try:
-            if self.frozen:
-                with torch.compiler.set_stance("fail_on_recompile"):
-                    out = self._forward(commit_ids, n_commit, denoise_ids, lengths, states, expert_budget=expert_budget,
-                                        expert_rank=expert_rank, all_logits=all_logits, record=record,
-                                        hidden_out=hidden_out)
-            else:
+            with torch.compiler.set_stance("fail_on_recompile") if self.frozen else contextlib.nullcontext():
                 out = self._forward(commit_ids, n_commit, denoise_ids, lengths, states, expert_budget=expert_budget,
                                     expert_rank=expert_rank, all_logits=all_logits, record=record, hidden_out=hidden_out)
         except RuntimeError as e:
