@@ -564,7 +564,11 @@ class _QuantSource:
     group_size: int | None
     parts: dict[str, tuple[str, str, int]]  # on-disk key -> (weight name, part, K of the float weight)
     specs: dict[str, tuple[torch.dtype, tuple[int, ...]]]  # on-disk key -> (dtype, shape)
-    n_parts: int
+
+    @property
+    def n_parts(self) -> int:
+        """On-disk tensors per weight: qweight and scales (INT8), and zeros (INT4)."""
+        return 2 if self.bits == 8 else 3
 
     @property
     def weights(self) -> set[str]:
@@ -589,7 +593,7 @@ class _QuantSource:
                     if key.rsplit(".", 1)[0] == base:
                         parts[key] = (wname, key.rsplit(".", 1)[1], shape[-1])
                         specs[key] = spec[key]
-        return cls(bits, group, parts, specs, 2 if bits == 8 else 3)
+        return cls(bits, group, parts, specs)
 
 
 _ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
