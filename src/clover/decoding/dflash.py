@@ -99,15 +99,13 @@ class DFlashEngine(BatchEngine):
             Tc = D + 1  # the compiled draft's shape: the context padded to the block
         F = len(self.layer_ids) * self.model.config.hidden_size
         feats = torch.zeros(len(rows), Tc, F, dtype=dr.dtype, device=dev)
-        n_ctx = torch.zeros(len(rows), dtype=torch.long, device=dev)
         for i, c in enumerate(ctx):
             if c is not None:
                 feats[i, : c.shape[0]] = c
-                n_ctx[i] = c.shape[0]
+        n_ctx = torch.tensor([0 if c is None else c.shape[0] for c in ctx], dtype=torch.long, device=dev)
         block = torch.full((len(rows), D + 1), dr.mask_token_id, dtype=torch.long, device=dev)
-        for i, r in enumerate(rows):
-            if r.state.anchor is not None:
-                block[i, 0] = r.state.anchor
+        block[:, 0] = torch.tensor([dr.mask_token_id if r.state.anchor is None else r.state.anchor for r in rows],
+                                   dtype=torch.long, device=dev)  # one copy to the device, not one write per row
         h = dr.draft(self.draft_cache, feats, n_ctx, dr.embed(block, self.model))
         logits = dr.logits(h[:, 1:], self.model)  # [B, D, V]: block position j predicts its own token
         drafts: list[list[int] | None] = []
