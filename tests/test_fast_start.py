@@ -91,3 +91,29 @@ def test_tokenizer_config_names_win_over_the_map(tmp_path):
     (tmp_path / "tokenizer_config.json").write_text(json.dumps(cfg))
     tok = Tokenizer.from_dir(tmp_path)
     assert tok.eos_token_id == ids["<|im_end|>"]
+
+
+EXIT_PROBE = """
+import atexit, sys
+atexit.register(lambda: print("ATEXIT-RAN", file=sys.stderr))
+from clover.cli import entry
+sys.argv = ["clover", *sys.argv[1:]]
+entry()
+print("NOT-REACHED")
+"""
+
+
+@pytest.mark.parametrize("argv,rc", [(["generate", "assert sorted([9, 2, 5]) == ", "-n", "8", "--mode", "ar", "--json"], 0),
+                                     (["generate", "x", "--model", "/nonexistent-clover-dir"], 2)])
+def test_entry_exits_fast_with_output_flushed_and_atexit_run(argv, rc):
+    """`clover` (cli.entry) skips the interpreter's teardown: the piped (block-buffered) stdout still
+    arrives whole, atexit handlers still run, the exit status is main's, and nothing after entry() runs."""
+    env = dict(os.environ, PYTHONPATH=str(REPO / "src"), OMP_NUM_THREADS="1")
+    env.pop("CLOVER_MODEL", None)
+    p = subprocess.run([sys.executable, "-c", EXIT_PROBE, *argv], capture_output=True, text=True, timeout=300, env=env)
+    assert p.returncode == rc, p.stderr
+    assert "ATEXIT-RAN" in p.stderr and "NOT-REACHED" not in p.stdout
+    if rc == 0:
+        assert len(json.loads(p.stdout)["token_ids"]) == 8
+    else:
+        assert "clover generate: error:" in p.stderr

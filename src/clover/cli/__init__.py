@@ -24,7 +24,7 @@ from .common import UsageError, stderr
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
 
-__all__ = ["main", "register", "Command", "COMMANDS", "UsageError", "build_parser"]
+__all__ = ["main", "entry", "register", "Command", "COMMANDS", "UsageError", "build_parser"]
 
 
 @dataclass
@@ -137,3 +137,27 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         stderr(f"clover {cmd.name}: error: {e}")
         return EXIT_USAGE
+
+
+def entry() -> None:
+    """The `clover` command (the console script and `python -m clover`): `main`, then the exit without
+    the interpreter's teardown, which after importing torch takes about a second (every module and
+    library torn down one by one) and does nothing a finished command needs. Before it: other
+    non-daemon threads are joined, atexit handlers run and stdout/stderr are flushed, as at a normal exit."""
+    import atexit
+    import threading
+
+    rc = main()
+    for t in threading.enumerate():
+        if t is not threading.current_thread() and not t.daemon:
+            t.join()
+    run_exitfuncs = getattr(atexit, "_run_exitfuncs", None)
+    if run_exitfuncs is None:  # not CPython: the ordinary exit
+        sys.exit(rc)
+    run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed pipe (`clover generate ... | head`) or stream
+            pass
+    os._exit(rc)
