@@ -111,6 +111,41 @@ def test_load_compiles_a_bounded_set_then_freezes(tiny_dir, monkeypatch):
     assert steps.calls["padded"] and steps.calls["commit+denoise"] and steps.calls["verify"], steps.calls
 
 
+def test_padded_batch_runs_in_place(tiny_dir, monkeypatch):
+    """A batch between two compiled sizes runs on the larger graph over the cache's own memory (the
+    cache keeps spare rows, the dummies), not on padded copies of it; the spare rows survive the
+    cache growing and a rollback; logits equal the eager step's."""
+    from clover.cache import row_room
+
+    _identity_compile(monkeypatch)
+    llm = clover.load(tiny_dir, compile=True, compile_batch=4)  # graphs of 1, 2 and 4 rows
+    eager = clover.load(tiny_dir)
+    steps = llm.model.static_steps
+    seen = []
+    real = steps._forward
+    steps._forward = lambda c, n, d, lengths, states, **kw: (
+        seen.append((lengths.shape[0], [t.data_ptr() for s in states for t in s])) or real(c, n, d, lengths, states, **kw))
+    torch.manual_seed(0)
+    prompt = torch.randint(3, llm.config.vocab_size, (3, 5))
+    caches = []
+    with torch.inference_mode():
+        for m in (llm.model, eager.model):
+            cache = m.make_cache(3, 40)
+            m.step(cache, commit_ids=prompt)  # a prompt: eager in both
+            caches.append(cache)
+        assert not seen and all(row_room(t) == 4 for s in caches[0].layers for t in s.tensors())
+        ids = torch.randint(3, llm.config.vocab_size, (3, 1))
+        a, b = (m.step(c, commit_ids=ids) for m, c in zip((llm.model, eager.model), caches))
+        assert seen == [(4, [t.data_ptr() for s in caches[0].layers for t in s.tensors()])]  # the cache itself
+        torch.testing.assert_close(a.commit_logits, b.commit_logits)
+        caches[0].ensure_capacity(2 * CAPACITY_QUANTUM)
+        snap = caches[0].start_recording()
+        llm.model.step(caches[0], commit_ids=torch.randint(3, llm.config.vocab_size, (3, 4)))
+        caches[0].rollback(snap, torch.tensor([1, 0, 2]))
+        assert all(row_room(t) == 4 for s in caches[0].layers for t in s.tensors())
+    assert steps.calls["padded"] == 2, steps.calls  # the AR step and the recorded commit
+
+
 def test_serve_compiles_its_batch_sizes_at_load(tiny_dir, monkeypatch):
     """`clover serve --compile --max-batch N` compiles the powers of two below N and N itself at load (a full batch has its own graph)."""
     import argparse

@@ -44,12 +44,38 @@ def conv_window_tail(window: torch.Tensor, width: int, n: torch.Tensor | None = 
 
 
 
+def row_room(t: torch.Tensor) -> int:
+    """How many rows (dim 0) of `t`'s shape its memory holds from where `t` starts: `t`'s own rows
+    plus the spare rows a cache keeps behind them (`LayerState.reserve`)."""
+    return (t.untyped_storage().nbytes() // t.element_size() - t.storage_offset()) // t.stride(0)
+
+
+def first_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
+    """A tensor of `rows` rows over `t`'s memory from where `t` starts (no copy; `rows` at most
+    `row_room(t)`): fewer rows than `t`, or `t` with its spare rows."""
+    if rows > row_room(t):
+        raise ValueError(f"first_rows: {rows} rows asked, the memory holds {row_room(t)}")
+    return t.new_empty(0).set_(t.untyped_storage(), t.storage_offset(), (rows, *t.shape[1:]), t.stride())
+
+
 class LayerState:
-    """What every layer's state does with its tensors (`tensors()`, in the constructor's order): pick
-    rows and join caches along the batch."""
+    """What every layer's state does with its tensors (`tensors()`, the attributes named in
+    `FIELDS`, in the constructor's order): pick rows, join caches along the batch, keep spare rows."""
+
+    FIELDS: tuple[str, ...] = ()
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
-        raise NotImplementedError
+        return tuple(getattr(self, f) for f in self.FIELDS)
+
+    def reserve(self, rows: int) -> None:
+        """Keep memory for `rows` rows behind each tensor (zeros past the state's own rows), so that a
+        compiled step of `rows` rows runs on it in place (`first_rows`); a no-op once there."""
+        for f in self.FIELDS:
+            t = getattr(self, f)
+            if row_room(t) < rows:
+                full = t.new_zeros((rows, *t.shape[1:]))
+                full[: t.shape[0]] = t
+                setattr(self, f, first_rows(full, t.shape[0]))
 
     def select(self, idx: torch.Tensor):
         """A copy holding the rows `idx`."""
@@ -64,6 +90,8 @@ class LayerState:
 class AttentionState(LayerState):
     """K/V buffers of one full-attention layer."""
 
+    FIELDS = ("keys", "values")
+
     def __init__(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         self.keys, self.values = keys, values  # [B, H_kv, capacity, D]
 
@@ -73,15 +101,13 @@ class AttentionState(LayerState):
         return cls(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
 
     def grow(self, capacity: int) -> None:
+        """Longer buffers, keeping the spare rows' memory (`reserve`)."""
         old = self.keys.shape[2]
-        for name in ("keys", "values"):
+        for name in self.FIELDS:
             buf = getattr(self, name)
-            grown = buf.new_zeros(buf.shape[0], buf.shape[1], capacity, buf.shape[3])
-            grown[:, :, :old] = buf
-            setattr(self, name, grown)
-
-    def tensors(self) -> tuple[torch.Tensor, ...]:
-        return self.keys, self.values
+            grown = buf.new_zeros(row_room(buf), buf.shape[1], capacity, buf.shape[3])
+            grown[: buf.shape[0], :, :old] = buf
+            setattr(self, name, first_rows(grown, buf.shape[0]))
 
     # K/V slots past the restored lengths are ignored: nothing to snapshot
     def snapshot(self) -> None:
@@ -97,6 +123,8 @@ class AttentionState(LayerState):
 class DeltaNetState(LayerState):
     """Conv and recurrent state of one Gated DeltaNet layer. While `recording`, the layer keeps the
     inputs of its next commit in `record` (q, k, v, g, beta, conv window) so `rollback` can keep a prefix."""
+
+    FIELDS = ("conv", "recurrent")
 
     def __init__(self, conv: torch.Tensor, recurrent: torch.Tensor) -> None:
         self.conv = conv  # [B, conv_dim, K-1]
@@ -114,9 +142,6 @@ class DeltaNetState(LayerState):
     def grow(self, capacity: int) -> None:
         pass
 
-    def tensors(self) -> tuple[torch.Tensor, ...]:
-        return self.conv, self.recurrent
-
     def snapshot(self) -> tuple[torch.Tensor, torch.Tensor]:
         return self.conv.clone(), self.recurrent.clone()
 
@@ -127,20 +152,22 @@ class DeltaNetState(LayerState):
     def rollback(self, snap: tuple[torch.Tensor, torch.Tensor], keep: torch.Tensor, longest: int) -> None:
         """Re-run the recurrence from the snapshot state over exactly the first `keep[b]` recorded
         tokens (no projections, no prefix recompute; `longest` = max(keep), read once by the cache);
-        the conv state is the last K-1 pre-conv inputs ending at the last kept token."""
+        the conv state is the last K-1 pre-conv inputs ending at the last kept token. Written into
+        the state's tensors (their spare rows stay, `reserve`)."""
         if self.record is None:  # the layer saw no commit since the snapshot
             return
         q, k, v, g, beta, window = self.record
         T = min(q.shape[1], longest)  # the tokens after the longest kept prefix need not run
         if T == 0:
-            self.recurrent = snap[1].clone()
+            self.recurrent.copy_(snap[1])
         else:
             valid = (torch.arange(T, device=keep.device)[None, :] < keep[:, None])[..., None]
             # a few tokens (a typical rejected draft): token by token, as AR's own steps; else chunked
             kernel = recurrent_gated_delta_rule if T <= RECURRENT_ROLLBACK else chunk_gated_delta_rule
-            _, self.recurrent = kernel(q[:, :T], k[:, :T], v[:, :T], g[:, :T] * valid, beta[:, :T] * valid,
-                                       initial_state=snap[1], output_final_state=True, use_qk_l2norm_in_kernel=True)
-        self.conv = conv_window_tail(window, self.conv.shape[2], keep).contiguous()
+            _, state = kernel(q[:, :T], k[:, :T], v[:, :T], g[:, :T] * valid, beta[:, :T] * valid,
+                              initial_state=snap[1], output_final_state=True, use_qk_l2norm_in_kernel=True)
+            self.recurrent.copy_(state)
+        self.conv.copy_(conv_window_tail(window, self.conv.shape[2], keep))
 
 
 # --------------------------------------------------------------------------- the cache
@@ -214,6 +241,12 @@ class HybridCache:
         for s in self.layers:
             s.grow(new_cap)
         self.capacity = new_cap
+
+    def reserve_rows(self, rows: int) -> None:
+        """Keep memory for `rows` >= batch_size rows behind every state tensor (`LayerState.reserve`):
+        a compiled step of that batch size then serves this cache in place, the spare rows as dummies."""
+        for s in self.layers:
+            s.reserve(rows)
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for s in self.layers for t in s.tensors())

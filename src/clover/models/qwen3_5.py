@@ -413,6 +413,8 @@ class Qwen3_5ForCausalLM(nn.Module):
         if n_commit is not None and Tc and bool((n_commit == Tc).all()):
             n_commit = None
         cache.ensure_capacity(int(cache.lengths.max()) + Tc)
+        if self.static_steps is not None:  # a batch between two compiled sizes runs in place on the larger graph
+            cache.reserve_rows(self.static_steps.batch_for(cache.batch_size))
         record = cache.record is not None and Tc > 0
         states = [s.tensors() for s in cache.layers]
         args = (commit_ids, n_commit, denoise_ids, cache.lengths, states)

@@ -31,7 +31,9 @@ eagerly (one warning).
 (`load_shapes`: the AR step and, at the model's block size, the denoise, commit+denoise and verify
 forwards, for batch sizes in powers of two (and the largest batch itself) and the capacities in `LOAD_CAPACITIES`), with a
 progress bar (`warm_all`), and then freeze: a shape outside the set runs eagerly instead of
-compiling, so no request waits on a compile. Results equal the eager step up to floating-point
+compiling, so no request waits on a compile. A batch between two compiled sizes runs on the larger
+graph in place: the cache keeps memory for that many rows (`HybridCache.reserve_rows`) and the
+spare rows are the dummies. Results equal the eager step up to floating-point
 reassociation (tests compare generated tokens); compile times and speed-ups are in
 docs/benchmarks.md.
 """
@@ -44,6 +46,8 @@ import warnings
 from collections import Counter
 
 import torch
+
+from ..cache import first_rows, row_room
 
 CAPACITY_QUANTUM = 512  # the smallest static cache: prompt + max_new_tokens + 2 blocks up to 512 share one graph
 LOAD_CAPACITIES = (CAPACITY_QUANTUM,)  # the cache capacities compiled at load
@@ -150,7 +154,7 @@ class StaticSteps:
         if kind is None:
             return None
         B = lengths.shape[0]
-        b = min((x for x in self.batches if x >= B), default=B) if self.frozen else B
+        b = self.batch_for(B)
         if self.frozen and b > 1 and n_commit is None and commit_ids is not None and commit_ids.shape[1] > 1:
             n_commit = torch.full_like(lengths, commit_ids.shape[1])  # the ragged graph serves every commit
         if b != B:
@@ -180,11 +184,17 @@ class StaticSteps:
         self.calls[kind] += 1
         return out
 
+    def batch_for(self, rows: int) -> int:
+        """The batch size of the graph that serves a step of `rows` rows: once frozen, the smallest
+        compiled size at least `rows` (the cache keeps that many rows of memory, `HybridCache.reserve_rows`)."""
+        return min((x for x in self.batches if x >= rows), default=rows) if self.frozen else rows
+
     def _run_padded(self, b: int, commit_ids, n_commit, denoise_ids, lengths, states, **kw):
         """A step of B rows on the graph of `b` > B rows (frozen: the batch sizes compiled are powers
-        of two): b - B dummy rows at length 0 are appended to the inputs and to copies of the cache's
-        tensors, the graph runs on those, and the first B rows of the tensors it updated and of its
-        outputs are kept (the experts-touched count includes the dummy rows)."""
+        of two): b - B dummy rows at length 0 are appended to the inputs, the graph runs, and the
+        first B rows of its outputs are kept (the experts-touched count includes the dummy rows).
+        The cache's tensors run in place with their spare rows as the dummies (`reserve_rows`, which
+        `step` does), or else through padded copies written back after the graph."""
         B = lengths.shape[0]
         self.calls["padded"] += 1
 
@@ -193,16 +203,18 @@ class StaticSteps:
 
         if n_commit is not None:
             n_commit = pad(n_commit, commit_ids.shape[1])
-        padded = [tuple(pad(t) for t in s) for s in states]
+        in_place = all(row_room(t) >= b for s in states for t in s)
+        padded = [tuple(first_rows(t, b) if in_place else pad(t) for t in s) for s in states]
         out = self.run(pad(commit_ids), n_commit, pad(denoise_ids), pad(lengths), padded, **kw)
         if out is None:
             return None
         hidden = kw.get("hidden_out")
         for i in hidden or ():
             hidden[i] = hidden[i][:B]
-        for s, p in zip(states, padded):
-            for t, tp in zip(s, p):
-                t.copy_(tp[:B])
+        if not in_place:
+            for s, p in zip(states, padded):
+                for t, tp in zip(s, p):
+                    t.copy_(tp[:B])
         commit_logits, denoise_logits, touched, records = out
         cut = (lambda t: None if t is None else t[:B])
         records = tuple(tuple(x[:B] if isinstance(x, torch.Tensor) and x.dim() and x.shape[0] == b else x for x in r)
