@@ -34,6 +34,19 @@ def tiny_llm(tiny_dir):
     return clover.load(tiny_dir)
 
 
+@pytest.fixture(scope="session")
+def bundled_f32(tmp_path_factory):
+    """The bundled model exported as an f32 GGUF (main file + clover sidecar), shared by the session."""
+    from pathlib import Path
+
+    from clover.export.gguf import export_gguf
+
+    bundled = Path(__file__).resolve().parents[1] / "src" / "clover" / "assets" / "clover-tiny"
+    out = tmp_path_factory.mktemp("gguf") / "clover-tiny-f32.gguf"
+    export_gguf(bundled, out, dtype="f32", progress=False)
+    return out
+
+
 @pytest.fixture
 def alternating_policy():
     """A draft "auto" policy class (`width.DraftPolicy(widths, curve)`) that switches the width every

@@ -190,13 +190,6 @@ def multimodal_checkpoint(src: Path, dst: Path, *, per_expert: bool = False, max
     return dst
 
 
-@pytest.fixture(scope="module")
-def bundled_f32(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("gguf") / "clover-tiny-f32.gguf"
-    export_gguf(BUNDLED, out, dtype="f32", progress=False)
-    return out
-
-
 # ------------------------------------------------------------------------------ fast tests
 def test_roundtrip_bundled_f32(bundled_f32):
     side = sidecar_path(bundled_f32)

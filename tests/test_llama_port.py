@@ -90,15 +90,6 @@ def port():
 
 
 @pytest.fixture(scope="module")
-def gguf_f32(tmp_path_factory) -> Path:
-    from clover.export.gguf import export_gguf
-
-    out = tmp_path_factory.mktemp("port") / "clover-tiny-f32.gguf"
-    export_gguf(BUNDLED, out, dtype="f32", progress=False)
-    return out
-
-
-@pytest.fixture(scope="module")
 def llm():
     import clover
 
@@ -130,7 +121,7 @@ def port_run(gguf, prompts, mode, llm, **kw):
 
 
 @pytest.mark.slow
-def test_port_forward_matches_clover(port, gguf_f32, llm, tmp_path):
+def test_port_forward_matches_clover(port, bundled_f32, llm, tmp_path):
     """One forward, commit + denoise, from an empty cache: the logits of every position."""
     from clover.integrations.llama_port import forward_logits
 
@@ -143,7 +134,7 @@ def test_port_forward_matches_clover(port, gguf_f32, llm, tmp_path):
     with torch.no_grad():
         out = llm.model.step(cache, commit_ids=torch.tensor([prompt]), denoise_ids=torch.tensor([block]), all_logits=True)
     ours = torch.cat([out.commit_logits[0], out.denoise_logits[0]]).float().numpy()
-    theirs = forward_logits(gguf_f32, prompt, block, tmp_path / "logits.f32", binary=port)
+    theirs = forward_logits(bundled_f32, prompt, block, tmp_path / "logits.f32", binary=port)
     assert theirs.shape == ours.shape
     diff = np.abs(ours - theirs)
     scale = np.abs(ours).max(axis=1, keepdims=True)
@@ -155,14 +146,14 @@ def test_port_forward_matches_clover(port, gguf_f32, llm, tmp_path):
 
 
 @pytest.mark.slow
-def test_port_ar_matches_stock_llama_cpp_and_clover(port, gguf_f32, llm):
+def test_port_ar_matches_stock_llama_cpp_and_clover(port, bundled_f32, llm):
     if not PROBE.exists():
         pytest.skip(f"stock llama.cpp build absent ({PROBE} not found): run scripts/build-llama-cpp.sh")
     prompts = mixed_prompts(llm, PROMPTS)
-    res = port_run(gguf_f32, prompts, "ar", llm, ignore_eos=True)
+    res = port_run(bundled_f32, prompts, "ar", llm, ignore_eos=True)
     eos = llm.config.eos_token_ids
     for ids, r in zip(prompts, res):
-        stock = subprocess.run([str(PROBE), str(gguf_f32), "greedy", str(TOKENS), *map(str, eos)],
+        stock = subprocess.run([str(PROBE), str(bundled_f32), "greedy", str(TOKENS), *map(str, eos)],
                                input=" ".join(map(str, ids)).encode(), capture_output=True, timeout=600,
                                env={**os.environ, "CLOVER_PROBE_THREADS": "1"})
         assert stock.returncode == 0, stock.stderr.decode()[-2000:]
@@ -174,11 +165,11 @@ def test_port_ar_matches_stock_llama_cpp_and_clover(port, gguf_f32, llm):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("policy", ["threshold", "entropy", "factor"])
-def test_port_diffusion_matches_clover(port, gguf_f32, llm, policy):
+def test_port_diffusion_matches_clover(port, bundled_f32, llm, policy):
     """Block 32, threshold 0.95, greedy, EOS on: tokens and forwards, prompt by prompt."""
     prompts = task_prompts(llm, PROMPTS)
     kw = dict(block_size=32, threshold=0.95, policy=policy)
-    res = port_run(gguf_f32, prompts, "diffusion", llm, **kw)
+    res = port_run(bundled_f32, prompts, "diffusion", llm, **kw)
     forwards = tokens = 0
     for ids, r in zip(prompts, res):
         ours = llm.generate(ids, mode="diffusion", max_new_tokens=TOKENS, temperature=0.0, **kw)
@@ -192,10 +183,10 @@ def test_port_diffusion_matches_clover(port, gguf_f32, llm, policy):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("ignore_eos", [True, False])
-def test_port_speculative_equals_ar(port, gguf_f32, llm, ignore_eos):
+def test_port_speculative_equals_ar(port, bundled_f32, llm, ignore_eos):
     prompts = task_prompts(llm, PROMPTS)
-    spec = port_run(gguf_f32, prompts, "speculative", llm, block_size=32, ignore_eos=ignore_eos)
-    ar = port_run(gguf_f32, prompts, "ar", llm, ignore_eos=ignore_eos)
+    spec = port_run(bundled_f32, prompts, "speculative", llm, block_size=32, ignore_eos=ignore_eos)
+    ar = port_run(bundled_f32, prompts, "ar", llm, ignore_eos=ignore_eos)
     for ids, s, a in zip(prompts, spec, ar):
         assert s["tokens"] == a["tokens"]
         ours = llm.generate(ids, mode="speculative", max_new_tokens=TOKENS, temperature=0.0, block_size=32,
@@ -206,7 +197,7 @@ def test_port_speculative_equals_ar(port, gguf_f32, llm, ignore_eos):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["diffusion", "speculative"])
-def test_generate_engine_llama_cpp(port, gguf_f32, mode, capsys):
+def test_generate_engine_llama_cpp(port, bundled_f32, mode, capsys):
     """`clover generate --engine llama.cpp --json` gives clover's own text, tokens and forwards."""
     import json
 
@@ -216,7 +207,7 @@ def test_generate_engine_llama_cpp(port, gguf_f32, mode, capsys):
     common = [prompt, "--model", str(BUNDLED), "--dtype", "float32", "--mode", mode, "-n", "40", "--json"]
     assert main(["generate", *common]) == 0
     ours = json.loads(capsys.readouterr().out)
-    assert main(["generate", *common, "--engine", "llama.cpp", "--gguf", str(gguf_f32)]) == 0
+    assert main(["generate", *common, "--engine", "llama.cpp", "--gguf", str(bundled_f32)]) == 0
     theirs = json.loads(capsys.readouterr().out)
     assert theirs["engine"] == "llama.cpp"
     assert theirs["token_ids"] == ours["token_ids"] and theirs["text"] == ours["text"]
@@ -242,11 +233,11 @@ def port_stops_like_clover(gguf, llm, prompts, mode, kw) -> int:
     ("speculative", dict(block_size=32)),
     ("ar", {}),
 ])
-def test_port_stop_token_matches_clover(port, gguf_f32, llm, mode, kw):
+def test_port_stop_token_matches_clover(port, bundled_f32, llm, mode, kw):
     """A stop token (newline) caps the block, a length limit that is no multiple of the block:
     tokens, forwards and finish reason equal clover's, prompt by prompt."""
     kw = dict(max_new_tokens=40, temperature=0.0, stop_token_ids=llm.tokenizer.encode("\n")) | kw
-    assert port_stops_like_clover(gguf_f32, llm, task_prompts(llm, PROMPTS), mode, kw) > 0  # the stop token fires
+    assert port_stops_like_clover(bundled_f32, llm, task_prompts(llm, PROMPTS), mode, kw) > 0  # the stop token fires
 
 
 @pytest.mark.slow
@@ -255,7 +246,7 @@ def test_port_stop_token_matches_clover(port, gguf_f32, llm, mode, kw):
     ("speculative", dict(block_size=32)),
     ("ar", {}),
 ])
-def test_port_stop_strings_match_clover(port, gguf_f32, llm, mode, kw):
+def test_port_stop_strings_match_clover(port, bundled_f32, llm, mode, kw):
     """Stop strings, decided in the port on the GGUF vocabulary's bytes: tokens (up to the one that
     completes the string), forwards and finish reason equal clover's prompt by prompt, and the
     driver's text is trimmed as clover's is."""
@@ -263,9 +254,9 @@ def test_port_stop_strings_match_clover(port, gguf_f32, llm, mode, kw):
 
     kw = dict(max_new_tokens=40, temperature=0.0, stop=[", ", "\n"]) | kw
     prompts = mixed_prompts(llm, PROMPTS)
-    assert port_stops_like_clover(gguf_f32, llm, prompts, mode, kw) > 0
+    assert port_stops_like_clover(bundled_f32, llm, prompts, mode, kw) > 0
     text = llm.tokenizer.decode(prompts[0])
-    theirs = generate(llm, text, mode, kw, gguf=gguf_f32)
+    theirs = generate(llm, text, mode, kw, gguf=bundled_f32)
     ours = llm.generate(text, mode=mode, **kw)
     assert (theirs["text"], theirs["finish_reason"]) == (ours.text, ours.finish_reason)
 
@@ -286,7 +277,7 @@ def options(llm, mode, **kw) -> dict:
 
 
 @pytest.mark.slow
-def test_port_text_in_and_out(port, gguf_f32, llm):
+def test_port_text_in_and_out(port, bundled_f32, llm):
     """Text prompts go through the GGUF's tokenizer (llama.cpp's vocab API) to clover's token ids;
     the output text is clover's decode of the tokens; the streamed commit texts are a prefix of it."""
     from clover.data.corpus import heldout_functions
@@ -295,7 +286,7 @@ def test_port_text_in_and_out(port, gguf_f32, llm):
     texts = [t.prompt for t in heldout_tasks(8)] + [h for h, _ in heldout_functions(8, seed=0)]
     texts += ["héllo wörld — ünïcode ✓ 日本語", "  two  spaces\n\n\ttab <|im_end|> x"]
     kw = dict(max_new_tokens=40, block_size=32, threshold=0.95, policy="threshold", stop=["\n\n"])
-    res = port_requests(gguf_f32, llm, [{"prompt": t, "stream": True, **options(llm, "diffusion", **kw)} for t in texts])
+    res = port_requests(bundled_f32, llm, [{"prompt": t, "stream": True, **options(llm, "diffusion", **kw)} for t in texts])
     for t, evs in zip(texts, res):
         done = evs[-1]
         assert done["prompt_ids"] == llm.tokenizer.encode(t)
@@ -307,7 +298,7 @@ def test_port_text_in_and_out(port, gguf_f32, llm):
 
 
 @pytest.mark.slow
-def test_port_chat_template(port, gguf_f32, llm):
+def test_port_chat_template(port, bundled_f32, llm):
     """`messages` through the GGUF's chat template (llama_chat_apply_template) give clover's chat
     prompt ids, control tokens written in content encoded as text."""
     chats = [
@@ -316,7 +307,7 @@ def test_port_chat_template(port, gguf_f32, llm):
          {"role": "assistant", "content": "sorted(xs)"}, {"role": "user", "content": "and reversed?"}],
         [{"role": "user", "content": "a <|im_end|>\n<|im_start|>assistant\nb"}],
     ]
-    res = port_requests(gguf_f32, llm, [{"messages": c, "mode": "ar", "max_new_tokens": 4} for c in chats])
+    res = port_requests(bundled_f32, llm, [{"messages": c, "mode": "ar", "max_new_tokens": 4} for c in chats])
     for c, evs in zip(chats[:2], res):
         assert evs[-1]["prompt_ids"] == llm.tokenizer.apply_chat_template(c, add_generation_prompt=True)
     # control-token text in content: the same text, and the control tokens only where the template
@@ -351,14 +342,14 @@ OPTION_CASES = [
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mode, kw", OPTION_CASES, ids=[f"{m}-{'-'.join(map(str, k.values()))}" for m, k in OPTION_CASES])
-def test_port_option_matches_clover(port, gguf_f32, llm, mode, kw):
+def test_port_option_matches_clover(port, bundled_f32, llm, mode, kw):
     """Each decoding option, greedy: the port's tokens, forwards and finish reason equal clover's,
     prompt by prompt, and the option changes the output of at least one prompt."""
     prompts = mixed_prompts(llm, 6)
     base = dict(max_new_tokens=40, temperature=0.0) | (dict(block_size=32, threshold=0.95, policy="threshold")
                                                           if mode == "diffusion" else {})
-    res = port_requests(gguf_f32, llm, [{"prompt": p, **options(llm, mode, **(base | kw))} for p in prompts])
-    plain = port_requests(gguf_f32, llm, [{"prompt": p, **options(llm, mode, **base)} for p in prompts])
+    res = port_requests(bundled_f32, llm, [{"prompt": p, **options(llm, mode, **(base | kw))} for p in prompts])
+    plain = port_requests(bundled_f32, llm, [{"prompt": p, **options(llm, mode, **base)} for p in prompts])
     for ids, evs in zip(prompts, res):
         ours = llm.generate(ids, mode=mode, **(base | kw))
         r = evs[-1]
@@ -374,7 +365,7 @@ def chi2_critical(dof: int, z: float = 3.29) -> float:
 @pytest.mark.slow
 @pytest.mark.parametrize("kw", [dict(temperature=1.0), dict(temperature=0.7, top_k=12),
                                 dict(temperature=1.3, top_p=0.8), dict(temperature=1.0, repetition_penalty=1.3)])
-def test_port_sampling_distribution(port, gguf_f32, llm, kw):
+def test_port_sampling_distribution(port, bundled_f32, llm, kw):
     """Sampling: the port's first token over 2000 seeds follows the distribution clover samples from
     (clover's processed and filtered logits), by a chi-square test; a seed repeats its draw."""
     from clover.decoding.sampling import SamplingParams, filter_logits, process_logits
@@ -382,7 +373,7 @@ def test_port_sampling_distribution(port, gguf_f32, llm, kw):
     ids = llm.tokenizer.encode("def ")
     n = 2000
     reqs = [{"prompt": ids, **options(llm, "ar", max_new_tokens=1, seed=s, **kw)} for s in range(n)]
-    res = port_requests(gguf_f32, llm, reqs + reqs[:20])
+    res = port_requests(bundled_f32, llm, reqs + reqs[:20])
     got = [evs[-1]["tokens"][0] for evs in res]
     assert got[n:] == got[:20]  # the same seed, the same token
     cache = llm.model.make_cache(1, len(ids) + 1)
@@ -405,29 +396,29 @@ def test_port_sampling_distribution(port, gguf_f32, llm, kw):
 
 
 @pytest.mark.slow
-def test_port_sampled_diffusion(port, gguf_f32, llm):
+def test_port_sampled_diffusion(port, bundled_f32, llm):
     """Sampled diffusion: with top_k 1 the draw is certain (and so is its confidence, measured on the
     filtered distribution), so the port's tokens and forwards equal clover's; a seed repeats its
     output; another seed differs."""
     prompts = task_prompts(llm, 4)
     base = dict(max_new_tokens=32, block_size=32, threshold=0.9, policy="threshold")
     kw = dict(temperature=1.0, top_k=1, seed=1) | base
-    top1 = port_requests(gguf_f32, llm, [{"prompt": p, **options(llm, "diffusion", **kw)} for p in prompts])
+    top1 = port_requests(bundled_f32, llm, [{"prompt": p, **options(llm, "diffusion", **kw)} for p in prompts])
     for p, evs in zip(prompts, top1):
         ours = llm.generate(p, mode="diffusion", **kw)
         assert (evs[-1]["tokens"], evs[-1]["forwards"]) == (ours.token_ids, ours.stats.forwards)
     reqs = [{"prompt": prompts[0], **options(llm, "diffusion", temperature=1.0, seed=s, **base)} for s in (5, 5, 6)]
-    a, b, c = (evs[-1]["tokens"] for evs in port_requests(gguf_f32, llm, reqs))
+    a, b, c = (evs[-1]["tokens"] for evs in port_requests(bundled_f32, llm, reqs))
     assert a == b and a != c
 
 
 @pytest.mark.slow
-def test_port_cancel(port, gguf_f32, llm):
+def test_port_cancel(port, bundled_f32, llm):
     """A cancel line stops the running request before its next forward (finish "abort"); the process
     goes on with the next request."""
     from clover.integrations.llama_port import PortProcess
 
-    with PortProcess(gguf_f32, eos_ids=llm.eos_ids()) as proc:
+    with PortProcess(bundled_f32, eos_ids=llm.eos_ids()) as proc:
         rid = proc.send({"prompt": [5, 6, 7], "mode": "ar", "max_new_tokens": 4000, "ignore_eos": True, "stream": True})
         assert proc.event()["event"] == "commit"
         proc.cancel(rid)
@@ -439,7 +430,7 @@ def test_port_cancel(port, gguf_f32, llm):
 
 
 @pytest.mark.slow
-def test_serve_engine_llama_cpp(port, gguf_f32, llm):
+def test_serve_engine_llama_cpp(port, bundled_f32, llm):
     """`clover serve --engine llama.cpp`: the OpenAI API served through the port answers as the torch
     engine does: text, finish reason and usage (completions and chat, streamed or not, each mode),
     and the same errors for bad requests; a mode the port lacks is refused with its reason."""
@@ -451,7 +442,7 @@ def test_serve_engine_llama_cpp(port, gguf_f32, llm):
     from clover.integrations.llama_port import PortLLM
     from clover.serve import create_app
 
-    served = PortLLM(llm, gguf_f32)
+    served = PortLLM(llm, bundled_f32)
     bodies = [
         ("/v1/completions", {"prompt": "def add(a, b):", "max_tokens": 40, "mode": "diffusion", "threshold": 0.95,
                              "policy": "threshold", "stop": ["\n\n"]}),
