@@ -397,7 +397,8 @@ def test_evaluate_finds_the_tokenizer_or_says_so(tmp_path, capsys):
     ckpt.mkdir(parents=True)
     assert find_tokenizer(ckpt) is None
     assert main(["train", "evaluate", str(ckpt)]) == 2
-    assert capsys.readouterr().err.strip() == "no tokenizer found; pass --tokenizer"
+    assert capsys.readouterr().err.strip() == (f"clover train: error: {ckpt}: no tokenizer found (neither in the directory "
+                                               "nor, for a checkpoint, in <run>/tokenizer); pass --tokenizer DIR")
     (run / "tokenizer").mkdir()
     (run / "tokenizer" / "tokenizer.json").write_text("{}")
     assert find_tokenizer(ckpt) == str(run / "tokenizer")  # a training checkpoint: its run's tokenizer

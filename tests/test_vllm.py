@@ -143,6 +143,20 @@ def test_dropped_tensors_are_the_clover_only_ones():
     assert all(any(k.endswith(s) for k in keys) for s in suffixes)
 
 
+def test_info_vllm_memory_prints_the_tables(capsys, tiny_dir):
+    """`clover info MODEL --vllm-memory` (docs/scale-out.md): the 35B-A3B by name, and a model directory
+    whose heads do not split over 4 or 8 GPUs says so in those rows."""
+    from clover.cli import main
+
+    assert main(["info", "qwen3.6-35b-a3b", "--vllm-memory"]) == 0
+    out = capsys.readouterr().out
+    assert "parameters (AR, as vLLM loads them): 34,660,610,688" in out
+    assert "| 1 | 64.56 GiB | 20.0 KiB | 31.4 MiB | 71.52 GiB |" in out and out.count("|---:|---:|---:|---:|---:|") == 2
+    assert main(["info", str(tiny_dir), "--vllm-memory"]) == 0
+    assert "does not split over 4 GPUs" in capsys.readouterr().out
+    assert main(["info", "--vllm-memory", "--json"]) == 2
+
+
 def test_deployment_memory_counts_every_parameter(tiny_dir):
     from clover.checkpoint import load_model
     from clover.models.qwen3_5_moe import full_size_config

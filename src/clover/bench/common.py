@@ -61,7 +61,8 @@ def max_rss_bytes() -> int:
 
 SHAPE_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim")
 LINEAR_ATTENTION_FIELDS = ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim")
-EXPERT_FIELDS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size")
+ROUTING_FIELDS = ("num_experts", "num_experts_per_tok")  # how many experts, how many a token uses
+EXPERT_FIELDS = (*ROUTING_FIELDS, "moe_intermediate_size", "shared_expert_intermediate_size")
 
 
 def _fields(config, has: bool, names: Sequence[str]) -> dict:
@@ -80,7 +81,7 @@ def config_summary(config, dtype: str) -> dict:
     from ..models import parameter_counts
 
     return {"hidden_size": config.hidden_size, "num_hidden_layers": config.num_hidden_layers,
-            **_fields(config, config.has_experts, EXPERT_FIELDS[:2]), "vocab_size": config.vocab_size,
+            **_fields(config, config.has_experts, ROUTING_FIELDS), "vocab_size": config.vocab_size,
             "parameters": parameter_counts(config), "dtype": dtype}
 
 

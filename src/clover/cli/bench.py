@@ -213,30 +213,23 @@ COST_POSITIONS = (1, 2, 4, 8, 16, 32, 64)
 
 
 # ------------------------------------------------------------------------------------ helpers
-def _emit(result: dict, table, json_path: str | None) -> None:
-    from rich.console import Console
-
-    if json_path == "-":
-        json.dump(result, sys.stdout, indent=1)
-        sys.stdout.write("\n")
-        return
-    Console(width=None if sys.stdout.isatty() else 160).print(table)
-    if json_path:
-        Path(json_path).parent.mkdir(parents=True, exist_ok=True)
-        Path(json_path).write_text(json.dumps(result, indent=1) + "\n")
-        print(f"json written to {json_path}")
-
-
-def _emit_text(result: dict, text, json_path: str | None) -> None:
-    """`_emit` for a benchmark that prints Markdown: `text(result)`, and the JSON to FILE; or with
+def _emit(result: dict, shown, json_path: str | None) -> None:
+    """The results: `shown` (a rich table, or Markdown text) on stdout and the JSON to FILE; with
     '-' the JSON alone on stdout."""
-    if json_path and json_path != "-":
-        Path(json_path).parent.mkdir(parents=True, exist_ok=True)
-        Path(json_path).write_text(json.dumps(result, indent=1, default=str) + "\n")
     if json_path == "-":
         json.dump(result, sys.stdout, indent=1, default=str)
+        sys.stdout.write("\n")
+        return
+    if isinstance(shown, str):
+        print(shown)
     else:
-        print(text(result))
+        from rich.console import Console
+
+        Console(width=None if sys.stdout.isatty() else 160).print(shown)
+    if json_path:
+        Path(json_path).parent.mkdir(parents=True, exist_ok=True)
+        Path(json_path).write_text(json.dumps(result, indent=1, default=str) + "\n")
+        print(f"json written to {json_path}")
 
 
 def _plot(draw, result: dict, args) -> None:
@@ -295,7 +288,7 @@ def run_chat(args) -> int:
 
         result["llama_cpp"] = llama_bench(args.llama_bench, args.gguf, threads=torch.get_num_threads(),
                                           n=args.max_new_tokens)
-    _emit_text(result, markdown, args.json)
+    _emit(result, markdown(result), args.json)
     return 0
 
 
@@ -307,7 +300,7 @@ def run_experts(args) -> int:
     llm, note = _load(args)
     result = bench_experts(llm, _workload(args), progress=_progress(args.json))
     result["model_note"] = note
-    _emit_text(result, experts_markdown, args.json)
+    _emit(result, experts_markdown(result), args.json)
     return 0
 
 

@@ -14,6 +14,9 @@ from .common import UsageError, add_model_arguments, human, model_dir
 def configure(p: argparse.ArgumentParser) -> None:
     add_model_arguments(p, positional=True, weights=False)
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--vllm-memory", action="store_true",
+                   help="instead: the memory per GPU of a vLLM deployment on 1-8 GPUs (weights, K/V, GDN state), "
+                        "from the config alone (docs/scale-out.md); MODEL may also be qwen3.6-35b-a3b")
 
 
 def _regular(path: Path) -> bool:
@@ -155,7 +158,23 @@ def format_info(info: dict) -> str:
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
 
 
+def vllm_memory(args: argparse.Namespace) -> str:
+    """`--vllm-memory`: the per-GPU tables for MODEL's config.json (or the 35B-A3B shapes by name)."""
+    from ..integrations.vllm.memory import report
+    from ..models import read_config
+    from ..models.qwen3_5_moe import full_size_config
+    from ..train.plan import MODEL_ALIASES
+
+    given = getattr(args, "model_pos", None) or getattr(args, "model", None)
+    return report(full_size_config() if given and given.lower() in MODEL_ALIASES else read_config(model_dir(args)))
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.vllm_memory:
+        if args.json:
+            raise UsageError("--vllm-memory prints tables; leave out --json")
+        print(vllm_memory(args))
+        return 0
     info = model_info(model_dir(args))
     print(json.dumps(info) if args.json else format_info(info))
     return 0

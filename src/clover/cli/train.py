@@ -150,8 +150,8 @@ def _evaluate(argv: list[str]) -> int:
 
     tokenizer = a.tokenizer or find_tokenizer(a.model)
     if tokenizer is None:
-        print("no tokenizer found; pass --tokenizer", file=sys.stderr)
-        return 2
+        raise UsageError(f"{a.model}: no tokenizer found (neither in the directory nor, for a checkpoint, in "
+                         "<run>/tokenizer); pass --tokenizer DIR")
     torch.set_num_threads(a.threads)
     print(json.dumps(evaluate(a.model, tokenizer, tasks=a.tasks, batches=a.batches, threshold=a.threshold), indent=1))
     return 0

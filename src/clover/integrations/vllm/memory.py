@@ -102,18 +102,22 @@ def table(c, gpus=(1, 2, 4, 8), *, tokens: int = 262144, seqs: int = 64, weight_
     out = ["| GPUs (TP, or TP+EP) | weights / GPU | K/V per token / GPU | GDN state per sequence / GPU | "
            f"total / GPU at {tokens:,} cached tokens + {seqs} sequences |", "|---:|---:|---:|---:|---:|"]
     for n in gpus:
-        m = per_gpu(c, n, weight_bytes=weight_bytes, state_bytes=state_bytes)
+        try:
+            m = per_gpu(c, n, weight_bytes=weight_bytes, state_bytes=state_bytes)
+        except ValueError as e:  # heads that do not split over n GPUs: vLLM refuses that size
+            out.append(f"| {n} | {e} | | | |")
+            continue
         out.append(f"| {n} | {m.weight_bytes / gib:.2f} GiB | {m.kv_bytes_per_token / 1024:.1f} KiB | "
                    f"{m.gdn_state_bytes_per_seq / 2**20:.1f} MiB | {m.total(tokens, seqs) / gib:.2f} GiB |")
     return "\n".join(out)
 
 
-if __name__ == "__main__":  # python -m clover.integrations.vllm.memory: the tables of docs/scale-out.md
-    from clover.models.qwen3_5_moe import full_size_config
-
-    cfg = full_size_config()
-    print(f"parameters (AR, as vLLM loads them): {parameters(cfg).total:,}")
-    print("\nbf16 weights, bf16 K/V, bf16 GDN state\n")
-    print(table(cfg))
-    print("\nbf16 weights, bf16 K/V, fp32 GDN recurrent state (--mamba-ssm-cache-dtype float32)\n")
-    print(table(cfg, state_bytes=4))
+def report(c) -> str:
+    """The tables of docs/scale-out.md for config `c` (`clover info MODEL --vllm-memory`): the parameter
+    count vLLM loads, then per-GPU memory with a bf16 and with an fp32 GDN recurrent state."""
+    return "\n".join([
+        f"parameters (AR, as vLLM loads them): {parameters(c).total:,}",
+        "", "bf16 weights, bf16 K/V, bf16 GDN state", "", table(c),
+        "", "bf16 weights, bf16 K/V, fp32 GDN recurrent state (--mamba-ssm-cache-dtype float32)", "",
+        table(c, state_bytes=4),
+    ])
