@@ -386,6 +386,42 @@ def test_iteration_curve_is_measured_per_block(llm):
     assert iteration_curve(llm.model, llm.drafter, (2, 8)) is curve  # once per process
 
 
+def test_iteration_curves_go_with_their_drafter(llm):
+    """The curves are kept per model and drafter object, not per id (ids are reused after a
+    collection): a drafter collected takes its curves with it."""
+    import gc
+    import weakref
+
+    from clover.decoding.dflash import _ITERATION_COSTS, iteration_curve
+
+    other = build_drafter(llm.drafter.config, seed=5)
+    iteration_curve(llm.model, other, (2,), repeat=1)
+    assert other in _ITERATION_COSTS[llm.model]
+    gone, n = weakref.ref(other), len(_ITERATION_COSTS[llm.model])
+    del other
+    gc.collect()
+    assert gone() is None and len(_ITERATION_COSTS[llm.model]) == n - 1
+
+
+@pytest.mark.parametrize("block", [8, 32])
+def test_reserved_positions_are_the_engines(target_dir, tmp_path, block):
+    """What `LLM.check_length` / `room` reserve past prompt + max_new_tokens for dflash is what its
+    engine's cache holds with the drafter it decodes with (its block by default, a larger one too)."""
+    from clover.decoding import get_mode
+    from clover.decoding.base import RowState
+    from clover.decoding.sampling import AUTO, SamplingParams
+
+    lm = clover.load(target_dir, drafter=_drafter_dir(tmp_path, clover.load(target_dir).config, block_size=block))
+    mode = get_mode("dflash")
+    for draft in (None, 3, AUTO):
+        params = SamplingParams(max_new_tokens=10, draft_length=None if draft == AUTO else draft,
+                                block_size=AUTO if draft == AUTO else None)
+        engine = mode.make_engine(lm.model, mode.spec(params), mask_id=None, pad_id=0, drafter=lm.drafter)
+        need = engine._capacity(RowState([1, 2, 3], params, set())) - 3 - 10
+        assert lm.room(3, params, mode) == lm.context_length - 3 - need, draft
+        assert need == (3 if draft == 3 else block - 1) + 1
+
+
 # ------------------------------------------------------------------------------ compiled
 def test_static_dflash_equals_eager(monkeypatch, target_dir, llm, tmp_path):
     """compile=True with a drafter: the verify (every logit, the drafter's hidden states, the GDN
@@ -407,23 +443,64 @@ def test_static_dflash_equals_eager(monkeypatch, target_dir, llm, tmp_path):
         alone = [static.generate(p, mode="dflash", **kw, **extra) for p in prompts]
         for a, b, s in zip(ar, batched, alone):
             assert b.token_ids == a.token_ids and s.token_ids == a.token_ids, extra
-    assert static.model.static_steps.calls["verify"] > 0 and drafts and set(drafts) != {0}
+    assert static.model.static_steps.calls["verify-commit"] > 0 and drafts and set(drafts) != {0}
     # the prompt's prefill is not a graph (one per prompt length): only the verifies are
     calls = static.model.static_steps.calls
     calls.clear()
     one = static.generate(list(range(30, 53)), mode="dflash", draft_length=5, **kw)
-    assert calls["verify"] == len(one.stats.accept_lengths) == one.stats.forwards - 1
+    assert calls["verify-commit"] == len(one.stats.accept_lengths) == one.stats.forwards - 1
+
+
+def test_load_compiles_dflash_graphs(monkeypatch, target_dir, llm, tmp_path):
+    """compile=True with a drafter warms, beside the target's set, dflash's verify-commit at the
+    drafter's block (with the hidden states of the layers it reads) and the drafter's draft of a full
+    block, at every compiled batch size; both are then frozen. (torch.compile replaced by the
+    identity: tests/test_compile.py checks the same wiring for the target's other kinds.)"""
+    from clover.models.static import StaticSteps
+
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: fn)
+    warmed = []
+    real_warm = StaticSteps.warm
+    monkeypatch.setattr(StaticSteps, "warm", lambda self, *a, **k: warmed.append((a, k)) or real_warm(self, *a, **k))
+    static = clover.load(target_dir, drafter=save_drafter(llm.drafter, tmp_path / "d"), compile=True, compile_batch=2)
+    bs, ids = llm.drafter.block_size, tuple(llm.drafter.target_layer_ids)
+    assert [(a, k["ragged"]) for a, k in warmed if a[0] == "verify-commit" and k["hidden"] == ids] == [
+        (("verify-commit", 1, bs, 512), False), (("verify-commit", 2, bs, 512), False)]
+    assert static.model.static_steps.frozen and static.drafter.static_batches == (1, 2)
+
+
+@pytest.mark.slow
+def test_frozen_dflash_runs_its_graphs_and_never_compiles(target_dir, llm, tmp_path):
+    """After the load-time set is compiled and frozen (dynamo's tracing, the "eager" backend:
+    seconds), dflash's verifies and full-block drafts run on those graphs -- alone and batched --
+    with AR's tokens: none runs eagerly for want of a graph, and none compiles (a compile under the
+    "fail_on_recompile" stance would have fallen back to eager and been counted)."""
+    from clover.models.compile import compile_model
+    from clover.models.static import LOAD_CAPACITIES, load_shapes
+
+    torch.set_num_threads(1)
+    frozen = clover.load(target_dir, drafter=save_drafter(llm.drafter, tmp_path / "d"))
+    compile_model(frozen.model, backend="eager")
+    steps, dr = frozen.model.static_steps, frozen.drafter.compile_static(backend="eager")
+    steps.warm_all(load_shapes(frozen.config, batches=(1, 2), drafter=dr))
+    dr.warm_static((1, 2), LOAD_CAPACITIES)
+    prompts, kw = [[1, 2, 3], list(range(50, 60))], dict(max_new_tokens=24, ignore_eos=True)
+    ar = llm.generate(prompts, mode="ar", **kw)
+    assert [r.token_ids for r in frozen.generate(prompts, mode="dflash", **kw)] == [r.token_ids for r in ar]
+    assert [frozen.generate(p, mode="dflash", **kw).token_ids for p in prompts] == [r.token_ids for r in ar]
+    assert steps.calls["verify-commit"] > 0 and not steps.calls["eager"], steps.calls
+    assert dr.static_calls["static"] > 0 and not dr.static_calls["eager"], dr.static_calls
 
 
 @pytest.mark.slow
 def test_compiled_dflash_equals_ar(target_dir, llm, tmp_path):
     torch.set_num_threads(1)
     compiled = clover.load(target_dir, drafter=save_drafter(llm.drafter, tmp_path / "d"), compile=True)
-    compiled.model.static_steps.frozen = False  # dflash's verify shapes are not in the set compiled at load
     kw = dict(max_new_tokens=16, ignore_eos=True)
-    got = compiled.generate([1, 2, 3], mode="dflash", draft_length=7, **kw)
+    got = compiled.generate([1, 2, 3], mode="dflash", **kw)  # the drafter's block: the graphs compiled at load
     assert got.token_ids == llm.generate([1, 2, 3], mode="ar", **kw).token_ids
-    assert compiled.model.static_steps.calls["verify"] > 0
+    calls = compiled.model.static_steps.calls
+    assert calls["verify-commit"] > 0 and not calls["eager"] and not compiled.drafter.static_calls["eager"]
 
 
 def test_static_draft_forward_equals_eager(llm):

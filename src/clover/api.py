@@ -202,7 +202,7 @@ class LLM:
 
     def check_length(self, prompt_len: int, params: SamplingParams, mode: Mode) -> None:
         """ValueError (naming `prompt`) when the prompt plus what `mode` generates does not fit."""
-        extra = mode.extra_positions(params)
+        extra = self.extra_positions(params, mode)
         total = prompt_len + params.max_new_tokens + extra
         if prompt_len >= self.context_length or total > self.context_length:
             raise ValueError(
@@ -213,7 +213,14 @@ class LLM:
 
     def room(self, prompt_len: int, params: SamplingParams, mode: Mode) -> int:
         """The most tokens `mode` can generate after a prompt of `prompt_len` tokens."""
-        return max(0, self.context_length - prompt_len - mode.extra_positions(params))
+        return max(0, self.context_length - prompt_len - self.extra_positions(params, mode))
+
+    def extra_positions(self, params: SamplingParams, mode: Mode) -> int:
+        """The positions `mode` needs beyond prompt + max_new_tokens here (a mode that drafts with
+        this LLM's drafter reserves what its engine does with it)."""
+        if getattr(mode, "needs_drafter", False):
+            return mode.extra_positions(params, drafter=self.drafter)
+        return mode.extra_positions(params)
 
     def eos_ids(self) -> set[int]:
         """The tokens that end a row: the config's EOS ids and the tokenizer's (every front end's set)."""
@@ -398,22 +405,6 @@ def load(path: str | os.PathLike | None = None, *, dtype: str | torch.dtype | No
         elif config is not None:
             dtype = _cpu_compute_dtype(path, config)
     model = load_model(path, dtype=dtype, device=device, check_finite=check_finite, config=config)
-    if compile:
-        from .models.compile import compile_model
-
-        compile_model(model, mode="static" if compile is True else compile)
-        from tqdm import tqdm
-
-        from .models.static import batch_buckets, load_shapes
-
-        shapes = load_shapes(model.config, batches=batch_buckets(compile_batch))
-        with tqdm(total=len(shapes), desc="compile", unit="graph", file=sys.stderr, dynamic_ncols=True) as bar:
-            model.static_steps.warm_all(shapes, bar=bar)
-    tokenizer = Tokenizer.from_dir(
-        path,
-        eos_token_id=model.config.eos_token_ids[0] if model.config.eos_token_ids else None,
-        mask_token_id=model.config.mask_token_id,
-    )
     if drafter is None and bundled and (BUNDLED_DRAFTER / "config.json").is_file():
         drafter = BUNDLED_DRAFTER
     draft_model = None
@@ -421,6 +412,25 @@ def load(path: str | os.PathLike | None = None, *, dtype: str | torch.dtype | No
         from .checkpoint import load_drafter
 
         draft_model = load_drafter(drafter, model, device=device)
-        if compile:
-            draft_model.compile_static()
+    if compile:
+        from .models.compile import compile_model
+
+        compile_model(model, mode="static" if compile is True else compile)
+        from tqdm import tqdm
+
+        from .models.static import LOAD_CAPACITIES, batch_buckets, load_shapes
+
+        batches = batch_buckets(compile_batch)
+        shapes = load_shapes(model.config, batches=batches, drafter=draft_model)
+        drafts = len(batches) * len(LOAD_CAPACITIES) if draft_model is not None else 0
+        with tqdm(total=len(shapes) + drafts, desc="compile", unit="graph", file=sys.stderr, dynamic_ncols=True) as bar:
+            model.static_steps.warm_all(shapes, bar=bar)
+            if draft_model is not None:  # dflash's draft of a full block, at the same batch sizes and capacities
+                bar.set_postfix_str("drafter")
+                draft_model.compile_static().warm_static(batches, LOAD_CAPACITIES, bar=bar)
+    tokenizer = Tokenizer.from_dir(
+        path,
+        eos_token_id=model.config.eos_token_ids[0] if model.config.eos_token_ids else None,
+        mask_token_id=model.config.mask_token_id,
+    )
     return LLM(model, tokenizer, path, drafter=draft_model)

@@ -27,18 +27,33 @@ from __future__ import annotations
 
 import statistics
 import time
+import weakref
 from dataclasses import dataclass
 
 import torch
 
-from .base import BatchEngine, DecodeEvent, EngineRow, RowState, next_tokens, pad_right, propose_tokens, row_history
+from .base import BatchEngine, DecodeEvent, EngineRow, RowState, next_tokens, pad_right, row_history
 from .modes import EngineSpec, Mode, register
-from .sampling import AUTO, SamplingParams
+from .sampling import AUTO, SamplingParams, greedy_tokens
 from .speculative import (accept_draft, agreed, choose_draft, commit_verified, constrained_draft,
                           constrained_sampled_draft, sampling_probs, settle_cache)
 
 DEFAULT_DRAFT = 15  # the published drafters' block of 16: the anchor + 15 drafts
 AUTO_BLOCKS = (2, 4, 8, 16)  # draft "auto": the blocks (anchor + drafts) it picks among, up to the drafter's
+
+
+def max_draft(draft_length: int | None, drafter=None) -> int:
+    """The most drafts per verify of rows asking for `draft_length` (None or "auto": the drafter's
+    block - 1, or `DEFAULT_DRAFT` before a drafter is known)."""
+    if isinstance(draft_length, int):
+        return draft_length
+    return drafter.block_size - 1 if drafter is not None else DEFAULT_DRAFT
+
+
+def reserved_positions(draft_length: int) -> int:
+    """Positions a row needs beyond prompt + max_new_tokens with up to `draft_length` drafts: its
+    last verify writes the anchor and the drafts after its last committed token (one to spare)."""
+    return draft_length + 1
 
 
 @dataclass(eq=False)
@@ -72,8 +87,9 @@ class DFlashEngine(BatchEngine):
         self.forwards = 0
 
     def _capacity(self, row: RowState) -> int:
-        return len(row.prompt) + row.params.max_new_tokens + self.max_draft + 2
+        return len(row.prompt) + row.params.max_new_tokens + reserved_positions(self.max_draft)
 
+    @torch.inference_mode()  # as the target's cache (`BatchEngine.add`): a compiled draft is specialised on it
     def add(self, row: RowState) -> list[DecodeEvent]:
         n = len(self.rows)
         events = super().add(row)
@@ -141,8 +157,8 @@ class DFlashEngine(BatchEngine):
         tails = [draft[:j] for j in range(D + 1)]
         if r.constraint is not None:
             new = self._verify_constrained(r, logits, draft, q, tails)
-        elif r.params.greedy:
-            target = propose_tokens(r, logits, tails)[0].tolist()
+        elif r.params.greedy:  # AR's token choice (`propose`), without its confidences
+            target = greedy_tokens(r.state.sampler.process(logits, row_history(r, tails, D + 1))).tolist()
             m = agreed(draft, target)
             new = draft[:m] + [target[m]]
         else:
@@ -235,7 +251,9 @@ class DFlashEngine(BatchEngine):
         return events
 
 
-_ITERATION_COSTS: dict = {}  # (model, drafter, eager/compiled, blocks) -> CostCurve, measured once per process
+# model -> drafter -> (eager/compiled, blocks) -> CostCurve, measured once per process; weak keys, so
+# that a model or drafter collected (its id reused) takes its curves with it
+_ITERATION_COSTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 @torch.inference_mode()
@@ -247,9 +265,10 @@ def iteration_curve(model, drafter, blocks, *, repeat: int = 3) -> "CostCurve":
     process."""
     from .width import CostCurve, compiled_kind
 
-    key = (id(model), id(drafter), compiled_kind(model), tuple(blocks))
-    if key in _ITERATION_COSTS:
-        return _ITERATION_COSTS[key]
+    known = _ITERATION_COSTS.setdefault(model, weakref.WeakKeyDictionary()).setdefault(drafter, {})
+    key = (compiled_kind(model), tuple(blocks))
+    if key in known:
+        return known[key]
     curve = CostCurve()
     gen = torch.Generator().manual_seed(0)
     prompt = torch.randint(3, model.config.vocab_size, (32,), generator=gen).tolist()
@@ -264,7 +283,7 @@ def iteration_curve(model, drafter, blocks, *, repeat: int = 3) -> "CostCurve":
             engine.step()
             seconds.append(time.perf_counter() - t0)
         curve.add("verify", 1, b, statistics.median(seconds))
-    _ITERATION_COSTS[key] = curve
+    known[key] = curve
     return curve
 
 
@@ -279,8 +298,9 @@ class DFlash(Mode):
         if params.block_size == AUTO and params.draft_length is not None:
             raise ValueError("draft_length: block_size \"auto\" chooses the draft length; give one or the other")
 
-    def extra_positions(self, params) -> int:
-        return (params.draft_length or DEFAULT_DRAFT) + 1
+    def extra_positions(self, params, drafter=None) -> int:
+        """As the engine reserves for the drafter it decodes with (`drafter`; the LLM passes its own)."""
+        return reserved_positions(max_draft(params.draft_length, drafter))
 
     def spec(self, params, provisional: bool = False) -> EngineSpec:
         # None: the drafter's block - 1; "auto": adapted to acceptance
@@ -290,7 +310,7 @@ class DFlash(Mode):
         if drafter is None:
             raise ValueError("mode: 'dflash' needs a DFlash drafter; load one with clover.load(model, drafter=DIR) "
                              "(CLI and server: --drafter DIR)")
-        return DFlashEngine(model, drafter, draft_length=spec.width or drafter.block_size - 1, pad_id=pad_id)
+        return DFlashEngine(model, drafter, draft_length=spec.width or max_draft(None, drafter), pad_id=pad_id)
 
 
 register(DFlash())

@@ -345,6 +345,12 @@ def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return logits
 
 
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """Processed logits [N, V] -> the greedy tokens [N], as `propose` chooses them (the argmax of the
+    softmax: where two logits round to one probability, the first), without the confidences."""
+    return logits.softmax(-1).argmax(-1)
+
+
 def propose(
     logits: torch.Tensor,
     params: SamplingParams,
@@ -359,7 +365,7 @@ def propose(
     with_entropy: also return each position's entropy H (nats) [N]."""
     if params.greedy:
         probs = logits.softmax(-1)
-        tokens = probs.argmax(-1)
+        tokens = probs.argmax(-1)  # `greedy_tokens`
     else:
         probs = filter_logits(logits, params).softmax(-1)
         tokens = torch.multinomial(probs, 1, generator=generator).squeeze(-1)

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import functools
 import json
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -291,23 +292,42 @@ class DFlashDrafter(nn.Module):
 
     # -- the cached draft forward (decoding)
     static_draft = None  # `forward_draft(static=True)` compiled (`compile_static`), or None
+    static_batches: tuple[int, ...] | None = None  # after `warm_static`: frozen, the batch sizes compiled
 
     def draft(self, cache: HybridCache, ctx: torch.Tensor, n_ctx: torch.Tensor | None, block: torch.Tensor) -> torch.Tensor:
         """ctx [B, Tc, n*H_t] context features of the tokens committed since the last draft
         (right-padded, `n_ctx[b]` valid; Tc may be 0), block [B, Bd, H] embedded block ->
         hidden [B, Bd, H] after the final norm. The context keys are appended to `cache`. Compiled
-        (`compile_static`) when the context is padded to the block's width."""
+        (`compile_static`) when the context is padded to the block's width; once frozen
+        (`warm_static`), a shape without a graph runs eagerly instead of compiling."""
         B, Tc, Bd = ctx.shape[0], ctx.shape[1], block.shape[1]
         n = n_ctx if n_ctx is not None else torch.full((B,), Tc, dtype=torch.long, device=ctx.device)
         cache.ensure_capacity(int(cache.lengths.max()) + Tc)
         states = [s.tensors() for s in cache.layers]
+        h = None
         if self.static_draft is not None and Tc == Bd:
-            h = self.static_draft(ctx, n, block, cache.lengths, states)
-        else:
+            h = self._run_static(ctx, n, block, cache.lengths, states)
+            self.static_calls["static" if h is not None else "eager"] += 1
+        if h is None:
             h = self.forward_draft(ctx, n, block, cache.lengths, states)
         if Tc:
             cache.advance(n)
         return h
+
+    def _run_static(self, ctx, n, block, lengths, states) -> torch.Tensor | None:
+        """The compiled draft, or None where frozen and it has no graph of this shape (dynamo's
+        "fail_on_recompile" stance refuses before anything ran)."""
+        if self.static_batches is None:
+            return self.static_draft(ctx, n, block, lengths, states)
+        if ctx.shape[0] not in self.static_batches:
+            return None
+        try:
+            with torch.compiler.set_stance("fail_on_recompile"):
+                return self.static_draft(ctx, n, block, lengths, states)
+        except RuntimeError as e:
+            if "fail_on_recompile" not in str(e):
+                raise
+            return None
 
     def forward_draft(self, ctx: torch.Tensor, n: torch.Tensor, block: torch.Tensor, lengths: torch.Tensor,
                       states: list, *, static: bool = False) -> torch.Tensor:
@@ -338,7 +358,26 @@ class DFlashDrafter(nn.Module):
 
         self.rotary_emb.inv_freq(self.device)  # cached outside the graph
         self.static_draft = compile_static(functools.partial(self.forward_draft, static=True), self.device, backend)
+        self.static_calls = Counter()  # block-wide drafts served: "static" (a graph) or "eager" (frozen, no graph)
         return self
+
+    def warm_static(self, batches, capacities, *, bar=None) -> None:
+        """Compile the draft of a full block (the anchor and `block_size - 1` masks, the context
+        padded to it) at each batch size in `batches` and cache capacity in `capacities` (as the
+        target's `load_shapes`), then freeze: another shape runs eagerly, never compiles.
+        `bar`: a progress bar (tqdm's `update`), made by the caller."""
+        Bd, F = self.block_size, self.fc.in_features
+        with torch.inference_mode():  # as the engine drafts: a graph is specialised on the grad mode
+            for b in batches:
+                for cap in capacities:
+                    cache = self.make_cache(b, cap)
+                    ctx = torch.zeros(b, Bd, F, dtype=self.dtype, device=self.device)
+                    block = torch.zeros(b, Bd, self.config.hidden_size, dtype=self.dtype, device=self.device)
+                    n = torch.full((b,), Bd, dtype=torch.long, device=self.device)
+                    self.static_draft(ctx, n, block, cache.lengths, [s.tensors() for s in cache.layers])
+                    if bar is not None:
+                        bar.update()
+        self.static_batches = tuple(sorted({int(b) for b in batches}))
 
     # -- the training forward (no cache; many blocks per sequence)
     def forward_train(self, ctx: torch.Tensor, anchors: torch.Tensor, block: torch.Tensor) -> torch.Tensor:

@@ -14,9 +14,9 @@ the device. The forward kinds served:
 - **commit+denoise**: a finished block committed (rows may commit fewer tokens, `n_commit`) fused
   with the next block's first denoise step;
 - **verify**: the same with logits at every commit position and the GDN commit inputs returned for
-  a rollback (speculative decoding: the draft verified causally, the next block drafted), or a
-  commit alone of that kind (dflash: the anchor and drafts verified, with the hidden states of the
-  layers the drafter reads, `hidden_out`).
+  a rollback (speculative decoding: the draft verified causally, the next block drafted);
+- **verify-commit**: a commit alone of that kind (dflash: the anchor and drafts verified, with the
+  hidden states of the layers the drafter reads, `hidden_out`; a graph per set of those layers).
 
 Every other forward runs eagerly: the prompt prefill (its length would be one graph more), and
 every forward of a model with quantized experts (`unsupported_reason`). A speculative rollback
@@ -29,7 +29,7 @@ eagerly (one warning).
 
 `clover.load(compile=True)` and `clover serve --compile` compile a bounded set at load
 (`load_shapes`: the AR step and, at the model's block size, the denoise, commit+denoise and verify
-forwards, for batch sizes in powers of two (and the largest batch itself) and the capacities in `LOAD_CAPACITIES`), with a
+forwards, with a DFlash drafter its verify-commit at the drafter's block size, for batch sizes in powers of two (and the largest batch itself) and the capacities in `LOAD_CAPACITIES`), with a
 progress bar (`warm_all`), and then freeze: a shape outside the set runs eagerly instead of
 compiling, so no request waits on a compile. A batch between two compiled sizes runs on the larger
 graph in place: the cache keeps memory for that many rows (`HybridCache.reserve_rows`) and the
@@ -52,7 +52,7 @@ from ..cache import first_rows, row_room
 CAPACITY_QUANTUM = 512  # the smallest static cache: prompt + max_new_tokens + 2 blocks up to 512 share one graph
 LOAD_CAPACITIES = (CAPACITY_QUANTUM,)  # the cache capacities compiled at load
 RECOMPILE_LIMIT = 64
-KINDS = ("ar", "denoise", "commit+denoise", "verify")
+KINDS = ("ar", "denoise", "commit+denoise", "verify", "verify-commit")
 
 
 def unsupported_reason(model) -> str | None:
@@ -70,21 +70,25 @@ def round_capacity(capacity: int) -> int:
     return max(CAPACITY_QUANTUM, 1 << max(0, int(capacity) - 1).bit_length())
 
 
-def load_shapes(config, *, batches=(1,), capacities=LOAD_CAPACITIES) -> list[tuple]:
+def load_shapes(config, *, batches=(1,), capacities=LOAD_CAPACITIES, drafter=None) -> list[tuple]:
     """The graphs compiled at load, as `StaticSteps.warm` arguments (kind, batch, width, capacity,
-    ragged): the AR step and, for a model with a mask token, the denoise, commit+denoise and verify
-    forwards at its block size (the diffusion block and speculative draft), at every batch size in
-    `batches` and every capacity in `capacities`. At batch > 1 the commit kinds are compiled ragged
-    only (rows may commit fewer tokens than the block; a frozen `run` serves every commit there)."""
+    ragged, hidden): the AR step and, for a model with a mask token, the denoise, commit+denoise and
+    verify forwards at its block size (the diffusion block and speculative draft), at every batch
+    size in `batches` and every capacity in `capacities`; with a DFlash `drafter` (its `block_size`
+    and `target_layer_ids`), dflash's verify-commit of the anchor and a full draft, returning the
+    hidden states of those layers. At batch > 1 the other commit kinds are compiled ragged only (rows
+    may commit fewer tokens than the block; a frozen `run` serves every commit there)."""
     shapes = []
     w = int(config.block_size) if config.mask_token_id is not None else None
     for b in batches:
+        ragged = b > 1
         for cap in capacities:
-            shapes.append(("ar", b, 1, cap, False))
-            if w is None:
-                continue
-            ragged = b > 1
-            shapes += [("denoise", b, w, cap, False), ("commit+denoise", b, w, cap, ragged), ("verify", b, w, cap, ragged)]
+            shapes.append(("ar", b, 1, cap, False, ()))
+            if w is not None:
+                shapes += [("denoise", b, w, cap, False, ()), ("commit+denoise", b, w, cap, ragged, ()),
+                           ("verify", b, w, cap, ragged, ())]
+            if drafter is not None:  # every row verifies a whole block: not ragged (a batch with a prefill is eager)
+                shapes.append(("verify-commit", b, int(drafter.block_size), cap, False, tuple(drafter.target_layer_ids)))
     return shapes
 
 
@@ -113,7 +117,7 @@ def step_kind(commit_ids, n_commit, denoise_ids, *, all_logits: bool, record: bo
     if Tc == 1 and n_commit is not None:
         return None
     if record:
-        return "verify"
+        return "verify-commit" if not Bd else "verify"
     return "ar" if Tc == 1 and not Bd else "commit+denoise" if Tc else "denoise"
 
 
@@ -155,7 +159,8 @@ class StaticSteps:
             return None
         B = lengths.shape[0]
         b = self.batch_for(B)
-        if self.frozen and b > 1 and n_commit is None and commit_ids is not None and commit_ids.shape[1] > 1:
+        if (self.frozen and b > 1 and n_commit is None and commit_ids is not None and commit_ids.shape[1] > 1
+                and kind != "verify-commit"):
             n_commit = torch.full_like(lengths, commit_ids.shape[1])  # the ragged graph serves every commit
         if b != B:
             return self._run_padded(b, commit_ids, n_commit, denoise_ids, lengths, states, expert_budget=expert_budget,
@@ -221,12 +226,13 @@ class StaticSteps:
                         for r in records)
         return cut(commit_logits), cut(denoise_logits), touched, records
 
-    def warm(self, kind: str, batch: int, width: int, capacity: int, *, ragged: bool = False,
+    def warm(self, kind: str, batch: int, width: int, capacity: int, *, ragged: bool = False, hidden=(),
              expert_budget: int | None = None, expert_rank: str = "sum") -> None:
         """Compile (or find compiled) the graph of one shape ahead of use, on a scratch cache:
         `kind` one of `KINDS`, `batch` rows, `width` the block (1 for "ar"), `capacity` the cache
         capacity as `make_cache` rounds it; `ragged`: rows commit fewer than `width` tokens
-        (`n_commit` given; commit kinds only). The graph is then reused by any step of that shape."""
+        (`n_commit` given; commit kinds only); `hidden`: the layers whose outputs a verify-commit
+        returns (`hidden_out`). The graph is then reused by any step of that shape."""
         if kind not in KINDS:
             raise ValueError(f"static step kind {kind!r}: expected one of {', '.join(KINDS)}")
         m = self.model
@@ -241,10 +247,12 @@ class StaticSteps:
                 n = None
             ids = torch.zeros(batch, width, dtype=torch.long, device=m.device)
             commit = ids[:, :Tc] if Tc else None
-            denoise = ids if kind != "ar" else None
+            denoise = ids if kind not in ("ar", "verify-commit") else None
             states = [s.tensors() for s in cache.layers]
+            verify = kind.startswith("verify")
             out = self.run(commit, n, denoise, cache.lengths, states, expert_budget=expert_budget,
-                           expert_rank=expert_rank, all_logits=kind == "verify", record=kind == "verify")
+                           expert_rank=expert_rank, all_logits=verify, record=verify,
+                           hidden_out=dict.fromkeys(hidden) if hidden else None)
         if out is None:
             raise ValueError(f"static step {kind} (batch {batch}, width {width}, capacity {capacity}) was not compiled")
         self.calls[kind] -= 1  # a warm-up serves no request
@@ -254,10 +262,10 @@ class StaticSteps:
         on a step of another shape runs eagerly. `bar`: a progress bar (tqdm's `update` and
         `set_postfix_str`), made by the caller: this module is bundled into the transformers export,
         which may import only torch and transformers."""
-        for kind, batch, width, capacity, ragged in shapes:
+        for kind, batch, width, capacity, ragged, hidden in shapes:
             if bar is not None:
                 bar.set_postfix_str(f"{kind} batch {batch} width {width} capacity {capacity}{' ragged' if ragged else ''}")
-            self.warm(kind, batch, width, capacity, ragged=ragged)
+            self.warm(kind, batch, width, capacity, ragged=ragged, hidden=hidden)
             if bar is not None:
                 bar.update()
         self.batches = tuple(sorted({int(x[1]) for x in shapes}))
