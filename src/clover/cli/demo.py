@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from .common import UsageError, add_model_arguments, load_llm, model_dir_or_tiny, stderr
 
@@ -59,21 +60,38 @@ def run(args: argparse.Namespace) -> int:
     wanted = DEMO_MODES + ((CHAT_EXTRA_MODE,) if chat else ())
     modes = [m for m in wanted if has_mask or not get_mode(m).needs_mask]
     console = Console(width=None if sys.stdout.isatty() else 120)
-    table = Table(title=f"clover demo · {llm.path}", title_justify="left")
-    for col in ("prompt", "mode", "tokens", "forwards", "tokens/forward", "tokens/s", "finish"):
-        table.add_column(col, justify="left" if col in ("prompt", "mode", "finish") else "right")
-    for prompt in CHAT_PROMPTS if chat else DEMO_PROMPTS:
+    cfg = llm.config
+    policy = (f" · diffusion at the model's default policy: block {cfg.block_size}, {cfg.policy} {cfg.threshold}"
+              if "diffusion" in modes else "")
+    table = Table(title=f"clover demo · {llm.path}{policy}", title_justify="left")
+    for col in ("prompt", "mode", "tokens", "forwards", "tokens/forward", "tokens/s", "finish", "= AR"):
+        table.add_column(col, justify="left" if col in ("prompt", "mode", "finish", "= AR") else "right")
+    prompts = CHAT_PROMPTS if chat else DEMO_PROMPTS
+    same = {m: 0 for m in modes if m != "ar"}  # prompts on which a mode wrote AR's tokens
+    for prompt in prompts:
+        ar_ids = None
         for mode in modes:
             # a task prompt's answer is the rest of its line: stop there, as `clover eval` does
             stop = ["\n"] if prompt.endswith(PROMPT_SEP) else None
             ids = llm.tokenizer.apply_chat_template([{"role": "user", "content": prompt}]) if chat else prompt
             gen = llm.generate(ids, mode=mode, max_new_tokens=args.max_new_tokens, stop=stop)
             s = gen.stats
+            if mode == "ar":
+                ar_ids, as_ar = gen.token_ids, "-"
+            else:
+                as_ar = "yes" if gen.token_ids == ar_ids else "no"
+                same[mode] += as_ar == "yes"
             console.rule(f"{mode} · {prompt!r}", align="left")
             shown = gen.text if chat else prompt + gen.text
             console.print(viz.printable_text(shown), markup=False, highlight=False)
             table.add_row(repr(prompt), mode, str(s.tokens), str(s.forwards), f"{s.tokens_per_forward:.2f}",
-                          f"{s.tokens_per_second:.1f}", gen.finish_reason)
+                          f"{s.tokens_per_second:.1f}", gen.finish_reason, as_ar)
     console.print()
     console.print(table)
+    # the honest summary: how often each mode wrote what AR writes (speculative always does: it is lossless)
+    console.print("; ".join(f"{m}: AR's text on {k} of {len(prompts)} prompts" for m, k in same.items()),
+                  markup=False, highlight=False)
+    card = Path(llm.path) / "README.md"
+    if card.is_file():
+        console.print(f"measured quality and speed, and what the model cannot do: {card}", markup=False, highlight=False)
     return 0
