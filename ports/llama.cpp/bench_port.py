@@ -9,16 +9,21 @@ One thread, the same held-out task prompts (as token ids) everywhere, `--rounds`
 - stock llama.cpp AR: `clover-llama-probe greedy N` per prompt, timed as t(greedy N) - t(greedy 0)
   (process start, load and prefill cancel; EOS banned so every prompt runs N tokens), and
   `llama-bench -p 0 -n N -r 1 -t 1` (wall clock, its own);
-- the port (`llama-clover`): ar, diffusion (threshold 0.95: block 32 with the threshold rule and the
-  model's entropy rule, blocks 16 and 8 with the threshold rule), speculative (draft 32, 8, 4); its own
-  clock over the decode loop with the first (prefill) forward taken out, as stock's.
+- the port (`llama-clover`): ar, diffusion (the model's defaults: its block size and rule; threshold
+  0.95: block 32 with the threshold rule and the entropy rule, blocks 16 and 8 with the threshold rule),
+  speculative (draft 32, 8, 6, 4, 3; drafts 6 and 3 also with expert budget 2), and denoise forwards
+  of width 8 and 32 (threshold 1.5: one token per forward, the block never ended early: the cost of
+  a denoise forward of that width, a block's commit in every width-th); its own clock over the
+  decode loop with the first (prefill) forward taken out, as stock's.
 `--clock cpu` (the default) times CPU seconds (the child's user + system time for the probe, the
 port's process CPU clock), which a loaded machine disturbs far less than wall time; `wall` times
-wall seconds. Prints a Markdown table: tokens, forwards, tokens per forward, tokens/s, and tokens/s
-over stock AR. `--compare ARGS` runs every port row a second time with ARGS added to its command
-line, in the same rounds (one change measured on its own: e.g. `--moe mul_mat_id`, the port's routed
-experts through ggml_mul_mat_id instead of its grouped expert matmul), and reports whether both
-gave the same tokens.
+wall seconds. Prints a Markdown table: tokens, forwards, tokens per forward, time per forward (and
+over a stock AR step), tokens/s, and tokens/s over stock AR. `--compare ARGS` runs every port row a
+second time with ARGS added to its command line, in the same rounds (one change measured on its own:
+e.g. `--moe mul_mat_id`, the port's routed experts through ggml_mul_mat_id instead of its grouped
+expert matmul), and reports whether both gave the same tokens. `--model DIR` times another
+checkpoint (the 0.7B rows: `clover tiny DIR --shape 0.7b`, `--dtypes q8_0 --configs "ar;denoise,
+width 8;denoise, width 32"`).
 """
 
 from __future__ import annotations
@@ -82,13 +87,21 @@ def llama_bench_tokens_per_s(gguf: Path, n: int) -> float | None:
 
 CONFIGS = {
     "ar": ["--mode", "ar", "--ignore-eos"],
+    "diffusion, the model's defaults": ["--mode", "diffusion"],
     "diffusion, threshold rule": ["--mode", "diffusion", "--block", "32", "--policy", "threshold", "--threshold", "0.95"],
     "diffusion, entropy rule": ["--mode", "diffusion", "--block", "32", "--policy", "entropy", "--threshold", "0.95"],
     "diffusion, threshold rule, block 16": ["--mode", "diffusion", "--block", "16", "--policy", "threshold", "--threshold", "0.95"],
     "diffusion, threshold rule, block 8": ["--mode", "diffusion", "--block", "8", "--policy", "threshold", "--threshold", "0.95"],
+    "denoise, width 8": ["--mode", "diffusion", "--block", "8", "--policy", "threshold", "--threshold", "1.5"],
+    "denoise, width 32": ["--mode", "diffusion", "--block", "32", "--policy", "threshold", "--threshold", "1.5"],
     "speculative, draft 32": ["--mode", "speculative", "--block", "32", "--ignore-eos"],
     "speculative, draft 8": ["--mode", "speculative", "--block", "32", "--draft", "8", "--ignore-eos"],
     "speculative, draft 4": ["--mode", "speculative", "--block", "32", "--draft", "4", "--ignore-eos"],
+    "speculative, draft 6": ["--mode", "speculative", "--block", "32", "--draft", "6", "--ignore-eos"],
+    "speculative, draft 3": ["--mode", "speculative", "--block", "32", "--draft", "3", "--ignore-eos"],
+    # the draft (denoise) columns share the block's 2 best experts; the verify columns route as AR: lossless
+    "speculative, draft 3, expert budget 2": ["--mode", "speculative", "--block", "32", "--draft", "3", "--expert-budget", "2", "--ignore-eos"],
+    "speculative, draft 6, expert budget 2": ["--mode", "speculative", "--block", "32", "--draft", "6", "--expert-budget", "2", "--ignore-eos"],
 }
 
 
@@ -117,8 +130,8 @@ def main() -> int:
     if a.compare:
         configs = {**configs, **{f"{name} [{a.compare}]": [*args, *a.compare.split()] for name, args in configs.items()}}
     print(f"clock: {a.clock}; {a.rounds} interleaved rounds, the median shown")
-    print("| dtype | engine | tokens | forwards | tokens/forward | tokens/s | × stock AR |")
-    print("|---|---|---:|---:|---:|---:|---:|")
+    print("| dtype | engine | tokens | forwards | tokens/forward | ms/forward | × stock AR step | tokens/s | × stock AR |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
     with tempfile.TemporaryDirectory() as tmp:
         for dtype in a.dtypes.split(","):
             gguf = Path(tmp) / f"model-{dtype}.gguf"
@@ -130,20 +143,23 @@ def main() -> int:
                     res = run(gguf, prompts, ["-n", str(a.n), *args], eos_ids=eos, binary=port)
                     tok = sum(r["n_tokens"] for r in res)
                     fwd = sum(r["forwards"] for r in res)
-                    rows[name].append((tok / sum(port_seconds(r, a.clock) for r in res), tok, fwd, [r["tokens"] for r in res]))
+                    sec = sum(port_seconds(r, a.clock) for r in res)
+                    # per forward: the timed ones (each prompt's first, prefill forward is not timed)
+                    rows[name].append((tok / sec, tok, fwd, [r["tokens"] for r in res], sec / (fwd - len(res))))
             s = statistics.median(stock)
             bench = llama_bench_tokens_per_s(gguf, a.n)
-            print(f"| {dtype} | stock llama.cpp AR (probe) | {len(prompts) * a.n} | {len(prompts) * a.n} | 1.00 | {s:.1f} | 1.00 |")
+            print(f"| {dtype} | stock llama.cpp AR (probe) | {len(prompts) * a.n} | {len(prompts) * a.n} | 1.00 | {1e3 / s:.3f} | 1.00 | {s:.1f} | 1.00 |")
             if bench is not None:
-                print(f"| {dtype} | stock llama.cpp AR (llama-bench, wall) | {a.n} | {a.n} | 1.00 | {bench:.1f} | {bench / s:.2f} |")
+                print(f"| {dtype} | stock llama.cpp AR (llama-bench, wall) | {a.n} | {a.n} | 1.00 | {1e3 / bench:.3f} | {s / bench:.2f} | {bench:.1f} | {bench / s:.2f} |")
             for name, vals in rows.items():
                 tps = statistics.median(v[0] for v in vals)
+                ms = 1e3 * statistics.median(v[4] for v in vals)
                 tok, fwd = vals[0][1], vals[0][2]
                 same = ""
                 if a.compare and name.endswith(f" [{a.compare}]"):
                     base = rows[name[: -len(f" [{a.compare}]")]][0][3]
                     same = f" (same tokens: {sum(x == y for x, y in zip(base, vals[0][3]))}/{len(base)})"
-                print(f"| {dtype} | port {name}{same} | {tok} | {fwd} | {tok / fwd:.2f} | {tps:.1f} | {tps / s:.2f} |")
+                print(f"| {dtype} | port {name}{same} | {tok} | {fwd} | {tok / fwd:.2f} | {ms:.3f} | {ms * s / 1e3:.2f} | {tps:.1f} | {tps / s:.2f} |")
             sys.stdout.flush()
     return 0
 

@@ -941,6 +941,70 @@ static void clear_graphs() { graph_cache().clear(); }
 
 static CachedGraph * build_graph(Model & m, int Tc, int Bd, int n_out, int n_kv, bool record);
 
+// CLOVER_PORT_PROFILE=1: every forward's graph computed node by node, the CPU time of each node summed
+// per forward shape and per node kind (the op, and a matmul's weight), the table printed to stderr at
+// exit. Same results, slower (each node is one graph compute); for finding where a forward's time goes.
+static bool profiling() {
+    static const bool on = std::getenv("CLOVER_PORT_PROFILE") != nullptr;
+    return on;
+}
+struct ProfileRow { double s = 0; long n = 0; };
+static double cpu_now() {
+    timespec t{};
+    clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &t);
+    return t.tv_sec + 1e-9 * t.tv_nsec;
+}
+static std::map<std::string, std::map<std::string, ProfileRow>> & profile_table() {
+    static std::map<std::string, std::map<std::string, ProfileRow>> table;
+    static const bool registered = [] {
+        std::atexit([] {
+            double fwd = 0;
+            for (auto & [shape, rows] : profile_table()) fwd += rows["(forward)"].s;
+            std::fprintf(stderr, "== process CPU %.3f s, of which forwards %.3f s (node by node)\n", cpu_now(), fwd);
+            for (auto & [shape, rows] : profile_table()) {
+                const ProfileRow & all = rows["(forward)"];
+                std::fprintf(stderr, "\n== forward %s: %ld forwards, %.3f ms CPU each\n", shape.c_str(), all.n, 1e3 * all.s / std::max(1L, all.n));
+                std::vector<std::pair<double, std::string>> order;
+                for (auto & [k, r] : rows) if (k != "(forward)") order.push_back({r.s, k});
+                std::sort(order.rbegin(), order.rend());
+                for (auto & [sec, k] : order)
+                    std::fprintf(stderr, "  %8.4f ms %5.1f%%  %s\n", 1e3 * sec / std::max(1L, all.n), 100 * sec / std::max(1e-12, all.s), k.c_str());
+            }
+        });
+        return true;
+    }();
+    (void) registered;
+    return table;
+}
+static void profile_compute(Model & m, ggml_cgraph * gf, int Tc, int Bd, int n_out) {
+    auto & rows = profile_table()["Tc=" + std::to_string(Tc) + " Bd=" + std::to_string(Bd) + " logits=" + std::to_string(n_out)];
+    static std::vector<uint8_t> mem(ggml_graph_overhead_custom(1, false) + 1024);
+    ggml_init_params ip = {mem.size(), mem.data(), true};
+    ggml_context * ctx = ggml_init(ip);
+    ggml_cgraph * one = ggml_new_graph_custom(ctx, 1, false);
+    const double t0 = cpu_now();
+    for (int i = 0; i < ggml_graph_n_nodes(gf); i++) {
+        ggml_tensor * node = ggml_graph_node(gf, i);
+        ggml_graph_clear(one);
+        ggml_graph_add_node(one, node);
+        const double t = cpu_now();
+        if (ggml_backend_graph_compute(m.backend, one) != GGML_STATUS_SUCCESS) die("graph compute failed");
+        std::string k = ggml_op_desc(node);
+        if (node->op == GGML_OP_MUL_MAT || node->op == GGML_OP_MUL_MAT_ID || node->op == GGML_OP_CUSTOM) {
+            const char * name = node->op == GGML_OP_CUSTOM ? node->name : node->src[0]->name;
+            const char * dot = std::strchr(name, '.');  // blk.N.attn_q.weight -> attn_q.weight
+            k += std::string(" ") + (std::strncmp(name, "blk.", 4) == 0 && dot && std::strchr(dot + 1, '.') ? std::strchr(dot + 1, '.') + 1 : name);
+        }
+        ProfileRow & r = rows[k];
+        r.s += cpu_now() - t;
+        r.n++;
+    }
+    ProfileRow & all = rows["(forward)"];
+    all.s += cpu_now() - t0;
+    all.n++;
+    ggml_free(ctx);
+}
+
 // commit: tokens appended to the cache; block: one denoise block read against the cache after the
 // commit (not written); out_rows: indices into [commit | block] whose logits are wanted.
 static void forward(Model & m, const std::vector<int> & commit, const std::vector<int> & block,
@@ -1012,7 +1076,8 @@ static void forward(Model & m, const std::vector<int> & commit, const std::vecto
     for (int i = 0; i < n_out; i++) oi[i] = out_rows[i];
     set(G.out_ids, oi.data(), sizeof(int32_t) * oi.size());
 
-    if (ggml_backend_graph_compute(m.backend, G.gf) != GGML_STATUS_SUCCESS) die("graph compute failed");
+    if (profiling()) profile_compute(m, G.gf, Tc, Bd, n_out);
+    else if (ggml_backend_graph_compute(m.backend, G.gf) != GGML_STATUS_SUCCESS) die("graph compute failed");
     res.logits.resize((size_t) n_out * hp.n_vocab);
     if (n_out) ggml_backend_tensor_get(G.logits, res.logits.data(), 0, sizeof(float) * res.logits.size());
     m.n_past += Tc;
@@ -1064,8 +1129,10 @@ static CachedGraph * build_graph(Model & m, int Tc, int Bd, int n_out, int n_kv,
             ggml_tensor * be = ggml_mul_mat(ctx, L.wbeta, cur);      // [Hv, T]
             calls[il] = {&m, &L, Tc, Bd, record};
             ggml_tensor * pre = ggml_custom_4d(ctx, GGML_TYPE_F32, hp.conv_dim(), T, 1, 1, &mixed, 1, gdn_conv, GGML_N_TASKS_MAX, &calls[il]);
+            ggml_set_name(pre, "gdn_conv");
             ggml_tensor * args[3] = {ggml_silu(ctx, pre), al, be};
             ggml_tensor * o = ggml_custom_4d(ctx, GGML_TYPE_F32, hp.dv, hp.hv, T, 1, args, 3, gdn_mix, GGML_N_TASKS_MAX, &calls[il]);
+            ggml_set_name(o, "gdn_mix");
             ggml_tensor * z3 = ggml_reshape_3d(ctx, z, hp.dv, hp.hv, T);
             o = ggml_mul(ctx, ggml_mul(ctx, ggml_rms_norm(ctx, o, hp.eps), L.ssm_norm), ggml_silu(ctx, z3));
             cur = ggml_mul_mat(ctx, L.ssm_out, ggml_reshape_2d(ctx, o, hp.dv * hp.hv, T));
@@ -1113,7 +1180,7 @@ static CachedGraph * build_graph(Model & m, int Tc, int Bd, int n_out, int n_kv,
         ggml_tensor * h = ggml_mul(ctx, ggml_rms_norm(ctx, x, hp.eps), L.post_norm);
         const int E = hp.n_expert, k = hp.n_expert_used;
         ggml_tensor * probs = ggml_soft_max(ctx, ggml_mul_mat(ctx, L.gate_inp, h));  // [E, T]
-        if (share) probs = ggml_custom_4d(ctx, GGML_TYPE_F32, E, T, 1, 1, &probs, 1, block_share, 1, &share_call);
+        if (share) probs = ggml_set_name(ggml_custom_4d(ctx, GGML_TYPE_F32, E, T, 1, 1, &probs, 1, block_share, 1, &share_call), "block_share");
         ggml_tensor * sel = ggml_top_k(ctx, probs, k);                               // [k, T]
         ggml_tensor * wts = ggml_get_rows(ctx, ggml_reshape_3d(ctx, probs, 1, E, T), sel);  // [1, k, T]
         wts = ggml_reshape_2d(ctx, wts, k, T);
@@ -1124,6 +1191,7 @@ static CachedGraph * build_graph(Model & m, int Tc, int Bd, int n_out, int n_kv,
             G->moe_calls[il] = {&L, &expert_workers(m.n_threads)};
             ggml_tensor * args[2] = {h, sel};
             dn = ggml_custom_4d(ctx, GGML_TYPE_F32, H, k, T, 1, args, 2, moe_grouped, GGML_N_TASKS_MAX, &G->moe_calls[il]);
+            ggml_set_name(dn, "moe_grouped");
         } else {
             ggml_tensor * h3 = ggml_reshape_3d(ctx, h, H, 1, T);
             ggml_tensor * up = ggml_mul_mat_id(ctx, L.up_exps, h3, sel);      // [I, k, T]
