@@ -154,20 +154,30 @@ class DeltaNetState(LayerState):
         tokens (no projections, no prefix recompute; `longest` = max(keep), read once by the cache);
         the conv state is the last K-1 pre-conv inputs ending at the last kept token. Written into
         the state's tensors (their spare rows stay, `reserve`)."""
-        if self.record is None:  # the layer saw no commit since the snapshot
-            return
-        q, k, v, g, beta, window = self.record
-        T = min(q.shape[1], longest)  # the tokens after the longest kept prefix need not run
+        if self.record is not None:  # else the layer saw no commit since the snapshot
+            DeltaNetState.rollback_layers([self], [snap], keep, longest)
+
+    @staticmethod
+    def rollback_layers(states: list["DeltaNetState"], snaps: list, keep: torch.Tensor, longest: int) -> None:
+        """`rollback` of several layers whose records have the same shapes, as one recurrence over
+        their heads side by side (the heads are independent: one kernel call instead of one per layer)."""
+        recs = [s.record for s in states]
+        T = min(recs[0][0].shape[1], longest)  # the tokens after the longest kept prefix need not run
         if T == 0:
-            self.recurrent.copy_(snap[1])
+            for s, snap in zip(states, snaps):
+                s.recurrent.copy_(snap[1])
         else:
             valid = (torch.arange(T, device=keep.device)[None, :] < keep[:, None])[..., None]
+            q, k, v, g, beta = (torch.cat([r[i][:, :T] for r in recs], dim=2) for i in range(5))
+            init = torch.cat([snap[1] for snap in snaps], dim=1)
             # a few tokens (a typical rejected draft): token by token, as AR's own steps; else chunked
             kernel = recurrent_gated_delta_rule if T <= RECURRENT_ROLLBACK else chunk_gated_delta_rule
-            _, state = kernel(q[:, :T], k[:, :T], v[:, :T], g[:, :T] * valid, beta[:, :T] * valid,
-                              initial_state=snap[1], output_final_state=True, use_qk_l2norm_in_kernel=True)
-            self.recurrent.copy_(state)
-        self.conv.copy_(conv_window_tail(window, self.conv.shape[2], keep))
+            _, state = kernel(q, k, v, g * valid, beta * valid, initial_state=init, output_final_state=True,
+                              use_qk_l2norm_in_kernel=True)
+            for s, part in zip(states, state.split([s.recurrent.shape[1] for s in states], dim=1)):
+                s.recurrent.copy_(part)
+        for s, r in zip(states, recs):
+            s.conv.copy_(conv_window_tail(r[5], s.conv.shape[2], keep))
 
 
 # --------------------------------------------------------------------------- the cache
@@ -279,8 +289,14 @@ class HybridCache:
             raise RuntimeError("rollback needs start_recording() before the commit")
         longest = int(torch.as_tensor(keep).max())  # one host read (none for a list), not one per GDN layer
         keep = torch.as_tensor(keep, dtype=torch.long, device=self.device).expand(self.batch_size)
+        groups: dict = {}  # GDN layers with records of one shape roll back together
         for s, saved in zip(self.layers, snap.layers):
-            s.rollback(saved, keep, longest)
+            if isinstance(s, DeltaNetState) and s.record is not None:
+                groups.setdefault(tuple(tuple(t.shape) for t in s.record[:5]), []).append((s, saved))
+            else:
+                s.rollback(saved, keep, longest)
+        for group in groups.values():
+            DeltaNetState.rollback_layers([s for s, _ in group], [saved for _, saved in group], keep, longest)
         self.lengths.copy_(snap.lengths + keep)
         self._stop_recording()
 
