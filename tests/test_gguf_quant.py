@@ -151,6 +151,40 @@ def test_token_for_token_with_clovers_quantized_engine(quantized, tmp_path, monk
         assert a == b
 
 
+@pytest.mark.parametrize("bits,group", [(8, None), (4, 64)])
+def test_import_gguf_of_a_quantized_export(quantized, tmp_path, monkeypatch, capsys, bits, group):
+    """`clover export-gguf` of a quantized directory, then `clover import-gguf` of that file: a float
+    checkpoint holding the dequantized GGUF weights (Q8_0: clover's INT8 weights bit for bit; Q4_1:
+    within the float16 rounding of its block offset), the Clover tensors and config back from the
+    sidecar, and greedy tokens equal to clover's own quantized engine (its exact fp32 path)."""
+    import clover
+    from clover.checkpoint import load_model
+    from clover.cli import main
+
+    monkeypatch.setattr(ops, "FP32_VIA_BF16", False)
+    qdir, path, _ = quantized[(bits, group)]
+    out = tmp_path / "imported"
+    assert main(["import-gguf", str(path), str(out)]) == 0
+    assert "wrote" in capsys.readouterr().out
+    want = json.loads((qdir / "config.json").read_text())
+    want.pop("quantization_config")
+    want["torch_dtype"] = "float32"  # the dequantized weights, written as --dtype (default float32)
+    assert json.loads((out / "config.json").read_text()) == want
+    ours, step = clover_dequantized(qdir)
+    theirs = load_model(out).state_dict()
+    assert set(theirs) == set(ours)
+    for k, v in ours.items():
+        if bits == 4 and k in step:
+            assert float(((theirs[k] - v).abs() / step[k]).max()) < 5e-3, k
+        else:
+            assert torch.equal(theirs[k], v), k
+    engine, imported = clover.load(qdir, dtype="float32"), clover.load(out, dtype="float32")
+    for ids in [engine.tokenizer.encode(p) for p in held_out_prompts(8)]:
+        for mode in ("ar", "diffusion"):
+            a = engine.generate(ids, mode=mode, max_new_tokens=32, ignore_eos=True, temperature=0.0).token_ids
+            assert imported.generate(ids, mode=mode, max_new_tokens=32, ignore_eos=True, temperature=0.0).token_ids == a, mode
+
+
 def test_rows_without_whole_blocks_stay_exact(tmp_path):
     """hidden 48 (rows of 48 inputs) and, at int4 group 32, out_proj's value heads of 16 columns
     (tiling moves columns across groups): those weights go out as float32, dequantized exactly."""

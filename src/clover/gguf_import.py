@@ -409,10 +409,13 @@ def qwen35moe_config(reader, path: Path, tensor_names: set[str]) -> CloverConfig
     if _field(reader, "clover.model_type") == "clover":  # a Clover checkpoint: its block-diffusion settings
         fields["backbone"] = fields.pop("model_type")
         fields["model_type"] = "clover"
-        for key in ("mask_token_id", "block_size", "threshold", "policy", "expert_budget"):
+        for key in ("mask_token_id", "block_size", "threshold", "policy", "expert_budget", "block_sizes"):
             v = _field(reader, f"clover.{key}")
             if v is not None:
-                fields[key] = _f32(v) if isinstance(v, float) else v
+                fields[key] = _f32(v) if isinstance(v, float) else [int(x) for x in v] if isinstance(v, list) else v
+        tpf = _field(reader, "clover.block_tokens_per_forward")  # JSON: {width: tokens per forward}
+        if tpf is not None:
+            fields["block_tokens_per_forward"] = json.loads(tpf)
         if "mask_token_id" not in fields:
             raise GGUFImportError(f"{path}: a Clover file without 'clover.mask_token_id'; export it again")
     return config_from_dict(fields, source=str(path))

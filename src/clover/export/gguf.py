@@ -534,6 +534,8 @@ def _write_metadata(w, config: CloverConfig, tok: TokenizerMetadata, *, name: st
             w.add_uint32(f"clover.{key}", value)
         elif isinstance(value, float):
             w.add_float32(f"clover.{key}", value)
+        elif isinstance(value, list):
+            w.add_array(f"clover.{key}", value)
         elif value is not None:
             w.add_string(f"clover.{key}", str(value))
 
@@ -732,6 +734,10 @@ def export_gguf(
         "mask_token_id": tok.mask_id,
         "expert_budget": config.expert_budget,
         "policy": config.policy if config.is_clover else None,  # the default acceptance rule (llama-clover reads it)
+        # block_size="auto": the widths it was trained on and their measured tokens per forward (JSON)
+        "block_sizes": config.block_sizes if config.is_clover else None,
+        "block_tokens_per_forward": (json.dumps(config.block_tokens_per_forward, sort_keys=True)
+                                     if config.is_clover and config.block_tokens_per_forward else None),
         "tensors": mode,
         "tensors_file": side.name if side else None,
         "v_head_order": "tiled",
