@@ -7,7 +7,7 @@ import argparse
 
 
 def configure(p: argparse.ArgumentParser) -> None:
-    p.add_argument("src", help="a Clover model directory (config.json, safetensors, tokenizer files)")
+    p.add_argument("src", help="a Clover model directory (config.json, safetensors, tokenizer files); an INT8 `clover quantize` directory is written as torchao tensors (needs torchao)")
     p.add_argument("dst", help="the directory to write (loads with AutoModelForCausalLM.from_pretrained(DST, trust_remote_code=True))")
     p.add_argument("--overwrite", action="store_true", help="replace DST if it exists and is not empty")
 

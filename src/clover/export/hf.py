@@ -11,6 +11,9 @@ loader copies only flat sibling files named by `from .name import`. Each file is
 with only its relative import lines rewritten (`from ..cache import X` ->
 `from .clover_cache import X`) and a header naming where it came from. A bundled module may import
 only the standard library, torch and transformers; anything else stops the export.
+
+An INT8 `clover quantize` directory is written as torchao tensors with transformers' `TorchAoConfig`
+(`clover.export.hf_quant`); an INT4 one is refused there, with the reason.
 """
 
 from __future__ import annotations
@@ -193,9 +196,11 @@ def export_hf(src: str | Path, dst: str | Path, *, overwrite: bool = False) -> E
     if not config.is_clover:
         raise ConfigError(f"{src}: model_type {config.model_type!r} is a plain AR checkpoint; run `clover convert` first "
                           "(the transformers model needs the mask token for diffusion_generate)")
-    if config.quantization_config:
-        raise ConfigError(f"{src}: a quantized checkpoint cannot be exported for transformers; export the "
-                          "unquantized one")
+    quant = None
+    if config.quantization_config:  # INT8 as torchao tensors (clover.export.hf_quant); read before writing anything
+        from .hf_quant import torchao_export
+
+        quant = torchao_export(src, config)
     if dst.exists() and (not dst.is_dir() or any(dst.iterdir())):
         if not overwrite:
             raise ValueError(f"dst: {dst} exists and is not empty (pass --overwrite to replace an earlier export)")
@@ -207,13 +212,24 @@ def export_hf(src: str | Path, dst: str | Path, *, overwrite: bool = False) -> E
     notes: list[str] = []
     for name, text in code.items():
         (dst / name).write_text(text, encoding="utf-8")
-    (dst / "config.json").write_text(json.dumps(hf_config_dict(config), indent=2) + "\n")
+    hf_config = hf_config_dict(config)
+    if quant is not None:
+        hf_config["quantization_config"] = quant[2]
+    (dst / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
     (dst / "generation_config.json").write_text(json.dumps(generation_config_dict(config), indent=2) + "\n")
     tok = copy_tokenizer_files(src, dst)
     if "tokenizer.json" not in tok:
         notes.append("no tokenizer.json in the source: AutoTokenizer will not load DST")
     layout = model_class(config).key_layout
-    if _canonical_weights(src, layout):
+    if quant is not None:
+        from ..weights import save_state_dict
+
+        flat, metadata, _, quant_notes = quant
+        save_state_dict(flat, dst, metadata=metadata)
+        weights = [p.name for p in shard_files(dst)]
+        notes += quant_notes + ["INT8 weights as torchao Int8Tensor (transformers' TorchAoConfig); transformers "
+                                "loads them with torchao installed; clover itself loads the source directory"]
+    elif _canonical_weights(src, layout):
         weights = [p.name for p in shard_files(src)]
         for n in weights + ([INDEX_FILE] if (src / INDEX_FILE).is_file() else []):
             shutil.copyfile(src / n, dst / n)
