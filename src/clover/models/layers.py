@@ -566,6 +566,8 @@ class SparseMoE(nn.Module):
     def _grouped_on_device(self, top_idx: torch.Tensor) -> bool:
         """Eagerly: the grouped matmul (`static_expert_forward`) where it beats the host loop over
         the touched experts: on a CPU, at inference (the grouped op has no backward), plain
-        experts, at least as many routed slots as experts."""
+        experts (not clover's quantized ones, nor a tensor subclass such as torchao's Int8Tensor in the
+        transformers export, which the grouped op cannot take), at least as many routed slots as experts."""
         return (top_idx.device.type == "cpu" and not torch.is_grad_enabled() and hasattr(torch, "_grouped_mm")
-                and top_idx.numel() >= self.num_experts and isinstance(self.experts.gate_up_proj, torch.Tensor))
+                and top_idx.numel() >= self.num_experts
+                and type(getattr(self.experts, "gate_up_proj", None)) in (torch.Tensor, nn.Parameter))
