@@ -146,6 +146,36 @@ def test_padded_batch_runs_in_place(tiny_dir, monkeypatch):
     assert steps.calls["padded"] == 2, steps.calls  # the AR step and the recorded commit
 
 
+def test_every_frozen_step_has_a_compiled_shape(tiny_dir, monkeypatch):
+    """Once frozen, every step a generation hands the compiled forward (AR, diffusion, speculative,
+    at batch 1 and padded from 3 to 4) is one of the shapes compiled at load: no step would fall
+    back to eager, e.g. speculative's one-token draft after a rejection runs on the ragged verify
+    graph, padded to the block."""
+    _identity_compile(monkeypatch)
+    llm = clover.load(tiny_dir, compile=True, compile_batch=4)
+    steps = llm.model.static_steps
+    compiled = set()
+    for kind, b, w, cap, ragged, _ in load_shapes(llm.config, batches=batch_buckets(4)):
+        Tc, Bd = {"ar": (1, 0), "denoise": (0, w)}.get(kind, (w, w))
+        compiled.add((b, Tc, Bd, cap, ragged, kind == "verify"))
+    seen = set()
+    real = steps._forward
+    attention = llm.config.layer_types.index("full_attention")
+
+    def spy(c, n, d, lengths, states, **kw):
+        cap = states[attention][0].shape[2]  # K [B, H_kv, capacity, D]
+        seen.add((lengths.shape[0], 0 if c is None else c.shape[1], 0 if d is None else d.shape[1], cap,
+                  n is not None, kw["record"]))
+        return real(c, n, d, lengths, states, **kw)
+
+    steps._forward = spy
+    for prompts in (["def f(x):"], ["def f(x):", "ab", "a longer prompt of a few words"]):
+        for mode in ("ar", "diffusion", "speculative"):
+            llm.generate(prompts, mode=mode, max_new_tokens=40, ignore_eos=True)
+    assert seen and seen <= compiled, seen - compiled
+    assert any(c[1] == c[2] and c[4] and c[5] and c[0] == 1 for c in seen)  # a ragged verify at batch 1
+
+
 def test_serve_compiles_its_batch_sizes_at_load(tiny_dir, monkeypatch):
     """`clover serve --compile --max-batch N` compiles the powers of two below N and N itself at load (a full batch has its own graph)."""
     import argparse

@@ -242,10 +242,11 @@ class SpeculativeEngine(BatchEngine):
 
     _probs = staticmethod(sampling_probs)
 
-    def _draft(self, r: RowState, denoise_logits: torch.Tensor) -> list[int]:
-        """The next draft: token 0 from the causal logits (or a rejection's residual draw), the rest
-        from the denoise logits (`denoise_logits[j-1]` predicts draft token j)."""
-        D = self.draft_length
+    def _draft(self, r: RowState, denoise_logits: torch.Tensor | None, D: int | None = None) -> list[int]:
+        """The next draft of `D` tokens (None: the draft length): token 0 from the causal logits (or a
+        rejection's residual draw), the rest from the denoise logits (`denoise_logits[j-1]` predicts
+        draft token j)."""
+        D = D or self.draft_length
         if r.params.greedy:
             first = self._argmax(r, r.state.first_logits[None])
             return first + (self._argmax(r, denoise_logits[: D - 1]) if D > 1 else [])
@@ -284,6 +285,7 @@ class SpeculativeEngine(BatchEngine):
             r.experts_touched.extend(out.experts_touched)
             next_draft_ok = True
             Dv = len(r.state.draft) if r.state.draft is not None else 0
+            resync = Dv == 1 and r.constraint is None  # the one-token draft after a rejection (below)
             if r.state.draft is not None and r.constraint is not None:  # verify under the grammar
                 verify = self._verify_constrained if r.params.greedy else self._verify_constrained_sampled
                 m = verify(r, out.commit_logits[i, :Dv])
@@ -298,7 +300,7 @@ class SpeculativeEngine(BatchEngine):
                 r.state.first_logits = out.commit_logits[i, m - 1]
                 r.state.kept_draft += m - 1
                 r.state.rejected_draft += m < Dv
-                next_draft_ok = m == Dv == drafted_at
+                next_draft_ok = m == Dv and (Dv == drafted_at or resync)
                 commit_verified(r, i, r.state.draft[:m], events)
             elif r.state.pending:  # prompt prefill rides with the first draft
                 r.state.first_logits = out.commit_logits[i, len(r.state.pending) - 1]
@@ -313,6 +315,11 @@ class SpeculativeEngine(BatchEngine):
                 else:
                     draft = self._draft_constrained if r.params.greedy else self._draft_constrained_sampled
                     r.state.draft = draft(r, torch.cat([r.state.first_logits[None], out.denoise_logits[i, : D - 1]]))
+            elif r.constraint is None:
+                # a rejection: this forward's denoise block followed rejected tokens. The next forward
+                # commits AR's own next token (a draft of one, always kept) while it denoises the block
+                # after it, rather than only denoising (a forward that committed nothing)
+                r.state.draft = self._draft(r, None, D=1)
         settle_cache(self.cache, snap, keep, committed)
         self._drop_finished()
         return events

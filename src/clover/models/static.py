@@ -76,8 +76,9 @@ def load_shapes(config, *, batches=(1,), capacities=LOAD_CAPACITIES, drafter=Non
     verify forwards at its block size (the diffusion block and speculative draft), at every batch
     size in `batches` and every capacity in `capacities`; with a DFlash `drafter` (its `block_size`
     and `target_layer_ids`), dflash's verify-commit of the anchor and a full draft, returning the
-    hidden states of those layers. At batch > 1 the other commit kinds are compiled ragged only (rows
-    may commit fewer tokens than the block; a frozen `run` serves every commit there)."""
+    hidden states of those layers. At batch > 1 the commit+denoise kind, and the verify kind at every
+    batch, are compiled ragged only (rows may commit fewer tokens than the block; a frozen `run` serves
+    every such commit there, a draft shorter than the block padded to it)."""
     shapes = []
     w = int(config.block_size) if config.mask_token_id is not None else None
     for b in batches:
@@ -86,7 +87,7 @@ def load_shapes(config, *, batches=(1,), capacities=LOAD_CAPACITIES, drafter=Non
             shapes.append(("ar", b, 1, cap, False, ()))
             if w is not None:
                 shapes += [("denoise", b, w, cap, False, ()), ("commit+denoise", b, w, cap, ragged, ()),
-                           ("verify", b, w, cap, ragged, ())]
+                           ("verify", b, w, cap, True, ())]
             if drafter is not None:  # every row verifies a whole block: not ragged (a batch with a prefill is eager)
                 shapes.append(("verify-commit", b, int(drafter.block_size), cap, False, tuple(drafter.target_layer_ids)))
     return shapes
@@ -159,9 +160,13 @@ class StaticSteps:
             return None
         B = lengths.shape[0]
         b = self.batch_for(B)
-        if (self.frozen and b > 1 and n_commit is None and commit_ids is not None and commit_ids.shape[1] > 1
-                and kind != "verify-commit"):
-            n_commit = torch.full_like(lengths, commit_ids.shape[1])  # the ragged graph serves every commit
+        if self.frozen and commit_ids is not None and kind != "verify-commit":
+            Tc, Bd = commit_ids.shape[1], 0 if denoise_ids is None else denoise_ids.shape[1]
+            if kind == "verify" and Tc < Bd:  # a draft shorter than the block (speculative after a rejection)
+                n_commit = n_commit if n_commit is not None else torch.full_like(lengths, Tc)
+                commit_ids = torch.cat([commit_ids, commit_ids.new_zeros(B, Bd - Tc)], 1)
+            elif n_commit is None and Tc > 1 and (b > 1 or kind == "verify"):
+                n_commit = torch.full_like(lengths, Tc)  # the ragged graph serves every commit
         if b != B:
             return self._run_padded(b, commit_ids, n_commit, denoise_ids, lengths, states, expert_budget=expert_budget,
                                     expert_rank=expert_rank, all_logits=all_logits, record=record,
