@@ -197,23 +197,23 @@ def test_port_speculative_equals_ar(port, bundled_f32, llm, ignore_eos):
 
 
 @pytest.mark.slow
-def test_port_speculative_budgeted_draft_equals_ar(port, gguf_f32, llm):
+def test_port_speculative_budgeted_draft_equals_ar(port, bundled_f32, llm):
     """Expert sharing on the draft (denoise) columns only: the verify columns route as AR, so the
     tokens stay AR's (the cheaper lossless mode of docs/llama-port.md, "Speed")."""
     prompts = task_prompts(llm, PROMPTS)
-    spec = port_run(gguf_f32, prompts, "speculative", llm, block_size=32, draft_length=3, expert_budget=2,
+    spec = port_run(bundled_f32, prompts, "speculative", llm, block_size=32, draft_length=3, expert_budget=2,
                     ignore_eos=True)
-    ar = port_run(gguf_f32, prompts, "ar", llm, ignore_eos=True)
+    ar = port_run(bundled_f32, prompts, "ar", llm, ignore_eos=True)
     assert [s["tokens"] for s in spec] == [a["tokens"] for a in ar]
     assert sum(s["forwards"] for s in spec) < sum(a["forwards"] for a in ar)
 
 
 @pytest.mark.slow
-def test_port_profile(port, gguf_f32, llm):
+def test_port_profile(port, bundled_f32, llm):
     """CLOVER_PORT_PROFILE=1 computes the graphs node by node: the same tokens, and a table per
     forward shape on stderr naming the ops and the matmuls' weights."""
     stdin = "".join(" ".join(map(str, p)) + "\n" for p in task_prompts(llm, 2)).encode()
-    cmd = [str(port), str(gguf_f32), "--mode", "diffusion", "-n", "24", "--threads", "1"]
+    cmd = [str(port), str(bundled_f32), "--mode", "diffusion", "-n", "24", "--threads", "1"]
     plain = subprocess.run(cmd, input=stdin, capture_output=True, timeout=300)
     prof = subprocess.run(cmd, input=stdin, capture_output=True, timeout=300,
                           env={**os.environ, "CLOVER_PORT_PROFILE": "1"})
