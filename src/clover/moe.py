@@ -79,12 +79,10 @@ def grouped_expert_forward(experts, x: torch.Tensor, top_idx: torch.Tensor, top_
 GATHER_BYTES = 4 << 20
 
 
-@torch.library.custom_op("clover::expert_swiglu", mutates_args=())
-def expert_swiglu(xs: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+def grouped_swiglu(xs: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """Grouped SwiGLU experts: rows of `xs` [M, H] sorted by expert, expert e owning rows
     [offsets[e-1], offsets[e]) (int32 cumulative counts); gate_up [E, 2I, H], down [E, H, I] -> [M, H].
-    One op to a compiled graph (its output shape is the input's), so the token grouping needs no host
-    read; eagerly, torch's grouped matmul (a loop over the touched experts where it is missing)."""
+    torch's grouped matmul (a loop over the touched experts where it is missing)."""
     if hasattr(torch, "_grouped_mm"):
         gate, up = torch._grouped_mm(xs, gate_up.transpose(1, 2), offs=offsets).chunk(2, dim=-1)
         return torch._grouped_mm(F.silu(gate) * up, down.transpose(1, 2), offs=offsets)
@@ -96,6 +94,14 @@ def expert_swiglu(xs: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, o
             out[start:end] = F.linear(F.silu(gate) * up, down[e])
         start = end
     return out
+
+
+@torch.library.custom_op("clover::expert_swiglu", mutates_args=())
+def expert_swiglu(xs: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """`grouped_swiglu` as one op to a compiled graph (its output shape is the input's), so the token
+    grouping needs no host read. Called only while compiling: eagerly a custom op's dispatch imports
+    torch._dynamo (seconds at the first call; an eager `clover generate` never imports it)."""
+    return grouped_swiglu(xs, gate_up, down, offsets)
 
 
 @expert_swiglu.register_fake
@@ -124,7 +130,8 @@ def static_expert_forward(experts, x: torch.Tensor, top_idx: torch.Tensor, top_w
     token_of_slot = order // k
     ends = torch.arange(1, E + 1, device=x.device, dtype=flat_idx.dtype)
     offsets = (flat_idx[None, :] < ends[:, None]).sum(1).to(torch.int32)  # cumulative counts per expert
-    y = expert_swiglu(x.index_select(0, token_of_slot), gu_w, dn_w, offsets)
+    swiglu = expert_swiglu if torch.compiler.is_compiling() else grouped_swiglu
+    y = swiglu(x.index_select(0, token_of_slot), gu_w, dn_w, offsets)
     y = y * top_w.reshape(-1).index_select(0, order)[:, None].to(y.dtype)
     return torch.zeros_like(x).index_add_(0, token_of_slot, y.to(x.dtype))
 
