@@ -93,6 +93,8 @@ def test_demo_shows_the_pulled_chat_model(fake_named, capsys, monkeypatch):
     # the policy diffusion ran at, and how often each mode wrote AR's text (speculative: always, it is lossless)
     assert "default policy: block 8, threshold 0.95" in " ".join(out.split())
     assert "speculative: AR's text on 3 of 3 prompts" in out and "diffusion: AR's text on" in out
+    k = int(out.split("diffusion: AR's text on ")[1].split()[0])
+    assert ("what block decoding made of the answer" in out) == (k < 3)  # said exactly when diffusion differs
 
 
 def test_bench_chat_every_mode(fake_named, capsys):

@@ -89,9 +89,14 @@ def run(args: argparse.Namespace) -> int:
     console.print()
     console.print(table)
     # the honest summary: how often each mode wrote what AR writes (speculative always does: it is lossless)
-    console.print("; ".join(f"{m}: AR's text on {k} of {len(prompts)} prompts" for m, k in same.items()),
-                  markup=False, highlight=False)
+    def say(text: str) -> None:
+        console.print(text, markup=False, highlight=False)
+
+    say("; ".join(f"{m}: AR's text on {k} of {len(prompts)} prompts" for m, k in same.items()))
+    if same.get("diffusion", len(prompts)) < len(prompts):
+        say("where diffusion's text differs from AR's, it is what block decoding made of the answer (a small model "
+            "can repeat or drop words there); speculative decoding always gives AR's text")
     card = Path(llm.path) / "README.md"
     if card.is_file():
-        console.print(f"measured quality and speed, and what the model cannot do: {card}", markup=False, highlight=False)
+        say(f"measured quality and speed, and what the model cannot do: {card}")
     return 0
