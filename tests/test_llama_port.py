@@ -366,7 +366,7 @@ OPTION_CASES = [
     ("ar", dict(eos_penalty=-8.0)),
     ("speculative", dict(eos_penalty=-8.0, expert_budget=4)),
     ("diffusion", dict(logit_bias={225: 4.0, 203: -3.0})),
-    ("speculative", dict(logit_bias={225: -6.0})),
+    ("speculative", dict(logit_bias={225: -20.0})),
 ]
 
 

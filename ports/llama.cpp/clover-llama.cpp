@@ -1777,7 +1777,9 @@ static void run_diffusion(Model & m, const Params & p, const std::vector<int> & 
     }
 }
 
-// clover.decoding.speculative.SpeculativeEngine for one row (greedy; lossless w.r.t. AR)
+// clover.decoding.speculative.SpeculativeEngine for one row (greedy; lossless w.r.t. AR). After a
+// rejection the next forward commits AR's own next token (a draft of one, always kept) while it
+// denoises the block after it, as clover's engine (not a denoise-only forward that commits nothing).
 static void run_speculative(Model & m, const Params & p, const std::vector<int> & prompt, Row & r) {
     const int V = m.hp.n_vocab, D = p.draft, mask = m.hp.mask_id;
     std::vector<int> pending = prompt, draft;
@@ -1787,9 +1789,9 @@ static void run_speculative(Model & m, const Params & p, const std::vector<int> 
     Forward f;
     while (!r.stop_now()) {
         const std::vector<int> & src = has_draft ? draft : pending;
-        const int Tc = (int) src.size();
+        const int Tc = (int) src.size(), Dv = has_draft ? Tc : 0;
         std::vector<int> rows;
-        if (has_draft) for (int j = 0; j < D; j++) rows.push_back(j);
+        if (has_draft) for (int j = 0; j < Dv; j++) rows.push_back(j);
         else if (Tc) rows.push_back(Tc - 1);
         const int n_commit_rows = (int) rows.size();
         for (int j = 0; j < D - 1; j++) rows.push_back(Tc + j);
@@ -1798,14 +1800,14 @@ static void run_speculative(Model & m, const Params & p, const std::vector<int> 
         int keep = Tc;
         bool next_ok = true;
         if (has_draft) {
-            std::vector<int> causal(D);
-            for (int j = 0; j < D; j++) causal[j] = argmax_tok(&f.logits[(size_t) j * V], V, p);
+            std::vector<int> causal(Dv);
+            for (int j = 0; j < Dv; j++) causal[j] = argmax_tok(&f.logits[(size_t) j * V], V, p);
             int mm = 1;
-            while (mm < D && draft[mm] == causal[mm - 1]) mm++;
+            while (mm < Dv && draft[mm] == causal[mm - 1]) mm++;
             r.accept_lengths.push_back(mm);
             keep = mm;
             std::copy(f.logits.begin() + (size_t) (mm - 1) * V, f.logits.begin() + (size_t) mm * V, first.begin());
-            next_ok = mm == D;
+            next_ok = mm == Dv;  // a draft of one (the resync after a rejection) is always kept
             row_accept(r, p, std::vector<int>(draft.begin(), draft.begin() + mm));
         } else if (Tc) {
             std::copy(f.logits.begin(), f.logits.begin() + V, first.begin());
@@ -1818,8 +1820,10 @@ static void run_speculative(Model & m, const Params & p, const std::vector<int> 
             draft.assign(D, 0);
             draft[0] = argmax_tok(first.data(), V, p);
             for (int j = 0; j < D - 1; j++) draft[j + 1] = argmax_tok(&f.logits[(size_t) (n_commit_rows + j) * V], V, p);
-            has_draft = true;
+        } else {  // a rejection: this forward's block followed rejected tokens
+            draft.assign(1, argmax_tok(first.data(), V, p));
         }
+        has_draft = true;
     }
 }
 
