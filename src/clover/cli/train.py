@@ -20,7 +20,7 @@ def configure(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     argv = [a for a in args.train_args if a != "--"] if args.train_args[:1] == ["--"] else list(args.train_args)
     if not argv:
-        raise UsageError("train: give a recipe file (e.g. recipes/clover-tiny-ar.toml) or a run directory")
+        raise UsageError("give a recipe file (e.g. recipes/clover-tiny-ar.toml) or a run directory")
     return main(argv)
 
 
