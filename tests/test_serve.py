@@ -256,21 +256,6 @@ def test_default_width_is_auto_in_diffusion(server, client, monkeypatch, tmp_pat
     assert seen == [("diffusion", "auto"), ("diffusion", 4), ("speculative", srv.llm.config.block_size)]
 
 
-def test_run_app_measures_the_cost_curve_before_serving(llm, monkeypatch):
-    """`clover serve` measures (or reads from the user cache) the forward cost curve before it is
-    up when its default requests decode at block_size="auto", so the first request does not wait."""
-    import types
-
-    import clover.serve.app as app_mod
-    from clover.decoding.width import WidthPolicy
-
-    order = []
-    monkeypatch.setattr(WidthPolicy, "for_model", classmethod(lambda cls, model, curve=None: order.append("curve")))
-    monkeypatch.setattr(app_mod, "uvicorn_server", lambda app, **kw: types.SimpleNamespace(run=lambda: order.append("serve")))
-    app_mod.run_app(llm)
-    assert order == ["curve", "serve"]
-
-
 # ---------------------------------------------------------------------------------- batching
 @pytest.mark.parametrize("mode", ["ar", "diffusion"])
 def test_concurrent_requests_batch_and_match(server, client, mode):

@@ -34,7 +34,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..api import Generation, StreamEvent
 from ..decoding import Mode
-from ..decoding.sampling import AUTO, LIMITS, SamplingParams
+from ..decoding.sampling import LIMITS, SamplingParams
 from ..grammar import GrammarError
 from . import playground
 from .defaults import HOST, MAX_BATCH, MAX_BODY_BYTES, MAX_QUEUE, PORT
@@ -859,12 +859,6 @@ def run_app(llm, *, host: str = HOST, port: int = PORT, max_batch: int = MAX_BAT
     """Serve a loaded `llm` until interrupted (the model id clients send: `model_name`, default the
     directory name)."""
     name = model_name or (llm.path.name if getattr(llm, "path", None) else "clover")
-    if llm.mode(None).serve_width == AUTO:
-        # the default requests choose their width from the measured forward cost: measured (or read
-        # from the user cache) before the server is up, so the first request does not wait for it
-        from ..decoding.width import WidthPolicy
-
-        WidthPolicy.for_model(llm.model)
     app = create_app(llm, model_name=name, max_batch=max_batch, max_queue=max_queue, api_key=api_key,
                      max_body_bytes=max_body_bytes, tool_parser=tool_parser)
     uvicorn_server(app, host=host, port=port, log_level=log_level).run()
