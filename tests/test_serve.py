@@ -240,29 +240,11 @@ def test_auto_width_metrics(http, client, monkeypatch, tmp_path):
     assert bad.status_code == 400 or bad.status_code == 422
 
 
-def test_default_width_is_auto_in_diffusion(server, client, monkeypatch, tmp_path):
-    """A served diffusion request that names no block_size decodes at "auto" (the engine picks the
-    width per block, narrower under load); a width given is honoured; other modes keep the model's."""
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # the calibration's cost curve goes here
-    srv = server.app.state.server
-    seen = []
-    real = srv.submit
-    monkeypatch.setattr(srv, "submit", lambda prompts, mode, params, *a, **k: seen.append(
-        (mode.name, params.block_size)) or real(prompts, mode, params, *a, **k))
-    for extra in ({"mode": "diffusion"}, {"mode": "diffusion", "block_size": 4}, {"mode": "speculative"}):
-        out = client.completions.create(model=MODEL, prompt="abc", max_tokens=4, temperature=0,
-                                         extra_body={**extra, "ignore_eos": True})
-        assert out.usage.completion_tokens == 4
-    assert seen == [("diffusion", "auto"), ("diffusion", 4), ("speculative", srv.llm.config.block_size)]
-
-
 # ---------------------------------------------------------------------------------- batching
 @pytest.mark.parametrize("mode", ["ar", "diffusion"])
 def test_concurrent_requests_batch_and_match(server, client, mode):
     prompts = ["alpha", "a much longer prompt here", "x", "def g(y): return"]
-    # a fixed width: "auto" (the server's default in diffusion) may pick another width for a batch
-    kw = dict(model=MODEL, max_tokens=24, temperature=0, extra_body={"mode": mode, "ignore_eos": True}
-              | ({"block_size": 4} if mode == "diffusion" else {}))
+    kw = dict(model=MODEL, max_tokens=24, temperature=0, extra_body={"mode": mode, "ignore_eos": True})
     alone = [client.completions.create(prompt=p, **kw).choices[0].text for p in prompts]
     before = server.scheduler.max_batch_seen
     server.scheduler.max_batch_seen = 0

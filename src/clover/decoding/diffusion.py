@@ -358,10 +358,6 @@ class Diffusion(Mode):
     summary = "block diffusion with the cache: every position whose confidence passes the threshold commits"
     recompute = False
     auto_width = True
-    # served requests that name no width: the engine picks per block from the measured cost, so a
-    # growing batch narrows the block, down to the AR step where that wins (issue 35, "under load,
-    # never below AR"); a library call keeps the model's fixed block (reproducible, as the ports decode)
-    serve_width = AUTO
 
     def extra_positions(self, params) -> int:
         from .width import AUTO_MAX_WIDTH

@@ -48,7 +48,6 @@ class Mode:
     threshold_commit: bool = False  # commits by the confidence threshold (block steps, forced steps)
     reference: str | None = None  # a lossless mode: its greedy tokens equal this mode's
     auto_width: bool = False  # takes block_size="auto" (otherwise "auto" means the model's block size)
-    serve_width: str | None = None  # a server request's block_size when it names none (None: the model's)
     summary: str = ""
     grammar: bool = True  # obeys a row's grammar (clover.grammar); a mode that does not refuses one
 

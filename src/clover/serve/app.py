@@ -259,8 +259,6 @@ class Server:
         kw["logit_bias"] = body.logit_bias
         try:
             mode = self.llm.mode(body.mode)
-            if kw["block_size"] is None:  # the server's default width for the mode (diffusion: "auto")
-                kw["block_size"] = mode.serve_width
             params = self.llm.params(mode, kw)
             if max_tokens is None:  # the default length, clipped to what the context leaves
                 params.max_new_tokens = min(default_max, self.llm.room(max(len(p) for p in prompts), params, mode))
