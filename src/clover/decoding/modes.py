@@ -54,8 +54,9 @@ class Mode:
     def check(self, params: SamplingParams) -> None:
         """Mode-specific checks, after the model's defaults are filled in (ValueError "option: why")."""
 
-    def extra_positions(self, params: SamplingParams) -> int:
-        """Context positions needed beyond prompt + max_new_tokens (e.g. one block)."""
+    def extra_positions(self, params: SamplingParams, drafter=None) -> int:
+        """Context positions needed beyond prompt + max_new_tokens (e.g. one block); `drafter`: the
+        draft model the engine would decode with (the LLM's own), for a mode that drafts with one."""
         return 0
 
     def spec(self, params: SamplingParams, provisional: bool = False) -> EngineSpec:

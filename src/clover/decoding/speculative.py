@@ -343,7 +343,7 @@ class Speculative(Mode):
         if (params.draft_length or params.block_size) > params.block_size:
             raise ValueError(f"draft_length: must be <= block_size ({params.block_size}), got {params.draft_length}")
 
-    def extra_positions(self, params) -> int:
+    def extra_positions(self, params, drafter=None) -> int:
         from .width import AUTO_MAX_WIDTH
 
         return AUTO_MAX_WIDTH if params.block_size == AUTO else params.block_size
