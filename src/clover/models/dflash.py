@@ -42,6 +42,7 @@ from torch import nn
 
 from ..cache import AttentionState, HybridCache, scatter_kv
 from ..config import ConfigError
+from .static import call_frozen
 from .layers import PlainRMSNorm, init_plain_weights, MLP, RotaryEmbedding, Segments, apply_rope, cached_attention_mask, step_positions
 
 ARCHITECTURE = "DFlashDraftModel"
@@ -317,17 +318,10 @@ class DFlashDrafter(nn.Module):
     def _run_static(self, ctx, n, block, lengths, states) -> torch.Tensor | None:
         """The compiled draft, or None where frozen and it has no graph of this shape (dynamo's
         "fail_on_recompile" stance refuses before anything ran)."""
-        if self.static_batches is None:
-            return self.static_draft(ctx, n, block, lengths, states)
-        if ctx.shape[0] not in self.static_batches:
+        frozen = self.static_batches is not None
+        if frozen and ctx.shape[0] not in self.static_batches:
             return None
-        try:
-            with torch.compiler.set_stance("fail_on_recompile"):
-                return self.static_draft(ctx, n, block, lengths, states)
-        except RuntimeError as e:
-            if "fail_on_recompile" not in str(e):
-                raise
-            return None
+        return call_frozen(self.static_draft, ctx, n, block, lengths, states, frozen=frozen)
 
     def forward_draft(self, ctx: torch.Tensor, n: torch.Tensor, block: torch.Tensor, lengths: torch.Tensor,
                       states: list, *, static: bool = False) -> torch.Tensor:

@@ -70,6 +70,19 @@ def round_capacity(capacity: int) -> int:
     return max(CAPACITY_QUANTUM, 1 << max(0, int(capacity) - 1).bit_length())
 
 
+def call_frozen(fn, *args, frozen: bool, **kw):
+    """`fn(*args, **kw)`, a compiled function; where `frozen`, under dynamo's "fail_on_recompile"
+    stance, and None when it has no graph of these shapes (refused before anything ran, so the
+    caller runs the step eagerly)."""
+    try:
+        with torch.compiler.set_stance("fail_on_recompile") if frozen else contextlib.nullcontext():
+            return fn(*args, **kw)
+    except RuntimeError as e:
+        if not (frozen and "fail_on_recompile" in str(e)):
+            raise
+        return None
+
+
 def load_shapes(config, *, batches=(1,), capacities=LOAD_CAPACITIES, drafter=None) -> list[tuple]:
     """The graphs compiled at load, as `StaticSteps.warm` arguments (kind, batch, width, capacity,
     ragged, hidden): the AR step and, for a model with a mask token, the denoise, commit+denoise and
@@ -172,16 +185,9 @@ class StaticSteps:
                                     expert_rank=expert_rank, all_logits=all_logits, record=record,
                                     hidden_out=hidden_out)
         try:
-            with torch.compiler.set_stance("fail_on_recompile") if self.frozen else contextlib.nullcontext():
-                out = self._forward(commit_ids, n_commit, denoise_ids, lengths, states, expert_budget=expert_budget,
-                                    expert_rank=expert_rank, all_logits=all_logits, record=record, hidden_out=hidden_out)
-        except RuntimeError as e:
-            # frozen and no graph of this shape (dynamo's "fail_on_recompile" stance): raised before
-            # anything ran, so the step runs eagerly
-            if not (self.frozen and "fail_on_recompile" in str(e)):
-                raise
-            self.calls["eager"] += 1
-            return None
+            out = call_frozen(self._forward, commit_ids, n_commit, denoise_ids, lengths, states, frozen=self.frozen,
+                              expert_budget=expert_budget, expert_rank=expert_rank, all_logits=all_logits,
+                              record=record, hidden_out=hidden_out)
         except torch._dynamo.exc.FailOnRecompileLimitHit:
             # more shapes than RECOMPILE_LIMIT graphs: raised while compiling, before the graph runs
             # (nothing was written to the cache), so this call and later new shapes run eagerly
@@ -189,6 +195,8 @@ class StaticSteps:
                 warnings.warn(f"compile: {RECOMPILE_LIMIT} compiled graphs reached (forward kinds x "
                               f"batch sizes x cache sizes); new shapes run eagerly", RuntimeWarning, stacklevel=3)
             self.limit_hit = True
+            out = None
+        if out is None:
             self.calls["eager"] += 1
             return None
         self.calls[kind] += 1
