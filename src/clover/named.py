@@ -243,12 +243,12 @@ def export_adapter(checkpoint: str | Path, out: str | Path, *, dtype: str = "bfl
             for k in f.keys():
                 if is_adapter_parameter(k):
                     tensors[k] = f.get_tensor(k).to(parse_dtype(dtype)).contiguous()
-    out.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(out / "adapter.safetensors"), metadata={"format": "pt"})
     if block_size is not None and block_size < 1:
         raise PullError(f"block_size: must be a positive integer, got {block_size}")
     if threshold is not None and not 0.0 < threshold <= 1.0:
         raise PullError(f"threshold: must be in (0, 1], got {threshold}")
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out / "adapter.safetensors"), metadata={"format": "pt"})
     spec = {"denoise_adapter": config["denoise_adapter"],
             "block_size": block_size if block_size is not None else config.get("block_size", 16),
             "threshold": threshold if threshold is not None else config.get("threshold", 0.95), "parameters": sum(t.numel() for t in tensors.values()),
