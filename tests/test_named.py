@@ -111,6 +111,11 @@ def test_bench_chat_every_mode(fake_named, capsys):
     assert [q["prompt"] for q in r["questions"]] == [q.prompt for q in questions(3)]
     assert main(["bench", "chat", "--model", "tiny-named", "--questions", "2", "-n", "4", "--modes", "ar,speculative"]) == 0
     assert "| speculative |" in capsys.readouterr().out
+    # --seed draws another held-out set (for tuning beside the reported seed-0 set), recorded in the JSON
+    assert main(["bench", "chat", "--model", "tiny-named", "--questions", "2", "-n", "4", "--modes", "ar", "--seed", "1",
+                 "--json", "-"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["seed"] == 1 and [q["prompt"] for q in out["questions"]] == [q.prompt for q in questions(2, seed=1)]
 
 
 def test_chat_on_the_named_model(fake_named, capsys, monkeypatch):

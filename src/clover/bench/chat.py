@@ -44,7 +44,7 @@ def run_chat(llm, *, questions: int = 40, modes: Iterable[str] = DEFAULT_MODES.s
     items = chat_items(llm, questions, seed=seed)
     result = run_decode(llm, Workload("chat", len(items), max_new_tokens, items=items), modes=modes,
                         block_size=block_size, threshold=threshold, progress=progress)
-    return dict(result, schema=SCHEMA, questions=[it.task.__dict__ for it in items])
+    return dict(result, schema=SCHEMA, seed=seed, questions=[it.task.__dict__ for it in items])
 
 
 def llama_bench(binary: str | Path, gguf: str | Path, *, threads: int = 1, n: int = 48, reps: int = 3) -> dict:

@@ -53,6 +53,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
                                    "AR / diffusion / speculative on the same weights; optionally llama.cpp AR on the GGUF.")
     _model_arguments(p)
     p.add_argument("--questions", type=int, default=40, metavar="N", help="held-out questions (default: 40)")
+    p.add_argument("--seed", type=int, default=0, metavar="N",
+                   help="which draw of held-out questions (default: 0, the reported set; another seed draws others, "
+                        "which may overlap it, e.g. to tune a policy)")
     p.add_argument("--max-new-tokens", "-n", type=int, default=48, metavar="N", help="tokens per answer (default: 48)")
     p.add_argument("--modes", default="ar,diffusion,speculative", help="comma-separated (default: ar,diffusion,speculative)")
     p.add_argument("--block-size", type=int, metavar="N", help="diffusion block / draft length (default: the model's)")
@@ -282,7 +285,8 @@ def run_chat(args) -> int:
         raise UsageError("--llama-bench and --gguf go together")
     llm, _ = _load(args)
     result = bench_chat(llm, questions=args.questions, modes=tuple(args.modes.split(",")), max_new_tokens=args.max_new_tokens,
-                        block_size=args.block_size, threshold=args.threshold, progress=_progress(args.json))
+                        block_size=args.block_size, threshold=args.threshold, seed=args.seed,
+                        progress=_progress(args.json))
     if args.llama_bench:
         import torch
 
