@@ -453,14 +453,36 @@ out = {"types": {n: type(w[n]).__name__ for n in spec["names"]},
 with torch.no_grad():
     out["generate"] = [model.generate(torch.tensor([p]), max_new_tokens=spec["n"], min_new_tokens=spec["n"],
                                       do_sample=False)[0, len(p):].tolist() for p in spec["prompts"]]
+    for mode in ("diffusion", "speculative", "ar"):  # clover's engines on the torchao weights
+        res = [model.diffusion_generate(torch.tensor([p]), max_new_tokens=spec["n"], mode=mode, ignore_eos=True,
+                                        return_dict_in_generate=True) for p in spec["prompts"]]
+        out[mode] = [r.sequences[0, len(p):].tolist() for r, p in zip(res, spec["prompts"])]
+        out[mode + "_forwards"] = [r.forwards[0] for r in res]
 torch.save(out, spec["out"])
 '''
 
 
+def test_decoding_runs_without_inference_mode_on_tensor_subclass_weights():
+    """clover decodes under `torch.inference_mode()`, except where a weight is a tensor subclass (torchao's
+    Int8Tensor cannot select one expert from an inference tensor): there under `torch.no_grad()`."""
+    from clover.decoding.base import grad_free
+
+    class Wrapped(torch.Tensor):
+        pass
+
+    plain, wrapped = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
+    wrapped.register_buffer("codes", torch.zeros(2).as_subclass(Wrapped))
+    with grad_free(plain):
+        assert torch.is_inference_mode_enabled()
+    with grad_free(wrapped):
+        assert not torch.is_inference_mode_enabled() and not torch.is_grad_enabled()
+
+
 def test_int8_export_loads_in_transformers_token_for_token(tmp_path, monkeypatch):
     """`clover quantize --bits 8` then `clover export-hf`: transformers loads the INT8 weights through its
-    own torchao quantizer (torchao Int8Tensor, clover's codes and scales bit for bit) and its greedy
-    `generate` equals clover's quantized engine token for token (the engine's exact fp32 path)."""
+    own torchao quantizer (torchao Int8Tensor, clover's codes and scales bit for bit); its greedy
+    `generate` and `diffusion_generate` (modes diffusion, speculative, ar) equal clover's quantized
+    engine token for token (the engine's exact fp32 path), diffusion with the same forwards."""
     if importlib.util.find_spec("torchao") is None:
         pytest.skip("torchao is not installed: pip install 'clover-dlm[torchao]'")
     from safetensors.torch import load_file
@@ -488,9 +510,13 @@ def test_int8_export_loads_in_transformers_token_for_token(tmp_path, monkeypatch
         assert res["types"][n] == "Int8Tensor"
         assert torch.equal(res["qdata"][n], src[base + ".qweight"])
         assert torch.equal(res["scale"][n].flatten(), src[base + ".scales"].flatten())
-    for ids, theirs in zip(prompts, res["generate"]):
-        assert theirs == llm.generate(ids, mode="ar", max_new_tokens=NEW_TOKENS, ignore_eos=True,
-                                      temperature=0.0).token_ids
+    for i, ids in enumerate(prompts):
+        ar = llm.generate(ids, mode="ar", max_new_tokens=NEW_TOKENS, ignore_eos=True, temperature=0.0)
+        diff = llm.generate(ids, mode="diffusion", max_new_tokens=NEW_TOKENS, ignore_eos=True, temperature=0.0)
+        assert res["generate"][i] == ar.token_ids
+        assert res["ar"][i] == res["speculative"][i] == ar.token_ids
+        assert res["diffusion"][i] == diff.token_ids
+        assert res["diffusion_forwards"][i] == diff.stats.forwards
     # INT4: refused in one line (torchao holds clover's INT4 only in CUDA-kernel tensors)
     assert main(["quantize", str(BUNDLED), str(q4), "--bits", "4", "--no-progress"]) == 0
     assert main(["export-hf", str(q4), str(tmp_path / "q4-hf")]) == 2

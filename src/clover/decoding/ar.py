@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import torch
 
-from .base import BatchEngine, DecodeEvent, next_tokens, pad_right
+from .base import BatchEngine, DecodeEvent, grad_free_call, next_tokens, pad_right
 from .modes import Mode, register
 
 
 class AREngine(BatchEngine):
-    @torch.inference_mode()
+    @grad_free_call
     def step(self) -> list[DecodeEvent]:
         ids, n = pad_right([r.state.pending for r in self.rows], self.pad_id, self.device)
         out = self.model.step(self.cache, commit_ids=ids, n_commit=n, track_experts=True)

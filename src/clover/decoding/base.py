@@ -3,11 +3,14 @@ a strategy yields, and the per-generation statistics."""
 
 from __future__ import annotations
 
+import functools
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Iterator
 
 import torch
+from torch import nn
 
 from .sampling import Sampler, SamplingParams, make_generator
 
@@ -277,6 +280,35 @@ class EngineRow:
     pending: list[int] = field(default_factory=list)  # tokens to commit with the next forward
 
 
+# model -> whether its decoding may run in inference mode; weak keys, so a collected model takes its answer with it
+_INFERENCE_MODE_OK: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def grad_free(model):
+    """The context decoding runs in: `torch.inference_mode()`, or `torch.no_grad()` where the model's
+    weights include a tensor subclass (torchao's `Int8Tensor` in the transformers export of an INT8
+    checkpoint), whose ops may not take inference tensors (`Int8Tensor`'s select of one expert sets a
+    version counter: "Cannot set version_counter for inference tensor"). Decided once per model."""
+    ok = _INFERENCE_MODE_OK.get(model)
+    if ok is None:
+        plain = (torch.Tensor, nn.Parameter)
+        ok = all(type(t) in plain for t in (*model.parameters(), *model.buffers()))
+        _INFERENCE_MODE_OK[model] = ok
+    return torch.inference_mode() if ok else torch.no_grad()
+
+
+def grad_free_call(fn):
+    """Decorator: `fn` — an engine's method, or a function whose first argument is the model — runs
+    under `grad_free` of its model."""
+
+    @functools.wraps(fn)
+    def run(first, *args, **kwargs):
+        with grad_free(first.model if isinstance(first, BatchEngine) else first):
+            return fn(first, *args, **kwargs)
+
+    return run
+
+
 class BatchEngine:
     """Rows in flight over one cache; subclasses define what a forward feeds and how it is read."""
 
@@ -298,10 +330,10 @@ class BatchEngine:
     def _capacity(self, row: RowState) -> int:
         return len(row.prompt) + row.params.max_new_tokens + 1
 
-    @torch.inference_mode()
+    @grad_free_call
     def add(self, row: RowState) -> list[DecodeEvent]:
         """Admit a row; its prompt is committed with the next forward. A row with nothing to
-        generate finishes at once. The cache is made in inference mode, as every step runs (so a
+        generate finishes at once. The cache is made under `grad_free`, as every step runs (so a
         compiled step sees the same kind of tensors whether the cache was made here or grown,
         joined or cut inside a step)."""
         if row.params.max_new_tokens == 0:
@@ -323,7 +355,7 @@ class BatchEngine:
         sampler = Sampler(row.params, row.eos_ids, make_generator(row.params.seed, self.device))
         row.state = self.row_type(sampler=sampler, pending=list(row.prompt))
 
-    @torch.inference_mode()
+    @grad_free_call
     def cancel(self, row: RowState, reason: str = "abort") -> None:
         """Finish a row now (e.g. its client went away) and release its cache slot."""
         row.cancel(reason)

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import BatchEngine, DecodeEvent, EngineRow, RowState, next_tokens, pad_right, row_history
+from .base import BatchEngine, DecodeEvent, EngineRow, RowState, grad_free_call, next_tokens, pad_right, row_history
 from .modes import EngineSpec, Mode, register
 from .sampling import AUTO, SamplingParams, greedy_tokens
 from .speculative import (accept_draft, agreed, choose_draft, commit_verified, constrained_draft,
@@ -89,7 +89,7 @@ class DFlashEngine(BatchEngine):
     def _capacity(self, row: RowState) -> int:
         return len(row.prompt) + row.params.max_new_tokens + reserved_positions(self.max_draft)
 
-    @torch.inference_mode()  # as the target's cache (`BatchEngine.add`): a compiled draft is specialised on it
+    @grad_free_call  # as the target's cache (`BatchEngine.add`): a compiled draft is specialised on it
     def add(self, row: RowState) -> list[DecodeEvent]:
         n = len(self.rows)
         events = super().add(row)
@@ -207,7 +207,7 @@ class DFlashEngine(BatchEngine):
         c.consume(new)
         return new
 
-    @torch.inference_mode()
+    @grad_free_call
     def step(self) -> list[DecodeEvent]:
         rows = self.rows
         drafting = any(r.state.anchor is not None for r in rows)
@@ -256,7 +256,7 @@ class DFlashEngine(BatchEngine):
 _ITERATION_COSTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-@torch.inference_mode()
+@grad_free_call
 def iteration_curve(model, drafter, blocks, *, repeat: int = 3) -> "CostCurve":
     """What one dflash iteration (draft, verify, rollback, bookkeeping) costs at each block (anchor
     + drafts) in `blocks`: an engine of that fixed draft length decoding a random prompt at batch 1,

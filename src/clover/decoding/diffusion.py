@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .acceptance import accept, needs_entropy
-from .base import BatchEngine, DecodeEvent, EngineRow, RowState, pad_right, propose_tokens
+from .base import BatchEngine, DecodeEvent, EngineRow, RowState, grad_free_call, pad_right, propose_tokens
 from .modes import EngineSpec, Mode, register
 from .sampling import AUTO
 
@@ -171,7 +171,7 @@ class DiffusionEngine(BatchEngine):
         else:
             super()._drop_finished()
 
-    @torch.inference_mode()
+    @grad_free_call
     def step(self) -> list[DecodeEvent]:
         if self.width_policy is not None:
             self._choose_width()

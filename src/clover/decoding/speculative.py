@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import BatchEngine, DecodeEvent, EngineRow, RowState, pad_right, row_history
+from .base import BatchEngine, DecodeEvent, EngineRow, RowState, grad_free_call, pad_right, row_history
 from .modes import EngineSpec, Mode, register
 from .sampling import AUTO, filter_logits
 
@@ -262,7 +262,7 @@ class SpeculativeEngine(BatchEngine):
         r.state.draft_q = q
         return first + torch.multinomial(q, 1, generator=gen).flatten().tolist()
 
-    @torch.inference_mode()
+    @grad_free_call
     def step(self) -> list[DecodeEvent]:
         drafted_at = self.draft_length  # the length of the drafts this forward verifies
         if self.draft_policy is not None:

@@ -44,6 +44,7 @@ from pathlib import Path
 
 import torch
 from ..paths import user_cache
+from .base import grad_free_call
 
 KINDS = ("commit", "denoise", "verify", "block")
 POSITIONS = (1, 2, 4, 8, 16, 32, 64)
@@ -189,7 +190,7 @@ def _sync(device) -> None:
         torch.cuda.synchronize(device)
 
 
-@torch.inference_mode()
+@grad_free_call
 def time_forward(model, kind: str, batch: int, positions: int, *, prefix: int = 64, repeat: int = 5,
                  warmup: int = 1, mask_id: int | None = None) -> list[float]:
     """Seconds of `repeat` forwards of `kind` (`KINDS`) with `batch` rows of `positions` each, after a
