@@ -299,6 +299,41 @@ def test_resume_equals_uninterrupted(tmp_path, byte_tok, cache_dir, stage):
     assert [x["step"] for x in lines if "loss" in x] == list(range(1, 7))
 
 
+PHASES = ["micro, stage ar", "loading torch", "tokenizer: ", "model: building", "optimizer: AdamW", "data: "]
+
+
+def test_cli_announces_each_phase(tmp_path, byte_tok, capsys):
+    """`clover train` says what it is doing from its start: a status line per setup phase, a bar while a
+    first run tokenises its data into the cache, then the training bar; `--quiet` silences them."""
+    raw = micro_raw(byte_tok, tmp_path / "cache", tmp_path / "run", steps=1, progress=True)
+    p = tmp_path / "r.json"
+    p.write_text(json.dumps(raw))
+    assert train_main([str(p), "--no-resume"]) == 0
+    err = capsys.readouterr().err
+    lines = [x.removeprefix("clover train: ") for x in err.splitlines() if x.startswith("clover train: ")]
+    at = [next(i for i, x in enumerate(lines) if x.startswith(ph)) for ph in PHASES]
+    assert at == sorted(at), lines
+    assert "files into cache/" in err and "micro: 100%" in err  # the data cache's bar, the training bar
+    assert train_main([str(p), "--no-resume", "--quiet"]) == 0
+    assert capsys.readouterr().err == ""
+
+
+def test_cli_first_line_comes_before_torch(tmp_path):
+    """The first status line is printed before torch is imported (seconds on a CPU machine)."""
+    raw = micro_raw(tmp_path / "no-tokenizer", tmp_path / "cache", tmp_path / "run", progress=True)
+    p = tmp_path / "r.json"
+    p.write_text(json.dumps(raw))
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1] / "src"))
+    r = subprocess.run([sys.executable, "-X", "importtime", "-m", "clover", "train", str(p)], capture_output=True,
+                       text=True, env=env, timeout=300)
+    assert r.returncode != 0 and "no-tokenizer not found" in r.stderr  # it stops at the tokenizer
+    lines = r.stderr.splitlines()
+    first = next(i for i, x in enumerate(lines) if x.startswith("clover train: micro, stage ar"))
+    torch_at = next(i for i, x in enumerate(lines) if x.startswith("import time:") and
+                    x.rsplit("|", 1)[-1].strip().split(".")[0] == "torch")  # torch's first module
+    assert first < torch_at, lines[first - 3 : first + 3]
+
+
 def test_cli_and_export(tmp_path, byte_tok, cache_dir):
     raw = micro_raw(byte_tok, cache_dir, tmp_path / "run", steps=2, eval_every=2, eval_tasks=8)
     p = tmp_path / "r.json"

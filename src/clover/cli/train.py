@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -197,7 +198,7 @@ def _train(argv: list[str]) -> int:
                    help="run.device: auto (CUDA when available), cpu or cuda (one GPU per torchrun rank)")
     p.add_argument("--parallel", choices=PARALLEL, default=None,
                    help="run.parallel: ddp (full replicas) or fsdp (FSDP2 shards + distributed checkpoints)")
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--quiet", action="store_true", help="no status lines or progress bars")
     a = p.parse_args(argv)
     overrides = _overrides(p, a.set)
     for key, value in (("run.out", a.out), ("optim.steps", a.steps), ("run.threads", a.threads),
@@ -209,6 +210,9 @@ def _train(argv: list[str]) -> int:
     except (RecipeError, OSError, json.JSONDecodeError) as e:
         print(f"clover train: {e}", file=sys.stderr)
         return 2
+    if recipe.run.progress and not a.quiet and os.environ.get("RANK", "0") == "0":  # before torch's import (seconds)
+        print(f"clover train: {recipe.name}, stage {recipe.stage}, {recipe.optim.steps} steps, run directory "
+              f"{recipe.out_dir}\nclover train: loading torch", file=sys.stderr, flush=True)
     from ..train.trainer import Trainer
 
     trainer = Trainer(recipe, resume=a.resume, quiet=a.quiet, reset_data=a.reset_data)

@@ -62,6 +62,7 @@ def _default_cache_dir() -> Path:
 
 
 DEFAULT_CACHE_DIR = _default_cache_dir()
+ENCODE_CHUNK = 64  # files per `encode_batch` call while building a cache (each call is parallel over its files)
 
 
 def load_source_tokens(
@@ -107,9 +108,20 @@ def load_source_tokens(
 
 
 def _build_cache(tok, docs: list[tuple[str, str]], d: Path, verbose: bool) -> None:
-    if verbose:
-        print(f"[mix] tokenizing {len(docs)} files into {d}", file=sys.stderr)
-    encs = tok.encode_batch([t for _, t in docs], add_special_tokens=False) if docs else []
+    """Tokenise `docs` into the cache directory `d` (with a bar over their characters when `verbose`):
+    in chunks of files of about the same length, longest first, so that no call waits long on one
+    large file while the other threads are idle."""
+    from tqdm import tqdm
+
+    order = sorted(range(len(docs)), key=lambda j: -len(docs[j][1]))
+    encs = [None] * len(docs)
+    with tqdm(total=sum(len(t) for _, t in docs), desc=f"tokenizing {len(docs)} files into {d.parent.name}/",
+              unit="char", unit_scale=True, file=sys.stderr, dynamic_ncols=True, disable=not verbose) as bar:
+        for i in range(0, len(order), ENCODE_CHUNK):
+            chunk = order[i : i + ENCODE_CHUNK]
+            for j, e in zip(chunk, tok.encode_batch([docs[j][1] for j in chunk], add_special_tokens=False)):
+                encs[j] = e
+            bar.update(sum(len(docs[j][1]) for j in chunk))
     lens = np.array([len(e.ids) for e in encs], dtype=np.int64)
     offsets = np.zeros(len(docs) + 1, dtype=np.int64)
     np.cumsum(lens, out=offsets[1:])

@@ -40,6 +40,7 @@ from ..tokenizer import MASK_TOKEN, copy_tokenizer_files
 from . import checkpointing as ck
 from . import parallel
 from .losses import ar_step_loss, dflash_step_loss, diffusion_step_loss
+from ..data.sources import parse_sources
 from .recipes import Recipe
 
 
@@ -199,9 +200,8 @@ def to_clover(model, mask_token_id: int | None):
     return convert_model(model, mask_token_id)
 
 
-def make_stream(recipe: Recipe, rank: int, world: int, tokenizer: str, distill=None):
+def make_stream(recipe: Recipe, rank: int, world: int, tokenizer: str, distill=None, *, verbose: bool = False):
     from ..data.mix import PackedStream
-    from ..data.sources import parse_sources
 
     if recipe.data.batch_size % (world * recipe.optim.grad_accum):
         raise ValueError(
@@ -221,6 +221,7 @@ def make_stream(recipe: Recipe, rank: int, world: int, tokenizer: str, distill=N
         distill=distill,
         distill_fraction=recipe.data.distill_fraction,
         sources=parse_sources(recipe.data.sources) or None,
+        verbose=verbose,
     )
 
 
@@ -274,6 +275,9 @@ class Trainer:
         self.dist = Dist(recipe.run.device)
         self.device = self.dist.device
         self.quiet = quiet
+        # a status line per setup phase, and bars where the work is countable: a first run spends
+        # minutes before its first step (the data cache, the model, torch's compiler for AdamW)
+        self.announce = self.dist.main and recipe.run.progress and not quiet
         torch.set_num_threads(max(1, recipe.run.threads))
         torch.manual_seed(recipe.seed)
         self.out = recipe.out_dir
@@ -285,17 +289,21 @@ class Trainer:
         if self.dist.main:
             self.out.mkdir(parents=True, exist_ok=True)
         self.dist.barrier()
+        self._say(f"tokenizer: {recipe.data.tokenizer}")
         self.tokenizer = self._tokenizer_dir()
         ids = tokenizer_special_ids(self.tokenizer)
         self.sharded = recipe.run.parallel == "fsdp" and self.dist.active
         # FSDP from a model directory: built on meta, sharded, then each rank reads only its shards
         self.meta_start = self.sharded and parallel.meta_start_reason(recipe) is None
+        self._say(f"model: loading {recipe.init}" if recipe.init else
+                  f"model: building the recipe's [model] (seed {recipe.seed})")
         if self.meta_start:
             self.model, meta_extra = parallel.build_on_meta(recipe, ids.get("<|mask|>"))
         else:
             self.model = build_or_load_model(recipe, ids).to(self.device)
         self.target = None
         if recipe.stage == "drafter":  # the loaded model is the frozen target; the drafter is trained
+            self._say("drafter: " + (f"loading {recipe.dflash.init}" if recipe.dflash.init else "building a new one"))
             self.target = self.model.eval().requires_grad_(False)
             self.model = build_drafter_for(recipe, self.target).to(self.device)
         cfg = self.model.config
@@ -321,6 +329,7 @@ class Trainer:
             if self.meta_start:
                 parallel.load_shards(self.model, recipe.init, meta_extra, device=self.device)
         o = recipe.optim
+        self._say("optimizer: AdamW")
         groups, self.params, self.names = param_groups(self.model, o.weight_decay)
         self.opt = torch.optim.AdamW(groups, lr=o.lr, betas=tuple(o.betas), eps=o.eps, foreach=True)
         if recipe.stage == "drafter":  # the target's greedy outputs, each in its own context
@@ -333,7 +342,10 @@ class Trainer:
                                       seed=(recipe.seed if recipe.data.seed is None else recipe.data.seed) * 1000 + self.dist.rank,
                                       task_fraction=recipe.data.task_fraction, pad_id=ids.get("<|pad|>", 0))
         else:
-            self.stream = make_stream(recipe, self.dist.rank, self.dist.world, self.tokenizer, distill)
+            self._say("data: " + (", ".join(s.label for s in parse_sources(recipe.data.sources)) or "the stdlib")
+                      + f" and tasks ({recipe.data.task_fraction:g} of rows)")
+            self.stream = make_stream(recipe, self.dist.rank, self.dist.world, self.tokenizer, distill,
+                                      verbose=self.announce)
         self.gen = torch.Generator().manual_seed(recipe.seed * 7919 + 17 + self.dist.rank)
         # stage 2 under FSDP: one forward per micro-batch, the same on every rank, so each micro-batch
         # takes one block size from a generator all ranks share (the masks still come from `gen`)
@@ -344,10 +356,16 @@ class Trainer:
         self.tokens = 0
         self.elapsed = 0.0
         if self.resume_from is not None:
+            self._say(f"checkpoint: resuming from {self.resume_from}")
             self._load(self.resume_from)
         self.losses: list[float] = []
 
     # -- setup helpers
+    def _say(self, line: str) -> None:
+        """One status line of the setup (rank 0, stderr; not with `--quiet` or `run.progress = false`)."""
+        if self.announce:
+            print(f"clover train: {line}", file=sys.stderr, flush=True)
+
     def _distill_set(self):
         """The run's self-distillation set (built once, by rank 0, from the init model), or None."""
         d = self.recipe.data
