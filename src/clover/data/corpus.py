@@ -198,11 +198,16 @@ def heldout_functions(n: int, seed: int = 0, max_body_lines: int = 40) -> list[t
     return functions("heldout", n, seed=seed, max_body_lines=max_body_lines)
 
 
+@lru_cache(maxsize=4)
+def _all_function_pairs(split: Split, max_body_lines: int) -> tuple[tuple[str, str], ...]:
+    """Every `(header, body)` pair of `split`'s files, in file order: parsing the stdlib takes seconds,
+    and a process asks for the same split again and again (each distillation prompt set, each eval)."""
+    return tuple(pair for _rel, text in iter_documents(split) for pair in _function_pairs(text, max_body_lines))
+
+
 def functions(split: Split, n: int, seed: int = 0, max_body_lines: int = 40) -> list[tuple[str, str]]:
     """``n`` ``(header, body)`` pairs from the stdlib files of ``split`` (see `heldout_functions`)."""
-    candidates: list[tuple[str, str]] = []
-    for _rel, text in iter_documents(split):
-        candidates.extend(_function_pairs(text, max_body_lines))
+    candidates = list(_all_function_pairs(split, max_body_lines))
     rng = random.Random(seed)
     if n >= len(candidates):
         rng.shuffle(candidates)
