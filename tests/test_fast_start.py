@@ -1,6 +1,7 @@
 """A plain `clover generate` loads only what it uses: no torch._dynamo (the compiler stack, ~2-3 s
-to import) and no transformers (~1.7 s) for an eager run; the tokenizer it uses instead encodes and
-decodes exactly as transformers' fast tokenizer of the same files."""
+to import) and no transformers (~1.7 s) for an eager run, nor clover's grammar, quantized loader or
+DFlash drafter (the bundled model's drafter is loaded for `--mode dflash` alone); the tokenizer it
+uses instead encodes and decodes exactly as transformers' fast tokenizer of the same files."""
 
 from __future__ import annotations
 
@@ -19,7 +20,8 @@ PROBE = """
 import sys
 from clover import cli
 rc = cli.main(sys.argv[1:])
-heavy = [m for m in ("torch._dynamo", "transformers", "matplotlib", "fastapi") if m in sys.modules]
+heavy = [m for m in ("torch._dynamo", "transformers", "matplotlib", "fastapi", "clover.grammar", "clover.quant.loader",
+                     "clover.models.dflash") if m in sys.modules]
 print("\\nIMPORTED=" + ",".join(heavy), file=sys.stderr)
 sys.exit(rc)
 """
@@ -39,6 +41,11 @@ def test_eager_generate_imports_no_compiler_and_no_transformers(mode):
     heavy, p = _imported("generate", "assert sorted([9, 2, 5]) == ", "-n", "8", "--mode", mode)
     assert heavy == [], f"an eager `clover generate --mode {mode}` imported {heavy}"
     assert p.stdout.strip()  # and it generated
+
+
+def test_generate_dflash_loads_the_bundled_drafter():
+    heavy, p = _imported("generate", "assert sorted([9, 2, 5]) == ", "-n", "8", "--mode", "dflash", "--json")
+    assert "clover.models.dflash" in heavy and json.loads(p.stdout)["token_ids"]
 
 
 def test_tiny_model_load_imports_neither(tmp_path):

@@ -251,12 +251,14 @@ class LLM:
 
     def _grammar_kwargs(self, kwargs: dict):
         """Pops `response_format=` (OpenAI's shape) and `grammar=` from the generation options."""
+        rf, grammar = kwargs.pop("response_format", None), kwargs.pop("grammar", None)
+        if rf is None:
+            return grammar  # (clover.grammar is imported only where a grammar is used)
         from .grammar import GrammarError, GrammarSpec
 
-        rf, grammar = kwargs.pop("response_format", None), kwargs.pop("grammar", None)
-        if rf is not None and grammar is not None:
+        if grammar is not None:
             raise GrammarError("grammar: give response_format or grammar, not both")
-        return GrammarSpec.from_response_format(rf) if rf is not None else grammar
+        return GrammarSpec.from_response_format(rf)
 
     def engine(self, spec: EngineSpec):
         """A fresh batch engine for rows of `spec` (`Mode.spec`; rows join it with `add`, `run()`
@@ -375,7 +377,7 @@ def _cpu_compute_dtype(path: Path, config) -> torch.dtype | None:
 
 
 def load(path: str | os.PathLike | None = None, *, dtype: str | torch.dtype | None = None, device: str | None = None,
-         check_finite: bool | None = None, compile: bool | str = False, drafter: str | os.PathLike | None = None,
+         check_finite: bool | None = None, compile: bool | str = False, drafter: str | os.PathLike | None | bool = None,
          compile_batch: int = 1) -> LLM:
     """Load a model directory (config.json + safetensors + tokenizer). None = `default_model_path()`.
 
@@ -389,7 +391,7 @@ def load(path: str | os.PathLike | None = None, *, dtype: str | torch.dtype | No
     block size, batch sizes in powers of two below `compile_batch` and `compile_batch` itself, cache capacities up to 512);
     any other shape then runs eagerly, so no request waits on a compile (figures in
     docs/benchmarks.md). `drafter` is a DFlash drafter directory for mode "dflash" (`clover.models.dflash`; refused with one line when it does not fit the model);
-    the bundled model comes with its own (`BUNDLED_DRAFTER`)."""
+    the bundled model comes with its own (`BUNDLED_DRAFTER`), loaded unless `drafter=False`."""
     check_device(device)
     path = model_path(path) if path is not None else default_model_path()
     if not path.exists():
@@ -406,7 +408,7 @@ def load(path: str | os.PathLike | None = None, *, dtype: str | torch.dtype | No
     if drafter is None and bundled and (BUNDLED_DRAFTER / "config.json").is_file():
         drafter = BUNDLED_DRAFTER
     draft_model = None
-    if drafter is not None:
+    if drafter is not None and drafter is not False:
         from .checkpoint import load_drafter
 
         draft_model = load_drafter(drafter, model, device=device)

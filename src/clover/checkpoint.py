@@ -15,7 +15,6 @@ import torch
 
 from .config import CloverConfig, ConfigError
 from .models import build_model, read_config
-from .quant.loader import load_quantized
 from .weights import (  # noqa: F401  (re-exported: the names callers import from here)
     DTYPES,
     FINITE_SCAN_CHUNK,
@@ -67,6 +66,8 @@ def load_model(
                 "(or choose the load dtype: dtype=..., CLI --dtype)"
             ) from None
     if config.quantization_config:
+        from .quant.loader import load_quantized  # (imported only for a quantized checkpoint)
+
         with finite_check(check_finite):  # the quantized loader reads through iter_tensors
             return load_quantized(directory, config, dtype=dtype, device=device)
     model = build_model(config, device="meta")

@@ -120,9 +120,10 @@ def check_device(device: str | None) -> None:
         raise UsageError(f"--{e}") from None
 
 
-def load_llm(args: argparse.Namespace, path: Path | None = None):
+def load_llm(args: argparse.Namespace, path: Path | None = None, *, bundled_drafter: bool = True):
     """`clover.load` with the user's --model/--device/--dtype/--no-check-finite; any failure to
-    read the directory becomes a one-line error."""
+    read the directory becomes a one-line error. `bundled_drafter=False`: without the bundled
+    model's drafter unless --drafter names one (a command that runs no drafting mode)."""
     from .. import api
     from ..checkpoint import CheckpointError
     from ..config import ConfigError
@@ -130,13 +131,16 @@ def load_llm(args: argparse.Namespace, path: Path | None = None):
     path = path or model_dir(args)
     device = getattr(args, "device", None)
     check_device(device)
-    from ..models.dflash import DrafterMismatch
+    drafter = getattr(args, "drafter", None) or (None if bundled_drafter else False)
+    mismatch = ()  # the drafter's error, when there is a drafter (its module is imported only then)
+    if drafter:
+        from ..models.dflash import DrafterMismatch as mismatch
 
     try:
         return api.load(path, dtype=getattr(args, "dtype", None), device=device,
                         check_finite=getattr(args, "check_finite", True), compile=getattr(args, "compile", False),
-                        drafter=getattr(args, "drafter", None), compile_batch=getattr(args, "max_batch", 1))
-    except DrafterMismatch as e:
+                        drafter=drafter, compile_batch=getattr(args, "max_batch", 1))
+    except mismatch as e:
         raise UsageError(f"--{e}") from None
     except (CheckpointError, ConfigError, FileNotFoundError, UsageError):
         raise

@@ -90,7 +90,10 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("--step-delay: must be >= 0")
     kwargs = sampling_kwargs(args)
     prompt = read_prompt(args.prompt)
-    llm = load_llm(args)
+    from ..decoding import get_mode
+
+    # the bundled drafter is loaded for the one mode that drafts with it (a named mode; the default never does)
+    llm = load_llm(args, bundled_drafter=args.mode is not None and getattr(get_mode(args.mode), "needs_drafter", False))
     mode = llm.mode(args.mode)  # None: the model's default, as LLM.generate and the server use
     params = llm.params(mode, kwargs)  # the options with the model's defaults filled in
     grammar = grammar_spec(args)
