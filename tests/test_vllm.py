@@ -117,6 +117,8 @@ def test_config_dense_backbone_and_errors(tiny_dir):
         CloverVLLMConfig(**{**raw, "num_attention_heads": "4"})
     with pytest.raises(ValueError, match="clover quantize"):
         CloverVLLMConfig(**{**raw, "quantization_config": {"bits": 4}})
+    with pytest.raises(ValueError, match="torchao INT8 export.*aten.split"):  # what vLLM 0.32 does with it
+        CloverVLLMConfig(**{**raw, "quantization_config": {"quant_method": "torchao", "quant_type": {}}})
     assert CloverVLLMConfig().get_text_config().hidden_size == 2048  # transformers' no-argument probe still works
 
 

@@ -76,7 +76,13 @@ class CloverVLLMConfig(PretrainedConfig):
         backbone = kwargs.pop("backbone", None) or default_backbone()
         cls = text_config_class(backbone)
         clover = {k: kwargs.pop(k) for k in CLOVER_FIELDS if k in kwargs}
-        if kwargs.get("quantization_config") and text_config is None:
+        quant = kwargs.get("quantization_config")
+        if isinstance(quant, dict) and quant.get("quant_method") == "torchao" and text_config is None:
+            raise ValueError("clover config: the torchao INT8 export (`clover export-hf` of a `clover quantize` directory) "
+                             "does not load in vLLM: its torchao support quantizes linear layers only, and its fused-MoE "
+                             "loader cannot split the experts' Int8Tensor (aten.split); serve the unquantized "
+                             "checkpoint (docs/scale-out.md)")
+        if quant and text_config is None:
             raise ValueError("clover config: a `clover quantize` checkpoint (its own INT4/INT8 format) does not load in "
                              "vLLM; serve the unquantized checkpoint (docs/scale-out.md)")
         for k in OUTER_ONLY:
