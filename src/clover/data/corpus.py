@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import ast
 import hashlib
+import os
 import random
 import sysconfig
 from functools import lru_cache
@@ -59,6 +60,7 @@ EXCLUDED_DIRS = frozenset(
 EXCLUDED_FILE_PREFIXES = ("_sysconfigdata",)
 
 
+@lru_cache(maxsize=1)
 def stdlib_root() -> Path:
     """Root directory of the running interpreter's standard library."""
     return Path(sysconfig.get_paths()["stdlib"]).resolve()
@@ -87,16 +89,21 @@ def _excluded(rel_parts: tuple[str, ...]) -> bool:
 def _all_files() -> tuple[tuple[str, Path], ...]:
     root = stdlib_root()
     out = []
-    for p in root.rglob("*.py"):
-        rel = p.relative_to(root)
-        if _excluded(rel.parts) or not p.is_file():
-            continue
-        try:
-            if p.stat().st_size > MAX_FILE_BYTES:
+    for here, dirs, files in os.walk(root):  # excluded directories are not entered (site-packages alone: thousands of files)
+        dirs[:] = [d for d in dirs if not _excluded((d, ""))]
+        for name in files:
+            if not name.endswith(".py"):
                 continue
-        except OSError:
-            continue
-        out.append((rel.as_posix(), p))
+            p = Path(here, name)
+            rel = p.relative_to(root)
+            if _excluded(rel.parts) or not p.is_file():
+                continue
+            try:
+                if p.stat().st_size > MAX_FILE_BYTES:
+                    continue
+            except OSError:
+                continue
+            out.append((rel.as_posix(), p))
     out.sort()
     return tuple(out)
 
