@@ -62,7 +62,9 @@ def _default_cache_dir() -> Path:
 
 
 DEFAULT_CACHE_DIR = _default_cache_dir()
-ENCODE_CHUNK = 64  # files per `encode_batch` call while building a cache (each call is parallel over its files)
+# building a cache: about this many `encode_batch` calls (bar updates), each of at least ENCODE_MIN_FILES
+# files (a call is parallel over its files)
+ENCODE_STEPS, ENCODE_MIN_FILES = 32, 8
 
 
 def load_source_tokens(
@@ -109,19 +111,24 @@ def load_source_tokens(
 
 def _build_cache(tok, docs: list[tuple[str, str]], d: Path, verbose: bool) -> None:
     """Tokenise `docs` into the cache directory `d` (with a bar over their characters when `verbose`):
-    in chunks of files of about the same length, longest first, so that no call waits long on one
-    large file while the other threads are idle."""
+    in calls of about 1/ENCODE_STEPS of the characters each, over files of about the same length,
+    longest first, so that no call waits long on one large file while the other threads are idle."""
     from tqdm import tqdm
 
     order = sorted(range(len(docs)), key=lambda j: -len(docs[j][1]))
+    total = sum(len(t) for _, t in docs)
     encs = [None] * len(docs)
-    with tqdm(total=sum(len(t) for _, t in docs), desc=f"tokenizing {len(docs)} files into {d.parent.name}/",
-              unit="char", unit_scale=True, file=sys.stderr, dynamic_ncols=True, disable=not verbose) as bar:
-        for i in range(0, len(order), ENCODE_CHUNK):
-            chunk = order[i : i + ENCODE_CHUNK]
-            for j, e in zip(chunk, tok.encode_batch([docs[j][1] for j in chunk], add_special_tokens=False)):
-                encs[j] = e
-            bar.update(sum(len(docs[j][1]) for j in chunk))
+    with tqdm(total=total, desc=f"tokenizing {len(docs)} files into {d.parent.name}/", unit="char",
+              unit_scale=True, file=sys.stderr, dynamic_ncols=True, disable=not verbose) as bar:
+        chunk, chars = [], 0
+        for n, j in enumerate(order, 1):
+            chunk.append(j)
+            chars += len(docs[j][1])
+            if n == len(order) or (chars * ENCODE_STEPS >= total and len(chunk) >= ENCODE_MIN_FILES):
+                for k, e in zip(chunk, tok.encode_batch([docs[k][1] for k in chunk], add_special_tokens=False)):
+                    encs[k] = e
+                bar.update(chars)
+                chunk, chars = [], 0
     lens = np.array([len(e.ids) for e in encs], dtype=np.int64)
     offsets = np.zeros(len(docs) + 1, dtype=np.int64)
     np.cumsum(lens, out=offsets[1:])
