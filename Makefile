@@ -23,8 +23,9 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/clover demo
 
+# two workers, one per core (each test runs torch at 1 thread: tests/conftest.py); a file stays on one worker
 test: $(TEST_STAMP)
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile tests
 
 test-slow: $(TEST_STAMP)
 	CLOVER_SLOW=1 $(BIN)/python -m pytest -q tests
