@@ -455,7 +455,7 @@ with torch.no_grad():
                                       do_sample=False)[0, len(p):].tolist() for p in spec["prompts"]]
     for mode in ("diffusion", "speculative", "ar"):  # clover's engines on the torchao weights
         res = [model.diffusion_generate(torch.tensor([p]), max_new_tokens=spec["n"], mode=mode, ignore_eos=True,
-                                        return_dict_in_generate=True) for p in spec["prompts"]]
+                                        return_dict_in_generate=True) for p in spec["prompts"][:spec["modes_on"]]]
         out[mode] = [r.sequences[0, len(p):].tolist() for r, p in zip(res, spec["prompts"])]
         out[mode + "_forwards"] = [r.forwards[0] for r in res]
 torch.save(out, spec["out"])
@@ -501,7 +501,10 @@ def test_int8_export_loads_in_transformers_token_for_token(tmp_path, monkeypatch
     monkeypatch.setattr(ops, "FP32_VIA_BF16", False)
     llm = clover.load(q8, dtype="float32")
     prompts = [llm.tokenizer.encode(p) for p in held_out_prompts(8)]
-    spec = {"model": str(hf), "out": str(tmp_path / "out.pt"), "names": names, "prompts": prompts, "n": NEW_TOKENS}
+    # transformers' generate on all 8 prompts; clover's three engines on the first 4 (torchao's tensor
+    # subclass dispatch makes every op slow on a CPU)
+    spec = {"model": str(hf), "out": str(tmp_path / "out.pt"), "names": names, "prompts": prompts, "n": NEW_TOKENS,
+            "modes_on": 4}
     run_isolated(TORCHAO_WORKER, spec, tmp_path)
     res = torch.load(tmp_path / "out.pt", weights_only=True)
     src = load_file(str(q8 / "model.safetensors"))
@@ -510,10 +513,13 @@ def test_int8_export_loads_in_transformers_token_for_token(tmp_path, monkeypatch
         assert res["types"][n] == "Int8Tensor"
         assert torch.equal(res["qdata"][n], src[base + ".qweight"])
         assert torch.equal(res["scale"][n].flatten(), src[base + ".scales"].flatten())
+    assert len(res["ar"]) == len(res["diffusion"]) == 4
     for i, ids in enumerate(prompts):
         ar = llm.generate(ids, mode="ar", max_new_tokens=NEW_TOKENS, ignore_eos=True, temperature=0.0)
-        diff = llm.generate(ids, mode="diffusion", max_new_tokens=NEW_TOKENS, ignore_eos=True, temperature=0.0)
         assert res["generate"][i] == ar.token_ids
+        if i >= 4:
+            continue
+        diff = llm.generate(ids, mode="diffusion", max_new_tokens=NEW_TOKENS, ignore_eos=True, temperature=0.0)
         assert res["ar"][i] == res["speculative"][i] == ar.token_ids
         assert res["diffusion"][i] == diff.token_ids
         assert res["diffusion_forwards"][i] == diff.stats.forwards
