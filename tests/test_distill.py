@@ -44,6 +44,16 @@ def test_build_is_ar_greedy_and_round_trips(bundled, tmp_path):
         load_distill_set(tmp_path / "set")
 
 
+def test_task_continuations_past_the_line(bundled, tmp_path):
+    """`task_line=False`: a task's row is the decode a drafter meets after a task prompt with no stop
+    string (`task_tokens` greedy tokens, past the answer line)."""
+    d = build_distill_set(bundled, tmp_path / "set", n_tasks=3, n_code=0, task_tokens=24, batch_size=2,
+                          progress=False, task_line=False)
+    for p, doc in zip(distill_prompts(3, 0, seed=0)[0], d.task_lines):
+        assert doc == p + bundled.generate(p, mode="ar", max_new_tokens=24).text
+    assert any("\n" in doc for doc in d.task_lines) and load_distill_set(tmp_path / "set").meta["task_line"] is False
+
+
 def test_interrupted_build_continues(bundled, tmp_path):
     """A build killed after its first batch (and mid-line) resumes from the part file: it decodes only
     the rest, and the set equals an uninterrupted build's."""

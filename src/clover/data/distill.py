@@ -5,8 +5,8 @@ A parallel decoder trained on the sequential decoder's outputs learns one mode o
 instead of the spread of the real data, which is what lets it commit many positions at once; here
 the teacher is free, since it is the same weights decoding in AR mode. Prompts are training task
 prompts (never the held-out ones) and function headers from the training split of the stdlib;
-the targets are what AR greedy writes after them (tasks up to the end of the line, code up to
-`code_tokens`).
+the targets are what AR greedy writes after them (tasks up to the end of the line, or `task_tokens`
+past it with `task_line=False`; code up to `code_tokens`).
 
 A set is a directory: `distill.jsonl` (one JSON object per line: {"kind": "task" | "code" | "chat",
 "text": prompt + continuation}) and `meta.json` (the teacher, the counts, a digest of the texts).
@@ -28,7 +28,7 @@ FORMAT = "clover.distill/1"
 
 @dataclass
 class DistillSet:
-    task_lines: list[str]  # prompt + AR answer, one task per line (no newline)
+    task_lines: list[str]  # prompt + AR answer: one line (no newline), or the longer continuation
     code_docs: list[str]  # function header + AR continuation
     meta: dict
 
@@ -48,8 +48,10 @@ def distill_prompts(n_tasks: int, n_code: int, seed: int = 0) -> tuple[list[str]
 
 def build_distill_set(llm, out: str | Path, *, n_tasks: int, n_code: int, seed: int = 0, task_tokens: int = 24,
                       code_tokens: int = 96, batch_size: int = 16, progress: bool = True, n_chat: int = 0,
-                      chat_tokens: int = 48) -> DistillSet:
+                      chat_tokens: int = 48, task_line: bool = True) -> DistillSet:
     """Decode the prompts with `llm` in AR greedy mode, in batches, and write the set to `out`.
+    A task's continuation stops at the end of its answer line (`task_line`), else runs `task_tokens`
+    on, as a decode with no stop string does (what a drafter meets after a task prompt).
     `n_chat` training instructions (`clover.data.instructions`) are written with the model's chat
     template; the document is the rendered conversation up to the end of the answer's turn."""
     from tqdm import tqdm
@@ -68,7 +70,7 @@ def build_distill_set(llm, out: str | Path, *, n_tasks: int, n_code: int, seed: 
     out.mkdir(parents=True, exist_ok=True)
     part = out / "distill.jsonl.part"
     header = {"format": FORMAT, "seed": seed, "task_tokens": task_tokens, "code_tokens": code_tokens,
-              "chat_tokens": chat_tokens}
+              "chat_tokens": chat_tokens, "task_line": task_line}
     old = _read_part(part, header)
     shown = {"task": task_prompts, "code": code_prompts, "chat": [tok.decode(p) for p in chat_prompts]}
     results = []
@@ -89,7 +91,7 @@ def build_distill_set(llm, out: str | Path, *, n_tasks: int, n_code: int, seed: 
             for i in range(kept[kind], len(prompts[kind]), batch_size):
                 chunk = prompts[kind][i : i + batch_size]
                 kw = dict(mode="ar", max_new_tokens=size, temperature=0.0)
-                if kind == "task":
+                if kind == "task" and task_line:
                     kw["stop"] = ["\n"]
                 gens = llm.generate(chunk, **kw)
                 rows = []
@@ -109,7 +111,7 @@ def build_distill_set(llm, out: str | Path, *, n_tasks: int, n_code: int, seed: 
     digest = hashlib.sha256("\x00".join(t for _, t in results).encode()).hexdigest()[:16]
     meta = {"format": FORMAT, "teacher": str(getattr(llm, "path", "")), "tasks": len(task_lines),
             "code": sum(k == "code" for k, _ in results), "chat": sum(k == "chat" for k, _ in results), "seed": seed, "task_tokens": task_tokens, "code_tokens": code_tokens,
-            "digest": digest}
+            "task_line": task_line, "digest": digest}
     tmp = out / "distill.jsonl.tmp"
     tmp.write_text(_jsonl((k, t) for k, t in results if t.strip()), encoding="utf-8")
     tmp.replace(out / "distill.jsonl")

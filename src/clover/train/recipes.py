@@ -92,6 +92,7 @@ class DataSpec:
     distill_chat: int = 0  # instructions in that set, written with the model's chat template (clover.data.instructions)
     distill_chat_tokens: int = 48  # longest AR answer to one of them
     distill_code_tokens: int = 96  # longest AR continuation of a function header
+    distill_task_tokens: int = 0  # 0: a task's AR answer up to the end of its line; N: N tokens, past the line
     distill_batch: int = 16  # prompts decoded together while the set is built (AR is memory-bound: wider is cheaper)
     # [[data.sources]]: local text files, JSON Lines, saved `datasets`, the stdlib, mixed by weight
     # (clover.data.sources); empty = the stdlib (+ the tasks, as task_fraction says)
@@ -198,6 +199,8 @@ class Recipe:
             raise RecipeError("data.seq_len must be >= 2 and data.batch_size >= 1")
         if not 0.0 <= self.data.distill_fraction <= 1.0:
             raise RecipeError(f"data.distill_fraction must be in [0, 1], got {self.data.distill_fraction}")
+        if self.data.distill_task_tokens < 0:
+            raise RecipeError(f"data.distill_task_tokens must be >= 0 (0: the answer line), got {self.data.distill_task_tokens}")
         if self.data.distill_fraction and not self.init:
             raise RecipeError("data.distill_fraction needs `init`: the set is the init model's own AR greedy output")
         if self.optim.grad_accum < 1 or self.data.batch_size % self.optim.grad_accum:

@@ -389,7 +389,8 @@ class Trainer:
             self.model.eval()
             ensure_distill_set(path, teacher, n_tasks=d.distill_tasks, n_code=d.distill_code, n_chat=d.distill_chat,
                                chat_tokens=d.distill_chat_tokens, code_tokens=d.distill_code_tokens,
-                               batch_size=d.distill_batch,
+                               batch_size=d.distill_batch, task_line=not d.distill_task_tokens,
+                               **({"task_tokens": d.distill_task_tokens} if d.distill_task_tokens else {}),
                                seed=self.recipe.seed, progress=not self.quiet)
             self.model.train(was_training)
         self.dist.barrier()
