@@ -6,7 +6,9 @@ forwards at 1, 2, 4, ... 64 positions after a committed prefix, interleaved by n
 one point after another (each point is a median, so short bursts of background load fall out).
 The curve of each variant is merged into the user cache (`clover.decoding.width.cost_path`), where
 `block_size="auto"` reads it. Reported per point: ms per forward, ms per position, and the forward's
-cost in AR steps (`r`: the commit forward of 1 position at the same batch and variant).
+cost in AR steps (`r`: the commit forward of 1 position at the same batch and variant). With
+`expert_budget` the denoise block's tokens share that many experts (block expert sharing; the commit
+part routes freely), and the curve is not cached (`block_size="auto"` reads the unshared one).
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ SCHEMA = "clover.bench.cost/1"
 
 
 def run_cost(llm, *, kinds=KINDS, batches=(1, 16), positions=POSITIONS, repeat: int = 5, prefix: int = 64,
-             eager: bool = True, compiled: bool = False, save: bool = True, progress=None) -> dict:
+             eager: bool = True, compiled: bool = False, save: bool = True, progress=None,
+             expert_budget: int | None = None) -> dict:
     """Measure every (variant, kind, batch, positions); the rows and where each curve was cached."""
     for k in kinds:
         if k not in KINDS:
@@ -26,6 +29,12 @@ def run_cost(llm, *, kinds=KINDS, batches=(1, 16), positions=POSITIONS, repeat: 
     if not eager and not compiled:
         raise ValueError("bench cost: nothing to measure (neither eager nor compiled)")
     model = llm.model
+    if expert_budget is not None:
+        c = model.config
+        if not getattr(c, "num_experts", 0) or not (c.num_experts_per_tok <= expert_budget <= c.num_experts):
+            raise ValueError(f"expert_budget: must lie in [experts per token, experts] of a mixture-of-experts model "
+                             f"({getattr(c, 'num_experts_per_tok', 0)}..{getattr(c, 'num_experts', 0)}), got {expert_budget}")
+        save = False
     variants = (["eager"] if eager else []) + (["compiled"] if compiled else [])
     if eager and compiled_kind(model) == "compiled":  # noqa: SIM102
         raise ValueError("bench cost: the model is already compiled; load it eager to measure both")
@@ -37,7 +46,7 @@ def run_cost(llm, *, kinds=KINDS, batches=(1, 16), positions=POSITIONS, repeat: 
             compile_model(model)
         tell = (lambda i, n, what, v=variant: progress(f"{v}: {what} ({i}/{n})")) if progress else None
         curve = measure_curve(model, kinds=kinds, batches=batches, positions=positions, repeat=repeat,
-                              prefix=prefix, progress=tell)
+                              prefix=prefix, progress=tell, expert_budget=expert_budget)
         if save:
             cached[variant] = str(save_curve(model, curve, variant))
         for kind in kinds:
@@ -52,7 +61,7 @@ def run_cost(llm, *, kinds=KINDS, batches=(1, 16), positions=POSITIONS, repeat: 
     return {"schema": SCHEMA, "model": str(llm.path), "shapes": shape_summary(model.config),
             "dtype": str(model.dtype).replace("torch.", ""), "machine": machine(model.device),
             "settings": {"kinds": list(kinds), "batches": list(batches), "positions": list(positions),
-                         "repeat": repeat, "prefix": prefix, "variants": variants},
+                         "repeat": repeat, "prefix": prefix, "variants": variants, "expert_budget": expert_budget},
             "rows": rows, "cached": cached}
 
 
@@ -63,8 +72,10 @@ def cost_table(result: dict):
 
     s = result["settings"]
     m = result["machine"]
+    sharing = "" if s.get("expert_budget") is None else f"expert budget {s['expert_budget']} · "
     t = Table(title=f"clover bench cost · {result['model']} · {result['dtype']} · {m['device']} "
-                    f"({m['torch_threads']} threads, load {m.get('load_average', ['?'])[0]}) · ms per forward "
+                    f"({m['torch_threads']} threads, load {m.get('load_average', ['?'])[0]}) · "
+                    f"{sharing}ms per forward "
                     f"(× an AR step)", title_justify="left")
     for col in ("variant", "kind", "batch", *[str(p) for p in s["positions"]]):
         t.add_column(col, justify="left" if col in ("variant", "kind") else "right")

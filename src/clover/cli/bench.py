@@ -96,6 +96,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
                    help="measure eager, then compile (--compile's static steps) and measure again (each shape "
                         "compiles once, in its warm-up)")
     p.add_argument("--no-save", action="store_true", help="do not write the curve to the user cache")
+    p.add_argument("--expert-budget", type=int, metavar="N",
+                   help="the denoise block's tokens share N experts (block expert sharing; the curve is not cached)")
     p.add_argument("--plot", metavar="FILE", default="build/bench/cost.png", help="PNG path (default: build/bench/cost.png)")
 
     p = sub.add_parser("experts", help="block expert sharing ablation: budget off, 4k, 3k, 2k, k",
@@ -326,7 +328,8 @@ def run_cost(args) -> int:
     progress = _progress(args.json)
     result = bench_cost(llm, kinds=kinds, batches=tuple(batches), positions=tuple(positions), repeat=args.repeat,
                         prefix=args.prefix, eager=args.both or not compiled, compiled=compiled,
-                        save=not args.no_save, progress=(lambda m: progress(f"{m:<60}")) if progress else None)
+                        save=not args.no_save, progress=(lambda m: progress(f"{m:<60}")) if progress else None,
+                        expert_budget=args.expert_budget)
     result["model_note"] = note
     if progress:
         print(file=sys.stderr)

@@ -192,11 +192,11 @@ def _sync(device) -> None:
 
 @grad_free_call
 def time_forward(model, kind: str, batch: int, positions: int, *, prefix: int = 64, repeat: int = 5,
-                 warmup: int = 1, mask_id: int | None = None) -> list[float]:
+                 warmup: int = 1, mask_id: int | None = None, expert_budget: int | None = None) -> list[float]:
     """Seconds of `repeat` forwards of `kind` (`KINDS`) with `batch` rows of `positions` each, after a
     committed prefix of `prefix` tokens (after `warmup` untimed forwards, where a compiled model
     compiles). The cache is put back after each forward (its lengths; the states' values do not
-    change the cost)."""
+    change the cost). `expert_budget`: the denoise block's experts shared (block expert sharing)."""
     if kind not in KINDS:
         raise ValueError(f"kind: must be one of {', '.join(KINDS)}, got {kind!r}")
     dev = model.device
@@ -208,17 +208,18 @@ def time_forward(model, kind: str, batch: int, positions: int, *, prefix: int = 
     ids = torch.randint(3, vocab, (batch, positions), generator=gen).to(dev)
     block = torch.full((batch, positions), mask, dtype=torch.long, device=dev)
     start = cache.lengths.clone()
+    kw = dict(expert_budget=expert_budget)
 
     def once() -> None:
         if kind == "commit":
             model.step(cache, commit_ids=ids)
         elif kind == "denoise":
-            model.step(cache, denoise_ids=block)
+            model.step(cache, denoise_ids=block, **kw)
         elif kind == "block":
-            model.step(cache, commit_ids=ids, denoise_ids=block)
+            model.step(cache, commit_ids=ids, denoise_ids=block, **kw)
         else:
             cache.start_recording()
-            model.step(cache, commit_ids=ids, denoise_ids=block, all_logits=True)
+            model.step(cache, commit_ids=ids, denoise_ids=block, all_logits=True, **kw)
             cache.record = None
         cache.lengths.copy_(start)
 
@@ -235,14 +236,15 @@ def time_forward(model, kind: str, batch: int, positions: int, *, prefix: int = 
 
 
 def measure_curve(model, *, kinds=KINDS, batches=(1,), positions=POSITIONS, repeat: int = 5, prefix: int = 64,
-                  progress=None) -> CostCurve:
+                  progress=None, expert_budget: int | None = None) -> CostCurve:
     """The median of `repeat` forwards at every (kind, batch, positions)."""
     curve = CostCurve(key=cost_key(model))
     todo = [(k, b, p) for b in batches for k in kinds for p in positions]
     for i, (k, b, p) in enumerate(todo):
         if progress:
             progress(i, len(todo), f"{k} batch {b} x {p}")
-        curve.add(k, b, p, statistics.median(time_forward(model, k, b, p, repeat=repeat, prefix=prefix)))
+        curve.add(k, b, p, statistics.median(time_forward(model, k, b, p, repeat=repeat, prefix=prefix,
+                                                          expert_budget=expert_budget)))
     if progress:
         progress(len(todo), len(todo), "done")
     return curve
