@@ -315,3 +315,161 @@ def test_convert_keeps_commit_mode_and_adds_mask(tmp_path, has_room):
     assert len(g.token_ids) == 8
     with pytest.raises(ValueError, match="already a Clover"):
         convert_to_clover(tmp_path / "clover", tmp_path / "again", progress=False)
+
+
+# --------------------------------------------------------------------------- what a forward computes
+def _step_pair(model, live: bool, **kw):
+    """A ragged commit fused with a denoise block, then an AR step, on a fresh cache; the model's
+    `live_positions` off computes every position (the exact path)."""
+    saved = model.live_positions
+    model.live_positions = live
+    try:
+        g = torch.Generator().manual_seed(5)
+        with torch.inference_mode():
+            cache = model.make_cache(2, 96)
+            model.step(cache, commit_ids=torch.randint(3, 250, (2, 12), generator=g), n_commit=torch.tensor([12, 9]))
+            out = model.step(cache, commit_ids=torch.randint(3, 250, (2, 8), generator=g), n_commit=torch.tensor([8, 5]),
+                             **kw)
+            ar = model.step(cache, commit_ids=torch.randint(3, 250, (2, 1), generator=g))
+        return out, ar, cache
+    finally:
+        model.live_positions = saved
+
+
+def _block(llm, B=2, Bd=8):
+    blk = torch.full((B, Bd), llm.tokenizer.mask_token_id)
+    blk[0, :3] = torch.tensor([50, 60, 70])
+    blk[1, 5] = 99
+    need = torch.zeros(B, Bd, dtype=torch.bool)
+    need[0, 2:6] = True
+    need[1, [0, 1, 3, 6]] = True
+    return blk, need
+
+
+@pytest.mark.parametrize("all_logits", [False, True])
+def test_forward_computes_only_the_positions_it_reads(llm, all_logits):
+    """Eagerly the last layer computes only where logits are read: every output the step returns
+    or writes equals the full forward's."""
+    blk, need = _block(llm)
+    kw = dict(denoise_ids=blk, denoise_need=need, all_logits=all_logits)
+    full, full_ar, full_cache = _step_pair(llm.model, False, **kw)
+    live, live_ar, live_cache = _step_pair(llm.model, True, **kw)
+    torch.testing.assert_close(live.commit_logits, full.commit_logits, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(live.denoise_logits[need], full.denoise_logits[need], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(live_ar.commit_logits, full_ar.commit_logits, atol=1e-4, rtol=1e-4)
+    for a, b in zip(live_cache.layers, full_cache.layers):
+        for x, y in zip(a.tensors(), b.tensors()):
+            torch.testing.assert_close(x, y, atol=1e-5, rtol=1e-5)
+
+
+def test_frozen_positions_read_their_memo(llm):
+    """skip_decoded's mechanics: positions frozen with a memo of the same inputs give the full
+    forward's logits; the memo holds each layer's block inputs."""
+    model = llm.model
+    blk, need = _block(llm)
+    memo: list = []
+    first, _, _ = _step_pair(model, True, denoise_ids=blk, denoise_need=need, denoise_memo=memo)
+    assert len(memo) == len(model.model.layers) and all(t.shape[:2] == (2, 8) for layer in memo for t in layer)
+    frozen = torch.zeros(2, 8, dtype=torch.bool)
+    frozen[0, :2] = True  # decoded, their own predictions not needed
+    frozen[1, 5] = True
+    again, _, _ = _step_pair(model, True, denoise_ids=blk, denoise_need=need, denoise_memo=list(memo), denoise_frozen=frozen)
+    torch.testing.assert_close(again.denoise_logits[need], first.denoise_logits[need], atol=1e-4, rtol=1e-4)
+    moved = [list(layer) for layer in memo]
+    moved[0][0] = moved[0][0] + 1.0  # a stale memo changes what the others read
+    stale, _, _ = _step_pair(model, True, denoise_ids=blk, denoise_need=need,
+                             denoise_memo=[tuple(x) for x in moved], denoise_frozen=frozen)
+    assert not torch.allclose(stale.denoise_logits[need], first.denoise_logits[need], atol=1e-4)
+
+
+def test_a_row_whose_block_ends_early_computes_the_cut_block(llm):
+    """skip_window's mechanics: `denoise_valid` ends each row's block at its own point, which is what
+    the row computes alone with the block cut there (batched == one-by-one)."""
+    model = llm.model
+    blk, need = _block(llm)
+    ends = [6, 4]
+    valid = torch.arange(8)[None, :] < torch.tensor(ends)[:, None]
+    need = need & valid
+    both, _, _ = _step_pair(model, True, denoise_ids=blk, denoise_need=need, denoise_valid=valid, denoise_width=8)
+    for b, e in enumerate(ends):
+        g = torch.Generator().manual_seed(5)
+        with torch.inference_mode():
+            cache = model.make_cache(2, 96)
+            model.step(cache, commit_ids=torch.randint(3, 250, (2, 12), generator=g), n_commit=torch.tensor([12, 9]))
+            alone = model.step(cache, commit_ids=torch.randint(3, 250, (2, 8), generator=g), n_commit=torch.tensor([8, 5]),
+                               denoise_ids=blk[:, :e], denoise_need=need[:, :e], denoise_width=8)
+        torch.testing.assert_close(both.denoise_logits[b, :e][need[b, :e]], alone.denoise_logits[b][need[b, :e]],
+                                   atol=1e-4, rtol=1e-4)
+
+
+SKIPS = [dict(skip_window=True), dict(skip_decoded=True), dict(skip_window=True, skip_decoded=True)]
+
+
+def test_skip_window_changes_nothing_where_nothing_is_cut(llm):
+    """Without sub-blocks, stops or EOS no position is right of the window: skip_window gives the
+    exact path's tokens."""
+    kw = dict(mode="diffusion", max_new_tokens=24, block_size=8, ignore_eos=True)
+    for prompt in ([5, 6, 7], list(range(40, 53))):
+        for threshold in (0.3, 0.95):
+            exact = llm.generate(prompt, threshold=threshold, **kw)
+            assert llm.generate(prompt, threshold=threshold, skip_window=True, **kw).token_ids == exact.token_ids
+
+
+@pytest.mark.parametrize("skips", SKIPS, ids=lambda d: "+".join(d))
+def test_skips_keep_batched_equal_to_one_by_one(llm, skips):
+    prompts = [list(range(30, 35)), list(range(60, 79)), [200, 3, 4, 5, 6, 7, 8, 9, 10]]
+    kw = dict(mode="diffusion", max_new_tokens=20, block_size=8, threshold=0.9, sub_block=4, ignore_eos=True, **skips)
+    batch = llm.generate(prompts, **kw)
+    for p, got in zip(prompts, batch):
+        alone = llm.generate(p, **kw)
+        assert got.token_ids == alone.token_ids
+        assert got.decode_steps == alone.decode_steps
+
+
+def test_skips_cut_and_freeze_positions(llm, monkeypatch):
+    """The options do what they say: sub-blocks leave positions right of the window out of the
+    forward, a block decoded over several steps freezes decoded positions."""
+    model = llm.model
+    seen = {"width": [], "frozen": 0}
+    step = model.step
+
+    def spy(cache, **kw):
+        if kw.get("denoise_ids") is not None:
+            seen["width"].append(kw["denoise_ids"].shape[1])
+            if kw.get("denoise_frozen") is not None:
+                seen["frozen"] += int(kw["denoise_frozen"].sum())
+        return step(cache, **kw)
+
+    monkeypatch.setattr(model, "step", spy)
+    llm.generate([5, 6, 7], mode="diffusion", max_new_tokens=16, block_size=16, sub_block=4, threshold=0.9,
+                 ignore_eos=True, skip_window=True)
+    assert min(seen["width"]) == 4 and max(seen["width"]) <= 16
+    llm.generate([5, 6, 7], mode="diffusion", max_new_tokens=16, block_size=16, threshold=2.0, ignore_eos=True,
+                 skip_decoded=True)
+    assert seen["frozen"] > 0
+
+
+def test_a_finished_row_costs_nothing_after(llm, monkeypatch):
+    """A row whose output has ended leaves the batch after the forward that ended it."""
+    from clover.decoding import get_mode
+    from clover.decoding.modes import resolve_params
+
+    model = llm.model
+    mode = get_mode("diffusion")
+    kw = dict(block_size=8, threshold=2.0, ignore_eos=True)
+    short, long_ = (llm.row([5, 6, 7], resolve_params(mode, dict(max_new_tokens=n, **kw), llm.config)) for n in (8, 24))
+    engine = llm.engine(mode.spec(short.params))
+    rows = []
+    step = model.step
+
+    def spy(cache, **kw):
+        rows.append(cache.batch_size)
+        return step(cache, **kw)
+
+    monkeypatch.setattr(model, "step", spy)
+    engine.add(short)
+    engine.add(long_)
+    for _ in engine.run():
+        pass
+    assert len(short.tokens) == 8 and len(long_.tokens) == 24
+    assert rows == [2] * short.forwards + [1] * (long_.forwards - short.forwards)

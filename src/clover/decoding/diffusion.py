@@ -27,6 +27,35 @@ the commit part (the last committed position), so no block is denoised and its t
 that ride together share one width, so with rows at different points of their blocks the width
 holds until they meet a boundary together. `choices` keeps each decision and why.
 
+Only live positions cost compute. Exactly, always (the model's eager `forward_step`): the last
+layer computes its queries, output projection and MLP/MoE only at the positions whose logits are
+read (the denoise positions whose next position is masked, the commit's last token), and a row whose
+output has ended leaves the batch after the forward that ended it (a block ends as soon as its
+decoded prefix ends the row: EOS, a stop token or string), so it costs nothing after. Two
+approximations, opt-in per request and tested against the exact path on what they claim to keep:
+
+- `skip_window=True`: a row's forward carries its block only through its decode window
+  (`_window_end`): masked positions right of the window (the sub-blocks after the current one with
+  `sub_block`) and the tail after a decoded stop or EOS are not computed, not attended to, and read
+  by the GDN as past the block's end. Per row (the forward's `denoise_valid`), so a row's tokens do
+  not depend on its batch. Without sub-blocks, stops or EOS nothing is cut (the exact tokens).
+- `skip_decoded=True` (dKV-Cache's delayed caching): a decoded position's layer inputs are computed
+  once with its token (the forward after the one that decoded it) and then reused from a memo, and
+  the position computes nothing at all, while its own prediction is not needed (its next position
+  is decoded). What "its K/V" means in a GDN layer: the denoise branch is not a recurrence over the
+  block. Each block position reads the prefix's recurrent state (a decayed readout with its own
+  query and decay) and the block's keys and values through a softmax over the block, after a
+  causal and a right-side depthwise conv over the block's pre-conv inputs. So what the other
+  positions read from a decoded position at a GDN layer is its pre-conv inputs (`in_proj_qkv`),
+  through the conv windows and then as key and value: those are kept; the conv and the intra-block
+  attention still run over the whole block (elementwise and Bs x Bs), while the position's own
+  gate projections, output norm and projection and MLP are skipped. The recurrence proper only runs
+  over committed tokens, and the block commit computes every position through every layer, so
+  nothing approximate reaches the cache. Not with an expert budget (block expert sharing routes the
+  whole block together; the option is then off).
+
+Both run eagerly: a compiled model serves a step that uses them without its graphs.
+
 `recompute=True` is the uncached baseline (`mode="naive"`): every forward rebuilds the whole
 committed sequence from scratch with the same block and acceptance rules.
 """
@@ -56,6 +85,7 @@ class DiffusionRow(EngineRow):
     need: int = 0  # positions that must be decoded in this block
     expected_gain: float = 0.0  # block_size="auto": the prior's tokens beyond one per forward, summed over forwards
     valid: int = 0  # a constrained row: the block's prefix its grammar has consumed
+    memo_ok: torch.Tensor | None = None  # [Bs] skip_decoded: positions whose memo holds their current token's inputs
 
 
 class DiffusionEngine(BatchEngine):
@@ -63,7 +93,7 @@ class DiffusionEngine(BatchEngine):
 
     def __init__(self, model, *, block_size: int | str, mask_id: int, pad_id: int = 0,
                  recompute: bool = False, provisional: bool = False, expert_budget: int | None = None,
-                 expert_rank: str = "sum", width_policy=None) -> None:
+                 expert_rank: str = "sum", width_policy=None, skips: tuple[str, ...] = ()) -> None:
         super().__init__(model, pad_id=pad_id)
         self.width_policy = None
         if block_size == AUTO:
@@ -75,6 +105,11 @@ class DiffusionEngine(BatchEngine):
         self.max_width = block_size
         self.recompute, self.provisional, self.expert_budget = recompute, provisional, expert_budget
         self.expert_rank = expert_rank
+        self.skip_window = "window" in skips and not recompute
+        # the memo needs the hybrid family's layers (`live`) and routes per position (no expert sharing)
+        self.skip_decoded = ("decoded" in skips and not recompute and expert_budget is None
+                             and getattr(model, "live_positions", False))
+        self.memo: list | None = None  # skip_decoded: per layer, the rows' block inputs of their last forward [B, Bs, ...]
         self.choices: list = []  # block_size="auto": each WidthChoice (width, why), in order
         self.forwards = 0
 
@@ -96,6 +131,7 @@ class DiffusionEngine(BatchEngine):
                 r.width_why.append(f"forward {self.forwards}: {choice.why()}")
         if choice.width != self.block_size:
             self.block_size = choice.width
+            self.memo = None
             for r in rows:
                 self._new_block(r)
 
@@ -115,6 +151,7 @@ class DiffusionEngine(BatchEngine):
         row.state.dec_step = torch.zeros(Bs, dtype=torch.long, device=self.device)
         row.state.dec_forced = torch.zeros(Bs, dtype=torch.bool, device=self.device)
         row.state.step = 0
+        row.state.memo_ok = torch.zeros(Bs, dtype=torch.bool, device=self.device)
         row.state.need = min(Bs, row.remaining)  # positions that must be decoded in this block
         row.state.valid = 0
         if row.constraint is not None:
@@ -163,13 +200,20 @@ class DiffusionEngine(BatchEngine):
             self._init_row(row)
             self.rows.append(row)
             return []
-        return super().add(row)
+        events = super().add(row)
+        if self.memo is not None and len(self.rows) > self.memo[0][0].shape[0]:  # the newcomer has no memo yet
+            self.memo = [tuple(torch.cat([t, t.new_zeros(1, *t.shape[1:])]) for t in layer) for layer in self.memo]
+        return events
 
     def _drop_finished(self) -> None:
         if self.recompute:
             self.rows = [r for r in self.rows if not r.finished]
-        else:
-            super()._drop_finished()
+            return
+        keep = [i for i, r in enumerate(self.rows) if not r.finished]
+        if self.memo is not None and len(keep) < len(self.rows):
+            idx = torch.tensor(keep, dtype=torch.long, device=self.device)
+            self.memo = [tuple(t.index_select(0, idx) for t in layer) for layer in self.memo] if keep else None
+        super()._drop_finished()
 
     @grad_free_call
     def step(self) -> list[DecodeEvent]:
@@ -187,20 +231,31 @@ class DiffusionEngine(BatchEngine):
         commit_ids, n_commit = pad_right(commit_src, self.pad_id, self.device) if has_commit else (None, None)
         # block position j is predicted by position j-1: only those whose next position is masked matter
         need = torch.zeros(len(rows), Bs, dtype=torch.bool, device=self.device)
-        for i, r in enumerate(rows):
-            need[i, : Bs - 1] = self._candidates(r)[1:]
+        cands = [self._candidates(r) for r in rows]
+        for i, c in enumerate(cands):
+            need[i, : Bs - 1] = c[1:]
         # a block of one position is predicted by the commit part alone (the AR step): nothing to denoise
         ar_step = Bs == 1 and has_commit and all(commit_src)
+        denoise_ids = None if ar_step else torch.stack([r.state.blk for r in rows])
+        skips = {} if ar_step else self._skips(rows, cands, need)
+        if skips.get("denoise_valid") is not None or skips.get("denoise_width") is not None:
+            W = skips["denoise_valid"].shape[1]
+            denoise_ids, need = denoise_ids[:, :W], need[:, :W]
         out = self.model.step(
             cache,
             commit_ids=commit_ids,
             n_commit=n_commit,
-            denoise_ids=None if ar_step else torch.stack([r.state.blk for r in rows]),
+            denoise_ids=denoise_ids,
             expert_budget=self.expert_budget,
             expert_rank=self.expert_rank,
             track_experts=True,
             denoise_need=None if ar_step else need,
+            **skips,
         )
+        at_input = denoise_ids if self.skip_decoded and not ar_step else None
+        memo = skips.get("denoise_memo")
+        if memo:  # this forward's block inputs, kept for the next
+            self._keep_memo(memo)
         events: list[DecodeEvent] = []
         for i, r in enumerate(rows):
             if commit_src[i]:
@@ -213,9 +268,74 @@ class DiffusionEngine(BatchEngine):
             if self.width_policy is not None:
                 r.state.expected_gain += self.width_policy.prior[Bs] - 1.0
             r.experts_touched.extend(out.experts_touched)
+            block_no = r.state.block_no
             events.extend(self._denoise_row(i, r, logits))
+            if memo and not r.finished and r.state.block_no == block_no:
+                # the memo now holds the inputs of every position that carried a decoded token (and
+                # still carries it); positions past the row's window end were not computed
+                inp, W = at_input[i], at_input.shape[1]
+                ok = (inp != self.mask_id) & (r.state.blk[:W] == inp)
+                valid = skips.get("denoise_valid")
+                r.state.memo_ok[:W] = ok if valid is None else ok & valid[i]
         self._drop_finished()
         return events
+
+    def _skips(self, rows: list[RowState], cands: list[torch.Tensor], need: torch.Tensor) -> dict:
+        """The forward's approximate skips (`model.step` arguments; `clover.models.qwen3_5`):
+
+        - `skip_window`: each row's block ends at its decode window's end (`_window_end`),
+          `denoise_valid`; the forward carries the batch's widest window (`denoise_width` keeps the
+          block's own width for the GDN block gain);
+        - `skip_decoded`: positions whose memo holds their current token's inputs and whose own
+          prediction is not needed are `denoise_frozen`; every forward refreshes `denoise_memo`."""
+        Bs = self.block_size
+        out: dict = {}
+        W = Bs
+        if self.skip_window:
+            ends = torch.tensor([self._window_end(r, c) for r, c in zip(rows, cands)], device=self.device)
+            W = int(ends.max())
+            out["denoise_valid"] = torch.arange(W, device=self.device)[None, :] < ends[:, None]
+            if W < Bs:
+                out["denoise_width"] = Bs
+            elif bool(out["denoise_valid"].all()):
+                del out["denoise_valid"]
+        if self.skip_decoded:
+            out["denoise_memo"] = [] if self.memo is None else [tuple(t[:, :W] for t in layer) for layer in self.memo]
+            if self.memo is not None:
+                frozen = torch.stack([r.state.memo_ok[:W] for r in rows]) & ~need[:, :W]
+                if "denoise_valid" in out:
+                    frozen &= out["denoise_valid"]
+                if bool(frozen.any()):
+                    out["denoise_frozen"] = frozen
+        return out
+
+    def _window_end(self, r: RowState, cand: torch.Tensor) -> int:
+        """How many of the block's positions a row's forward needs with `skip_window`: through the last
+        one that is a candidate of this step or a decoded token, before the block's end for the row
+        (`need`: the length limit, a decoded stop) and before its first decoded EOS. Cut: masked
+        positions right of the window (sub-blocks after the current one), and the tail past a stop or
+        an EOS, which cannot change the output."""
+        st = r.state
+        lim = st.need
+        if not r.params.ignore_eos and r.eos_ids:
+            eos = [j for j, t in enumerate(st.blk[:lim].tolist()) if t in r.eos_ids and not bool(st.masked[j])]
+            if eos:
+                lim = eos[0] + 1
+        live = (cand | ~st.masked)[:lim].nonzero()
+        return int(live[-1]) + 1 if live.numel() else 1
+
+    def _keep_memo(self, memo: list) -> None:
+        """Write a forward's block inputs (per layer, [B, W, ...]) into the engine's memo."""
+        Bs = self.block_size
+        W = memo[0][0].shape[1]
+        if W == Bs:
+            self.memo = memo
+            return
+        if self.memo is None:
+            self.memo = [tuple(t.new_zeros(t.shape[0], Bs, *t.shape[2:]) for t in layer) for layer in memo]
+        for full, new in zip(self.memo, memo):
+            for f, n in zip(full, new):
+                f[:, :W] = n
 
     def _candidates(self, r: RowState) -> torch.Tensor:
         """[Bs] bool: the positions this step may decode: masked, before the block's end for this row
@@ -370,12 +490,13 @@ class Diffusion(Mode):
 
     def spec(self, params, provisional=False) -> EngineSpec:
         # what changes the forward itself; the acceptance options are per row
-        return EngineSpec(self, params.block_size, params.expert_budget, params.expert_rank, provisional)
+        skips = tuple(k for k, on in (("window", params.skip_window), ("decoded", params.skip_decoded)) if on)
+        return EngineSpec(self, params.block_size, params.expert_budget, params.expert_rank, provisional, skips)
 
     def make_engine(self, model, spec, *, mask_id, pad_id):
         return DiffusionEngine(model, block_size=spec.width, mask_id=mask_id, pad_id=pad_id,
                                recompute=self.recompute, provisional=spec.provisional,
-                               expert_budget=spec.expert_budget, expert_rank=spec.expert_rank)
+                               expert_budget=spec.expert_budget, expert_rank=spec.expert_rank, skips=spec.skips)
 
 
 register(Diffusion())

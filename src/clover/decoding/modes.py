@@ -30,6 +30,7 @@ class EngineSpec:
     expert_budget: int | None = None
     expert_rank: str = "sum"
     provisional: bool = False  # report the block after every denoise step
+    skips: tuple[str, ...] = ()  # diffusion's approximate skips ("window", "decoded")
 
     def make_engine(self, model, *, mask_id: int | None, pad_id: int):
         return self.mode.make_engine(model, self, mask_id=mask_id, pad_id=pad_id)
@@ -39,7 +40,8 @@ class EngineSpec:
                                     if v is not None]
         if self.expert_budget is not None:
             parts.append(f"expert_rank={self.expert_rank}")
-        return " ".join(parts + (["provisional"] if self.provisional else []))
+        return " ".join(parts + [f"skip={'+'.join(self.skips)}"] * bool(self.skips)
+                        + (["provisional"] if self.provisional else []))
 
 
 class Mode:

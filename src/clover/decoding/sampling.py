@@ -137,6 +137,10 @@ LIMITS: dict[str, Limit] = {
                        doc="denoise the block in sub-blocks of this size, left to right (null = the whole block)"),
     "expert_budget": Limit(int, ge=1, le=1 << 16, nullable=True,
                            doc="experts per block forward, within [experts per token, experts] of the model (null = the model's)"),
+    "skip_window": Limit(bool, doc="diffusion: a denoise forward carries each row's block only up to the end of its "
+                               "decode window (approximate; eager)"),
+    "skip_decoded": Limit(bool, doc="diffusion: decoded positions whose prediction is not needed reuse their K/V and "
+                                "compute nothing (approximate; eager)"),
     "expert_rank": Limit(str, choices=EXPERT_RANKS,
                          doc="how expert_budget ranks a block's experts: sum of its tokens' router probabilities, or max"),
     "draft_length": Limit(int, ge=1, le=1024, nullable=True, doc="speculative draft, <= block_size (null = block_size)"),
@@ -175,6 +179,8 @@ class SamplingParams:
     low_threshold: float = 0.5
     entropy_budget: float = 1.0
     sub_block: int | None = None
+    skip_window: bool = False
+    skip_decoded: bool = False
     expert_budget: int | None = None
     expert_rank: str = "sum"
     # speculative

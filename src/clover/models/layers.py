@@ -41,10 +41,51 @@ class Segments:
     denoise_len: int = 0  # Bd: length of the denoise part (0 = none)
     n_commit: torch.Tensor | None = None  # [B] valid commit tokens per row; None = all Tc valid
     block_size: int | None = None  # set: block-diffusion training, x is [clean L | noisy k*L]
+    denoise_width: int | None = None  # the block's width when the denoise part carries only its first positions
+    denoise_valid: torch.Tensor | None = None  # [B, Bd] bool: each row's block positions present (a prefix)
 
     @property
     def ragged(self) -> bool:
         return self.n_commit is not None
+
+
+@dataclass
+class Live:
+    """Which positions of an eager cached forward one layer computes, when it needs fewer than all
+    (`Qwen3_5ForCausalLM.forward_step` builds one per layer; flat indices into the forward's B*T).
+
+    - `kv`: the positions whose layer inputs are computed: attention K/V, the GDN's pre-conv inputs
+      and gates. The others are *frozen* denoise positions (`frozen` [B, Bd]), whose inputs come
+      from `memo` (this layer's tensors of an earlier forward, [B, Bd, ...] each).
+    - `out`: the positions whose outputs are computed (queries, the output projection, the MLP or
+      MoE); a subset of `kv`. Below the last layer every `kv` position (the next layer reads it); at
+      the last layer only the positions whose logits are read.
+
+    A layer writes its full-block inputs of this forward (computed and frozen alike) into `keep`
+    when it is a list, for the next forward's `memo`."""
+
+    B: int
+    T: int
+    Tc: int
+    kv: torch.Tensor
+    out: torch.Tensor
+    frozen: torch.Tensor | None = None
+    memo: tuple | None = None
+    keep: list | None = None
+
+    def place(self, rows: torch.Tensor, memo: torch.Tensor | None = None) -> torch.Tensor:
+        """Values at the `kv` positions [N, ...] -> [B, T, ...]: frozen positions from `memo`
+        ([B, Bd, ...]), zero where nothing was computed."""
+        full = rows.new_zeros((self.B * self.T, *rows.shape[1:])).index_copy_(0, self.kv, rows)
+        full = full.view(self.B, self.T, *rows.shape[1:])
+        if self.frozen is not None and memo is not None:
+            full[:, self.Tc :][self.frozen] = memo[self.frozen].to(full.dtype)
+        return full
+
+    def remember(self, *full: torch.Tensor) -> None:
+        """This layer's inputs of the denoise part, [B, T, ...] each, kept for the next forward."""
+        if self.keep is not None:
+            self.keep.append(tuple(t[:, self.Tc :] for t in full))
 
 
 @dataclass
@@ -188,11 +229,16 @@ class GatedAttention(nn.Module):
         state: tuple[torch.Tensor, torch.Tensor] | None = None,
         lengths: torch.Tensor | None = None,
         commit_len: int = 0,
+        live: Live | None = None,
     ) -> torch.Tensor:
         """x [B, T, H]. Without `state`: attention over x itself (causal, or `mask`). With `state`
         (this layer's K/V buffers `[B, H_kv, capacity, D]`, `AttentionState.tensors()`): the first
         `commit_len` positions are written at `lengths`, and every query attends to the cached keys
-        and the new block keys under `mask` (`cached_attention_mask`)."""
+        and the new block keys under `mask` (`cached_attention_mask`). `live`: K/V only at its `kv`
+        positions (frozen ones from its memo), queries and the output only at its `out` positions
+        -> [len(out), hidden]."""
+        if live is not None:
+            return self._forward_live(x, rope, mask, state, lengths, commit_len, live)
         q, k, v, gate = self.project(x, rope)
         gqa = self.num_kv_heads != self.num_heads
         if state is None:
@@ -203,6 +249,29 @@ class GatedAttention(nn.Module):
         else:
             out = self.attend_cached(q, k, v, state, lengths, commit_len, mask)
         return self.finish(out, gate)
+
+    def _forward_live(self, x, rope, mask, state, lengths, commit_len: int, live: Live) -> torch.Tensor:
+        B, T, _ = x.shape
+        H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
+        flat = x.reshape(B * T, -1)
+        cos, sin = (r.reshape(B * T, 1, -1) for r in rope)
+        xk = flat[live.kv]
+        N = xk.shape[0]
+        k = self.k_norm(self.k_proj(xk).view(N, Hkv, D))
+        k = apply_rope(k[:, :, None], cos[live.kv], sin[live.kv])[:, :, 0]  # [N, Hkv, D]
+        v = self.v_proj(xk).view(N, Hkv, D)
+        memo = live.memo or (None, None)
+        K, V = live.place(k, memo[0]), live.place(v, memo[1])  # [B, T, Hkv, D]
+        live.remember(K, V)
+        xo = flat[live.out]
+        M = xo.shape[0]
+        q, gate = self.q_proj(xo).view(M, H, 2 * D).chunk(2, dim=-1)
+        q = apply_rope(self.q_norm(q)[:, :, None], cos[live.out], sin[live.out])[:, :, 0]  # [M, H, D]
+        Q = q.new_zeros(B * T, H, D).index_copy_(0, live.out, q).view(B, T, H, D)
+        out = self.attend_cached(Q.transpose(1, 2), K.transpose(1, 2), V.transpose(1, 2), state, lengths,
+                                 commit_len, mask)
+        o = out.transpose(1, 2).reshape(B * T, H * D)[live.out]
+        return self.o_proj(o * torch.sigmoid(gate.reshape(M, H * D)))
 
     def project(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]):
         """x [B, T, H] -> q [B, H, T, D], k/v [B, H_kv, T, D] (normed, RoPE applied) and the output gate [B, T, H*D]."""
@@ -368,17 +437,19 @@ class GatedDeltaNet(nn.Module):
         return depthwise_conv(window, self.conv1d.weight)
 
     def forward(self, x: torch.Tensor, segments: Segments, state: tuple[torch.Tensor, torch.Tensor] | None = None, *,
-                static: bool = False, records: list | None = None) -> torch.Tensor:
+                static: bool = False, records: list | None = None, live: Live | None = None) -> torch.Tensor:
         """x [B, T, H]. Without `state`: causal over x (or, with `segments.block_size`, the clean and
         noisy training streams). With `state` (this layer's conv and recurrent state,
         `DeltaNetState.tensors()`, updated in place): the commit part advances the state, the
         denoise part reads it; `records`, when a list, receives the commit's inputs (what
         `DeltaNetState.record` keeps for a speculative rollback). `static`: a commit of several
         tokens runs as one WY chunk (`one_chunk_gated_delta_rule`, no host read, for a compiled
-        step) instead of the chunked kernel."""
+        step) instead of the chunked kernel. `live`: the projections in only at its `kv` positions
+        (frozen ones' pre-conv inputs from its memo), the output gate, norm and projection only at its
+        `out` positions -> [len(out), hidden]."""
         B, T, _ = x.shape
         Tc, Bd = (segments.commit_len, segments.denoise_len) if state is not None else (T, 0)
-        mixed, z, g, beta = self.project(x)
+        mixed, z, g, beta = self.project(x) if live is None else self._project_live(x, live)
         K1 = self.kernel_size - 1
         if segments.block_size is not None:
             o = self._train_streams(mixed, g, beta, segments.block_size, segments.commit_len)
@@ -406,8 +477,26 @@ class GatedDeltaNet(nn.Module):
                 recurrent.copy_(new_state)
                 conv.copy_(conv_window_tail(window, K1, n))
         if Bd:
-            outs.append(self.denoise_block(mixed[:, :, Tc:], conv, g[:, Tc:], recurrent))
-        return self.finish(outs[0] if len(outs) == 1 else torch.cat(outs, dim=1), z)
+            outs.append(self.denoise_block(mixed[:, :, Tc:], conv, g[:, Tc:], recurrent, width=segments.denoise_width,
+                                           valid=segments.denoise_valid))
+        o = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+        if live is None:
+            return self.finish(o, z)
+        o = o.reshape(B * T, self.hv, self.dv)[live.out]
+        return self.out_proj(self.norm(o, z).reshape(o.shape[0], self.value_dim))
+
+    def _project_live(self, x: torch.Tensor, live: Live):
+        """`project` at the `kv` positions only (the output gate z at the `out` positions, [M, Hv, dv]);
+        frozen positions' pre-conv inputs from the memo, their gates zero (a frozen position's own
+        output is not computed; the other positions read only its pre-conv inputs)."""
+        flat = x.reshape(live.B * live.T, -1)
+        xk = flat[live.kv]
+        g, beta = self._gates(xk)
+        pre = live.place(self.in_proj_qkv(xk), (live.memo or (None,))[0])  # [B, T, C]
+        live.remember(pre)
+        xo = flat[live.out]
+        z = self.in_proj_z(xo).reshape(xo.shape[0], self.hv, self.dv)
+        return pre.transpose(1, 2), z, live.place(g), live.place(beta)
 
     def project(self, x: torch.Tensor):
         """x [B, T, H] -> pre-conv inputs [B, C, T], output gate z [B, T, Hv, dv], decay g and beta [B, T, Hv]."""
@@ -432,12 +521,19 @@ class GatedDeltaNet(nn.Module):
             g, beta = g * valid, beta * valid
         return q, k, v, g, beta, window
 
-    def denoise_block(self, pre: torch.Tensor, conv_ctx: torch.Tensor, g: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
+    def denoise_block(self, pre: torch.Tensor, conv_ctx: torch.Tensor, g: torch.Tensor, state: torch.Tensor,
+                      width: int | None = None, valid: torch.Tensor | None = None) -> torch.Tensor:
         """Bidirectional GDN over blocks: decayed prefix readout + intra-block softmax attention.
 
         pre [M, C, Bs] pre-conv block inputs; conv_ctx [M, C, K-1] the prefix's last pre-conv inputs;
-        g [M, Bs, Hv]; state [M, Hv, dk, dv] the prefix recurrent state. Returns [M, Bs, Hv, dv]."""
+        g [M, Bs, Hv]; state [M, Hv, dk, dv] the prefix recurrent state. Returns [M, Bs, Hv, dv].
+        `width`: the block's width when `pre` holds only its first positions (the block gain's).
+        `valid [M, Bs]` (bool, a prefix per row): the positions present; the others are read as past the
+        block's end (zero conv inputs, no intra-block key), so a row is computed as if its block
+        ended there."""
         Bs = pre.shape[2]
+        if valid is not None:
+            pre = torch.where(valid[:, None, :], pre, 0.0)
         K1 = self.kernel_size - 1
         window = torch.cat([conv_ctx.to(pre.dtype), pre], dim=2)
         conv = self._causal_conv(window)
@@ -451,8 +547,10 @@ class GatedDeltaNet(nn.Module):
         if not self.has_denoise_params:
             return prefix.to(pre.dtype)
         logits = torch.einsum("bihk,bjhk->bhij", q_hat, k_hat) * self.intra_scale.float()[None, :, None, None]
+        if valid is not None:
+            logits = logits.masked_fill(~valid[:, None, None, :], float("-inf"))
         intra = torch.einsum("bhij,bjhv->bihv", logits.softmax(-1), v.float())
-        gain = self.block_gain_a.float() + self.block_gain_b.float() * log2_block_ratio(Bs)
+        gain = self.block_gain_a.float() + self.block_gain_b.float() * log2_block_ratio(width or Bs)
         return (prefix + gain[None, None, :, None] * intra).to(pre.dtype)
 
     def _train_streams(self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, Bs: int, L: int) -> torch.Tensor:

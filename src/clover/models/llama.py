@@ -293,6 +293,7 @@ class LlamaForCausalLM(Qwen3_5ForCausalLM):
     `forward_block_diffusion` and `make_cache` work unchanged over attention-only layers."""
 
     key_layout = KeyLayout()  # HF Llama keys are our parameter names
+    live_positions = False  # its layers (and the denoise adapter's layout) compute every position
 
     def __init__(self, config: CloverConfig) -> None:
         nn.Module.__init__(self)

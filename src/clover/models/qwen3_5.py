@@ -30,6 +30,7 @@ from .layers import (
     DenseMLP,
     GatedAttention,
     GatedDeltaNet,
+    Live,
     RMSNorm,
     RotaryEmbedding,
     Segments,
@@ -224,16 +225,26 @@ class DecoderLayer(nn.Module):
         count_experts: bool = False,
         static: bool = False,
         records: list | None = None,
+        live: Live | None = None,
     ):
-        """-> (x, ExpertStats | None). `state`: this layer's cache tensors (updated in place)."""
+        """-> (x, ExpertStats | None). `state`: this layer's cache tensors (updated in place).
+        `live` (an eager cached forward without expert sharing): the layer computes only its `out`
+        positions' outputs (from its `kv` positions' inputs); the others keep their input."""
         h = self.input_layernorm(x)
         if self.layer_type == "full_attention":
-            h = self.self_attn(h, rope, mask=mask, state=state, lengths=lengths, commit_len=segments.commit_len)
+            h = self.self_attn(h, rope, mask=mask, state=state, lengths=lengths, commit_len=segments.commit_len,
+                               live=live)
         else:
-            h = self.linear_attn(h, segments, state, static=static, records=records)
-        x = x + h
-        y, stats = self.mlp(self.post_attention_layernorm(x), sharing, count_experts, static)
-        return x + y, stats
+            h = self.linear_attn(h, segments, state, static=static, records=records, live=live)
+        if live is None:
+            x = x + h
+            y, stats = self.mlp(self.post_attention_layernorm(x), sharing, count_experts, static)
+            return x + y, stats
+        B, T, H = x.shape
+        flat = x.reshape(B * T, H)
+        xo = flat[live.out] + h
+        y, stats = self.mlp(self.post_attention_layernorm(xo)[None], None, count_experts, static)
+        return flat.index_copy(0, live.out, xo + y[0]).view(B, T, H), stats
 
 
 class TextModel(nn.Module):
@@ -261,6 +272,7 @@ class Qwen3_5ForCausalLM(nn.Module):
     norm_class: type[nn.Module] = RMSNorm  # norm_class(dim, eps)
     rotary_class: type[nn.Module] = RotaryEmbedding  # rotary_class.from_config(config)
     key_layout: KeyLayout = KeyLayout()
+    live_positions: bool = True  # its layers take `live` (an eager forward computes only the positions it needs)
 
     def __init__(self, config: CloverConfig) -> None:
         super().__init__()
@@ -307,16 +319,19 @@ class Qwen3_5ForCausalLM(nn.Module):
         router_logits: list | None = None,
         records: list | None = None,
         hidden_out: dict | None = None,
+        lives: list | None = None,
     ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """Run every layer (the one layer loop: training, the plain forward and every cached step,
         eager or compiled); collect router logits (into `router_logits`), the GDN commit inputs
         (into `records`), the experts touched per MoE layer (0-d tensors, when counted) and the
-        outputs of the layers keyed in `hidden_out` (layer index -> [B, T, H], filled in)."""
+        outputs of the layers keyed in `hidden_out` (layer index -> [B, T, H], filled in). `lives`: each
+        layer's `Live` (the positions it computes), or None for every position."""
         touched: list[torch.Tensor] = []
         for i, layer in enumerate(self.model.layers):
             state = states[i] if states is not None else None
+            kw = {} if lives is None else {"live": lives[i]}
             x, stats = layer(x, rope, segments, mask=mask, state=state, lengths=lengths, sharing=sharing,
-                             count_experts=count_experts, static=static, records=records)
+                             count_experts=count_experts, static=static, records=records, **kw)
             if hidden_out is not None and i in hidden_out:
                 hidden_out[i] = x
             if stats is not None:
@@ -395,6 +410,10 @@ class Qwen3_5ForCausalLM(nn.Module):
         track_experts: bool = False,
         denoise_need: torch.Tensor | None = None,
         hidden_out: dict | None = None,
+        denoise_frozen: torch.Tensor | None = None,
+        denoise_memo: list | None = None,
+        denoise_width: int | None = None,
+        denoise_valid: torch.Tensor | None = None,
     ) -> StepOutput:
         """One forward. `commit_ids [B, Tc]` (right-padded, `n_commit[b]` valid; None = all valid) are
         appended to `cache`; `denoise_ids [B, Bd]` is one block denoised against the updated cache.
@@ -403,6 +422,8 @@ class Qwen3_5ForCausalLM(nn.Module):
         `denoise_need [B, Bd]` (bool) limits the denoise logits to those positions (others are garbage).
         `hidden_out` (a dict keyed by layer index) receives those layers' outputs over the commit part
         ([B, Tc, H]; a DFlash drafter's context).
+        `denoise_frozen [B, Bd]` (bool), `denoise_memo` (a list), `denoise_width` and `denoise_valid`
+        are the eager forward's skips (`forward_step`); a step that uses one runs eagerly.
 
         The host side of a step (normalise `n_commit`, grow the cache, keep the commit's inputs
         while recording, advance the lengths) is here; the forward itself is `forward_step`, run
@@ -420,11 +441,13 @@ class Qwen3_5ForCausalLM(nn.Module):
         args = (commit_ids, n_commit, denoise_ids, cache.lengths, states)
         kw = dict(expert_budget=expert_budget, expert_rank=expert_rank, all_logits=all_logits, record=record)
         out = None
-        if self.static_steps is not None:
+        skips = dict(denoise_frozen=denoise_frozen, denoise_memo=denoise_memo, denoise_width=denoise_width,
+                     denoise_valid=denoise_valid)
+        if self.static_steps is not None and all(v is None for v in skips.values()):
             out = self.static_steps.run(*args, **kw, hidden_out=hidden_out)
         if out is None:
             out = self.forward_step(*args, **kw, count_experts=track_experts, denoise_need=denoise_need,
-                                    hidden_out=hidden_out)
+                                    hidden_out=hidden_out, **skips)
         commit_logits, denoise_logits, touched, records = out
         if record:  # what `HybridCache.rollback` re-runs
             for state, rec in zip(cache.deltanet_states(), records):
@@ -449,6 +472,10 @@ class Qwen3_5ForCausalLM(nn.Module):
         denoise_need: torch.Tensor | None = None,
         static: bool = False,
         hidden_out: dict | None = None,
+        denoise_frozen: torch.Tensor | None = None,
+        denoise_memo: list | None = None,
+        denoise_width: int | None = None,
+        denoise_valid: torch.Tensor | None = None,
     ):
         """The forward of a cached step, over the cache's tensors (`states`: per layer
         `state.tensors()`, updated in place; `lengths` [B] before the step, not advanced here) ->
@@ -459,7 +486,22 @@ class Qwen3_5ForCausalLM(nn.Module):
         `static=True` is the same forward with fixed shapes and no host read, which is what
         `clover.models.static` compiles whole: K/V scattered at each row's length and attention
         over the full capacity under the length mask, a block commit as one WY chunk, the routed
-        experts grouped on the device, the experts touched always counted, all denoise logits."""
+        experts grouped on the device, the experts touched always counted, all denoise logits.
+
+        Eagerly (not `static`, no expert sharing, a model whose layers take `live`), a forward
+        computes only the positions it needs (`Live`): the last layer's queries, output projection
+        and MLP only where logits are read (the commit's last position per row unless `all_logits`,
+        the denoise positions in `denoise_need`); every other output equals the full forward's (the
+        K/V, GDN state and conv inputs it writes, the logits it returns), up to floating-point
+        reassociation. Two approximate skips, which the engine opts into
+        (`clover.decoding.diffusion`): `denoise_frozen [B, Bd]` positions take every layer's inputs
+        (attention K/V, GDN pre-conv inputs) from `denoise_memo` and compute nothing; `denoise_memo`,
+        when a list, holds per layer the tensors of an earlier forward on entry and this forward's
+        on return ([B, Bd, ...] each). `denoise_width`: the block's width when `denoise_ids` carries
+        only its first positions (the GDN block gain's). `denoise_valid [B, Bd]` (bool, a prefix per
+        row): each row's block ends there (the positions after it are not computed, not attended to,
+        and read by the GDN as past the block's end), so a row computes what it would alone with
+        `denoise_ids` cut there."""
         parts = [p for p in (commit_ids, denoise_ids) if p is not None]
         ids = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
         B = ids.shape[0]
@@ -468,17 +510,27 @@ class Qwen3_5ForCausalLM(nn.Module):
         n = n_commit if n_commit is not None else torch.full_like(lengths, Tc)
         x = self.model.embed_tokens(ids)
         rope = self.model.rotary_emb(step_positions(lengths, n, Tc, Bd), x.dtype)
-        segments = Segments(commit_len=Tc, denoise_len=Bd, n_commit=n_commit)
+        segments = Segments(commit_len=Tc, denoise_len=Bd, n_commit=n_commit, denoise_width=denoise_width,
+                            denoise_valid=denoise_valid)
         sharing = BlockSharing(expert_budget, B, Tc, expert_rank) if expert_budget is not None and Bd else None
+        lives = None
+        if not static and sharing is None and self.live_positions:
+            absent = None if denoise_valid is None else ~denoise_valid
+            skip = denoise_frozen if absent is None else absent if denoise_frozen is None else denoise_frozen | absent
+            lives = self._lives(B, Tc, Bd, n, all_logits, denoise_need, skip, denoise_frozen, denoise_memo,
+                                hidden_out, x.device)
         mask = None
         if "full_attention" in self.config.layer_types:
             slots = next(s[0].shape[2] for s, layer in zip(states, self.model.layers)
                          if layer.layer_type == "full_attention") if static else None
             mask = cached_attention_mask(lengths, segments, key_slots=slots)
+            if denoise_valid is not None:  # a row's block keys after its end are not there
+                mask = mask.clone()
+                mask[..., -Bd:] &= denoise_valid[:, None, None, :]
         records: list | None = [] if record else None
         x, touched = self._layers(x, rope, segments, mask=mask, states=states, lengths=lengths, sharing=sharing,
                                   count_experts=count_experts or static, static=static, records=records,
-                                  hidden_out=hidden_out)
+                                  hidden_out=hidden_out, lives=lives)
         if hidden_out is not None and Bd:
             for i in hidden_out:
                 hidden_out[i] = hidden_out[i][:, :Tc]
@@ -496,6 +548,36 @@ class Qwen3_5ForCausalLM(nn.Module):
                 denoise_logits[denoise_need] = self._logits(x[:, Tc:][denoise_need])
         touched_t = torch.stack(touched) if touched else torch.zeros(0, dtype=torch.long, device=x.device)
         return commit_logits, denoise_logits, touched_t, tuple(records or ())
+
+    def _lives(self, B: int, Tc: int, Bd: int, n: torch.Tensor, all_logits: bool, denoise_need, skip, frozen, memo,
+               hidden_out, device) -> list[Live] | None:
+        """Each layer's `Live` for an eager cached forward, or None when it needs every position:
+        `skip` [B, Bd] the denoise positions not computed (frozen or absent), `frozen` those of them
+        whose inputs come from the memo."""
+        T, L = Tc + Bd, len(self.model.layers)
+        read = torch.zeros(B, T, dtype=torch.bool, device=device)
+        if Tc:
+            if all_logits or (hidden_out is not None and L - 1 in hidden_out):
+                read[:, :Tc] = True
+            else:
+                read[torch.arange(B, device=device), n - 1] = True
+        if Bd:
+            read[:, Tc:] = True if denoise_need is None else denoise_need
+        kv = torch.ones(B, T, dtype=torch.bool, device=device)
+        if skip is not None:
+            kv[:, Tc:] = ~skip
+            read &= kv
+        if memo is None and skip is None and bool(read.all()):
+            return None
+        memo_in = list(memo) if memo else [None] * L
+        keep = None
+        if memo is not None:
+            memo.clear()
+            keep = memo
+        kv_idx = kv.flatten().nonzero().squeeze(1)
+        out_idx = read.flatten().nonzero().squeeze(1)
+        return [Live(B, T, Tc, kv_idx, out_idx if i == L - 1 else kv_idx, frozen, memo_in[i], keep)
+                for i in range(L)]
 
     # -- initialisation for random/tiny models and training from scratch
     @torch.no_grad()
