@@ -51,9 +51,11 @@ def test_port_takes_every_option():
     """Every SamplingParams field reaches the port (a new clover option must be mapped, or it is refused)."""
     from dataclasses import fields
 
-    from clover.integrations.llama_port import OPTIONS, port_options
+    from clover.integrations.llama_port import NOT_IN_PORT, OPTIONS, port_options
 
-    assert {f.name for f in fields(SamplingParams)} == set(OPTIONS)
+    assert {f.name for f in fields(SamplingParams)} == set(OPTIONS) | set(NOT_IN_PORT)
+    with pytest.raises(ValueError, match="^skip_window: not in the llama.cpp port"):
+        port_options("diffusion", SamplingParams(skip_window=True).validate())
     kw = dict(max_new_tokens=8, temperature=0.7, top_p=0.9, top_k=40, seed=3, repetition_penalty=1.2, presence_penalty=0.5,
               eos_penalty=1.0, no_repeat_ngram_size=3, block_size=32, threshold=0.9, confidence="margin",
               policy="hierarchy", low_threshold=0.4, sub_block=8, expert_budget=4, expert_rank="max")

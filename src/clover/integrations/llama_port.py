@@ -37,6 +37,10 @@ OPTIONS = ("max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop", "s
            "repetition_penalty", "presence_penalty", "eos_penalty", "no_repeat_ngram_size", "block_size", "threshold",
            "confidence", "policy", "fallback", "factor", "low_threshold", "entropy_budget", "sub_block", "expert_budget",
            "expert_rank", "draft_length", "logit_bias")  # SamplingParams' fields, the names of the port's JSON requests
+NOT_IN_PORT = {  # clover's options the port does not run: why (refused when set)
+    "skip_window": "the port computes every block position (clover's exact path)",
+    "skip_decoded": "the port computes every block position (clover's exact path)",
+}
 FLAGS = {"max_new_tokens": "-n", "block_size": "--block", "draft_length": "--draft", "no_repeat_ngram_size": "--no-repeat-ngram",
          "stop_token_ids": "--stop-ids"}
 
@@ -69,7 +73,10 @@ def port_options(mode: str, params) -> dict:
     options (clover's names). ValueError for a mode the port does not run."""
     check_mode(mode)
     known = {f.name for f in fields(params)}
-    missing = known - set(OPTIONS)
+    for name, why in NOT_IN_PORT.items():
+        if getattr(params, name, False):
+            raise ValueError(f"{name}: not in the llama.cpp port ({why})")
+    missing = known - set(OPTIONS) - set(NOT_IN_PORT)
     if missing:  # an option added to clover that the port does not know yet: refuse it when it is set
         from ..decoding.sampling import SamplingParams
 
