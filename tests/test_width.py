@@ -233,3 +233,17 @@ def test_draft_length_switching_every_forward_stays_identical_to_ar(llm, alterna
         ar = llm.generate(prompt, mode="ar", max_new_tokens=40, ignore_eos=True)
         assert row.tokens == ar.token_ids
         assert len(eng.choices) > 3
+
+
+def test_bench_cost_with_expert_sharing(llm, cache_home):
+    """`expert_budget`: the forwards run with block expert sharing, the curve is not cached, and a
+    budget outside [experts per token, experts] is refused in one line."""
+    from clover.bench.cost import cost_table, run_cost
+
+    c = llm.model.config
+    res = run_cost(llm, kinds=("commit", "denoise"), batches=(1,), positions=(1, 4), repeat=1, prefix=4,
+                   expert_budget=c.num_experts_per_tok)
+    assert res["cached"] == {} and res["settings"]["expert_budget"] == c.num_experts_per_tok
+    assert "expert budget" in str(cost_table(res).title)
+    with pytest.raises(ValueError, match="^expert_budget: "):
+        run_cost(llm, kinds=("denoise",), batches=(1,), positions=(1,), repeat=1, expert_budget=c.num_experts + 1)
