@@ -76,6 +76,8 @@ class Live:
     def place(self, rows: torch.Tensor, memo: torch.Tensor | None = None) -> torch.Tensor:
         """Values at the `kv` positions [N, ...] -> [B, T, ...]: frozen positions from `memo`
         ([B, Bd, ...]), zero where nothing was computed."""
+        if rows.shape[0] == self.B * self.T:  # every position computed: nothing to place
+            return rows.view(self.B, self.T, *rows.shape[1:])
         full = rows.new_zeros((self.B * self.T, *rows.shape[1:])).index_copy_(0, self.kv, rows)
         full = full.view(self.B, self.T, *rows.shape[1:])
         if self.frozen is not None and memo is not None:

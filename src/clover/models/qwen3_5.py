@@ -329,7 +329,7 @@ class Qwen3_5ForCausalLM(nn.Module):
         touched: list[torch.Tensor] = []
         for i, layer in enumerate(self.model.layers):
             state = states[i] if states is not None else None
-            kw = {} if lives is None else {"live": lives[i]}
+            kw = {} if lives is None or lives[i] is None else {"live": lives[i]}
             x, stats = layer(x, rope, segments, mask=mask, state=state, lengths=lengths, sharing=sharing,
                              count_experts=count_experts, static=static, records=records, **kw)
             if hidden_out is not None and i in hidden_out:
@@ -576,6 +576,8 @@ class Qwen3_5ForCausalLM(nn.Module):
             keep = memo
         kv_idx = kv.flatten().nonzero().squeeze(1)
         out_idx = read.flatten().nonzero().squeeze(1)
+        if skip is None and memo is None:  # only the last layer skips (the others take the plain path)
+            return [None] * (L - 1) + [Live(B, T, Tc, kv_idx, out_idx)]
         return [Live(B, T, Tc, kv_idx, out_idx if i == L - 1 else kv_idx, frozen, memo_in[i], keep)
                 for i in range(L)]
 
