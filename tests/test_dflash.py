@@ -206,6 +206,37 @@ def test_dflash_draft_length_limit(llm):
     assert all(a <= 4 for a in out.stats.accept_lengths)
 
 
+@pytest.mark.parametrize("cut, width", [(1.01, 4), (0.0, 8)])  # every draft cut to the narrowest width; none cut
+def test_draft_cut_narrows_the_verify_and_keeps_ar(monkeypatch, llm, cut, width):
+    """The default draft ends before its first token the drafter gives less than `DRAFT_CUT`, and
+    the verify runs at the narrowest of the drafter's widths that holds it (batched: the widest any
+    row needs); a draft length asked for is never cut. Greedy output stays AR's."""
+    import clover.decoding.dflash as dflash_mode
+
+    monkeypatch.setattr(dflash_mode, "DRAFT_CUT", cut)
+    assert llm.drafter.verify_widths == (4, 8)
+    widths = []
+    real = llm.model.step
+
+    def step(cache, *a, **kw):
+        if cache.record is not None:  # a verify (a prefill is never rolled back)
+            widths.append(kw["commit_ids"].shape[1])
+        return real(cache, *a, **kw)
+
+    monkeypatch.setattr(llm.model, "step", step)
+    prompts = [[1, 2, 3], list(range(50, 70)), [9] * 5]
+    kw = dict(max_new_tokens=30, ignore_eos=True)
+    ar = llm.generate(prompts, mode="ar", **kw)
+    batched = llm.generate(prompts, mode="dflash", **kw)
+    alone = [llm.generate(p, mode="dflash", **kw) for p in prompts]
+    for a, b, s in zip(ar, batched, alone):
+        assert b.token_ids == a.token_ids and s.token_ids == a.token_ids
+    assert widths and set(widths) == {width}
+    widths.clear()
+    asked = llm.generate(prompts[0], mode="dflash", draft_length=7, **kw)
+    assert asked.token_ids == ar[0].token_ids and set(widths) == {8}
+
+
 # ------------------------------------------------------------------------------ sampling
 def test_dflash_sampling_keeps_ar_distribution(monkeypatch, llm):
     """The second token (the first draft, through accept / reject / residual) follows the target's
@@ -452,8 +483,8 @@ def test_static_dflash_equals_eager(monkeypatch, target_dir, llm, tmp_path):
 
 
 def test_load_compiles_dflash_graphs(monkeypatch, target_dir, llm, tmp_path):
-    """compile=True with a drafter warms, beside the target's set, dflash's verify-commit at the
-    drafter's block (with the hidden states of the layers it reads) and the drafter's draft of a full
+    """compile=True with a drafter warms, beside the target's set, dflash's verify-commit at each of
+    the drafter's verify widths (with the hidden states of the layers it reads) and the drafter's draft of a full
     block, at every compiled batch size; both are then frozen. (torch.compile replaced by the
     identity: tests/test_compile.py checks the same wiring for the target's other kinds.)"""
     from clover.models.static import StaticSteps
@@ -464,8 +495,9 @@ def test_load_compiles_dflash_graphs(monkeypatch, target_dir, llm, tmp_path):
     monkeypatch.setattr(StaticSteps, "warm", lambda self, *a, **k: warmed.append((a, k)) or real_warm(self, *a, **k))
     static = clover.load(target_dir, drafter=save_drafter(llm.drafter, tmp_path / "d"), compile=True, compile_batch=2)
     bs, ids = llm.drafter.block_size, tuple(llm.drafter.target_layer_ids)
+    assert llm.drafter.verify_widths == (4, bs)
     assert [(a, k["ragged"]) for a, k in warmed if a[0] == "verify-commit" and k["hidden"] == ids] == [
-        (("verify-commit", 1, bs, 512), False), (("verify-commit", 2, bs, 512), False)]
+        (("verify-commit", b, w, 512), False) for b in (1, 2) for w in (4, bs)]
     assert static.model.static_steps.frozen and static.drafter.static_batches == (1, 2)
 
 

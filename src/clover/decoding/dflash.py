@@ -39,6 +39,10 @@ from .speculative import (accept_draft, agreed, choose_draft, commit_verified, c
                           constrained_sampled_draft, sampling_probs, settle_cache)
 
 DEFAULT_DRAFT = 15  # the published drafters' block of 16: the anchor + 15 drafts
+# the default draft ends before its first token the drafter gives less than this probability (the
+# verify then runs at the narrowest of the drafter's `verify_widths` that holds the rest): measured on
+# the bundled model, 16 held-out prompts (docs/benchmarks.md)
+DRAFT_CUT = 0.2
 AUTO_BLOCKS = (2, 4, 8, 16)  # draft "auto": the blocks (anchor + drafts) it picks among, up to the drafter's
 
 
@@ -67,9 +71,11 @@ class DFlashRow(EngineRow):
 class DFlashEngine(BatchEngine):
     row_type = DFlashRow
 
-    def __init__(self, model, drafter, *, draft_length: int | str, pad_id: int = 0, draft_policy=None) -> None:
+    def __init__(self, model, drafter, *, draft_length: int | str, pad_id: int = 0, draft_policy=None,
+                 cut: float | None = None) -> None:
         super().__init__(model, pad_id=pad_id)
         self.drafter = drafter
+        self.cut = cut  # cut each draft before its first token below this drafter probability (None: never)
         self.draft_policy = None
         if draft_length == AUTO:
             from .width import DraftPolicy
@@ -126,6 +132,7 @@ class DFlashEngine(BatchEngine):
         logits = dr.logits(h[:, 1:], self.model)  # [B, D, V]: block position j predicts its own token
         drafts: list[list[int] | None] = []
         q: list[torch.Tensor | None] = []
+        sure: list = []  # (row, the drafter's probability of each draft token) where drafts may be cut
         for i, r in enumerate(rows):
             r.state.ctx = None
             if r.state.anchor is None:
@@ -142,13 +149,35 @@ class DFlashEngine(BatchEngine):
                     drafts.append(d)
                     q.append(qd)
             elif r.params.greedy:
-                drafts.append(r.state.sampler.process(logits[i], None).argmax(-1).tolist())
+                processed = r.state.sampler.process(logits[i], None)
+                drafts.append(processed.argmax(-1).tolist())
                 q.append(None)
+                if self.cut is not None:
+                    sure.append((i, processed.softmax(-1).amax(-1)))
             else:
                 probs = self._probs(r, logits[i])
                 drafts.append(torch.multinomial(probs, 1, generator=r.state.sampler.generator).squeeze(-1).tolist())
                 q.append(probs)
+                if self.cut is not None:
+                    sure.append((i, probs.gather(-1, torch.tensor(drafts[-1], device=probs.device)[:, None])[:, 0]))
+        if sure:
+            self._cut(drafts, q, sure)
         return drafts, q
+
+    def _cut(self, drafts: list, q: list, sure: list) -> None:
+        """Cut the rows' drafts before the first token the drafter gave less than `self.cut` (`sure`:
+        (row, the drafter's probability of each draft token)), to the narrowest verify width that
+        holds every row's kept part (all rows verify as many drafts: one graph serves the batch).
+        The choice reads the drafter alone, so the verify stays lossless."""
+        below = torch.stack([p < self.cut for _, p in sure])  # [rows, D]
+        D = below.shape[1]
+        keep = int(torch.where(below.any(1), below.int().argmax(1), D).max())  # drafts the surest row keeps
+        width = next((w for w in self.drafter.verify_widths if w - 1 >= keep), D + 1)
+        for i, d in enumerate(drafts):
+            if d is not None and len(d) > width - 1:
+                drafts[i] = d[: width - 1]
+                if q[i] is not None:
+                    q[i] = q[i][: width - 1]
 
     # -- the verify
     def _verify(self, r: RowState, logits: torch.Tensor, draft: list[int], q: torch.Tensor | None) -> list[int]:
@@ -310,7 +339,9 @@ class DFlash(Mode):
         if drafter is None:
             raise ValueError("mode: 'dflash' needs a DFlash drafter; load one with clover.load(model, drafter=DIR) "
                              "(CLI and server: --drafter DIR)")
-        return DFlashEngine(model, drafter, draft_length=spec.width or max_draft(None, drafter), pad_id=pad_id)
+        # the default draft length is cut by the drafter's confidence; a length asked for is kept
+        return DFlashEngine(model, drafter, draft_length=spec.width or max_draft(None, drafter), pad_id=pad_id,
+                            cut=DRAFT_CUT if spec.width is None else None)
 
 
 register(DFlash())

@@ -252,6 +252,12 @@ class DFlashDrafter(nn.Module):
         return self.config.mask_token_id
 
     @property
+    def verify_widths(self) -> tuple[int, ...]:
+        """The verify widths (anchor + drafts) a draft may be cut to: 4, 8 and the full block
+        (compiled at load beside the full block's draft, `clover.models.static.load_shapes`)."""
+        return tuple(w for w in (4, 8) if w < self.block_size) + (self.block_size,)
+
+    @property
     def device(self) -> torch.device:
         return self.fc.weight.device
 

@@ -87,10 +87,10 @@ def load_shapes(config, *, batches=(1,), capacities=LOAD_CAPACITIES, drafter=Non
     """The graphs compiled at load, as `StaticSteps.warm` arguments (kind, batch, width, capacity,
     ragged, hidden): the AR step and, for a model with a mask token, the denoise, commit+denoise and
     verify forwards at its block size (the diffusion block and speculative draft), at every batch
-    size in `batches` and every capacity in `capacities`; with a DFlash `drafter` (its `block_size`
-    and `target_layer_ids`), dflash's verify-commit of the anchor and a full draft, returning the
-    hidden states of those layers. At batch > 1 the commit+denoise kind, and the verify kind at every
-    batch, are compiled ragged only (rows may commit fewer tokens than the block; a frozen `run` serves
+    size in `batches` and every capacity in `capacities`; with a DFlash `drafter` (its
+    `verify_widths` and `target_layer_ids`), dflash's verify-commit of the anchor and its drafts at
+    each of those widths, returning the hidden states of those layers. At batch > 1 the
+    commit+denoise kind, and the verify kind at every batch, are compiled ragged only (rows may commit fewer tokens than the block; a frozen `run` serves
     every such commit there, a draft shorter than the block padded to it)."""
     shapes = []
     w = int(config.block_size) if config.mask_token_id is not None else None
@@ -101,8 +101,9 @@ def load_shapes(config, *, batches=(1,), capacities=LOAD_CAPACITIES, drafter=Non
             if w is not None:
                 shapes += [("denoise", b, w, cap, False, ()), ("commit+denoise", b, w, cap, ragged, ()),
                            ("verify", b, w, cap, True, ())]
-            if drafter is not None:  # every row verifies a whole block: not ragged (a batch with a prefill is eager)
-                shapes.append(("verify-commit", b, int(drafter.block_size), cap, False, tuple(drafter.target_layer_ids)))
+            if drafter is not None:  # every row verifies as many drafts: not ragged (a batch with a prefill is eager)
+                shapes += [("verify-commit", b, int(w), cap, False, tuple(drafter.target_layer_ids))
+                           for w in drafter.verify_widths]
     return shapes
 
 
