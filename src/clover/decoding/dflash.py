@@ -40,8 +40,8 @@ from .speculative import (accept_draft, agreed, choose_draft, commit_verified, c
 
 DEFAULT_DRAFT = 15  # the published drafters' block of 16: the anchor + 15 drafts
 # the default draft ends before its first token the drafter gives less than this probability (the
-# verify then runs at the narrowest of the drafter's `verify_widths` that holds the rest): measured on
-# the bundled model, 16 held-out prompts (docs/benchmarks.md)
+# verify then runs at the narrowest of the drafter's `verify_widths` that holds the rest): the best
+# threshold on the bundled model, on training-split prompts as on held-out ones (docs/experiments.md)
 DRAFT_CUT = 0.2
 AUTO_BLOCKS = (2, 4, 8, 16)  # draft "auto": the blocks (anchor + drafts) it picks among, up to the drafter's
 
