@@ -332,7 +332,7 @@ class DFlash(Mode):
         return reserved_positions(max_draft(params.draft_length, drafter))
 
     def spec(self, params, provisional: bool = False) -> EngineSpec:
-        # None: the drafter's block - 1; "auto": adapted to acceptance
+        # None: the drafter's block - 1, cut by its confidence; "auto": adapted to acceptance
         return EngineSpec(self, width=params.draft_length or (AUTO if params.block_size == AUTO else None))
 
     def make_engine(self, model, spec, *, mask_id, pad_id, drafter=None):
