@@ -238,9 +238,9 @@ class DiffusionEngine(BatchEngine):
         ar_step = Bs == 1 and has_commit and all(commit_src)
         denoise_ids = None if ar_step else torch.stack([r.state.blk for r in rows])
         skips = {} if ar_step else self._skips(rows, cands, need)
-        if skips.get("denoise_valid") is not None or skips.get("denoise_width") is not None:
-            W = skips["denoise_valid"].shape[1]
-            denoise_ids, need = denoise_ids[:, :W], need[:, :W]
+        valid = skips.get("denoise_valid")  # skip_window: rows' blocks cut at the batch's widest window
+        if valid is not None:
+            denoise_ids, need = denoise_ids[:, : valid.shape[1]], need[:, : valid.shape[1]]
         out = self.model.step(
             cache,
             commit_ids=commit_ids,
@@ -269,13 +269,12 @@ class DiffusionEngine(BatchEngine):
                 r.state.expected_gain += self.width_policy.prior[Bs] - 1.0
             r.experts_touched.extend(out.experts_touched)
             block_no = r.state.block_no
-            events.extend(self._denoise_row(i, r, logits))
+            events.extend(self._denoise_row(i, r, logits, cands[i]))
             if memo and not r.finished and r.state.block_no == block_no:
                 # the memo now holds the inputs of every position that carried a decoded token (and
                 # still carries it); positions past the row's window end were not computed
                 inp, W = at_input[i], at_input.shape[1]
                 ok = (inp != self.mask_id) & (r.state.blk[:W] == inp)
-                valid = skips.get("denoise_valid")
                 r.state.memo_ok[:W] = ok if valid is None else ok & valid[i]
         self._drop_finished()
         return events
@@ -351,10 +350,11 @@ class DiffusionEngine(BatchEngine):
             open_[lo + sub :] = False
         return open_
 
-    def _decode_positions(self, r: RowState, logits: torch.Tensor) -> None:
-        """One denoise step's proposals and acceptance for row `r` (logits [Bs, V])."""
+    def _decode_positions(self, r: RowState, logits: torch.Tensor, open_: torch.Tensor) -> None:
+        """One denoise step's proposals and acceptance for row `r` (logits [Bs, V]; `open_` the step's
+        `_candidates`, computed once per forward in `step`)."""
         Bs = self.block_size
-        cand = self._candidates(r).nonzero().squeeze(-1)
+        cand = open_.nonzero().squeeze(-1)
         tails = None
         if r.state.sampler.uses_history:
             block_now = [None if r.state.masked[j] else int(r.state.blk[j]) for j in range(Bs)]
@@ -405,12 +405,12 @@ class DiffusionEngine(BatchEngine):
                     r.state.need = j + 1
                     break
 
-    def _denoise_row(self, i: int, r: RowState, logits: torch.Tensor) -> list[DecodeEvent]:
+    def _denoise_row(self, i: int, r: RowState, logits: torch.Tensor, cand: torch.Tensor) -> list[DecodeEvent]:
         Bs = self.block_size
         events = []
         r.state.step += 1
         if r.state.valid < r.state.need or r.constraint is None:  # a fully forced block has nothing to decode
-            self._decode_positions(r, logits)
+            self._decode_positions(r, logits, cand)
         if self.provisional:
             events.append(DecodeEvent(
                 "provisional", i, [None if r.state.masked[j] else int(r.state.blk[j]) for j in range(Bs)],

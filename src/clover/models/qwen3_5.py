@@ -563,12 +563,15 @@ class Qwen3_5ForCausalLM(nn.Module):
                 read[torch.arange(B, device=device), n - 1] = True
         if Bd:
             read[:, Tc:] = True if denoise_need is None else denoise_need
+        if skip is None and memo is None:  # only the last layer skips (the others take the plain path)
+            if bool(read.all()):
+                return None
+            every = torch.arange(B * T, device=device)
+            return [None] * (L - 1) + [Live(B, T, Tc, every, read.flatten().nonzero().squeeze(1))]
         kv = torch.ones(B, T, dtype=torch.bool, device=device)
         if skip is not None:
             kv[:, Tc:] = ~skip
             read &= kv
-        if memo is None and skip is None and bool(read.all()):
-            return None
         memo_in = list(memo) if memo else [None] * L
         keep = None
         if memo is not None:
@@ -576,8 +579,6 @@ class Qwen3_5ForCausalLM(nn.Module):
             keep = memo
         kv_idx = kv.flatten().nonzero().squeeze(1)
         out_idx = read.flatten().nonzero().squeeze(1)
-        if skip is None and memo is None:  # only the last layer skips (the others take the plain path)
-            return [None] * (L - 1) + [Live(B, T, Tc, kv_idx, out_idx)]
         return [Live(B, T, Tc, kv_idx, out_idx if i == L - 1 else kv_idx, frozen, memo_in[i], keep)
                 for i in range(L)]
 
