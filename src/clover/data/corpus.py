@@ -77,12 +77,8 @@ def split_of(rel: str) -> Split:
     return "heldout" if h % 1000 < HELDOUT_PERMILLE else "train"
 
 
-def _excluded(rel_parts: tuple[str, ...]) -> bool:
-    for part in rel_parts[:-1]:
-        if part in EXCLUDED_DIRS or part.startswith("config-"):
-            return True
-    name = rel_parts[-1]
-    return name.startswith(EXCLUDED_FILE_PREFIXES)
+def _excluded_dir(name: str) -> bool:
+    return name in EXCLUDED_DIRS or name.startswith("config-")
 
 
 @lru_cache(maxsize=1)
@@ -90,13 +86,13 @@ def _all_files() -> tuple[tuple[str, Path], ...]:
     root = stdlib_root()
     out = []
     for here, dirs, files in os.walk(root):  # excluded directories are not entered (site-packages alone: thousands of files)
-        dirs[:] = [d for d in dirs if not _excluded((d, ""))]
+        dirs[:] = [d for d in dirs if not _excluded_dir(d)]
         for name in files:
-            if not name.endswith(".py"):
+            if not name.endswith(".py") or name.startswith(EXCLUDED_FILE_PREFIXES):
                 continue
             p = Path(here, name)
             rel = p.relative_to(root)
-            if _excluded(rel.parts) or not p.is_file():
+            if not p.is_file():
                 continue
             try:
                 if p.stat().st_size > MAX_FILE_BYTES:
