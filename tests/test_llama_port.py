@@ -80,6 +80,31 @@ def test_port_refuses_what_it_lacks_with_a_reason():
         port_args("diffusion", SamplingParams(max_new_tokens=8, block_size="auto").validate())
 
 
+def test_drafter_exports_as_its_own_gguf(tmp_path):
+    """`clover export-gguf DRAFTER_DIR` writes the DFlash drafter (arch dflash) that `--drafter` reads:
+    every parameter under its GGUF name, unchanged in f32, and the drafter's hyperparameters."""
+    import gguf
+
+    from clover.api import BUNDLED_DRAFTER
+    from clover.checkpoint import load_drafter
+    from clover.export.gguf import export_gguf
+
+    r = export_gguf(BUNDLED_DRAFTER, tmp_path / "drafter.gguf", dtype="f32", progress=False)
+    assert r.arch == "dflash" and r.sidecar is None
+    reader = gguf.GGUFReader(r.path)
+    field = lambda k: reader.fields[k].parts[reader.fields[k].data[0]].tolist()  # noqa: E731
+    d = load_drafter(BUNDLED_DRAFTER, dtype=torch.float32)
+    assert [reader.fields["dflash.target_layer_ids"].parts[i][0] for i in reader.fields["dflash.target_layer_ids"].data] \
+        == d.config.target_layer_ids
+    assert field("dflash.block_size") == [16] and field("dflash.mask_token_id") == [d.config.mask_token_id]
+    tensors = {t.name: t for t in reader.tensors}
+    assert len(tensors) == len([k for k in d.state_dict() if not k.startswith("rotary_emb.")])
+    for name, gname in (("fc.weight", "fc.weight"), ("layers.1.self_attn.k_proj.weight", "blk.1.attn_k.weight"),
+                        ("layers.0.post_attention_layernorm.weight", "blk.0.ffn_norm.weight"), ("norm.weight", "output_norm.weight")):
+        want = d.state_dict()[name].numpy()
+        assert np.array_equal(np.asarray(tensors[gname].data).reshape(want.shape), want), name
+
+
 # ------------------------------------------------------------------------------ slow: the port itself
 PORT = port_binary()
 PROBE = llama_cache_dir() / "bin" / "clover-llama-probe"

@@ -552,6 +552,7 @@ class ExportResult:
     pre_tokenizer_exact: bool
     notes: list[str] = field(default_factory=list)
     types: str = ""  # what the weight matrices are, e.g. "f32" or "int4 group 64 -> Q4_1 (other matrices f32)"
+    arch: str = ARCH  # general.architecture (a DFlash drafter's: DRAFTER_ARCH)
 
 
 def sidecar_path(dst: Path) -> Path:
@@ -674,11 +675,14 @@ def export_gguf(
     pre_tokenizer: str | None = None,
     progress: bool = True,
 ) -> ExportResult:
-    """Write `src` (a clover / Qwen3.5-MoE model directory) as GGUF `dst`; see the module docstring."""
+    """Write `src` (a clover / Qwen3.5-MoE model directory) as GGUF `dst`; see the module docstring.
+    A DFlash drafter directory goes to `export_drafter_gguf` (the llama.cpp port's `--drafter`)."""
     import gguf
     from tqdm import tqdm
 
     src, dst = Path(src), Path(dst)
+    if is_drafter_dir(src):
+        return export_drafter_gguf(src, dst, dtype=dtype)
     if dtype not in DTYPES:
         raise GGUFExportError(f"unknown dtype {dtype!r}; use one of {', '.join(DTYPES)}")
     if clover_tensors not in CLOVER_TENSOR_MODES:
@@ -834,3 +838,104 @@ def export_gguf(
         types = ("int8 -> Q8_0" if quant.bits == 8 else f"int4 group {quant.group_size} -> Q4_1") + f" (other matrices {dtype})"
     return ExportResult(dst, side, counts["main"], counts["side"] if side else sum(is_clover_tensor(g) for g in kinds),
                         total, tok.pre, tok.pre_exact, notes, types)
+
+
+# ------------------------------------------------------------------------------ DFlash drafter
+# A DFlash drafter (`clover.models.dflash`) as a GGUF of its own, for the llama.cpp port's `--mode
+# dflash --drafter FILE` (stock llama.cpp has no such architecture). Its norms are plain Qwen3 ones
+# (`w * x / rms(x)`), stored as they are; no embedding and no LM head (the target's). The hyper-
+# parameters go under `dflash.*` (the keys `gguf.GGUFWriter.add_<key>` writes, plus the drafter's own).
+DRAFTER_ARCH = "dflash"
+DRAFTER_GLOBALS = {"fc.weight": "fc.weight", "hidden_norm.weight": "hidden_norm.weight", "norm.weight": "output_norm.weight"}
+DRAFTER_LAYER = {  # parameter leaf after `layers.N.` -> GGUF name
+    "input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
+    "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.v_proj.weight": "attn_v.weight", "self_attn.o_proj.weight": "attn_output.weight",
+    "self_attn.q_norm.weight": "attn_q_norm.weight", "self_attn.k_norm.weight": "attn_k_norm.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight", "mlp.down_proj.weight": "ffn_down.weight",
+}
+DRAFTER_KEYS = {  # gguf.GGUFWriter.add_<key> -> DFlashConfig attribute
+    "embedding_length": "hidden_size", "block_count": "num_hidden_layers", "head_count": "num_attention_heads",
+    "head_count_kv": "num_key_value_heads", "key_length": "head_dim", "value_length": "head_dim",
+    "feed_forward_length": "intermediate_size", "layer_norm_rms_eps": "rms_norm_eps", "rope_freq_base": "rope_theta",
+    "vocab_size": "vocab_size", "context_length": "max_position_embeddings",
+}
+
+
+def is_drafter_dir(src: str | Path) -> bool:
+    """Whether `src` holds a DFlash drafter (config.json's architectures say DFlashDraftModel)."""
+    from ..models.dflash import ARCHITECTURE as DRAFTER
+
+    path = Path(src) / "config.json"
+    try:
+        return DRAFTER in (json.loads(path.read_text(encoding="utf-8")).get("architectures") or [])
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def _drafter_name(name: str) -> str:
+    if name in DRAFTER_GLOBALS:
+        return DRAFTER_GLOBALS[name]
+    m = re.match(r"^layers\.(\d+)\.(.+)$", name)
+    if not m or m.group(2) not in DRAFTER_LAYER:
+        raise GGUFExportError(f"drafter: unexpected parameter {name!r}; the DFlash GGUF knows the published layout only")
+    return f"blk.{m.group(1)}.{DRAFTER_LAYER[m.group(2)]}"
+
+
+def export_drafter_gguf(src: str | Path, dst: str | Path, *, dtype: str = "f32") -> ExportResult:
+    """Write the DFlash drafter directory `src` as GGUF `dst` (architecture `dflash`, read by the
+    llama.cpp port's `--drafter`); see the section comment above."""
+    import gguf
+
+    from ..checkpoint import load_drafter
+
+    src, dst = Path(src), Path(dst)
+    if dtype not in DTYPES:
+        raise GGUFExportError(f"unknown dtype {dtype!r}; use one of {', '.join(DTYPES)}")
+    if dst.is_dir():
+        raise GGUFExportError(f"{dst}: is a directory; give the GGUF file to write (e.g. {dst / 'drafter.gguf'})")
+    drafter = load_drafter(src, dtype=torch.float32)
+    c = drafter.config
+    if c.attention_bias:
+        raise GGUFExportError(f"{src}: attention_bias=true is not supported by the llama.cpp port's drafter")
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dst.with_name(dst.name + ".partial")
+    w = gguf.GGUFWriter(tmp, DRAFTER_ARCH)
+    w.add_name(src.resolve().name)
+    w.add_type(gguf.GGUFType.MODEL)
+    w.add_file_type(_file_type(dtype))
+    if dtype == "q8_0":
+        w.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    for key, attr in DRAFTER_KEYS.items():
+        getattr(w, f"add_{key}")(getattr(c, attr))
+    w.add_uint32(f"{DRAFTER_ARCH}.block_size", c.block_size)
+    w.add_uint32(f"{DRAFTER_ARCH}.mask_token_id", c.mask_token_id)
+    w.add_array(f"{DRAFTER_ARCH}.target_layer_ids", [int(i) for i in c.target_layer_ids])
+    if c.num_target_layers is not None:
+        w.add_uint32(f"{DRAFTER_ARCH}.num_target_layers", int(c.num_target_layers))
+    w.add_float32(f"{DRAFTER_ARCH}.input_embedding_scale", float(c.input_embedding_scale))
+    w.add_float32(f"{DRAFTER_ARCH}.output_multiplier", float(c.output_multiplier))
+    w.add_float32(f"{DRAFTER_ARCH}.final_logit_softcapping", float(c.final_logit_softcapping or 0.0))
+    total, rounding, count = 0, Rounding(), 0
+    try:
+        for name, t in drafter.state_dict().items():
+            if name.startswith("rotary_emb."):
+                continue
+            gname = _drafter_name(name)
+            qtype = _ggml_type(gname, tuple(t.shape), dtype)
+            data = _encode(t, qtype, rounding)
+            total += data.nbytes
+            count += 1
+            w.add_tensor(gname, data, raw_dtype=None if qtype in (gguf.GGMLQuantizationType.F32,
+                                                                   gguf.GGMLQuantizationType.F16) else qtype)
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+        os.replace(tmp, dst)
+    except BaseException:
+        w.close()
+        if tmp.exists():
+            tmp.unlink()
+        raise
+    return ExportResult(dst, None, count, 0, total, "", True, rounding.summary(), dtype, DRAFTER_ARCH)
