@@ -14,9 +14,10 @@
 //     multi-token forward are one more custom op (moe_grouped: the tokens gathered per expert, each
 //     expert one matmul); everything else is stock ggml ops (attention by ggml_flash_attn_ext).
 // and runs clover's decoding loops: ar, diffusion (clover's commit rule, forward for forward) and
-// speculative (lossless w.r.t. AR greedy). docs/llama-port.md describes it.
+// speculative (lossless w.r.t. AR greedy), and dflash (AR with a DFlash block drafter, `--drafter FILE`:
+// the drafter's own graph over the target's tapped hidden states; lossless). docs/llama-port.md describes it.
 //
-// Usage: llama-clover MODEL.gguf --mode ar|diffusion|speculative|forward [options] < prompts
+// Usage: llama-clover MODEL.gguf --mode ar|diffusion|speculative|dflash|forward [--drafter F] [options] < prompts
 //   stdin: one prompt per line, as token ids separated by spaces (clover's tokenizer is exact; the
 //   Python driver `clover generate --engine llama.cpp` tokenizes). Per prompt one JSON line on stdout.
 //   forward: line 1 commit ids, line 2 block ids; writes f32 logits [Tc + Bd, V] to --out (every
@@ -98,8 +99,39 @@ struct GgufFile {
     ggml_backend_buffer_t buf = nullptr;
 };
 
+// A DFlash block drafter (`clover export-gguf DRAFTER_DIR`, arch dflash; clover.models.dflash): a few
+// Qwen3-style layers over the target's hidden states, with the target's embedding and LM head.
+struct DraftLayer {
+    ggml_tensor *attn_norm = nullptr, *ffn_norm = nullptr, *wq = nullptr, *wk = nullptr, *wv = nullptr, *wo = nullptr;
+    ggml_tensor *q_norm = nullptr, *k_norm = nullptr, *gate = nullptr, *up = nullptr, *down = nullptr;
+    ggml_tensor *k_cache = nullptr, *v_cache = nullptr;  // [hd, n_kv_heads, n_ctx]: the context's K/V
+};
+
+struct Drafter {
+    bool loaded = false;
+    GgufFile file;
+    int n_embd = 0, n_layer = 0, n_head = 0, n_head_kv = 0, head_dim = 0, block_size = 16, mask_id = -1;
+    float eps = 1e-6f, rope_base = 1e6f, embd_scale = 1.f, out_mult = 1.f, softcap = 0.f;
+    std::vector<int> target_layers;  // the target layers whose outputs make a context vector, in order
+    ggml_tensor *fc = nullptr, *hidden_norm = nullptr, *out_norm = nullptr;
+    std::vector<DraftLayer> layers;
+    ggml_context * cache_ctx = nullptr;
+    ggml_backend_buffer_t cache_buf = nullptr;
+    int n_ctx = 0;
+    int n_past = 0;  // context tokens in the cache
+    int n_features() const { return (int) target_layers.size() * n_embd; }
+    // the verify widths (anchor + drafts) a confidence cut may choose (DFlashDrafter.verify_widths)
+    std::vector<int> verify_widths() const {
+        std::vector<int> w;
+        for (int x : {4, 8}) if (x < block_size) w.push_back(x);
+        w.push_back(block_size);
+        return w;
+    }
+};
+
 struct Model {
     Hparams hp;
+    Drafter dr;
     GgufFile main_file, side_file;
     std::vector<std::string> pieces;  // each token's bytes, for stop strings
     llama_model * vocab_model = nullptr;  // libllama, vocab_only: the GGUF's tokenizer and chat template
@@ -340,6 +372,98 @@ static void load_model(Model & m, const std::string & path, const std::string & 
     m.galloc = ggml_gallocr_new(ggml_backend_get_default_buffer_type(m.backend));
 }
 
+// --drafter FILE: a DFlash drafter GGUF, checked against the target it drafts for (one-line errors,
+// as clover's DFlashConfig.check_target).
+static void load_drafter(Model & m, const std::string & path) {
+    Drafter & d = m.dr;
+    const Hparams & hp = m.hp;
+    auto bad = [&](const std::string & why) { die("--drafter " + path + ": " + why); };
+    FILE * fp = fopen(path.c_str(), "rb");
+    if (!fp) bad("cannot open the file");
+    char magic[4] = {0, 0, 0, 0};
+    const size_t got = fread(magic, 1, 4, fp);
+    fclose(fp);
+    if (got != 4 || memcmp(magic, "GGUF", 4) != 0)
+        bad("not a GGUF file; export the drafter with `clover export-gguf DRAFTER_DIR FILE`");
+    d.file = open_gguf(path, m.backend);
+    gguf_context * g = d.file.g;
+    const int64_t arch_id = gguf_find_key(g, "general.architecture");
+    const std::string arch = arch_id >= 0 ? gguf_get_val_str(g, arch_id) : "(none)";
+    if (arch != "dflash")
+        bad("architecture " + arch + " is not a DFlash drafter (dflash); export one with `clover export-gguf DRAFTER_DIR FILE`");
+    auto u32 = [&](const std::string & k) -> int {
+        if (gguf_find_key(g, ("dflash." + k).c_str()) < 0) bad("key dflash." + k + " missing");
+        return (int) get_u32(g, "dflash." + k);
+    };
+    d.n_embd = u32("embedding_length");
+    d.n_layer = u32("block_count");
+    d.n_head = u32("attention.head_count");
+    d.n_head_kv = u32("attention.head_count_kv");
+    d.head_dim = u32("attention.key_length");
+    d.block_size = u32("block_size");
+    d.mask_id = u32("mask_token_id");
+    const int vocab = u32("vocab_size");
+    d.eps = get_f32(g, "dflash.attention.layer_norm_rms_epsilon", 1e-6f, false);
+    d.rope_base = get_f32(g, "dflash.rope.freq_base", 1e6f, false);
+    d.embd_scale = get_f32(g, "dflash.input_embedding_scale", 1.f, false);
+    d.out_mult = get_f32(g, "dflash.output_multiplier", 1.f, false);
+    d.softcap = get_f32(g, "dflash.final_logit_softcapping", 0.f, false);
+    const int64_t tid = gguf_find_key(g, "dflash.target_layer_ids");
+    if (tid < 0) bad("key dflash.target_layer_ids missing");
+    const gguf_type at = gguf_get_arr_type(g, tid);
+    for (size_t i = 0; i < gguf_get_arr_n(g, tid); i++) {
+        const void * a = gguf_get_arr_data(g, tid);
+        d.target_layers.push_back(at == GGUF_TYPE_INT32 ? ((const int32_t *) a)[i] : at == GGUF_TYPE_UINT32 ? (int) ((const uint32_t *) a)[i]
+                                  : at == GGUF_TYPE_INT64 ? (int) ((const int64_t *) a)[i] : (int) ((const uint64_t *) a)[i]);
+    }
+    const std::string another = "; this drafter was trained for another model";
+    if (d.n_embd != hp.n_embd)
+        bad("drafter: hidden_size " + std::to_string(d.n_embd) + " != the target's " + std::to_string(hp.n_embd) + another);
+    if (vocab != hp.n_vocab)
+        bad("drafter: vocab_size " + std::to_string(vocab) + " != the target's " + std::to_string(hp.n_vocab) + another);
+    if (d.target_layers.empty()) bad("drafter: target_layer_ids is empty");
+    for (int i : d.target_layers)
+        if (i < 0 || i >= hp.n_layer)
+            bad("drafter: target_layer_ids name layer " + std::to_string(i) + ", but the target has " + std::to_string(hp.n_layer) + " layers" + another);
+    if (gguf_find_key(g, "dflash.num_target_layers") >= 0 && u32("num_target_layers") != hp.n_layer)
+        bad("drafter: num_target_layers " + std::to_string(u32("num_target_layers")) + " != the target's " + std::to_string(hp.n_layer) + " layers" + another);
+    if (d.mask_id < 0 || d.mask_id >= hp.n_vocab)
+        bad("drafter: mask_token_id " + std::to_string(d.mask_id) + " is outside the target's vocabulary (" + std::to_string(hp.n_vocab) + ")");
+    if (d.block_size < 2) bad("drafter: block_size " + std::to_string(d.block_size) + " must be >= 2");
+    if (d.n_head_kv <= 0 || d.n_head % d.n_head_kv != 0) bad("drafter: head_count must be a multiple of head_count_kv");
+    auto t = [&](const std::string & name, int64_t ne0, int64_t ne1) {
+        ggml_tensor * x = find(d.file, name, false);
+        if (!x) bad("tensor " + name + " missing");
+        if (x->ne[0] != ne0 || x->ne[1] != ne1 || x->ne[2] != 1)
+            bad("tensor " + name + " is [" + std::to_string(x->ne[0]) + ", " + std::to_string(x->ne[1]) + "], expected [" +
+                std::to_string(ne0) + ", " + std::to_string(ne1) + "]");
+        return x;
+    };
+    const int H = d.n_embd, hd = d.head_dim;
+    d.fc = t("fc.weight", d.n_features(), H);
+    d.hidden_norm = t("hidden_norm.weight", H, 1);
+    d.out_norm = t("output_norm.weight", H, 1);
+    d.layers.resize(d.n_layer);
+    for (int i = 0; i < d.n_layer; i++) {
+        DraftLayer & L = d.layers[i];
+        const std::string b = "blk." + std::to_string(i) + ".";
+        const ggml_tensor * ff = find(d.file, b + "ffn_gate.weight", false);
+        const int64_t I = ff ? ff->ne[1] : 0;
+        L.attn_norm = t(b + "attn_norm.weight", H, 1);
+        L.ffn_norm = t(b + "ffn_norm.weight", H, 1);
+        L.wq = t(b + "attn_q.weight", H, (int64_t) d.n_head * hd);
+        L.wk = t(b + "attn_k.weight", H, (int64_t) d.n_head_kv * hd);
+        L.wv = t(b + "attn_v.weight", H, (int64_t) d.n_head_kv * hd);
+        L.wo = t(b + "attn_output.weight", (int64_t) d.n_head * hd, H);
+        L.q_norm = t(b + "attn_q_norm.weight", hd, 1);
+        L.k_norm = t(b + "attn_k_norm.weight", hd, 1);
+        L.gate = t(b + "ffn_gate.weight", H, I);
+        L.up = t(b + "ffn_up.weight", H, I);
+        L.down = t(b + "ffn_down.weight", I, H);
+    }
+    d.loaded = true;
+}
+
 static const int KV_PAD = 256;  // the cache's capacity and the key length a graph reads: multiples of this
 static void clear_graphs();
 
@@ -351,12 +475,16 @@ static void reset_cache(Model & m, int n_ctx) {
         clear_graphs();  // their views point into the old cache
         if (m.cache_buf) ggml_backend_buffer_free(m.cache_buf);
         if (m.cache_ctx) ggml_free(m.cache_ctx);
-        ggml_init_params p = {ggml_tensor_overhead() * (2 * hp.n_layer + 4), nullptr, true};
+        ggml_init_params p = {ggml_tensor_overhead() * (2 * hp.n_layer + 2 * m.dr.n_layer + 4), nullptr, true};
         m.cache_ctx = ggml_init(p);
         for (Layer & L : m.layers) {
             if (L.recurrent) continue;
             L.k_cache = ggml_new_tensor_3d(m.cache_ctx, m.kv_type, hp.head_dim, hp.n_head_kv, n_ctx);
             L.v_cache = ggml_new_tensor_3d(m.cache_ctx, m.kv_type, hp.head_dim, hp.n_head_kv, n_ctx);
+        }
+        for (DraftLayer & L : m.dr.layers) {  // the drafter's context K/V, as long as the target's cache
+            L.k_cache = ggml_new_tensor_3d(m.cache_ctx, m.kv_type, m.dr.head_dim, m.dr.n_head_kv, n_ctx);
+            L.v_cache = ggml_new_tensor_3d(m.cache_ctx, m.kv_type, m.dr.head_dim, m.dr.n_head_kv, n_ctx);
         }
         m.cache_buf = ggml_backend_alloc_ctx_tensors(m.cache_ctx, m.backend);
         m.n_ctx = n_ctx;
@@ -368,6 +496,7 @@ static void reset_cache(Model & m, int n_ctx) {
         L.S.assign((size_t) hp.hv * hp.dk * hp.dv, 0.f);
     }
     m.n_past = 0;
+    m.dr.n_past = 0;
 }
 
 // ------------------------------------------------------------------------------------- text
@@ -922,6 +1051,7 @@ struct CachedGraph {
     ggml_cgraph * gf = nullptr;
     ggml_gallocr_t galloc = nullptr;
     ggml_tensor *ids = nullptr, *pos = nullptr, *kq_mask = nullptr, *out_ids = nullptr, *kv_idx = nullptr, *logits = nullptr;
+    ggml_tensor * feats = nullptr;  // dflash: the drafter's context features of the commit [F, Tc]
     std::vector<GdnCall> calls;
     std::vector<MoeCall> moe_calls;
     ShareCall share_call{};
@@ -937,9 +1067,7 @@ static std::map<std::vector<int>, std::unique_ptr<CachedGraph>> & graph_cache() 
     return graphs;
 }
 
-static void clear_graphs() { graph_cache().clear(); }
-
-static CachedGraph * build_graph(Model & m, int Tc, int Bd, int n_out, int n_kv, bool record);
+static CachedGraph * build_graph(Model & m, int Tc, int Bd, int n_out, int n_kv, bool record, bool taps);
 
 // CLOVER_PORT_PROFILE=1: every forward's graph computed node by node, the CPU time of each node summed
 // per forward shape and per node kind (the op, and a matmul's weight), the table printed to stderr at
@@ -976,8 +1104,8 @@ static std::map<std::string, std::map<std::string, ProfileRow>> & profile_table(
     (void) registered;
     return table;
 }
-static void profile_compute(Model & m, ggml_cgraph * gf, int Tc, int Bd, int n_out) {
-    auto & rows = profile_table()["Tc=" + std::to_string(Tc) + " Bd=" + std::to_string(Bd) + " logits=" + std::to_string(n_out)];
+static void profile_compute(Model & m, ggml_cgraph * gf, const std::string & shape) {
+    auto & rows = profile_table()[shape];
     static std::vector<uint8_t> mem(ggml_graph_overhead_custom(1, false) + 1024);
     ggml_init_params ip = {mem.size(), mem.data(), true};
     ggml_context * ctx = ggml_init(ip);
@@ -1006,9 +1134,10 @@ static void profile_compute(Model & m, ggml_cgraph * gf, int Tc, int Bd, int n_o
 }
 
 // commit: tokens appended to the cache; block: one denoise block read against the cache after the
-// commit (not written); out_rows: indices into [commit | block] whose logits are wanted.
+// commit (not written); out_rows: indices into [commit | block] whose logits are wanted. `feats`
+// (dflash): also the drafter's context features of the commit tokens, [Tc][F].
 static void forward(Model & m, const std::vector<int> & commit, const std::vector<int> & block,
-                    const std::vector<int> & out_rows, bool record, Forward & res) {
+                    const std::vector<int> & out_rows, bool record, Forward & res, std::vector<float> * feats = nullptr) {
     const Hparams & hp = m.hp;
     const int Tc = (int) commit.size(), Bd = (int) block.size(), T = Tc + Bd;
     if (T == 0) die("empty forward");
@@ -1020,7 +1149,8 @@ static void forward(Model & m, const std::vector<int> & commit, const std::vecto
     const int n_out = (int) out_rows.size();
     const int n_kv_pad = std::min(m.n_ctx, (n_kv + KV_PAD - 1) / KV_PAD * KV_PAD);
     const bool share = Bd > 0 && m.share_budget > 0 && m.share_budget < hp.n_expert;
-    const std::vector<int> key = {Tc, Bd, n_out, n_kv_pad, record, share ? m.share_budget : 0, share && m.share_max};
+    const bool taps = feats != nullptr && Tc > 0;
+    const std::vector<int> key = {Tc, Bd, n_out, n_kv_pad, record, share ? m.share_budget : 0, share && m.share_max, taps};
     auto & graphs = graph_cache();
     static uint64_t tick = 0;
     auto it = graphs.find(key);
@@ -1030,7 +1160,7 @@ static void forward(Model & m, const std::vector<int> & commit, const std::vecto
             for (auto g = graphs.begin(); g != graphs.end(); ++g) if (g->second->used < old->second->used) old = g;
             graphs.erase(old);
         }
-        it = graphs.emplace(key, std::unique_ptr<CachedGraph>(build_graph(m, Tc, Bd, n_out, n_kv_pad, record))).first;
+        it = graphs.emplace(key, std::unique_ptr<CachedGraph>(build_graph(m, Tc, Bd, n_out, n_kv_pad, record, taps))).first;
     }
     CachedGraph & G = *it->second;
     G.used = ++tick;
@@ -1076,10 +1206,14 @@ static void forward(Model & m, const std::vector<int> & commit, const std::vecto
     for (int i = 0; i < n_out; i++) oi[i] = out_rows[i];
     set(G.out_ids, oi.data(), sizeof(int32_t) * oi.size());
 
-    if (profiling()) profile_compute(m, G.gf, Tc, Bd, n_out);
+    if (profiling()) profile_compute(m, G.gf, "Tc=" + std::to_string(Tc) + " Bd=" + std::to_string(Bd) + " logits=" + std::to_string(n_out));
     else if (ggml_backend_graph_compute(m.backend, G.gf) != GGML_STATUS_SUCCESS) die("graph compute failed");
     res.logits.resize((size_t) n_out * hp.n_vocab);
     if (n_out) ggml_backend_tensor_get(G.logits, res.logits.data(), 0, sizeof(float) * res.logits.size());
+    if (feats) {
+        feats->resize((size_t) Tc * m.dr.n_features());
+        if (taps) ggml_backend_tensor_get(G.feats, feats->data(), 0, sizeof(float) * feats->size());
+    }
     m.n_past += Tc;
     m.last_forward_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start).count();
     timespec c_end{};
@@ -1087,7 +1221,7 @@ static void forward(Model & m, const std::vector<int> & commit, const std::vecto
     m.last_forward_cpu_s = (c_end.tv_sec - c_start.tv_sec) + 1e-9 * (c_end.tv_nsec - c_start.tv_nsec);
 }
 
-static CachedGraph * build_graph(Model & m, int Tc, int Bd, int n_out, int n_kv, bool record) {
+static CachedGraph * build_graph(Model & m, int Tc, int Bd, int n_out, int n_kv, bool record, bool taps) {
     const Hparams & hp = m.hp;
     const int T = Tc + Bd;
     auto * G = new CachedGraph();
@@ -1119,6 +1253,7 @@ static CachedGraph * build_graph(Model & m, int Tc, int Bd, int n_out, int n_kv,
     G->moe_calls.resize(hp.n_layer);
     ggml_tensor * x = ggml_get_rows(ctx, m.tok_embd, ids);  // [H, T]
     const int H = hp.n_embd, hd = hp.head_dim, nh = hp.n_head, nkv = hp.n_head_kv;
+    std::vector<ggml_tensor *> tapped(hp.n_layer, nullptr);
     for (int il = 0; il < hp.n_layer; il++) {
         Layer & L = m.layers[il];
         ggml_tensor * cur = ggml_mul(ctx, ggml_rms_norm(ctx, x, hp.eps), L.attn_norm);
@@ -1209,6 +1344,19 @@ static CachedGraph * build_graph(Model & m, int Tc, int Bd, int n_out, int n_kv,
             ggml_mul(ctx, ggml_silu(ctx, ggml_mul_mat(ctx, L.gate_shexp, h)), ggml_mul_mat(ctx, L.up_shexp, h)));
         ggml_tensor * sg = ggml_sigmoid(ctx, ggml_mul_mat(ctx, L.gate_inp_shexp, h));  // [1, T]
         x = ggml_add(ctx, x, ggml_add(ctx, moe, ggml_mul(ctx, sh, sg)));
+        if (taps) tapped[il] = x;
+    }
+    if (taps) {  // the drafter's context input (DFlashDrafter.context_features): the tapped layers' outputs
+        ggml_tensor * f = nullptr;  // of the commit tokens, concatenated; the last layer's after the final norm
+        for (int il : m.dr.target_layers) {
+            ggml_tensor * h = tapped[il];
+            if (Bd) h = ggml_cont(ctx, ggml_view_2d(ctx, h, H, Tc, h->nb[1], 0));
+            if (il == hp.n_layer - 1) h = ggml_mul(ctx, ggml_rms_norm(ctx, h, hp.eps), m.out_norm);
+            f = f ? ggml_concat(ctx, f, h, 0) : h;
+        }
+        G->feats = f;
+        ggml_set_output(f);
+        ggml_build_forward_expand(gf, f);
     }
     if (n_out) {
         ggml_tensor * xo = ggml_get_rows(ctx, x, out_ids);
@@ -1248,6 +1396,165 @@ static void rollback(Model & m, int committed, int keep) {
     }
 }
 
+// ---------------------------------------------------------------------------- the DFlash draft
+// One drafter forward (DFlashDrafter.draft): the context features of the Tc tokens committed since
+// the last draft [F, Tc] -> fc + hidden_norm -> per drafter layer their K/V (k_norm, RoPE at the
+// token's position), written into the drafter's cache; the block (anchor + masks, embedded with the
+// target's embedding) attends to every context key and bidirectionally to itself (its own K/V are
+// written after the context's as scratch, never read by a later draft: the next context overwrites
+// them); then the final norm and the target's LM head on block positions 1.. (no shift). As the
+// target's graphs, one graph per shape (Tc, Bd, padded key length), its inputs set per draft.
+struct DraftGraph {
+    std::vector<uint8_t> mem;
+    ggml_context * ctx = nullptr;
+    ggml_cgraph * gf = nullptr;
+    ggml_gallocr_t galloc = nullptr;
+    ggml_tensor *feats = nullptr, *ids = nullptr, *pos_c = nullptr, *pos_b = nullptr, *kv_c = nullptr, *kv_b = nullptr;
+    ggml_tensor *kq_mask = nullptr, *out_ids = nullptr, *logits = nullptr;
+    uint64_t used = 0;
+    ~DraftGraph() {
+        if (galloc) ggml_gallocr_free(galloc);
+        if (ctx) ggml_free(ctx);
+    }
+};
+
+static std::map<std::vector<int>, std::unique_ptr<DraftGraph>> & draft_graph_cache() {
+    static std::map<std::vector<int>, std::unique_ptr<DraftGraph>> graphs;
+    return graphs;
+}
+
+static DraftGraph * build_draft_graph(Model & m, int Tc, int Bd, int n_kv) {
+    const Drafter & d = m.dr;
+    auto * G = new DraftGraph();
+    const size_t graph_size = 2048;
+    G->mem.resize(ggml_tensor_overhead() * graph_size + ggml_graph_overhead_custom(graph_size, false));
+    ggml_init_params ip = {G->mem.size(), G->mem.data(), true};
+    ggml_context * ctx = G->ctx = ggml_init(ip);
+    ggml_cgraph * gf = G->gf = ggml_new_graph_custom(ctx, graph_size, false);
+    const int H = d.n_embd, hd = d.head_dim, nh = d.n_head, nkv = d.n_head_kv, no = Bd - 1;
+    auto input = [&](ggml_type type, int64_t n0, int64_t n1 = 1) {
+        ggml_tensor * t = n1 == 1 ? ggml_new_tensor_1d(ctx, type, n0) : ggml_new_tensor_2d(ctx, type, n0, n1);
+        ggml_set_input(t);
+        return t;
+    };
+    G->ids = input(GGML_TYPE_I32, Bd);
+    G->pos_b = input(GGML_TYPE_I32, Bd);
+    G->kv_b = input(GGML_TYPE_I64, Bd);
+    G->kq_mask = input(m.flash_attn ? GGML_TYPE_F16 : GGML_TYPE_F32, n_kv, Bd);
+    G->out_ids = input(GGML_TYPE_I32, no);
+    ggml_tensor * c = nullptr;
+    if (Tc) {
+        G->feats = input(GGML_TYPE_F32, d.n_features(), Tc);
+        G->pos_c = input(GGML_TYPE_I32, Tc);
+        G->kv_c = input(GGML_TYPE_I64, Tc);
+        c = ggml_mul(ctx, ggml_rms_norm(ctx, ggml_mul_mat(ctx, d.fc, G->feats), d.eps), d.hidden_norm);  // [H, Tc]
+    }
+    auto rope = [&](ggml_tensor * t, ggml_tensor * pos) {  // rotate-half over the whole head (NeoX)
+        return ggml_rope_ext(ctx, t, pos, nullptr, hd, GGML_ROPE_TYPE_NEOX, 0, d.rope_base, 1.f, 0.f, 1.f, 0.f, 0.f);
+    };
+    auto norm = [&](ggml_tensor * t, ggml_tensor * w) { return ggml_mul(ctx, ggml_rms_norm(ctx, t, d.eps), w); };
+    ggml_tensor * x = ggml_get_rows(ctx, m.tok_embd, G->ids);  // [H, Bd]: the target's embedding
+    if (d.embd_scale != 1.f) x = ggml_scale(ctx, x, d.embd_scale);
+    for (const DraftLayer & L : d.layers) {
+        ggml_tensor * k_rows = ggml_reshape_2d(ctx, L.k_cache, hd * nkv, L.k_cache->ne[2]);
+        ggml_tensor * v_rows = ggml_reshape_2d(ctx, L.v_cache, hd * nkv, L.v_cache->ne[2]);
+        if (Tc) {  // the context's keys and values (DraftAttention.kv), into the cache
+            ggml_tensor * k = rope(norm(ggml_reshape_3d(ctx, ggml_mul_mat(ctx, L.wk, c), hd, nkv, Tc), L.k_norm), G->pos_c);
+            ggml_build_forward_expand(gf, ggml_set_rows(ctx, k_rows, ggml_reshape_2d(ctx, k, hd * nkv, Tc), G->kv_c));
+            ggml_build_forward_expand(gf, ggml_set_rows(ctx, v_rows, ggml_mul_mat(ctx, L.wv, c), G->kv_c));
+        }
+        ggml_tensor * h = norm(x, L.attn_norm);
+        ggml_tensor * q = rope(norm(ggml_reshape_3d(ctx, ggml_mul_mat(ctx, L.wq, h), hd, nh, Bd), L.q_norm), G->pos_b);
+        ggml_tensor * k = rope(norm(ggml_reshape_3d(ctx, ggml_mul_mat(ctx, L.wk, h), hd, nkv, Bd), L.k_norm), G->pos_b);
+        ggml_build_forward_expand(gf, ggml_set_rows(ctx, k_rows, ggml_reshape_2d(ctx, k, hd * nkv, Bd), G->kv_b));
+        ggml_build_forward_expand(gf, ggml_set_rows(ctx, v_rows, ggml_mul_mat(ctx, L.wv, h), G->kv_b));
+        ggml_tensor * K = ggml_view_3d(ctx, L.k_cache, hd, nkv, n_kv, L.k_cache->nb[1], L.k_cache->nb[2], 0);
+        ggml_tensor * V = ggml_view_3d(ctx, L.v_cache, hd, nkv, n_kv, L.v_cache->nb[1], L.v_cache->nb[2], 0);
+        ggml_tensor * Kp = ggml_permute(ctx, K, 0, 2, 1, 3);  // [hd, n_kv, nkv]
+        ggml_tensor * Q = ggml_permute(ctx, q, 0, 2, 1, 3);   // [hd, Bd, nh]
+        ggml_tensor * att;
+        if (m.flash_attn) {
+            att = ggml_flash_attn_ext(ctx, Q, Kp, ggml_permute(ctx, V, 0, 2, 1, 3), G->kq_mask, 1.f / sqrtf((float) hd), 0.f, 0.f);
+            att = ggml_reshape_2d(ctx, att, hd * nh, Bd);
+        } else {
+            ggml_tensor * Vt = ggml_cont(ctx, ggml_permute(ctx, V, 1, 2, 0, 3));  // [n_kv, hd, nkv]
+            ggml_tensor * kq = ggml_soft_max_ext(ctx, ggml_mul_mat(ctx, Kp, Q), G->kq_mask, 1.f / sqrtf((float) hd), 0.f);
+            att = ggml_cont_2d(ctx, ggml_permute(ctx, ggml_mul_mat(ctx, Vt, kq), 0, 2, 1, 3), hd * nh, Bd);
+        }
+        x = ggml_add(ctx, x, ggml_mul_mat(ctx, L.wo, att));
+        ggml_tensor * h2 = norm(x, L.ffn_norm);
+        x = ggml_add(ctx, x, ggml_mul_mat(ctx, L.down, ggml_mul(ctx, ggml_silu(ctx, ggml_mul_mat(ctx, L.gate, h2)), ggml_mul_mat(ctx, L.up, h2))));
+    }
+    ggml_tensor * lg = ggml_mul_mat(ctx, m.output, norm(ggml_get_rows(ctx, x, G->out_ids), d.out_norm));  // [V, Bd-1]
+    if (d.out_mult != 1.f) lg = ggml_scale(ctx, lg, d.out_mult);
+    if (d.softcap != 0.f) lg = ggml_scale(ctx, ggml_tanh(ctx, ggml_scale(ctx, lg, 1.f / d.softcap)), d.softcap);
+    G->logits = lg;
+    ggml_set_output(lg);
+    ggml_build_forward_expand(gf, lg);
+    G->galloc = ggml_gallocr_new(ggml_backend_get_default_buffer_type(m.backend));
+    if (!ggml_gallocr_alloc_graph(G->galloc, gf)) die("drafter graph allocation failed");
+    return G;
+}
+
+// The draft: `feats` [Tc][F] the context features not yet in the drafter's cache (appended to it),
+// `block` the anchor and the masks -> logits [Bd-1][V] of block positions 1..Bd-1.
+static void draft_forward(Model & m, const std::vector<float> & feats, const std::vector<int> & block, std::vector<float> & logits) {
+    Drafter & d = m.dr;
+    const int F = d.n_features(), Tc = (int) (feats.size() / F), Bd = (int) block.size(), V = m.hp.n_vocab;
+    const int n0 = d.n_past, n_kv = n0 + Tc + Bd;
+    if (n_kv > m.n_ctx) die("context full (drafter)");
+    const int n_kv_pad = std::min(m.n_ctx, (n_kv + KV_PAD - 1) / KV_PAD * KV_PAD);
+    auto & graphs = draft_graph_cache();
+    static uint64_t tick = 0;
+    const std::vector<int> key = {Tc, Bd, n_kv_pad};
+    auto it = graphs.find(key);
+    if (it == graphs.end()) {
+        if (graphs.size() >= 24) {
+            auto old = graphs.begin();
+            for (auto g = graphs.begin(); g != graphs.end(); ++g) if (g->second->used < old->second->used) old = g;
+            graphs.erase(old);
+        }
+        it = graphs.emplace(key, std::unique_ptr<DraftGraph>(build_draft_graph(m, Tc, Bd, n_kv_pad))).first;
+    }
+    DraftGraph & G = *it->second;
+    G.used = ++tick;
+    auto set = [](ggml_tensor * t, const void * data, size_t n) { if (t && t->buffer) ggml_backend_tensor_set(t, data, 0, n); };
+    std::vector<int32_t> i32(std::max(Tc, Bd));
+    std::vector<int64_t> i64(std::max(Tc, Bd));
+    if (Tc) {
+        set(G.feats, feats.data(), sizeof(float) * feats.size());
+        for (int t = 0; t < Tc; t++) { i32[t] = n0 + t; i64[t] = n0 + t; }
+        set(G.pos_c, i32.data(), sizeof(int32_t) * Tc);
+        set(G.kv_c, i64.data(), sizeof(int64_t) * Tc);
+    }
+    set(G.ids, block.data(), sizeof(int32_t) * Bd);
+    for (int t = 0; t < Bd; t++) { i32[t] = n0 + Tc + t; i64[t] = n0 + Tc + t; }
+    set(G.pos_b, i32.data(), sizeof(int32_t) * Bd);
+    set(G.kv_b, i64.data(), sizeof(int64_t) * Bd);
+    std::vector<float> mask((size_t) n_kv_pad * Bd);
+    for (int t = 0; t < Bd; t++)
+        for (int j = 0; j < n_kv_pad; j++) mask[(size_t) t * n_kv_pad + j] = j < n_kv ? 0.f : -INFINITY;
+    if (G.kq_mask->type == GGML_TYPE_F16) {
+        std::vector<ggml_fp16_t> mask16(mask.size());
+        ggml_fp32_to_fp16_row(mask.data(), mask16.data(), (int64_t) mask.size());
+        set(G.kq_mask, mask16.data(), sizeof(ggml_fp16_t) * mask16.size());
+    } else {
+        set(G.kq_mask, mask.data(), sizeof(float) * mask.size());
+    }
+    for (int t = 0; t < Bd - 1; t++) i32[t] = t + 1;
+    set(G.out_ids, i32.data(), sizeof(int32_t) * (Bd - 1));
+    if (profiling()) profile_compute(m, G.gf, "dflash draft: context " + std::to_string(Tc) + " Bd=" + std::to_string(Bd));
+    else if (ggml_backend_graph_compute(m.backend, G.gf) != GGML_STATUS_SUCCESS) die("drafter graph compute failed");
+    logits.resize((size_t) (Bd - 1) * V);
+    ggml_backend_tensor_get(G.logits, logits.data(), 0, sizeof(float) * logits.size());
+    d.n_past += Tc;
+}
+
+static void clear_graphs() {  // their views point into the cache
+    graph_cache().clear();
+    draft_graph_cache().clear();
+}
+
 // ------------------------------------------------------------------------------- decoding options
 using json = nlohmann::json;
 
@@ -1266,6 +1573,7 @@ struct Params {
     uint64_t seed = 0;
     float repetition_penalty = 1.f, presence_penalty = 0.f, eos_penalty = 0.f;
     int no_repeat_ngram_size = 0, sub_block = 0, expert_budget = -1;  // expert_budget -1: the model's
+    bool draft_given = false;  // draft_length was set (dflash: a fixed draft, no confidence cut)
     std::string expert_rank = "sum";
     std::vector<std::pair<int, float>> logit_bias;  // token id -> added to its logit (OpenAI's logit_bias)
     bool ignore_eos = false, stream = false;
@@ -1297,7 +1605,7 @@ static std::set<int> id_set(const json & v) {
 // One option of a request (the JSON names are clover's SamplingParams fields).
 static void set_option(Params & p, const std::string & k, const json & v) {
     try {
-        if (k == "mode") p.mode = choice(v, k, {"ar", "diffusion", "speculative"});
+        if (k == "mode") p.mode = choice(v, k, {"ar", "diffusion", "speculative", "dflash"});
         else if (k == "max_new_tokens") p.max_new = v.get<int>();
         else if (k == "block_size") p.block = v.is_null() ? -1 : v.get<int>();
         else if (k == "draft_length") p.draft = v.is_null() ? -1 : v.get<int>();
@@ -1356,6 +1664,7 @@ static Params make_params(const Model & m, const json & defaults, const json & r
     }
     const Hparams & hp = m.hp;
     if (p.block <= 0) p.block = hp.block_size;
+    p.draft_given = p.draft > 0;
     if (p.draft <= 0) p.draft = p.block;
     if (p.policy.empty()) p.policy = threshold_given ? "threshold" : hp.policy;
     if (p.threshold <= 0) p.threshold = hp.threshold;
@@ -1380,6 +1689,13 @@ static Params make_params(const Model & m, const json & defaults, const json & r
         if (p.uses_history()) bad("repetition_penalty: history-dependent penalties are not supported in speculative mode");
         if (p.draft > p.block) bad("draft_length: must be <= block_size (" + std::to_string(p.block) + ")");
     }
+    if (p.mode == "dflash") {  // DFlash.make_engine / DFlashEngine
+        if (!m.dr.loaded) bad("mode: 'dflash' needs a DFlash drafter: --drafter FILE (`clover export-gguf DRAFTER_DIR FILE`)");
+        if (!p.greedy()) bad("temperature: sampled dflash decoding (the rejection rule) is not in the llama.cpp port; use temperature 0, or mode ar or diffusion to sample");
+        const int bs = m.dr.block_size;
+        if (p.draft_given && !(p.draft >= 1 && p.draft <= bs - 1))
+            bad("draft_length: must lie in [1, " + std::to_string(bs - 1) + "] for this drafter (block_size " + std::to_string(bs) + "), got " + std::to_string(p.draft));
+    }
     if ((p.mode == "diffusion" || p.mode == "speculative") && !m.has_clover)
         bad("mode: " + p.mode + " needs Clover's tensors: the .clover.gguf sidecar next to the model (or --sidecar)");
     if ((p.mode == "diffusion" || p.mode == "speculative") && hp.mask_id < 0) bad("mode: the model has no mask token (clover.mask_token_id)");
@@ -1388,7 +1704,7 @@ static Params make_params(const Model & m, const json & defaults, const json & r
 
 struct Row {
     std::vector<int> prompt, tokens;
-    int forwards = 0, forced_steps = 0;
+    int forwards = 0, forced_steps = 0, draft_forwards = 0;
     double first_forward_s = 0.0, first_forward_cpu_s = 0.0;  // the forward that carried the prompt (prefill)
     std::vector<int> block_steps, accept_lengths;
     std::string finish;
@@ -1827,6 +2143,82 @@ static void run_speculative(Model & m, const Params & p, const std::vector<int> 
     }
 }
 
+// clover.decoding.dflash: a draft cut before its first token the drafter gives less than this probability
+static const float DRAFT_CUT = 0.2f;
+
+// clover.decoding.dflash.DFlashEngine for one row (greedy; lossless w.r.t. AR). The prefill commits
+// the prompt and yields the first anchor (AR's token) and the first context; then per iteration one
+// drafter forward (the block [anchor, mask x D], D = the drafter's block - 1: the argmax of block
+// positions 1..D, cut before the first one below DRAFT_CUT probability to the narrowest verify width
+// that holds the rest; a draft_length asked for is kept whole) and one target forward committing
+// [anchor, drafts] with logits at each position and the tapped features: the longest prefix of drafts
+// equal to the target's tokens is kept plus the target's own next token (the next anchor); the
+// target's K/V and GDN state roll back to the anchor and the kept drafts, whose features are the
+// drafter's next context.
+static void run_dflash(Model & m, const Params & p, const std::vector<int> & prompt, Row & r) {
+    const Drafter & d = m.dr;
+    const int V = m.hp.n_vocab, F = d.n_features();
+    const int D = p.draft_given ? p.draft : d.block_size - 1;
+    const bool cut = !p.draft_given;
+    const std::vector<int> widths = d.verify_widths();
+    Forward f;
+    std::vector<float> ctx, feats, dl, x(V);
+    std::vector<int> seen, block(D + 1, d.mask_id), draft, src, rows, add;
+    auto history = [&](int j) -> const std::vector<int> * {  // what verify position j follows (row_history)
+        if (!p.uses_history()) return nullptr;
+        seen = prompt;
+        seen.insert(seen.end(), r.tokens.begin(), r.tokens.end());
+        seen.insert(seen.end(), draft.begin(), draft.begin() + j);
+        return &seen;
+    };
+    forward(m, prompt, {}, {(int) prompt.size() - 1}, false, f, &ctx);
+    r.forwards = 1;
+    r.first_forward_s = m.last_forward_s;
+    r.first_forward_cpu_s = m.last_forward_cpu_s;
+    int anchor = propose(f.logits.data(), V, p, history(0), r.rng, false).tok;
+    row_accept(r, p, {anchor});
+    while (!r.stop_now()) {
+        block[0] = anchor;
+        draft_forward(m, ctx, block, dl);
+        r.draft_forwards++;
+        draft.assign(D, 0);
+        int sure = D;  // drafts before the first one below DRAFT_CUT
+        for (int j = 0; j < D; j++) {
+            std::copy(dl.begin() + (size_t) j * V, dl.begin() + (size_t) (j + 1) * V, x.begin());
+            process_logits(p, x.data(), V, nullptr);  // the drafter's logits as the target's, without history
+            const int arg = (int) (std::max_element(x.begin(), x.end()) - x.begin());
+            double sum = 0.0;
+            for (int i = 0; i < V; i++) sum += exp((double) x[i] - x[arg]);
+            draft[j] = arg;
+            if (cut && sure == D && (float) (1.0 / sum) < DRAFT_CUT) sure = j;
+        }
+        if (cut) {  // DFlashEngine._cut
+            int width = D + 1;
+            for (int w : widths) if (w - 1 >= sure) { width = w; break; }
+            if (width - 1 < D) draft.resize(width - 1);
+        }
+        src.assign(1, anchor);
+        src.insert(src.end(), draft.begin(), draft.end());
+        rows.resize(src.size());
+        for (size_t j = 0; j < src.size(); j++) rows[j] = (int) j;
+        forward(m, src, {}, rows, /*record: for the rollback*/ true, f, &feats);
+        r.forwards++;
+        add.clear();
+        for (int j = 0; j <= (int) draft.size(); j++) {  // AR's token at each position, while the drafts agree
+            const int tok = propose(&f.logits[(size_t) j * V], V, p, history(j), r.rng, false).tok;
+            add.push_back(tok);
+            if (j == (int) draft.size() || tok != draft[j]) break;
+        }
+        r.accept_lengths.push_back((int) add.size());
+        row_accept(r, p, add);
+        const int kept = (int) add.size();  // the anchor and the kept drafts stay in the cache
+        if (kept != (int) src.size()) rollback(m, (int) src.size(), kept);
+        if (r.finished) break;
+        anchor = add.back();
+        ctx.assign(feats.begin(), feats.begin() + (size_t) kept * F);
+    }
+}
+
 // ----------------------------------------------------------------------------------- one request
 // The prompt of a request: "prompt" as token ids or text, or "messages" (the chat template).
 static std::vector<int> request_prompt(const Model & m, const json & req) {
@@ -1872,7 +2264,7 @@ static json run_request(Model & m, const json & defaults, const json & req, cons
             if (now.size() > emitted.size()) emitted = now;
             emit(ev);
         };
-    reset_cache(m, (int) prompt.size() + p.max_new + 2 * std::max(p.block, p.draft) + 1);
+    reset_cache(m, (int) prompt.size() + p.max_new + 2 * std::max({p.block, p.draft, p.mode == "dflash" ? m.dr.block_size : 0}) + 1);
     m.share_budget = p.mode == "ar" ? 0 : std::max(0, p.expert_budget);
     m.share_max = p.expert_rank == "max";
     const auto t0 = std::chrono::steady_clock::now();
@@ -1881,6 +2273,7 @@ static json run_request(Model & m, const json & defaults, const json & req, cons
     if (p.max_new > 0) {
         if (p.mode == "ar") run_ar(m, p, prompt, r);
         else if (p.mode == "diffusion") run_diffusion(m, p, prompt, r);
+        else if (p.mode == "dflash") run_dflash(m, p, prompt, r);
         else run_speculative(m, p, prompt, r);
     } else {
         r.finish = "length";
@@ -1896,7 +2289,7 @@ static json run_request(Model & m, const json & defaults, const json & req, cons
                 {"seconds", secs}, {"tokens_per_second", secs > 0 ? n / secs : 0.0}, {"prefill_forward_seconds", r.first_forward_s},
                 {"cpu_seconds", cpu}, {"prefill_forward_cpu_seconds", r.first_forward_cpu_s},
                 {"finish", r.finish}, {"block_steps", r.block_steps}, {"forced_steps", r.forced_steps},
-                {"accept_lengths", r.accept_lengths}};
+                {"accept_lengths", r.accept_lengths}, {"draft_forwards", r.draft_forwards}};
     if (req.contains("id")) out["id"] = req["id"];
     if (!(req.contains("prompt") && req["prompt"].is_array())) out["prompt_ids"] = prompt;  // the port tokenized it
     return out;
@@ -1961,7 +2354,8 @@ static std::vector<int> parse_list(const std::string & s) {
 
 static void usage() {
     fprintf(stderr,
-        "usage: llama-clover MODEL.gguf [--sidecar F] [--mode ar|diffusion|speculative|forward] [options]\n"
+        "usage: llama-clover MODEL.gguf [--sidecar F] [--mode ar|diffusion|speculative|dflash|forward] [--drafter F]\n"
+        "          [options]   (dflash: --drafter F, a DFlash drafter GGUF: clover export-gguf DRAFTER_DIR F)\n"
         "  input:  (default) stdin lines of token ids | --text (stdin lines of text) | -p TEXT (one prompt,\n"
         "          its text streamed to stdout) | --chat (stdin lines: user turns, the GGUF's chat template)\n"
         "          | --json (stdin lines: JSON requests {prompt|messages, options...}; events out)\n"
@@ -1980,7 +2374,7 @@ static void usage() {
 
 int main(int argc, char ** argv) {
     if (argc < 2) usage();
-    std::string model_path = argv[1], sidecar, out_path, input = "ids", prompt_text, mode = "diffusion";
+    std::string model_path = argv[1], sidecar, drafter, out_path, input = "ids", prompt_text, mode = "diffusion";
     json defaults = json::object();
     int threads = 1;
     std::string moe = "grouped", attn = "flash", kv = "f32";
@@ -1991,6 +2385,7 @@ int main(int argc, char ** argv) {
         auto num = [&]() { return json::parse(next()); };
         if (a == "--mode") mode = next();
         else if (a == "--sidecar") sidecar = next();
+        else if (a == "--drafter") drafter = next();
         else if (a == "-n" || a == "--max-new-tokens") defaults["max_new_tokens"] = num();
         else if (a == "--block") defaults["block_size"] = num();
         else if (a == "--draft") defaults["draft_length"] = num();
@@ -2042,6 +2437,7 @@ int main(int argc, char ** argv) {
     ggml_log_set([](ggml_log_level level, const char * text, void *) { if (level >= GGML_LOG_LEVEL_ERROR) fputs(text, stderr); }, nullptr);
     Model m;
     load_model(m, model_path, sidecar, threads);
+    if (!drafter.empty()) load_drafter(m, drafter);
     m.moe_grouped = moe == "grouped";
     m.flash_attn = attn == "flash";
     m.kv_type = kv == "f16" ? GGML_TYPE_F16 : GGML_TYPE_F32;
