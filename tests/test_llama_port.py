@@ -11,7 +11,10 @@ the bundled model exported in f32:
 - diffusion at block 32 / threshold 0.95 on 20 held-out task prompts: the same tokens as clover's
   engine and the same number of forwards, prompt by prompt (the threshold rule, and the model's
   default entropy rule);
-- speculative: the same tokens as AR greedy, and the same forwards as clover's speculative engine.
+- speculative: the same tokens as AR greedy, and the same forwards as clover's speculative engine;
+- dflash (`--drafter`, the bundled DFlash drafter exported as its own GGUF): the same drafts, tokens,
+  forwards and accept lengths as clover's dflash engine, tokens = AR greedy; in q8_0 = the port's own
+  AR; a drafter that does not fit is refused in one line.
 """
 
 from __future__ import annotations
@@ -76,8 +79,19 @@ def test_port_refuses_other_modes_with_a_reason(mode, why):
 def test_port_refuses_what_it_lacks_with_a_reason():
     with pytest.raises(ValueError, match="^temperature: sampled speculative"):
         port_args("speculative", SamplingParams(max_new_tokens=8, temperature=0.7).validate())
+    with pytest.raises(ValueError, match="^temperature: sampled dflash"):
+        port_args("dflash", SamplingParams(max_new_tokens=8, temperature=0.7).validate(), drafter="d.gguf")
     with pytest.raises(ValueError, match="^block_size: 'auto'"):
         port_args("diffusion", SamplingParams(max_new_tokens=8, block_size="auto").validate())
+
+
+def test_port_args_dflash():
+    """dflash runs with the drafter's GGUF (`--drafter`); a draft length is passed only when asked for
+    (without one the port cuts each draft by the drafter's confidence, as clover)."""
+    a = port_args("dflash", SamplingParams(max_new_tokens=8).validate(), drafter="d.gguf")
+    assert a[:2] == ["--mode", "dflash"] and a[a.index("--drafter") + 1] == "d.gguf" and "--draft" not in a
+    a = port_args("dflash", SamplingParams(max_new_tokens=8, draft_length=5).validate(), drafter="d.gguf")
+    assert a[a.index("--draft") + 1] == "5"
 
 
 def test_drafter_exports_as_its_own_gguf(tmp_path):
@@ -141,11 +155,11 @@ def mixed_prompts(llm, n: int) -> list[list[int]]:
     return [llm.tokenizer.encode(p) for p in tasks + code]
 
 
-def port_run(gguf, prompts, mode, llm, **kw):
+def port_run(gguf, prompts, mode, llm, drafter=None, **kw):
     from clover.integrations.llama_port import run
 
     params = llm.params(mode, dict(max_new_tokens=TOKENS, temperature=0.0) | kw)
-    return run(gguf, prompts, port_args(mode, params), eos_ids=llm.config.eos_token_ids, timeout=900)
+    return run(gguf, prompts, port_args(mode, params, drafter=drafter), eos_ids=llm.config.eos_token_ids, timeout=900)
 
 
 @pytest.mark.slow
@@ -253,9 +267,10 @@ def test_port_profile(port, bundled_f32, llm):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["diffusion", "speculative"])
+@pytest.mark.parametrize("mode", ["diffusion", "speculative", "dflash"])
 def test_generate_engine_llama_cpp(port, bundled_f32, mode, capsys):
-    """`clover generate --engine llama.cpp --json` gives clover's own text, tokens and forwards."""
+    """`clover generate --engine llama.cpp --json` gives clover's own text, tokens and forwards
+    (dflash: the bundled drafter exported next to the target on the way)."""
     import json
 
     from clover.cli import main
@@ -271,12 +286,12 @@ def test_generate_engine_llama_cpp(port, bundled_f32, mode, capsys):
     assert theirs["stats"]["forwards"] == ours["stats"]["forwards"]
 
 
-def port_stops_like_clover(gguf, llm, prompts, mode, kw) -> int:
+def port_stops_like_clover(gguf, llm, prompts, mode, kw, drafter=None) -> int:
     """The port against clover on `prompts`: tokens, forwards and finish reason equal prompt by
     prompt; returns how many ended on a stop."""
     from clover.integrations.llama_port import run
 
-    res = run(gguf, prompts, port_args(mode, llm.params(mode, kw)), eos_ids=llm.config.eos_token_ids)
+    res = run(gguf, prompts, port_args(mode, llm.params(mode, kw), drafter=drafter), eos_ids=llm.config.eos_token_ids)
     for ids, r in zip(prompts, res):
         ours = llm.generate(ids, mode=mode, **kw)
         assert (r["tokens"], r["forwards"], r["finish"]) == (ours.token_ids, ours.stats.forwards, ours.finish_reason)
@@ -327,10 +342,10 @@ def port_requests(gguf, llm, requests: list[dict]) -> list[list[dict]]:
         return [list(proc.request(r)) for r in requests]
 
 
-def options(llm, mode, **kw) -> dict:
+def options(llm, mode, drafter=None, **kw) -> dict:
     from clover.integrations.llama_port import port_options
 
-    return port_options(mode, llm.params(mode, kw))
+    return port_options(mode, llm.params(mode, kw), drafter=drafter)
 
 
 @pytest.mark.slow
@@ -547,3 +562,154 @@ def test_serve_engine_llama_cpp(port, bundled_f32, llm):
             assert r.status_code == 400 and "rejection rule" in r.json()["error"]["message"]
     finally:
         served.close()
+
+
+# ------------------------------------------------------------------------------ slow: dflash
+@pytest.fixture(scope="module")
+def drafter_f32(tmp_path_factory):
+    """The bundled DFlash drafter as its own f32 GGUF (the port's --drafter)."""
+    from clover.api import BUNDLED_DRAFTER
+    from clover.export.gguf import export_gguf
+
+    return export_gguf(BUNDLED_DRAFTER, tmp_path_factory.mktemp("drafter") / "drafter-f32.gguf", dtype="f32",
+                       progress=False).path
+
+
+def clover_dflash(llm, ids, monkeypatch, **kw):
+    """clover's dflash generation of `ids` and the drafts of each verify (after the confidence cut)."""
+    from clover.decoding.dflash import DFlashEngine
+
+    drafts, draft = [], DFlashEngine._draft
+
+    def spy(self, rows):
+        out = draft(self, rows)
+        drafts.extend(d for d in out[0] if d is not None)
+        return out
+
+    monkeypatch.setattr(DFlashEngine, "_draft", spy)
+    gen = llm.generate(ids, mode="dflash", **(dict(max_new_tokens=TOKENS, temperature=0.0) | kw))
+    monkeypatch.undo()
+    return gen, drafts
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ignore_eos", [True, False])
+def test_port_dflash_matches_clover(port, bundled_f32, drafter_f32, llm, monkeypatch, ignore_eos):
+    """dflash, f32, 20 held-out task prompts x 64: the port's drafts (after the confidence cut),
+    tokens, target forwards and accept lengths equal clover's dflash engine, prompt by prompt, and
+    its tokens equal the port's AR greedy (which equals clover's and stock llama.cpp's, above)."""
+    prompts = task_prompts(llm, PROMPTS)
+    res = port_run(bundled_f32, prompts, "dflash", llm, drafter=drafter_f32, ignore_eos=ignore_eos)
+    ar = port_run(bundled_f32, prompts, "ar", llm, ignore_eos=ignore_eos)
+    tokens = forwards = 0
+    for ids, r, a in zip(prompts, res, ar):
+        ours, drafts = clover_dflash(llm, ids, monkeypatch, ignore_eos=ignore_eos)
+        assert r["tokens"] == ours.token_ids == a["tokens"]
+        assert r["drafts"] == drafts
+        assert (r["forwards"], r["accept_lengths"], r["draft_forwards"], r["finish"]) == \
+            (ours.stats.forwards, ours.stats.accept_lengths, ours.stats.draft_forwards, ours.finish_reason)
+        tokens += r["n_tokens"]
+        forwards += r["forwards"]
+    print(f"\ndflash: {tokens} tokens in {forwards} target forwards (TPF {tokens / forwards:.2f}), identical")
+    assert forwards < tokens / 3
+
+
+@pytest.mark.slow
+def test_port_dflash_fixed_draft_and_last_layer_tap(port, bundled_f32, llm, monkeypatch, tmp_path):
+    """A draft length asked for is kept whole (no confidence cut), and a drafter that taps the
+    target's last layer reads it after the final norm (DFlashDrafter.context_features): the bundled
+    drafter's weights with target_layer_ids [1, 2, 3, 4, 7] give clover's drafts and tokens."""
+    import clover
+    from clover.api import BUNDLED_DRAFTER
+    from clover.checkpoint import load_drafter, save_drafter
+    from clover.export.gguf import export_gguf
+
+    d = load_drafter(BUNDLED_DRAFTER, dtype=torch.float32)
+    d.config.target_layer_ids = [1, 2, 3, 4, llm.config.num_hidden_layers - 1]
+    save_drafter(d, tmp_path / "last")
+    gguf = export_gguf(tmp_path / "last", tmp_path / "last.gguf", dtype="f32", progress=False).path
+    other = clover.load(BUNDLED, dtype="float32", drafter=tmp_path / "last")
+    prompts = task_prompts(llm, 6)
+    for kw in (dict(draft_length=5), {}):
+        res = port_run(bundled_f32, prompts, "dflash", other, drafter=gguf, **kw)
+        for ids, r in zip(prompts, res):
+            ours, drafts = clover_dflash(other, ids, monkeypatch, **kw)
+            assert (r["tokens"], r["drafts"], r["forwards"]) == (ours.token_ids, drafts, ours.stats.forwards)
+            if kw:
+                assert all(len(x) == 5 for x in r["drafts"])
+    assert sum(len(x) for r in res for x in r["drafts"]) > 0
+
+
+@pytest.mark.slow
+def test_port_dflash_q8_0_equals_port_ar(port, llm, tmp_path):
+    """q8_0 (the target and the drafter): dflash's tokens are the port's own AR greedy tokens."""
+    from clover.api import BUNDLED_DRAFTER
+    from clover.export.gguf import export_gguf
+
+    target = export_gguf(BUNDLED, tmp_path / "t-q8_0.gguf", dtype="q8_0", progress=False).path
+    drafter = export_gguf(BUNDLED_DRAFTER, tmp_path / "d-q8_0.gguf", dtype="q8_0", progress=False).path
+    prompts = task_prompts(llm, PROMPTS)
+    res = port_run(target, prompts, "dflash", llm, drafter=drafter, ignore_eos=True)
+    ar = port_run(target, prompts, "ar", llm, ignore_eos=True)
+    assert [r["tokens"] for r in res] == [a["tokens"] for a in ar]
+    assert sum(r["forwards"] for r in res) < sum(a["forwards"] for a in ar) / 3
+
+
+@pytest.mark.slow
+def test_port_dflash_stops_and_streams(port, bundled_f32, drafter_f32, llm):
+    """dflash with stop strings and a stop token, EOS on: tokens, forwards and finish reason equal
+    clover's prompt by prompt; streamed over the JSON lines, the commit texts are a prefix of the
+    final text, which is clover's."""
+    from clover.integrations.llama_port import PortProcess
+
+    prompts = mixed_prompts(llm, PROMPTS)
+    kw = dict(max_new_tokens=40, temperature=0.0, stop=[", ", "\n"])
+    assert port_stops_like_clover(bundled_f32, llm, prompts, "dflash", kw, drafter=drafter_f32) > 0
+    kw = dict(max_new_tokens=40, temperature=0.0, stop_token_ids=llm.tokenizer.encode("\n"))
+    assert port_stops_like_clover(bundled_f32, llm, task_prompts(llm, PROMPTS), "dflash", kw, drafter=drafter_f32) > 0
+    texts = [llm.tokenizer.decode(p) for p in prompts[:6]]
+    kw = dict(max_new_tokens=48, stop=["\n\n"])
+    with PortProcess(bundled_f32, eos_ids=llm.eos_ids(), drafter=drafter_f32) as proc:
+        res = [list(proc.request({"prompt": t, "stream": True, **options(llm, "dflash", drafter_f32, **kw)})) for t in texts]
+    for t, evs in zip(texts, res):
+        ours = llm.generate(t, mode="dflash", temperature=0.0, **kw)
+        done = evs[-1]
+        assert (done["tokens"], done["text"], done["finish"]) == (ours.token_ids, ours.text, ours.finish_reason)
+        streamed = "".join(e["text"] for e in evs[:-1])
+        assert done["text"].startswith(streamed) and all(e["event"] == "commit" for e in evs[:-1])
+    assert sum(len(evs) > 2 for evs in res) > len(texts) // 2
+
+
+def port_error(cmd: list[str], stdin: str = "5 6 7\n") -> str:
+    r = subprocess.run(cmd, input=stdin.encode(), capture_output=True, timeout=120)
+    assert r.returncode == 1 and not r.stdout
+    return r.stderr.decode()
+
+
+@pytest.mark.slow
+def test_port_refuses_a_bad_drafter(port, bundled_f32, drafter_f32, llm, tmp_path):
+    """A drafter that is no GGUF, no DFlash drafter, or drafts for another model, and dflash without
+    a drafter or with sampling: one line on stderr, naming what is wrong."""
+    from clover.export.gguf import export_drafter_gguf
+    from clover.models.dflash import build_drafter, drafter_config_for
+
+    (tmp_path / "text.gguf").write_text("not a model\n")
+    cfg = drafter_config_for(llm.config)
+    narrow = cfg.__class__(**{**cfg.__dict__, "hidden_size": 128, "head_dim": 32, "num_attention_heads": 4})
+    far = cfg.__class__(**{**cfg.__dict__, "target_layer_ids": [1, llm.config.num_hidden_layers + 1]})
+    export_drafter_gguf(build_drafter(narrow), tmp_path / "narrow.gguf")
+    export_drafter_gguf(build_drafter(far), tmp_path / "far.gguf")
+    base = [str(port), str(bundled_f32), "--mode", "dflash", "-n", "8"]
+    cases = [
+        (["--drafter", str(tmp_path / "missing.gguf")], "cannot open the file"),
+        (["--drafter", str(tmp_path / "text.gguf")], "not a GGUF file"),
+        (["--drafter", str(bundled_f32)], "architecture qwen35moe is not a DFlash drafter"),
+        (["--drafter", str(tmp_path / "narrow.gguf")], "hidden_size 128 != the target's"),
+        (["--drafter", str(tmp_path / "far.gguf")], f"target_layer_ids name layer {llm.config.num_hidden_layers + 1}"),
+        ([], "mode: 'dflash' needs a DFlash drafter"),
+        (["--drafter", str(drafter_f32), "--temperature", "0.7"], "temperature: sampled dflash"),
+        (["--drafter", str(drafter_f32), "--draft", "16"], "draft_length: must lie in [1, 15]"),
+    ]
+    for extra, why in cases:
+        err = port_error(base + extra)
+        assert err.count("\n") == 1 and err.startswith("llama-clover: error: ") and why in err, (extra, err)

@@ -143,6 +143,7 @@ struct Model {
     bool flash_attn = true;     // attention by ggml_flash_attn_ext (else mul_mat, soft_max, mul_mat)
     ggml_type kv_type = GGML_TYPE_F32;
     int n_threads = 1;
+    bool exact_verify = true;   // dflash verifies compute each position as an AR step does (--verify exact|batched)
     ggml_tensor *tok_embd = nullptr, *out_norm = nullptr, *output = nullptr;
     std::vector<Layer> layers;
     ggml_backend_t backend = nullptr;
@@ -1067,7 +1068,7 @@ static std::map<std::vector<int>, std::unique_ptr<CachedGraph>> & graph_cache() 
     return graphs;
 }
 
-static CachedGraph * build_graph(Model & m, int Tc, int Bd, int n_out, int n_kv, bool record, bool taps);
+static CachedGraph * build_graph(Model & m, int Tc, int Bd, int n_out, int n_kv, bool record, bool taps, bool exact);
 
 // CLOVER_PORT_PROFILE=1: every forward's graph computed node by node, the CPU time of each node summed
 // per forward shape and per node kind (the op, and a matmul's weight), the table printed to stderr at
@@ -1135,9 +1136,11 @@ static void profile_compute(Model & m, ggml_cgraph * gf, const std::string & sha
 
 // commit: tokens appended to the cache; block: one denoise block read against the cache after the
 // commit (not written); out_rows: indices into [commit | block] whose logits are wanted. `feats`
-// (dflash): also the drafter's context features of the commit tokens, [Tc][F].
+// (dflash): also the drafter's context features of the commit tokens, [Tc][F]. `exact`: each column's
+// matmuls computed as a one-token forward's (build_graph).
 static void forward(Model & m, const std::vector<int> & commit, const std::vector<int> & block,
-                    const std::vector<int> & out_rows, bool record, Forward & res, std::vector<float> * feats = nullptr) {
+                    const std::vector<int> & out_rows, bool record, Forward & res, std::vector<float> * feats = nullptr,
+                    bool exact = false) {
     const Hparams & hp = m.hp;
     const int Tc = (int) commit.size(), Bd = (int) block.size(), T = Tc + Bd;
     if (T == 0) die("empty forward");
@@ -1150,7 +1153,7 @@ static void forward(Model & m, const std::vector<int> & commit, const std::vecto
     const int n_kv_pad = std::min(m.n_ctx, (n_kv + KV_PAD - 1) / KV_PAD * KV_PAD);
     const bool share = Bd > 0 && m.share_budget > 0 && m.share_budget < hp.n_expert;
     const bool taps = feats != nullptr && Tc > 0;
-    const std::vector<int> key = {Tc, Bd, n_out, n_kv_pad, record, share ? m.share_budget : 0, share && m.share_max, taps};
+    const std::vector<int> key = {Tc, Bd, n_out, n_kv_pad, record, share ? m.share_budget : 0, share && m.share_max, taps, exact};
     auto & graphs = graph_cache();
     static uint64_t tick = 0;
     auto it = graphs.find(key);
@@ -1160,7 +1163,7 @@ static void forward(Model & m, const std::vector<int> & commit, const std::vecto
             for (auto g = graphs.begin(); g != graphs.end(); ++g) if (g->second->used < old->second->used) old = g;
             graphs.erase(old);
         }
-        it = graphs.emplace(key, std::unique_ptr<CachedGraph>(build_graph(m, Tc, Bd, n_out, n_kv_pad, record, taps))).first;
+        it = graphs.emplace(key, std::unique_ptr<CachedGraph>(build_graph(m, Tc, Bd, n_out, n_kv_pad, record, taps, exact))).first;
     }
     CachedGraph & G = *it->second;
     G.used = ++tick;
@@ -1221,7 +1224,7 @@ static void forward(Model & m, const std::vector<int> & commit, const std::vecto
     m.last_forward_cpu_s = (c_end.tv_sec - c_start.tv_sec) + 1e-9 * (c_end.tv_nsec - c_start.tv_nsec);
 }
 
-static CachedGraph * build_graph(Model & m, int Tc, int Bd, int n_out, int n_kv, bool record, bool taps) {
+static CachedGraph * build_graph(Model & m, int Tc, int Bd, int n_out, int n_kv, bool record, bool taps, bool exact) {
     const Hparams & hp = m.hp;
     const int T = Tc + Bd;
     auto * G = new CachedGraph();
@@ -1249,8 +1252,19 @@ static CachedGraph * build_graph(Model & m, int Tc, int Bd, int n_out, int n_kv,
     const bool share = Bd > 0 && m.share_budget > 0 && m.share_budget < hp.n_expert;
     // the grouped op where the experts get MOE_GEMM_MIN tokens on average; below, mul_mat_id's row
     // dots do the same arithmetic without the op's gathering (5-10% of a q8_0 forward of 8 tokens)
-    const bool grouped = m.moe_grouped && (int64_t) T * hp.n_expert_used >= (int64_t) MOE_GEMM_MIN * hp.n_expert;
+    const bool grouped = m.moe_grouped && !exact && (int64_t) T * hp.n_expert_used >= (int64_t) MOE_GEMM_MIN * hp.n_expert;
     G->moe_calls.resize(hp.n_layer);
+    // exact: every weight matmul computes each column as a one-token forward does. ggml multiplies one
+    // column by vec_dot and two or more by tinyBLAS, whose sums round differently; columns given as
+    // [K, 1, T] (a broadcast batch of one-column products) keep vec_dot, so a dflash verify gives AR's
+    // logits bit for bit (f32 and q8_0), at the cost of the row dots (the routed experts run so anyway)
+    auto mm = [&](ggml_tensor * w, ggml_tensor * a) {
+        if (!exact || a->ne[1] < 2) return ggml_mul_mat(ctx, w, a);
+        const int64_t n = a->ne[1];
+        if (!ggml_is_contiguous(a)) a = ggml_cont(ctx, a);
+        ggml_tensor * r = ggml_mul_mat(ctx, w, ggml_reshape_3d(ctx, a, a->ne[0], 1, n));
+        return ggml_reshape_2d(ctx, r, r->ne[0], n);
+    };
     ggml_tensor * x = ggml_get_rows(ctx, m.tok_embd, ids);  // [H, T]
     const int H = hp.n_embd, hd = hp.head_dim, nh = hp.n_head, nkv = hp.n_head_kv;
     std::vector<ggml_tensor *> tapped(hp.n_layer, nullptr);
@@ -1258,10 +1272,10 @@ static CachedGraph * build_graph(Model & m, int Tc, int Bd, int n_out, int n_kv,
         Layer & L = m.layers[il];
         ggml_tensor * cur = ggml_mul(ctx, ggml_rms_norm(ctx, x, hp.eps), L.attn_norm);
         if (L.recurrent) {
-            ggml_tensor * mixed = ggml_mul_mat(ctx, L.wqkv, cur);    // [C, T]
-            ggml_tensor * z = ggml_mul_mat(ctx, L.wgate, cur);       // [Hv*dv, T]
-            ggml_tensor * al = ggml_mul_mat(ctx, L.walpha, cur);     // [Hv, T]
-            ggml_tensor * be = ggml_mul_mat(ctx, L.wbeta, cur);      // [Hv, T]
+            ggml_tensor * mixed = mm(L.wqkv, cur);    // [C, T]
+            ggml_tensor * z = mm(L.wgate, cur);       // [Hv*dv, T]
+            ggml_tensor * al = mm(L.walpha, cur);     // [Hv, T]
+            ggml_tensor * be = mm(L.wbeta, cur);      // [Hv, T]
             calls[il] = {&m, &L, Tc, Bd, record};
             ggml_tensor * pre = ggml_custom_4d(ctx, GGML_TYPE_F32, hp.conv_dim(), T, 1, 1, &mixed, 1, gdn_conv, GGML_N_TASKS_MAX, &calls[il]);
             ggml_set_name(pre, "gdn_conv");
@@ -1270,17 +1284,17 @@ static CachedGraph * build_graph(Model & m, int Tc, int Bd, int n_out, int n_kv,
             ggml_set_name(o, "gdn_mix");
             ggml_tensor * z3 = ggml_reshape_3d(ctx, z, hp.dv, hp.hv, T);
             o = ggml_mul(ctx, ggml_mul(ctx, ggml_rms_norm(ctx, o, hp.eps), L.ssm_norm), ggml_silu(ctx, z3));
-            cur = ggml_mul_mat(ctx, L.ssm_out, ggml_reshape_2d(ctx, o, hp.dv * hp.hv, T));
+            cur = mm(L.ssm_out, ggml_reshape_2d(ctx, o, hp.dv * hp.hv, T));
         } else {
-            ggml_tensor * qf = ggml_mul_mat(ctx, L.wq, cur);  // [2*hd*nh, T], per head [query | gate]
+            ggml_tensor * qf = mm(L.wq, cur);  // [2*hd*nh, T], per head [query | gate]
             const size_t es = ggml_element_size(qf);
             ggml_tensor * q = ggml_view_3d(ctx, qf, hd, nh, T, es * hd * 2, es * hd * 2 * nh, 0);
             ggml_tensor * gate = ggml_view_3d(ctx, qf, hd, nh, T, es * hd * 2, es * hd * 2 * nh, es * hd);
             gate = ggml_cont_2d(ctx, gate, hd * nh, T);
             q = ggml_mul(ctx, ggml_rms_norm(ctx, q, hp.eps), L.q_norm);
-            ggml_tensor * k = ggml_reshape_3d(ctx, ggml_mul_mat(ctx, L.wk, cur), hd, nkv, T);
+            ggml_tensor * k = ggml_reshape_3d(ctx, mm(L.wk, cur), hd, nkv, T);
             k = ggml_mul(ctx, ggml_rms_norm(ctx, k, hp.eps), L.k_norm);
-            ggml_tensor * v = ggml_reshape_3d(ctx, ggml_mul_mat(ctx, L.wv, cur), hd, nkv, T);
+            ggml_tensor * v = ggml_reshape_3d(ctx, mm(L.wv, cur), hd, nkv, T);
             q = ggml_rope_ext(ctx, q, pos, nullptr, hp.n_rot, GGML_ROPE_TYPE_NEOX, 0, hp.rope_base, 1.f, 0.f, 1.f, 0.f, 0.f);
             k = ggml_rope_ext(ctx, k, pos, nullptr, hp.n_rot, GGML_ROPE_TYPE_NEOX, 0, hp.rope_base, 1.f, 0.f, 1.f, 0.f, 0.f);
             // all T new K/V go into the cache at [n_past, n_past + T): the commit part becomes prefix,
@@ -1308,13 +1322,13 @@ static CachedGraph * build_graph(Model & m, int Tc, int Bd, int n_out, int n_kv,
                 att = ggml_cont_2d(ctx, ggml_permute(ctx, kqv, 0, 2, 1, 3), hd * nh, T);
             }
             att = ggml_mul(ctx, att, ggml_sigmoid(ctx, gate));
-            cur = ggml_mul_mat(ctx, L.wo, att);
+            cur = mm(L.wo, att);
         }
         x = ggml_add(ctx, x, cur);
         // MoE: softmax router -> top-k -> renormalised; plus the sigmoid-gated shared expert
         ggml_tensor * h = ggml_mul(ctx, ggml_rms_norm(ctx, x, hp.eps), L.post_norm);
         const int E = hp.n_expert, k = hp.n_expert_used;
-        ggml_tensor * probs = ggml_soft_max(ctx, ggml_mul_mat(ctx, L.gate_inp, h));  // [E, T]
+        ggml_tensor * probs = ggml_soft_max(ctx, mm(L.gate_inp, h));  // [E, T]
         if (share) probs = ggml_set_name(ggml_custom_4d(ctx, GGML_TYPE_F32, E, T, 1, 1, &probs, 1, block_share, 1, &share_call), "block_share");
         ggml_tensor * sel = ggml_top_k(ctx, probs, k);                               // [k, T]
         ggml_tensor * wts = ggml_get_rows(ctx, ggml_reshape_3d(ctx, probs, 1, E, T), sel);  // [1, k, T]
@@ -1340,9 +1354,9 @@ static CachedGraph * build_graph(Model & m, int Tc, int Bd, int n_out, int n_kv,
             ggml_tensor * s = ggml_view_2d(ctx, dn, H, T, dn->nb[2], e * dn->nb[1]);
             moe = moe ? ggml_add(ctx, moe, s) : s;
         }
-        ggml_tensor * sh = ggml_mul_mat(ctx, L.down_shexp,
-            ggml_mul(ctx, ggml_silu(ctx, ggml_mul_mat(ctx, L.gate_shexp, h)), ggml_mul_mat(ctx, L.up_shexp, h)));
-        ggml_tensor * sg = ggml_sigmoid(ctx, ggml_mul_mat(ctx, L.gate_inp_shexp, h));  // [1, T]
+        ggml_tensor * sh = mm(L.down_shexp,
+            ggml_mul(ctx, ggml_silu(ctx, mm(L.gate_shexp, h)), mm(L.up_shexp, h)));
+        ggml_tensor * sg = ggml_sigmoid(ctx, mm(L.gate_inp_shexp, h));  // [1, T]
         x = ggml_add(ctx, x, ggml_add(ctx, moe, ggml_mul(ctx, sh, sg)));
         if (taps) tapped[il] = x;
     }
@@ -1361,7 +1375,7 @@ static CachedGraph * build_graph(Model & m, int Tc, int Bd, int n_out, int n_kv,
     if (n_out) {
         ggml_tensor * xo = ggml_get_rows(ctx, x, out_ids);
         xo = ggml_mul(ctx, ggml_rms_norm(ctx, xo, hp.eps), m.out_norm);
-        G->logits = ggml_mul_mat(ctx, m.output, xo);
+        G->logits = mm(m.output, xo);
         ggml_set_output(G->logits);
         ggml_build_forward_expand(gf, G->logits);
     } else {
@@ -1707,6 +1721,7 @@ struct Row {
     int forwards = 0, forced_steps = 0, draft_forwards = 0;
     double first_forward_s = 0.0, first_forward_cpu_s = 0.0;  // the forward that carried the prompt (prefill)
     std::vector<int> block_steps, accept_lengths;
+    std::vector<std::vector<int>> drafts;  // dflash: each verify's drafts (after the cut)
     std::string finish;
     bool finished = false;
     std::mt19937_64 rng;
@@ -2197,11 +2212,12 @@ static void run_dflash(Model & m, const Params & p, const std::vector<int> & pro
             for (int w : widths) if (w - 1 >= sure) { width = w; break; }
             if (width - 1 < D) draft.resize(width - 1);
         }
+        r.drafts.push_back(draft);
         src.assign(1, anchor);
         src.insert(src.end(), draft.begin(), draft.end());
         rows.resize(src.size());
         for (size_t j = 0; j < src.size(); j++) rows[j] = (int) j;
-        forward(m, src, {}, rows, /*record: for the rollback*/ true, f, &feats);
+        forward(m, src, {}, rows, /*record: for the rollback*/ true, f, &feats, m.exact_verify);
         r.forwards++;
         add.clear();
         for (int j = 0; j <= (int) draft.size(); j++) {  // AR's token at each position, while the drafts agree
@@ -2290,6 +2306,7 @@ static json run_request(Model & m, const json & defaults, const json & req, cons
                 {"cpu_seconds", cpu}, {"prefill_forward_cpu_seconds", r.first_forward_cpu_s},
                 {"finish", r.finish}, {"block_steps", r.block_steps}, {"forced_steps", r.forced_steps},
                 {"accept_lengths", r.accept_lengths}, {"draft_forwards", r.draft_forwards}};
+    if (p.mode == "dflash") out["drafts"] = r.drafts;
     if (req.contains("id")) out["id"] = req["id"];
     if (!(req.contains("prompt") && req["prompt"].is_array())) out["prompt_ids"] = prompt;  // the port tokenized it
     return out;
@@ -2368,7 +2385,9 @@ static void usage() {
         "  other:  --stream, --threads T, --out F (forward), --moe grouped|mul_mat_id (routed experts of\n"
         "          multi-token forwards: gathered per expert, or ggml_mul_mat_id), --attn flash|plain\n"
         "          (flash: ggml_flash_attn_ext, V read as stored; plain: mul_mat, soft_max, mul_mat on a\n"
-        "          transposed copy of V), --kv f32|f16 (the K/V cache's type)\n");
+        "          transposed copy of V), --kv f32|f16 (the K/V cache's type), --verify exact|batched (dflash:\n"
+        "          each verified position computed as an AR step, bit for bit; or batched: ggml's multi-column\n"
+        "          kernels, faster, rounding differently)\n");
     exit(2);
 }
 
@@ -2377,7 +2396,7 @@ int main(int argc, char ** argv) {
     std::string model_path = argv[1], sidecar, drafter, out_path, input = "ids", prompt_text, mode = "diffusion";
     json defaults = json::object();
     int threads = 1;
-    std::string moe = "grouped", attn = "flash", kv = "f32";
+    std::string moe = "grouped", attn = "flash", kv = "f32", verify = "exact";
     std::vector<std::string> stops;
     for (int i = 2; i < argc; i++) {
         std::string a = argv[i];
@@ -2426,6 +2445,9 @@ int main(int argc, char ** argv) {
         } else if (a == "--attn") {
             attn = next();
             if (attn != "flash" && attn != "plain") die("--attn: flash or plain, not " + attn);
+        } else if (a == "--verify") {
+            verify = next();
+            if (verify != "exact" && verify != "batched") die("--verify: exact or batched, not " + verify);
         } else if (a == "--kv") {
             kv = next();
             if (kv != "f32" && kv != "f16") die("--kv: f32 or f16, not " + kv);
@@ -2441,6 +2463,7 @@ int main(int argc, char ** argv) {
     m.moe_grouped = moe == "grouped";
     m.flash_attn = attn == "flash";
     m.kv_type = kv == "f16" ? GGML_TYPE_F16 : GGML_TYPE_F32;
+    m.exact_verify = verify == "exact";
     load_vocab(m, model_path);
     if (mode != "forward") {
         try {

@@ -882,26 +882,31 @@ def _drafter_name(name: str) -> str:
     return f"blk.{m.group(1)}.{DRAFTER_LAYER[m.group(2)]}"
 
 
-def export_drafter_gguf(src: str | Path, dst: str | Path, *, dtype: str = "f32") -> ExportResult:
-    """Write the DFlash drafter directory `src` as GGUF `dst` (architecture `dflash`, read by the
-    llama.cpp port's `--drafter`); see the section comment above."""
+def export_drafter_gguf(src, dst: str | Path, *, dtype: str = "f32") -> ExportResult:
+    """Write the DFlash drafter `src` (its directory, or a loaded `DFlashDrafter`, e.g. an `LLM`'s
+    `drafter`) as GGUF `dst` (architecture `dflash`, read by the llama.cpp port's `--drafter`); see
+    the section comment above."""
     import gguf
 
     from ..checkpoint import load_drafter
 
-    src, dst = Path(src), Path(dst)
+    dst = Path(dst)
     if dtype not in DTYPES:
         raise GGUFExportError(f"unknown dtype {dtype!r}; use one of {', '.join(DTYPES)}")
     if dst.is_dir():
         raise GGUFExportError(f"{dst}: is a directory; give the GGUF file to write (e.g. {dst / 'drafter.gguf'})")
-    drafter = load_drafter(src, dtype=torch.float32)
+    if isinstance(src, torch.nn.Module):
+        drafter, name = src, "dflash-drafter"
+    else:
+        src = Path(src)
+        drafter, name = load_drafter(src, dtype=torch.float32), src.resolve().name
     c = drafter.config
     if c.attention_bias:
-        raise GGUFExportError(f"{src}: attention_bias=true is not supported by the llama.cpp port's drafter")
+        raise GGUFExportError(f"{name}: attention_bias=true is not supported by the llama.cpp port's drafter")
     dst.parent.mkdir(parents=True, exist_ok=True)
     tmp = dst.with_name(dst.name + ".partial")
     w = gguf.GGUFWriter(tmp, DRAFTER_ARCH)
-    w.add_name(src.resolve().name)
+    w.add_name(name)
     w.add_type(gguf.GGUFType.MODEL)
     w.add_file_type(_file_type(dtype))
     if dtype == "q8_0":
@@ -923,7 +928,7 @@ def export_drafter_gguf(src: str | Path, dst: str | Path, *, dtype: str = "f32")
                 continue
             gname = _drafter_name(name)
             qtype = _ggml_type(gname, tuple(t.shape), dtype)
-            data = _encode(t, qtype, rounding)
+            data = _encode(t.detach().float().cpu(), qtype, rounding)
             total += data.nbytes
             count += 1
             w.add_tensor(gname, data, raw_dtype=None if qtype in (gguf.GGMLQuantizationType.F32,

@@ -10,7 +10,8 @@ dir. It reads a GGUF export (`clover export-gguf`, plus its `.clover.gguf` sidec
   `commit` events as blocks commit (when streaming) and a `done` line. `generate` and the server's
   engine (`PortEngine`, `clover serve --engine llama.cpp`) use it.
 
-Every option of `clover generate` maps onto the port (`port_options`); the modes it runs are `MODES`.
+Every option of `clover generate` maps onto the port (`port_options`); the modes it runs are `MODES`
+(dflash with the DFlash drafter as a GGUF of its own, `--drafter FILE`: `export_drafter`).
 The port samples with its own generator, so a seed gives a different (equally distributed) draw
 than clover's torch generator.
 """
@@ -28,11 +29,12 @@ from typing import Iterator
 import numpy as np
 from ..paths import user_cache
 
-MODES = ("ar", "diffusion", "speculative")
+MODES = ("ar", "diffusion", "speculative", "dflash")
 OTHER_MODES = {  # clover's other modes: why the port does not run them
     "naive": "naive is diffusion without the cache (the uncached baseline); the port always caches: use mode diffusion (the same tokens)",
-    "dflash": "dflash needs its drafter model, which the port does not load; use mode speculative (the model drafts itself)",
 }
+NO_DRAFTER = ("dflash needs its drafter as a GGUF (`clover export-gguf DRAFTER_DIR FILE`, the port's --drafter FILE), "
+              "and none was given; or use mode speculative (the model drafts itself)")
 OPTIONS = ("max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "ignore_eos",
            "repetition_penalty", "presence_penalty", "eos_penalty", "no_repeat_ngram_size", "block_size", "threshold",
            "confidence", "policy", "fallback", "factor", "low_threshold", "entropy_budget", "sub_block", "expert_budget",
@@ -61,17 +63,22 @@ def require_port() -> Path:
     return b
 
 
-def check_mode(mode: str) -> None:
+def check_mode(mode: str, drafter=None) -> None:
+    """ValueError (one line, with the reason) for a mode the port does not run; dflash needs
+    `drafter`, the drafter's GGUF."""
     if mode in OTHER_MODES:
         raise ValueError(f"mode: {OTHER_MODES[mode]}")
     if mode not in MODES:
         raise ValueError(f"mode: the llama.cpp port runs {', '.join(MODES)}, got {mode!r}")
+    if mode == "dflash" and drafter is None:
+        raise ValueError(f"mode: {NO_DRAFTER}")
 
 
-def port_options(mode: str, params) -> dict:
+def port_options(mode: str, params, *, drafter=None) -> dict:
     """`SamplingParams` (with the model's defaults filled in, `LLM.params`) -> the port's request
-    options (clover's names). ValueError for a mode the port does not run."""
-    check_mode(mode)
+    options (clover's names). ValueError for a mode the port does not run (dflash without
+    `drafter`, the drafter GGUF the port process was given)."""
+    check_mode(mode, drafter)
     known = {f.name for f in fields(params)}
     for name, why in NOT_IN_PORT.items():
         if getattr(params, name, False):
@@ -84,8 +91,8 @@ def port_options(mode: str, params) -> dict:
         for name in sorted(missing):
             if getattr(params, name) != getattr(default, name):
                 raise ValueError(f"{name}: not supported by the llama.cpp port yet")
-    if mode == "speculative" and params.temperature != 0:
-        raise ValueError("temperature: sampled speculative decoding (the rejection rule) is not in the llama.cpp port; "
+    if mode in ("speculative", "dflash") and params.temperature != 0:
+        raise ValueError(f"temperature: sampled {mode} decoding (the rejection rule) is not in the llama.cpp port; "
                          "use temperature 0, or mode ar or diffusion to sample")
     if params.block_size == "auto":
         raise ValueError("block_size: 'auto' (a width chosen per block) is not in the llama.cpp port; give a number")
@@ -96,10 +103,10 @@ def port_options(mode: str, params) -> dict:
     return out
 
 
-def port_args(mode: str, params) -> list[str]:
-    """The same as command-line flags of `llama-clover`."""
+def port_args(mode: str, params, *, drafter=None) -> list[str]:
+    """The same as command-line flags of `llama-clover` (`--drafter FILE` when given: dflash needs it)."""
     a = ["--mode", mode]
-    for k, v in port_options(mode, params).items():
+    for k, v in port_options(mode, params, drafter=drafter).items():
         if k == "mode" or v is None or (k == "stop_token_ids" and not v):
             continue
         if k == "logit_bias":
@@ -116,6 +123,8 @@ def port_args(mode: str, params) -> list[str]:
                 a.append(flag)
         else:
             a += [flag, repr(v) if isinstance(v, float) else str(v)]
+    if drafter is not None:
+        a += ["--drafter", str(drafter)]
     return a
 
 
@@ -154,10 +163,12 @@ class PortProcess:
     """One `llama-clover --json` process: requests in, events out, one request at a time."""
 
     def __init__(self, gguf: str | os.PathLike, *, threads: int = 1, eos_ids=None,
-                 binary: str | os.PathLike | None = None) -> None:
+                 binary: str | os.PathLike | None = None, drafter: str | os.PathLike | None = None) -> None:
         cmd = [str(binary or require_port()), str(gguf), "--json", "--threads", str(threads)]
         if eos_ids:
             cmd += ["--eos", ",".join(map(str, sorted(eos_ids)))]
+        if drafter is not None:  # mode dflash's drafter GGUF
+            cmd += ["--drafter", str(drafter)]
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                      text=True, encoding="utf-8", bufsize=1)
         self.lock = threading.Lock()
@@ -220,31 +231,46 @@ def export_for_port(llm, directory: str | os.PathLike) -> Path:
     return gguf
 
 
+def export_drafter(llm, directory: str | os.PathLike) -> Path | None:
+    """The model's DFlash drafter (`llm.drafter`) as an f32 GGUF in `directory` (the port's `--drafter`),
+    or None when the model has none."""
+    from ..export.gguf import export_drafter_gguf
+
+    if llm.drafter is None:
+        return None
+    path = Path(directory) / "drafter.gguf"
+    export_drafter_gguf(llm.drafter, path, dtype="f32")
+    return path
+
+
 def generate(llm, prompt, mode: str, kwargs: dict, *, gguf: str | os.PathLike | None = None, threads: int = 1,
-             on_text=None) -> dict:
+             on_text=None, drafter: str | os.PathLike | None = None) -> dict:
     """One prompt through the port with the options of `clover generate` (`kwargs`, the model's
     defaults filled in as `LLM.generate` does). The prompt goes as clover's token ids (its tokenizer
     is exact; the port tokenizes text itself when given text); the text is the port's. Without `gguf`
-    the model is exported (f32) to a temporary file first. `on_text(delta)` gets the text as blocks
-    commit. Returns {text, token_ids, finish_reason, stats, streamed (the text given to on_text)}."""
+    the model is exported (f32) to a temporary file first; mode dflash without `drafter` (a drafter
+    GGUF) exports the model's drafter there too. `on_text(delta)` gets the text as blocks commit.
+    Returns {text, token_ids, finish_reason, stats, streamed (the text given to on_text)}."""
     import tempfile
 
     mode = llm.mode(mode)
     params = llm.params(mode, kwargs)
     ids = llm.encode_prompt(prompt)
     llm.check_length(len(ids), params, mode)
-    req = {"prompt": ids, "stream": on_text is not None, **port_options(mode.name, params)}
     streamed = ""
     with tempfile.TemporaryDirectory() as tmp:
+        if mode.name == "dflash" and drafter is None:
+            drafter = export_drafter(llm, tmp)
+        req = {"prompt": ids, "stream": on_text is not None, **port_options(mode.name, params, drafter=drafter)}
         path = gguf or export_for_port(llm, tmp)
-        with PortProcess(path, threads=threads, eos_ids=llm.eos_ids()) as port:
+        with PortProcess(path, threads=threads, eos_ids=llm.eos_ids(), drafter=drafter) as port:
             for ev in port.request(req):
                 if ev["event"] == "commit" and on_text and ev["text"]:
                     on_text(ev["text"])
                     streamed += ev["text"]
                 r = ev
     stats = {k: r[k] for k in ("forwards", "tokens_per_forward", "seconds", "tokens_per_second", "block_steps",
-                               "forced_steps", "accept_lengths")}
+                               "forced_steps", "accept_lengths", "draft_forwards")}
     stats.update(prompt_tokens=len(ids), tokens=r["n_tokens"])
     return {"text": r["text"], "token_ids": r["tokens"], "finish_reason": r["finish"], "stats": stats, "streamed": streamed}
 
@@ -275,7 +301,7 @@ class PortEngine:
             row._finish("length")
             return [DecodeEvent("finish", -1, [], [], row_state=row)]
         req = {"prompt": list(row.prompt), "stream": True, "eos_token_ids": sorted(row.eos_ids),
-               **port_options(self.mode, row.params)}
+               **port_options(self.mode, row.params, drafter=self.backend.drafter)}
         self.backend.send(self, row, req)
         self.rows.append(row)
         return []
@@ -312,6 +338,7 @@ class PortEngine:
         row.block_steps = list(ev["block_steps"])
         row.forced_steps = ev["forced_steps"]
         row.accept_lengths = list(ev["accept_lengths"])
+        row.draft_forwards = ev.get("draft_forwards", 0)
         if not row.finished:
             row._finish(ev["finish"])
         self.events.append(DecodeEvent("finish", i, [], [], row_state=row))
@@ -321,8 +348,9 @@ class PortEngine:
 class PortBackend:
     """One `llama-clover --json` process shared by the server's engines; routes its events by request id."""
 
-    def __init__(self, gguf, *, threads: int = 1, eos_ids=None, binary=None) -> None:
-        self.proc = PortProcess(gguf, threads=threads, eos_ids=eos_ids, binary=binary)
+    def __init__(self, gguf, *, threads: int = 1, eos_ids=None, binary=None, drafter=None) -> None:
+        self.drafter = drafter  # the process's --drafter GGUF (mode dflash), or None
+        self.proc = PortProcess(gguf, threads=threads, eos_ids=eos_ids, binary=binary, drafter=drafter)
         self.owner: dict[int, tuple] = {}
 
     def send(self, engine: PortEngine, row, req: dict) -> None:
@@ -351,9 +379,9 @@ class PortLLM:
     """An `LLM` whose engines are the llama.cpp port (`clover serve --engine llama.cpp`): the same
     tokenizer, options, limits and errors; generation goes through `PortEngine`."""
 
-    def __init__(self, llm, gguf, *, threads: int = 1, binary=None) -> None:
+    def __init__(self, llm, gguf, *, threads: int = 1, binary=None, drafter=None) -> None:
         self._llm = llm
-        self.backend = PortBackend(gguf, threads=threads, eos_ids=llm.eos_ids(), binary=binary)
+        self.backend = PortBackend(gguf, threads=threads, eos_ids=llm.eos_ids(), binary=binary, drafter=drafter)
 
     def __getattr__(self, name):
         return getattr(self._llm, name)
@@ -366,16 +394,16 @@ class PortLLM:
     def params(self, mode, kwargs: dict):
         """clover's options, checked, and refused here when the port lacks them (a 400 in the server)."""
         name = self._llm.mode(mode).name
-        check_mode(name)
+        check_mode(name, self.backend.drafter)
         params = self._llm.params(mode, kwargs)
-        port_options(name, params)
+        port_options(name, params, drafter=self.backend.drafter)
         return params
 
     def engine(self, spec) -> PortEngine:
         """The engine for rows of `spec` (`Mode.spec`): all share the one port process."""
         if spec.provisional:
             raise ValueError("provisional: the llama.cpp engine streams committed blocks only")
-        check_mode(spec.mode.name)
+        check_mode(spec.mode.name, self.backend.drafter)
         return PortEngine(self.backend, spec.mode.name)
 
     def close(self) -> None:
@@ -384,11 +412,13 @@ class PortLLM:
 
 def port_llm(llm, stack, *, gguf=None, threads: int = 1) -> PortLLM:
     """`llm` served through the port: `gguf`, or the model exported (f32) into a temporary directory
-    that `stack` (a contextlib.ExitStack) removes, as it closes the port process."""
+    that `stack` (a contextlib.ExitStack) removes, as it closes the port process; the model's drafter
+    (if it has one, for mode dflash) is exported there too."""
     import tempfile
 
     require_port()
-    path = gguf or export_for_port(llm, stack.enter_context(tempfile.TemporaryDirectory()))
-    out = PortLLM(llm, path, threads=threads)
+    tmp = stack.enter_context(tempfile.TemporaryDirectory())
+    path = gguf or export_for_port(llm, tmp)
+    out = PortLLM(llm, path, threads=threads, drafter=export_drafter(llm, tmp))
     stack.callback(out.close)
     return out
