@@ -2,7 +2,7 @@
 
     python ports/llama.cpp/bench_port.py [--model DIR] [--dtypes f32,bf16,q8_0] [--prompts 20] [-n 64]
                                          [--rounds 3] [--clock cpu|wall] [--configs "ar;speculative, draft 4"]
-                                         [--compare "--moe mul_mat_id"]
+                                         [--compare "--moe mul_mat_id"] [--drafter DIR]
 
 One thread, the same held-out task prompts (as token ids) everywhere, `--rounds` interleaved rounds
 (stock and every port row in turn, per round), the median round reported:
@@ -11,7 +11,9 @@ One thread, the same held-out task prompts (as token ids) everywhere, `--rounds`
   `llama-bench -p 0 -n N -r 1 -t 1` (wall clock, its own);
 - the port (`llama-clover`): ar, diffusion (the model's defaults: its block size and rule; threshold
   0.95: block 32 with the threshold rule and the entropy rule, blocks 16 and 8 with the threshold rule),
-  speculative (draft 32, 8, 6, 4, 3; drafts 6 and 3 also with expert budget 2), and denoise forwards
+  speculative (draft 32, 8, 6, 4, 3; drafts 6 and 3 also with expert budget 2), dflash (the DFlash
+  drafter `--drafter DIR`, by default the bundled model's, exported in the row's dtype: its default
+  confidence cut; `--verify batched`; fixed drafts of 3 and 7), and denoise forwards
   of width 8 and 32 (threshold 1.5: one token per forward, the block never ended early: the cost of
   a denoise forward of that width, a block's commit in every width-th); its own clock over the
   decode loop with the first (prefill) forward taken out, as stock's.
@@ -102,6 +104,11 @@ CONFIGS = {
     # the draft (denoise) columns share the block's 2 best experts; the verify columns route as AR: lossless
     "speculative, draft 3, expert budget 2": ["--mode", "speculative", "--block", "32", "--draft", "3", "--expert-budget", "2", "--ignore-eos"],
     "speculative, draft 6, expert budget 2": ["--mode", "speculative", "--block", "32", "--draft", "6", "--expert-budget", "2", "--ignore-eos"],
+    # AR with the DFlash drafter (lossless): drafts cut by the drafter's confidence, verified at width 4, 8 or 16
+    "dflash": ["--mode", "dflash", "--ignore-eos"],
+    "dflash, batched verify": ["--mode", "dflash", "--verify", "batched", "--ignore-eos"],
+    "dflash, draft 3": ["--mode", "dflash", "--draft", "3", "--ignore-eos"],
+    "dflash, draft 7": ["--mode", "dflash", "--draft", "7", "--ignore-eos"],
 }
 
 
@@ -115,9 +122,11 @@ def main() -> int:
     ap.add_argument("--clock", choices=("cpu", "wall"), default="cpu")
     ap.add_argument("--configs", default="all", help="names of the port rows separated by ; (default: all)")
     ap.add_argument("--compare", default="", help="port arguments: every port row runs a second time with them")
+    ap.add_argument("--drafter", default=None, help="the dflash rows' drafter directory (default: the bundled model's)")
     a = ap.parse_args()
 
     import clover
+    from clover.api import BUNDLED_DRAFTER
     from clover.data.tasks import heldout_tasks
     from clover.export.gguf import export_gguf
 
@@ -127,6 +136,9 @@ def main() -> int:
     probe = llama_cache_dir() / "bin" / "clover-llama-probe"
     port = port_binary()
     configs = CONFIGS if a.configs == "all" else {k.strip(): CONFIGS[k.strip()] for k in a.configs.split(";")}
+    drafter = a.drafter or (BUNDLED_DRAFTER if Path(a.model).resolve() == (REPO / "src" / "clover" / "assets" / "clover-tiny").resolve() else None)
+    if drafter is None:
+        configs = {k: v for k, v in configs.items() if "dflash" not in v}
     if a.compare:
         configs = {**configs, **{f"{name} [{a.compare}]": [*args, *a.compare.split()] for name, args in configs.items()}}
     print(f"clock: {a.clock}; {a.rounds} interleaved rounds, the median shown")
@@ -136,11 +148,15 @@ def main() -> int:
         for dtype in a.dtypes.split(","):
             gguf = Path(tmp) / f"model-{dtype}.gguf"
             export_gguf(a.model, gguf, dtype=dtype, progress=False)
+            draft_gguf = Path(tmp) / f"drafter-{dtype}.gguf"
+            if drafter is not None:
+                export_gguf(drafter, draft_gguf, dtype=dtype, progress=False)
             stock, rows = [], {name: [] for name in configs}
             for _ in range(a.rounds):
                 stock.append(probe_tokens_per_s(probe, gguf, prompts, a.n, eos, a.clock))
                 for name, args in configs.items():
-                    res = run(gguf, prompts, ["-n", str(a.n), *args], eos_ids=eos, binary=port)
+                    extra = ["--drafter", str(draft_gguf)] if "dflash" in args else []
+                    res = run(gguf, prompts, ["-n", str(a.n), *args, *extra], eos_ids=eos, binary=port)
                     tok = sum(r["n_tokens"] for r in res)
                     fwd = sum(r["forwards"] for r in res)
                     sec = sum(port_seconds(r, a.clock) for r in res)
@@ -159,6 +175,9 @@ def main() -> int:
                 if a.compare and name.endswith(f" [{a.compare}]"):
                     base = rows[name[: -len(f" [{a.compare}]")]][0][3]
                     same = f" (same tokens: {sum(x == y for x, y in zip(base, vals[0][3]))}/{len(base)})"
+                elif "ar" in rows and name != "ar" and "--ignore-eos" in configs[name] and "diffusion" not in configs[name]:
+                    base = rows["ar"][0][3]  # a lossless mode: its tokens against the port's AR greedy
+                    same = f" (tokens = port AR: {sum(x == y for x, y in zip(base, vals[0][3]))}/{len(base)})"
                 print(f"| {dtype} | port {name}{same} | {tok} | {fwd} | {tok / fwd:.2f} | {ms:.3f} | {ms * s / 1e3:.2f} | {tps:.1f} | {tps / s:.2f} |")
             sys.stdout.flush()
     return 0

@@ -119,6 +119,7 @@ struct Drafter {
     ggml_backend_buffer_t cache_buf = nullptr;
     int n_ctx = 0;
     int n_past = 0;  // context tokens in the cache
+    double cpu_s = 0.0;  // process CPU time in drafter forwards (since the request started)
     int n_features() const { return (int) target_layers.size() * n_embd; }
     // the verify widths (anchor + drafts) a confidence cut may choose (DFlashDrafter.verify_widths)
     std::vector<int> verify_widths() const {
@@ -498,6 +499,7 @@ static void reset_cache(Model & m, int n_ctx) {
     }
     m.n_past = 0;
     m.dr.n_past = 0;
+    m.dr.cpu_s = 0.0;
 }
 
 // ------------------------------------------------------------------------------------- text
@@ -1532,6 +1534,7 @@ static void draft_forward(Model & m, const std::vector<float> & feats, const std
     }
     DraftGraph & G = *it->second;
     G.used = ++tick;
+    const double c0 = cpu_now();
     auto set = [](ggml_tensor * t, const void * data, size_t n) { if (t && t->buffer) ggml_backend_tensor_set(t, data, 0, n); };
     std::vector<int32_t> i32(std::max(Tc, Bd));
     std::vector<int64_t> i64(std::max(Tc, Bd));
@@ -1562,6 +1565,7 @@ static void draft_forward(Model & m, const std::vector<float> & feats, const std
     logits.resize((size_t) (Bd - 1) * V);
     ggml_backend_tensor_get(G.logits, logits.data(), 0, sizeof(float) * logits.size());
     d.n_past += Tc;
+    d.cpu_s += cpu_now() - c0;
 }
 
 static void clear_graphs() {  // their views point into the cache
@@ -2306,7 +2310,10 @@ static json run_request(Model & m, const json & defaults, const json & req, cons
                 {"cpu_seconds", cpu}, {"prefill_forward_cpu_seconds", r.first_forward_cpu_s},
                 {"finish", r.finish}, {"block_steps", r.block_steps}, {"forced_steps", r.forced_steps},
                 {"accept_lengths", r.accept_lengths}, {"draft_forwards", r.draft_forwards}};
-    if (p.mode == "dflash") out["drafts"] = r.drafts;
+    if (p.mode == "dflash") {
+        out["drafts"] = r.drafts;
+        out["draft_cpu_seconds"] = m.dr.cpu_s;
+    }
     if (req.contains("id")) out["id"] = req["id"];
     if (!(req.contains("prompt") && req["prompt"].is_array())) out["prompt_ids"] = prompt;  // the port tokenized it
     return out;
