@@ -349,11 +349,11 @@ class PortRunner(Runner):
 
     engine = "llama-clover"
 
-    def __init__(self, llm, exe: str, gguf: Path, mode: str, threads: int, n: int) -> None:
+    def __init__(self, llm, exe: str, gguf: Path, mode: str, threads: int, n: int, drafter: Path | None = None) -> None:
         from ..integrations.llama_port import port_args
 
         self.exe, self.gguf, self.threads, self.n, self.variant = exe, gguf, threads, n, mode
-        self.args = lambda n: port_args(mode, llm.params(mode, {"max_new_tokens": n, "ignore_eos": True}))
+        self.args = lambda n: port_args(mode, llm.params(mode, {"max_new_tokens": n, "ignore_eos": True}), drafter=drafter)
         self.eos = sorted(llm.eos_ids())
 
     def _run(self, ids, n):
@@ -574,11 +574,13 @@ class PortEngine(Engine):
         self.found["gguf"] = str(self.gguf)
 
     def runners(self, threads):
-        from ..integrations.llama_port import MODES as PORT_MODES
+        from ..integrations.llama_port import MODES as PORT_MODES, export_drafter
 
         st = self.setup
-        return [PortRunner(st.llm, self.found["binary"], self.gguf, m, threads, st.max_new_tokens)
-                for m in st.modes if m in PORT_MODES]
+        # dflash: the model's drafter as a GGUF beside the target's, in its dtype (no drafter: no dflash row)
+        drafter = export_drafter(st.llm, st.work, dtype=GGUF_DTYPES[st.dtype]) if "dflash" in st.modes else None
+        return [PortRunner(st.llm, self.found["binary"], self.gguf, m, threads, st.max_new_tokens, drafter=drafter)
+                for m in st.modes if m in PORT_MODES and (m != "dflash" or drafter is not None)]
 
 
 class VLLMEngine(Engine):

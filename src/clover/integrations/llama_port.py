@@ -231,15 +231,15 @@ def export_for_port(llm, directory: str | os.PathLike) -> Path:
     return gguf
 
 
-def export_drafter(llm, directory: str | os.PathLike) -> Path | None:
-    """The model's DFlash drafter (`llm.drafter`) as an f32 GGUF in `directory` (the port's `--drafter`),
-    or None when the model has none."""
+def export_drafter(llm, directory: str | os.PathLike, *, dtype: str = "f32") -> Path | None:
+    """The model's DFlash drafter (`llm.drafter`) as a GGUF in `directory` (the port's `--drafter`; f32
+    unless `dtype`), or None when the model has none."""
     from ..export.gguf import export_drafter_gguf
 
     if llm.drafter is None:
         return None
-    path = Path(directory) / "drafter.gguf"
-    export_drafter_gguf(llm.drafter, path, dtype="f32")
+    path = Path(directory) / f"drafter-{dtype}.gguf"
+    export_drafter_gguf(llm.drafter, path, dtype=dtype)
     return path
 
 
