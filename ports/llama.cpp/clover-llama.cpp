@@ -1950,10 +1950,11 @@ static std::vector<int> accept_rule(const Params & p, const std::vector<Proposal
     return take;
 }
 
-// speculative's argmax: the processed logits (EOS penalty, ignore_eos), no history
-static int argmax_tok(const float * lg, int V, const Params & p) {
+// the greedy token of the processed logits (propose's, without its confidences): speculative's argmax
+// (no history), and dflash's verify (`seen`: what the position follows)
+static int argmax_tok(const float * lg, int V, const Params & p, const std::vector<int> * seen = nullptr) {
     std::vector<float> x(lg, lg + V);
-    process_logits(p, x.data(), V, nullptr);
+    process_logits(p, x.data(), V, seen);
     return (int) (std::max_element(x.begin(), x.end()) - x.begin());
 }
 
@@ -2194,7 +2195,7 @@ static void run_dflash(Model & m, const Params & p, const std::vector<int> & pro
     r.forwards = 1;
     r.first_forward_s = m.last_forward_s;
     r.first_forward_cpu_s = m.last_forward_cpu_s;
-    int anchor = propose(f.logits.data(), V, p, history(0), r.rng, false).tok;
+    int anchor = argmax_tok(f.logits.data(), V, p, history(0));
     row_accept(r, p, {anchor});
     while (!r.stop_now()) {
         block[0] = anchor;
@@ -2206,10 +2207,12 @@ static void run_dflash(Model & m, const Params & p, const std::vector<int> & pro
             std::copy(dl.begin() + (size_t) j * V, dl.begin() + (size_t) (j + 1) * V, x.begin());
             process_logits(p, x.data(), V, nullptr);  // the drafter's logits as the target's, without history
             const int arg = (int) (std::max_element(x.begin(), x.end()) - x.begin());
-            double sum = 0.0;
-            for (int i = 0; i < V; i++) sum += exp((double) x[i] - x[arg]);
             draft[j] = arg;
-            if (cut && sure == D && (float) (1.0 / sum) < DRAFT_CUT) sure = j;
+            if (cut && sure == D) {  // the drafter's probability of its token, up to the first below the cut
+                double sum = 0.0;
+                for (int i = 0; i < V; i++) sum += exp((double) x[i] - x[arg]);
+                if ((float) (1.0 / sum) < DRAFT_CUT) sure = j;
+            }
         }
         if (cut) {  // DFlashEngine._cut
             int width = D + 1;
@@ -2225,7 +2228,7 @@ static void run_dflash(Model & m, const Params & p, const std::vector<int> & pro
         r.forwards++;
         add.clear();
         for (int j = 0; j <= (int) draft.size(); j++) {  // AR's token at each position, while the drafts agree
-            const int tok = propose(&f.logits[(size_t) j * V], V, p, history(j), r.rng, false).tok;
+            const int tok = argmax_tok(&f.logits[(size_t) j * V], V, p, history(j));
             add.push_back(tok);
             if (j == (int) draft.size() || tok != draft[j]) break;
         }
