@@ -713,3 +713,36 @@ def test_port_refuses_a_bad_drafter(port, bundled_f32, drafter_f32, llm, tmp_pat
     for extra, why in cases:
         err = port_error(base + extra)
         assert err.count("\n") == 1 and err.startswith("llama-clover: error: ") and why in err, (extra, err)
+
+
+@pytest.mark.slow
+def test_serve_engine_llama_cpp_dflash(port, bundled_f32, drafter_f32, llm):
+    """`clover serve --engine llama.cpp` with the drafter: a dflash completion (streamed too) gives the
+    torch engine's text, finish reason and usage; without a drafter dflash is a 400 with the reason."""
+    pytest.importorskip("fastapi")
+    from fastapi.testclient import TestClient
+
+    from clover.integrations.llama_port import PortLLM
+    from clover.serve import create_app
+
+    served, bare = PortLLM(llm, bundled_f32, drafter=drafter_f32), PortLLM(llm, bundled_f32)
+    body = {"model": "m", "prompt": "def add(a, b):", "max_tokens": 40, "mode": "dflash", "temperature": 0,
+            "stop": ["\n\n"]}
+    try:
+        with TestClient(create_app(llm, model_name="m")) as a, TestClient(create_app(served, model_name="m")) as b, \
+                TestClient(create_app(bare, model_name="m")) as c:
+            ra, rb = a.post("/v1/completions", json=body), b.post("/v1/completions", json=body)
+            assert ra.status_code == rb.status_code == 200, rb.text
+            assert [(x["text"], x["finish_reason"]) for x in ra.json()["choices"]] == \
+                [(x["text"], x["finish_reason"]) for x in rb.json()["choices"]]
+            assert ra.json()["usage"] == rb.json()["usage"]
+            r = b.post("/v1/completions", json={**body, "stream": True})
+            assert r.status_code == 200
+            text = "".join(c["text"] for line in r.text.splitlines() if line.startswith("data: ") and line != "data: [DONE]"
+                           for c in json.loads(line[6:])["choices"])
+            assert text == rb.json()["choices"][0]["text"]
+            r = c.post("/v1/completions", json=body)
+            assert r.status_code == 400 and "drafter" in r.json()["error"]["message"]
+    finally:
+        served.close()
+        bare.close()
