@@ -641,8 +641,9 @@ def test_port_dflash_fixed_draft_and_last_layer_tap(port, bundled_f32, llm, monk
 
 
 @pytest.mark.slow
-def test_port_dflash_q8_0_equals_port_ar(port, llm, tmp_path):
-    """q8_0 (the target and the drafter): dflash's tokens are the port's own AR greedy tokens."""
+def test_port_dflash_q8_0_equals_port_ar(port, bundled_f32, llm, tmp_path):
+    """q8_0 (the target and the drafter): dflash's tokens are the port's own AR greedy tokens; so are
+    they with the q8_0 drafter and the f32 target."""
     from clover.api import BUNDLED_DRAFTER
     from clover.export.gguf import export_gguf
 
@@ -653,6 +654,10 @@ def test_port_dflash_q8_0_equals_port_ar(port, llm, tmp_path):
     ar = port_run(target, prompts, "ar", llm, ignore_eos=True)
     assert [r["tokens"] for r in res] == [a["tokens"] for a in ar]
     assert sum(r["forwards"] for r in res) < sum(a["forwards"] for a in ar) / 3
+    # the drafter's dtype is free: a q8_0 drafter drafting for the f32 target keeps the f32 AR tokens
+    res = port_run(bundled_f32, prompts, "dflash", llm, drafter=drafter, draft_length=3, ignore_eos=True)
+    ar = port_run(bundled_f32, prompts, "ar", llm, ignore_eos=True)
+    assert [r["tokens"] for r in res] == [a["tokens"] for a in ar]
 
 
 @pytest.mark.slow

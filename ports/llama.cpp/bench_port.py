@@ -12,8 +12,8 @@ One thread, the same held-out task prompts (as token ids) everywhere, `--rounds`
 - the port (`llama-clover`): ar, diffusion (the model's defaults: its block size and rule; threshold
   0.95: block 32 with the threshold rule and the entropy rule, blocks 16 and 8 with the threshold rule),
   speculative (draft 32, 8, 6, 4, 3; drafts 6 and 3 also with expert budget 2), dflash (the DFlash
-  drafter `--drafter DIR`, by default the bundled model's, exported in the row's dtype: its default
-  confidence cut; `--verify batched`; fixed drafts of 3 and 7), and denoise forwards
+  drafter `--drafter DIR`, by default the bundled model's, exported in the row's dtype or in q8_0:
+  its default confidence cut; `--verify batched`; fixed drafts of 3 and 7), and denoise forwards
   of width 8 and 32 (threshold 1.5: one token per forward, the block never ended early: the cost of
   a denoise forward of that width, a block's commit in every width-th); its own clock over the
   decode loop with the first (prefill) forward taken out, as stock's.
@@ -109,7 +109,10 @@ CONFIGS = {
     "dflash, batched verify": ["--mode", "dflash", "--verify", "batched", "--ignore-eos"],
     "dflash, draft 3": ["--mode", "dflash", "--draft", "3", "--ignore-eos"],
     "dflash, draft 7": ["--mode", "dflash", "--draft", "7", "--ignore-eos"],
+    "dflash, draft 3, q8_0 drafter": ["--mode", "dflash", "--draft", "3", "--ignore-eos"],
+    "dflash, q8_0 drafter": ["--mode", "dflash", "--ignore-eos"],
 }
+DRAFTER_DTYPE = {"dflash, draft 3, q8_0 drafter": "q8_0", "dflash, q8_0 drafter": "q8_0"}  # else the row's dtype
 
 
 def main() -> int:
@@ -148,14 +151,18 @@ def main() -> int:
         for dtype in a.dtypes.split(","):
             gguf = Path(tmp) / f"model-{dtype}.gguf"
             export_gguf(a.model, gguf, dtype=dtype, progress=False)
-            draft_gguf = Path(tmp) / f"drafter-{dtype}.gguf"
+            drafters = {}  # the drafter GGUF of each dtype the rows use
             if drafter is not None:
-                export_gguf(drafter, draft_gguf, dtype=dtype, progress=False)
+                for name in configs:
+                    dt = DRAFTER_DTYPE.get(name.split(" [")[0], dtype)
+                    if "dflash" in configs[name] and dt not in drafters:
+                        drafters[dt] = Path(tmp) / f"drafter-{dtype}-{dt}.gguf"
+                        export_gguf(drafter, drafters[dt], dtype=dt, progress=False)
             stock, rows = [], {name: [] for name in configs}
             for _ in range(a.rounds):
                 stock.append(probe_tokens_per_s(probe, gguf, prompts, a.n, eos, a.clock))
                 for name, args in configs.items():
-                    extra = ["--drafter", str(draft_gguf)] if "dflash" in args else []
+                    extra = ["--drafter", str(drafters[DRAFTER_DTYPE.get(name.split(" [")[0], dtype)])] if "dflash" in args else []
                     res = run(gguf, prompts, ["-n", str(a.n), *args, *extra], eos_ids=eos, binary=port)
                     tok = sum(r["n_tokens"] for r in res)
                     fwd = sum(r["forwards"] for r in res)
