@@ -36,7 +36,7 @@ from .base import BatchEngine, DecodeEvent, EngineRow, RowState, grad_free_call,
 from .modes import EngineSpec, Mode, register
 from .sampling import AUTO, SamplingParams, greedy_tokens
 from .speculative import (accept_draft, agreed, choose_draft, commit_verified, constrained_draft,
-                          constrained_sampled_draft, sampling_probs, settle_cache)
+                          constrained_sampled_draft, sampling_probs, settle_cache, sure_prefix)
 
 DEFAULT_DRAFT = 15  # the published drafters' block of 16: the anchor + 15 drafts
 # the default draft ends before its first token the drafter gives less than this probability (the
@@ -169,9 +169,9 @@ class DFlashEngine(BatchEngine):
         (row, the drafter's probability of each draft token)), to the narrowest verify width that
         holds every row's kept part (all rows verify as many drafts: one graph serves the batch).
         The choice reads the drafter alone, so the verify stays lossless."""
-        below = torch.stack([p < self.cut for _, p in sure])  # [rows, D]
-        D = below.shape[1]
-        keep = int(torch.where(below.any(1), below.int().argmax(1), D).max())  # drafts the surest row keeps
+        probs = torch.stack([p for _, p in sure])  # [rows, D]
+        D = probs.shape[1]
+        keep = max(sure_prefix(probs, self.cut))  # drafts the surest row keeps
         width = next((w for w in self.drafter.verify_widths if w - 1 >= keep), D + 1)
         for i, d in enumerate(drafts):
             if d is not None and len(d) > width - 1:

@@ -31,6 +31,7 @@ class EngineSpec:
     expert_rank: str = "sum"
     provisional: bool = False  # report the block after every denoise step
     skips: tuple[str, ...] = ()  # diffusion's approximate skips ("window", "decoded")
+    draft_cut: float | None = None  # speculative: drafts cut before their first token below this confidence
 
     def make_engine(self, model, *, mask_id: int | None, pad_id: int):
         return self.mode.make_engine(model, self, mask_id=mask_id, pad_id=pad_id)
@@ -41,6 +42,7 @@ class EngineSpec:
         if self.expert_budget is not None:
             parts.append(f"expert_rank={self.expert_rank}")
         return " ".join(parts + [f"skip={'+'.join(self.skips)}"] * bool(self.skips)
+                        + [f"draft_cut={self.draft_cut}"] * (self.draft_cut is not None)
                         + (["provisional"] if self.provisional else []))
 
 

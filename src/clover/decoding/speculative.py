@@ -11,6 +11,15 @@ Per row, each forward carries a commit part and an all-masked denoise block of `
 Draft token 0 always comes from causal logits, so every iteration gains at least one token, and greedy
 output is identical to AR greedy decoding.
 
+The draft adapts (the default; an explicit `draft_length` is kept as asked):
+- each row's draft is cut before its first token the denoise pass gave less than a confidence
+  (`DRAFT_CUT`; greedy: the top probability, sampled: the drawn token's), so an unsure draft costs
+  a narrow commit, and a draft kept whole keeps this forward's denoise block as the next draft
+  (a draft that reached its unsure token would be rejected there and cost a forward to resync);
+- with `block_size="auto"` the width of the next draft is chosen per forward (`width.DraftPolicy`:
+  each row's expected kept tokens over the measured verify forward at this batch size), down to a
+  draft of one: no denoise block, the forward is AR's step (what wins under a large batch).
+
 Sampling (temperature > 0, with top-k / top-p) is lossless by the standard speculative rejection rule
 (Leviathan et al. 2023; Chen et al. 2023): draft token j is drawn from the denoise distribution q_j
 (the same temperature / top-k / top-p applied to the denoise logits), and kept with probability
@@ -29,6 +38,10 @@ import torch
 from .base import BatchEngine, DecodeEvent, EngineRow, RowState, grad_free_call, pad_right, row_history
 from .modes import EngineSpec, Mode, register
 from .sampling import AUTO, filter_logits
+
+# the default draft is cut before its first token the denoise pass gives less than this probability
+# (measured on held-out prompts the benchmarks do not use: docs/experiments.md, 2026-12-03)
+DRAFT_CUT = 0.3
 
 
 def check_speculative_params(params) -> None:
@@ -132,6 +145,14 @@ def constrained_sampled_draft(r: RowState, logits: torch.Tensor) -> tuple[list[i
     return draft, (torch.stack(qs) if qs else None)
 
 
+def sure_prefix(probs: torch.Tensor, cut: float) -> list[int]:
+    """Per row of `probs` [rows, D] (the drafter's probability of each draft token it proposes):
+    how many leading draft tokens it gave at least `cut`, where the draft is cut. The cut reads the
+    drafter alone, so the verify stays lossless (greedy and sampled)."""
+    below = probs < cut
+    return torch.where(below.any(1), below.int().argmax(1), below.shape[1]).tolist()
+
+
 def choose_draft(policy, rows: list[RowState], choices: list, forward: int) -> int:
     """Draft "auto" (a `width.DraftPolicy`): the width with the most expected tokens per second for
     these rows, each keeping a draft token at its own rate so far (`state.kept_draft` kept,
@@ -161,8 +182,10 @@ class SpeculativeEngine(BatchEngine):
     row_type = SpeculativeRow
 
     def __init__(self, model, *, draft_length: int | str, mask_id: int, pad_id: int = 0,
-                 expert_budget: int | None = None, expert_rank: str = "sum", draft_policy=None) -> None:
+                 expert_budget: int | None = None, expert_rank: str = "sum", draft_policy=None,
+                 cut: float | None = None) -> None:
         super().__init__(model, pad_id=pad_id)
+        self.cut = cut  # cut each draft before its first token below this denoise probability (None: never)
         self.draft_policy = None
         if draft_length == AUTO:
             from .width import DraftPolicy
@@ -242,29 +265,44 @@ class SpeculativeEngine(BatchEngine):
 
     _probs = staticmethod(sampling_probs)
 
-    def _draft(self, r: RowState, denoise_logits: torch.Tensor | None, D: int | None = None) -> list[int]:
-        """The next draft of `D` tokens (None: the draft length): token 0 from the causal logits (or a
-        rejection's residual draw), the rest from the denoise logits (`denoise_logits[j-1]` predicts
-        draft token j)."""
-        D = D or self.draft_length
+    def _draft(self, r: RowState, denoise_logits: torch.Tensor | None) -> list[int]:
+        """The next draft: token 0 from the causal logits (or a rejection's residual draw), the rest
+        from the denoise logits (`denoise_logits[j-1]` predicts draft token j; None: a draft of one),
+        cut before the first the denoise pass gave less than `self.cut`."""
+        rest: list[int] = []
         if r.params.greedy:
             first = self._argmax(r, r.state.first_logits[None])
-            return first + (self._argmax(r, denoise_logits[: D - 1]) if D > 1 else [])
+            if denoise_logits is not None:
+                processed = r.state.sampler.process(denoise_logits)
+                rest = processed.argmax(-1).tolist()
+                if self.cut is not None:
+                    rest = rest[: sure_prefix(processed.softmax(-1).amax(-1)[None], self.cut)[0]]
+            return first + rest
         gen = r.state.sampler.generator
         if r.state.next_first is not None:
             first, r.state.next_first = [r.state.next_first], None
         else:
             first = torch.multinomial(self._probs(r, r.state.first_logits[None]), 1, generator=gen).flatten().tolist()
-        if D == 1:
-            r.state.draft_q = None
-            return first
-        q = self._probs(r, denoise_logits[: D - 1])
-        r.state.draft_q = q
-        return first + torch.multinomial(q, 1, generator=gen).flatten().tolist()
+        r.state.draft_q = None
+        if denoise_logits is not None:
+            q = self._probs(r, denoise_logits)
+            drawn = torch.multinomial(q, 1, generator=gen)
+            k = q.shape[0] if self.cut is None else sure_prefix(q.gather(-1, drawn).T, self.cut)[0]
+            rest = drawn[:k, 0].tolist()
+            r.state.draft_q = q[:k] if k else None
+        return first + rest
+
+    def _next_draft(self, r: RowState, denoise_logits: torch.Tensor | None) -> list[int]:
+        """The row's next draft from its causal logits and `denoise_logits` (the predictions of draft
+        tokens 1.. ; None: a draft of one, AR's own next token), under the row's grammar if any."""
+        if r.constraint is None:
+            return self._draft(r, denoise_logits)
+        first = r.state.first_logits[None]
+        logits = first if denoise_logits is None else torch.cat([first, denoise_logits])
+        return (self._draft_constrained if r.params.greedy else self._draft_constrained_sampled)(r, logits)
 
     @grad_free_call
     def step(self) -> list[DecodeEvent]:
-        drafted_at = self.draft_length  # the length of the drafts this forward verifies
         if self.draft_policy is not None:
             self._choose_draft()
         self.forwards += 1
@@ -273,7 +311,8 @@ class SpeculativeEngine(BatchEngine):
         has_commit = any(commit_src)
         commit_ids, n_commit = pad_right(commit_src, self.pad_id, self.device) if has_commit else (None, None)
         snap = self.cache.start_recording()
-        block = torch.full((len(rows), D), self.mask_id, dtype=torch.long, device=self.device)
+        # a draft of one needs no denoise block: its token comes from the causal logits (the AR step)
+        block = torch.full((len(rows), D), self.mask_id, dtype=torch.long, device=self.device) if D > 1 else None
         out = self.model.step(self.cache, commit_ids=commit_ids, n_commit=n_commit, denoise_ids=block,
                               all_logits=True, track_experts=True, expert_budget=self.expert_budget,
                               expert_rank=self.expert_rank)
@@ -285,7 +324,6 @@ class SpeculativeEngine(BatchEngine):
             r.experts_touched.extend(out.experts_touched)
             next_draft_ok = True
             Dv = len(r.state.draft) if r.state.draft is not None else 0
-            resync = Dv == 1 and r.constraint is None  # the one-token draft after a rejection (below)
             if r.state.draft is not None and r.constraint is not None:  # verify under the grammar
                 verify = self._verify_constrained if r.params.greedy else self._verify_constrained_sampled
                 m = verify(r, out.commit_logits[i, :Dv])
@@ -300,7 +338,7 @@ class SpeculativeEngine(BatchEngine):
                 r.state.first_logits = out.commit_logits[i, m - 1]
                 r.state.kept_draft += m - 1
                 r.state.rejected_draft += m < Dv
-                next_draft_ok = m == Dv and (Dv == drafted_at or resync)
+                next_draft_ok = m == Dv  # kept whole: this forward's denoise block follows the kept tokens
                 commit_verified(r, i, r.state.draft[:m], events)
             elif r.state.pending:  # prompt prefill rides with the first draft
                 r.state.first_logits = out.commit_logits[i, len(r.state.pending) - 1]
@@ -309,17 +347,11 @@ class SpeculativeEngine(BatchEngine):
             if r.finished:
                 events.append(DecodeEvent("finish", i, [], [], row_state=r))
                 continue
-            if next_draft_ok:
-                if r.constraint is None:
-                    r.state.draft = self._draft(r, out.denoise_logits[i])
-                else:
-                    draft = self._draft_constrained if r.params.greedy else self._draft_constrained_sampled
-                    r.state.draft = draft(r, torch.cat([r.state.first_logits[None], out.denoise_logits[i, : D - 1]]))
-            elif r.constraint is None:
-                # a rejection: this forward's denoise block followed rejected tokens. The next forward
-                # commits AR's own next token (a draft of one, always kept) while it denoises the block
-                # after it, rather than only denoising (a forward that committed nothing)
-                r.state.draft = self._draft(r, None, D=1)
+            # after a rejection this forward's denoise block followed rejected tokens: the next forward
+            # commits AR's own next token (a draft of one, always kept) while it denoises the block
+            # after it, rather than only denoising (a forward that committed nothing)
+            r.state.draft = self._next_draft(r, out.denoise_logits[i, : D - 1] if next_draft_ok and block is not None
+                                             else None)
         settle_cache(self.cache, snap, keep, committed)
         self._drop_finished()
         return events
@@ -349,11 +381,13 @@ class Speculative(Mode):
         return AUTO_MAX_WIDTH if params.block_size == AUTO else params.block_size
 
     def spec(self, params, provisional=False) -> EngineSpec:
-        return EngineSpec(self, params.draft_length or params.block_size, params.expert_budget, params.expert_rank)
+        # the draft of the block size (or "auto") is cut by the denoise pass's confidence; a length asked for is kept
+        return EngineSpec(self, params.draft_length or params.block_size, params.expert_budget, params.expert_rank,
+                          draft_cut=DRAFT_CUT if params.draft_length is None else None)
 
     def make_engine(self, model, spec, *, mask_id, pad_id):
         return SpeculativeEngine(model, draft_length=spec.width, mask_id=mask_id, pad_id=pad_id,
-                                 expert_budget=spec.expert_budget, expert_rank=spec.expert_rank)
+                                 expert_budget=spec.expert_budget, expert_rank=spec.expert_rank, cut=spec.draft_cut)
 
 
 register(Speculative())

@@ -50,6 +50,7 @@ KINDS = ("commit", "denoise", "verify", "block")
 POSITIONS = (1, 2, 4, 8, 16, 32, 64)
 SCHEMA = "clover.cost/1"
 AR_WIDTH = 1  # the width-1 block: the AR step (block_size="auto" may choose it)
+BATCH_BUCKETS = (1, 2, 4, 8, 16)  # the batch sizes a draft choice measures its forwards at
 AUTO_MAX_WIDTH = 64  # block_size="auto" picks among the trained widths up to this (the context it reserves)
 PRIOR_PSEUDO_FORWARDS = 8.0  # how many forwards' worth of evidence the prior tokens-per-forward carries
 
@@ -111,8 +112,10 @@ class CostCurve:
     def add(self, kind: str, batch: int, positions: int, seconds: float) -> None:
         self.seconds_by.setdefault(kind, {}).setdefault(int(batch), {})[int(positions)] = float(seconds)
 
-    def has(self, kind: str) -> bool:
-        return bool(self.seconds_by.get(kind))
+    def has(self, kind: str, batch: int | None = None) -> bool:
+        """Whether forwards of `kind` were measured (at `batch` rows, when given)."""
+        by_batch = self.seconds_by.get(kind) or {}
+        return bool(by_batch) if batch is None else bool(by_batch.get(int(batch)))
 
     def seconds(self, kind: str, batch: int, positions: int) -> float:
         """A forward of `kind` at `batch` rows and `positions` per row: linear between the measured
@@ -250,18 +253,24 @@ def measure_curve(model, *, kinds=KINDS, batches=(1,), positions=POSITIONS, repe
     return curve
 
 
-def curve_for(model, widths, kind: str = "denoise") -> CostCurve:
-    """The cached curve when it covers `kind` (for the denoise kind: with the block commit and the AR
-    step); else a quick calibration (the denoise and block forwards at each width and the AR step,
-    or the verify forward at each width; batch 1, 3 timed forwards each), cached for the next time."""
+def batch_bucket(batch: int) -> int:
+    """The batch size whose measured forwards stand for `batch` rows: the next power of two, up to
+    `BATCH_BUCKETS[-1]` (larger batches read it per position)."""
+    return next((b for b in BATCH_BUCKETS if b >= batch), BATCH_BUCKETS[-1])
+
+
+def curve_for(model, widths, kind: str = "denoise", batch: int = 1) -> CostCurve:
+    """The cached curve when it covers `kind` at `batch` rows (with the AR step; for the denoise
+    kind with the block commit); else a quick calibration at that batch (the denoise and block
+    forwards at each width, or the verify forward at each width; and the AR step; 3 timed forwards
+    each), cached for the next time."""
     curve = load_curve(model)
     kinds = ("denoise", "block") if kind == "denoise" else (kind,)
-    if curve is not None and all(curve.has(k) for k in kinds) and (kind != "denoise" or curve.has("commit")):
+    if curve is not None and all(curve.has(k, batch) for k in kinds + ("commit",)):
         return curve
     pts = sorted({w for w in widths if w > AR_WIDTH})
-    fresh = measure_curve(model, kinds=kinds, batches=(1,), positions=pts, repeat=3)
-    if kind == "denoise":
-        fresh.add("commit", 1, 1, statistics.median(time_forward(model, "commit", 1, 1, repeat=3)))
+    fresh = measure_curve(model, kinds=kinds, batches=(batch,), positions=pts, repeat=3)
+    fresh.add("commit", batch, 1, statistics.median(time_forward(model, "commit", batch, 1, repeat=3)))
     try:
         save_curve(model, fresh)
     except OSError:  # a read-only cache: the choice still works for this process
@@ -348,22 +357,39 @@ class WidthPolicy:
 
 
 class DraftPolicy:
-    """Speculative decoding's draft length (`block_size="auto"` in mode speculative): the trained
-    width D with the most expected tokens per second, a verify forward of a draft of D keeping
+    """Speculative decoding's draft length (`block_size="auto"` in mode speculative): the width D
+    with the most expected tokens per second, a verify forward of a draft of D keeping
     1 + a + ... + a^(D-1) tokens for a row whose draft tokens are kept at rate a (its own so far,
-    after a prior of `PRIOR_RATE` worth `PRIOR_N` verifies), over the measured verify forward."""
+    after a prior of `PRIOR_RATE` worth `PRIOR_N` verifies), over the measured verify forward at
+    this batch size. Width 1 (`AR_WIDTH`, where the curve has the AR step) is a draft of one: no
+    denoise block, one token per forward at the cost of the AR step, so where AR wins (a batch
+    large enough for the verify to turn compute-bound) the choice is AR.
+    `calibrate(batch)`: a curve that covers the verify forward at that batch (`curve_for`), asked
+    for at each batch bucket (`batch_bucket`) the curve has not measured; None: the curve as given."""
 
     PRIOR_RATE = 0.5
     PRIOR_N = 4.0
 
-    def __init__(self, widths, curve: CostCurve) -> None:
+    def __init__(self, widths, curve: CostCurve, calibrate=None) -> None:
         self.widths = tuple(sorted(widths))
         self.curve = curve
+        self.calibrate = calibrate
 
     @classmethod
     def for_model(cls, model, curve: CostCurve | None = None) -> "DraftPolicy":
-        widths = trained_widths(model.config)
-        return cls(widths, curve or curve_for(model, widths, kind="verify"))
+        """The AR step and the trained widths over the measured verify forwards (batch 1 at once;
+        every other batch bucket when first met)."""
+        widths = (AR_WIDTH,) + trained_widths(model.config)
+        return cls(widths, curve or curve_for(model, widths, kind="verify"),
+                   None if curve else (lambda batch: curve_for(model, widths, kind="verify", batch=batch)))
+
+    def seconds(self, D: int, batch: int) -> float:
+        """A forward that drafts D (verifying the drafts before) at `batch` rows."""
+        if self.calibrate is not None and not self.curve.has("verify", batch_bucket(batch)):
+            self.curve = self.calibrate(batch_bucket(batch))
+        if D == AR_WIDTH and self.curve.has("commit"):
+            return self.curve.seconds("commit", batch, 1)
+        return self.curve.seconds("verify", batch, D)
 
     def acceptance(self, kept: int, rejected: int) -> float:
         """The row's rate of keeping a draft token: kept tokens over kept + rejected ones."""
@@ -379,6 +405,6 @@ class DraftPolicy:
         """rows: (acceptance rate, remaining tokens) per row -> the draft length (ties: the shorter)."""
         B = max(1, len(rows))
         expected = {D: sum(self.expected_tokens(D, a, rem) for a, rem in rows or [(self.PRIOR_RATE, 1 << 30)])
-                    / self.curve.seconds("verify", B, D) for D in self.widths}
+                    / self.seconds(D, B) for D in self.widths}
         best = max(self.widths, key=lambda D: (expected[D], -D))
         return WidthChoice(best, B, expected)
