@@ -247,3 +247,29 @@ def test_bench_cost_with_expert_sharing(llm, cache_home):
     assert "expert budget" in str(cost_table(res).title)
     with pytest.raises(ValueError, match="^expert_budget: "):
         run_cost(llm, kinds=("denoise",), batches=(1,), positions=(1,), repeat=1, expert_budget=c.num_experts + 1)
+
+
+def test_draft_choice_narrows_to_ar_under_batch_and_measures_each_bucket():
+    """Draft "auto" with the AR step among its widths: a cheap verify at batch 1 drafts, a verify
+    that turns compute-bound under batch gives the AR step; an unmeasured batch bucket is measured
+    (`calibrate`) before it is read, once."""
+    curve = W.CostCurve()
+    curve.add("commit", 1, 1, 1.0)
+    for p in (4, 8, 16):
+        curve.add("verify", 1, p, 1.2 + p / 64)  # overhead-bound: ~the AR step
+    asked = []
+
+    def calibrate(batch):
+        asked.append(batch)
+        curve.add("commit", batch, 1, 2.0)
+        for p in (4, 8, 16):
+            curve.add("verify", batch, p, 2.0 * p)  # compute-bound: p AR steps
+        return curve
+
+    pol = W.DraftPolicy((W.AR_WIDTH, 4, 8, 16), curve, calibrate)
+    assert pol.choose([(0.7, 100)]).width > W.AR_WIDTH and asked == []
+    choice = pol.choose([(0.7, 100)] * 13)
+    assert choice.width == W.AR_WIDTH and choice.batch == 13 and asked == [16]
+    assert pol.choose([(0.7, 100)] * 16).width == W.AR_WIDTH and asked == [16]
+    assert W.batch_bucket(1) == 1 and W.batch_bucket(3) == 4 and W.batch_bucket(40) == W.BATCH_BUCKETS[-1]
+    assert "width 1" in choice.why()

@@ -158,8 +158,8 @@ class DFlashEngine(BatchEngine):
                 probs = self._probs(r, logits[i])
                 drafts.append(torch.multinomial(probs, 1, generator=r.state.sampler.generator).squeeze(-1).tolist())
                 q.append(probs)
-                if self.cut is not None:
-                    sure.append((i, probs.gather(-1, torch.tensor(drafts[-1], device=probs.device)[:, None])[:, 0]))
+                if self.cut is not None:  # the top probability, not the drawn token's: a cut that read the
+                    sure.append((i, probs.amax(-1)))  # draws would bias what the rejection rule emits
         if sure:
             self._cut(drafts, q, sure)
         return drafts, q

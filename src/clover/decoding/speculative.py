@@ -11,13 +11,17 @@ Per row, each forward carries a commit part and an all-masked denoise block of `
 Draft token 0 always comes from causal logits, so every iteration gains at least one token, and greedy
 output is identical to AR greedy decoding.
 
-The draft adapts (the default; an explicit `draft_length` is kept as asked):
-- each row's draft is cut before its first token the denoise pass gave less than a confidence
-  (`DRAFT_CUT`; greedy: the top probability, sampled: the drawn token's), so an unsure draft costs
-  a narrow commit, and a draft kept whole keeps this forward's denoise block as the next draft
-  (a draft that reached its unsure token would be rejected there and cost a forward to resync);
+The adaptive draft (the default; a `draft_length` asked for is kept fixed, as before):
+- after a rejection, the draft's tokens past the rejected one ride along behind AR's token in the
+  draft of the next forward: they were denoised from masks, never from the rejected token, so they
+  are as good a guess of the positions after AR's token (sampled: each still drawn from its q,
+  independently of the rejection), where the fixed draft verified AR's token alone;
+- each row's draft may be cut before its first token the denoise pass is unsure of (`DRAFT_CUT`:
+  the top probability of that token's distribution, decided before any draw, so sampling stays
+  lossless; 0: never cut), so an unsure draft costs a narrow commit and, kept whole, keeps the
+  forward's denoise block as the next draft;
 - with `block_size="auto"` the width of the next draft is chosen per forward (`width.DraftPolicy`:
-  each row's expected kept tokens over the measured verify forward at this batch size), down to a
+  each row's expected kept tokens over the verify forward measured at this batch size), down to a
   draft of one: no denoise block, the forward is AR's step (what wins under a large batch).
 
 Sampling (temperature > 0, with top-k / top-p) is lossless by the standard speculative rejection rule
@@ -183,8 +187,9 @@ class SpeculativeEngine(BatchEngine):
 
     def __init__(self, model, *, draft_length: int | str, mask_id: int, pad_id: int = 0,
                  expert_budget: int | None = None, expert_rank: str = "sum", draft_policy=None,
-                 cut: float | None = None) -> None:
+                 cut: float | None = None, reuse: bool = False) -> None:
         super().__init__(model, pad_id=pad_id)
+        self.reuse = reuse  # after a rejection, the rest of the draft past the rejected token drafts on
         self.cut = cut  # cut each draft before its first token below this denoise probability (None: never)
         self.draft_policy = None
         if draft_length == AUTO:
@@ -275,7 +280,7 @@ class SpeculativeEngine(BatchEngine):
             if denoise_logits is not None:
                 processed = r.state.sampler.process(denoise_logits)
                 rest = processed.argmax(-1).tolist()
-                if self.cut is not None:
+                if self.cut:
                     rest = rest[: sure_prefix(processed.softmax(-1).amax(-1)[None], self.cut)[0]]
             return first + rest
         gen = r.state.sampler.generator
@@ -287,7 +292,9 @@ class SpeculativeEngine(BatchEngine):
         if denoise_logits is not None:
             q = self._probs(r, denoise_logits)
             drawn = torch.multinomial(q, 1, generator=gen)
-            k = q.shape[0] if self.cut is None else sure_prefix(q.gather(-1, drawn).T, self.cut)[0]
+            # cut by each distribution's top probability: a cut that read the drawn tokens' would bias
+            # what the rejection rule emits (tests/test_speculative.py)
+            k = q.shape[0] if not self.cut else sure_prefix(q.amax(-1)[None], self.cut)[0]
             rest = drawn[:k, 0].tolist()
             r.state.draft_q = q[:k] if k else None
         return first + rest
@@ -343,6 +350,7 @@ class SpeculativeEngine(BatchEngine):
             elif r.state.pending:  # prompt prefill rides with the first draft
                 r.state.first_logits = out.commit_logits[i, len(r.state.pending) - 1]
                 r.state.pending = []
+            old_draft, old_q = r.state.draft, r.state.draft_q
             r.state.draft = None
             if r.finished:
                 events.append(DecodeEvent("finish", i, [], [], row_state=r))
@@ -352,6 +360,13 @@ class SpeculativeEngine(BatchEngine):
             # after it, rather than only denoising (a forward that committed nothing)
             r.state.draft = self._next_draft(r, out.denoise_logits[i, : D - 1] if next_draft_ok and block is not None
                                              else None)
+            if self.reuse and not next_draft_ok and r.constraint is None and m + 1 < Dv:
+                # and the draft's tokens past the rejected one ride along: they were denoised from masks,
+                # never from the rejected token, so they draft the positions after AR's as well as before
+                # (sampled: each still distributed as its q, drawn independently of the rejection)
+                r.state.draft += old_draft[m + 1 :]
+                if not r.params.greedy:
+                    r.state.draft_q = old_q[m:]
         settle_cache(self.cache, snap, keep, committed)
         self._drop_finished()
         return events
@@ -386,8 +401,10 @@ class Speculative(Mode):
                           draft_cut=DRAFT_CUT if params.draft_length is None else None)
 
     def make_engine(self, model, spec, *, mask_id, pad_id):
+        # the adaptive draft (cut, and reused past a rejection); a draft length asked for is kept fixed
         return SpeculativeEngine(model, draft_length=spec.width, mask_id=mask_id, pad_id=pad_id,
-                                 expert_budget=spec.expert_budget, expert_rank=spec.expert_rank, cut=spec.draft_cut)
+                                 expert_budget=spec.expert_budget, expert_rank=spec.expert_rank, cut=spec.draft_cut,
+                                 reuse=spec.draft_cut is not None)  # draft_cut 0: adaptive, never cut
 
 
 register(Speculative())
