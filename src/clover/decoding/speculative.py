@@ -91,11 +91,13 @@ def agreed(draft: list[int], target: list[int]) -> int:
     return m
 
 
-def commit_verified(r: RowState, i: int, tokens: list[int], events: list[DecodeEvent]) -> list[int]:
+def commit_verified(r: RowState, i: int, tokens: list[int], events: list[DecodeEvent], emitted: int = 0) -> list[int]:
     """The outcome of a verify for row `r` (batch index `i`): `tokens` (the kept drafts and the
     model's own token) recorded as one accept length and appended by `RowState.accept` (EOS, stops,
-    limits; a complete grammar ends the row); a commit event for what was kept. Returns it."""
+    limits; a complete grammar ends the row), but for the first `emitted` of them, appended when
+    they were drafted; a commit event for what was kept. Returns it."""
     r.accept_lengths.append(len(tokens))
+    tokens = tokens[emitted:]
     kept = r.accept(tokens, [1] * len(tokens))
     r.grammar_done()
     if kept:
@@ -317,12 +319,16 @@ class SpeculativeEngine(BatchEngine):
         commit_src = [r.state.draft if r.state.draft is not None else r.state.pending for r in rows]
         has_commit = any(commit_src)
         commit_ids, n_commit = pad_right(commit_src, self.pad_id, self.device) if has_commit else (None, None)
-        snap = self.cache.start_recording()
         # a draft of one needs no denoise block: its token comes from the causal logits (the AR step)
         block = torch.full((len(rows), D), self.mask_id, dtype=torch.long, device=self.device) if D > 1 else None
+        # drafts of one are always kept: with no denoise block the forward is AR's step, no logits but
+        # the last and nothing to roll back (with one, the verify forward's shape: compiled, its graph)
+        verifying = block is not None or any(r.state.draft is not None and len(r.state.draft) > 1 for r in rows)
+        snap = self.cache.start_recording() if verifying else None
         out = self.model.step(self.cache, commit_ids=commit_ids, n_commit=n_commit, denoise_ids=block,
-                              all_logits=True, track_experts=True, expert_budget=self.expert_budget,
+                              all_logits=verifying, track_experts=True, expert_budget=self.expert_budget,
                               expert_rank=self.expert_rank)
+        causal_logits = out.commit_logits if verifying else out.commit_logits[:, None]  # [B, Tc or 1, V]
         committed = [len(s) for s in commit_src]
         keep = list(committed)
         events: list[DecodeEvent] = []
@@ -333,22 +339,22 @@ class SpeculativeEngine(BatchEngine):
             Dv = len(r.state.draft) if r.state.draft is not None else 0
             if r.state.draft is not None and r.constraint is not None:  # verify under the grammar
                 verify = self._verify_constrained if r.params.greedy else self._verify_constrained_sampled
-                m = verify(r, out.commit_logits[i, :Dv])
+                m = verify(r, causal_logits[i, :Dv])
             elif r.state.draft is not None and not r.params.greedy:  # verify by the rejection rule
-                p = self._probs(r, out.commit_logits[i, : Dv - 1]) if Dv > 1 else None
+                p = self._probs(r, causal_logits[i, : Dv - 1]) if Dv > 1 else None
                 m, r.state.next_first = accept_draft(r.state.draft, r.state.draft_q, p, r.state.sampler.generator)
             elif r.state.draft is not None:  # verify
-                causal = self._argmax(r, out.commit_logits[i, :Dv])  # causal[j] = AR token after draft[:j+1]
+                causal = self._argmax(r, causal_logits[i, :Dv])  # causal[j] = AR token after draft[:j+1]
                 m = 1 + agreed(r.state.draft[1:], causal)
             if r.state.draft is not None:
                 keep[i] = m
-                r.state.first_logits = out.commit_logits[i, m - 1]
+                r.state.first_logits = causal_logits[i, m - 1]
                 r.state.kept_draft += m - 1
                 r.state.rejected_draft += m < Dv
                 next_draft_ok = m == Dv  # kept whole: this forward's denoise block follows the kept tokens
-                commit_verified(r, i, r.state.draft[:m], events)
+                commit_verified(r, i, r.state.draft[:m], events, emitted=int(r.constraint is None))
             elif r.state.pending:  # prompt prefill rides with the first draft
-                r.state.first_logits = out.commit_logits[i, len(r.state.pending) - 1]
+                r.state.first_logits = causal_logits[i, len(r.state.pending) - 1 if verifying else 0]
                 r.state.pending = []
             old_draft, old_q = r.state.draft, r.state.draft_q
             r.state.draft = None
@@ -367,7 +373,17 @@ class SpeculativeEngine(BatchEngine):
                 r.state.draft += old_draft[m + 1 :]
                 if not r.params.greedy:
                     r.state.draft_q = old_q[m:]
-        settle_cache(self.cache, snap, keep, committed)
+            if r.constraint is None:
+                # the draft's first token is AR's own (always kept): emitted now, as AR would emit it,
+                # and a row it ends needs no further forward (a grammar's row keeps it to its verify)
+                kept = r.accept(r.state.draft[:1], [1])
+                if kept:
+                    events.append(DecodeEvent("commit", i, kept, [1], block=len(r.accept_lengths), row_state=r))
+                if r.finished:
+                    r.state.draft = None
+                    events.append(DecodeEvent("finish", i, [], [], row_state=r))
+        if snap is not None:
+            settle_cache(self.cache, snap, keep, committed)
         self._drop_finished()
         return events
 
