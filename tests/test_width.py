@@ -168,6 +168,9 @@ def test_draft_choice_follows_acceptance():
     assert pol.choose([(0.1, 100)]).width == 4  # unsure: a short draft
     assert pol.choose([(0.99, 100)]).width == 16  # sure: a long one
     assert pol.acceptance(0, 0) == pytest.approx(pol.PRIOR_RATE)
+    # the prior from a model card's tokens per forward at its block size: the rate that keeps as many
+    assert W.DraftPolicy.rate_keeping(W.DraftPolicy.expected_tokens(8, 0.6, 1 << 30), 8) == pytest.approx(0.6)
+    assert W.DraftPolicy((4, 8), linear, prior_rate=0.7).acceptance(0, 0) == pytest.approx(0.7)
     assert pol.acceptance(30, 0) > 0.9 and pol.acceptance(0, 30) < 0.1
 
 

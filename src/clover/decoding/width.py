@@ -360,7 +360,9 @@ class DraftPolicy:
     """Speculative decoding's draft length (`block_size="auto"` in mode speculative): the width D
     with the most expected tokens per second, a verify forward of a draft of D keeping
     1 + a + ... + a^(D-1) tokens for a row whose draft tokens are kept at rate a (its own so far,
-    after a prior of `PRIOR_RATE` worth `PRIOR_N` verifies), over the measured verify forward at
+    after a prior worth `PRIOR_N` verifies: the rate at which a draft of the model's block size keeps
+    the model card's tokens per forward at that width (`config.block_tokens_per_forward`, what
+    diffusion commits per forward there), else `PRIOR_RATE`), over the measured verify forward at
     this batch size. Width 1 (`AR_WIDTH`, where the curve has the AR step) is a draft of one: no
     denoise block, one token per forward at the cost of the AR step, so where AR wins (a batch
     large enough for the verify to turn compute-bound) the choice is AR.
@@ -370,18 +372,32 @@ class DraftPolicy:
     PRIOR_RATE = 0.5
     PRIOR_N = 4.0
 
-    def __init__(self, widths, curve: CostCurve, calibrate=None) -> None:
+    def __init__(self, widths, curve: CostCurve, calibrate=None, prior_rate: float | None = None) -> None:
         self.widths = tuple(sorted(widths))
         self.curve = curve
         self.calibrate = calibrate
+        self.prior_rate = self.PRIOR_RATE if prior_rate is None else prior_rate
 
     @classmethod
     def for_model(cls, model, curve: CostCurve | None = None) -> "DraftPolicy":
         """The AR step and the trained widths over the measured verify forwards (batch 1 at once;
         every other batch bucket when first met)."""
         widths = (AR_WIDTH,) + trained_widths(model.config)
+        w = int(model.config.block_size)
+        table = getattr(model.config, "block_tokens_per_forward", None) or {}
+        tpf = table.get(str(w), table.get(w)) if isinstance(table, dict) else None
         return cls(widths, curve or curve_for(model, widths, kind="verify"),
-                   None if curve else (lambda batch: curve_for(model, widths, kind="verify", batch=batch)))
+                   None if curve else (lambda batch: curve_for(model, widths, kind="verify", batch=batch)),
+                   prior_rate=None if tpf is None else cls.rate_keeping(float(tpf), w))
+
+    @staticmethod
+    def rate_keeping(tokens: float, D: int) -> float:
+        """The acceptance rate at which a draft of D keeps `tokens` per verify on average."""
+        lo, hi = 0.0, 1.0
+        for _ in range(40):
+            mid = (lo + hi) / 2
+            lo, hi = (mid, hi) if DraftPolicy.expected_tokens(D, mid, 1 << 30) < tokens else (lo, mid)
+        return (lo + hi) / 2
 
     def seconds(self, D: int, batch: int) -> float:
         """A forward that drafts D (verifying the drafts before) at `batch` rows."""
@@ -394,7 +410,7 @@ class DraftPolicy:
     def acceptance(self, kept: int, rejected: int) -> float:
         """The row's rate of keeping a draft token: kept tokens over kept + rejected ones."""
         k = self.PRIOR_N
-        return (k * self.PRIOR_RATE + kept) / (k + kept + rejected)
+        return (k * self.prior_rate + kept) / (k + kept + rejected)
 
     @staticmethod
     def expected_tokens(D: int, rate: float, remaining: int) -> float:
@@ -404,7 +420,7 @@ class DraftPolicy:
     def choose(self, rows: list[tuple[float, int]]) -> WidthChoice:
         """rows: (acceptance rate, remaining tokens) per row -> the draft length (ties: the shorter)."""
         B = max(1, len(rows))
-        expected = {D: sum(self.expected_tokens(D, a, rem) for a, rem in rows or [(self.PRIOR_RATE, 1 << 30)])
+        expected = {D: sum(self.expected_tokens(D, a, rem) for a, rem in rows or [(self.prior_rate, 1 << 30)])
                     / self.seconds(D, B) for D in self.widths}
         best = max(self.widths, key=lambda D: (expected[D], -D))
         return WidthChoice(best, B, expected)
