@@ -146,13 +146,20 @@ def test_padded_batch_runs_in_place(tiny_dir, monkeypatch):
     assert steps.calls["padded"] == 2, steps.calls  # the AR step and the recorded commit
 
 
-def test_every_frozen_step_has_a_compiled_shape(tiny_dir, monkeypatch):
+@pytest.mark.parametrize("auto", [False, True])
+def test_every_frozen_step_has_a_compiled_shape(tiny_dir, monkeypatch, alternating_policy, auto):
     """Once frozen, every step a generation hands the compiled forward (AR, diffusion, speculative,
     at batch 1 and padded from 3 to 4) is one of the shapes compiled at load: no step would fall
     back to eager, e.g. speculative's one-token draft after a rejection runs on the ragged verify
-    graph, padded to the block."""
+    graph, padded to the block. `auto`: speculative's adaptive draft switching between the AR step
+    and the block every forward (leftover drafts, the verify before an AR step), eager's tokens."""
+    from clover.decoding import width as W
+
     _identity_compile(monkeypatch)
     llm = clover.load(tiny_dir, compile=True, compile_batch=4)
+    if auto:
+        policy = alternating_policy((W.AR_WIDTH, llm.config.block_size), W.CostCurve())
+        monkeypatch.setattr(W.DraftPolicy, "for_model", classmethod(lambda cls, model, curve=None: policy))
     steps = llm.model.static_steps
     compiled = set()
     for kind, b, w, cap, ragged, _ in load_shapes(llm.config, batches=batch_buckets(4)):
@@ -169,9 +176,14 @@ def test_every_frozen_step_has_a_compiled_shape(tiny_dir, monkeypatch):
         return real(c, n, d, lengths, states, **kw)
 
     steps._forward = spy
+    eager = clover.load(tiny_dir)
     for prompts in (["def f(x):"], ["def f(x):", "ab", "a longer prompt of a few words"]):
-        for mode in ("ar", "diffusion", "speculative"):
-            llm.generate(prompts, mode=mode, max_new_tokens=40, ignore_eos=True)
+        for mode in ("speculative",) if auto else ("ar", "diffusion", "speculative"):
+            kw = dict(mode=mode, max_new_tokens=40, ignore_eos=True) | ({"block_size": "auto"} if auto else {})
+            out = llm.generate(prompts, **kw)
+            if auto:
+                assert [g.token_ids for g in out] == [g.token_ids for g in eager.generate(prompts, **kw)]
+                assert any("width 1 " in line for g in out for line in g.stats.width_why)
     assert seen and seen <= compiled, seen - compiled
     assert any(c[1] == c[2] and c[4] and c[5] and c[0] == 1 for c in seen)  # a ragged verify at batch 1
 

@@ -103,16 +103,24 @@ def test_rejection_rule_emits_the_target_distribution():
     assert accept_draft([0, 2, 3], one[[2, 3]], one[[4, 3]], g) == (1, 4)
 
 
-@pytest.mark.parametrize("draft", [{}, {"draft_length": 8}])  # the adaptive draft; the fixed one
-def test_speculative_sampling_matches_ar_sampling(llm, draft):
+@pytest.mark.parametrize("width", [8, "auto"])  # the fixed draft; the adaptive one (drafting 8 here)
+def test_speculative_sampling_matches_ar_sampling(llm, width, monkeypatch):
     """End to end on the tiny model: the first two sampled tokens' distribution, AR vs speculative."""
-    kw = dict(max_new_tokens=2, temperature=1.0, top_k=3, ignore_eos=True, **draft)
+    from clover.decoding import width as W
+
+    curve = W.CostCurve()  # the verify of 8 as cheap as the AR step: draft "auto" drafts 8
+    for b in W.BATCH_BUCKETS:
+        curve.add("commit", b, 1, 1.0)
+        for p in (8, 16, 32, 64):
+            curve.add("verify", b, p, p / 8)
+    monkeypatch.setattr(W, "curve_for", lambda *a, **k: curve)
+    kw = dict(max_new_tokens=2, temperature=1.0, top_k=3, ignore_eos=True)
     n = 400
     counts = {}
     for mode, seed in (("ar", 1), ("speculative", 2)):
         torch.manual_seed(seed)
-        gens = llm.generate([[5, 6, 7]] * n, mode=mode, block_size=8, **kw) if mode != "ar" else \
-            llm.generate([[5, 6, 7]] * n, mode=mode, **{k: v for k, v in kw.items() if k != "draft_length"})
+        gens = llm.generate([[5, 6, 7]] * n, mode=mode, block_size=width, **kw) if mode != "ar" else \
+            llm.generate([[5, 6, 7]] * n, mode=mode, **kw)
         c = {}
         for gen in gens:
             c[tuple(gen.token_ids)] = c.get(tuple(gen.token_ids), 0) + 1
@@ -120,8 +128,8 @@ def test_speculative_sampling_matches_ar_sampling(llm, draft):
     keys = set(counts["ar"]) | set(counts["speculative"])
     tv = sum(abs(counts["ar"].get(k, 0) - counts["speculative"].get(k, 0)) for k in keys) / (2 * n)
     assert len(keys) > 2 and tv < 0.12, (tv, counts)
-    a = llm.generate("hello", mode="speculative", block_size=8, seed=7, **kw)
-    b = llm.generate("hello", mode="speculative", block_size=8, seed=7, **kw)
+    a = llm.generate("hello", mode="speculative", block_size=width, seed=7, **kw)
+    b = llm.generate("hello", mode="speculative", block_size=width, seed=7, **kw)
     assert a.token_ids == b.token_ids  # seeded: reproducible
 
 
@@ -185,42 +193,47 @@ def _spec_rows(llm, prompts, n, **engine_kw):
     return rows
 
 
-@pytest.mark.parametrize("cut,reuse", [(None, False), (None, True), (0.3, True), (0.9, True), (1.01, False)])
-def test_every_draft_policy_equals_ar_greedy(bundled, cut, reuse):
-    """Fixed, leftover-reusing and cut drafts (a cut above 1: every draft is AR's token alone) give
-    AR's tokens on held-out prompts, batched as one by one."""
+@pytest.mark.parametrize("cut,adaptive", [(None, False), (0.0, True), (0.3, True), (0.9, False), (1.01, True),
+                                          (1.01, False)])
+def test_every_draft_policy_equals_ar_greedy(bundled, cut, adaptive):
+    """Fixed and adaptive drafts (the leftover of a rejected draft drafting on, the first token
+    emitted when drafted), uncut and cut (above 1: every draft is AR's token alone) give AR's tokens
+    on held-out prompts, batched as one by one."""
     from clover.data.tasks import heldout_tasks
 
     prompts = [bundled.tokenizer.encode(t.prompt) for t in heldout_tasks(5000)[3000:3003]]
     ar = [g.token_ids for g in bundled.generate(prompts, mode="ar", max_new_tokens=24, ignore_eos=True)]
-    batched = _spec_rows(bundled, prompts, 24, cut=cut, reuse=reuse)
-    alone = [_spec_rows(bundled, [p], 24, cut=cut, reuse=reuse)[0] for p in prompts]
+    batched = _spec_rows(bundled, prompts, 24, cut=cut, adaptive=adaptive)
+    alone = [_spec_rows(bundled, [p], 24, cut=cut, adaptive=adaptive)[0] for p in prompts]
     assert [r.tokens for r in batched] == [r.tokens for r in alone] == ar
     if cut is not None and cut > 1:
         assert all(a == 1 for r in batched for a in r.accept_lengths)
-        assert all(r.forwards == len(r.tokens) and not r.state.rejected_draft for r in batched)  # as AR
+        # AR's forwards when the first token is emitted as drafted, else one more (it waits for its verify)
+        assert all(r.forwards == len(r.tokens) + (not adaptive) and not r.state.rejected_draft for r in batched)
     else:
         assert any(a > 1 for r in batched for a in r.accept_lengths)
 
 
-def test_leftover_drafts_save_forwards(bundled):
-    """After a rejection the leftover of the draft verifies behind AR's token: fewer forwards for the
-    same tokens on held-out prompts (a draft of one keeps exactly one token; a leftover may keep more)."""
+def test_the_adaptive_draft_saves_forwards(bundled):
+    """After a rejection the leftover of the draft verifies behind AR's token, and a draft's first
+    token is emitted when drafted: fewer forwards for the same tokens on held-out prompts."""
     from clover.data.tasks import heldout_tasks
 
     prompts = [bundled.tokenizer.encode(t.prompt) for t in heldout_tasks(5000)[3000:3006]]
-    fixed, reused = (_spec_rows(bundled, prompts, 32, reuse=reuse) for reuse in (False, True))
-    assert [r.tokens for r in fixed] == [r.tokens for r in reused]
-    assert sum(r.forwards for r in reused) < sum(r.forwards for r in fixed)
+    fixed, adaptive = (_spec_rows(bundled, prompts, 32, adaptive=a) for a in (False, True))
+    assert [r.tokens for r in fixed] == [r.tokens for r in adaptive]
+    assert sum(r.forwards for r in adaptive) < sum(r.forwards for r in fixed)
 
 
-def test_the_default_draft_adapts_and_a_length_asked_for_is_kept(bundled):
+def test_auto_drafts_adaptively_and_a_fixed_width_as_before(bundled):
+    """block_size="auto" is the adaptive draft (its width chosen per forward); a block size or a
+    draft length is the fixed draft, as the llama.cpp port decodes it."""
     from clover.decoding.modes import get_mode
     from clover.decoding.speculative import DRAFT_CUT
 
     mode = get_mode("speculative")
-    adaptive = mode.spec(bundled.params("speculative", {}))
-    fixed = mode.spec(bundled.params("speculative", {"draft_length": 8}))
-    assert adaptive.draft_cut == DRAFT_CUT and fixed.draft_cut is None and adaptive != fixed
-    assert mode.make_engine(bundled.model, adaptive, mask_id=2, pad_id=1).reuse
-    assert not mode.make_engine(bundled.model, fixed, mask_id=2, pad_id=1).reuse
+    auto = mode.spec(bundled.params("speculative", {"block_size": "auto"}))
+    assert auto.draft_cut == DRAFT_CUT
+    for kw in ({}, {"draft_length": 4}, {"block_size": 16}):
+        fixed = mode.spec(bundled.params("speculative", kw))
+        assert fixed.draft_cut is None and not mode.make_engine(bundled.model, fixed, mask_id=2, pad_id=1).adaptive

@@ -219,7 +219,8 @@ def test_bench_cost_cli_errors(tiny_dir, capsys):
     assert "--positions" in capsys.readouterr().err
 
 
-def test_draft_length_switching_every_forward_stays_identical_to_ar(llm, alternating_policy):
+@pytest.mark.parametrize("adaptive", [False, True])
+def test_draft_length_switching_every_forward_stays_identical_to_ar(llm, alternating_policy, adaptive):
     from clover.decoding.base import RowState
     from clover.decoding.sampling import SamplingParams
     from clover.decoding.speculative import SpeculativeEngine
@@ -228,7 +229,7 @@ def test_draft_length_switching_every_forward_stays_identical_to_ar(llm, alterna
     curve.add("verify", 1, 4, 1.0)
     for prompt in ("abc", "hello world"):
         eng = SpeculativeEngine(llm.model, draft_length="auto", mask_id=llm.config.mask_token_id,
-                                draft_policy=alternating_policy((4, 8, 16), curve))
+                                draft_policy=alternating_policy((W.AR_WIDTH, 4, 8, 16), curve), adaptive=adaptive)
         params = SamplingParams(max_new_tokens=40, ignore_eos=True, block_size="auto")
         row = RowState(prompt=llm.tokenizer.encode(prompt), params=params, eos_ids=set(llm.config.eos_token_ids))
         eng.add(row)

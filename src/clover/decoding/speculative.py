@@ -193,9 +193,11 @@ class SpeculativeEngine(BatchEngine):
 
     def __init__(self, model, *, draft_length: int | str, mask_id: int, pad_id: int = 0,
                  expert_budget: int | None = None, expert_rank: str = "sum", draft_policy=None,
-                 cut: float | None = None, reuse: bool = False) -> None:
+                 cut: float | None = None, adaptive: bool = False) -> None:
         super().__init__(model, pad_id=pad_id)
-        self.reuse = reuse  # after a rejection, the rest of the draft past the rejected token drafts on
+        # the adaptive draft: after a rejection the draft past the rejected token drafts on, and a
+        # draft's first token is emitted when drafted (else the fixed draft, as the llama.cpp port's)
+        self.adaptive = adaptive
         self.cut = cut  # cut each draft before its first token below this denoise probability (None: never)
         self.draft_policy = None
         if draft_length == AUTO:
@@ -305,6 +307,11 @@ class SpeculativeEngine(BatchEngine):
             r.state.draft_q = q[:k] if k else None
         return first + rest
 
+    def early(self, r: RowState) -> bool:
+        """Whether the row's drafts have their first token emitted when drafted (the adaptive draft;
+        not under a grammar, whose verify consumes it)."""
+        return self.adaptive and r.constraint is None
+
     def _next_draft(self, r: RowState, denoise_logits: torch.Tensor | None) -> list[int]:
         """The row's next draft from its causal logits and `denoise_logits` (the predictions of draft
         tokens 1.. ; None: a draft of one, AR's own next token), under the row's grammar if any."""
@@ -324,7 +331,11 @@ class SpeculativeEngine(BatchEngine):
         has_commit = any(commit_src)
         commit_ids, n_commit = pad_right(commit_src, self.pad_id, self.device) if has_commit else (None, None)
         # a draft of one needs no denoise block: its token comes from the causal logits (the AR step)
-        block = torch.full((len(rows), D), self.mask_id, dtype=torch.long, device=self.device) if D > 1 else None
+        width = D
+        if D == 1 and self.model.static_steps is not None and any(r.state.draft and len(r.state.draft) > 1 for r in rows):
+            # compiled: a verify has a graph with the block (draft auto narrowing to AR), its block unused
+            width = self.model.config.block_size
+        block = torch.full((len(rows), width), self.mask_id, dtype=torch.long, device=self.device) if width > 1 else None
         # drafts of one are always kept: with no denoise block the forward is AR's step, no logits but
         # the last and nothing to roll back (with one, the verify forward's shape: compiled, its graph)
         verifying = block is not None or any(r.state.draft is not None and len(r.state.draft) > 1 for r in rows)
@@ -356,7 +367,7 @@ class SpeculativeEngine(BatchEngine):
                 r.state.kept_draft += m - 1
                 r.state.rejected_draft += m < Dv
                 next_draft_ok = m == Dv  # kept whole: this forward's denoise block follows the kept tokens
-                commit_verified(r, i, r.state.draft[:m], events, emitted=int(r.constraint is None))
+                commit_verified(r, i, r.state.draft[:m], events, emitted=int(self.early(r)))
             elif r.state.pending:  # prompt prefill rides with the first draft
                 r.state.first_logits = causal_logits[i, len(r.state.pending) - 1 if verifying else 0]
                 r.state.pending = []
@@ -368,16 +379,16 @@ class SpeculativeEngine(BatchEngine):
             # after a rejection this forward's denoise block followed rejected tokens: the next forward
             # commits AR's own next token (a draft of one, always kept) while it denoises the block
             # after it, rather than only denoising (a forward that committed nothing)
-            r.state.draft = self._next_draft(r, out.denoise_logits[i, : D - 1] if next_draft_ok and block is not None
+            r.state.draft = self._next_draft(r, out.denoise_logits[i, : D - 1] if next_draft_ok and D > 1
                                              else None)
-            if self.reuse and not next_draft_ok and r.constraint is None and m + 1 < Dv:
+            if self.adaptive and not next_draft_ok and r.constraint is None and m + 1 < Dv:
                 # and the draft's tokens past the rejected one ride along: they were denoised from masks,
                 # never from the rejected token, so they draft the positions after AR's as well as before
                 # (sampled: each still distributed as its q, drawn independently of the rejection)
                 r.state.draft += old_draft[m + 1 :]
                 if not r.params.greedy:
                     r.state.draft_q = old_q[m:]
-            if r.constraint is None:
+            if self.early(r):
                 # the draft's first token is AR's own (always kept): emitted now, as AR would emit it,
                 # and a row it ends needs no further forward (a grammar's row keeps it to its verify)
                 kept = r.accept(r.state.draft[:1], [1])
@@ -416,15 +427,14 @@ class Speculative(Mode):
         return AUTO_MAX_WIDTH if params.block_size == AUTO else params.block_size
 
     def spec(self, params, provisional=False) -> EngineSpec:
-        # the draft of the block size (or "auto") is cut by the denoise pass's confidence; a length asked for is kept
+        # block_size "auto": the adaptive draft; else the fixed draft of draft_length or the block size
         return EngineSpec(self, params.draft_length or params.block_size, params.expert_budget, params.expert_rank,
-                          draft_cut=DRAFT_CUT if params.draft_length is None else None)
+                          draft_cut=DRAFT_CUT if params.block_size == AUTO else None)
 
     def make_engine(self, model, spec, *, mask_id, pad_id):
-        # the adaptive draft (cut, and reused past a rejection); a draft length asked for is kept fixed
         return SpeculativeEngine(model, draft_length=spec.width, mask_id=mask_id, pad_id=pad_id,
                                  expert_budget=spec.expert_budget, expert_rank=spec.expert_rank, cut=spec.draft_cut,
-                                 reuse=spec.draft_cut is not None)  # draft_cut 0: adaptive, never cut
+                                 adaptive=spec.draft_cut is not None)  # draft_cut 0: adaptive, never cut
 
 
 register(Speculative())
