@@ -114,10 +114,7 @@ struct Drafter {
     float eps = 1e-6f, rope_base = 1e6f, embd_scale = 1.f, out_mult = 1.f, softcap = 0.f;
     std::vector<int> target_layers;  // the target layers whose outputs make a context vector, in order
     ggml_tensor *fc = nullptr, *hidden_norm = nullptr, *out_norm = nullptr;
-    std::vector<DraftLayer> layers;
-    ggml_context * cache_ctx = nullptr;
-    ggml_backend_buffer_t cache_buf = nullptr;
-    int n_ctx = 0;
+    std::vector<DraftLayer> layers;  // their K/V caches live in the target's cache buffer (reset_cache)
     int n_past = 0;  // context tokens in the cache
     double cpu_s = 0.0;  // process CPU time in drafter forwards (since the request started)
     int n_features() const { return (int) target_layers.size() * n_embd; }
