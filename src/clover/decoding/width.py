@@ -4,7 +4,8 @@
 - `commit`: n tokens appended causally (n = 1 is the AR step);
 - `denoise`: one block of n positions denoised against the cache;
 - `verify`: speculative decoding's forward, a draft of n committed causally with every logit plus the
-  next draft of n denoised (2n positions);
+  next draft of n denoised (2n positions), and the cache rolled back to half the draft after it (a
+  partial accept, as most verifies end);
 - `block`: a finished block of n committed fused with the next block's first denoise step (2n
   positions), what the diffusion engine runs once per block.
 Measured on this machine at batch 1 and under batch (`time_forward`, `measure_curve`; `clover bench
@@ -52,6 +53,7 @@ SCHEMA = "clover.cost/1"
 AR_WIDTH = 1  # the width-1 block: the AR step (block_size="auto" may choose it)
 BATCH_BUCKETS = (1, 2, 4, 8, 16)  # the batch sizes a draft choice measures its forwards at
 AUTO_MAX_WIDTH = 64  # block_size="auto" picks among the trained widths up to this (the context it reserves)
+CALIBRATION_REPEAT = 8  # timed forwards per point of a quick calibration (the fastest is kept)
 PRIOR_PSEUDO_FORWARDS = 8.0  # how many forwards' worth of evidence the prior tokens-per-forward carries
 
 
@@ -220,10 +222,10 @@ def time_forward(model, kind: str, batch: int, positions: int, *, prefix: int = 
             model.step(cache, denoise_ids=block, **kw)
         elif kind == "block":
             model.step(cache, commit_ids=ids, denoise_ids=block, **kw)
-        else:
-            cache.start_recording()
+        else:  # as a verify runs: then rolled back to half its draft (a partial accept, the common case)
+            snap = cache.start_recording()
             model.step(cache, commit_ids=ids, denoise_ids=block, all_logits=True, **kw)
-            cache.record = None
+            cache.rollback(snap, [positions // 2] * batch)
         cache.lengths.copy_(start)
 
     for _ in range(warmup):
@@ -239,15 +241,14 @@ def time_forward(model, kind: str, batch: int, positions: int, *, prefix: int = 
 
 
 def measure_curve(model, *, kinds=KINDS, batches=(1,), positions=POSITIONS, repeat: int = 5, prefix: int = 64,
-                  progress=None, expert_budget: int | None = None) -> CostCurve:
-    """The median of `repeat` forwards at every (kind, batch, positions)."""
+                  progress=None, expert_budget: int | None = None, stat=statistics.median) -> CostCurve:
+    """The median (`stat`) of `repeat` forwards at every (kind, batch, positions)."""
     curve = CostCurve(key=cost_key(model))
     todo = [(k, b, p) for b in batches for k in kinds for p in positions]
     for i, (k, b, p) in enumerate(todo):
         if progress:
             progress(i, len(todo), f"{k} batch {b} x {p}")
-        curve.add(k, b, p, statistics.median(time_forward(model, k, b, p, repeat=repeat, prefix=prefix,
-                                                          expert_budget=expert_budget)))
+        curve.add(k, b, p, stat(time_forward(model, k, b, p, repeat=repeat, prefix=prefix, expert_budget=expert_budget)))
     if progress:
         progress(len(todo), len(todo), "done")
     return curve
@@ -262,15 +263,15 @@ def batch_bucket(batch: int) -> int:
 def curve_for(model, widths, kind: str = "denoise", batch: int = 1) -> CostCurve:
     """The cached curve when it covers `kind` at `batch` rows (with the AR step; for the denoise
     kind with the block commit); else a quick calibration at that batch (the denoise and block
-    forwards at each width, or the verify forward at each width; and the AR step; 3 timed forwards
-    each), cached for the next time."""
+    forwards at each width, or the verify forward at each width; and the AR step; 8 timed forwards
+    each, the fastest: on a shared machine another process only adds time), cached for the next time."""
     curve = load_curve(model)
     kinds = ("denoise", "block") if kind == "denoise" else (kind,)
     if curve is not None and all(curve.has(k, batch) for k in kinds + ("commit",)):
         return curve
     pts = sorted({w for w in widths if w > AR_WIDTH})
-    fresh = measure_curve(model, kinds=kinds, batches=(batch,), positions=pts, repeat=3)
-    fresh.add("commit", batch, 1, statistics.median(time_forward(model, "commit", batch, 1, repeat=3)))
+    fresh = measure_curve(model, kinds=kinds, batches=(batch,), positions=pts, repeat=CALIBRATION_REPEAT, stat=min)
+    fresh.add("commit", batch, 1, min(time_forward(model, "commit", batch, 1, repeat=CALIBRATION_REPEAT)))
     try:
         save_curve(model, fresh)
     except OSError:  # a read-only cache: the choice still works for this process
