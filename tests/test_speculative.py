@@ -106,6 +106,7 @@ def test_rejection_rule_emits_the_target_distribution():
 @pytest.mark.parametrize("width", [8, "auto"])  # the fixed draft; the adaptive one (drafting 8 here)
 def test_speculative_sampling_matches_ar_sampling(llm, width, monkeypatch):
     """End to end on the tiny model: the first two sampled tokens' distribution, AR vs speculative."""
+    from clover.decoding import speculative as S
     from clover.decoding import width as W
 
     curve = W.CostCurve()  # the verify of 8 as cheap as the AR step: draft "auto" drafts 8
@@ -113,7 +114,7 @@ def test_speculative_sampling_matches_ar_sampling(llm, width, monkeypatch):
         curve.add("commit", b, 1, 1.0)
         for p in (8, 16, 32, 64):
             curve.add("verify", b, p, p / 8)
-    monkeypatch.setattr(W, "curve_for", lambda *a, **k: curve)
+    monkeypatch.setattr(S, "step_curve", lambda *a, **k: curve)
     kw = dict(max_new_tokens=2, temperature=1.0, top_k=3, ignore_eos=True)
     n = 400
     counts = {}

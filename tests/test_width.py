@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import clover
+from clover.decoding import speculative as S
 from clover.decoding import width as W
 
 
@@ -74,6 +75,17 @@ def test_calibration_when_nothing_is_cached(llm, cache_home):
     assert set(curve.seconds_by["denoise"][1]) == set(curve.seconds_by["block"][1]) == {4, 8}
     assert set(curve.seconds_by["commit"][1]) == {1}
     assert W.load_curve(llm.model) is not None  # cached for the next time
+
+
+def test_step_curve_times_the_engine_at_each_width_once_per_process(llm, cache_home):
+    """Draft auto's costs: the adaptive draft's engine stepped at each width (1: the AR step) at a
+    batch size, measured once per process and kept out of the user cache."""
+    c = S.step_curve(llm.model, (1, 4), 2, mask_id=llm.config.mask_token_id, repeat=2)
+    assert set(c.seconds_by) == {"commit", "verify"}
+    assert set(c.seconds_by["verify"]) == set(c.seconds_by["commit"]) == {2}
+    assert set(c.seconds_by["verify"][2]) == {4} and all(s > 0 for s in c.seconds_by["verify"][2].values())
+    assert S.step_curve(llm.model, (1, 4), 2, mask_id=llm.config.mask_token_id, repeat=2) is c
+    assert W.load_curve(llm.model) is None
 
 
 def test_choice_follows_cost_and_row_ease():
@@ -180,7 +192,7 @@ def test_adaptive_draft_stays_identical_to_ar(llm, monkeypatch, sure):
     for b in (1, 2):
         for p in (1, 4, 8, 16):
             curve.add("verify", b, p, 1.0 + p / 4)
-    monkeypatch.setattr(W, "curve_for", lambda model, widths, kind="denoise", batch=1: curve)
+    monkeypatch.setattr(S, "step_curve", lambda *a, **k: curve)
     monkeypatch.setattr(W.DraftPolicy, "PRIOR_RATE", sure)
     monkeypatch.setattr(W.DraftPolicy, "PRIOR_N", 1000.0)  # the prior decides: one draft length throughout
     prompts = ["abc", "def f(x):"]
@@ -265,10 +277,11 @@ def test_draft_choice_narrows_to_ar_under_batch_and_measures_each_bucket():
 
     def calibrate(batch):
         asked.append(batch)
-        curve.add("commit", batch, 1, 2.0)
+        fresh = W.CostCurve()
+        fresh.add("commit", batch, 1, 2.0)
         for p in (4, 8, 16):
-            curve.add("verify", batch, p, 2.0 * p)  # compute-bound: p AR steps
-        return curve
+            fresh.add("verify", batch, p, 2.0 * p)  # compute-bound: p AR steps
+        return fresh
 
     pol = W.DraftPolicy((W.AR_WIDTH, 4, 8, 16), curve, calibrate)
     assert pol.choose([(0.7, 100)]).width > W.AR_WIDTH and asked == []

@@ -37,13 +37,15 @@ would draw it (`accept_draft`).
 
 from __future__ import annotations
 
+import time
+import weakref
 from dataclasses import dataclass
 
 import torch
 
 from .base import BatchEngine, DecodeEvent, EngineRow, RowState, grad_free_call, pad_right, row_history
 from .modes import EngineSpec, Mode, register
-from .sampling import AUTO, filter_logits
+from .sampling import AUTO, SamplingParams, filter_logits
 
 # the adaptive draft is cut before its first token whose distribution's top probability is below
 # this (0: never). On the bundled model no cut paid: at 0.1 it never cuts, from 0.2 on it keeps fewer
@@ -203,7 +205,8 @@ class SpeculativeEngine(BatchEngine):
         if draft_length == AUTO:
             from .width import DraftPolicy
 
-            self.draft_policy = draft_policy or DraftPolicy.for_model(model)
+            self.draft_policy = draft_policy or DraftPolicy.for_model(
+                model, lambda widths, batch: step_curve(model, widths, batch, mask_id=mask_id, pad_id=pad_id))
             draft_length = max(self.draft_policy.widths)
         self.draft_length, self.mask_id, self.expert_budget = draft_length, mask_id, expert_budget
         self.max_draft = draft_length
@@ -401,6 +404,48 @@ class SpeculativeEngine(BatchEngine):
             settle_cache(self.cache, snap, keep, committed)
         self._drop_finished()
         return events
+
+
+# model -> (eager/compiled, widths, batch) -> CostCurve, measured once per process; weak keys, so that a
+# model collected (its id reused) takes its curves with it
+_STEP_COSTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+@grad_free_call
+def step_curve(model, widths, batch: int, *, mask_id: int, pad_id: int = 0, repeat: int = 8) -> "CostCurve":
+    """What a forward of the adaptive draft costs as it runs at each width in `widths` (the verify
+    and its drafting, rollback and bookkeeping; width 1: the AR step) at `batch` rows: an engine of
+    that fixed width decoding random prompts, its steps timed in rounds across the widths after two
+    untimed ones (a compiled model compiles there), the fastest kept (so load that comes and goes on
+    a shared machine weighs on no width more than another). Kept in the `"verify"` kind of a
+    `width.CostCurve` (the `"commit"` kind at 1) for `width.DraftPolicy`; measured once per process."""
+    from .width import AR_WIDTH, CostCurve, compiled_kind
+
+    known = _STEP_COSTS.setdefault(model, {})
+    key = (compiled_kind(model), tuple(widths), batch)
+    if key in known:
+        return known[key]
+    gen = torch.Generator().manual_seed(0)
+    engines = {}
+    for w in widths:
+        engine = SpeculativeEngine(model, draft_length=w, mask_id=mask_id, pad_id=pad_id, adaptive=True)
+        for _ in range(batch):
+            prompt = torch.randint(3, model.config.vocab_size, (32,), generator=gen).tolist()
+            engine.add(RowState(prompt, SamplingParams(max_new_tokens=(repeat + 2) * w + 1, ignore_eos=True), set()))
+        engine.step()  # the prefill
+        engine.step()
+        engines[w] = engine
+    seconds = {w: [] for w in widths}
+    for _ in range(repeat):
+        for w, engine in engines.items():
+            t0 = time.perf_counter()
+            engine.step()
+            seconds[w].append(time.perf_counter() - t0)
+    curve = CostCurve()
+    for w in widths:
+        curve.add("commit" if w == AR_WIDTH else "verify", batch, w, min(seconds[w]))
+    known[key] = curve
+    return curve
 
 
 class Speculative(Mode):

@@ -260,18 +260,18 @@ def batch_bucket(batch: int) -> int:
     return next((b for b in BATCH_BUCKETS if b >= batch), BATCH_BUCKETS[-1])
 
 
-def curve_for(model, widths, kind: str = "denoise", batch: int = 1) -> CostCurve:
-    """The cached curve when it covers `kind` at `batch` rows (with the AR step; for the denoise
-    kind with the block commit); else a quick calibration at that batch (the denoise and block
-    forwards at each width, or the verify forward at each width; and the AR step; 8 timed forwards
-    each, the fastest: on a shared machine another process only adds time), cached for the next time."""
+def curve_for(model, widths) -> CostCurve:
+    """The cached curve when it covers the denoise forward, the block commit and the AR step; else a
+    quick calibration (the denoise and block forwards at each width and the AR step; batch 1, the
+    fastest of 8 timed forwards each: on a shared machine another process only adds time), cached
+    for the next time."""
     curve = load_curve(model)
-    kinds = ("denoise", "block") if kind == "denoise" else (kind,)
-    if curve is not None and all(curve.has(k, batch) for k in kinds + ("commit",)):
+    if curve is not None and curve.has("denoise") and curve.has("block") and curve.has("commit"):
         return curve
     pts = sorted({w for w in widths if w > AR_WIDTH})
-    fresh = measure_curve(model, kinds=kinds, batches=(batch,), positions=pts, repeat=CALIBRATION_REPEAT, stat=min)
-    fresh.add("commit", batch, 1, min(time_forward(model, "commit", batch, 1, repeat=CALIBRATION_REPEAT)))
+    fresh = measure_curve(model, kinds=("denoise", "block"), batches=(1,), positions=pts, repeat=CALIBRATION_REPEAT,
+                          stat=min)
+    fresh.add("commit", 1, 1, min(time_forward(model, "commit", 1, 1, repeat=CALIBRATION_REPEAT)))
     try:
         save_curve(model, fresh)
     except OSError:  # a read-only cache: the choice still works for this process
@@ -363,12 +363,12 @@ class DraftPolicy:
     1 + a + ... + a^(D-1) tokens for a row whose draft tokens are kept at rate a (its own so far,
     after a prior worth `PRIOR_N` verifies: the rate at which a draft of the model's block size keeps
     the model card's tokens per forward at that width (`config.block_tokens_per_forward`, what
-    diffusion commits per forward there), else `PRIOR_RATE`), over the measured verify forward at
-    this batch size. Width 1 (`AR_WIDTH`, where the curve has the AR step) is a draft of one: no
+    diffusion commits per forward there), else `PRIOR_RATE`), over what a forward drafting D costs
+    at this batch size. Width 1 (`AR_WIDTH`, where the curve has the AR step) is a draft of one: no
     denoise block, one token per forward at the cost of the AR step, so where AR wins (a batch
     large enough for the verify to turn compute-bound) the choice is AR.
-    `calibrate(batch)`: a curve that covers the verify forward at that batch (`curve_for`), asked
-    for at each batch bucket (`batch_bucket`) the curve has not measured; None: the curve as given."""
+    `calibrate(batch)`: a curve with the forwards at that batch, asked for at each batch bucket
+    (`batch_bucket`) the curve has not measured and merged into it; None: the curve as given."""
 
     PRIOR_RATE = 0.5
     PRIOR_N = 4.0
@@ -380,15 +380,15 @@ class DraftPolicy:
         self.prior_rate = self.PRIOR_RATE if prior_rate is None else prior_rate
 
     @classmethod
-    def for_model(cls, model, curve: CostCurve | None = None) -> "DraftPolicy":
-        """The AR step and the trained widths over the measured verify forwards (batch 1 at once;
-        every other batch bucket when first met)."""
+    def for_model(cls, model, measure) -> "DraftPolicy":
+        """The AR step and the trained widths, over `measure(widths, batch)` (a CostCurve: the verify
+        kind at each width > 1 and the commit kind at 1, at that batch; batch 1 at once, every other
+        batch bucket when first met) and the model card's prior."""
         widths = (AR_WIDTH,) + trained_widths(model.config)
         w = int(model.config.block_size)
         table = getattr(model.config, "block_tokens_per_forward", None) or {}
         tpf = table.get(str(w), table.get(w)) if isinstance(table, dict) else None
-        return cls(widths, curve or curve_for(model, widths, kind="verify"),
-                   None if curve else (lambda batch: curve_for(model, widths, kind="verify", batch=batch)),
+        return cls(widths, measure(widths, 1), lambda batch: measure(widths, batch),
                    prior_rate=None if tpf is None else cls.rate_keeping(float(tpf), w))
 
     @staticmethod
@@ -403,7 +403,10 @@ class DraftPolicy:
     def seconds(self, D: int, batch: int) -> float:
         """A forward that drafts D (verifying the drafts before) at `batch` rows."""
         if self.calibrate is not None and not self.curve.has("verify", batch_bucket(batch)):
-            self.curve = self.calibrate(batch_bucket(batch))
+            for kind, by_batch in self.calibrate(batch_bucket(batch)).seconds_by.items():
+                for b, pts in by_batch.items():
+                    for p, sec in pts.items():
+                        self.curve.add(kind, b, p, sec)
         if D == AR_WIDTH and self.curve.has("commit"):
             return self.curve.seconds("commit", batch, 1)
         return self.curve.seconds("verify", batch, D)
