@@ -290,3 +290,12 @@ def test_draft_choice_narrows_to_ar_under_batch_and_measures_each_bucket():
     assert pol.choose([(0.7, 100)] * 16).width == W.AR_WIDTH and asked == [16]
     assert W.batch_bucket(1) == 1 and W.batch_bucket(3) == 4 and W.batch_bucket(40) == W.BATCH_BUCKETS[-1]
     assert "width 1" in choice.why()
+
+
+def test_generate_verbose_shows_the_draft_widths_chosen(tiny_dir, capsys):
+    from clover.cli import main
+
+    assert main(["generate", "abc", "--model", str(tiny_dir), "--mode", "speculative", "--block-size", "auto",
+                 "-n", "6", "--verbose", "--threads", "1"]) == 0
+    err = capsys.readouterr().err
+    assert "block_size auto: draft widths " in err and "forward 0: draft width " in err

@@ -162,8 +162,12 @@ def run(args: argparse.Namespace) -> int:
     if not args.json and not (args.live and tty):  # the live view already shows the stats
         stderr(f"[{mode.name}] " + viz.stats_line(s.tokens, s.forwards, s.seconds, gen.finish_reason))
     if s.width_why and not args.json:  # block_size="auto": the widths chosen (every decision with --verbose)
-        widths = ", ".join(f"{w}×{s.block_widths.count(w)}" for w in sorted(set(s.block_widths)))
-        stderr(f"[{mode.name}] block_size auto: blocks of {widths}")
+        if s.block_widths:
+            widths = ", ".join(f"{w}×{s.block_widths.count(w)}" for w in sorted(set(s.block_widths)))
+            stderr(f"[{mode.name}] block_size auto: blocks of {widths}")
+        else:  # speculative: the draft width of each decision (1: AR's step)
+            chosen = " → ".join(line.split(" width ", 1)[1].split(" ", 1)[0] for line in s.width_why)
+            stderr(f"[{mode.name}] block_size auto: draft widths {chosen}")
         if args.verbose:
             for line in s.width_why:
                 stderr(f"  {line}")
