@@ -37,6 +37,7 @@ would draw it (`accept_draft`).
 
 from __future__ import annotations
 
+import statistics
 import time
 import weakref
 from dataclasses import dataclass
@@ -416,8 +417,9 @@ def step_curve(model, widths, batch: int, *, mask_id: int, pad_id: int = 0, repe
     """What a forward of the adaptive draft costs as it runs at each width in `widths` (the verify
     and its drafting, rollback and bookkeeping; width 1: the AR step) at `batch` rows: an engine of
     that fixed width decoding random prompts, its steps timed in rounds across the widths after two
-    untimed ones (a compiled model compiles there), the fastest kept (so load that comes and goes on
-    a shared machine weighs on no width more than another). Kept in the `"verify"` kind of a
+    untimed ones (a compiled model compiles there), the median kept (the rounds spread load that
+    comes and goes on a shared machine over every width; the median keeps what a step pays as it
+    varies, a rollback after one and none after the next). Kept in the `"verify"` kind of a
     `width.CostCurve` (the `"commit"` kind at 1) for `width.DraftPolicy`; measured once per process."""
     from .width import AR_WIDTH, CostCurve, compiled_kind
 
@@ -443,7 +445,7 @@ def step_curve(model, widths, batch: int, *, mask_id: int, pad_id: int = 0, repe
             seconds[w].append(time.perf_counter() - t0)
     curve = CostCurve()
     for w in widths:
-        curve.add("commit" if w == AR_WIDTH else "verify", batch, w, min(seconds[w]))
+        curve.add("commit" if w == AR_WIDTH else "verify", batch, w, statistics.median(seconds[w]))
     known[key] = curve
     return curve
 
