@@ -250,6 +250,42 @@ def test_port_speculative_budgeted_draft_equals_ar(port, bundled_f32, llm):
 
 
 @pytest.mark.slow
+def test_port_wide_q8_matmul(port, llm, tmp_path):
+    """The port's wide q8_0 kernel (`--matmul wide`, the default where built with AVX-512 VNNI) against
+    ggml's: every packed matrix of the bundled model in q8_0 times 1-16 random columns equals ggml's
+    q8_0 vec_dot to float rounding, and one forward (a prompt committed + a block denoised) gives
+    --matmul ggml's argmax everywhere and its logits within 1% of their scale: each matmul quantizes
+    its input to q8_0, where a float-rounding difference can move a value by one quantum (most rows
+    agree to 1e-6; the rows after such a step to a few 1e-3)."""
+    from clover.export.gguf import export_gguf
+
+    gguf = tmp_path / "clover-tiny-q8_0.gguf"
+    export_gguf(BUNDLED, gguf, dtype="q8_0", progress=False)
+    check = subprocess.run([str(port), str(gguf), "--mode", "check-matmul"], capture_output=True, timeout=300)
+    if check.returncode != 0 and b"no AVX-512 VNNI" in check.stderr:
+        pytest.skip("the port was built without AVX-512 VNNI: no wide kernel to check")
+    assert check.returncode == 0, check.stderr.decode()[-2000:]
+    res = json.loads(check.stdout)
+    print(f"\nwide q8_0 kernel: {res}")
+    assert res["matrices"] > 0 and res["max_rel_diff"] < 1e-5
+    prompt = task_prompts(llm, 1)[0]
+    block = [llm.config.mask_token_id] * 8
+    block[2], block[5] = prompt[0], prompt[-1]
+    stdin = (" ".join(map(str, prompt)) + "\n" + " ".join(map(str, block)) + "\n").encode()
+    logits = {}
+    for matmul in ("wide", "ggml"):
+        out = tmp_path / f"{matmul}.f32"
+        r = subprocess.run([str(port), str(gguf), "--mode", "forward", "--out", str(out), "--matmul", matmul],
+                           input=stdin, capture_output=True, timeout=300)
+        assert r.returncode == 0, r.stderr.decode()[-2000:]
+        logits[matmul] = np.fromfile(out, dtype=np.float32).reshape(len(prompt) + len(block), -1)
+    diff = np.abs(logits["wide"] - logits["ggml"]).max(axis=1) / np.abs(logits["ggml"]).max(axis=1)
+    print(f"forward: max |diff| / scale per row: median {np.median(diff):.1e}, max {diff.max():.1e}")
+    assert (diff <= 1e-2).all()
+    assert (logits["wide"].argmax(1) == logits["ggml"].argmax(1)).all()
+
+
+@pytest.mark.slow
 def test_port_profile(port, bundled_f32, llm):
     """CLOVER_PORT_PROFILE=1 computes the graphs node by node: the same tokens, and a table per
     forward shape on stderr naming the ops and the matmuls' weights."""

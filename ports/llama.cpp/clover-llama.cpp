@@ -139,6 +139,7 @@ struct Model {
     bool has_clover = false;
     bool moe_grouped = true;    // routed experts of large forwards by moe_grouped (else ggml_mul_mat_id)
     bool flash_attn = true;     // attention by ggml_flash_attn_ext (else mul_mat, soft_max, mul_mat)
+    bool wide = false;          // q8_0 matmuls of forwards of >= 2 tokens by the port's wide kernel (--matmul wide)
     ggml_type kv_type = GGML_TYPE_F32;
     int n_threads = 1;
     bool exact_verify = true;   // dflash verifies compute each position as an AR step does (--verify exact|batched)
@@ -1033,6 +1034,255 @@ static void moe_grouped(ggml_tensor * dst, int ith, int nth, void * ud) {
     }
 }
 
+// ------------------------------------------------------------------- the wide q8_0 matmul
+// ggml multiplies a q8_0 matrix by a few columns with tinyBLAS (a 4x4 tile: per weight block,
+// row and column two sign flips, a 32-lane dot, a conversion and a float multiply-add) or with one
+// vec_dot per row and column (mul_mat_id): about 5 multiply-adds per vector instruction, so a
+// forward of 8 tokens is bound by its multiply-adds, not by its weight reads. The port repacks each
+// q8_0 matrix once at load, 16 rows interleaved per 32-column block (16 fp16 scales, then for each
+// 4-column quad the 16 rows' 4 bytes: one 64-byte vector), and multiplies it with AVX-512 VNNI: one
+// vpdpbusd gives 16 rows x 4 columns of one token, the 16 rows' block sums stay int32 (exact) and
+// take one conversion and one float multiply-add per block and token: 36 multiply-adds per
+// instruction at 8 tokens. The tokens are quantized to q8_0 as ggml quantizes them (ggml's own
+// quantize_row_q8_0) and offset by 128 to unsigned bytes; the offset is taken back with the rows'
+// block sums (one more vpdpbusd per quad against ones). Per row the arithmetic is ggml's: the same
+// integer block dots, scaled by the same two fp16 scales, summed over the blocks in order (ggml's
+// vec_dot keeps 8 partial sums per row instead: the results agree to float rounding). Used for
+// every q8_0 matmul of forwards of 2 or more tokens (the dense projections, the output layer, and
+// the routed experts: one op that quantizes each token once and runs each active expert's FFN on
+// its gathered tokens); `--matmul ggml` keeps ggml's kernels. Needs AVX-512 VNNI at build time
+// (-march=native); elsewhere the port uses ggml's kernels.
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#include <immintrin.h>
+#define CLOVER_WIDE_Q8 1
+#else
+#define CLOVER_WIDE_Q8 0
+#endif
+
+struct Q8Block { uint16_t d; int8_t qs[32]; };  // ggml's block_q8_0
+static_assert(sizeof(Q8Block) == 34, "block_q8_0 is 34 bytes");
+static const size_t Q8G = 16 * sizeof(Q8Block);  // one 16-row group's block, repacked: 16 scales, 512 quants
+
+struct PackedQ8 {  // a q8_0 matrix [R rows of K] (E of them: experts), repacked as above
+    std::vector<uint8_t> data;
+    int64_t R = 0, K = 0, E = 1;
+    size_t bytes() const { return (size_t) (R / 16) * (K / 32) * Q8G; }  // one matrix (expert)
+};
+
+static bool packable(const ggml_tensor * w) {
+    return w && w->type == GGML_TYPE_Q8_0 && w->ne[0] % 32 == 0 && w->ne[1] % 16 == 0 && w->ne[3] == 1 && ggml_is_contiguous(w);
+}
+
+static void pack_q8(PackedQ8 & p, const ggml_tensor * w) {
+    p.K = w->ne[0], p.R = w->ne[1], p.E = w->ne[2];
+    const int64_t B = p.K / 32, G = p.R / 16;
+    p.data.resize(p.bytes() * p.E);
+    for (int64_t e = 0; e < p.E; e++)
+        for (int64_t g = 0; g < G; g++)
+            for (int64_t r = 0; r < 16; r++) {
+                const Q8Block * row = (const Q8Block *) ((const char *) w->data + e * w->nb[2] + (g * 16 + r) * w->nb[1]);
+                for (int64_t b = 0; b < B; b++) {
+                    uint8_t * o = &p.data[e * p.bytes() + (g * B + b) * Q8G];
+                    memcpy(o + 2 * r, &row[b].d, 2);
+                    for (int q = 0; q < 8; q++) memcpy(o + 32 + 64 * q + 4 * r, row[b].qs + 4 * q, 4);
+                }
+            }
+}
+
+// n columns of K floats, quantized to q8_0 by ggml and stored as offset bytes u [n][K] and scales d [n][K/32]
+struct Q8Cols {
+    std::vector<uint8_t> u;
+    std::vector<float> d;
+    std::vector<Q8Block> tmp;
+    int64_t K = 0;
+    int n = 0;
+};
+
+static void quantize_cols(Q8Cols & c, const float * X, size_t ldx, int n, int64_t K) {
+    static const ggml_from_float_t quantize = ggml_get_type_traits_cpu(GGML_TYPE_Q8_0)->from_float;
+    const int64_t B = K / 32;
+    c.K = K, c.n = n;
+    c.u.resize((size_t) n * K);
+    c.d.resize((size_t) n * B);
+    c.tmp.resize(B);
+    for (int j = 0; j < n; j++) {
+        quantize(X + j * ldx, c.tmp.data(), K);
+        for (int64_t b = 0; b < B; b++) {
+            c.d[j * B + b] = ggml_fp16_to_fp32(c.tmp[b].d);
+            for (int i = 0; i < 32; i++) c.u[(size_t) j * K + 32 * b + i] = (uint8_t) c.tmp[b].qs[i] ^ 0x80;
+        }
+    }
+}
+
+#if CLOVER_WIDE_Q8
+// y[j * ldy + 0..15] = the 16 rows of group `wg` times column j, for NC columns
+template <int NC>
+static void q8_tile(const uint8_t * wg, int64_t B, const uint8_t * xu, const float * xd, int64_t K, float * y, int64_t ldy) {
+    __m512 acc[NC];
+    for (int j = 0; j < NC; j++) acc[j] = _mm512_setzero_ps();
+    const __m512i ones = _mm512_set1_epi8(1);
+    for (int64_t b = 0; b < B; b++) {
+        const uint8_t * blk = wg + b * Q8G;
+        const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *) blk));
+        __m512i sw = _mm512_setzero_si512(), ai[NC];
+        for (int j = 0; j < NC; j++) ai[j] = _mm512_setzero_si512();
+        for (int q = 0; q < 8; q++) {
+            const __m512i w = _mm512_loadu_si512(blk + 32 + 64 * q);
+            sw = _mm512_dpbusd_epi32(sw, ones, w);
+            for (int j = 0; j < NC; j++) {
+                int32_t xv;
+                memcpy(&xv, xu + j * K + 32 * b + 4 * q, 4);
+                ai[j] = _mm512_dpbusd_epi32(ai[j], _mm512_set1_epi32(xv), w);
+            }
+        }
+        sw = _mm512_slli_epi32(sw, 7);  // 128 * the rows' block sums: the offset of the bytes
+        for (int j = 0; j < NC; j++)
+            acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(ai[j], sw)), _mm512_mul_ps(dw, _mm512_set1_ps(xd[j * B + b])), acc[j]);
+    }
+    for (int j = 0; j < NC; j++) _mm512_storeu_ps(y + j * ldy, acc[j]);
+}
+#endif
+
+// Y [n][ldy] rows [16 g0, 16 g1) = W x for the packed matrix W (one expert's) and the quantized columns x
+static void q8_matmul(const uint8_t * W, int64_t K, const Q8Cols & x, float * Y, int64_t ldy, int64_t g0, int64_t g1) {
+#if CLOVER_WIDE_Q8
+    const int64_t B = K / 32;
+    for (int64_t g = g0; g < g1; g++)
+        for (int j0 = 0; j0 < x.n; j0 += 8) {
+            const uint8_t * wg = W + g * B * Q8G;
+            const uint8_t * xu = &x.u[(size_t) j0 * K];
+            const float * xd = &x.d[(size_t) j0 * B];
+            float * y = Y + j0 * ldy + 16 * g;
+            switch (std::min(8, x.n - j0)) {
+                case 1: q8_tile<1>(wg, B, xu, xd, K, y, ldy); break;
+                case 2: q8_tile<2>(wg, B, xu, xd, K, y, ldy); break;
+                case 3: q8_tile<3>(wg, B, xu, xd, K, y, ldy); break;
+                case 4: q8_tile<4>(wg, B, xu, xd, K, y, ldy); break;
+                case 5: q8_tile<5>(wg, B, xu, xd, K, y, ldy); break;
+                case 6: q8_tile<6>(wg, B, xu, xd, K, y, ldy); break;
+                case 7: q8_tile<7>(wg, B, xu, xd, K, y, ldy); break;
+                default: q8_tile<8>(wg, B, xu, xd, K, y, ldy); break;
+            }
+        }
+#else
+    (void) W, (void) K, (void) x, (void) Y, (void) ldy, (void) g0, (void) g1;
+    die("the wide q8_0 matmul needs AVX-512 VNNI");
+#endif
+}
+
+// dst [R, T] = W src[0] [K, T] (contiguous); userdata: the PackedQ8. The 16-row groups are split among the threads.
+static void q8_dense(ggml_tensor * dst, int ith, int nth, void * ud) {
+    const PackedQ8 & w = *(const PackedQ8 *) ud;
+    const ggml_tensor * x = dst->src[0];
+    thread_local Q8Cols c;
+    quantize_cols(c, (const float *) x->data, x->nb[1] / sizeof(float), (int) x->ne[1], w.K);
+    const int64_t G = w.R / 16, per = (G + nth - 1) / nth;
+    q8_matmul(w.data.data(), w.K, c, (float *) dst->data, dst->nb[1] / sizeof(float), std::min(G, ith * per), std::min(G, (ith + 1) * per));
+}
+
+// The routed experts of a forward, as moe_grouped (same layout) with the packed matrices: each token
+// quantized once, each active expert's gathered tokens through gate and up, SiLU(gate) * up quantized,
+// then down. Experts are dealt to the threads whole.
+struct MoeQ8Call { const PackedQ8 *gate, *up, *down; };
+
+static void moe_q8(ggml_tensor * dst, int ith, int nth, void * ud) {
+    const MoeQ8Call & c = *(const MoeQ8Call *) ud;
+    const ggml_tensor * h = dst->src[0], * sel = dst->src[1];
+    const int64_t H = h->ne[0], T = h->ne[1], k = sel->ne[0], E = c.gate->E, I = c.gate->R, BH = H / 32;
+    thread_local Q8Cols xh, xe, xp;
+    thread_local std::vector<float> gu, dn;
+    thread_local std::vector<int> rows;
+    quantize_cols(xh, (const float *) h->data, h->nb[1] / sizeof(float), (int) T, H);
+    auto expert_of = [&](int64_t t, int64_t s) { return *(const int32_t *) ((const char *) sel->data + t * sel->nb[1] + s * sel->nb[0]); };
+    std::vector<int> count(E, 0);
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t s = 0; s < k; s++) count[expert_of(t, s)]++;
+    int active = 0;
+    for (int64_t e = 0; e < E; e++) {
+        if (!count[e] || active++ % nth != ith) continue;
+        const int n = count[e];
+        rows.clear();
+        xe.K = H, xe.n = n;
+        xe.u.resize((size_t) n * H);
+        xe.d.resize((size_t) n * BH);
+        for (int64_t t = 0; t < T; t++)
+            for (int64_t s = 0; s < k; s++)
+                if (expert_of(t, s) == e) {
+                    const int j = (int) rows.size() / 2;
+                    memcpy(&xe.u[(size_t) j * H], &xh.u[(size_t) t * H], H);
+                    memcpy(&xe.d[(size_t) j * BH], &xh.d[(size_t) t * BH], sizeof(float) * BH);
+                    rows.push_back((int) s);
+                    rows.push_back((int) t);
+                }
+        gu.resize((size_t) 2 * n * I);
+        float * g = gu.data(), * u = g + (size_t) n * I;
+        q8_matmul(c.gate->data.data() + e * c.gate->bytes(), H, xe, g, I, 0, I / 16);
+        q8_matmul(c.up->data.data() + e * c.up->bytes(), H, xe, u, I, 0, I / 16);
+        for (size_t i = 0; i < (size_t) n * I; i++) u[i] *= g[i] / (1.f + expf(-g[i]));  // SiLU(gate) * up
+        quantize_cols(xp, u, I, n, I);
+        dn.resize((size_t) n * H);
+        q8_matmul(c.down->data.data() + e * c.down->bytes(), I, xp, dn.data(), H, 0, H / 16);
+        for (int j = 0; j < n; j++)
+            memcpy((char *) dst->data + rows[2 * j] * dst->nb[1] + rows[2 * j + 1] * dst->nb[2], &dn[(size_t) j * H], sizeof(float) * H);
+    }
+}
+
+// The packed copies of the model's q8_0 matmul weights (made once, at load, with --matmul wide).
+static std::map<const ggml_tensor *, PackedQ8> & packed_q8() {
+    static std::map<const ggml_tensor *, PackedQ8> packed;
+    return packed;
+}
+
+static const PackedQ8 * packed_of(const ggml_tensor * w) {
+    auto it = packed_q8().find(w);
+    return it == packed_q8().end() ? nullptr : &it->second;
+}
+
+static void pack_model(const Model & m) {
+    auto add = [](const ggml_tensor * w) { if (packable(w) && !packed_q8().count(w)) pack_q8(packed_q8()[w], w); };
+    for (const Layer & L : m.layers)
+        for (const ggml_tensor * w : {L.wq, L.wk, L.wv, L.wo, L.wqkv, L.wgate, L.wbeta, L.walpha, L.ssm_out,
+                                      L.up_exps, L.gate_exps, L.down_exps, L.gate_shexp, L.up_shexp, L.down_shexp})
+            add(w);
+    add(m.output);
+}
+
+// --mode check-matmul: every packed matrix (the first and last expert of the expert tensors) times
+// n = 1..9 and 16 random columns, by the wide kernel and by ggml's q8_0 vec_dot (each row against each
+// column quantized by ggml), the largest difference relative to the largest |result|: one JSON line.
+static std::string check_matmul() {
+    static const auto * tr = ggml_get_type_traits_cpu(GGML_TYPE_Q8_0);
+    std::mt19937 rng(0);
+    std::normal_distribution<float> normal;
+    double worst = 0;
+    int checked = 0;
+    for (auto & [w, p] : packed_q8())
+        for (int64_t e : std::set<int64_t>{0, p.E - 1})
+            for (int n : {1, 2, 3, 4, 5, 6, 7, 8, 9, 16}) {
+                std::vector<float> X((size_t) n * p.K), Y((size_t) n * p.R);
+                for (float & v : X) v = normal(rng);
+                Q8Cols c;
+                quantize_cols(c, X.data(), p.K, n, p.K);
+                q8_matmul(p.data.data() + e * p.bytes(), p.K, c, Y.data(), p.R, 0, p.R / 16);
+                std::vector<Q8Block> xq(p.K / 32);
+                double diff = 0, scale = 0;
+                for (int j = 0; j < n; j++) {
+                    tr->from_float(&X[(size_t) j * p.K], xq.data(), p.K);
+                    for (int64_t r = 0; r < p.R; r++) {
+                        float ref;
+                        tr->vec_dot((int) p.K, &ref, 0, (const char *) w->data + e * w->nb[2] + r * w->nb[1], 0, xq.data(), 0, 1);
+                        diff = std::max(diff, (double) std::fabs(ref - Y[(size_t) j * p.R + r]));
+                        scale = std::max(scale, (double) std::fabs(ref));
+                    }
+                }
+                worst = std::max(worst, diff / std::max(scale, 1e-30));
+                checked++;
+            }
+    char buf[128];
+    snprintf(buf, sizeof buf, "{\"matrices\": %d, \"checks\": %d, \"max_rel_diff\": %.3e}", (int) packed_q8().size(), checked, worst);
+    return buf;
+}
+
 // ------------------------------------------------------------------------------------ the forward
 struct Forward {
     std::vector<float> logits;  // [n_out][V], rows in the order of `out_rows`
@@ -1054,6 +1304,7 @@ struct CachedGraph {
     ggml_tensor * feats = nullptr;  // dflash: the drafter's context features of the commit [F, Tc]
     std::vector<GdnCall> calls;
     std::vector<MoeCall> moe_calls;
+    std::vector<MoeQ8Call> moe_q8_calls;
     ShareCall share_call{};
     uint64_t used = 0;
     ~CachedGraph() {
@@ -1253,11 +1504,18 @@ static CachedGraph * build_graph(Model & m, int Tc, int Bd, int n_out, int n_kv,
     // dots do the same arithmetic without the op's gathering (5-10% of a q8_0 forward of 8 tokens)
     const bool grouped = m.moe_grouped && !exact && (int64_t) T * hp.n_expert_used >= (int64_t) MOE_GEMM_MIN * hp.n_expert;
     G->moe_calls.resize(hp.n_layer);
+    G->moe_q8_calls.resize(hp.n_layer);
+    // q8_0 matmuls of forwards of 2 or more tokens by the wide kernel (packed at load), not in exact mode
+    const bool wide = m.wide && T >= 2 && !exact;
     // exact: every weight matmul computes each column as a one-token forward does. ggml multiplies one
     // column by vec_dot and two or more by tinyBLAS, whose sums round differently; columns given as
     // [K, 1, T] (a broadcast batch of one-column products) keep vec_dot, so a dflash verify gives AR's
     // logits bit for bit (f32 and q8_0), at the cost of the row dots (the routed experts run so anyway)
-    auto mm = [&](ggml_tensor * w, ggml_tensor * a) {
+    auto mm = [&](ggml_tensor * w, ggml_tensor * a) -> ggml_tensor * {
+        if (const PackedQ8 * p = wide ? packed_of(w) : nullptr; p && p->E == 1 && ggml_is_contiguous(a)) {
+            ggml_tensor * y = ggml_custom_4d(ctx, GGML_TYPE_F32, p->R, a->ne[1], 1, 1, &a, 1, q8_dense, GGML_N_TASKS_MAX, (void *) p);
+            return ggml_set_name(y, w->name);
+        }
         if (!exact || a->ne[1] < 2) return ggml_mul_mat(ctx, w, a);
         const int64_t n = a->ne[1];
         if (!ggml_is_contiguous(a)) a = ggml_cont(ctx, a);
@@ -1335,7 +1593,14 @@ static CachedGraph * build_graph(Model & m, int Tc, int Bd, int n_out, int n_kv,
         wts = ggml_div(ctx, wts, ggml_sum_rows(ctx, wts));
         wts = ggml_reshape_3d(ctx, wts, 1, k, T);
         ggml_tensor * dn;  // [H, k, T]: each slot's expert FFN
-        if (grouped) {
+        const PackedQ8 * pg = wide ? packed_of(L.gate_exps) : nullptr, * pu = wide ? packed_of(L.up_exps) : nullptr,
+                       * pd = wide ? packed_of(L.down_exps) : nullptr;
+        if (pg && pu && pd) {
+            G->moe_q8_calls[il] = {pg, pu, pd};
+            ggml_tensor * args[2] = {h, sel};
+            dn = ggml_custom_4d(ctx, GGML_TYPE_F32, H, k, T, 1, args, 2, moe_q8, GGML_N_TASKS_MAX, &G->moe_q8_calls[il]);
+            ggml_set_name(dn, "moe_q8");
+        } else if (grouped) {
             G->moe_calls[il] = {&L, &expert_workers(m.n_threads)};
             ggml_tensor * args[2] = {h, sel};
             dn = ggml_custom_4d(ctx, GGML_TYPE_F32, H, k, T, 1, args, 2, moe_grouped, GGML_N_TASKS_MAX, &G->moe_calls[il]);
@@ -2394,7 +2659,9 @@ static void usage() {
         "          (flash: ggml_flash_attn_ext, V read as stored; plain: mul_mat, soft_max, mul_mat on a\n"
         "          transposed copy of V), --kv f32|f16 (the K/V cache's type), --verify exact|batched (dflash:\n"
         "          each verified position computed as an AR step, bit for bit; or batched: ggml's multi-column\n"
-        "          kernels, faster, rounding differently)\n");
+        "          kernels, faster, rounding differently), --matmul wide|ggml (q8_0 matmuls of other forwards\n"
+        "          of 2 or more tokens: the port's AVX-512 VNNI kernel on weights repacked at load, the default\n"
+        "          where built with it; or ggml's)\n");
     exit(2);
 }
 
@@ -2403,7 +2670,7 @@ int main(int argc, char ** argv) {
     std::string model_path = argv[1], sidecar, drafter, out_path, input = "ids", prompt_text, mode = "diffusion";
     json defaults = json::object();
     int threads = 1;
-    std::string moe = "grouped", attn = "flash", kv = "f32", verify = "exact";
+    std::string moe = "grouped", attn = "flash", kv = "f32", verify = "exact", matmul = CLOVER_WIDE_Q8 ? "wide" : "ggml";
     std::vector<std::string> stops;
     for (int i = 2; i < argc; i++) {
         std::string a = argv[i];
@@ -2455,6 +2722,10 @@ int main(int argc, char ** argv) {
         } else if (a == "--verify") {
             verify = next();
             if (verify != "exact" && verify != "batched") die("--verify: exact or batched, not " + verify);
+        } else if (a == "--matmul") {
+            matmul = next();
+            if (matmul != "wide" && matmul != "ggml") die("--matmul: wide or ggml, not " + matmul);
+            if (matmul == "wide" && !CLOVER_WIDE_Q8) die("--matmul wide: this build has no AVX-512 VNNI (built without -march of such a CPU)");
         } else if (a == "--kv") {
             kv = next();
             if (kv != "f32" && kv != "f16") die("--kv: f32 or f16, not " + kv);
@@ -2462,17 +2733,19 @@ int main(int argc, char ** argv) {
         else usage();
     }
     if (!stops.empty()) defaults["stop"] = stops;
-    if (mode != "forward") defaults["mode"] = mode;
+    if (mode != "forward" && mode != "check-matmul") defaults["mode"] = mode;
     ggml_log_set([](ggml_log_level level, const char * text, void *) { if (level >= GGML_LOG_LEVEL_ERROR) fputs(text, stderr); }, nullptr);
     Model m;
     load_model(m, model_path, sidecar, threads);
     if (!drafter.empty()) load_drafter(m, drafter);
     m.moe_grouped = moe == "grouped";
     m.flash_attn = attn == "flash";
+    m.wide = matmul == "wide";
+    if (m.wide) pack_model(m);
     m.kv_type = kv == "f16" ? GGML_TYPE_F16 : GGML_TYPE_F32;
     m.exact_verify = verify == "exact";
     load_vocab(m, model_path);
-    if (mode != "forward") {
+    if (mode != "forward" && mode != "check-matmul") {
         try {
             make_params(m, defaults, json::object());  // the command line's options are checked before any input
         } catch (const std::exception & e) {
@@ -2481,6 +2754,11 @@ int main(int argc, char ** argv) {
     }
 
     std::string line;
+    if (mode == "check-matmul") {
+        if (!m.wide) die("mode check-matmul checks the wide kernel: not with --matmul ggml");
+        printf("%s\n", check_matmul().c_str());
+        return 0;
+    }
     if (mode == "forward") {
         if (!m.has_clover) die("mode forward needs Clover's tensors: the .clover.gguf sidecar next to the model (or --sidecar)");
         std::string l1, l2;
