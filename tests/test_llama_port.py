@@ -253,10 +253,11 @@ def test_port_speculative_budgeted_draft_equals_ar(port, bundled_f32, llm):
 def test_port_wide_q8_matmul(port, llm, tmp_path):
     """The port's wide q8_0 kernel (`--matmul wide`, the default where built with AVX-512 VNNI) against
     ggml's: every packed matrix of the bundled model in q8_0 times 1-16 random columns equals ggml's
-    q8_0 vec_dot to float rounding, and one forward (a prompt committed + a block denoised) gives
-    --matmul ggml's argmax everywhere and its logits within 1% of their scale: each matmul quantizes
-    its input to q8_0, where a float-rounding difference can move a value by one quantum (most rows
-    agree to 1e-6; the rows after such a step to a few 1e-3)."""
+    q8_0 vec_dot bit for bit, and one forward (a prompt committed + a block denoised) gives --matmul
+    ggml's argmax everywhere and its logits within 1% of their scale (ggml multiplies 2 or more columns
+    by tinyBLAS, which rounds differently; each matmul quantizes its input to q8_0, where a rounding
+    difference can move a value by one quantum: most rows agree to 1e-6, the rows after such a step
+    to a few 1e-3)."""
     from clover.export.gguf import export_gguf
 
     gguf = tmp_path / "clover-tiny-q8_0.gguf"
@@ -267,7 +268,7 @@ def test_port_wide_q8_matmul(port, llm, tmp_path):
     assert check.returncode == 0, check.stderr.decode()[-2000:]
     res = json.loads(check.stdout)
     print(f"\nwide q8_0 kernel: {res}")
-    assert res["matrices"] > 0 and res["max_rel_diff"] < 1e-5
+    assert res["matrices"] > 0 and res["checks"] > 0 and res["max_rel_diff"] == 0
     prompt = task_prompts(llm, 1)[0]
     block = [llm.config.mask_token_id] * 8
     block[2], block[5] = prompt[0], prompt[-1]

@@ -1035,23 +1035,25 @@ static void moe_grouped(ggml_tensor * dst, int ith, int nth, void * ud) {
 }
 
 // ------------------------------------------------------------------- the wide q8_0 matmul
-// ggml multiplies a q8_0 matrix by a few columns with tinyBLAS (a 4x4 tile: per weight block,
-// row and column two sign flips, a 32-lane dot, a conversion and a float multiply-add) or with one
-// vec_dot per row and column (mul_mat_id): about 5 multiply-adds per vector instruction, so a
-// forward of 8 tokens is bound by its multiply-adds, not by its weight reads. The port repacks each
+// ggml multiplies a q8_0 matrix by a few columns with tinyBLAS (a 4x4 tile: per weight block, row and
+// column two sign flips, a 32-lane dot, a conversion and a float multiply-add) or with one vec_dot
+// per row and column (mul_mat_id; any single column): a few multiply-adds per vector instruction, so
+// a forward of 8 tokens is bound by its multiply-adds, not by its weight reads. The port repacks each
 // q8_0 matrix once at load, 16 rows interleaved per 32-column block (16 fp16 scales, then for each
 // 4-column quad the 16 rows' 4 bytes: one 64-byte vector), and multiplies it with AVX-512 VNNI: one
-// vpdpbusd gives 16 rows x 4 columns of one token, the 16 rows' block sums stay int32 (exact) and
-// take one conversion and one float multiply-add per block and token: 36 multiply-adds per
-// instruction at 8 tokens. The tokens are quantized to q8_0 as ggml quantizes them (ggml's own
-// quantize_row_q8_0) and offset by 128 to unsigned bytes; the offset is taken back with the rows'
-// block sums (one more vpdpbusd per quad against ones). Per row the arithmetic is ggml's: the same
-// integer block dots, scaled by the same two fp16 scales, summed over the blocks in order (ggml's
-// vec_dot keeps 8 partial sums per row instead: the results agree to float rounding). Used for
-// every q8_0 matmul of forwards of 2 or more tokens (the dense projections, the output layer, and
-// the routed experts: one op that quantizes each token once and runs each active expert's FFN on
-// its gathered tokens); `--matmul ggml` keeps ggml's kernels. Needs AVX-512 VNNI at build time
-// (-march=native); elsewhere the port uses ggml's kernels.
+// vpdpbusd gives the quad's integer dot for 16 rows of a column, one conversion and one float
+// multiply-add per quad take it into that row's lane, as ggml's q8_0 vec_dot does for one row
+// (arch/x86/quants.c: 8 float lanes per row, lane q accumulating d_w * d_x * the dot of bytes
+// 4q..4q+3 block by block, then hsum_float_8's order). The columns are quantized to q8_0 by ggml's
+// own quantize_row_q8_0 and offset by 128 to unsigned bytes; each dot starts at -128 * the rows'
+// quad sums (one more vpdpbusd per quad against ones, shared by the tile's columns). So every column
+// is computed bit for bit as ggml's vec_dot computes it (the kernel of an AR step and of
+// mul_mat_id), by about a fifth of the instructions, and the weights are prefetched Q8_PREFETCH
+// bytes ahead (one core does not stream them at full rate from the hardware prefetch alone). Used
+// for every q8_0 matmul of forwards of 2 or more tokens: the dense projections, the output layer,
+// and the routed experts (mul_mat_id's graph, each active expert's gathered columns in one product);
+// `--matmul ggml` keeps ggml's kernels. Needs AVX-512 VNNI at build time (-march=native); elsewhere
+// the port uses ggml's kernels. `--mode check-matmul` compares it against ggml's vec_dot.
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #include <immintrin.h>
 #define CLOVER_WIDE_Q8 1
@@ -1062,6 +1064,7 @@ static void moe_grouped(ggml_tensor * dst, int ith, int nth, void * ud) {
 struct Q8Block { uint16_t d; int8_t qs[32]; };  // ggml's block_q8_0
 static_assert(sizeof(Q8Block) == 34, "block_q8_0 is 34 bytes");
 static const size_t Q8G = 16 * sizeof(Q8Block);  // one 16-row group's block, repacked: 16 scales, 512 quants
+static const size_t Q8_PREFETCH = 4096;  // 2-4 KB ahead: a width-8 forward at 0.7B 151 -> 117-123 ms (16 KB the same)
 
 struct PackedQ8 {  // a q8_0 matrix [R rows of K] (E of them: experts), repacked as above
     std::vector<uint8_t> data;
@@ -1115,53 +1118,59 @@ static void quantize_cols(Q8Cols & c, const float * X, size_t ldx, int n, int64_
 }
 
 #if CLOVER_WIDE_Q8
-// y[j * ldy + 0..15] = the 16 rows of group `wg` times column j, for NC columns
+// y[j * ldy + 0..15] = the 16 rows of group `wg` times column j, for NC columns, as ggml's q8_0 vec_dot
+// sums (arch/x86/quants.c): per row 8 float lanes, lane q accumulating fma(d_w * d_x, the integer dot
+// of the block's bytes 4q..4q+3, lane) over the blocks in order, then hsum_float_8's order
 template <int NC>
 static void q8_tile(const uint8_t * wg, int64_t B, const uint8_t * xu, const float * xd, int64_t K, float * y, int64_t ldy) {
-    __m512 acc[NC];
-    for (int j = 0; j < NC; j++) acc[j] = _mm512_setzero_ps();
-    const __m512i ones = _mm512_set1_epi8(1);
+    __m512 acc[NC][8];
+    for (int j = 0; j < NC; j++)
+        for (int q = 0; q < 8; q++) acc[j][q] = _mm512_setzero_ps();
+    const __m512i ones = _mm512_set1_epi8(1), zero = _mm512_setzero_si512();
     for (int64_t b = 0; b < B; b++) {
         const uint8_t * blk = wg + b * Q8G;
         const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *) blk));
-        __m512i sw = _mm512_setzero_si512(), ai[NC];
-        for (int j = 0; j < NC; j++) ai[j] = _mm512_setzero_si512();
+        __m512 d[NC];
+        for (int j = 0; j < NC; j++) d[j] = _mm512_mul_ps(dw, _mm512_set1_ps(xd[j * B + b]));
         for (int q = 0; q < 8; q++) {
+            _mm_prefetch((const char *) blk + Q8_PREFETCH + 64 * q, _MM_HINT_T0);
             const __m512i w = _mm512_loadu_si512(blk + 32 + 64 * q);
-            sw = _mm512_dpbusd_epi32(sw, ones, w);
+            // -128 * the rows' quad sums: the start of each dot, which takes the bytes' offset back
+            const __m512i off = _mm512_sub_epi32(zero, _mm512_slli_epi32(_mm512_dpbusd_epi32(zero, ones, w), 7));
             for (int j = 0; j < NC; j++) {
                 int32_t xv;
                 memcpy(&xv, xu + j * K + 32 * b + 4 * q, 4);
-                ai[j] = _mm512_dpbusd_epi32(ai[j], _mm512_set1_epi32(xv), w);
+                const __m512i dot = _mm512_dpbusd_epi32(off, _mm512_set1_epi32(xv), w);
+                acc[j][q] = _mm512_fmadd_ps(d[j], _mm512_cvtepi32_ps(dot), acc[j][q]);
             }
         }
-        sw = _mm512_slli_epi32(sw, 7);  // 128 * the rows' block sums: the offset of the bytes
-        for (int j = 0; j < NC; j++)
-            acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(ai[j], sw)), _mm512_mul_ps(dw, _mm512_set1_ps(xd[j * B + b])), acc[j]);
     }
-    for (int j = 0; j < NC; j++) _mm512_storeu_ps(y + j * ldy, acc[j]);
+    for (int j = 0; j < NC; j++) {
+        const __m512 lo = _mm512_add_ps(_mm512_add_ps(acc[j][0], acc[j][4]), _mm512_add_ps(acc[j][2], acc[j][6]));
+        const __m512 hi = _mm512_add_ps(_mm512_add_ps(acc[j][1], acc[j][5]), _mm512_add_ps(acc[j][3], acc[j][7]));
+        _mm512_storeu_ps(y + j * ldy, _mm512_add_ps(lo, hi));
+    }
 }
 #endif
+
+static const int Q8_COLS = 3;  // columns per tile: 3 x 8 lane accumulators fit the 32 vector registers
 
 // Y [n][ldy] rows [16 g0, 16 g1) = W x for the packed matrix W (one expert's) and the quantized columns x
 static void q8_matmul(const uint8_t * W, int64_t K, const Q8Cols & x, float * Y, int64_t ldy, int64_t g0, int64_t g1) {
 #if CLOVER_WIDE_Q8
     const int64_t B = K / 32;
     for (int64_t g = g0; g < g1; g++)
-        for (int j0 = 0; j0 < x.n; j0 += 8) {
+        for (int j0 = 0, left = x.n; left > 0; ) {  // the columns in tiles of at most Q8_COLS, as even as can be
+            const int nc = (left + (left + Q8_COLS - 1) / Q8_COLS - 1) / ((left + Q8_COLS - 1) / Q8_COLS);
             const uint8_t * wg = W + g * B * Q8G;
             const uint8_t * xu = &x.u[(size_t) j0 * K];
             const float * xd = &x.d[(size_t) j0 * B];
             float * y = Y + j0 * ldy + 16 * g;
-            switch (std::min(8, x.n - j0)) {
+            j0 += nc, left -= nc;
+            switch (nc) {
                 case 1: q8_tile<1>(wg, B, xu, xd, K, y, ldy); break;
                 case 2: q8_tile<2>(wg, B, xu, xd, K, y, ldy); break;
-                case 3: q8_tile<3>(wg, B, xu, xd, K, y, ldy); break;
-                case 4: q8_tile<4>(wg, B, xu, xd, K, y, ldy); break;
-                case 5: q8_tile<5>(wg, B, xu, xd, K, y, ldy); break;
-                case 6: q8_tile<6>(wg, B, xu, xd, K, y, ldy); break;
-                case 7: q8_tile<7>(wg, B, xu, xd, K, y, ldy); break;
-                default: q8_tile<8>(wg, B, xu, xd, K, y, ldy); break;
+                default: q8_tile<3>(wg, B, xu, xd, K, y, ldy); break;
             }
         }
 #else
@@ -1180,50 +1189,42 @@ static void q8_dense(ggml_tensor * dst, int ith, int nth, void * ud) {
     q8_matmul(w.data.data(), w.K, c, (float *) dst->data, dst->nb[1] / sizeof(float), std::min(G, ith * per), std::min(G, (ith + 1) * per));
 }
 
-// The routed experts of a forward, as moe_grouped (same layout) with the packed matrices: each token
-// quantized once, each active expert's gathered tokens through gate and up, SiLU(gate) * up quantized,
-// then down. Experts are dealt to the threads whole.
-struct MoeQ8Call { const PackedQ8 *gate, *up, *down; };
-
-static void moe_q8(ggml_tensor * dst, int ith, int nth, void * ud) {
-    const MoeQ8Call & c = *(const MoeQ8Call *) ud;
-    const ggml_tensor * h = dst->src[0], * sel = dst->src[1];
-    const int64_t H = h->ne[0], T = h->ne[1], k = sel->ne[0], E = c.gate->E, I = c.gate->R, BH = H / 32;
-    thread_local Q8Cols xh, xe, xp;
-    thread_local std::vector<float> gu, dn;
+// ggml_mul_mat_id with the packed expert matrices: dst [R, k, T] = expert ids[s, t] times column
+// src[0][:, s or 0, t] (src[0] [K, k or 1, T], contiguous; src[1] ids [k, T]); every column quantized
+// once, each active expert's columns gathered into one product; experts dealt to the threads whole.
+static void q8_mul_mat_id(ggml_tensor * dst, int ith, int nth, void * ud) {
+    const PackedQ8 & w = *(const PackedQ8 *) ud;
+    const ggml_tensor * b = dst->src[0], * ids = dst->src[1];
+    const int64_t K = w.K, BK = K / 32, nb = b->ne[1], k = ids->ne[0], T = ids->ne[1];
+    thread_local Q8Cols xb, xe;
+    thread_local std::vector<float> y;
     thread_local std::vector<int> rows;
-    quantize_cols(xh, (const float *) h->data, h->nb[1] / sizeof(float), (int) T, H);
-    auto expert_of = [&](int64_t t, int64_t s) { return *(const int32_t *) ((const char *) sel->data + t * sel->nb[1] + s * sel->nb[0]); };
-    std::vector<int> count(E, 0);
+    quantize_cols(xb, (const float *) b->data, b->nb[1] / sizeof(float), (int) (nb * T), K);
+    auto expert_of = [&](int64_t t, int64_t s) { return *(const int32_t *) ((const char *) ids->data + t * ids->nb[1] + s * ids->nb[0]); };
+    std::vector<int> count(w.E, 0);
     for (int64_t t = 0; t < T; t++)
         for (int64_t s = 0; s < k; s++) count[expert_of(t, s)]++;
     int active = 0;
-    for (int64_t e = 0; e < E; e++) {
+    for (int64_t e = 0; e < w.E; e++) {
         if (!count[e] || active++ % nth != ith) continue;
         const int n = count[e];
         rows.clear();
-        xe.K = H, xe.n = n;
-        xe.u.resize((size_t) n * H);
-        xe.d.resize((size_t) n * BH);
+        xe.K = K, xe.n = n;
+        xe.u.resize((size_t) n * K);
+        xe.d.resize((size_t) n * BK);
         for (int64_t t = 0; t < T; t++)
             for (int64_t s = 0; s < k; s++)
                 if (expert_of(t, s) == e) {
-                    const int j = (int) rows.size() / 2;
-                    memcpy(&xe.u[(size_t) j * H], &xh.u[(size_t) t * H], H);
-                    memcpy(&xe.d[(size_t) j * BH], &xh.d[(size_t) t * BH], sizeof(float) * BH);
+                    const size_t j = rows.size() / 2, c = (size_t) (t * nb + (nb == 1 ? 0 : s));
+                    memcpy(&xe.u[j * K], &xb.u[c * K], K);
+                    memcpy(&xe.d[j * BK], &xb.d[c * BK], sizeof(float) * BK);
                     rows.push_back((int) s);
                     rows.push_back((int) t);
                 }
-        gu.resize((size_t) 2 * n * I);
-        float * g = gu.data(), * u = g + (size_t) n * I;
-        q8_matmul(c.gate->data.data() + e * c.gate->bytes(), H, xe, g, I, 0, I / 16);
-        q8_matmul(c.up->data.data() + e * c.up->bytes(), H, xe, u, I, 0, I / 16);
-        for (size_t i = 0; i < (size_t) n * I; i++) u[i] *= g[i] / (1.f + expf(-g[i]));  // SiLU(gate) * up
-        quantize_cols(xp, u, I, n, I);
-        dn.resize((size_t) n * H);
-        q8_matmul(c.down->data.data() + e * c.down->bytes(), I, xp, dn.data(), H, 0, H / 16);
+        y.resize((size_t) n * w.R);
+        q8_matmul(w.data.data() + e * w.bytes(), K, xe, y.data(), w.R, 0, w.R / 16);
         for (int j = 0; j < n; j++)
-            memcpy((char *) dst->data + rows[2 * j] * dst->nb[1] + rows[2 * j + 1] * dst->nb[2], &dn[(size_t) j * H], sizeof(float) * H);
+            memcpy((char *) dst->data + rows[2 * j] * dst->nb[1] + rows[2 * j + 1] * dst->nb[2], &y[(size_t) j * w.R], sizeof(float) * w.R);
     }
 }
 
@@ -1304,7 +1305,6 @@ struct CachedGraph {
     ggml_tensor * feats = nullptr;  // dflash: the drafter's context features of the commit [F, Tc]
     std::vector<GdnCall> calls;
     std::vector<MoeCall> moe_calls;
-    std::vector<MoeQ8Call> moe_q8_calls;
     ShareCall share_call{};
     uint64_t used = 0;
     ~CachedGraph() {
@@ -1504,9 +1504,9 @@ static CachedGraph * build_graph(Model & m, int Tc, int Bd, int n_out, int n_kv,
     // dots do the same arithmetic without the op's gathering (5-10% of a q8_0 forward of 8 tokens)
     const bool grouped = m.moe_grouped && !exact && (int64_t) T * hp.n_expert_used >= (int64_t) MOE_GEMM_MIN * hp.n_expert;
     G->moe_calls.resize(hp.n_layer);
-    G->moe_q8_calls.resize(hp.n_layer);
-    // q8_0 matmuls of forwards of 2 or more tokens by the wide kernel (packed at load), not in exact mode
-    const bool wide = m.wide && T >= 2 && !exact;
+    // q8_0 matmuls of forwards of 2 or more tokens by the wide kernel (packed at load): each column
+    // bit for bit as vec_dot computes it, so exact forwards take it too
+    const bool wide = m.wide && T >= 2;
     // exact: every weight matmul computes each column as a one-token forward does. ggml multiplies one
     // column by vec_dot and two or more by tinyBLAS, whose sums round differently; columns given as
     // [K, 1, T] (a broadcast batch of one-column products) keep vec_dot, so a dflash verify gives AR's
@@ -1595,11 +1595,15 @@ static CachedGraph * build_graph(Model & m, int Tc, int Bd, int n_out, int n_kv,
         ggml_tensor * dn;  // [H, k, T]: each slot's expert FFN
         const PackedQ8 * pg = wide ? packed_of(L.gate_exps) : nullptr, * pu = wide ? packed_of(L.up_exps) : nullptr,
                        * pd = wide ? packed_of(L.down_exps) : nullptr;
-        if (pg && pu && pd) {
-            G->moe_q8_calls[il] = {pg, pu, pd};
-            ggml_tensor * args[2] = {h, sel};
-            dn = ggml_custom_4d(ctx, GGML_TYPE_F32, H, k, T, 1, args, 2, moe_q8, GGML_N_TASKS_MAX, &G->moe_q8_calls[il]);
-            ggml_set_name(dn, "moe_q8");
+        if (pg && pu && pd && ggml_is_contiguous(h)) {  // mul_mat_id's graph with the wide kernel
+            auto mm_id = [&](const PackedQ8 * p, ggml_tensor * w, ggml_tensor * b) {
+                ggml_tensor * args[2] = {b, sel};
+                return ggml_set_name(ggml_custom_4d(ctx, GGML_TYPE_F32, p->R, k, T, 1, args, 2, q8_mul_mat_id, GGML_N_TASKS_MAX, (void *) p), w->name);
+            };
+            ggml_tensor * h3 = ggml_reshape_3d(ctx, h, H, 1, T);
+            ggml_tensor * up = mm_id(pu, L.up_exps, h3);      // [I, k, T]
+            ggml_tensor * gt = mm_id(pg, L.gate_exps, h3);
+            dn = mm_id(pd, L.down_exps, ggml_mul(ctx, ggml_silu(ctx, gt), up));
         } else if (grouped) {
             G->moe_calls[il] = {&L, &expert_workers(m.n_threads)};
             ggml_tensor * args[2] = {h, sel};
