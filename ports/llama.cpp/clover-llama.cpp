@@ -139,7 +139,7 @@ struct Model {
     bool has_clover = false;
     bool moe_grouped = true;    // routed experts of large forwards by moe_grouped (else ggml_mul_mat_id)
     bool flash_attn = true;     // attention by ggml_flash_attn_ext (else mul_mat, soft_max, mul_mat)
-    bool wide = false;          // q8_0 matmuls of forwards of >= 2 tokens by the port's wide kernel (--matmul wide)
+    bool wide = false;          // q8_0 matmuls by the port's wide kernel (--matmul wide)
     ggml_type kv_type = GGML_TYPE_F32;
     int n_threads = 1;
     bool exact_verify = true;   // dflash verifies compute each position as an AR step does (--verify exact|batched)
@@ -1044,13 +1044,13 @@ static void moe_grouped(ggml_tensor * dst, int ith, int nth, void * ud) {
 // vpdpbusd gives the quad's integer dot for 16 rows of a column, one conversion and one float
 // multiply-add per quad take it into that row's lane, as ggml's q8_0 vec_dot does for one row
 // (arch/x86/quants.c: 8 float lanes per row, lane q accumulating d_w * d_x * the dot of bytes
-// 4q..4q+3 block by block, then hsum_float_8's order). The columns are quantized to q8_0 by ggml's
-// own quantize_row_q8_0 and offset by 128 to unsigned bytes; each dot starts at -128 * the rows'
-// quad sums (one more vpdpbusd per quad against ones, shared by the tile's columns). So every column
+// 4q..4q+3 block by block, then hsum_float_8's order). The weights are stored offset by 128 (unsigned
+// bytes, as vpdpbusd wants one side), the columns quantized by ggml's own quantize_row_q8_0, and each
+// quad's dot starts at -128 * the column's quad sum (computed once per column). So every column
 // is computed bit for bit as ggml's vec_dot computes it (the kernel of an AR step and of
 // mul_mat_id), by about a fifth of the instructions, and the weights are prefetched Q8_PREFETCH
 // bytes ahead (one core does not stream them at full rate from the hardware prefetch alone). Used
-// for every q8_0 matmul of forwards of 2 or more tokens: the dense projections, the output layer,
+// for every q8_0 matmul, of any forward (an AR step too): the dense projections, the output layer,
 // and the routed experts (mul_mat_id's graph, each active expert's gathered columns in one product);
 // `--matmul ggml` keeps ggml's kernels. Needs AVX-512 VNNI at build time (-march=native); elsewhere
 // the port uses ggml's kernels. `--mode check-matmul` compares it against ggml's vec_dot.
@@ -1087,15 +1087,17 @@ static void pack_q8(PackedQ8 & p, const ggml_tensor * w) {
                 for (int64_t b = 0; b < B; b++) {
                     uint8_t * o = &p.data[e * p.bytes() + (g * B + b) * Q8G];
                     memcpy(o + 2 * r, &row[b].d, 2);
-                    for (int q = 0; q < 8; q++) memcpy(o + 32 + 64 * q + 4 * r, row[b].qs + 4 * q, 4);
+                    for (int i = 0; i < 32; i++) o[32 + 64 * (i / 4) + 4 * r + i % 4] = (uint8_t) row[b].qs[i] ^ 0x80;  // + 128
                 }
             }
 }
 
-// n columns of K floats, quantized to q8_0 by ggml and stored as offset bytes u [n][K] and scales d [n][K/32]
+// n columns of K floats, quantized to q8_0 by ggml: quants q [n][K], scales d [n][K/32], and per 4-value
+// quad -128 * its sum, s [n][K/4] (the start of each quad's dot against the offset weights)
 struct Q8Cols {
-    std::vector<uint8_t> u;
+    std::vector<int8_t> q;
     std::vector<float> d;
+    std::vector<int32_t> s;
     std::vector<Q8Block> tmp;
     int64_t K = 0;
     int n = 0;
@@ -1105,14 +1107,19 @@ static void quantize_cols(Q8Cols & c, const float * X, size_t ldx, int n, int64_
     static const ggml_from_float_t quantize = ggml_get_type_traits_cpu(GGML_TYPE_Q8_0)->from_float;
     const int64_t B = K / 32;
     c.K = K, c.n = n;
-    c.u.resize((size_t) n * K);
+    c.q.resize((size_t) n * K);
     c.d.resize((size_t) n * B);
+    c.s.resize((size_t) n * K / 4);
     c.tmp.resize(B);
     for (int j = 0; j < n; j++) {
         quantize(X + j * ldx, c.tmp.data(), K);
         for (int64_t b = 0; b < B; b++) {
             c.d[j * B + b] = ggml_fp16_to_fp32(c.tmp[b].d);
-            for (int i = 0; i < 32; i++) c.u[(size_t) j * K + 32 * b + i] = (uint8_t) c.tmp[b].qs[i] ^ 0x80;
+            memcpy(&c.q[(size_t) j * K + 32 * b], c.tmp[b].qs, 32);
+            for (int i = 0; i < 8; i++) {
+                const int8_t * v = c.tmp[b].qs + 4 * i;
+                c.s[(size_t) j * K / 4 + 8 * b + i] = -128 * (v[0] + v[1] + v[2] + v[3]);
+            }
         }
     }
 }
@@ -1122,25 +1129,24 @@ static void quantize_cols(Q8Cols & c, const float * X, size_t ldx, int n, int64_
 // sums (arch/x86/quants.c): per row 8 float lanes, lane q accumulating fma(d_w * d_x, the integer dot
 // of the block's bytes 4q..4q+3, lane) over the blocks in order, then hsum_float_8's order
 template <int NC>
-static void q8_tile(const uint8_t * wg, int64_t B, const uint8_t * xu, const float * xd, int64_t K, float * y, int64_t ldy) {
+static void q8_tile(const uint8_t * wg, int64_t B, const Q8Cols & x, int j0, float * y, int64_t ldy) {
+    const int64_t K = x.K;
     __m512 acc[NC][8];
     for (int j = 0; j < NC; j++)
         for (int q = 0; q < 8; q++) acc[j][q] = _mm512_setzero_ps();
-    const __m512i ones = _mm512_set1_epi8(1), zero = _mm512_setzero_si512();
     for (int64_t b = 0; b < B; b++) {
         const uint8_t * blk = wg + b * Q8G;
         const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *) blk));
         __m512 d[NC];
-        for (int j = 0; j < NC; j++) d[j] = _mm512_mul_ps(dw, _mm512_set1_ps(xd[j * B + b]));
+        for (int j = 0; j < NC; j++) d[j] = _mm512_mul_ps(dw, _mm512_set1_ps(x.d[(j0 + j) * B + b]));
         for (int q = 0; q < 8; q++) {
             _mm_prefetch((const char *) blk + Q8_PREFETCH + 64 * q, _MM_HINT_T0);
-            const __m512i w = _mm512_loadu_si512(blk + 32 + 64 * q);
-            // -128 * the rows' quad sums: the start of each dot, which takes the bytes' offset back
-            const __m512i off = _mm512_sub_epi32(zero, _mm512_slli_epi32(_mm512_dpbusd_epi32(zero, ones, w), 7));
+            const __m512i w = _mm512_loadu_si512(blk + 32 + 64 * q);  // 16 rows x 4 bytes, each + 128
             for (int j = 0; j < NC; j++) {
                 int32_t xv;
-                memcpy(&xv, xu + j * K + 32 * b + 4 * q, 4);
-                const __m512i dot = _mm512_dpbusd_epi32(off, _mm512_set1_epi32(xv), w);
+                memcpy(&xv, &x.q[(j0 + j) * K + 32 * b + 4 * q], 4);
+                // the quad's dot: sum (w + 128) x, started at -128 sum x
+                const __m512i dot = _mm512_dpbusd_epi32(_mm512_set1_epi32(x.s[(j0 + j) * K / 4 + 8 * b + q]), w, _mm512_set1_epi32(xv));
                 acc[j][q] = _mm512_fmadd_ps(d[j], _mm512_cvtepi32_ps(dot), acc[j][q]);
             }
         }
@@ -1163,15 +1169,13 @@ static void q8_matmul(const uint8_t * W, int64_t K, const Q8Cols & x, float * Y,
         for (int j0 = 0, left = x.n; left > 0; ) {  // the columns in tiles of at most Q8_COLS, as even as can be
             const int nc = (left + (left + Q8_COLS - 1) / Q8_COLS - 1) / ((left + Q8_COLS - 1) / Q8_COLS);
             const uint8_t * wg = W + g * B * Q8G;
-            const uint8_t * xu = &x.u[(size_t) j0 * K];
-            const float * xd = &x.d[(size_t) j0 * B];
             float * y = Y + j0 * ldy + 16 * g;
-            j0 += nc, left -= nc;
             switch (nc) {
-                case 1: q8_tile<1>(wg, B, xu, xd, K, y, ldy); break;
-                case 2: q8_tile<2>(wg, B, xu, xd, K, y, ldy); break;
-                default: q8_tile<3>(wg, B, xu, xd, K, y, ldy); break;
+                case 1: q8_tile<1>(wg, B, x, j0, y, ldy); break;
+                case 2: q8_tile<2>(wg, B, x, j0, y, ldy); break;
+                default: q8_tile<3>(wg, B, x, j0, y, ldy); break;
             }
+            j0 += nc, left -= nc;
         }
 #else
     (void) W, (void) K, (void) x, (void) Y, (void) ldy, (void) g0, (void) g1;
@@ -1210,14 +1214,16 @@ static void q8_mul_mat_id(ggml_tensor * dst, int ith, int nth, void * ud) {
         const int n = count[e];
         rows.clear();
         xe.K = K, xe.n = n;
-        xe.u.resize((size_t) n * K);
+        xe.q.resize((size_t) n * K);
         xe.d.resize((size_t) n * BK);
+        xe.s.resize((size_t) n * K / 4);
         for (int64_t t = 0; t < T; t++)
             for (int64_t s = 0; s < k; s++)
                 if (expert_of(t, s) == e) {
                     const size_t j = rows.size() / 2, c = (size_t) (t * nb + (nb == 1 ? 0 : s));
-                    memcpy(&xe.u[j * K], &xb.u[c * K], K);
+                    memcpy(&xe.q[j * K], &xb.q[c * K], K);
                     memcpy(&xe.d[j * BK], &xb.d[c * BK], sizeof(float) * BK);
+                    memcpy(&xe.s[j * K / 4], &xb.s[c * K / 4], sizeof(int32_t) * K / 4);
                     rows.push_back((int) s);
                     rows.push_back((int) t);
                 }
@@ -1504,9 +1510,9 @@ static CachedGraph * build_graph(Model & m, int Tc, int Bd, int n_out, int n_kv,
     // dots do the same arithmetic without the op's gathering (5-10% of a q8_0 forward of 8 tokens)
     const bool grouped = m.moe_grouped && !exact && (int64_t) T * hp.n_expert_used >= (int64_t) MOE_GEMM_MIN * hp.n_expert;
     G->moe_calls.resize(hp.n_layer);
-    // q8_0 matmuls of forwards of 2 or more tokens by the wide kernel (packed at load): each column
-    // bit for bit as vec_dot computes it, so exact forwards take it too
-    const bool wide = m.wide && T >= 2;
+    // q8_0 matmuls by the wide kernel (packed at load): each column bit for bit as vec_dot computes
+    // it, so AR steps and exact forwards take it too
+    const bool wide = m.wide;
     // exact: every weight matmul computes each column as a one-token forward does. ggml multiplies one
     // column by vec_dot and two or more by tinyBLAS, whose sums round differently; columns given as
     // [K, 1, T] (a broadcast batch of one-column products) keep vec_dot, so a dflash verify gives AR's
@@ -2663,9 +2669,9 @@ static void usage() {
         "          (flash: ggml_flash_attn_ext, V read as stored; plain: mul_mat, soft_max, mul_mat on a\n"
         "          transposed copy of V), --kv f32|f16 (the K/V cache's type), --verify exact|batched (dflash:\n"
         "          each verified position computed as an AR step, bit for bit; or batched: ggml's multi-column\n"
-        "          kernels, faster, rounding differently), --matmul wide|ggml (q8_0 matmuls of other forwards\n"
-        "          of 2 or more tokens: the port's AVX-512 VNNI kernel on weights repacked at load, the default\n"
-        "          where built with it; or ggml's)\n");
+        "          kernels, faster, rounding differently), --matmul wide|ggml (q8_0 matmuls: the port's\n"
+        "          AVX-512 VNNI kernel on weights repacked at load, bit for bit ggml's vec_dot, the default where\n"
+        "          built with it; or ggml's kernels)\n");
     exit(2);
 }
 
