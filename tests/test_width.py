@@ -285,9 +285,12 @@ def test_draft_choice_narrows_to_ar_under_batch_and_measures_each_bucket():
 
     pol = W.DraftPolicy((W.AR_WIDTH, 4, 8, 16), curve, calibrate)
     assert pol.choose([(0.7, 100)]).width > W.AR_WIDTH and asked == []
-    choice = pol.choose([(0.7, 100)] * 13)
-    assert choice.width == W.AR_WIDTH and choice.batch == 13 and asked == [16]
-    assert pol.choose([(0.7, 100)] * 16).width == W.AR_WIDTH and asked == [16]
+    choice = pol.choose([(0.7, 100)] * 13)  # between the buckets 8 and 16: both measured
+    assert choice.width == W.AR_WIDTH and choice.batch == 13 and sorted(asked) == [8, 16]
+    assert pol.choose([(0.7, 100)] * 16).width == W.AR_WIDTH and sorted(asked) == [8, 16]
+    assert pol.seconds(8, 1) == pytest.approx(1.2 + 8 / 64) and pol.seconds(8, 12) == pytest.approx(16.0)
+    curve.add("verify", 2, 8, 3.0)
+    assert pol.seconds(8, 3) == pytest.approx((3.0 + pol.seconds(8, 4)) / 2)  # linear in the batch
     assert W.batch_bucket(1) == 1 and W.batch_bucket(3) == 4 and W.batch_bucket(40) == W.BATCH_BUCKETS[-1]
     assert "width 1" in choice.why()
 

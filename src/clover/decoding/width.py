@@ -401,15 +401,22 @@ class DraftPolicy:
         return (lo + hi) / 2
 
     def seconds(self, D: int, batch: int) -> float:
-        """A forward that drafts D (verifying the drafts before) at `batch` rows."""
-        if self.calibrate is not None and not self.curve.has("verify", batch_bucket(batch)):
-            for kind, by_batch in self.calibrate(batch_bucket(batch)).seconds_by.items():
-                for b, pts in by_batch.items():
-                    for p, sec in pts.items():
-                        self.curve.add(kind, b, p, sec)
-        if D == AR_WIDTH and self.curve.has("commit"):
-            return self.curve.seconds("commit", batch, 1)
-        return self.curve.seconds("verify", batch, D)
+        """A forward that drafts D (verifying the drafts before) at `batch` rows: between two batch
+        buckets, linear in the batch between their costs (per position, the larger bucket's cost
+        would be overrated and the smaller's underrated)."""
+        lo = max((b for b in BATCH_BUCKETS if b <= batch), default=1)
+        hi = batch_bucket(batch)
+        for b in {lo, hi}:
+            if self.calibrate is not None and not self.curve.has("verify", b):
+                for kind, by_batch in self.calibrate(b).seconds_by.items():
+                    for bb, pts in by_batch.items():
+                        for p, sec in pts.items():
+                            self.curve.add(kind, bb, p, sec)
+        kind, n = ("commit", 1) if D == AR_WIDTH and self.curve.has("commit") else ("verify", D)
+        if lo == hi or batch > hi or not (self.curve.has(kind, lo) and self.curve.has(kind, hi)):
+            return self.curve.seconds(kind, batch, n)
+        a, b = self.curve.seconds(kind, lo, n), self.curve.seconds(kind, hi, n)
+        return a + (b - a) * (batch - lo) / (hi - lo)
 
     def acceptance(self, kept: int, rejected: int) -> float:
         """The row's rate of keeping a draft token: kept tokens over kept + rejected ones."""
