@@ -226,6 +226,17 @@ def test_forced_step_share_metric(http, client):
     assert _metric(after, "clover_forced_step_share_sum") == pytest.approx(_metric(before, "clover_forced_step_share_sum") + 1)
 
 
+def test_speculative_auto_gives_ar_text_and_reports_its_draft_widths(http, client):
+    """Served speculative with block_size "auto" (the adaptive draft, its width per forward, the
+    AR step among the choices): AR's text, and the choice in the auto-width metrics."""
+    kw = dict(model=MODEL, prompt="def f(x):", max_tokens=10, temperature=0)
+    ar = client.completions.create(**kw, extra_body={"mode": "ar", "ignore_eos": True})
+    sp = client.completions.create(**kw, extra_body={"mode": "speculative", "block_size": "auto", "ignore_eos": True})
+    assert sp.choices[0].text == ar.choices[0].text and sp.usage.completion_tokens == 10
+    after = http.get("/metrics").text
+    assert 'clover_auto_expected_tokens_per_second{width="1"}' in after and _metric(after, "clover_auto_width") >= 1
+
+
 def test_auto_width_metrics(http, client, monkeypatch, tmp_path):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # the calibration's cost curve goes here
     before = http.get("/metrics").text
