@@ -2765,6 +2765,7 @@ int main(int argc, char ** argv) {
 
     std::string line;
     if (mode == "check-matmul") {
+        if (!CLOVER_WIDE_Q8) die("mode check-matmul: this build has no AVX-512 VNNI (no wide kernel to check)");
         if (!m.wide) die("mode check-matmul checks the wide kernel: not with --matmul ggml");
         printf("%s\n", check_matmul().c_str());
         return 0;
