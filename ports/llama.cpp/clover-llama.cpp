@@ -1139,6 +1139,7 @@ static void q8_tile(const uint8_t * wg, int64_t B, const Q8Cols & x, int j0, flo
         const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *) blk));
         __m512 d[NC];
         for (int j = 0; j < NC; j++) d[j] = _mm512_mul_ps(dw, _mm512_set1_ps(x.d[(j0 + j) * B + b]));
+#pragma GCC unroll 8  // unrolled, the lane accumulators stay in registers (a runtime q keeps them on the stack)
         for (int q = 0; q < 8; q++) {
             _mm_prefetch((const char *) blk + Q8_PREFETCH + 64 * q, _MM_HINT_T0);
             const __m512i w = _mm512_loadu_si512(blk + 32 + 64 * q);  // 16 rows x 4 bytes, each + 128
