@@ -11,7 +11,8 @@ Per row, each forward carries a commit part and an all-masked denoise block of `
 Draft token 0 always comes from causal logits, so every iteration gains at least one token, and greedy
 output is identical to AR greedy decoding.
 
-The adaptive draft (the default; a `draft_length` asked for is kept fixed, as before):
+That is the fixed draft, what a block size or a `draft_length` decodes (and the llama.cpp port, to the
+forward). The adaptive draft is `block_size="auto"`'s (`adaptive=True`):
 - after a rejection, the draft's tokens past the rejected one ride along behind AR's token in the
   draft of the next forward: they were denoised from masks, never from the rejected token, so they
   are as good a guess of the positions after AR's token (sampled: each still drawn from its q,
@@ -22,8 +23,8 @@ The adaptive draft (the default; a `draft_length` asked for is kept fixed, as be
   narrow commit and, kept whole, keeps the forward's denoise block as the next draft;
 - a draft's first token is AR's own, always kept: it is emitted when drafted, as AR emits it, so a
   row it ends needs no further forward;
-- with `block_size="auto"` the width of the next draft is chosen per forward (`width.DraftPolicy`:
-  each row's expected kept tokens over the verify forward measured at this batch size), down to a
+- the width of the next draft is chosen per forward (`width.DraftPolicy`: each row's expected kept
+  tokens over what a step drafting that width costs at this batch size, `step_curve`), down to a
   draft of one: no denoise block, the forward is AR's step (what wins under a large batch).
 
 Sampling (temperature > 0, with top-k / top-p) is lossless by the standard speculative rejection rule
