@@ -140,6 +140,7 @@ struct Model {
     bool moe_grouped = true;    // routed experts of large forwards by moe_grouped (else ggml_mul_mat_id)
     bool flash_attn = true;     // attention by ggml_flash_attn_ext (else mul_mat, soft_max, mul_mat)
     bool wide = false;          // q8_0 matmuls by the port's wide kernel (--matmul wide)
+    bool gdn_fast = true;       // the GDN ops' vector paths (--gdn fast|scalar)
     ggml_type kv_type = GGML_TYPE_F32;
     int n_threads = 1;
     bool exact_verify = true;   // dflash verifies compute each position as an AR step does (--verify exact|batched)
@@ -662,6 +663,11 @@ static std::string trim_at_stop(const std::string & text, const std::vector<std:
 //             columns [Tc, T): exp(g_i) S^T q_i + lambda_h(B) sum_j softmax_j(s_h qhat_i.khat_j) v_j
 //             against the advanced S (read only). Parallel over value heads.
 // Value head h reads key head h % Hk (the GGUF's tiled head order, docs/gguf.md).
+// Two implementations (--gdn): scalar (each channel's conv and each reduction in one running sum) and
+// fast (the default: the conv over channels in vector rows, each channel's terms summed in the same
+// order; the l2norm and q.k reductions in 16 lane sums added pairwise). The two round differently at
+// the level of float epsilon (the reductions' order; the compiler's multiply-add contraction of the
+// conv's right branch): one f32 forward's logits within 1e-5 of each other.
 struct GdnCall {
     Model * m;
     Layer * L;
@@ -672,10 +678,28 @@ struct GdnCall {
 static inline float softplus_t(float x) { return x > 20.f ? x : log1pf(expf(x)); }  // torch's threshold 20
 static inline float sigmoid_f(float x) { return 1.f / (1.f + expf(-x)); }
 
-static void l2norm_inplace(float * x, int n) {  // x * rsqrt(sum(x^2) + 1e-6), clover's l2norm
+static float dot_scalar(const float * a, const float * b, int n) {
     float s = 0.f;
-    for (int i = 0; i < n; i++) s += x[i] * x[i];
-    const float r = 1.f / sqrtf(s + 1e-6f);
+    for (int i = 0; i < n; i++) s += a[i] * b[i];
+    return s;
+}
+
+static float dot_lanes(const float * a, const float * b, int n) {  // 16 lane sums, added pairwise
+    float acc[16] = {};
+    int i = 0;
+    for (; i + 16 <= n; i += 16)
+        for (int l = 0; l < 16; l++) acc[l] += a[i + l] * b[i + l];
+    float tail = 0.f;
+    for (; i < n; i++) tail += a[i] * b[i];
+    for (int w = 8; w >= 1; w /= 2)
+        for (int l = 0; l < w; l++) acc[l] += acc[l + w];
+    return acc[0] + tail;
+}
+
+static float gdn_dot(bool fast, const float * a, const float * b, int n) { return fast ? dot_lanes(a, b, n) : dot_scalar(a, b, n); }
+
+static void l2norm_inplace(bool fast, float * x, int n) {  // x * rsqrt(sum(x^2) + 1e-6), clover's l2norm
+    const float r = 1.f / sqrtf(gdn_dot(fast, x, x, n) + 1e-6f);
     for (int i = 0; i < n; i++) x[i] *= r;
 }
 
@@ -728,17 +752,83 @@ static void gdn_conv(ggml_tensor * dst, int ith, int nth, void * ud) {
     }
 }
 
+// gdn_conv with the channels in the inner loops: the rows of the window (the conv state's K-1 rows,
+// transposed, then the columns of `mixed`) and of the weights, transposed, read as vectors of this
+// task's channels; each output is summed in the scalar path's order.
+static void gdn_conv_fast(ggml_tensor * dst, int ith, int nth, void * ud) {
+    const GdnCall & c = *(const GdnCall *) ud;
+    const Hparams & hp = c.m->hp;
+    Layer & L = *c.L;
+    const ggml_tensor * mixed = dst->src[0];
+    const int C = hp.conv_dim(), K = hp.conv_k, K1 = K - 1, Tc = c.Tc, Bd = c.Bd;
+    const float * w = (const float *) L.conv1d->data;  // [C][K]
+    const float * wr = L.conv_right ? (const float *) L.conv_right->data : nullptr;  // [C][K-1]
+    const size_t mnb = mixed->nb[1] / sizeof(float), dnb = dst->nb[1] / sizeof(float);
+    const float * X = (const float *) mixed->data;
+    float * Y = (float *) dst->data;
+    const int W = K1 + Tc;
+    const int nb = (C + 15) / 16;  // channels split in whole vectors of 16
+    const int c0 = 16 * (int) ((int64_t) nb * ith / nth), c1 = std::min(C, 16 * (int) ((int64_t) nb * (ith + 1) / nth));
+    const int n = c1 - c0;
+    if (n <= 0) return;
+    thread_local std::vector<float> buf;
+    buf.resize((size_t) n * (K + K1 + 2 * K1 + 1));
+    float * wT = buf.data(), * wrT = wT + (size_t) n * K, * st = wrT + (size_t) n * K1, * st2 = st + (size_t) n * K1, * r = st2 + (size_t) n * K1;
+    for (int ch = 0; ch < n; ch++) {
+        for (int j = 0; j < K; j++) wT[(size_t) j * n + ch] = w[(size_t) (c0 + ch) * K + j];
+        if (wr)
+            for (int j = 0; j < K1; j++) wrT[(size_t) j * n + ch] = wr[(size_t) (c0 + ch) * K1 + j];
+        for (int j = 0; j < K1; j++) st[(size_t) j * n + ch] = L.conv_state[(size_t) (c0 + ch) * K1 + j];
+    }
+    // window row p: the state's row p below K1, else the input column t0 + p - K1
+    auto row = [&](int t0, int p) -> const float * { return p < K1 ? st + (size_t) p * n : X + (size_t) (t0 + p - K1) * mnb + c0; };
+    auto conv = [&](int t0, int t, float * y) {  // y = sum_j window[t + j] * w[j], in j order
+        const float * x0 = row(t0, t), * w0 = wT;
+        for (int ch = 0; ch < n; ch++) y[ch] = x0[ch] * w0[ch];
+        for (int j = 1; j < K; j++) {
+            const float * xj = row(t0, t + j), * wj = wT + (size_t) j * n;
+            for (int ch = 0; ch < n; ch++) y[ch] += xj[ch] * wj[ch];
+        }
+    };
+    if (Tc) {
+        for (int t = 0; t < Tc; t++) conv(0, t, Y + (size_t) t * dnb + c0);
+        for (int p = 0; p < W; p++) {  // the window, kept for a speculative rollback
+            const float * x = row(0, p);
+            for (int ch = 0; ch < n; ch++) L.window[(size_t) (c0 + ch) * W + p] = x[ch];
+        }
+        for (int j = 0; j < K1; j++) std::copy_n(row(0, Tc + j), n, st2 + (size_t) j * n);
+        std::copy_n(st2, (size_t) n * K1, st);
+        for (int ch = 0; ch < n; ch++)
+            for (int j = 0; j < K1; j++) L.conv_state[(size_t) (c0 + ch) * K1 + j] = st[(size_t) j * n + ch];
+    }
+    if (Bd) {
+        for (int t = 0; t < Bd; t++) {
+            float * y = Y + (size_t) (Tc + t) * dnb + c0;
+            conv(Tc, t, y);
+            const int nr = std::min(K1, Bd - 1 - t);  // right branch: x_{t+1} .. x_{t+K-1}, zero past the block end
+            if (nr <= 0) continue;
+            const float * x1 = X + (size_t) (Tc + t + 1) * mnb + c0;
+            for (int ch = 0; ch < n; ch++) r[ch] = x1[ch] * wrT[ch];
+            for (int j = 1; j < nr; j++) {
+                const float * xj = X + (size_t) (Tc + t + 1 + j) * mnb + c0, * wj = wrT + (size_t) j * n;
+                for (int ch = 0; ch < n; ch++) r[ch] += xj[ch] * wj[ch];
+            }
+            for (int ch = 0; ch < n; ch++) y[ch] += r[ch];
+        }
+    }
+}
+
 // One token of the gated delta rule for value head h: x = its act row ([q|k|v] after SiLU; q, k of
 // key head h % Hk), al/be the raw alpha/beta. S <- S exp(g); S <- S + k (beta (v - S^T k))^T; o = S^T q.
-static void commit_step(const Hparams & hp, const Layer & L, int h, float * S, const float * qraw, const float * kraw,
+static void commit_step(bool fast, const Hparams & hp, const Layer & L, int h, float * S, const float * qraw, const float * kraw,
                         const float * v, float al, float be, float * o, float * q, float * k, float * kv) {
     const int dk = hp.dk, dv = hp.dv;
     const float * A = (const float *) L.ssm_a->data;  // -exp(A_log)
     const float * dtb = (const float *) L.dt->data;
     std::copy(qraw, qraw + dk, q);
     std::copy(kraw, kraw + dk, k);
-    l2norm_inplace(q, dk);
-    l2norm_inplace(k, dk);
+    l2norm_inplace(fast, q, dk);
+    l2norm_inplace(fast, k, dk);
     const float qscale = 1.f / sqrtf((float) dk);
     for (int i = 0; i < dk; i++) q[i] *= qscale;
     const float decay = expf(A[h] * softplus_t(al + dtb[h]));
@@ -781,7 +871,8 @@ static void gdn_mix(ggml_tensor * dst, int ith, int nth, void * ud) {
     float * O = (float *) dst->data;
     const float qscale = 1.f / sqrtf((float) dk);
     const size_t hs = (size_t) dk * dv;
-    std::vector<float> q(dk), k(dk), kv(dv);
+    const bool fast = c.m->gdn_fast;
+    std::vector<float> q(dk), k(dk), kv(dv), qh((size_t) Bd * dk), kh_((size_t) Bd * dk), p(Bd);
     for (int h = ith; h < hv; h += nth) {
         const int kh = h % hk;
         float * S = &L.S[(size_t) h * hs];
@@ -792,7 +883,7 @@ static void gdn_mix(ggml_tensor * dst, int ith, int nth, void * ud) {
             const float * x = X + (size_t) t * xnb;
             const float * qr = x + kh * dk, * kr = x + key_dim + kh * dk, * v = x + 2 * key_dim + h * dv;
             const float al = AL[(size_t) t * anb + h], be = BE[(size_t) t * bnb + h];
-            commit_step(hp, L, h, S, qr, kr, v, al, be, O + ((size_t) t * hv + h) * dv, q.data(), k.data(), kv.data());
+            commit_step(fast, hp, L, h, S, qr, kr, v, al, be, O + ((size_t) t * hv + h) * dv, q.data(), k.data(), kv.data());
             if (c.record) {
                 float * r = &L.rec[((size_t) h * Tc + t) * rw];
                 std::copy(qr, qr + dk, r);
@@ -806,13 +897,12 @@ static void gdn_mix(ggml_tensor * dst, int ith, int nth, void * ud) {
         // ---- denoise: decayed prefix readout + lambda_h(B) * softmax attention inside the block
         const float * sc = (const float *) L.intra_scale->data;
         const float gain = ((const float *) L.gain_a->data)[h] + ((const float *) L.gain_b->data)[h] * log2f((float) Bd / 32.f);
-        std::vector<float> qh((size_t) Bd * dk), kh_((size_t) Bd * dk), p(Bd);
         for (int t = 0; t < Bd; t++) {
             const float * x = X + (size_t) (Tc + t) * xnb;
             std::copy(x + kh * dk, x + (kh + 1) * dk, &qh[(size_t) t * dk]);
             std::copy(x + key_dim + kh * dk, x + key_dim + (kh + 1) * dk, &kh_[(size_t) t * dk]);
-            l2norm_inplace(&qh[(size_t) t * dk], dk);
-            l2norm_inplace(&kh_[(size_t) t * dk], dk);
+            l2norm_inplace(fast, &qh[(size_t) t * dk], dk);
+            l2norm_inplace(fast, &kh_[(size_t) t * dk], dk);
         }
         for (int t = 0; t < Bd; t++) {
             const float * qt = &qh[(size_t) t * dk];
@@ -828,10 +918,7 @@ static void gdn_mix(ggml_tensor * dst, int ith, int nth, void * ud) {
             for (int j = 0; j < dv; j++) o[j] *= decay;
             float mx = -INFINITY;
             for (int u = 0; u < Bd; u++) {
-                const float * ku = &kh_[(size_t) u * dk];
-                float s = 0.f;
-                for (int i = 0; i < dk; i++) s += qt[i] * ku[i];
-                p[u] = s * sc[h];
+                p[u] = gdn_dot(fast, qt, &kh_[(size_t) u * dk], dk) * sc[h];
                 mx = std::max(mx, p[u]);
             }
             float sum = 0.f;
@@ -1541,7 +1628,8 @@ static CachedGraph * build_graph(Model & m, int Tc, int Bd, int n_out, int n_kv,
             ggml_tensor * al = mm(L.walpha, cur);     // [Hv, T]
             ggml_tensor * be = mm(L.wbeta, cur);      // [Hv, T]
             calls[il] = {&m, &L, Tc, Bd, record};
-            ggml_tensor * pre = ggml_custom_4d(ctx, GGML_TYPE_F32, hp.conv_dim(), T, 1, 1, &mixed, 1, gdn_conv, GGML_N_TASKS_MAX, &calls[il]);
+            ggml_tensor * pre = ggml_custom_4d(ctx, GGML_TYPE_F32, hp.conv_dim(), T, 1, 1, &mixed, 1, m.gdn_fast ? gdn_conv_fast : gdn_conv,
+                                               GGML_N_TASKS_MAX, &calls[il]);
             ggml_set_name(pre, "gdn_conv");
             ggml_tensor * args[3] = {ggml_silu(ctx, pre), al, be};
             ggml_tensor * o = ggml_custom_4d(ctx, GGML_TYPE_F32, hp.dv, hp.hv, T, 1, args, 3, gdn_mix, GGML_N_TASKS_MAX, &calls[il]);
@@ -1676,7 +1764,7 @@ static void rollback(Model & m, int committed, int keep) {
         for (int h = 0; h < hp.hv; h++)
             for (int t = 0; t < keep; t++) {
                 const float * r = &L.rec[((size_t) h * L.rec_T + t) * rw];
-                commit_step(hp, L, h, &L.S[(size_t) h * hs], r, r + dk, r + 2 * dk, r[2 * dk + dv], r[2 * dk + dv + 1],
+                commit_step(m.gdn_fast, hp, L, h, &L.S[(size_t) h * hs], r, r + dk, r + 2 * dk, r[2 * dk + dv], r[2 * dk + dv + 1],
                             nullptr, q.data(), k.data(), kv.data());
             }
         const int W = L.window_len;  // conv state: the last K-1 inputs up to the last kept token
@@ -1720,7 +1808,7 @@ static DraftGraph * build_draft_graph(Model & m, int Tc, int Bd, int n_kv) {
     ggml_init_params ip = {G->mem.size(), G->mem.data(), true};
     ggml_context * ctx = G->ctx = ggml_init(ip);
     ggml_cgraph * gf = G->gf = ggml_new_graph_custom(ctx, graph_size, false);
-    const int H = d.n_embd, hd = d.head_dim, nh = d.n_head, nkv = d.n_head_kv, no = Bd - 1;
+    const int hd = d.head_dim, nh = d.n_head, nkv = d.n_head_kv, no = Bd - 1;
     auto input = [&](ggml_type type, int64_t n0, int64_t n1 = 1) {
         ggml_tensor * t = n1 == 1 ? ggml_new_tensor_1d(ctx, type, n0) : ggml_new_tensor_2d(ctx, type, n0, n1);
         ggml_set_input(t);
@@ -2672,7 +2760,8 @@ static void usage() {
         "          each verified position computed as an AR step, bit for bit; or batched: ggml's multi-column\n"
         "          kernels, faster, rounding differently), --matmul wide|ggml (q8_0 matmuls: the port's\n"
         "          AVX-512 VNNI kernel on weights repacked at load, bit for bit ggml's vec_dot, the default where\n"
-        "          built with it; or ggml's kernels)\n");
+        "          built with it; or ggml's kernels), --gdn fast|scalar (the GDN ops: vector\n"
+        "          rows and lane sums, the default; or one running sum per output)\n");
     exit(2);
 }
 
@@ -2681,7 +2770,7 @@ int main(int argc, char ** argv) {
     std::string model_path = argv[1], sidecar, drafter, out_path, input = "ids", prompt_text, mode = "diffusion";
     json defaults = json::object();
     int threads = 1;
-    std::string moe = "grouped", attn = "flash", kv = "f32", verify = "exact", matmul = CLOVER_WIDE_Q8 ? "wide" : "ggml";
+    std::string moe = "grouped", attn = "flash", kv = "f32", verify = "exact", gdn = "fast", matmul = CLOVER_WIDE_Q8 ? "wide" : "ggml";
     std::vector<std::string> stops;
     for (int i = 2; i < argc; i++) {
         std::string a = argv[i];
@@ -2737,6 +2826,9 @@ int main(int argc, char ** argv) {
             matmul = next();
             if (matmul != "wide" && matmul != "ggml") die("--matmul: wide or ggml, not " + matmul);
             if (matmul == "wide" && !CLOVER_WIDE_Q8) die("--matmul wide: this build has no AVX-512 VNNI (built without -march of such a CPU)");
+        } else if (a == "--gdn") {
+            gdn = next();
+            if (gdn != "fast" && gdn != "scalar") die("--gdn: fast or scalar, not " + gdn);
         } else if (a == "--kv") {
             kv = next();
             if (kv != "f32" && kv != "f16") die("--kv: f32 or f16, not " + kv);
@@ -2752,6 +2844,7 @@ int main(int argc, char ** argv) {
     m.moe_grouped = moe == "grouped";
     m.flash_attn = attn == "flash";
     m.wide = matmul == "wide";
+    m.gdn_fast = gdn == "fast";
     if (m.wide) pack_model(m);
     m.kv_type = kv == "f16" ? GGML_TYPE_F16 : GGML_TYPE_F32;
     m.exact_verify = verify == "exact";
