@@ -30,6 +30,10 @@
 #include "llama.h"
 #include "nlohmann/json.hpp"
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 #include <algorithm>
 #include <chrono>
 #include <cfloat>
@@ -853,6 +857,80 @@ static void commit_step(bool fast, const Hparams & hp, const Layer & L, int h, f
     }
 }
 
+#if defined(__AVX512F__)
+// The fast path's commit of Tc tokens for one value head, commit_step's arithmetic element for element
+// (the same multiplies and multiply-adds in the same order), the state swept by columns of 16: each
+// column block's kv, delta and o stay in registers over the rows, and one sweep applies token t's
+// update and readout and token t+1's decay and S^T k. Needs dv % 16 == 0.
+// qn, kn: the tokens' normalised q (scaled) and k [Tc][dk]; dec, bt: decay and beta; V: v of token t
+// at V + t * vnb; O: o of token t at O + t * onb.
+static void commit_tokens_avx512(float * S, int dk, int dv, int Tc, const float * qn, const float * kn, const float * dec,
+                                 const float * bt, const float * V, size_t vnb, float * O, size_t onb) {
+    for (int j0 = 0; j0 < dv; j0 += 16) {
+        float * col = S + j0;
+        __m512 kv = _mm512_setzero_ps();
+        const __m512 d0 = _mm512_set1_ps(dec[0]);
+        for (int i = 0; i < dk; i++) {
+            __m512 r = _mm512_mul_ps(_mm512_loadu_ps(col + (size_t) i * dv), d0);
+            _mm512_storeu_ps(col + (size_t) i * dv, r);
+            kv = _mm512_fmadd_ps(r, _mm512_set1_ps(kn[i]), kv);
+        }
+        for (int t = 0; t < Tc; t++) {
+            const float * k = kn + (size_t) t * dk, * q = qn + (size_t) t * dk;
+            const __m512 delta = _mm512_mul_ps(_mm512_set1_ps(bt[t]), _mm512_sub_ps(_mm512_loadu_ps(V + t * vnb + j0), kv));
+            __m512 o = _mm512_setzero_ps(), kvn = _mm512_setzero_ps();
+            if (t + 1 < Tc) {
+                const float * k1 = kn + (size_t) (t + 1) * dk;
+                const __m512 d1 = _mm512_set1_ps(dec[t + 1]);
+                for (int i = 0; i < dk; i++) {
+                    __m512 r = _mm512_fmadd_ps(_mm512_set1_ps(k[i]), delta, _mm512_loadu_ps(col + (size_t) i * dv));
+                    o = _mm512_fmadd_ps(r, _mm512_set1_ps(q[i]), o);
+                    r = _mm512_mul_ps(r, d1);
+                    _mm512_storeu_ps(col + (size_t) i * dv, r);
+                    kvn = _mm512_fmadd_ps(r, _mm512_set1_ps(k1[i]), kvn);
+                }
+            } else {
+                for (int i = 0; i < dk; i++) {
+                    const __m512 r = _mm512_fmadd_ps(_mm512_set1_ps(k[i]), delta, _mm512_loadu_ps(col + (size_t) i * dv));
+                    _mm512_storeu_ps(col + (size_t) i * dv, r);
+                    o = _mm512_fmadd_ps(r, _mm512_set1_ps(q[i]), o);
+                }
+            }
+            _mm512_storeu_ps(O + t * onb + j0, o);
+            kv = kvn;
+        }
+    }
+}
+
+// The denoise readout of the fast path: o_t = decay_t (S^T q_t) for Bd tokens, each row of S loaded
+// once for NT tokens (their sums in registers); the scalar path's multiply-adds in its order.
+// qs: q_t[i] * qscale [Bd][dk].
+template <int NT>
+static void readout_tile(const float * S, int dk, int dv, const float * qs, const float * dec, float * O, size_t onb) {
+    for (int j0 = 0; j0 < dv; j0 += 16) {
+        __m512 acc[NT];
+        for (int u = 0; u < NT; u++) acc[u] = _mm512_setzero_ps();
+        for (int i = 0; i < dk; i++) {
+            const __m512 r = _mm512_loadu_ps(S + (size_t) i * dv + j0);
+            for (int u = 0; u < NT; u++) acc[u] = _mm512_fmadd_ps(_mm512_set1_ps(qs[(size_t) u * dk + i]), r, acc[u]);
+        }
+        for (int u = 0; u < NT; u++) _mm512_storeu_ps(O + u * onb + j0, _mm512_mul_ps(acc[u], _mm512_set1_ps(dec[u])));
+    }
+}
+
+static void readout_avx512(const float * S, int dk, int dv, int Bd, const float * qs, const float * dec, float * O, size_t onb) {
+    int t = 0;
+    for (; t + 8 <= Bd; t += 8) readout_tile<8>(S, dk, dv, qs + (size_t) t * dk, dec + t, O + t * onb, onb);
+    for (; t < Bd; t++) readout_tile<1>(S, dk, dv, qs + (size_t) t * dk, dec + t, O + t * onb, onb);
+}
+#endif
+
+#if defined(__AVX512F__)
+static const bool AVX512_GDN = true;
+#else
+static const bool AVX512_GDN = false;
+#endif
+
 static void gdn_mix(ggml_tensor * dst, int ith, int nth, void * ud) {
     const GdnCall & c = *(const GdnCall *) ud;
     const Hparams & hp = c.m->hp;
@@ -873,17 +951,36 @@ static void gdn_mix(ggml_tensor * dst, int ith, int nth, void * ud) {
     const size_t hs = (size_t) dk * dv;
     const bool fast = c.m->gdn_fast;
     std::vector<float> q(dk), k(dk), kv(dv), qh((size_t) Bd * dk), kh_((size_t) Bd * dk), p(Bd);
+    std::vector<float> qn((size_t) std::max(Tc, Bd) * dk), kn((size_t) Tc * dk), dec(std::max(Tc, Bd)), bt(Tc);
     for (int h = ith; h < hv; h += nth) {
         const int kh = h % hk;
         float * S = &L.S[(size_t) h * hs];
         // ---- commit
         const size_t rw = (size_t) 2 * dk + dv + 2;  // one recorded token
         if (c.record) std::copy(S, S + hs, L.S0.begin() + (size_t) h * hs);
+        const bool vec = fast && AVX512_GDN && dv % 16 == 0;
+        if (vec && Tc) {
+            for (int t = 0; t < Tc; t++) {  // commit_step's q, k, decay and beta per token
+                const float * x = X + (size_t) t * xnb;
+                float * qt = &qn[(size_t) t * dk], * kt = &kn[(size_t) t * dk];
+                std::copy(x + kh * dk, x + kh * dk + dk, qt);
+                std::copy(x + key_dim + kh * dk, x + key_dim + kh * dk + dk, kt);
+                l2norm_inplace(fast, qt, dk);
+                l2norm_inplace(fast, kt, dk);
+                for (int i = 0; i < dk; i++) qt[i] *= qscale;
+                dec[t] = expf(A[h] * softplus_t(AL[(size_t) t * anb + h] + dtb[h]));
+                bt[t] = sigmoid_f(BE[(size_t) t * bnb + h]);
+            }
+#if defined(__AVX512F__)
+            commit_tokens_avx512(S, dk, dv, Tc, qn.data(), kn.data(), dec.data(), bt.data(), X + 2 * key_dim + h * dv, xnb,
+                                 O + (size_t) h * dv, (size_t) hv * dv);
+#endif
+        }
         for (int t = 0; t < Tc; t++) {
             const float * x = X + (size_t) t * xnb;
             const float * qr = x + kh * dk, * kr = x + key_dim + kh * dk, * v = x + 2 * key_dim + h * dv;
             const float al = AL[(size_t) t * anb + h], be = BE[(size_t) t * bnb + h];
-            commit_step(fast, hp, L, h, S, qr, kr, v, al, be, O + ((size_t) t * hv + h) * dv, q.data(), k.data(), kv.data());
+            if (!vec) commit_step(fast, hp, L, h, S, qr, kr, v, al, be, O + ((size_t) t * hv + h) * dv, q.data(), k.data(), kv.data());
             if (c.record) {
                 float * r = &L.rec[((size_t) h * Tc + t) * rw];
                 std::copy(qr, qr + dk, r);
@@ -904,18 +1001,28 @@ static void gdn_mix(ggml_tensor * dst, int ith, int nth, void * ud) {
             l2norm_inplace(fast, &qh[(size_t) t * dk], dk);
             l2norm_inplace(fast, &kh_[(size_t) t * dk], dk);
         }
+        if (vec) {
+            for (int t = 0; t < Bd; t++) {
+                for (int i = 0; i < dk; i++) qn[(size_t) t * dk + i] = qh[(size_t) t * dk + i] * qscale;
+                dec[t] = expf(A[h] * softplus_t(AL[(size_t) (Tc + t) * anb + h] + dtb[h]));
+            }
+#if defined(__AVX512F__)
+            readout_avx512(S, dk, dv, Bd, qn.data(), dec.data(), O + ((size_t) Tc * hv + h) * dv, (size_t) hv * dv);
+#endif
+        }
         for (int t = 0; t < Bd; t++) {
             const float * qt = &qh[(size_t) t * dk];
-            const float g = A[h] * softplus_t(AL[(size_t) (Tc + t) * anb + h] + dtb[h]);
-            const float decay = expf(g);
             float * o = O + ((size_t) (Tc + t) * hv + h) * dv;
-            std::fill(o, o + dv, 0.f);
-            for (int i = 0; i < dk; i++) {
-                const float qi = qt[i] * qscale;
-                const float * row = S + (size_t) i * dv;
-                for (int j = 0; j < dv; j++) o[j] += qi * row[j];
+            if (!vec) {
+                const float decay = expf(A[h] * softplus_t(AL[(size_t) (Tc + t) * anb + h] + dtb[h]));
+                std::fill(o, o + dv, 0.f);
+                for (int i = 0; i < dk; i++) {
+                    const float qi = qt[i] * qscale;
+                    const float * row = S + (size_t) i * dv;
+                    for (int j = 0; j < dv; j++) o[j] += qi * row[j];
+                }
+                for (int j = 0; j < dv; j++) o[j] *= decay;
             }
-            for (int j = 0; j < dv; j++) o[j] *= decay;
             float mx = -INFINITY;
             for (int u = 0; u < Bd; u++) {
                 p[u] = gdn_dot(fast, qt, &kh_[(size_t) u * dk], dk) * sc[h];
@@ -2229,28 +2336,28 @@ static Proposal propose(const float * lg, int V, const Params & p, const std::ve
     int arg = 0;
     for (int i = 0; i < V; i++)
         if (x[i] > mx) { mx = x[i]; arg = i; }
+    thread_local std::vector<double> e;  // exp(x - max), computed once
+    e.resize(V);
     double sum = 0.0;
-    for (int i = 0; i < V; i++) sum += exp((double) x[i] - mx);
+    for (int i = 0; i < V; i++) sum += e[i] = exp((double) x[i] - mx);
     int tok = arg;
     if (!p.greedy()) {  // multinomial draw
         double u = std::uniform_real_distribution<double>(0.0, 1.0)(rng) * sum, c = 0.0;
         tok = -1;
         for (int i = 0; i < V; i++) {
-            const double w = exp((double) x[i] - mx);
+            const double w = e[i];
             if (w <= 0.0) continue;
             c += w;
             tok = i;
             if (u < c) break;
         }
     }
-    Proposal pr{tok, (float) (exp((double) x[tok] - mx) / sum), 0.f};
-    if (want_entropy || p.confidence == "entropy") {
-        double h = 0.0;
-        for (int i = 0; i < V; i++) {
-            const double pi = exp((double) x[i] - mx) / sum;
-            h -= pi * log(std::max(pi, 1e-30));
-        }
-        pr.ent = (float) h;
+    Proposal pr{tok, (float) (e[tok] / sum), 0.f};
+    if (want_entropy || p.confidence == "entropy") {  // -sum p log p = log sum - sum p (x - max): no log per token
+        double ex = 0.0;
+        for (int i = 0; i < V; i++)
+            if (e[i] > 0.0) ex += e[i] * ((double) x[i] - mx);
+        pr.ent = (float) (log(sum) - ex / sum);
     }
     if (p.confidence == "margin") {
         float second = -INFINITY;
