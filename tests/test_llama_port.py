@@ -290,6 +290,38 @@ def test_port_wide_q8_matmul(port, llm, tmp_path):
 
 
 @pytest.mark.slow
+def test_port_gdn_fast_matches_scalar(port, bundled_f32, llm, tmp_path):
+    """The GDN ops' vector paths (`--gdn fast`, the default) against the scalar ones (`--gdn scalar`):
+    one forward (a prompt committed + a block of 8 denoised) within float rounding, the same argmax
+    everywhere; the model's default diffusion and speculative decoding (a rollback replays the
+    commit) give the same tokens."""
+    from clover.integrations.llama_port import run
+
+    prompt = task_prompts(llm, 1)[0]
+    block = [llm.config.mask_token_id] * 8
+    block[2], block[5] = prompt[0], prompt[-1]
+    stdin = (" ".join(map(str, prompt)) + "\n" + " ".join(map(str, block)) + "\n").encode()
+    logits = {}
+    for gdn in ("fast", "scalar"):
+        out = tmp_path / f"{gdn}.f32"
+        r = subprocess.run([str(port), str(bundled_f32), "--mode", "forward", "--out", str(out), "--gdn", gdn],
+                           input=stdin, capture_output=True, timeout=300)
+        assert r.returncode == 0, r.stderr.decode()[-2000:]
+        logits[gdn] = np.fromfile(out, dtype=np.float32).reshape(len(prompt) + len(block), -1)
+    diff = np.abs(logits["fast"] - logits["scalar"])
+    print(f"\n--gdn fast vs scalar: max |diff| {diff.max():.2e}")
+    assert diff.max() <= 1e-4 * np.abs(logits["scalar"]).max()
+    assert (logits["fast"].argmax(1) == logits["scalar"].argmax(1)).all()
+    prompts = task_prompts(llm, 6)
+    for mode, kw in (("diffusion", {}), ("speculative", dict(block_size=4))):
+        params = llm.params(mode, dict(max_new_tokens=TOKENS, temperature=0.0) | kw)
+        toks = [[r["tokens"] for r in run(bundled_f32, prompts, [*port_args(mode, params), "--gdn", gdn],
+                                          eos_ids=llm.config.eos_token_ids, binary=port, timeout=900)]
+                for gdn in ("fast", "scalar")]
+        assert toks[0] == toks[1], mode
+
+
+@pytest.mark.slow
 def test_port_profile(port, bundled_f32, llm):
     """CLOVER_PORT_PROFILE=1 computes the graphs node by node: the same tokens, and a table per
     forward shape on stderr naming the ops and the matmuls' weights."""
