@@ -1155,7 +1155,7 @@ static ExpertGraph * expert_graph(ExpertWorker & w, const Layer & L, int n) {
     g->wu = ggml_new_tensor_2d(ctx, L.up_exps->type, H, I);
     g->wd = ggml_new_tensor_2d(ctx, L.down_exps->type, I, H);
     g->x = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, H, n);
-    ggml_tensor * par = ggml_mul(ctx, ggml_silu(ctx, ggml_mul_mat(ctx, g->wg, g->x)), ggml_mul_mat(ctx, g->wu, g->x));
+    ggml_tensor * par = ggml_swiglu_split(ctx, ggml_mul_mat(ctx, g->wg, g->x), ggml_mul_mat(ctx, g->wu, g->x));
     g->out = ggml_mul_mat(ctx, g->wd, par);
     g->gf = ggml_new_graph_custom(ctx, 16, false);
     ggml_build_forward_expand(g->gf, g->out);
@@ -1742,7 +1742,7 @@ static CachedGraph * build_graph(Model & m, int Tc, int Bd, int n_out, int n_kv,
             ggml_tensor * o = ggml_custom_4d(ctx, GGML_TYPE_F32, hp.dv, hp.hv, T, 1, args, 3, gdn_mix, GGML_N_TASKS_MAX, &calls[il]);
             ggml_set_name(o, "gdn_mix");
             ggml_tensor * z3 = ggml_reshape_3d(ctx, z, hp.dv, hp.hv, T);
-            o = ggml_mul(ctx, ggml_mul(ctx, ggml_rms_norm(ctx, o, hp.eps), L.ssm_norm), ggml_silu(ctx, z3));
+            o = ggml_swiglu_split(ctx, z3, ggml_mul(ctx, ggml_rms_norm(ctx, o, hp.eps), L.ssm_norm));  // silu(z) * norm(o)
             cur = mm(L.ssm_out, ggml_reshape_2d(ctx, o, hp.dv * hp.hv, T));
         } else {
             ggml_tensor * qf = mm(L.wq, cur);  // [2*hd*nh, T], per head [query | gate]
@@ -1805,7 +1805,7 @@ static CachedGraph * build_graph(Model & m, int Tc, int Bd, int n_out, int n_kv,
             ggml_tensor * h3 = ggml_reshape_3d(ctx, h, H, 1, T);
             ggml_tensor * up = mm_id(pu, L.up_exps, h3);      // [I, k, T]
             ggml_tensor * gt = mm_id(pg, L.gate_exps, h3);
-            dn = mm_id(pd, L.down_exps, ggml_mul(ctx, ggml_silu(ctx, gt), up));
+            dn = mm_id(pd, L.down_exps, ggml_swiglu_split(ctx, gt, up));
         } else if (grouped) {
             G->moe_calls[il] = {&L, &expert_workers(m.n_threads)};
             ggml_tensor * args[2] = {h, sel};
@@ -1815,7 +1815,7 @@ static CachedGraph * build_graph(Model & m, int Tc, int Bd, int n_out, int n_kv,
             ggml_tensor * h3 = ggml_reshape_3d(ctx, h, H, 1, T);
             ggml_tensor * up = ggml_mul_mat_id(ctx, L.up_exps, h3, sel);      // [I, k, T]
             ggml_tensor * gt = ggml_mul_mat_id(ctx, L.gate_exps, h3, sel);
-            ggml_tensor * par = ggml_mul(ctx, ggml_silu(ctx, gt), up);
+            ggml_tensor * par = ggml_swiglu_split(ctx, gt, up);
             dn = ggml_mul_mat_id(ctx, L.down_exps, par, sel);
         }
         dn = ggml_mul(ctx, dn, wts);
@@ -1824,8 +1824,7 @@ static CachedGraph * build_graph(Model & m, int Tc, int Bd, int n_out, int n_kv,
             ggml_tensor * s = ggml_view_2d(ctx, dn, H, T, dn->nb[2], e * dn->nb[1]);
             moe = moe ? ggml_add(ctx, moe, s) : s;
         }
-        ggml_tensor * sh = mm(L.down_shexp,
-            ggml_mul(ctx, ggml_silu(ctx, mm(L.gate_shexp, h)), mm(L.up_shexp, h)));
+        ggml_tensor * sh = mm(L.down_shexp, ggml_swiglu_split(ctx, mm(L.gate_shexp, h), mm(L.up_shexp, h)));
         ggml_tensor * sg = ggml_sigmoid(ctx, mm(L.gate_inp_shexp, h));  // [1, T]
         x = ggml_add(ctx, x, ggml_add(ctx, moe, ggml_mul(ctx, sh, sg)));
         if (taps) tapped[il] = x;
@@ -1967,7 +1966,7 @@ static DraftGraph * build_draft_graph(Model & m, int Tc, int Bd, int n_kv) {
         }
         x = ggml_add(ctx, x, ggml_mul_mat(ctx, L.wo, att));
         ggml_tensor * h2 = norm(x, L.ffn_norm);
-        x = ggml_add(ctx, x, ggml_mul_mat(ctx, L.down, ggml_mul(ctx, ggml_silu(ctx, ggml_mul_mat(ctx, L.gate, h2)), ggml_mul_mat(ctx, L.up, h2))));
+        x = ggml_add(ctx, x, ggml_mul_mat(ctx, L.down, ggml_swiglu_split(ctx, ggml_mul_mat(ctx, L.gate, h2), ggml_mul_mat(ctx, L.up, h2))));
     }
     ggml_tensor * lg = ggml_mul_mat(ctx, m.output, norm(ggml_get_rows(ctx, x, G->out_ids), d.out_norm));  // [V, Bd-1]
     if (d.out_mult != 1.f) lg = ggml_scale(ctx, lg, d.out_mult);
