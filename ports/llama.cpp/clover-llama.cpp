@@ -1045,6 +1045,39 @@ static void gdn_mix(ggml_tensor * dst, int ith, int nth, void * ud) {
 // Block expert sharing (clover.moe.route with BlockSharing): src[0] router probabilities [E, T] ->
 // the same, with the denoise columns [Tc, T) restricted to the block's `budget` best experts (ranked by
 // the sum, or the max, of the block's probabilities); the others are zeroed. One task.
+// The MoE's output: src[0] the routed slots' outputs [H, k, T], src[1] their weights [1, k, T], src[2]
+// the shared expert's output [H, T], src[3] its gate [1, T] -> sum_e dn_e w_e + sh g [H, T]. The same
+// operations as ggml's mul, add and mul nodes did it in (each product rounded, then the sums left to
+// right; no multiply-add contraction), in one node instead of 2k + 1 with two broadcasts, which
+// ggml runs as one call per element. Parallel over tokens.
+__attribute__((optimize("fp-contract=off")))
+static void moe_combine(ggml_tensor * dst, int ith, int nth, void *) {
+    const ggml_tensor * dn = dst->src[0], * w = dst->src[1], * sh = dst->src[2], * sg = dst->src[3];
+    const int64_t H = dst->ne[0], T = dst->ne[1], k = dn->ne[1];
+    for (int64_t t = ith; t < T; t += nth) {
+        const char * dt = (const char *) dn->data + t * dn->nb[2];
+        const char * wt = (const char *) w->data + t * w->nb[2];
+        const float * st = (const float *) ((const char *) sh->data + t * sh->nb[1]);
+        const float g = *(const float *) ((const char *) sg->data + t * sg->nb[1]);
+        float * y = (float *) ((char *) dst->data + t * dst->nb[1]);
+        const float w0 = *(const float *) wt;
+        const float * d0 = (const float *) dt;
+        for (int64_t j = 0; j < H; j++) y[j] = d0[j] * w0;
+        for (int64_t e = 1; e < k; e++) {
+            const float we = *(const float *) (wt + e * w->nb[1]);
+            const float * de = (const float *) (dt + e * dn->nb[1]);
+            for (int64_t j = 0; j < H; j++) {
+                const float pe = de[j] * we;
+                y[j] = y[j] + pe;
+            }
+        }
+        for (int64_t j = 0; j < H; j++) {
+            const float ps = st[j] * g;
+            y[j] = y[j] + ps;
+        }
+    }
+}
+
 struct ShareCall {
     int Tc, budget;
     bool rank_max;
@@ -1818,15 +1851,10 @@ static CachedGraph * build_graph(Model & m, int Tc, int Bd, int n_out, int n_kv,
             ggml_tensor * par = ggml_swiglu_split(ctx, gt, up);
             dn = ggml_mul_mat_id(ctx, L.down_exps, par, sel);
         }
-        dn = ggml_mul(ctx, dn, wts);
-        ggml_tensor * moe = nullptr;
-        for (int e = 0; e < k; e++) {
-            ggml_tensor * s = ggml_view_2d(ctx, dn, H, T, dn->nb[2], e * dn->nb[1]);
-            moe = moe ? ggml_add(ctx, moe, s) : s;
-        }
         ggml_tensor * sh = mm(L.down_shexp, ggml_swiglu_split(ctx, mm(L.gate_shexp, h), mm(L.up_shexp, h)));
         ggml_tensor * sg = ggml_sigmoid(ctx, mm(L.gate_inp_shexp, h));  // [1, T]
-        x = ggml_add(ctx, x, ggml_add(ctx, moe, ggml_mul(ctx, sh, sg)));
+        ggml_tensor * margs[4] = {dn, wts, sh, sg};
+        x = ggml_add(ctx, x, ggml_set_name(ggml_custom_4d(ctx, GGML_TYPE_F32, H, T, 1, 1, margs, 4, moe_combine, GGML_N_TASKS_MAX, nullptr), "moe_combine"));
         if (taps) tapped[il] = x;
     }
     if (taps) {  // the drafter's context input (DFlashDrafter.context_features): the tapped layers' outputs
