@@ -257,7 +257,7 @@ def test_port_wide_q8_matmul(port, llm, tmp_path):
     gives --matmul ggml's logits exactly (tinyBLAS sums each element as vec_dot does); AR greedy
     gives --matmul ggml's tokens."""
     from clover.export.gguf import export_gguf
-    from clover.integrations.llama_port import run
+    from clover.integrations.llama_port import forward_logits, run
 
     gguf = tmp_path / "clover-tiny-q8_0.gguf"
     export_gguf(BUNDLED, gguf, dtype="q8_0", progress=False)
@@ -271,14 +271,8 @@ def test_port_wide_q8_matmul(port, llm, tmp_path):
     prompt = task_prompts(llm, 1)[0]
     block = [llm.config.mask_token_id] * 8
     block[2], block[5] = prompt[0], prompt[-1]
-    stdin = (" ".join(map(str, prompt)) + "\n" + " ".join(map(str, block)) + "\n").encode()
-    logits = {}
-    for matmul in ("wide", "ggml"):
-        out = tmp_path / f"{matmul}.f32"
-        r = subprocess.run([str(port), str(gguf), "--mode", "forward", "--out", str(out), "--matmul", matmul],
-                           input=stdin, capture_output=True, timeout=300)
-        assert r.returncode == 0, r.stderr.decode()[-2000:]
-        logits[matmul] = np.fromfile(out, dtype=np.float32)
+    logits = {matmul: forward_logits(gguf, prompt, block, tmp_path / f"{matmul}.f32", binary=port, args=["--matmul", matmul])
+              for matmul in ("wide", "ggml")}
     assert np.array_equal(logits["wide"], logits["ggml"])
     prompts = mixed_prompts(llm, 4)
     ar = {}
@@ -295,19 +289,13 @@ def test_port_gdn_fast_matches_scalar(port, bundled_f32, llm, tmp_path):
     one forward (a prompt committed + a block of 8 denoised) within float rounding, the same argmax
     everywhere; the model's default diffusion and speculative decoding (a rollback replays the
     commit) give the same tokens."""
-    from clover.integrations.llama_port import run
+    from clover.integrations.llama_port import forward_logits, run
 
     prompt = task_prompts(llm, 1)[0]
     block = [llm.config.mask_token_id] * 8
     block[2], block[5] = prompt[0], prompt[-1]
-    stdin = (" ".join(map(str, prompt)) + "\n" + " ".join(map(str, block)) + "\n").encode()
-    logits = {}
-    for gdn in ("fast", "scalar"):
-        out = tmp_path / f"{gdn}.f32"
-        r = subprocess.run([str(port), str(bundled_f32), "--mode", "forward", "--out", str(out), "--gdn", gdn],
-                           input=stdin, capture_output=True, timeout=300)
-        assert r.returncode == 0, r.stderr.decode()[-2000:]
-        logits[gdn] = np.fromfile(out, dtype=np.float32).reshape(len(prompt) + len(block), -1)
+    logits = {gdn: forward_logits(bundled_f32, prompt, block, tmp_path / f"{gdn}.f32", binary=port, args=["--gdn", gdn])
+              for gdn in ("fast", "scalar")}
     diff = np.abs(logits["fast"] - logits["scalar"])
     print(f"\n--gdn fast vs scalar: max |diff| {diff.max():.2e}")
     assert diff.max() <= 1e-4 * np.abs(logits["scalar"]).max()

@@ -114,6 +114,14 @@ class CostCurve:
     def add(self, kind: str, batch: int, positions: int, seconds: float) -> None:
         self.seconds_by.setdefault(kind, {}).setdefault(int(batch), {})[int(positions)] = float(seconds)
 
+    def merge(self, other: "CostCurve") -> "CostCurve":
+        """Add every point of `other` (its points replace this curve's at the same place); returns self."""
+        for kind, by_batch in other.seconds_by.items():
+            for b, pts in by_batch.items():
+                for p, sec in pts.items():
+                    self.add(kind, b, p, sec)
+        return self
+
     def has(self, kind: str, batch: int | None = None) -> bool:
         """Whether forwards of `kind` were measured (at `batch` rows, when given)."""
         by_batch = self.seconds_by.get(kind) or {}
@@ -177,10 +185,7 @@ def save_curve(model, curve: CostCurve, variant: str | None = None) -> Path:
         merged = CostCurve.from_dict(json.loads(path.read_text()))
     except (OSError, ValueError, KeyError, TypeError):
         merged = CostCurve()
-    for kind, bb in curve.seconds_by.items():
-        for b, pts in bb.items():
-            for p, s in pts.items():
-                merged.add(kind, b, p, s)
+    merged.merge(curve)
     merged.key = key
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
@@ -287,13 +292,19 @@ def trained_widths(config) -> tuple[int, ...]:
     return tuple(kept) or (min(int(config.block_size), AUTO_MAX_WIDTH),)
 
 
+def card_tokens_per_forward(config, width: int) -> float | None:
+    """The model card's tokens per forward at `width` (`config.block_tokens_per_forward`), or None."""
+    table = getattr(config, "block_tokens_per_forward", None) or {}
+    v = table.get(str(width), table.get(width)) if isinstance(table, dict) else None
+    return None if v is None else float(v)
+
+
 def prior_tokens_per_forward(config, widths) -> dict[int, float]:
     """Tokens per forward expected at each width before a row has decoded anything."""
-    table = getattr(config, "block_tokens_per_forward", None) or {}
     out = {}
     for w in widths:
-        v = table.get(str(w), table.get(w)) if isinstance(table, dict) else None
-        out[w] = float(v) if v is not None else min(4.0, max(1.0, w / 8))
+        v = card_tokens_per_forward(config, w)
+        out[w] = v if v is not None else min(4.0, max(1.0, w / 8))
     return out
 
 
@@ -386,10 +397,9 @@ class DraftPolicy:
         batch bucket when first met) and the model card's prior."""
         widths = (AR_WIDTH,) + trained_widths(model.config)
         w = int(model.config.block_size)
-        table = getattr(model.config, "block_tokens_per_forward", None) or {}
-        tpf = table.get(str(w), table.get(w)) if isinstance(table, dict) else None
+        tpf = card_tokens_per_forward(model.config, w)
         return cls(widths, measure(widths, 1), lambda batch: measure(widths, batch),
-                   prior_rate=None if tpf is None else cls.rate_keeping(float(tpf), w))
+                   prior_rate=None if tpf is None else cls.rate_keeping(tpf, w))
 
     @staticmethod
     def rate_keeping(tokens: float, D: int) -> float:
@@ -408,10 +418,7 @@ class DraftPolicy:
         hi = batch_bucket(batch)
         for b in {lo, hi}:
             if self.calibrate is not None and not self.curve.has("verify", b):
-                for kind, by_batch in self.calibrate(b).seconds_by.items():
-                    for bb, pts in by_batch.items():
-                        for p, sec in pts.items():
-                            self.curve.add(kind, bb, p, sec)
+                self.curve.merge(self.calibrate(b))
         kind, n = ("commit", 1) if D == AR_WIDTH and self.curve.has("commit") else ("verify", D)
         if lo == hi or batch > hi or not (self.curve.has(kind, lo) and self.curve.has(kind, hi)):
             return self.curve.seconds(kind, batch, n)

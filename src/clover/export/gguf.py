@@ -896,17 +896,17 @@ def export_drafter_gguf(src, dst: str | Path, *, dtype: str = "f32") -> ExportRe
     if dst.is_dir():
         raise GGUFExportError(f"{dst}: is a directory; give the GGUF file to write (e.g. {dst / 'drafter.gguf'})")
     if isinstance(src, torch.nn.Module):
-        drafter, name = src, "dflash-drafter"
+        drafter, label = src, "dflash-drafter"
     else:
         src = Path(src)
-        drafter, name = load_drafter(src, dtype=torch.float32), src.resolve().name
+        drafter, label = load_drafter(src, dtype=torch.float32), src.resolve().name
     c = drafter.config
     if c.attention_bias:
-        raise GGUFExportError(f"{name}: attention_bias=true is not supported by the llama.cpp port's drafter")
+        raise GGUFExportError(f"{label}: attention_bias=true is not supported by the llama.cpp port's drafter")
     dst.parent.mkdir(parents=True, exist_ok=True)
     tmp = dst.with_name(dst.name + ".partial")
     w = gguf.GGUFWriter(tmp, DRAFTER_ARCH)
-    w.add_name(name)
+    w.add_name(label)
     w.add_type(gguf.GGUFType.MODEL)
     w.add_file_type(_file_type(dtype))
     if dtype == "q8_0":

@@ -147,10 +147,12 @@ def run(gguf: str | os.PathLike, prompts: list[list[int]], args: list[str], *, e
 
 
 def forward_logits(gguf: str | os.PathLike, commit: list[int], block: list[int], out: str | os.PathLike, *,
-                   threads: int = 1, binary: str | os.PathLike | None = None) -> np.ndarray:
-    """One port forward from an empty cache: `commit` committed, `block` denoised. Returns f32 logits
-    [len(commit) + len(block), V]: every commit position, then every block position."""
-    cmd = [str(binary or require_port()), str(gguf), "--mode", "forward", "--out", str(out), "--threads", str(threads)]
+                   threads: int = 1, binary: str | os.PathLike | None = None, args=()) -> np.ndarray:
+    """One port forward from an empty cache: `commit` committed, `block` denoised (`args`: more port
+    flags, e.g. `--matmul ggml`). Returns f32 logits [len(commit) + len(block), V]: every commit
+    position, then every block position."""
+    cmd = [str(binary or require_port()), str(gguf), "--mode", "forward", "--out", str(out), "--threads", str(threads),
+           *args]
     stdin = " ".join(map(str, commit)) + "\n" + " ".join(map(str, block)) + "\n"
     r = subprocess.run(cmd, input=stdin.encode(), capture_output=True)
     if r.returncode != 0:
