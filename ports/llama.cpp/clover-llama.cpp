@@ -707,18 +707,31 @@ static void l2norm_inplace(bool fast, float * x, int n) {  // x * rsqrt(sum(x^2)
     for (int i = 0; i < n; i++) x[i] *= r;
 }
 
-static void gdn_conv(ggml_tensor * dst, int ith, int nth, void * ud) {
+// What both gdn_conv paths read: the layer (its conv state and rollback window), the sizes (C channels,
+// kernel K, Tc commit and Bd block columns, the window W = K-1 + Tc), the weights w [C][K] and the
+// right branch wr [C][K-1] (or null), the input X and output Y with their column strides in floats.
+struct ConvArgs {
+    Layer & L;
+    int C, K, K1, Tc, Bd, W;
+    const float * w, * wr;
+    size_t mnb, dnb;
+    const float * X;
+    float * Y;
+};
+
+static ConvArgs conv_args(ggml_tensor * dst, void * ud) {
     const GdnCall & c = *(const GdnCall *) ud;
     const Hparams & hp = c.m->hp;
     Layer & L = *c.L;
     const ggml_tensor * mixed = dst->src[0];
-    const int C = hp.conv_dim(), K = hp.conv_k, K1 = K - 1, Tc = c.Tc, Bd = c.Bd;
-    const float * w = (const float *) L.conv1d->data;  // [C][K]
-    const float * wr = L.conv_right ? (const float *) L.conv_right->data : nullptr;  // [C][K-1]
-    const size_t mnb = mixed->nb[1] / sizeof(float), dnb = dst->nb[1] / sizeof(float);
-    const float * X = (const float *) mixed->data;
-    float * Y = (float *) dst->data;
-    const int W = K1 + Tc;
+    const int K = hp.conv_k;
+    return {L, hp.conv_dim(), K, K - 1, c.Tc, c.Bd, K - 1 + c.Tc, (const float *) L.conv1d->data,
+            L.conv_right ? (const float *) L.conv_right->data : nullptr, mixed->nb[1] / sizeof(float),
+            dst->nb[1] / sizeof(float), (const float *) mixed->data, (float *) dst->data};
+}
+
+static void gdn_conv(ggml_tensor * dst, int ith, int nth, void * ud) {
+    const auto [L, C, K, K1, Tc, Bd, W, w, wr, mnb, dnb, X, Y] = conv_args(dst, ud);
     std::vector<float> win(K1 + std::max(Tc, Bd) + K1);
     const int c0 = (int) ((int64_t) C * ith / nth), c1 = (int) ((int64_t) C * (ith + 1) / nth);
     for (int ch = c0; ch < c1; ch++) {
@@ -760,17 +773,7 @@ static void gdn_conv(ggml_tensor * dst, int ith, int nth, void * ud) {
 // transposed, then the columns of `mixed`) and of the weights, transposed, read as vectors of this
 // task's channels; each output is summed in the scalar path's order.
 static void gdn_conv_fast(ggml_tensor * dst, int ith, int nth, void * ud) {
-    const GdnCall & c = *(const GdnCall *) ud;
-    const Hparams & hp = c.m->hp;
-    Layer & L = *c.L;
-    const ggml_tensor * mixed = dst->src[0];
-    const int C = hp.conv_dim(), K = hp.conv_k, K1 = K - 1, Tc = c.Tc, Bd = c.Bd;
-    const float * w = (const float *) L.conv1d->data;  // [C][K]
-    const float * wr = L.conv_right ? (const float *) L.conv_right->data : nullptr;  // [C][K-1]
-    const size_t mnb = mixed->nb[1] / sizeof(float), dnb = dst->nb[1] / sizeof(float);
-    const float * X = (const float *) mixed->data;
-    float * Y = (float *) dst->data;
-    const int W = K1 + Tc;
+    const auto [L, C, K, K1, Tc, Bd, W, w, wr, mnb, dnb, X, Y] = conv_args(dst, ud);
     const int nb = (C + 15) / 16;  // channels split in whole vectors of 16
     const int c0 = 16 * (int) ((int64_t) nb * ith / nth), c1 = std::min(C, 16 * (int) ((int64_t) nb * (ith + 1) / nth));
     const int n = c1 - c0;
@@ -785,8 +788,9 @@ static void gdn_conv_fast(ggml_tensor * dst, int ith, int nth, void * ud) {
         for (int j = 0; j < K1; j++) st[(size_t) j * n + ch] = L.conv_state[(size_t) (c0 + ch) * K1 + j];
     }
     // window row p: the state's row p below K1, else the input column t0 + p - K1
-    auto row = [&](int t0, int p) -> const float * { return p < K1 ? st + (size_t) p * n : X + (size_t) (t0 + p - K1) * mnb + c0; };
-    auto conv = [&](int t0, int t, float * y) {  // y = sum_j window[t + j] * w[j], in j order
+    // (the structured bindings are copied into the lambdas: C++17 lets a lambda name them no other way)
+    auto row = [&, K1 = K1, X = X, mnb = mnb](int t0, int p) -> const float * { return p < K1 ? st + (size_t) p * n : X + (size_t) (t0 + p - K1) * mnb + c0; };
+    auto conv = [&, K = K](int t0, int t, float * y) {  // y = sum_j window[t + j] * w[j], in j order
         const float * x0 = row(t0, t), * w0 = wT;
         for (int ch = 0; ch < n; ch++) y[ch] = x0[ch] * w0[ch];
         for (int j = 1; j < K; j++) {
