@@ -111,9 +111,9 @@ def test_speculative_sampling_matches_ar_sampling(llm, width, monkeypatch):
 
     curve = W.CostCurve()  # the verify of 8 as cheap as the AR step: draft "auto" drafts 8
     for b in W.BATCH_BUCKETS:
-        curve.add("commit", b, 1, 1.0)
+        curve.add(W.STEP_KIND, b, 1, 1.0)
         for p in (8, 16, 32, 64):
-            curve.add("verify", b, p, p / 8)
+            curve.add(W.STEP_KIND, b, p, p / 8)
     monkeypatch.setattr(S, "step_curve", lambda *a, **k: curve)
     kw = dict(max_new_tokens=2, temperature=1.0, top_k=3, ignore_eos=True)
     n = 400

@@ -77,15 +77,53 @@ def test_calibration_when_nothing_is_cached(llm, cache_home):
     assert W.load_curve(llm.model) is not None  # cached for the next time
 
 
-def test_step_curve_times_the_engine_at_each_width_once_per_process(llm, cache_home):
+def test_step_curve_times_the_engine_at_each_width_once_and_caches_it(llm, cache_home, monkeypatch):
     """Draft auto's costs: the adaptive draft's engine stepped at each width (1: the AR step) at a
-    batch size, measured once per process and kept out of the user cache."""
+    batch size, measured once per process and kept in the user cache beside the forward costs,
+    where a later process reads them and times nothing."""
     c = S.step_curve(llm.model, (1, 4), 2, mask_id=llm.config.mask_token_id, repeat=2)
-    assert set(c.seconds_by) == {"commit", "verify"}
-    assert set(c.seconds_by["verify"]) == set(c.seconds_by["commit"]) == {2}
-    assert set(c.seconds_by["verify"][2]) == {4} and all(s > 0 for s in c.seconds_by["verify"][2].values())
+    assert set(c.seconds_by) == {W.STEP_KIND} and set(c.seconds_by[W.STEP_KIND]) == {2}
+    assert set(c.seconds_by[W.STEP_KIND][2]) == {1, 4} and all(s > 0 for s in c.seconds_by[W.STEP_KIND][2].values())
     assert S.step_curve(llm.model, (1, 4), 2, mask_id=llm.config.mask_token_id, repeat=2) is c
-    assert W.load_curve(llm.model) is None
+    assert W.load_curve(llm.model).seconds_by[W.STEP_KIND] == c.seconds_by[W.STEP_KIND]
+    S._STEP_COSTS.pop(llm.model)  # as a new process: read from the cache, nothing timed
+
+    def no_timing(*a, **k):
+        raise AssertionError("timed a step the cache holds")
+
+    monkeypatch.setattr(S, "_time_steps", no_timing)
+    assert S.step_curve(llm.model, (1, 4), 2, mask_id=llm.config.mask_token_id).seconds_by == c.seconds_by
+    with pytest.raises(AssertionError, match="timed"):  # a width the cache lacks is measured
+        S.step_curve(llm.model, (1, 4, 8), 2, mask_id=llm.config.mask_token_id)
+
+
+def test_load_measures_the_step_costs_once_per_machine(tiny_dir, cache_home, monkeypatch):
+    """`clover.load(calibrate=True)` (`clover serve`): draft auto's step costs at the batch buckets,
+    measured at the first load with a progress bar, read by the second, which times nothing (and
+    decodes draft auto at those batch sizes without timing); a corrupt cache file is reported in a
+    warning and measured again."""
+    measured = []
+    real = S._time_steps
+
+    def counting(model, widths, batch, **kw):
+        measured.append(batch)
+        return real(model, widths, batch, **kw | {"repeat": 2})
+
+    monkeypatch.setattr(S, "_time_steps", counting)
+    first = clover.load(tiny_dir, calibrate=True, compile_batch=3)
+    assert measured == [1, 2, 4]
+    path = W.cost_path(W.cost_key(first.model))
+    assert set(W.load_curve(first.model).seconds_by[W.STEP_KIND]) == {1, 2, 4}
+    second = clover.load(tiny_dir, calibrate=True, compile_batch=3)
+    assert measured == [1, 2, 4]  # read, not timed
+    ref = second.generate(["ab", "cd", "ef"], mode="ar", max_new_tokens=6)
+    out = second.generate(["ab", "cd", "ef"], mode="speculative", block_size="auto", max_new_tokens=6)
+    assert [g.token_ids for g in out] == [g.token_ids for g in ref] and measured == [1, 2, 4]
+    path.write_text("{not json")
+    with pytest.warns(UserWarning, match="unreadable cost curve"):
+        clover.load(tiny_dir, calibrate=True, compile_batch=1)
+    assert measured == [1, 2, 4, 1]
+    assert set(W.load_curve(first.model).seconds_by[W.STEP_KIND]) == {1}  # written anew
 
 
 def test_choice_follows_cost_and_row_ease():
@@ -191,7 +229,7 @@ def test_adaptive_draft_stays_identical_to_ar(llm, monkeypatch, sure):
     curve = W.CostCurve()
     for b in (1, 2):
         for p in (1, 4, 8, 16):
-            curve.add("verify", b, p, 1.0 + p / 4)
+            curve.add(W.STEP_KIND, b, p, 1.0 + p / 4)
     monkeypatch.setattr(S, "step_curve", lambda *a, **k: curve)
     monkeypatch.setattr(W.DraftPolicy, "PRIOR_RATE", sure)
     monkeypatch.setattr(W.DraftPolicy, "PRIOR_N", 1000.0)  # the prior decides: one draft length throughout

@@ -378,7 +378,7 @@ def _cpu_compute_dtype(path: Path, config) -> torch.dtype | None:
 
 def load(path: str | os.PathLike | None = None, *, dtype: str | torch.dtype | None = None, device: str | None = None,
          check_finite: bool | None = None, compile: bool | str = False, drafter: str | os.PathLike | None | bool = None,
-         compile_batch: int = 1) -> LLM:
+         compile_batch: int = 1, calibrate: bool = False) -> LLM:
     """Load a model directory (config.json + safetensors + tokenizer). None = `default_model_path()`.
 
     `device` is checked first (`check_device`); a missing directory is a FileNotFoundError.
@@ -391,7 +391,12 @@ def load(path: str | os.PathLike | None = None, *, dtype: str | torch.dtype | No
     block size, batch sizes in powers of two below `compile_batch` and `compile_batch` itself, cache capacities up to 512);
     any other shape then runs eagerly, so no request waits on a compile (figures in
     docs/benchmarks.md). `drafter` is a DFlash drafter directory for mode "dflash" (`clover.models.dflash`; refused with one line when it does not fit the model);
-    the bundled model comes with its own (`BUNDLED_DRAFTER`), loaded unless `drafter=False`."""
+    the bundled model comes with its own (`BUNDLED_DRAFTER`), loaded unless `drafter=False`.
+    `calibrate=True` (what `clover serve` does): speculative draft "auto"'s step costs at the batch
+    sizes in powers of two up to `compile_batch` are read from the user cache, or measured here with
+    a progress bar and cached (`clover.decoding.speculative.measure_step_curves`: seconds, once per
+    model shape, dtype and machine), so that no request waits on them; without it a request meets
+    that measurement at the first batch size nothing cached covers."""
     check_device(device)
     path = model_path(path) if path is not None else default_model_path()
     if not path.exists():
@@ -428,6 +433,12 @@ def load(path: str | os.PathLike | None = None, *, dtype: str | torch.dtype | No
             if draft_model is not None:  # dflash's draft of a full block, at the same batch sizes and capacities
                 bar.set_postfix_str("drafter")
                 draft_model.compile_static().warm_static(batches, LOAD_CAPACITIES, bar=bar)
+    if calibrate and model.config.mask_token_id is not None:  # speculative decoding needs the mask token
+        from .decoding.speculative import measure_step_curves
+        from .decoding.width import BATCH_BUCKETS, batch_bucket
+
+        top = batch_bucket(compile_batch)
+        measure_step_curves(model, [b for b in BATCH_BUCKETS if b <= top], mask_id=model.config.mask_token_id)
     tokenizer = Tokenizer.from_dir(
         path,
         eos_token_id=model.config.eos_token_ids[0] if model.config.eos_token_ids else None,

@@ -139,7 +139,8 @@ def load_llm(args: argparse.Namespace, path: Path | None = None, *, bundled_draf
     try:
         return api.load(path, dtype=getattr(args, "dtype", None), device=device,
                         check_finite=getattr(args, "check_finite", True), compile=getattr(args, "compile", False),
-                        drafter=drafter, compile_batch=getattr(args, "max_batch", 1))
+                        drafter=drafter, compile_batch=getattr(args, "max_batch", 1),
+                        calibrate=getattr(args, "calibrate", False))
     except mismatch as e:
         raise UsageError(f"--{e}") from None
     except (CheckpointError, ConfigError, FileNotFoundError, UsageError):

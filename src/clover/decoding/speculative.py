@@ -408,9 +408,23 @@ class SpeculativeEngine(BatchEngine):
         return events
 
 
-# model -> (eager/compiled, widths, batch) -> CostCurve, measured once per process; weak keys, so that a
-# model collected (its id reused) takes its curves with it
+# model -> (eager/compiled, widths, batch) -> CostCurve, once per process (read from the user cache or
+# measured); weak keys, so that a model collected (its id reused) takes its curves with it
 _STEP_COSTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def cached_step_curve(cached, widths, batch: int) -> "CostCurve | None":
+    """The step costs at `batch` rows for every width in `widths` from `cached` (the user cache's
+    curve, `width.load_curve`; None: nothing cached), or None where one is missing."""
+    from .width import STEP_KIND, CostCurve
+
+    pts = (cached.seconds_by.get(STEP_KIND, {}).get(int(batch), {}) if cached is not None else {})
+    if not all(w in pts for w in widths):
+        return None
+    curve = CostCurve()
+    for w in widths:
+        curve.add(STEP_KIND, batch, w, pts[w])
+    return curve
 
 
 @grad_free_call
@@ -420,14 +434,30 @@ def step_curve(model, widths, batch: int, *, mask_id: int, pad_id: int = 0, repe
     that fixed width decoding random prompts, its steps timed in rounds across the widths after two
     untimed ones (a compiled model compiles there), the median kept (the rounds spread load that
     comes and goes on a shared machine over every width; the median keeps what a step pays as it
-    varies, a rollback after one and none after the next). Kept in the `"verify"` kind of a
-    `width.CostCurve` (the `"commit"` kind at 1) for `width.DraftPolicy`; measured once per process."""
-    from .width import AR_WIDTH, CostCurve, compiled_kind
+    varies, a rollback after one and none after the next). Kept in the `width.STEP_KIND` kind of a
+    `width.CostCurve` for `width.DraftPolicy`, and in the user cache with the model's other costs
+    (`width.save_curve`: per model shape, dtype, machine, eager or compiled): read from there when
+    it is, else measured once and written there."""
+    from .width import compiled_kind, load_curve, save_curve
 
     known = _STEP_COSTS.setdefault(model, {})
     key = (compiled_kind(model), tuple(widths), batch)
     if key in known:
         return known[key]
+    curve = cached_step_curve(load_curve(model), widths, batch)
+    if curve is None:
+        curve = _time_steps(model, widths, batch, mask_id=mask_id, pad_id=pad_id, repeat=repeat)
+        try:
+            save_curve(model, curve)
+        except OSError:  # a read-only cache: the curve still serves this process
+            pass
+    known[key] = curve
+    return curve
+
+
+def _time_steps(model, widths, batch: int, *, mask_id: int, pad_id: int, repeat: int) -> "CostCurve":
+    from .width import STEP_KIND, CostCurve
+
     gen = torch.Generator().manual_seed(0)
     engines = {}
     for w in widths:
@@ -446,9 +476,35 @@ def step_curve(model, widths, batch: int, *, mask_id: int, pad_id: int = 0, repe
             seconds[w].append(time.perf_counter() - t0)
     curve = CostCurve()
     for w in widths:
-        curve.add("commit" if w == AR_WIDTH else "verify", batch, w, statistics.median(seconds[w]))
-    known[key] = curve
+        curve.add(STEP_KIND, batch, w, statistics.median(seconds[w]))
     return curve
+
+
+def measure_step_curves(model, batches, *, mask_id: int, pad_id: int = 0, progress: bool = True) -> list[int]:
+    """Draft "auto"'s step costs (`step_curve`) at each batch size in `batches` for the widths it
+    chooses among (`width.draft_widths`), ahead of any request: those the user cache holds are read,
+    the rest measured (a progress bar on stderr) and cached. Returns the batch sizes measured."""
+    from .width import draft_widths, load_curve
+
+    widths = draft_widths(model.config)
+    cached = load_curve(model)
+    todo = [b for b in batches if cached_step_curve(cached, widths, b) is None]
+    for b in batches:
+        if b not in todo:
+            step_curve(model, widths, b, mask_id=mask_id, pad_id=pad_id)  # read from the cache
+    if not todo:
+        return []
+    import sys
+
+    from tqdm import tqdm
+
+    with tqdm(total=len(todo), desc="speculative step costs", unit="batch size", file=sys.stderr,
+              dynamic_ncols=True, disable=not progress) as bar:
+        for b in todo:
+            bar.set_postfix_str(f"batch {b}")
+            step_curve(model, widths, b, mask_id=mask_id, pad_id=pad_id)
+            bar.update()
+    return todo
 
 
 class Speculative(Mode):

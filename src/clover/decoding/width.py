@@ -7,10 +7,13 @@
   next draft of n denoised (2n positions), and the cache rolled back to half the draft after it (a
   partial accept, as most verifies end);
 - `block`: a finished block of n committed fused with the next block's first denoise step (2n
-  positions), what the diffusion engine runs once per block.
+  positions), what the diffusion engine runs once per block;
+- `step` (`STEP_KIND`): not a bare forward but speculative decoding's whole step as it runs, drafting
+  n (n = 1: its AR step), timed by `speculative.step_curve` for draft "auto" (`DraftPolicy`).
 Measured on this machine at batch 1 and under batch (`time_forward`, `measure_curve`; `clover bench
-cost` runs the full sweep) and kept per model shape and machine in the user cache
-(`$XDG_CACHE_HOME/clover/cost/`, JSON), eager and compiled apart.
+cost` runs the full sweep) and kept per model shape, dtype and machine in the user cache
+(`$XDG_CACHE_HOME/clover/cost/`, JSON), eager and compiled apart. A cache file that cannot be read
+is reported (a warning) and measured again.
 
 **The width choice.** A model trained on several block sizes (`config.block_sizes`, block-size
 calibration) decodes exactly at any of them, and a narrow block costs less per forward but commits
@@ -47,7 +50,8 @@ import torch
 from ..paths import user_cache
 from .base import grad_free_call
 
-KINDS = ("commit", "denoise", "verify", "block")
+KINDS = ("commit", "denoise", "verify", "block")  # the bare forwards `time_forward` times
+STEP_KIND = "step"  # speculative's step as it runs, drafting n (1: its AR step): `speculative.step_curve`
 POSITIONS = (1, 2, 4, 8, 16, 32, 64)
 SCHEMA = "clover.cost/1"
 AR_WIDTH = 1  # the width-1 block: the AR step (block_size="auto" may choose it)
@@ -168,11 +172,19 @@ class CostCurve:
 
 
 def load_curve(model) -> CostCurve | None:
-    """The cached curve for this model shape, variant and machine, or None."""
+    """The cached curve for this model shape, variant and machine, or None (none cached; a file that
+    cannot be read: a warning saying so, and None, so that the caller measures again)."""
     path = cost_path(cost_key(model))
     try:
-        return CostCurve.from_dict(json.loads(path.read_text()))
-    except (OSError, ValueError, KeyError, TypeError):
+        text = path.read_text()
+    except OSError:
+        return None
+    try:
+        return CostCurve.from_dict(json.loads(text))
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        import warnings
+
+        warnings.warn(f"{path}: unreadable cost curve ({type(e).__name__}: {e}); measuring it again", stacklevel=2)
         return None
 
 
@@ -183,7 +195,7 @@ def save_curve(model, curve: CostCurve, variant: str | None = None) -> Path:
     merged = None
     try:
         merged = CostCurve.from_dict(json.loads(path.read_text()))
-    except (OSError, ValueError, KeyError, TypeError):
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):  # none, or unreadable: written anew
         merged = CostCurve()
     merged.merge(curve)
     merged.key = key
@@ -292,6 +304,11 @@ def trained_widths(config) -> tuple[int, ...]:
     return tuple(kept) or (min(int(config.block_size), AUTO_MAX_WIDTH),)
 
 
+def draft_widths(config) -> tuple[int, ...]:
+    """The draft lengths speculative draft "auto" chooses among: the AR step and the trained widths."""
+    return (AR_WIDTH,) + tuple(w for w in trained_widths(config) if w > AR_WIDTH)
+
+
 def card_tokens_per_forward(config, width: int) -> float | None:
     """The model card's tokens per forward at `width` (`config.block_tokens_per_forward`), or None."""
     table = getattr(config, "block_tokens_per_forward", None) or {}
@@ -379,27 +396,31 @@ class DraftPolicy:
     denoise block, one token per forward at the cost of the AR step, so where AR wins (a batch
     large enough for the verify to turn compute-bound) the choice is AR.
     `calibrate(batch)`: a curve with the forwards at that batch, asked for at each batch bucket
-    (`batch_bucket`) the curve has not measured and merged into it; None: the curve as given."""
+    (`batch_bucket`) the curve has not measured and merged into it; None: the curve as given.
+    `kind`: the curve's kind read per width ("verify", width 1 read as the "commit" forward of one;
+    `STEP_KIND`: every width, 1 included, timed as the step runs)."""
 
     PRIOR_RATE = 0.5
     PRIOR_N = 4.0
 
-    def __init__(self, widths, curve: CostCurve, calibrate=None, prior_rate: float | None = None) -> None:
+    def __init__(self, widths, curve: CostCurve, calibrate=None, prior_rate: float | None = None,
+                 kind: str = "verify") -> None:
         self.widths = tuple(sorted(widths))
         self.curve = curve
         self.calibrate = calibrate
+        self.kind = kind
         self.prior_rate = self.PRIOR_RATE if prior_rate is None else prior_rate
 
     @classmethod
     def for_model(cls, model, measure) -> "DraftPolicy":
-        """The AR step and the trained widths, over `measure(widths, batch)` (a CostCurve: the verify
-        kind at each width > 1 and the commit kind at 1, at that batch; batch 1 at once, every other
-        batch bucket when first met) and the model card's prior."""
-        widths = (AR_WIDTH,) + trained_widths(model.config)
+        """The AR step and the trained widths (`draft_widths`), over `measure(widths, batch)` (a
+        CostCurve: the `STEP_KIND` at each width at that batch; batch 1 at once, every other batch
+        bucket when first met) and the model card's prior."""
+        widths = draft_widths(model.config)
         w = int(model.config.block_size)
         tpf = card_tokens_per_forward(model.config, w)
         return cls(widths, measure(widths, 1), lambda batch: measure(widths, batch),
-                   prior_rate=None if tpf is None else cls.rate_keeping(tpf, w))
+                   prior_rate=None if tpf is None else cls.rate_keeping(tpf, w), kind=STEP_KIND)
 
     @staticmethod
     def rate_keeping(tokens: float, D: int) -> float:
@@ -417,9 +438,10 @@ class DraftPolicy:
         lo = max((b for b in BATCH_BUCKETS if b <= batch), default=1)
         hi = batch_bucket(batch)
         for b in {lo, hi}:
-            if self.calibrate is not None and not self.curve.has("verify", b):
+            if self.calibrate is not None and not self.curve.has(self.kind, b):
                 self.curve.merge(self.calibrate(b))
-        kind, n = ("commit", 1) if D == AR_WIDTH and self.curve.has("commit") else ("verify", D)
+        ar_commit = self.kind == "verify" and D == AR_WIDTH and self.curve.has("commit")
+        kind, n = ("commit", 1) if ar_commit else (self.kind, D)
         if lo == hi or batch > hi or not (self.curve.has(kind, lo) and self.curve.has(kind, hi)):
             return self.curve.seconds(kind, batch, n)
         a, b = self.curve.seconds(kind, lo, n), self.curve.seconds(kind, hi, n)
