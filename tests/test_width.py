@@ -333,6 +333,33 @@ def test_draft_choice_narrows_to_ar_under_batch_and_measures_each_bucket():
     assert "width 1" in choice.why()
 
 
+def test_draft_choice_takes_ar_where_ar_keeps_more_per_second():
+    """On a forced cost table (batch 4: the AR step 1, drafting 8 2.62, what the bundled model's
+    step costs eagerly): rows drafting in steady state keep drafting where their expected tokens/s
+    beat AR's, and rows that took AR's step start drafting only where the draft pays for the
+    forward that starts it (that forward keeps AR's token alone) over the tokens they have left;
+    the choice is always the width with the most expected tokens/s, AR's step where that is AR's."""
+    curve = W.CostCurve()
+    for b, c8 in ((1, 2.21), (4, 2.62)):
+        curve.add(W.STEP_KIND, b, 1, 1.0)
+        curve.add(W.STEP_KIND, b, 8, c8)
+    pol = W.DraftPolicy((W.AR_WIDTH, 8), curve, kind=W.STEP_KIND)
+    a = W.DraftPolicy.rate_keeping(2.73, 8)  # the bundled model's prior: 2.73 tokens per verify of 8
+    steady = pol.choose([(a, 64)] * 4)
+    assert steady.width == 8 and steady.expected[8] == pytest.approx(4 * 2.73 / 2.62, rel=1e-3)
+    for horizon in (2, 15, 30):  # the batch took AR's step: starting to draft does not pay at 4 rows
+        choice = pol.choose([(a, 64, horizon)] * 4)
+        assert choice.width == W.AR_WIDTH and choice.expected[1] == pytest.approx(4.0)
+        assert choice.expected[8] < choice.expected[1]
+    assert pol.choose([(a, 64, 40)]).width == 8  # alone, over 40 tokens left, it does (1 row: 2.21)
+    assert pol.choose([(a, 64, 3)]).width == W.AR_WIDTH  # but not for 3
+    assert pol.tokens_per_forward(8, a, 64, 1) == pytest.approx(1.0)  # one token left: AR's token only
+    assert pol.tokens_per_forward(W.AR_WIDTH, a, 64, 15) == 1.0
+    for rows in ([(a, 64)] * 3, [(a, 64, 10)] * 2, [(0.2, 64)], [(0.95, 5, 5)]):
+        c = pol.choose(rows)
+        assert c.expected[c.width] == max(c.expected.values())
+
+
 def test_generate_verbose_shows_the_draft_widths_chosen(tiny_dir, capsys):
     from clover.cli import main
 

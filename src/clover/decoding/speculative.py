@@ -167,13 +167,20 @@ def sure_prefix(probs: torch.Tensor, cut: float) -> list[int]:
     return torch.where(below.any(1), below.int().argmax(1), below.shape[1]).tolist()
 
 
-def choose_draft(policy, rows: list[RowState], choices: list, forward: int) -> int:
+def choose_draft(policy, rows: list[RowState], choices: list, forward: int, from_ar: bool = False) -> int:
     """Draft "auto" (a `width.DraftPolicy`): the width with the most expected tokens per second for
     these rows, each keeping a draft token at its own rate so far (`state.kept_draft` kept,
-    `state.rejected_draft` verifies that rejected one). A new decision is appended to `choices`
-    and to each row's `width_why`; returns the width."""
-    rates = [policy.acceptance(r.state.kept_draft, r.state.rejected_draft) for r in rows]
-    choice = policy.choose([(a, r.remaining) for a, r in zip(rates, rows)])
+    `state.rejected_draft` verifies that rejected one). `from_ar`: the last forward took AR's step,
+    so a row whose draft is AR's token alone starts drafting only where the gain over the tokens it
+    is expected to have left pays for the forward that starts it (`DraftPolicy.tokens_per_forward`;
+    nothing says where a row's answer ends, so: as many again as it has generated). A new decision
+    is appended to `choices` and to each row's `width_why`; returns the width."""
+    rows_in = []
+    for r in rows:
+        a = policy.acceptance(r.state.kept_draft, r.state.rejected_draft)
+        starting = from_ar and r.state.draft is not None and len(r.state.draft) <= 1
+        rows_in.append((a, r.remaining, max(1, len(r.tokens)) if starting else None))
+    choice = policy.choose(rows_in)
     choice.forward = forward
     if not choices or choices[-1].width != choice.width or choices[-1].batch != choice.batch:
         choices.append(choice)
@@ -211,7 +218,11 @@ class SpeculativeEngine(BatchEngine):
                 model, lambda widths, batch: step_curve(model, widths, batch, mask_id=mask_id, pad_id=pad_id))
             draft_length = max(self.draft_policy.widths)
         self.draft_length, self.mask_id, self.expert_budget = draft_length, mask_id, expert_budget
-        self.max_draft = draft_length
+        # the cache reserves room for drafts of this length behind each row; draft "auto" reserves for
+        # the model's block size, and a wider draft, when chosen, grows the cache (doubling: rarely) —
+        # room for its widest draft (64) doubled a row's cache and what every row joining or leaving
+        # the batch copies (batch 16 held to AR's step: 0.83-0.88x AR, 1.01x with the narrower room)
+        self.max_draft = draft_length if self.draft_policy is None else min(draft_length, model.config.block_size)
         self.expert_rank = expert_rank
         self.choices: list = []  # draft "auto": each WidthChoice (draft length, why), in order
         self.forwards = 0
@@ -222,7 +233,8 @@ class SpeculativeEngine(BatchEngine):
     def _choose_draft(self) -> None:
         """Draft "auto": the draft length of the drafts this forward makes (a verify of a draft of D
         costs a forward of 2D positions; each draft token is kept with the row's acceptance rate)."""
-        self.draft_length = choose_draft(self.draft_policy, self.rows, self.choices, self.forwards)
+        self.draft_length = choose_draft(self.draft_policy, self.rows, self.choices, self.forwards,
+                                         from_ar=self.forwards > 0 and self.draft_length == 1)
 
     def _init_row(self, row: RowState) -> None:
         check_speculative_params(row.params)

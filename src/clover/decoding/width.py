@@ -457,10 +457,23 @@ class DraftPolicy:
         e = float(D) if rate >= 1 else (1 - rate ** D) / (1 - rate)
         return max(1.0, min(e, float(max(remaining, 1))))
 
-    def choose(self, rows: list[tuple[float, int]]) -> WidthChoice:
-        """rows: (acceptance rate, remaining tokens) per row -> the draft length (ties: the shorter)."""
+    def tokens_per_forward(self, D: int, rate: float, remaining: int, horizon: float | None = None) -> float:
+        """What a row keeps per forward drafting D: `expected_tokens` per verify; with `horizon` (the
+        row has no draft in flight: the forwards before took AR's step) the first forward drafting D
+        keeps only AR's token and the draft pays from the next one on, so the gain is spread over the
+        `horizon` tokens the row is expected to have left: h tokens in 1 + (h - 1) / e forwards."""
+        e = self.expected_tokens(D, rate, remaining)
+        if horizon is None or D == AR_WIDTH:
+            return e
+        h = max(1.0, min(float(horizon), float(max(remaining, 1))))
+        return h / (1.0 + (h - 1.0) / e)
+
+    def choose(self, rows: list[tuple]) -> WidthChoice:
+        """rows: (acceptance rate, remaining tokens[, horizon]) per row (`tokens_per_forward`) -> the
+        draft length with the most expected tokens per second (ties: the shorter)."""
         B = max(1, len(rows))
-        expected = {D: sum(self.expected_tokens(D, a, rem) for a, rem in rows or [(self.prior_rate, 1 << 30)])
-                    / self.seconds(D, B) for D in self.widths}
+        rows = [tuple(r) + (None,) * (3 - len(r)) for r in rows] or [(self.prior_rate, 1 << 30, None)]
+        expected = {D: sum(self.tokens_per_forward(D, a, rem, h) for a, rem, h in rows) / self.seconds(D, B)
+                    for D in self.widths}
         best = max(self.widths, key=lambda D: (expected[D], -D))
         return WidthChoice(best, B, expected)
