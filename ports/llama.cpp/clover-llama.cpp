@@ -672,11 +672,21 @@ static std::string trim_at_stop(const std::string & text, const std::vector<std:
 // order; the l2norm and q.k reductions in 16 lane sums added pairwise). The two round differently at
 // the level of float epsilon (the reductions' order; the compiler's multiply-add contraction of the
 // conv's right branch): one f32 forward's logits within 1e-5 of each other.
+// One row's columns of a forward and that row's GDN state: the one row of a forward (the layer's own
+// state), or each row of a batched forward (its Seq's). window (speculative rollback) and S0/rec
+// (record) are null where not kept.
+struct GdnSeg {
+    int col0, Tc, Bd;
+    float * conv_state;  // [C][K-1]
+    float * S;           // [Hv][dk][dv]
+    float * window;      // [C][K-1+Tc] or null
+    float * S0, * rec;   // or null
+};
+
 struct GdnCall {
     Model * m;
     Layer * L;
-    int Tc, Bd;
-    bool record;
+    std::vector<GdnSeg> segs;  // set before each compute
 };
 
 static inline float softplus_t(float x) { return x > 20.f ? x : log1pf(expf(x)); }  // torch's threshold 20
@@ -710,8 +720,9 @@ static void l2norm_inplace(bool fast, float * x, int n) {  // x * rsqrt(sum(x^2)
 // What both gdn_conv paths read: the layer (its conv state and rollback window), the sizes (C channels,
 // kernel K, Tc commit and Bd block columns, the window W = K-1 + Tc), the weights w [C][K] and the
 // right branch wr [C][K-1] (or null), the input X and output Y with their column strides in floats.
+// One segment's (row's) view: its conv state and window (or null), the sizes, its columns of X and Y.
 struct ConvArgs {
-    Layer & L;
+    float * state, * window;
     int C, K, K1, Tc, Bd, W;
     const float * w, * wr;
     size_t mnb, dnb;
@@ -719,26 +730,41 @@ struct ConvArgs {
     float * Y;
 };
 
-static ConvArgs conv_args(ggml_tensor * dst, void * ud) {
-    const GdnCall & c = *(const GdnCall *) ud;
+static ConvArgs conv_args(ggml_tensor * dst, const GdnCall & c, const GdnSeg & s) {
     const Hparams & hp = c.m->hp;
-    Layer & L = *c.L;
+    const Layer & L = *c.L;
     const ggml_tensor * mixed = dst->src[0];
     const int K = hp.conv_k;
-    return {L, hp.conv_dim(), K, K - 1, c.Tc, c.Bd, K - 1 + c.Tc, (const float *) L.conv1d->data,
-            L.conv_right ? (const float *) L.conv_right->data : nullptr, mixed->nb[1] / sizeof(float),
-            dst->nb[1] / sizeof(float), (const float *) mixed->data, (float *) dst->data};
+    const size_t mnb = mixed->nb[1] / sizeof(float), dnb = dst->nb[1] / sizeof(float);
+    return {s.conv_state, s.window, hp.conv_dim(), K, K - 1, s.Tc, s.Bd, K - 1 + s.Tc, (const float *) L.conv1d->data,
+            L.conv_right ? (const float *) L.conv_right->data : nullptr, mnb, dnb,
+            (const float *) mixed->data + (size_t) s.col0 * mnb, (float *) dst->data + (size_t) s.col0 * dnb};
 }
 
+static void gdn_conv_seg(const ConvArgs & a, int ith, int nth);
+static void gdn_conv_fast_seg(const ConvArgs & a, int ith, int nth);
+
 static void gdn_conv(ggml_tensor * dst, int ith, int nth, void * ud) {
-    const auto [L, C, K, K1, Tc, Bd, W, w, wr, mnb, dnb, X, Y] = conv_args(dst, ud);
+    const GdnCall & c = *(const GdnCall *) ud;
+    for (const GdnSeg & s : c.segs) gdn_conv_seg(conv_args(dst, c, s), ith, nth);
+}
+
+static void gdn_conv_fast(ggml_tensor * dst, int ith, int nth, void * ud) {
+    const GdnCall & c = *(const GdnCall *) ud;
+    for (const GdnSeg & s : c.segs) gdn_conv_fast_seg(conv_args(dst, c, s), ith, nth);
+}
+
+static void gdn_conv_seg(const ConvArgs & a, int ith, int nth) {
+    const auto [state, window, C, K, K1, Tc, Bd, W, w, wr, mnb, dnb, X, Y] = a;
     std::vector<float> win(K1 + std::max(Tc, Bd) + K1);
     const int c0 = (int) ((int64_t) C * ith / nth), c1 = (int) ((int64_t) C * (ith + 1) / nth);
     for (int ch = c0; ch < c1; ch++) {
-        float * st = &L.conv_state[(size_t) ch * K1];
+        float * st = &state[(size_t) ch * K1];
         const float * wc = &w[(size_t) ch * K];
         if (Tc) {
-            float * wn = &L.window[(size_t) ch * W];  // kept for a speculative rollback
+            thread_local std::vector<float> own;  // the window, kept for a speculative rollback where asked
+            if (!window) own.resize(W);
+            float * wn = window ? &window[(size_t) ch * W] : own.data();
             for (int j = 0; j < K1; j++) wn[j] = st[j];
             for (int t = 0; t < Tc; t++) wn[K1 + t] = X[(size_t) t * mnb + ch];
             for (int t = 0; t < Tc; t++) {
@@ -772,8 +798,8 @@ static void gdn_conv(ggml_tensor * dst, int ith, int nth, void * ud) {
 // gdn_conv with the channels in the inner loops: the rows of the window (the conv state's K-1 rows,
 // transposed, then the columns of `mixed`) and of the weights, transposed, read as vectors of this
 // task's channels; each output is summed in the scalar path's order.
-static void gdn_conv_fast(ggml_tensor * dst, int ith, int nth, void * ud) {
-    const auto [L, C, K, K1, Tc, Bd, W, w, wr, mnb, dnb, X, Y] = conv_args(dst, ud);
+static void gdn_conv_fast_seg(const ConvArgs & a, int ith, int nth) {
+    const auto [state, window, C, K, K1, Tc, Bd, W, w, wr, mnb, dnb, X, Y] = a;
     const int nb = (C + 15) / 16;  // channels split in whole vectors of 16
     const int c0 = 16 * (int) ((int64_t) nb * ith / nth), c1 = std::min(C, 16 * (int) ((int64_t) nb * (ith + 1) / nth));
     const int n = c1 - c0;
@@ -785,7 +811,7 @@ static void gdn_conv_fast(ggml_tensor * dst, int ith, int nth, void * ud) {
         for (int j = 0; j < K; j++) wT[(size_t) j * n + ch] = w[(size_t) (c0 + ch) * K + j];
         if (wr)
             for (int j = 0; j < K1; j++) wrT[(size_t) j * n + ch] = wr[(size_t) (c0 + ch) * K1 + j];
-        for (int j = 0; j < K1; j++) st[(size_t) j * n + ch] = L.conv_state[(size_t) (c0 + ch) * K1 + j];
+        for (int j = 0; j < K1; j++) st[(size_t) j * n + ch] = state[(size_t) (c0 + ch) * K1 + j];
     }
     // window row p: the state's row p below K1, else the input column t0 + p - K1
     // (the structured bindings are copied into the lambdas: C++17 lets a lambda name them no other way)
@@ -800,14 +826,14 @@ static void gdn_conv_fast(ggml_tensor * dst, int ith, int nth, void * ud) {
     };
     if (Tc) {
         for (int t = 0; t < Tc; t++) conv(0, t, Y + (size_t) t * dnb + c0);
-        for (int p = 0; p < W; p++) {  // the window, kept for a speculative rollback
+        for (int p = 0; p < W && window; p++) {  // the window, kept for a speculative rollback
             const float * x = row(0, p);
-            for (int ch = 0; ch < n; ch++) L.window[(size_t) (c0 + ch) * W + p] = x[ch];
+            for (int ch = 0; ch < n; ch++) window[(size_t) (c0 + ch) * W + p] = x[ch];
         }
         for (int j = 0; j < K1; j++) std::copy_n(row(0, Tc + j), n, st2 + (size_t) j * n);
         std::copy_n(st2, (size_t) n * K1, st);
         for (int ch = 0; ch < n; ch++)
-            for (int j = 0; j < K1; j++) L.conv_state[(size_t) (c0 + ch) * K1 + j] = st[(size_t) j * n + ch];
+            for (int j = 0; j < K1; j++) state[(size_t) (c0 + ch) * K1 + j] = st[(size_t) j * n + ch];
     }
     if (Bd) {
         for (int t = 0; t < Bd; t++) {
@@ -935,22 +961,29 @@ static const bool AVX512_GDN = true;
 static const bool AVX512_GDN = false;
 #endif
 
+static void gdn_mix_seg(const GdnCall & c, const GdnSeg & sg, ggml_tensor * dst, int ith, int nth);
+
 static void gdn_mix(ggml_tensor * dst, int ith, int nth, void * ud) {
     const GdnCall & c = *(const GdnCall *) ud;
+    for (const GdnSeg & sg : c.segs) gdn_mix_seg(c, sg, dst, ith, nth);
+}
+
+static void gdn_mix_seg(const GdnCall & c, const GdnSeg & sg, ggml_tensor * dst, int ith, int nth) {
     const Hparams & hp = c.m->hp;
-    Layer & L = *c.L;
+    const Layer & L = *c.L;
     const ggml_tensor * act = dst->src[0];
     const ggml_tensor * alpha = dst->src[1];
     const ggml_tensor * beta = dst->src[2];
     const int dk = hp.dk, dv = hp.dv, hk = hp.hk, hv = hp.hv, key_dim = hk * dk;
-    const int Tc = c.Tc, Bd = c.Bd;
+    const int Tc = sg.Tc, Bd = sg.Bd;
+    const bool record = sg.S0 != nullptr;
     const float * A = (const float *) L.ssm_a->data;  // -exp(A_log)
     const float * dtb = (const float *) L.dt->data;
     const size_t xnb = act->nb[1] / sizeof(float), anb = alpha->nb[1] / sizeof(float), bnb = beta->nb[1] / sizeof(float);
-    const float * X = (const float *) act->data;
-    const float * AL = (const float *) alpha->data;
-    const float * BE = (const float *) beta->data;
-    float * O = (float *) dst->data;
+    const float * X = (const float *) act->data + (size_t) sg.col0 * xnb;
+    const float * AL = (const float *) alpha->data + (size_t) sg.col0 * anb;
+    const float * BE = (const float *) beta->data + (size_t) sg.col0 * bnb;
+    float * O = (float *) dst->data + (size_t) sg.col0 * hv * dv;
     const float qscale = 1.f / sqrtf((float) dk);
     const size_t hs = (size_t) dk * dv;
     const bool fast = c.m->gdn_fast;
@@ -958,10 +991,10 @@ static void gdn_mix(ggml_tensor * dst, int ith, int nth, void * ud) {
     std::vector<float> qn((size_t) std::max(Tc, Bd) * dk), kn((size_t) Tc * dk), dec(std::max(Tc, Bd)), bt(Tc);
     for (int h = ith; h < hv; h += nth) {
         const int kh = h % hk;
-        float * S = &L.S[(size_t) h * hs];
+        float * S = sg.S + (size_t) h * hs;
         // ---- commit
         const size_t rw = (size_t) 2 * dk + dv + 2;  // one recorded token
-        if (c.record) std::copy(S, S + hs, L.S0.begin() + (size_t) h * hs);
+        if (record) std::copy(S, S + hs, sg.S0 + (size_t) h * hs);
         const bool vec = fast && AVX512_GDN && dv % 16 == 0;
         if (vec && Tc) {
             for (int t = 0; t < Tc; t++) {  // commit_step's q, k, decay and beta per token
@@ -985,8 +1018,8 @@ static void gdn_mix(ggml_tensor * dst, int ith, int nth, void * ud) {
             const float * qr = x + kh * dk, * kr = x + key_dim + kh * dk, * v = x + 2 * key_dim + h * dv;
             const float al = AL[(size_t) t * anb + h], be = BE[(size_t) t * bnb + h];
             if (!vec) commit_step(fast, hp, L, h, S, qr, kr, v, al, be, O + ((size_t) t * hv + h) * dv, q.data(), k.data(), kv.data());
-            if (c.record) {
-                float * r = &L.rec[((size_t) h * Tc + t) * rw];
+            if (record) {
+                float * r = sg.rec + ((size_t) h * Tc + t) * rw;
                 std::copy(qr, qr + dk, r);
                 std::copy(kr, kr + dk, r + dk);
                 std::copy(v, v + dv, r + 2 * dk);
@@ -1655,7 +1688,8 @@ static void forward(Model & m, const std::vector<int> & commit, const std::vecto
     }
     CachedGraph & G = *it->second;
     G.used = ++tick;
-    for (Layer & L : m.layers) {  // the GDN ops' per-forward buffers (the ops find them through the layer)
+    for (int il = 0; il < hp.n_layer; il++) {  // the GDN ops' per-forward buffers: the layer's own state
+        Layer & L = m.layers[il];
         if (!L.recurrent) continue;
         if (Tc) L.window.resize((size_t) hp.conv_dim() * (hp.conv_k - 1 + Tc));
         L.window_len = hp.conv_k - 1 + Tc;
@@ -1664,6 +1698,8 @@ static void forward(Model & m, const std::vector<int> & commit, const std::vecto
             L.rec.resize((size_t) hp.hv * Tc * (2 * hp.dk + hp.dv + 2));
             L.rec_T = Tc;
         }
+        G.calls[il].segs = {{0, Tc, Bd, L.conv_state.data(), L.S.data(), Tc ? L.window.data() : nullptr,
+                             record ? L.S0.data() : nullptr, record ? L.rec.data() : nullptr}};
     }
     auto set = [](ggml_tensor * t, const void * data, size_t n) {  // an input the graph does not use has no buffer
         if (t && t->buffer) ggml_backend_tensor_set(t, data, 0, n);
@@ -1771,7 +1807,7 @@ static CachedGraph * build_graph(Model & m, int Tc, int Bd, int n_out, int n_kv,
             ggml_tensor * z = mm(L.wgate, cur);       // [Hv*dv, T]
             ggml_tensor * al = mm(L.walpha, cur);     // [Hv, T]
             ggml_tensor * be = mm(L.wbeta, cur);      // [Hv, T]
-            calls[il] = {&m, &L, Tc, Bd, record};
+            calls[il] = {&m, &L, {}};
             ggml_tensor * pre = ggml_custom_4d(ctx, GGML_TYPE_F32, hp.conv_dim(), T, 1, 1, &mixed, 1, m.gdn_fast ? gdn_conv_fast : gdn_conv,
                                                GGML_N_TASKS_MAX, &calls[il]);
             ggml_set_name(pre, "gdn_conv");
