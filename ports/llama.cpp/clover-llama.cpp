@@ -35,6 +35,8 @@
 #endif
 
 #include <algorithm>
+#include <atomic>
+#include <condition_variable>
 #include <chrono>
 #include <cfloat>
 #include <cmath>
@@ -46,11 +48,13 @@
 #include <functional>
 #include <iostream>
 #include <map>
+#include <mutex>
 #include <random>
 #include <set>
 #include <sstream>
 #include <stdexcept>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <poll.h>
@@ -153,8 +157,9 @@ struct Model {
     ggml_backend_t backend = nullptr;
     ggml_context * cache_ctx = nullptr;
     ggml_backend_buffer_t cache_buf = nullptr;
-    int n_ctx = 0;
-    int n_past = 0;  // committed positions
+    int n_ctx = 0;   // positions per cache slot
+    int n_slots = 1; // cache slots (--parallel): a batched row's K/V live in its slot, [slot * n_ctx, (slot + 1) * n_ctx)
+    int n_past = 0;  // committed positions (the one row of unbatched forwards, in slot 0)
     double last_forward_s = 0.0;  // wall time of the last forward (graph build + compute)
     double last_forward_cpu_s = 0.0;  // its process CPU time
     ggml_gallocr_t galloc = nullptr;
@@ -472,7 +477,7 @@ static void load_drafter(Model & m, const std::string & path) {
 static const int KV_PAD = 256;  // the cache's capacity and the key length a graph reads: multiples of this
 static void clear_graphs();
 
-// (Re)creates an empty cache for n_ctx positions.
+// (Re)creates an empty cache for n_ctx positions (per slot).
 static void reset_cache(Model & m, int n_ctx) {
     const Hparams & hp = m.hp;
     n_ctx = (n_ctx + KV_PAD - 1) / KV_PAD * KV_PAD;
@@ -484,8 +489,8 @@ static void reset_cache(Model & m, int n_ctx) {
         m.cache_ctx = ggml_init(p);
         for (Layer & L : m.layers) {
             if (L.recurrent) continue;
-            L.k_cache = ggml_new_tensor_3d(m.cache_ctx, m.kv_type, hp.head_dim, hp.n_head_kv, n_ctx);
-            L.v_cache = ggml_new_tensor_3d(m.cache_ctx, m.kv_type, hp.head_dim, hp.n_head_kv, n_ctx);
+            L.k_cache = ggml_new_tensor_3d(m.cache_ctx, m.kv_type, hp.head_dim, hp.n_head_kv, (int64_t) n_ctx * m.n_slots);
+            L.v_cache = ggml_new_tensor_3d(m.cache_ctx, m.kv_type, hp.head_dim, hp.n_head_kv, (int64_t) n_ctx * m.n_slots);
         }
         for (DraftLayer & L : m.dr.layers) {  // the drafter's context K/V, as long as the target's cache
             L.k_cache = ggml_new_tensor_3d(m.cache_ctx, m.kv_type, m.dr.head_dim, m.dr.n_head_kv, n_ctx);
@@ -503,6 +508,57 @@ static void reset_cache(Model & m, int n_ctx) {
     m.n_past = 0;
     m.dr.n_past = 0;
     m.dr.cpu_s = 0.0;
+}
+
+// A batched row (--parallel): its cache slot, committed length and GDN states (per layer: the conv
+// state [C][K-1] and the recurrent state [Hv][dk][dv], as a Layer's own for the one unbatched row),
+// and how many rows the forwards it took part in had (the done line's batch_rows).
+struct Seq {
+    int slot = 0, n_past = 0;
+    std::vector<std::vector<float>> conv, S;
+    long forwards = 0, rows = 0;
+};
+
+// Every slot grown to n_ctx positions, keeping what the slots hold (the batched rows in flight).
+static void grow_cache(Model & m, int n_ctx) {
+    n_ctx = (n_ctx + KV_PAD - 1) / KV_PAD * KV_PAD;
+    if (m.cache_ctx != nullptr && n_ctx <= m.n_ctx) return;
+    std::vector<std::vector<uint8_t>> old;
+    const int old_ctx = m.cache_ctx ? m.n_ctx : 0;
+    for (Layer & L : m.layers) {
+        if (L.recurrent || !old_ctx) continue;
+        for (ggml_tensor * t : {L.k_cache, L.v_cache}) {
+            old.emplace_back(ggml_nbytes(t));
+            ggml_backend_tensor_get(t, old.back().data(), 0, old.back().size());
+        }
+    }
+    reset_cache(m, n_ctx);
+    size_t i = 0;
+    for (Layer & L : m.layers) {
+        if (L.recurrent || !old_ctx) continue;
+        for (ggml_tensor * t : {L.k_cache, L.v_cache}) {
+            const size_t per = t->nb[2] * (size_t) old_ctx;  // one slot's bytes before
+            for (int s = 0; s < m.n_slots; s++)
+                ggml_backend_tensor_set(t, old[i].data() + per * s, t->nb[2] * (size_t) m.n_ctx * s, per);
+            i++;
+        }
+    }
+}
+
+// A new batched row in its slot (q.slot), for n_ctx positions: empty GDN states.
+static void seq_start(Model & m, Seq & q, int n_ctx) {
+    const Hparams & hp = m.hp;
+    const int slot = q.slot;
+    grow_cache(m, n_ctx);
+    q = Seq();
+    q.slot = slot;  // kept
+    q.conv.resize(hp.n_layer);
+    q.S.resize(hp.n_layer);
+    for (int il = 0; il < hp.n_layer; il++) {
+        if (!m.layers[il].recurrent) continue;
+        q.conv[il].assign((size_t) hp.conv_dim() * (hp.conv_k - 1), 0.f);
+        q.S[il].assign((size_t) hp.hv * hp.dk * hp.dv, 0.f);
+    }
 }
 
 // ------------------------------------------------------------------------------------- text
@@ -1573,6 +1629,7 @@ struct CachedGraph {
     ggml_cgraph * gf = nullptr;
     ggml_gallocr_t galloc = nullptr;
     ggml_tensor *ids = nullptr, *pos = nullptr, *kq_mask = nullptr, *out_ids = nullptr, *kv_idx = nullptr, *logits = nullptr;
+    ggml_tensor *q_idx = nullptr, *o_idx = nullptr;  // batched rows: the columns gathered into [Tq, R] for attention, and back
     ggml_tensor * feats = nullptr;  // dflash: the drafter's context features of the commit [F, Tc]
     std::vector<GdnCall> calls;
     std::vector<MoeCall> moe_calls;
@@ -1589,7 +1646,24 @@ static std::map<std::vector<int>, std::unique_ptr<CachedGraph>> & graph_cache() 
     return graphs;
 }
 
-static CachedGraph * build_graph(Model & m, int Tc, int Bd, int n_out, int n_kv, bool record, bool taps, bool exact);
+static CachedGraph * build_graph(Model & m, int Tc, int Bd, int n_out, int n_kv, bool record, bool taps, bool exact, int R = 0, int Tq = 0);
+
+// The graph of `key`, built by `build` the first time (the least recently used of 48 goes).
+static CachedGraph & graph_for(const std::vector<int> & key, const std::function<CachedGraph *()> & build) {
+    auto & graphs = graph_cache();
+    static uint64_t tick = 0;
+    auto it = graphs.find(key);
+    if (it == graphs.end()) {
+        if (graphs.size() >= 48) {
+            auto old = graphs.begin();
+            for (auto g = graphs.begin(); g != graphs.end(); ++g) if (g->second->used < old->second->used) old = g;
+            graphs.erase(old);
+        }
+        it = graphs.emplace(key, std::unique_ptr<CachedGraph>(build())).first;
+    }
+    it->second->used = ++tick;
+    return *it->second;
+}
 
 // CLOVER_PORT_PROFILE=1: every forward's graph computed node by node, the CPU time of each node summed
 // per forward shape and per node kind (the op, and a matmul's weight), the table printed to stderr at
@@ -1659,9 +1733,18 @@ static void profile_compute(Model & m, ggml_cgraph * gf, const std::string & sha
 // commit (not written); out_rows: indices into [commit | block] whose logits are wanted. `feats`
 // (dflash): also the drafter's context features of the commit tokens, [Tc][F]. `exact`: each column's
 // matmuls computed as a one-token forward's (build_graph).
+static thread_local Seq * tl_seq = nullptr;  // the batched row this thread decodes (--parallel), or null
+static void batch_submit(Model & m, const std::vector<int> & commit, const std::vector<int> & block,
+                         const std::vector<int> & out_rows, Forward & res);
+
 static void forward(Model & m, const std::vector<int> & commit, const std::vector<int> & block,
                     const std::vector<int> & out_rows, bool record, Forward & res, std::vector<float> * feats = nullptr,
                     bool exact = false) {
+    if (tl_seq) {  // a batched row: its forward joins the next batch (forward_batch)
+        if (record || feats || exact) die("internal: a batched row's forward records, taps or verifies exactly");
+        batch_submit(m, commit, block, out_rows, res);
+        return;
+    }
     const Hparams & hp = m.hp;
     const int Tc = (int) commit.size(), Bd = (int) block.size(), T = Tc + Bd;
     if (T == 0) die("empty forward");
@@ -1675,19 +1758,7 @@ static void forward(Model & m, const std::vector<int> & commit, const std::vecto
     const bool share = Bd > 0 && m.share_budget > 0 && m.share_budget < hp.n_expert;
     const bool taps = feats != nullptr && Tc > 0;
     const std::vector<int> key = {Tc, Bd, n_out, n_kv_pad, record, share ? m.share_budget : 0, share && m.share_max, taps, exact};
-    auto & graphs = graph_cache();
-    static uint64_t tick = 0;
-    auto it = graphs.find(key);
-    if (it == graphs.end()) {
-        if (graphs.size() >= 24) {  // the least recently used goes
-            auto old = graphs.begin();
-            for (auto g = graphs.begin(); g != graphs.end(); ++g) if (g->second->used < old->second->used) old = g;
-            graphs.erase(old);
-        }
-        it = graphs.emplace(key, std::unique_ptr<CachedGraph>(build_graph(m, Tc, Bd, n_out, n_kv_pad, record, taps, exact))).first;
-    }
-    CachedGraph & G = *it->second;
-    G.used = ++tick;
+    CachedGraph & G = graph_for(key, [&] { return build_graph(m, Tc, Bd, n_out, n_kv_pad, record, taps, exact); });
     for (int il = 0; il < hp.n_layer; il++) {  // the GDN ops' per-forward buffers: the layer's own state
         Layer & L = m.layers[il];
         if (!L.recurrent) continue;
@@ -1748,7 +1819,126 @@ static void forward(Model & m, const std::vector<int> & commit, const std::vecto
     m.last_forward_cpu_s = (c_end.tv_sec - c_start.tv_sec) + 1e-9 * (c_end.tv_nsec - c_start.tv_nsec);
 }
 
-static CachedGraph * build_graph(Model & m, int Tc, int Bd, int n_out, int n_kv, bool record, bool taps, bool exact) {
+// ---------------------------------------------------------------------- rows in one forward
+// One batched row's forward, as forward() takes it (no recording, no taps, no exact columns).
+struct Sub {
+    Seq * seq;
+    const std::vector<int> * commit, * block, * out_rows;
+    Forward * res;
+    bool done = false;
+};
+
+// The forwards of several rows (each in its own cache slot, with its own GDN state) as one graph: the
+// rows' columns side by side through every matmul, norm, expert and GDN op (each row's columns one
+// segment of the GDN ops, over its Seq's state), and attention per row over its own slot, its
+// queries gathered into [Tq, R] (R: the highest slot + 1; Tq: the longest row; the rest masked).
+static void forward_batch(Model & m, std::vector<Sub *> & subs) {
+    const Hparams & hp = m.hp;
+    const auto t_start = std::chrono::steady_clock::now();
+    const double c_start = cpu_now();
+    std::sort(subs.begin(), subs.end(), [](const Sub * a, const Sub * b) { return a->seq->slot < b->seq->slot; });
+    int T = 0, n_out = 0, Tq = 0, R = 0, n_kv = 0;
+    for (const Sub * b : subs) {
+        const int Ts = (int) (b->commit->size() + b->block->size());
+        if (Ts == 0) die("empty forward");
+        if (b->seq->n_past + Ts > m.n_ctx) die("context full");
+        T += Ts;
+        n_out += (int) b->out_rows->size();
+        Tq = std::max(Tq, Ts);
+        R = std::max(R, b->seq->slot + 1);
+        n_kv = std::max(n_kv, b->seq->n_past + Ts);
+    }
+    const int n_kv_pad = std::min(m.n_ctx, (n_kv + KV_PAD - 1) / KV_PAD * KV_PAD);
+    const std::vector<int> key = {-1, T, n_out, n_kv_pad, R, Tq};
+    CachedGraph & G = graph_for(key, [&] { return build_graph(m, T, 0, n_out, n_kv_pad, false, false, false, R, Tq); });
+    std::vector<int32_t> ids(T), pos(T), q_idx((size_t) Tq * R, 0), o_idx(T), oi(std::max(1, n_out), 0);
+    std::vector<int64_t> kvi(T);
+    const ggml_fp16_t NEG = ggml_fp32_to_fp16(-INFINITY), ZERO = ggml_fp32_to_fp16(0.f);
+    std::vector<ggml_fp16_t> mask((size_t) n_kv_pad * Tq * R, NEG);
+    for (auto & c : G.calls) c.segs.clear();
+    int col = 0, out = 0;
+    for (const Sub * b : subs) {
+        const Seq & q = *b->seq;
+        const int Tc = (int) b->commit->size(), Bd = (int) b->block->size(), n_past = q.n_past;
+        for (int t = 0; t < Tc + Bd; t++) {
+            ids[col + t] = t < Tc ? (*b->commit)[t] : (*b->block)[t - Tc];
+            pos[col + t] = n_past + t;
+            kvi[col + t] = (int64_t) q.slot * m.n_ctx + n_past + t;
+            q_idx[(size_t) q.slot * Tq + t] = col + t;
+            o_idx[col + t] = q.slot * Tq + t;
+            // commit query t: the prefix and commit tokens up to itself; block query: everything before the row's end
+            const int vis = t < Tc ? n_past + t + 1 : n_past + Tc + Bd;
+            std::fill_n(&mask[((size_t) q.slot * Tq + t) * n_kv_pad], vis, ZERO);
+        }
+        for (int r : *b->out_rows) oi[out++] = col + r;
+        for (int il = 0; il < hp.n_layer; il++)
+            if (m.layers[il].recurrent)
+                G.calls[il].segs.push_back({col, Tc, Bd, b->seq->conv[il].data(), b->seq->S[il].data(), nullptr, nullptr, nullptr});
+        col += Tc + Bd;
+    }
+    auto set = [](ggml_tensor * t, const void * data, size_t n) { if (t && t->buffer) ggml_backend_tensor_set(t, data, 0, n); };
+    set(G.ids, ids.data(), sizeof(int32_t) * T);
+    set(G.pos, pos.data(), sizeof(int32_t) * T);
+    set(G.kv_idx, kvi.data(), sizeof(int64_t) * T);
+    set(G.kq_mask, mask.data(), sizeof(ggml_fp16_t) * mask.size());
+    set(G.q_idx, q_idx.data(), sizeof(int32_t) * q_idx.size());
+    set(G.o_idx, o_idx.data(), sizeof(int32_t) * T);
+    set(G.out_ids, oi.data(), sizeof(int32_t) * oi.size());
+    if (profiling()) profile_compute(m, G.gf, "batch R=" + std::to_string(R) + " T=" + std::to_string(T) + " logits=" + std::to_string(n_out));
+    else if (ggml_backend_graph_compute(m.backend, G.gf) != GGML_STATUS_SUCCESS) die("graph compute failed");
+    const size_t V = hp.n_vocab;
+    out = 0;
+    for (Sub * b : subs) {
+        const size_t n = b->out_rows->size();
+        b->res->logits.resize(n * V);
+        if (n) ggml_backend_tensor_get(G.logits, b->res->logits.data(), sizeof(float) * out * V, sizeof(float) * n * V);
+        out += (int) n;
+        b->seq->n_past += (int) b->commit->size();
+        b->seq->forwards++;
+        b->seq->rows += (long) subs.size();
+    }
+    m.last_forward_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start).count();
+    m.last_forward_cpu_s = cpu_now() - c_start;
+}
+
+// --parallel N: each request decodes in a thread of its own, its loop unchanged; its forward() waits
+// until every batched row in flight has asked for one, and the last to ask runs them all as one
+// forward_batch. One thread runs at a time (the mutex is held by a row's host work or the batch), so
+// the process uses the CPU as the unbatched one does. Rows join and leave between forwards
+// (continuous batching). Requests a batch does not take (speculative, dflash, expert sharing) wait for
+// the batched rows in flight to finish and run alone, as without --parallel.
+struct Batcher {
+    std::mutex mu;
+    std::condition_variable cv;
+    int rows = 0, exclusive = 0;   // batched rows in flight; unbatched requests waiting or running
+    std::atomic<int> joining{0};   // requests taken from the queue that have not yet started (a batch waits for them)
+    std::vector<Sub *> subs;       // the forwards asked for, waiting for the batch
+    std::vector<char> slot_used;   // cache slots of the rows in flight
+};
+static Batcher * g_batch = nullptr;
+static thread_local std::unique_lock<std::mutex> * tl_lock = nullptr;  // this thread's hold on g_batch->mu
+
+static void batch_maybe_run(Model & m) {
+    Batcher & b = *g_batch;
+    if (b.rows == 0 || (int) b.subs.size() < b.rows || b.joining > 0) return;
+    std::vector<Sub *> subs;
+    subs.swap(b.subs);
+    forward_batch(m, subs);
+    for (Sub * x : subs) x->done = true;
+    b.cv.notify_all();
+}
+
+static void batch_submit(Model & m, const std::vector<int> & commit, const std::vector<int> & block,
+                         const std::vector<int> & out_rows, Forward & res) {
+    Sub x{tl_seq, &commit, &block, &out_rows, &res};
+    g_batch->subs.push_back(&x);
+    batch_maybe_run(m);
+    g_batch->cv.wait(*tl_lock, [&] { return x.done; });
+}
+
+// R > 0: a batched forward (forward_batch) of T = Tc tokens from the rows of cache slots [0, R), each
+// row's queries gathered into [Tq, R] for attention against its own slot's first n_kv keys.
+static CachedGraph * build_graph(Model & m, int Tc, int Bd, int n_out, int n_kv, bool record, bool taps, bool exact, int R, int Tq) {
     const Hparams & hp = m.hp;
     const int T = Tc + Bd;
     auto * G = new CachedGraph();
@@ -1762,8 +1952,15 @@ static CachedGraph * build_graph(Model & m, int Tc, int Bd, int n_out, int n_kv,
     ggml_set_input(ids);
     ggml_tensor * pos = G->pos = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, T);
     ggml_set_input(pos);
-    ggml_tensor * kq_mask = G->kq_mask = ggml_new_tensor_2d(ctx, m.flash_attn ? GGML_TYPE_F16 : GGML_TYPE_F32, n_kv, T);
+    ggml_tensor * kq_mask = G->kq_mask = R ? ggml_new_tensor_4d(ctx, GGML_TYPE_F16, n_kv, Tq, 1, R)
+                                           : ggml_new_tensor_2d(ctx, m.flash_attn ? GGML_TYPE_F16 : GGML_TYPE_F32, n_kv, T);
     ggml_set_input(kq_mask);
+    if (R) {
+        G->q_idx = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, (int64_t) Tq * R);
+        ggml_set_input(G->q_idx);
+        G->o_idx = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, T);
+        ggml_set_input(G->o_idx);
+    }
     ggml_tensor * out_ids = G->out_ids = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, std::max(1, n_out));
     ggml_set_input(out_ids);
     ggml_tensor * kv_idx = G->kv_idx = ggml_new_tensor_1d(ctx, GGML_TYPE_I64, T);  // the cache rows written
@@ -1837,16 +2034,29 @@ static CachedGraph * build_graph(Model & m, int Tc, int Bd, int n_out, int n_kv,
             ggml_tensor * v_rows = ggml_reshape_2d(ctx, L.v_cache, hd * nkv, L.v_cache->ne[2]);
             ggml_build_forward_expand(gf, ggml_set_rows(ctx, k_rows, ggml_reshape_2d(ctx, k, hd * nkv, T), kv_idx));
             ggml_build_forward_expand(gf, ggml_set_rows(ctx, v_rows, ggml_reshape_2d(ctx, v, hd * nkv, T), kv_idx));
-            ggml_tensor * K = ggml_view_3d(ctx, L.k_cache, hd, nkv, n_kv, L.k_cache->nb[1], L.k_cache->nb[2], 0);
-            ggml_tensor * V = ggml_view_3d(ctx, L.v_cache, hd, nkv, n_kv, L.v_cache->nb[1], L.v_cache->nb[2], 0);
-            ggml_tensor * Kp = ggml_permute(ctx, K, 0, 2, 1, 3);                  // [hd, n_kv, nkv]
-            ggml_tensor * Q = ggml_permute(ctx, q, 0, 2, 1, 3);                   // [hd, T, nh]
             ggml_tensor * att;
-            if (m.flash_attn) {  // V read as stored: no transposed copy
+            if (R) {  // each row's queries against its own slot: [hd, Tq, nh, R] x [hd, n_kv, nkv, R]
+                const size_t slot = L.k_cache->nb[2] * (size_t) m.n_ctx, vslot = L.v_cache->nb[2] * (size_t) m.n_ctx;
+                ggml_tensor * K = ggml_view_4d(ctx, L.k_cache, hd, nkv, n_kv, R, L.k_cache->nb[1], L.k_cache->nb[2], slot, 0);
+                ggml_tensor * V = ggml_view_4d(ctx, L.v_cache, hd, nkv, n_kv, R, L.v_cache->nb[1], L.v_cache->nb[2], vslot, 0);
+                ggml_tensor * Q = ggml_get_rows(ctx, ggml_reshape_2d(ctx, q, hd * nh, T), G->q_idx);  // [hd*nh, Tq*R]
+                Q = ggml_permute(ctx, ggml_reshape_4d(ctx, Q, hd, nh, Tq, R), 0, 2, 1, 3);
+                att = ggml_flash_attn_ext(ctx, Q, ggml_permute(ctx, K, 0, 2, 1, 3), ggml_permute(ctx, V, 0, 2, 1, 3), kq_mask,
+                                          1.f / sqrtf((float) hd), 0.f, 0.f);  // [hd, nh, Tq, R]
+                att = ggml_get_rows(ctx, ggml_reshape_2d(ctx, att, hd * nh, (int64_t) Tq * R), G->o_idx);  // [hd*nh, T]
+            } else if (m.flash_attn) {  // V read as stored: no transposed copy
+                ggml_tensor * K = ggml_view_3d(ctx, L.k_cache, hd, nkv, n_kv, L.k_cache->nb[1], L.k_cache->nb[2], 0);
+                ggml_tensor * V = ggml_view_3d(ctx, L.v_cache, hd, nkv, n_kv, L.v_cache->nb[1], L.v_cache->nb[2], 0);
+                ggml_tensor * Kp = ggml_permute(ctx, K, 0, 2, 1, 3);              // [hd, n_kv, nkv]
+                ggml_tensor * Q = ggml_permute(ctx, q, 0, 2, 1, 3);               // [hd, T, nh]
                 ggml_tensor * Vp = ggml_permute(ctx, V, 0, 2, 1, 3);              // [hd, n_kv, nkv]
                 att = ggml_flash_attn_ext(ctx, Q, Kp, Vp, kq_mask, 1.f / sqrtf((float) hd), 0.f, 0.f);  // [hd, nh, T]
                 att = ggml_reshape_2d(ctx, att, hd * nh, T);
             } else {
+                ggml_tensor * K = ggml_view_3d(ctx, L.k_cache, hd, nkv, n_kv, L.k_cache->nb[1], L.k_cache->nb[2], 0);
+                ggml_tensor * V = ggml_view_3d(ctx, L.v_cache, hd, nkv, n_kv, L.v_cache->nb[1], L.v_cache->nb[2], 0);
+                ggml_tensor * Kp = ggml_permute(ctx, K, 0, 2, 1, 3);                  // [hd, n_kv, nkv]
+                ggml_tensor * Q = ggml_permute(ctx, q, 0, 2, 1, 3);                   // [hd, T, nh]
                 ggml_tensor * Vt = ggml_cont(ctx, ggml_permute(ctx, V, 1, 2, 0, 3));   // [n_kv, hd, nkv]
                 ggml_tensor * kq = ggml_mul_mat(ctx, Kp, Q);                          // [n_kv, T, nh]
                 kq = ggml_soft_max_ext(ctx, kq, kq_mask, 1.f / sqrtf((float) hd), 0.f);
@@ -2822,7 +3032,9 @@ static json run_request(Model & m, const json & defaults, const json & req, cons
             if (now.size() > emitted.size()) emitted = now;
             emit(ev);
         };
-    reset_cache(m, (int) prompt.size() + p.max_new + 2 * std::max({p.block, p.draft, p.mode == "dflash" ? m.dr.block_size : 0}) + 1);
+    const int n_ctx = (int) prompt.size() + p.max_new + 2 * std::max({p.block, p.draft, p.mode == "dflash" ? m.dr.block_size : 0}) + 1;
+    if (tl_seq) seq_start(m, *tl_seq, n_ctx);
+    else reset_cache(m, n_ctx);
     m.share_budget = p.mode == "ar" ? 0 : std::max(0, p.expert_budget);
     m.share_max = p.expert_rank == "max";
     const auto t0 = std::chrono::steady_clock::now();
@@ -2852,6 +3064,7 @@ static json run_request(Model & m, const json & defaults, const json & req, cons
         out["drafts"] = r.drafts;
         out["draft_cpu_seconds"] = m.dr.cpu_s;
     }
+    if (tl_seq) out["batch_rows"] = tl_seq->forwards ? (double) tl_seq->rows / tl_seq->forwards : 0.0;  // rows per forward it took part in
     if (req.contains("id")) out["id"] = req["id"];
     if (!(req.contains("prompt") && req["prompt"].is_array())) out["prompt_ids"] = prompt;  // the port tokenized it
     return out;
@@ -2871,14 +3084,19 @@ struct Requests {
         buf.append(chunk, (size_t) n);
         for (size_t nl; (nl = buf.find('\n')) != std::string::npos; buf.erase(0, nl + 1)) take(buf.substr(0, nl));
     }
+    // a cancel line {"cancel": id}: true, with the id as JSON text
+    static bool cancel_line(const std::string & line, std::string & id) {
+        if (line.find("\"cancel\"") == std::string::npos) return false;
+        try {
+            const json j = json::parse(line);
+            if (j.is_object() && j.size() == 1 && j.contains("cancel")) { id = j["cancel"].dump(); return true; }
+        } catch (const std::exception &) {}
+        return false;
+    }
     void take(const std::string & line) {  // a cancel line is recorded, anything else queued
-        if (line.find("\"cancel\"") != std::string::npos) {
-            try {
-                const json j = json::parse(line);
-                if (j.is_object() && j.size() == 1 && j.contains("cancel")) { cancelled.insert(j["cancel"].dump()); return; }
-            } catch (const std::exception &) {}
-        }
-        lines.push_back(line);
+        std::string id;
+        if (cancel_line(line, id)) cancelled.insert(id);
+        else lines.push_back(line);
     }
     bool next(std::string & line) {
         while (lines.empty() && !eof) read_some();
@@ -2927,6 +3145,8 @@ static void usage() {
         "          --factor X, --low-threshold X, --fallback confident|leftmost, --confidence prob|margin|entropy\n"
         "  sample: --temperature T, --top-p P, --top-k K, --seed S, --repetition-penalty X,\n"
         "          --presence-penalty X, --eos-penalty X, --no-repeat-ngram N, --logit-bias JSON\n"
+        "  batch:  --parallel N (--json, ids, --text: up to N requests decoded together, their rows in one\n"
+        "          forward; ar and diffusion rows batch, speculative and dflash run alone between batches)\n"
         "  other:  --stream, --threads T, --out F (forward), --moe grouped|mul_mat_id (routed experts of\n"
         "          multi-token forwards: gathered per expert, or ggml_mul_mat_id), --attn flash|plain\n"
         "          (flash: ggml_flash_attn_ext, V read as stored; plain: mul_mat, soft_max, mul_mat on a\n"
@@ -2943,7 +3163,7 @@ int main(int argc, char ** argv) {
     if (argc < 2) usage();
     std::string model_path = argv[1], sidecar, drafter, out_path, input = "ids", prompt_text, mode = "diffusion";
     json defaults = json::object();
-    int threads = 1;
+    int threads = 1, parallel = 1;
     std::string moe = "grouped", attn = "flash", kv = "f32", verify = "exact", gdn = "fast", matmul = CLOVER_WIDE_Q8 ? "wide" : "ggml";
     std::vector<std::string> stops;
     for (int i = 2; i < argc; i++) {
@@ -2986,6 +3206,10 @@ int main(int argc, char ** argv) {
         else if (a == "-p" || a == "--prompt") { input = "prompt"; prompt_text = next(); }
         else if (a == "--threads" || a == "-t") threads = atoi(next().c_str());
         else if (a == "--out") out_path = next();
+        else if (a == "--parallel" || a == "-np") {
+            parallel = atoi(next().c_str());
+            if (parallel < 1) die("--parallel: at least 1 (the rows decoded in one forward)");
+        }
         else if (a == "--moe") {
             const std::string v = next();
             if (v != "grouped" && v != "mul_mat_id") die("--moe: grouped or mul_mat_id, not " + v);
@@ -3010,6 +3234,7 @@ int main(int argc, char ** argv) {
         else usage();
     }
     if (!stops.empty()) defaults["stop"] = stops;
+    if (parallel > 1 && attn != "flash") die("--parallel: batched rows need --attn flash (each row's attention over its own cache slot)");
     if (mode != "forward" && mode != "check-matmul") defaults["mode"] = mode;
     ggml_log_set([](ggml_log_level level, const char * text, void *) { if (level >= GGML_LOG_LEVEL_ERROR) fputs(text, stderr); }, nullptr);
     Model m;
@@ -3096,6 +3321,136 @@ int main(int argc, char ** argv) {
         } catch (const std::exception & e) {
             die(e.what());
         }
+        return 0;
+    }
+    if (parallel > 1) {  // rows in one forward: a thread per request in flight (Batcher), one reader of stdin
+        m.n_slots = parallel;
+        g_batch = new Batcher();
+        g_batch->slot_used.assign(parallel, 0);
+        struct Queue {
+            std::mutex mu;
+            std::condition_variable cv;
+            std::deque<std::pair<long, std::string>> lines;
+            std::set<std::string> cancelled;
+            bool eof = false;
+            long n = 0;
+        } q;
+        auto add = [&](const std::string & l) {  // under q.mu
+            std::string id;
+            if (input == "json" && Requests::cancel_line(l, id)) q.cancelled.insert(id);
+            else if (input == "json" ? l.find_first_not_of(" \t\r") != std::string::npos : input == "text" || !parse_ids(l).empty())
+                q.lines.push_back({q.n++, l});
+        };
+        std::thread reader([&] {
+            std::string buf;
+            char chunk[65536];
+            for (;;) {
+                const ssize_t n = read(0, chunk, sizeof chunk);
+                std::lock_guard<std::mutex> g(q.mu);
+                if (n <= 0) {
+                    if (!buf.empty()) add(buf);
+                    q.eof = true;
+                    q.cv.notify_all();
+                    return;
+                }
+                buf.append(chunk, (size_t) n);
+                for (size_t nl; (nl = buf.find('\n')) != std::string::npos; buf.erase(0, nl + 1)) add(buf.substr(0, nl));
+                q.cv.notify_all();
+            }
+        });
+        std::map<long, std::string> done;  // ids / text input: the results in input order
+        long next_out = 0;
+        auto worker = [&] {
+            Batcher & b = *g_batch;
+            for (;;) {
+                std::pair<long, std::string> item;
+                {
+                    std::unique_lock<std::mutex> g(q.mu);
+                    q.cv.wait(g, [&] { return !q.lines.empty() || q.eof; });
+                    if (q.lines.empty()) return;
+                    item = q.lines.front();
+                    q.lines.pop_front();
+                    b.joining++;
+                }
+                std::unique_lock<std::mutex> lk(b.mu);
+                tl_lock = &lk;
+                b.joining--;
+                auto result = [&](const json & j) {
+                    if (input == "json") { print_line(j); return; }
+                    done[item.first] = dump(j);
+                    for (auto it = done.find(next_out); it != done.end(); it = done.find(++next_out)) {
+                        printf("%s\n", it->second.c_str());
+                        fflush(stdout);
+                        done.erase(it);
+                    }
+                };
+                json req;
+                bool batched = false;
+                try {
+                    if (input == "json") {
+                        try {
+                            req = json::parse(item.second);
+                            if (!req.is_object()) throw std::runtime_error("a request is a JSON object");
+                        } catch (const std::exception & e) {
+                            throw std::runtime_error(std::string("request: not a JSON object: ") + e.what());
+                        }
+                    } else {
+                        req = input == "text" ? json{{"prompt", item.second}} : json{{"prompt", parse_ids(item.second)}};
+                    }
+                    const Params p = make_params(m, defaults, req);
+                    const int budget = p.mode == "ar" ? 0 : std::max(0, p.expert_budget);
+                    batched = (p.mode == "ar" || p.mode == "diffusion") && !(budget > 0 && budget < m.hp.n_expert);
+                } catch (const std::exception & e) {
+                    if (input != "json") die(e.what());
+                    json err = {{"event", "error"}, {"message", e.what()}};
+                    if (req.is_object() && req.contains("id")) err["id"] = req["id"];
+                    result(err);
+                    batch_maybe_run(m);
+                    continue;
+                }
+                std::function<bool()> cancelled = nullptr;
+                if (input == "json" && req.contains("id")) {
+                    const std::string id = req["id"].dump();
+                    cancelled = [&q, id]() { std::lock_guard<std::mutex> g(q.mu); return q.cancelled.count(id) > 0; };
+                }
+                Seq seq;
+                if (batched) {
+                    if (b.exclusive) {
+                        batch_maybe_run(m);
+                        b.cv.wait(lk, [&] { return b.exclusive == 0; });
+                    }
+                    seq.slot = (int) (std::find(b.slot_used.begin(), b.slot_used.end(), 0) - b.slot_used.begin());
+                    b.slot_used[seq.slot] = 1;
+                    b.rows++;
+                    tl_seq = &seq;
+                } else {
+                    b.exclusive++;
+                    batch_maybe_run(m);
+                    b.cv.wait(lk, [&] { return b.rows == 0; });
+                }
+                try {
+                    result(run_request(m, defaults, req, print_line, cancelled));
+                } catch (const std::exception & e) {
+                    if (input != "json") die(e.what());
+                    json err = {{"event", "error"}, {"message", e.what()}};
+                    if (req.contains("id")) err["id"] = req["id"];
+                    result(err);
+                }
+                if (batched) {
+                    tl_seq = nullptr;
+                    b.rows--;
+                    b.slot_used[seq.slot] = 0;
+                    batch_maybe_run(m);
+                } else {
+                    b.exclusive--;
+                }
+                b.cv.notify_all();
+            }
+        };
+        std::vector<std::thread> workers;
+        for (int i = 0; i < parallel; i++) workers.emplace_back(worker);
+        for (std::thread & t : workers) t.join();
+        reader.join();
         return 0;
     }
     Requests requests;

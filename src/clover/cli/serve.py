@@ -73,7 +73,7 @@ def run(args: argparse.Namespace) -> int:
         if args.engine == "llama.cpp":
             from ..integrations.llama_port import port_llm
 
-            llm = port_llm(llm, stack, gguf=args.gguf, threads=args.threads)
+            llm = port_llm(llm, stack, gguf=args.gguf, threads=args.threads, parallel=args.max_batch)
         run_app(llm, host=args.host, port=args.port, max_batch=args.max_batch, max_queue=args.max_queue,
                 api_key=args.api_key, model_name=args.served_model_name,
                 max_body_bytes=args.max_body_bytes, tool_parser=args.tool_call_parser)

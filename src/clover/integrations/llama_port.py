@@ -28,6 +28,7 @@ from typing import Iterator
 
 import numpy as np
 from ..paths import user_cache
+from ..serve.defaults import MAX_BATCH as MAX_PARALLEL  # the server's batch: the rows the port decodes together
 
 MODES = ("ar", "diffusion", "speculative", "dflash")
 OTHER_MODES = {  # clover's other modes: why the port does not run them
@@ -129,11 +130,14 @@ def port_args(mode: str, params, *, drafter=None) -> list[str]:
 
 
 def run(gguf: str | os.PathLike, prompts: list[list[int]], args: list[str], *, eos_ids=None, threads: int = 1,
-        binary: str | os.PathLike | None = None, timeout: float | None = None) -> list[dict]:
+        binary: str | os.PathLike | None = None, timeout: float | None = None, parallel: int = 1) -> list[dict]:
     """Run llama-clover on `prompts` (token ids) with flags `args` (`port_args`); one dict per prompt:
     tokens, n_tokens, text, forwards, tokens_per_forward, seconds, tokens_per_second, finish,
-    block_steps, forced_steps, accept_lengths. `eos_ids` overrides the GGUF's EOS id."""
+    block_steps, forced_steps, accept_lengths (and batch_rows with `parallel` > 1: up to that many
+    prompts decoded together, their rows in one forward). `eos_ids` overrides the GGUF's EOS id."""
     cmd = [str(binary or require_port()), str(gguf), *args, "--threads", str(threads)]
+    if parallel > 1:
+        cmd += ["--parallel", str(parallel)]
     if eos_ids:
         cmd += ["--eos", ",".join(map(str, eos_ids))]
     stdin = "".join(" ".join(map(str, p)) + "\n" for p in prompts)
@@ -162,11 +166,16 @@ def forward_logits(gguf: str | os.PathLike, commit: list[int], block: list[int],
 
 
 class PortProcess:
-    """One `llama-clover --json` process: requests in, events out, one request at a time."""
+    """One `llama-clover --json` process: requests in, events out. With `parallel` > 1 it decodes up to
+    that many requests together (ar and diffusion rows in one forward; the others alone, between
+    batches), their events interleaved; `request` still sends one and reads its events to the end."""
 
     def __init__(self, gguf: str | os.PathLike, *, threads: int = 1, eos_ids=None,
-                 binary: str | os.PathLike | None = None, drafter: str | os.PathLike | None = None) -> None:
+                 binary: str | os.PathLike | None = None, drafter: str | os.PathLike | None = None,
+                 parallel: int = 1) -> None:
         cmd = [str(binary or require_port()), str(gguf), "--json", "--threads", str(threads)]
+        if parallel > 1:
+            cmd += ["--parallel", str(parallel)]
         if eos_ids:
             cmd += ["--eos", ",".join(map(str, sorted(eos_ids)))]
         if drafter is not None:  # mode dflash's drafter GGUF
@@ -281,9 +290,10 @@ def generate(llm, prompt, mode: str, kwargs: dict, *, gguf: str | os.PathLike | 
 class PortEngine:
     """The llama.cpp port as a decoding engine of clover's server (`LLM.engine`'s interface:
     `add(row)`, `step()`, `rows`, `cancel(row)`; events as clover's engines yield them). Rows are
-    requests to one shared `llama-clover --json` process, which decodes them one after another
-    (no two rows share a forward yet); each streamed block becomes a "commit" event, applied to the
-    row with `RowState.accept` (which reproduces the port's own EOS / stop / length decision)."""
+    requests to one shared `llama-clover --json --parallel N` process, which decodes the rows in flight
+    together (ar and diffusion rows of every engine in one forward; speculative and dflash rows alone,
+    between batches); each streamed block becomes a "commit" event, applied to the row with
+    `RowState.accept` (which reproduces the port's own EOS / stop / length decision)."""
 
     def __init__(self, backend: "PortBackend", mode: str) -> None:  # mode: its name
         self.backend, self.mode = backend, mode
@@ -350,9 +360,9 @@ class PortEngine:
 class PortBackend:
     """One `llama-clover --json` process shared by the server's engines; routes its events by request id."""
 
-    def __init__(self, gguf, *, threads: int = 1, eos_ids=None, binary=None, drafter=None) -> None:
+    def __init__(self, gguf, *, threads: int = 1, eos_ids=None, binary=None, drafter=None, parallel: int = 1) -> None:
         self.drafter = drafter  # the process's --drafter GGUF (mode dflash), or None
-        self.proc = PortProcess(gguf, threads=threads, eos_ids=eos_ids, binary=binary, drafter=drafter)
+        self.proc = PortProcess(gguf, threads=threads, eos_ids=eos_ids, binary=binary, drafter=drafter, parallel=parallel)
         self.owner: dict[int, tuple] = {}
 
     def send(self, engine: PortEngine, row, req: dict) -> None:
@@ -379,11 +389,13 @@ class PortBackend:
 
 class PortLLM:
     """An `LLM` whose engines are the llama.cpp port (`clover serve --engine llama.cpp`): the same
-    tokenizer, options, limits and errors; generation goes through `PortEngine`."""
+    tokenizer, options, limits and errors; generation goes through `PortEngine`. `parallel`: the rows
+    the port decodes together (the server's batch, `--max-batch`)."""
 
-    def __init__(self, llm, gguf, *, threads: int = 1, binary=None, drafter=None) -> None:
+    def __init__(self, llm, gguf, *, threads: int = 1, binary=None, drafter=None, parallel: int = MAX_PARALLEL) -> None:
         self._llm = llm
-        self.backend = PortBackend(gguf, threads=threads, eos_ids=llm.eos_ids(), binary=binary, drafter=drafter)
+        self.backend = PortBackend(gguf, threads=threads, eos_ids=llm.eos_ids(), binary=binary, drafter=drafter,
+                                   parallel=parallel)
 
     def __getattr__(self, name):
         return getattr(self._llm, name)
@@ -412,15 +424,15 @@ class PortLLM:
         self.backend.close()
 
 
-def port_llm(llm, stack, *, gguf=None, threads: int = 1) -> PortLLM:
+def port_llm(llm, stack, *, gguf=None, threads: int = 1, parallel: int = MAX_PARALLEL) -> PortLLM:
     """`llm` served through the port: `gguf`, or the model exported (f32) into a temporary directory
     that `stack` (a contextlib.ExitStack) removes, as it closes the port process; the model's drafter
-    (if it has one, for mode dflash) is exported there too."""
+    (if it has one, for mode dflash) is exported there too. `parallel`: the rows decoded together."""
     import tempfile
 
     require_port()
     tmp = stack.enter_context(tempfile.TemporaryDirectory())
     path = gguf or export_for_port(llm, tmp)
-    out = PortLLM(llm, path, threads=threads, drafter=export_drafter(llm, tmp))
+    out = PortLLM(llm, path, threads=threads, drafter=export_drafter(llm, tmp), parallel=parallel)
     stack.callback(out.close)
     return out
