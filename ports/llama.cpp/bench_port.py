@@ -26,6 +26,15 @@ e.g. `--moe mul_mat_id`, the port's routed experts through ggml_mul_mat_id inste
 expert matmul), and reports whether both gave the same tokens. `--model DIR` times another
 checkpoint (the 0.7B rows: `clover tiny DIR --shape 0.7b`, `--dtypes q8_0 --configs "ar;denoise,
 width 8;denoise, width 32"`).
+
+`--batch 1,4,8,16` times rows in one forward instead (docs/llama-port.md, "Rows in one forward"): per
+batch size B, every prompt through one port process with `--parallel B` (B rows in flight, a row
+joining as one leaves), the aggregate generated tokens over the process's CPU seconds less those of
+the same command with `-n 0` (start and load), so prefill is included; B = 1 is the port decoding
+the rows one by one. Stock llama.cpp's own batched decode alongside: `llama-batched-bench -npl B` with
+the prompts' mean length and N tokens per row (its wall clock, prefill included: B·N / (T_PP + T_TG)).
+The configs default to "ar" and "diffusion, the model's defaults"; each batched row reports its rows
+per forward and whether its tokens equal B = 1's.
 """
 
 from __future__ import annotations
@@ -73,6 +82,78 @@ def port_seconds(r: dict, clock: str) -> float:
     if clock == "cpu":
         return r["cpu_seconds"] - r["prefill_forward_cpu_seconds"]
     return r["seconds"] - r["prefill_forward_seconds"]
+
+
+def port_batch_tokens_per_s(gguf: Path, prompts, args: list[str], n: int, eos, parallel: int, port: Path):
+    """(aggregate tokens/s over CPU seconds less a `-n 0` run's, tokens, results) of every prompt
+    through one port process with `--parallel`."""
+    spent, res = [], None
+    for k in (n, 0):
+        c = child_cpu()
+        out = run(gguf, prompts, [*args, "-n", str(k)], eos_ids=eos, binary=port, parallel=parallel)
+        spent.append(child_cpu() - c)
+        res = res or out
+    tok = sum(r["n_tokens"] for r in res)
+    return tok / (spent[0] - spent[1]), tok, res
+
+
+def stock_batched_tokens_per_s(gguf: Path, n_prompt: int, n: int, batches: list[int]) -> dict[int, float]:
+    """llama-batched-bench's aggregate generated tokens/s per batch size (wall clock, prefill included)."""
+    exe = llama_cache_dir() / "build" / "bin" / "llama-batched-bench"
+    if not exe.exists():
+        return {}
+    ctx = max(batches) * (n_prompt + n) + 256
+    r = subprocess.run([str(exe), "-m", str(gguf), "-c", str(ctx), "-b", "2048", "-ub", "512", "-npp", str(n_prompt),
+                        "-ntg", str(n), "-npl", ",".join(map(str, batches)), "-t", "1", "-fa", "on", "--output-format", "jsonl"],
+                       capture_output=True, text=True)
+    if r.returncode != 0:
+        print(f"llama-batched-bench failed ({r.returncode}) on {gguf.name}; rows left out", file=sys.stderr)
+        return {}
+    out = {}
+    for line in r.stdout.splitlines():
+        if line.startswith("{"):
+            j = json.loads(line)
+            out[int(j["pl"])] = j["pl"] * j["tg"] / (j["t_pp"] + j["t_tg"])
+    return out
+
+
+def batch_table(a, llm, prompts, eos, port: Path, configs: dict) -> None:
+    from clover.export.gguf import export_gguf
+
+    batches = [int(b) for b in a.batch.split(",")]
+    n_prompt = round(sum(map(len, prompts)) / len(prompts))
+    print(f"clock: cpu (stock: llama-batched-bench's wall clock); {a.rounds} interleaved rounds, the median shown; "
+          f"{len(prompts)} prompts (mean {n_prompt} tokens) x {a.n} tokens")
+    print("| dtype | engine | B | tokens | rows per forward | tokens/s | × B = 1 | same tokens as B = 1 |")
+    print("|---|---|---:|---:|---:|---:|---:|---|")
+    with tempfile.TemporaryDirectory() as tmp:
+        for dtype in a.dtypes.split(","):
+            gguf = Path(tmp) / f"model-{dtype}.gguf"
+            export_gguf(a.model, gguf, dtype=dtype, progress=False)
+            stock = {b: [] for b in batches}
+            rows = {(name, b): [] for name in configs for b in batches}
+            for _ in range(a.rounds):
+                for b, tps in stock_batched_tokens_per_s(gguf, n_prompt, a.n, batches).items():
+                    stock[b].append(tps)
+                for name, args in configs.items():
+                    for b in batches:
+                        rows[name, b].append(port_batch_tokens_per_s(gguf, prompts, args, a.n, eos, b, port))
+            for b in batches:
+                if stock[b]:
+                    tps = statistics.median(stock[b])
+                    print(f"| {dtype} | stock llama.cpp (llama-batched-bench) | {b} | {b * a.n} | {b} | {tps:.1f} | "
+                          f"{tps / statistics.median(stock[batches[0]]):.2f} | |")
+            for name in configs:
+                one = statistics.median(v[0] for v in rows[name, batches[0]])
+                base = [r["tokens"] for r in rows[name, batches[0]][0][2]]
+                for b in batches:
+                    vals = rows[name, b]
+                    tps = statistics.median(v[0] for v in vals)
+                    res = vals[0][2]
+                    per = sum(r.get("batch_rows", 1.0) * r["forwards"] for r in res) / sum(r["forwards"] for r in res)
+                    same = sum(x["tokens"] == y for x, y in zip(res, base))
+                    print(f"| {dtype} | port {name} | {b} | {vals[0][1]} | {per:.1f} | {tps:.1f} | {tps / one:.2f} | {same}/{len(base)} |")
+            sys.stdout.flush()
 
 
 def llama_bench_tokens_per_s(gguf: Path, n: int) -> float | None:
@@ -126,6 +207,7 @@ def main() -> int:
     ap.add_argument("--configs", default="all", help="names of the port rows separated by ; (default: all)")
     ap.add_argument("--compare", default="", help="port arguments: every port row runs a second time with them")
     ap.add_argument("--drafter", default=None, help="the dflash rows' drafter directory (default: the bundled model's)")
+    ap.add_argument("--batch", default="", help="batch sizes, e.g. 1,4,8,16: rows in one forward (aggregate tokens/s)")
     a = ap.parse_args()
 
     import clover
@@ -138,6 +220,10 @@ def main() -> int:
     eos = llm.config.eos_token_ids
     probe = llama_cache_dir() / "bin" / "clover-llama-probe"
     port = port_binary()
+    if a.batch:
+        names = ["ar", "diffusion, the model's defaults"] if a.configs == "all" else [k.strip() for k in a.configs.split(";")]
+        batch_table(a, llm, prompts, eos, port, {k: CONFIGS[k] for k in names})
+        return 0
     configs = CONFIGS if a.configs == "all" else {k.strip(): CONFIGS[k.strip()] for k in a.configs.split(";")}
     drafter = a.drafter or (BUNDLED_DRAFTER if Path(a.model).resolve() == (REPO / "src" / "clover" / "assets" / "clover-tiny").resolve() else None)
     if drafter is None:
