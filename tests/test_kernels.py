@@ -455,6 +455,31 @@ def test_one_chunk_matches_naive(shape, decay):
     assert_close(s_pad, s_cut, atol=ATOL, rtol=RTOL)
 
 
+@pytest.mark.parametrize("decay", ["model", "strong"])
+def test_state_after_any_prefix_from_the_wy_terms(decay):
+    """A rollback's state (`state_after`, from a one-chunk commit's WY terms) against the definition
+    run over exactly the kept tokens, per row, nothing kept included."""
+    from clover.kernels import state_after
+
+    B, T, H, K, V, Hk = 3, 8, 4, 16, 8, 2
+    (q, k, v, g, beta), s0 = make_inputs(B, T, H, K, V, Hk, seed=11, with_state=True)
+    if decay == "strong":
+        g = g * 8.0
+        g[:, T // 2 :] -= 60.0
+    _, s_all, wy = one_chunk_gated_delta_rule(q, k, v, g, beta, s0, wy=True)
+    for keep in ([0, 1, 2], [3, 8, 5], [T, T, T]):
+        got = state_after(s0, wy, torch.tensor(keep))
+        for b, n in enumerate(keep):
+            if n == 0:
+                assert_close(got[b], s0[b].float(), atol=0, rtol=0)
+                continue
+            _, ref = naive_gated_delta_rule(q[b : b + 1, :n], k[b : b + 1, :n], v[b : b + 1, :n], g[b : b + 1, :n],
+                                            beta[b : b + 1, :n], initial_state=s0[b : b + 1], output_final_state=True,
+                                            use_qk_l2norm_in_kernel=True)
+            assert_close(got[b], ref[0], atol=ATOL, rtol=RTOL)
+    assert_close(state_after(s0, wy, torch.tensor([T] * B)), s_all, atol=ATOL, rtol=RTOL)
+
+
 @pytest.mark.parametrize("T", [1, 2, 3, 17, 32, 33])
 def test_unit_lower_inverse_products(T):
     a = (torch.randn(2, T, T, generator=torch.Generator().manual_seed(T)) * 0.3).tril(-1)

@@ -38,8 +38,13 @@ def test_speculative_batched_and_eos(llm):
         assert a.token_ids == s.token_ids and a.finish_reason == s.finish_reason
 
 
+@pytest.mark.parametrize("wy", [True, False])  # read from the commit's WY terms; the recurrence run again
 @pytest.mark.parametrize("keep", [[3, 6], [1, 4], [0, 2]])  # re-run chunked; token by token; nothing kept
-def test_rollback_equals_fresh_prefill(llm, keep):
+def test_rollback_equals_fresh_prefill(llm, keep, wy, monkeypatch):
+    from clover.models import layers
+
+    if not wy:
+        monkeypatch.setattr(layers, "ONE_CHUNK_RECORDED", 0)
     m = llm.model
     ids = torch.randint(0, 256, (2, 30), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():

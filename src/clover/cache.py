@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .kernels import chunk_gated_delta_rule, recurrent_gated_delta_rule
+from .kernels import chunk_gated_delta_rule, recurrent_gated_delta_rule, state_after
 
 RECURRENT_ROLLBACK = 4  # a rollback re-runs up to this many kept tokens one by one (measured cheaper on CPU)
 
@@ -122,7 +122,8 @@ class AttentionState(LayerState):
 
 class DeltaNetState(LayerState):
     """Conv and recurrent state of one Gated DeltaNet layer. While `recording`, the layer keeps the
-    inputs of its next commit in `record` (q, k, v, g, beta, conv window) so `rollback` can keep a prefix."""
+    inputs of its next commit in `record` (q, k, v, g, beta, conv window, and the WY terms of a commit
+    run as one chunk) so `rollback` can keep a prefix."""
 
     FIELDS = ("conv", "recurrent")
 
@@ -160,10 +161,16 @@ class DeltaNetState(LayerState):
     @staticmethod
     def rollback_layers(states: list["DeltaNetState"], snaps: list, keep: torch.Tensor, longest: int) -> None:
         """`rollback` of several layers whose records have the same shapes, as one recurrence over
-        their heads side by side (the heads are independent: one kernel call instead of one per layer)."""
+        their heads side by side (the heads are independent: one kernel call instead of one per layer),
+        or where the commit kept its WY terms, the state after the kept prefix read from them."""
         recs = [s.record for s in states]
         T = min(recs[0][0].shape[1], longest)  # the tokens after the longest kept prefix need not run
-        if T == 0:
+        if len(recs[0]) > 6:  # the commit's WY terms (`models.layers.ONE_CHUNK_RECORDED`): no recurrence
+            wy = tuple(torch.cat([r[6][i] for r in recs], dim=1) for i in range(3))
+            state = state_after(torch.cat([snap[1] for snap in snaps], dim=1), wy, keep)
+            for s, part in zip(states, state.split([s.recurrent.shape[1] for s in states], dim=1)):
+                s.recurrent.copy_(part)
+        elif T == 0:
             for s, snap in zip(states, snaps):
                 s.recurrent.copy_(snap[1])
         else:

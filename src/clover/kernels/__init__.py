@@ -6,6 +6,7 @@ from .gated_delta import (
     naive_gated_delta_rule,
     one_chunk_gated_delta_rule,
     recurrent_gated_delta_rule,
+    state_after,
 )
 
 __all__ = [
@@ -14,4 +15,5 @@ __all__ = [
     "naive_gated_delta_rule",
     "one_chunk_gated_delta_rule",
     "recurrent_gated_delta_rule",
+    "state_after",
 ]

@@ -727,12 +727,15 @@ def one_chunk_gated_delta_rule(
     beta: torch.Tensor,
     initial_state: torch.Tensor,
     scale: Optional[float] = None,
-) -> Tuple[torch.Tensor, torch.Tensor]:
+    wy: bool = False,
+):
     """The WY form over the whole input as one chunk, with q/k L2-normalised: plain allocations, no
     workspace, no ``out=`` and no host read, so that a compiled graph can hold it whole
-    (`clover.models.static`: a block commit of up to a few dozen tokens). Same arguments and results
-    as ``chunk_gated_delta_rule(..., use_qk_l2norm_in_kernel=True, output_final_state=True)`` with
-    ``chunk_size >= T``; tested against the recurrence.
+    (`clover.models.static`: a block commit of up to a few dozen tokens), and fewer ops than the
+    chunked kernel for a short input eagerly (a speculative verify's commit). Same arguments and
+    results as ``chunk_gated_delta_rule(..., use_qk_l2norm_in_kernel=True, output_final_state=True)``
+    with ``chunk_size >= T``; tested against the recurrence. ``wy``: also (k, c, v') below, from which
+    `state_after` gives the state after any prefix without running the recurrence again.
 
     Per (row, head), with c = cumsum(g) and A[i, j] = beta_i (k_i . k_j) exp(c_i - c_j) for j < i:
         T = (I + A)^-1 (`_unit_lower_inverse_products`),  W = T (beta exp(c) k),  U = T (beta v),  v' = U - W S,
@@ -764,4 +767,20 @@ def one_chunk_gated_delta_rule(
     o = (qf * ec) @ S + ((qf @ kf.transpose(-1, -2)) * gamma) @ v_new
     last = c[..., -1:]  # [B, H, 1]
     S_new = S * last.exp()[..., None] + (kf * (last - c).exp()[..., None]).transpose(-1, -2) @ v_new
+    if wy:
+        return o.transpose(1, 2).to(v.dtype), S_new, (kf, c, v_new)
     return o.transpose(1, 2).to(v.dtype), S_new
+
+
+def state_after(initial_state: torch.Tensor, wy: tuple, keep: torch.Tensor) -> torch.Tensor:
+    """The state after the first `keep[b]` tokens of a chunk (0: `initial_state`), from the chunk's WY
+    terms (`one_chunk_gated_delta_rule(..., wy=True)`: k [B, H, T, K], c [B, H, T], v' [B, H, T, V]):
+    S_m = exp(c_m) S + sum_{j <= m} exp(c_m - c_j) k_j v'_j^T (v'_j depends on no later token), a
+    dozen ops where running the recurrence again over m tokens is ~25 per token."""
+    kf, c, v_new = wy
+    T = c.shape[-1]
+    last = (keep - 1).clamp_min(0)[:, None, None].expand(c.shape[0], c.shape[1], 1)
+    kept = (torch.arange(T, device=c.device)[None, :] < keep[:, None])[:, None, :]  # [B, 1, T]
+    c_m = torch.where(kept[..., :1], c.gather(-1, last), 0.0)  # [B, H, 1]
+    w = torch.where(kept, (c_m - c).exp(), 0.0)  # [B, H, T]
+    return initial_state.float() * c_m.exp()[..., None] + (kf * w[..., None]).transpose(-1, -2) @ v_new

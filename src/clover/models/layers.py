@@ -363,6 +363,11 @@ def block_diffusion_mask(L: int, k: int, block_size: int, device) -> torch.Tenso
 # Clover's parameters, per GDN layer (under `linear_attn.`): the one list of their names; every
 # other place (training's freezing, exports, the vLLM plugin, the peer engines) derives from it
 CLOVER_PARAMETERS = ("conv1d_right.weight", "intra_scale", "block_gain_a", "block_gain_b")
+# an eager commit of up to this many tokens that is recorded (a speculative verify, rolled back to a
+# prefix after it) runs as one WY chunk (`one_chunk_gated_delta_rule`: ~20 fewer ops per layer than the
+# chunked kernel, ~100 us less at 8 tokens on one CPU thread) and keeps its WY terms, from which the
+# rollback reads the state after the kept prefix (`state_after`) instead of running the recurrence again
+ONE_CHUNK_RECORDED = 32
 
 
 def is_clover_parameter(name: str) -> bool:
@@ -461,12 +466,15 @@ class GatedDeltaNet(nn.Module):
         if Tc:
             n = segments.n_commit if state is not None else None
             q, k, v, gc, bc, window = self._commit_inputs(mixed[:, :, :Tc], conv, g[:, :Tc], beta[:, :Tc], n)
-            if records is not None:
-                records.append((q, k, v, gc, bc, window))
+            record = (q, k, v, gc, bc, window)
             if Tc == 1 and state is not None:
                 o, new_state = recurrent_gated_delta_rule(
                     q, k, v, gc, bc, initial_state=recurrent, output_final_state=True, use_qk_l2norm_in_kernel=True
                 )
+            elif records is not None and not static and state is not None and Tc <= ONE_CHUNK_RECORDED:
+                # a speculative verify's commit: one WY chunk, its terms kept for the rollback after it
+                o, new_state, wy = one_chunk_gated_delta_rule(q, k, v, gc, bc, recurrent, wy=True)
+                record += (wy,)
             elif static and state is not None:
                 o, new_state = one_chunk_gated_delta_rule(q, k, v, gc, bc, recurrent)
             else:  # chunk 32 measured faster than 64 on CPU, same results (docs/kernels.md)
@@ -474,6 +482,8 @@ class GatedDeltaNet(nn.Module):
                     q, k, v, gc, bc, initial_state=recurrent, output_final_state=state is not None,
                     use_qk_l2norm_in_kernel=True, chunk_size=32,
                 )
+            if records is not None:
+                records.append(record)
             outs.append(o)
             if state is not None:
                 recurrent.copy_(new_state)
