@@ -81,8 +81,15 @@ def test_port_refuses_what_it_lacks_with_a_reason():
         port_args("speculative", SamplingParams(max_new_tokens=8, temperature=0.7).validate())
     with pytest.raises(ValueError, match="^temperature: sampled dflash"):
         port_args("dflash", SamplingParams(max_new_tokens=8, temperature=0.7).validate(), drafter="d.gguf")
-    with pytest.raises(ValueError, match="^block_size: 'auto'"):
+    with pytest.raises(ValueError, match="^block_size: 'auto' in mode diffusion .* speculative or dflash$"):
         port_args("diffusion", SamplingParams(max_new_tokens=8, block_size="auto").validate())
+
+
+@pytest.mark.parametrize("mode", ["speculative", "dflash"])
+def test_port_args_pass_auto(mode):
+    """block_size="auto" reaches the port in the modes where it chooses each draft's width."""
+    a = port_args(mode, SamplingParams(max_new_tokens=8, block_size="auto").validate(), drafter="d.gguf")
+    assert a[a.index("--block") + 1] == "auto" and "--draft" not in a
 
 
 def test_port_args_dflash():
@@ -155,11 +162,12 @@ def mixed_prompts(llm, n: int) -> list[list[int]]:
     return [llm.tokenizer.encode(p) for p in tasks + code]
 
 
-def port_run(gguf, prompts, mode, llm, drafter=None, **kw):
+def port_run(gguf, prompts, mode, llm, drafter=None, extra=(), **kw):
     from clover.integrations.llama_port import run
 
     params = llm.params(mode, dict(max_new_tokens=TOKENS, temperature=0.0) | kw)
-    return run(gguf, prompts, port_args(mode, params, drafter=drafter), eos_ids=llm.config.eos_token_ids, timeout=900)
+    return run(gguf, prompts, port_args(mode, params, drafter=drafter) + list(extra), eos_ids=llm.config.eos_token_ids,
+               timeout=900)
 
 
 @pytest.mark.slow
@@ -811,3 +819,122 @@ def test_serve_engine_llama_cpp_dflash(port, bundled_f32, drafter_f32, llm):
     finally:
         served.close()
         bare.close()
+
+
+# ------------------------------------------------------------------------------ slow: block_size "auto"
+SPEC_COSTS = {1: 0.0010, 8: 0.0022, 16: 0.0025, 32: 0.0032, 64: 0.0047}  # seconds of a step drafting each width
+DFLASH_COSTS = {2: 0.0019, 4: 0.0026, 8: 0.0044, 16: 0.0079}
+
+
+def step_costs_arg(costs: dict) -> list[str]:
+    return ["--step-costs", ",".join(f"{w}:{s!r}" for w, s in costs.items())]
+
+
+def forced_curve(costs: dict):
+    """The cost table as clover's engines read it (`width.CostCurve`: the AR step, the verifies)."""
+    from clover.decoding.width import CostCurve
+
+    curve = CostCurve()
+    for w, s in costs.items():
+        curve.add("commit" if w == 1 else "verify", 1, w, s)
+    return curve
+
+
+@pytest.fixture
+def cost_cache(tmp_path, monkeypatch):
+    """A fresh cache for the port's measured step costs (not the user's)."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    return tmp_path / "cache" / "clover" / "cost"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode, dtype", [("speculative", "f32"), ("dflash", "f32"), ("dflash", "q8_0")])
+def test_port_auto_equals_port_ar(port, bundled_f32, llm, tmp_path, cost_cache, mode, dtype):
+    """block_size "auto" with the step costs the port measures at start-up: the tokens are the port's
+    AR greedy tokens (dflash: the exact verify, in q8_0 too); each decision is in the result line (a
+    width the mode chooses among, and why); the costs are measured once and cached."""
+    from clover.api import BUNDLED_DRAFTER
+    from clover.export.gguf import export_gguf
+
+    target = bundled_f32 if dtype == "f32" else export_gguf(BUNDLED, tmp_path / "t.gguf", dtype=dtype, progress=False).path
+    drafter = export_gguf(BUNDLED_DRAFTER, tmp_path / "d.gguf", dtype=dtype, progress=False).path if mode == "dflash" else None
+    prompts = task_prompts(llm, PROMPTS)
+    res = port_run(target, prompts, mode, llm, drafter=drafter, block_size="auto", ignore_eos=True)
+    ar = port_run(target, prompts, "ar", llm, ignore_eos=True)
+    assert [r["tokens"] for r in res] == [a["tokens"] for a in ar]
+    widths = {1, 8, 16, 32, 64} if mode == "speculative" else {2, 4, 8, 16}
+    costs = res[0]["step_costs"]
+    assert {int(w) for w in costs["seconds"]} == widths and costs["source"] == "measured" and costs["measure_seconds"] > 0
+    assert all(r["step_costs"]["seconds"] == costs["seconds"] for r in res)  # measured once per process
+    for r in res:
+        assert r["width_choices"] and {c["width"] for c in r["width_choices"]} <= widths
+        assert len(r["width_why"]) == len(r["width_choices"]) and r["width_why"][0].startswith("forward ")
+    assert [f.name for f in cost_cache.iterdir()] == [Path(costs["file"]).name]
+    again = port_run(target, prompts[:1], mode, llm, drafter=drafter, block_size="auto", ignore_eos=True)[0]
+    assert again["step_costs"]["source"] == "cached" and again["step_costs"]["seconds"] == costs["seconds"]
+    print(f"\n{mode} auto ({dtype}): {sum(r['forwards'] for r in res)} forwards for {sum(r['n_tokens'] for r in res)} "
+          f"tokens; step costs {costs['seconds']} measured in {costs['measure_seconds']:.2f} s")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["speculative", "dflash"])
+@pytest.mark.parametrize("ignore_eos", [True, False])
+def test_port_auto_matches_clover(port, bundled_f32, drafter_f32, llm, monkeypatch, mode, ignore_eos):
+    """With the same cost table (forced: --step-costs, and clover's calibration replaced by it) the port
+    decides as clover's engine, forward for forward: the same decisions and reasons (width_why), tokens,
+    forwards and accept lengths (speculative: clover's adaptive draft)."""
+    from clover.decoding import dflash, speculative
+
+    costs = SPEC_COSTS if mode == "speculative" else DFLASH_COSTS
+    monkeypatch.setattr(speculative, "step_curve", lambda *a, **k: forced_curve(costs))
+    monkeypatch.setattr(dflash, "iteration_curve", lambda *a, **k: forced_curve(costs))
+    prompts = task_prompts(llm, 8)
+    res = port_run(bundled_f32, prompts, mode, llm, drafter=drafter_f32 if mode == "dflash" else None,
+                   extra=step_costs_arg(costs), block_size="auto", ignore_eos=ignore_eos)
+    switched = 0
+    for ids, r in zip(prompts, res):
+        ours = llm.generate(ids, mode=mode, max_new_tokens=TOKENS, temperature=0.0, block_size="auto", ignore_eos=ignore_eos)
+        assert r["width_why"] == ours.stats.width_why
+        assert (r["tokens"], r["forwards"], r["accept_lengths"], r["finish"]) == \
+            (ours.token_ids, ours.stats.forwards, ours.stats.accept_lengths, ours.finish_reason)
+        assert r["step_costs"]["source"] == "given"
+        switched += len(r["width_choices"]) > 1
+    assert switched  # the table makes the choice move with the acceptance rate
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode, width", [("speculative", 8), ("dflash", 4)])
+def test_port_auto_one_width_equals_that_width(port, bundled_f32, drafter_f32, llm, mode, width):
+    """A cost table under which one width always wins: auto decodes at that width every forward and
+    gives the fixed draft's tokens (dflash: its drafts, forwards and accept lengths too; speculative
+    drafts adaptively, so only the tokens are the fixed draft's, both AR's)."""
+    costs = {w: (0.001 if w == width else 1.0) for w in (SPEC_COSTS if mode == "speculative" else DFLASH_COSTS)}
+    drafter = drafter_f32 if mode == "dflash" else None
+    prompts = task_prompts(llm, PROMPTS)
+    auto = port_run(bundled_f32, prompts, mode, llm, drafter=drafter, extra=step_costs_arg(costs), block_size="auto",
+                    ignore_eos=True)
+    fixed = port_run(bundled_f32, prompts, mode, llm, drafter=drafter, ignore_eos=True,
+                     **(dict(draft_length=width - 1) if mode == "dflash" else dict(block_size=width)))
+    for a, f in zip(auto, fixed):
+        assert [c["width"] for c in a["width_choices"]] == [width]
+        assert a["tokens"] == f["tokens"]
+        if mode == "dflash":
+            assert (a["drafts"], a["forwards"], a["accept_lengths"]) == (f["drafts"], f["forwards"], f["accept_lengths"])
+
+
+@pytest.mark.slow
+def test_port_auto_refuses_bad_input(port, bundled_f32, drafter_f32):
+    """block_size "auto" with a draft length, in diffusion, or a bad cost table: one line naming it."""
+    base = [str(port), str(bundled_f32), "-n", "4"]
+    for args, want in (
+        (["--mode", "speculative", "--block", "auto", "--draft", "3"], "draft_length: block_size \"auto\" chooses"),
+        (["--mode", "diffusion", "--block", "auto"], "block_size: 'auto' in mode diffusion"),
+        (["--mode", "speculative", "--block", "autox"], "--block: a number or auto expected, got 'autox'"),
+        (["--mode", "speculative", "--block", "auto", "--step-costs", "8:abc"], "--step-costs: WIDTH:SECONDS"),
+        (["--mode", "speculative", "--block", "auto", "--step-costs", "1:0.001,8:-1"], "--step-costs: WIDTH:SECONDS"),
+        (["--mode", "speculative", "--block", "auto", "--step-costs", "8:0.002"], "--step-costs: no cost for width 1 "),
+        (["--mode", "dflash", "--drafter", str(drafter_f32), "--block", "auto", "--step-costs", "2:1,4:1,8:1"],
+         "--step-costs: no cost for width 16 "),
+    ):
+        err = port_error(base + args)
+        assert err.startswith("llama-clover: error: " + want) and err.count("\n") == 1, err

@@ -45,6 +45,7 @@
 #include <cstring>
 #include <ctime>
 #include <deque>
+#include <fstream>
 #include <functional>
 #include <iostream>
 #include <map>
@@ -58,6 +59,7 @@
 #include <vector>
 
 #include <poll.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 static void die(const std::string & msg) {
@@ -99,6 +101,8 @@ struct Hparams {
     float threshold = 0.95f;
     std::string policy = "threshold";  // clover.policy: the model's default acceptance rule
     int expert_budget = 0;             // clover.expert_budget (0: none)
+    std::vector<int> block_sizes;      // clover.block_sizes: the widths it was trained on (block_size "auto")
+    std::map<int, double> block_tpf;   // clover.block_tokens_per_forward: width -> the model card's tokens per forward
 };
 
 struct GgufFile {
@@ -312,6 +316,24 @@ static void load_model(Model & m, const std::string & path, const std::string & 
     hp.threshold = get_f32(g, "clover.threshold", 0.95f, false);
     if (key_id(g, "clover.policy", false) >= 0) hp.policy = gguf_get_val_str(g, key_id(g, "clover.policy"));
     if (key_id(g, "clover.expert_budget", false) >= 0) hp.expert_budget = (int) get_u32(g, "clover.expert_budget");
+    if (int64_t bid = key_id(g, "clover.block_sizes", false); bid >= 0) {
+        const gguf_type t = gguf_get_arr_type(g, bid);
+        const void * d = gguf_get_arr_data(g, bid);
+        for (size_t i = 0; i < gguf_get_arr_n(g, bid); i++) {
+            if (t == GGUF_TYPE_INT32) hp.block_sizes.push_back(((const int32_t *) d)[i]);
+            else if (t == GGUF_TYPE_UINT32) hp.block_sizes.push_back((int) ((const uint32_t *) d)[i]);
+            else if (t == GGUF_TYPE_INT64) hp.block_sizes.push_back((int) ((const int64_t *) d)[i]);
+            else die("clover.block_sizes: an array of integers expected");
+        }
+    }
+    if (int64_t tid = key_id(g, "clover.block_tokens_per_forward", false); tid >= 0) {
+        try {
+            const nlohmann::json t = nlohmann::json::parse(gguf_get_val_str(g, tid));
+            for (const auto & kv : t.items()) hp.block_tpf[std::stoi(kv.key())] = kv.value().get<double>();
+        } catch (const std::exception & e) {
+            die(std::string("clover.block_tokens_per_forward: not a JSON object of width -> tokens per forward: ") + e.what());
+        }
+    }
 
     // Clover's tensors: inline, or in the sidecar named by clover.tensors_file
     std::string side = sidecar_arg;
@@ -2337,6 +2359,7 @@ struct Params {
     float repetition_penalty = 1.f, presence_penalty = 0.f, eos_penalty = 0.f;
     int no_repeat_ngram_size = 0, sub_block = 0, expert_budget = -1;  // expert_budget -1: the model's
     bool draft_given = false;  // draft_length was set (dflash: a fixed draft, no confidence cut)
+    bool auto_width = false;   // block_size "auto": speculative and dflash choose each draft's width (DraftPolicy)
     std::string expert_rank = "sum";
     std::vector<std::pair<int, float>> logit_bias;  // token id -> added to its logit (OpenAI's logit_bias)
     bool ignore_eos = false, stream = false;
@@ -2370,7 +2393,11 @@ static void set_option(Params & p, const std::string & k, const json & v) {
     try {
         if (k == "mode") p.mode = choice(v, k, {"ar", "diffusion", "speculative", "dflash"});
         else if (k == "max_new_tokens") p.max_new = v.get<int>();
-        else if (k == "block_size") p.block = v.is_null() ? -1 : v.get<int>();
+        else if (k == "block_size" && v.is_string()) {
+            if (v.get<std::string>() != "auto") throw std::runtime_error("block_size: a number or \"auto\", got " + v.dump());
+            p.auto_width = true;
+            p.block = -1;
+        } else if (k == "block_size") { p.block = v.is_null() ? -1 : v.get<int>(); p.auto_width = false; }
         else if (k == "draft_length") p.draft = v.is_null() ? -1 : v.get<int>();
         else if (k == "threshold") p.threshold = v.is_null() ? -1.f : v.get<float>();
         else if (k == "policy") p.policy = v.is_null() ? "" : choice(v, k, POLICIES);
@@ -2413,6 +2440,8 @@ static void set_option(Params & p, const std::string & k, const json & v) {
 
 static const std::set<std::string> REQUEST_KEYS = {"id", "prompt", "messages", "add_generation_prompt"};
 
+static std::vector<int> auto_widths(const Model & m, const std::string & mode);
+
 // The request's options over the command line's, with the model's defaults (resolve_params).
 static Params make_params(const Model & m, const json & defaults, const json & req) {
     Params p;
@@ -2426,15 +2455,23 @@ static Params make_params(const Model & m, const json & defaults, const json & r
         threshold_given |= it.key() == "threshold" && !it.value().is_null();
     }
     const Hparams & hp = m.hp;
+    auto bad = [](const std::string & s) { throw std::runtime_error(s); };
+    if (p.auto_width && p.mode == "diffusion")
+        bad("block_size: 'auto' in mode diffusion (a width chosen per block) is not in the llama.cpp port; give a number, or use auto with mode speculative or dflash");
+    if (p.auto_width && (p.mode == "speculative" || p.mode == "dflash")) {
+        if (p.draft > 0) bad("draft_length: block_size \"auto\" chooses the draft length; give one or the other");
+        const std::vector<int> w = auto_widths(m, p.mode);  // the widest it may choose (the cache's room)
+        p.block = p.mode == "dflash" ? hp.block_size : w.back();
+        p.draft = p.mode == "dflash" ? w.back() - 1 : w.back();
+    }
     if (p.block <= 0) p.block = hp.block_size;
-    p.draft_given = p.draft > 0;
+    p.draft_given = p.draft > 0 && !p.auto_width;
     if (p.draft <= 0) p.draft = p.block;
     if (p.policy.empty()) p.policy = threshold_given ? "threshold" : hp.policy;
     if (p.threshold <= 0) p.threshold = hp.threshold;
     if (p.expert_budget < 0) p.expert_budget = hp.expert_budget;
     if (!eos_given && hp.eos_id >= 0) p.eos.insert(hp.eos_id);
     p.pieces = &m.pieces;
-    auto bad = [](const std::string & s) { throw std::runtime_error(s); };
     if (p.max_new < 0) bad("max_new_tokens: must be >= 0");
     if (p.temperature < 0) bad("temperature: must be >= 0");
     if (!(p.top_p > 0 && p.top_p <= 1)) bad("top_p: must be > 0 and <= 1");
@@ -2858,17 +2895,317 @@ static void run_diffusion(Model & m, const Params & p, const std::vector<int> & 
     }
 }
 
+// ------------------------------------------------------------------- the draft width (block_size "auto")
+// block_size "auto" in speculative and dflash, by clover's rule (clover.decoding.width.DraftPolicy):
+// before each forward that drafts, the width w with the most expected tokens per second,
+// E(w, a) / cost(w), ties to the narrower. a is the row's rate of keeping a draft token so far,
+// (PRIOR_N * prior + kept drafts) / (PRIOR_N + kept drafts + verifies that rejected one);
+// E(w, a) = 1 + a + ... + a^(w-1), at most the tokens left; cost(w) what a step drafting w costs on
+// this machine (`StepCosts`: measured at the first such request, cached, or --step-costs).
+//   speculative: w among the AR step (1: no denoise block) and the model's trained widths
+//     (clover.block_sizes up to 64), the prior the rate at which a draft of the model's block size keeps
+//     the model card's tokens per forward there (clover.block_tokens_per_forward; else 0.5); the draft
+//     is clover's adaptive one (`run_speculative`);
+//   dflash: w = the anchor + drafts, among 2, 4, 8, 16 up to the drafter's block, prior 0.5, no cut.
+static const int AUTO_MAX_WIDTH = 64;
+// COST_WARMUP untimed rounds (the graphs built), then COST_ROUNDS timed ones; in each, per width,
+// untimed steps for at least COST_SETTLE_S seconds (after a wider forward the AR step ran up to twice
+// as long for its next 5 ms or so, on the Xeon VM: decoding at one width does not pay that), then
+// COST_TIMED timed steps; the median of the timed steps
+static const int COST_WARMUP = 1, COST_ROUNDS = 3, COST_TIMED = 2;
+static const double COST_SETTLE_S = 0.02;
+
+struct DraftPolicy {
+    static constexpr double PRIOR_N = 4.0;  // the prior is worth this many verifies
+    std::vector<int> widths;                // ascending
+    std::map<int, double> cost;             // width -> seconds of a step drafting it
+    double prior_rate = 0.5;
+    json costs_json;                        // the cost table, its source and the prior, for the result line
+    json choices = json::array();           // each decision that changed the width: {forward, width, expected}
+    std::vector<std::string> why;           // the same as clover's width_why lines
+    double acceptance(int kept, int rejected) const { return (PRIOR_N * prior_rate + kept) / (PRIOR_N + kept + rejected); }
+    static double expected_tokens(int w, double rate, int remaining) {
+        const double e = rate >= 1 ? (double) w : (1 - std::pow(rate, (double) w)) / (1 - rate);
+        return std::max(1.0, std::min(e, (double) std::max(remaining, 1)));
+    }
+    static double rate_keeping(double tokens, int w) {  // the rate at which a draft of w keeps `tokens` per verify
+        double lo = 0.0, hi = 1.0;
+        for (int i = 0; i < 40; i++) {
+            const double mid = (lo + hi) / 2;
+            if (expected_tokens(w, mid, 1 << 30) < tokens) lo = mid; else hi = mid;
+        }
+        return (lo + hi) / 2;
+    }
+    // The width for the next forward of a row that has kept `kept` draft tokens in verifies of which
+    // `rejected` rejected one, with `remaining` tokens left; `forward`: the forwards so far.
+    int choose(int kept, int rejected, int remaining, int forward, bool verbose) {
+        const double a = acceptance(kept, rejected);
+        std::map<int, double> expected;
+        int best = widths[0];
+        for (int w : widths) {
+            expected[w] = expected_tokens(w, a, remaining) / cost.at(w);
+            if (expected[w] > expected[best]) best = w;
+        }
+        if (choices.empty() || choices.back()["width"].get<int>() != best) {
+            json e = json::object();
+            std::string parts;
+            char buf[64];
+            for (const auto & [w, v] : expected) {
+                e[std::to_string(w)] = v;
+                snprintf(buf, sizeof buf, "%s%d: %.0f", parts.empty() ? "" : ", ", w, v);
+                parts += buf;
+            }
+            choices.push_back({{"forward", forward}, {"width", best}, {"expected", e}});
+            why.push_back("forward " + std::to_string(forward) + ": draft width " + std::to_string(best) +
+                          " for 1 row(s) (expected tokens/s " + parts + ")");
+            if (verbose) fprintf(stderr, "[auto] %s\n", why.back().c_str());
+        }
+        return best;
+    }
+};
+
+// What a step drafting each width costs (seconds; width 1: the AR step), per mode and expert budget.
+struct StepCosts {
+    std::map<int, double> seconds;
+    std::string source;            // "measured", "cached" or "given" (--step-costs)
+    double measure_seconds = 0.0;  // the wall time the measurement took in this process
+    std::string file;              // the cache file
+};
+
+struct AutoWidth {  // the process's settings for block_size "auto"
+    bool verbose = false;                   // --verbose: the cost table and each width decision on stderr
+    std::map<int, double> given;            // --step-costs W:S,...: the cost table, not measured
+    std::string identity;                   // what a measured table depends on besides the mode (main sets it)
+    std::map<std::string, StepCosts> tables;
+};
+static AutoWidth & auto_width() {
+    static AutoWidth a;
+    return a;
+}
+
+// --step-costs "1:0.001,8:0.0022,...": width -> seconds of a step drafting it
+static std::map<int, double> parse_step_costs(const std::string & s) {
+    std::map<int, double> out;
+    std::stringstream ss(s);
+    std::string item;
+    while (std::getline(ss, item, ',')) {
+        const size_t c = item.find(':');
+        int w = 0;
+        double sec = 0;
+        try {
+            size_t n1 = 0, n2 = 0;
+            if (c == std::string::npos) throw std::invalid_argument("no ':'");
+            w = std::stoi(item.substr(0, c), &n1);
+            sec = std::stod(item.substr(c + 1), &n2);
+            if (n1 != c || n2 != item.size() - c - 1) throw std::invalid_argument("trailing text");
+        } catch (const std::exception &) {
+            w = 0;
+        }
+        if (w < 1 || !(sec > 0) || !std::isfinite(sec))
+            die("--step-costs: WIDTH:SECONDS,... with widths >= 1 and seconds > 0, got '" + item + "'");
+        out[w] = sec;
+    }
+    if (out.empty()) die("--step-costs: WIDTH:SECONDS,... with widths >= 1 and seconds > 0, got '" + s + "'");
+    return out;
+}
+
+// The widths a mode chooses among (`DraftPolicy`).
+static std::vector<int> auto_widths(const Model & m, const std::string & mode) {
+    std::set<int> w;
+    if (mode == "dflash") {
+        for (int b : {2, 4, 8, 16}) if (b <= m.dr.block_size) w.insert(b);
+        w.insert(m.dr.block_size);
+    } else {  // the AR step and width.trained_widths
+        for (int b : m.hp.block_sizes) if (b <= AUTO_MAX_WIDTH) w.insert(b);
+        if (w.empty()) w.insert(std::min(m.hp.block_size, AUTO_MAX_WIDTH));
+        w.insert(1);
+    }
+    return std::vector<int>(w.begin(), w.end());
+}
+
+// One step drafting each width, timed in rounds across the widths (the median of COST_ROUNDS after
+// COST_WARMUP untimed rounds, so load that comes and goes spreads over every width), after a random
+// 32-token prompt, the cache put back after each: speculative w > 1 a verify of w drafted tokens
+// with the next w denoised (2w - 1 logit rows, their argmaxes) rolled back to half its draft, as
+// most verifies end; w = 1 the AR step; dflash a drafter forward of the block [anchor, mask x (w-1)]
+// over w/2 context tokens and the verify of w positions (exact or batched, as --verify) rolled back
+// to half. CPU time at 1 thread (what another process disturbs least), wall time with more.
+static std::map<int, double> measure_step_costs(Model & m, const Params & p, const std::vector<int> & widths) {
+    const bool dflash = p.mode == "dflash";
+    const int V = m.hp.n_vocab, PREFIX = 32, F = dflash ? m.dr.n_features() : 0;
+    std::mt19937_64 g(0);
+    auto random_ids = [&](int n) {
+        std::vector<int> ids(n);
+        for (int & t : ids) t = 3 + (int) (g() % (uint64_t) (V - 3));
+        return ids;
+    };
+    auto clock = [&]() { return m.n_threads == 1 ? cpu_now() : std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count(); };
+    reset_cache(m, PREFIX + 2 * widths.back() + 2);
+    Forward f;
+    std::vector<float> ctx, feats, dl;
+    forward(m, random_ids(PREFIX), {}, {PREFIX - 1}, false, f, dflash ? &ctx : nullptr);
+    std::map<int, std::vector<double>> t;
+    double settle = 0.0;
+    for (int round = 0; round < COST_WARMUP + COST_ROUNDS; round++)
+        for (int w : widths)
+            for (int timed = 0, settled = 0; timed < COST_TIMED;) {
+                const std::vector<int> src = random_ids(w);
+                std::vector<int> rows;
+                const double t0 = clock();
+                if (dflash) {
+                    const int d0 = m.dr.n_past;
+                    std::vector<int> block(w, m.dr.mask_id);
+                    block[0] = src[0];
+                    draft_forward(m, std::vector<float>(ctx.begin(), ctx.begin() + (size_t) (w / 2) * F), block, dl);
+                    for (int j = 0; j < w - 1; j++) argmax_tok(&dl[(size_t) j * V], V, p);
+                    m.dr.n_past = d0;
+                    for (int j = 0; j < w; j++) rows.push_back(j);
+                    forward(m, src, {}, rows, true, f, &feats, m.exact_verify);
+                } else if (w == 1) {
+                    forward(m, src, {}, {0}, false, f);
+                    rows = {0};
+                } else {
+                    for (int j = 0; j < 2 * w - 1; j++) rows.push_back(j);
+                    forward(m, src, std::vector<int>(w, m.hp.mask_id), rows, true, f);
+                }
+                for (size_t j = 0; j < rows.size(); j++) argmax_tok(&f.logits[j * V], V, p);
+                if (w > 1) rollback(m, w, w / 2);
+                m.n_past -= w > 1 ? w / 2 : 1;
+                const double dt = clock() - t0;
+                if (!settled) {
+                    settle += dt;
+                    if (settle >= COST_SETTLE_S) { settled = 1; settle = 0.0; }
+                } else {
+                    if (round >= COST_WARMUP) t[w].push_back(dt);
+                    timed++;
+                }
+            }
+    std::map<int, double> out;
+    for (auto & [w, v] : t) {
+        std::sort(v.begin(), v.end());
+        const size_t n = v.size();
+        out[w] = n % 2 ? v[n / 2] : (v[n / 2 - 1] + v[n / 2]) / 2;
+    }
+    return out;
+}
+
+static std::string cost_cache_dir() {
+    const char * x = getenv("XDG_CACHE_HOME");
+    const char * h = getenv("HOME");
+    if (x && *x) return std::string(x) + "/clover/cost";
+    return h && *h ? std::string(h) + "/.cache/clover/cost" : std::string();
+}
+
+static std::string file_identity(const std::string & path) {  // path, size and modification time
+    struct stat st{};
+    if (path.empty() || stat(path.c_str(), &st) != 0) return path;
+    return path + ":" + std::to_string((long long) st.st_size) + ":" + std::to_string((long long) st.st_mtime);
+}
+
+// The cost table of a request's mode: given, from this process, from the cache file (the same
+// mode, widths, model and drafter files, binary, CPU, threads, compute switches and expert sharing),
+// or measured now and cached.
+static StepCosts & step_costs(Model & m, const Params & p, const std::vector<int> & widths) {
+    AutoWidth & aw = auto_width();
+    std::string key = p.mode + " widths";
+    for (int w : widths) key += " " + std::to_string(w);
+    key += " share " + std::to_string(m.share_budget) + (m.share_max ? " max" : " sum") + " | " + aw.identity;
+    StepCosts & sc = aw.tables[key];
+    if (!sc.seconds.empty()) return sc;
+    if (!aw.given.empty()) {
+        for (int w : widths) {
+            if (!aw.given.count(w)) {
+                std::string all;
+                for (int x : widths) all += (all.empty() ? "" : ", ") + std::to_string(x);
+                throw std::runtime_error("--step-costs: no cost for width " + std::to_string(w) + " (mode " + p.mode + " chooses among " + all + ")");
+            }
+            sc.seconds[w] = aw.given.at(w);
+        }
+        sc.source = "given";
+        return sc;
+    }
+    uint64_t hsh = 1469598103934665603ull;  // FNV-1a of the key: the file's name
+    for (unsigned char ch : key) hsh = (hsh ^ ch) * 1099511628211ull;
+    char name[64];
+    snprintf(name, sizeof name, "/port-%016llx.json", (unsigned long long) hsh);
+    const std::string dir = cost_cache_dir();
+    sc.file = dir.empty() ? "" : dir + name;
+    if (!sc.file.empty()) {
+        std::ifstream in(sc.file);
+        try {
+            if (in) {
+                const json j = json::parse(in);
+                if (j.at("schema") == "clover.port-cost/1" && j.at("key") == key)
+                    for (int w : widths) sc.seconds[w] = j.at("seconds").at(std::to_string(w)).get<double>();
+            }
+        } catch (const std::exception &) {
+            sc.seconds.clear();  // unreadable or another table: measured again
+        }
+        if (!sc.seconds.empty()) sc.source = "cached";
+    }
+    if (sc.seconds.empty()) {
+        const auto t0 = std::chrono::steady_clock::now();
+        sc.seconds = measure_step_costs(m, p, widths);
+        sc.measure_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+        sc.source = "measured";
+        if (!sc.file.empty()) {  // written whole, then renamed; a cache that cannot be written is skipped
+            for (size_t i = 1; i <= dir.size(); i++)
+                if (i == dir.size() || dir[i] == '/') mkdir(dir.substr(0, i).c_str(), 0755);
+            json secs = json::object();
+            for (const auto & [w, s] : sc.seconds) secs[std::to_string(w)] = s;
+            const std::string tmp = sc.file + ".tmp" + std::to_string((long long) getpid());
+            std::ofstream out(tmp);
+            out << json({{"schema", "clover.port-cost/1"}, {"key", key}, {"seconds", secs}}).dump(1) << "\n";
+            out.close();
+            if (!out || rename(tmp.c_str(), sc.file.c_str()) != 0) { remove(tmp.c_str()); sc.file.clear(); }
+        }
+    }
+    if (aw.verbose) {
+        std::string parts;
+        char buf[64];
+        for (const auto & [w, s] : sc.seconds) {
+            snprintf(buf, sizeof buf, "%s%d: %.3f ms", parts.empty() ? "" : ", ", w, 1e3 * s);
+            parts += buf;
+        }
+        if (sc.source == "measured") snprintf(buf, sizeof buf, " in %.2f s", sc.measure_seconds);
+        fprintf(stderr, "[auto] %s step costs (%s%s%s): %s\n", p.mode.c_str(), sc.source.c_str(), sc.source == "measured" ? buf : "",
+                sc.file.empty() ? "" : (", " + sc.file).c_str(), parts.c_str());
+    }
+    return sc;
+}
+
+// The request's policy (block_size "auto" in speculative or dflash).
+static DraftPolicy draft_policy(Model & m, const Params & p) {
+    DraftPolicy pol;
+    pol.widths = auto_widths(m, p.mode);
+    const StepCosts & sc = step_costs(m, p, pol.widths);
+    pol.cost = sc.seconds;
+    if (p.mode == "speculative" && m.hp.block_tpf.count(m.hp.block_size))
+        pol.prior_rate = DraftPolicy::rate_keeping(m.hp.block_tpf.at(m.hp.block_size), m.hp.block_size);
+    json secs = json::object();
+    for (const auto & [w, c] : pol.cost) secs[std::to_string(w)] = c;
+    pol.costs_json = {{"seconds", secs}, {"source", sc.source}, {"measure_seconds", sc.measure_seconds}, {"file", sc.file},
+                      {"prior_rate", pol.prior_rate}};
+    return pol;
+}
+
 // clover.decoding.speculative.SpeculativeEngine for one row (greedy; lossless w.r.t. AR). After a
 // rejection the next forward commits AR's own next token (a draft of one, always kept) while it
 // denoises the block after it, as clover's engine (not a denoise-only forward that commits nothing).
-static void run_speculative(Model & m, const Params & p, const std::vector<int> & prompt, Row & r) {
-    const int V = m.hp.n_vocab, D = p.draft, mask = m.hp.mask_id;
-    std::vector<int> pending = prompt, draft;
+// The fixed draft (a block size or draft_length: every forward drafts p.draft), or with `pol`
+// (block_size "auto") clover's adaptive draft: each forward's width chosen by `pol` (1: the AR step,
+// no denoise block), the draft's tokens past a rejected one riding behind AR's token in the next
+// draft, and a draft's first token (AR's own) emitted when drafted.
+static void run_speculative(Model & m, const Params & p, const std::vector<int> & prompt, Row & r, DraftPolicy * pol) {
+    const int V = m.hp.n_vocab, mask = m.hp.mask_id;
+    const bool adaptive = pol != nullptr;
+    int D = p.draft, kept_draft = 0, rejected_draft = 0;
+    std::vector<int> pending = prompt, draft, old;
     bool has_draft = false;
     std::vector<float> first(V);
-    const std::vector<int> block(D, mask);
     Forward f;
     while (!r.stop_now()) {
+        if (pol) D = pol->choose(kept_draft, rejected_draft, p.max_new - (int) r.tokens.size(), r.forwards, auto_width().verbose);
         const std::vector<int> & src = has_draft ? draft : pending;
         const int Tc = (int) src.size(), Dv = has_draft ? Tc : 0;
         std::vector<int> rows;
@@ -2876,20 +3213,23 @@ static void run_speculative(Model & m, const Params & p, const std::vector<int> 
         else if (Tc) rows.push_back(Tc - 1);
         const int n_commit_rows = (int) rows.size();
         for (int j = 0; j < D - 1; j++) rows.push_back(Tc + j);
-        forward(m, src, block, rows, /*record: per-token GDN states, for a rollback*/ has_draft, f);
+        // a draft of one needs no denoise block (the AR step) nor a rollback (it is always kept)
+        forward(m, src, std::vector<int>(D > 1 ? D : 0, mask), rows, /*record: per-token GDN states, for a rollback*/ Dv > 1, f);
         if (++r.forwards == 1) { r.first_forward_s = m.last_forward_s; r.first_forward_cpu_s = m.last_forward_cpu_s; }
-        int keep = Tc;
+        int keep = Tc, mm = 0;
         bool next_ok = true;
         if (has_draft) {
             std::vector<int> causal(Dv);
             for (int j = 0; j < Dv; j++) causal[j] = argmax_tok(&f.logits[(size_t) j * V], V, p);
-            int mm = 1;
+            mm = 1;
             while (mm < Dv && draft[mm] == causal[mm - 1]) mm++;
             r.accept_lengths.push_back(mm);
             keep = mm;
             std::copy(f.logits.begin() + (size_t) (mm - 1) * V, f.logits.begin() + (size_t) mm * V, first.begin());
+            kept_draft += mm - 1;
+            rejected_draft += mm < Dv;
             next_ok = mm == Dv;  // a draft of one (the resync after a rejection) is always kept
-            row_accept(r, p, std::vector<int>(draft.begin(), draft.begin() + mm));
+            row_accept(r, p, std::vector<int>(draft.begin() + (adaptive ? 1 : 0), draft.begin() + mm));  // adaptive: [0] emitted when drafted
         } else if (Tc) {
             std::copy(f.logits.begin(), f.logits.begin() + V, first.begin());
             pending.clear();
@@ -2897,14 +3237,22 @@ static void run_speculative(Model & m, const Params & p, const std::vector<int> 
         has_draft = false;
         if (keep != Tc) rollback(m, Tc, keep);
         if (r.finished) break;
-        if (next_ok) {
+        old.swap(draft);
+        if (next_ok && D > 1) {
             draft.assign(D, 0);
             draft[0] = argmax_tok(first.data(), V, p);
             for (int j = 0; j < D - 1; j++) draft[j + 1] = argmax_tok(&f.logits[(size_t) (n_commit_rows + j) * V], V, p);
-        } else {  // a rejection: this forward's block followed rejected tokens
+        } else {  // a rejection (this forward's block followed rejected tokens), or no block
             draft.assign(1, argmax_tok(first.data(), V, p));
+            // adaptive: the draft's tokens past the rejected one ride along (denoised from masks, never
+            // from the rejected token: as good a guess of the positions after AR's token)
+            if (adaptive && !next_ok && mm + 1 < Dv) draft.insert(draft.end(), old.begin() + mm + 1, old.end());
         }
         has_draft = true;
+        if (adaptive) {  // the draft's first token is AR's own: emitted now; a row it ends needs no further forward
+            row_accept(r, p, {draft[0]});
+            if (r.finished) break;
+        }
     }
 }
 
@@ -2919,12 +3267,13 @@ static const float DRAFT_CUT = 0.2f;
 // [anchor, drafts] with logits at each position and the tapped features: the longest prefix of drafts
 // equal to the target's tokens is kept plus the target's own next token (the next anchor); the
 // target's K/V and GDN state roll back to the anchor and the kept drafts, whose features are the
-// drafter's next context.
-static void run_dflash(Model & m, const Params & p, const std::vector<int> & prompt, Row & r) {
+// drafter's next context. With `pol` (block_size "auto") each iteration's block (the anchor + drafts)
+// is chosen by `pol`, without the cut.
+static void run_dflash(Model & m, const Params & p, const std::vector<int> & prompt, Row & r, DraftPolicy * pol) {
     const Drafter & d = m.dr;
     const int V = m.hp.n_vocab, F = d.n_features();
-    const int D = p.draft_given ? p.draft : d.block_size - 1;
-    const bool cut = !p.draft_given;
+    int D = p.draft_given ? p.draft : d.block_size - 1, kept_draft = 0, rejected_draft = 0;
+    const bool cut = !p.draft_given && !pol;
     const std::vector<int> widths = d.verify_widths();
     Forward f;
     std::vector<float> ctx, feats, dl, x(V);
@@ -2943,6 +3292,10 @@ static void run_dflash(Model & m, const Params & p, const std::vector<int> & pro
     int anchor = argmax_tok(f.logits.data(), V, p, history(0));
     row_accept(r, p, {anchor});
     while (!r.stop_now()) {
+        if (pol) {
+            D = pol->choose(kept_draft, rejected_draft, p.max_new - (int) r.tokens.size(), r.forwards, auto_width().verbose) - 1;
+            block.assign(D + 1, d.mask_id);
+        }
         block[0] = anchor;
         draft_forward(m, ctx, block, dl);
         r.draft_forwards++;
@@ -2978,6 +3331,8 @@ static void run_dflash(Model & m, const Params & p, const std::vector<int> & pro
             if (j == (int) draft.size() || tok != draft[j]) break;
         }
         r.accept_lengths.push_back((int) add.size());
+        kept_draft += (int) add.size() - 1;
+        rejected_draft += (int) add.size() - 1 < (int) draft.size();
         row_accept(r, p, add);
         const int kept = (int) add.size();  // the anchor and the kept drafts stay in the cache
         if (kept != (int) src.size()) rollback(m, (int) src.size(), kept);
@@ -3032,19 +3387,22 @@ static json run_request(Model & m, const json & defaults, const json & req, cons
             if (now.size() > emitted.size()) emitted = now;
             emit(ev);
         };
+    m.share_budget = p.mode == "ar" ? 0 : std::max(0, p.expert_budget);
+    m.share_max = p.expert_rank == "max";
+    const bool auto_draft = p.auto_width && (p.mode == "speculative" || p.mode == "dflash");  // never a batched row
+    DraftPolicy pol;
+    if (auto_draft && p.max_new > 0) pol = draft_policy(m, p);  // may measure the step costs (on the cache, before the request's)
     const int n_ctx = (int) prompt.size() + p.max_new + 2 * std::max({p.block, p.draft, p.mode == "dflash" ? m.dr.block_size : 0}) + 1;
     if (tl_seq) seq_start(m, *tl_seq, n_ctx);
     else reset_cache(m, n_ctx);
-    m.share_budget = p.mode == "ar" ? 0 : std::max(0, p.expert_budget);
-    m.share_max = p.expert_rank == "max";
     const auto t0 = std::chrono::steady_clock::now();
     timespec c0{}, c1{};
     clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &c0);
     if (p.max_new > 0) {
         if (p.mode == "ar") run_ar(m, p, prompt, r);
         else if (p.mode == "diffusion") run_diffusion(m, p, prompt, r);
-        else if (p.mode == "dflash") run_dflash(m, p, prompt, r);
-        else run_speculative(m, p, prompt, r);
+        else if (p.mode == "dflash") run_dflash(m, p, prompt, r, auto_draft ? &pol : nullptr);
+        else run_speculative(m, p, prompt, r, auto_draft ? &pol : nullptr);
     } else {
         r.finish = "length";
     }
@@ -3065,6 +3423,11 @@ static json run_request(Model & m, const json & defaults, const json & req, cons
         out["draft_cpu_seconds"] = m.dr.cpu_s;
     }
     if (tl_seq) out["batch_rows"] = tl_seq->forwards ? (double) tl_seq->rows / tl_seq->forwards : 0.0;  // rows per forward it took part in
+    if (auto_draft && p.max_new > 0) {  // block_size "auto": the widths chosen, why, and the cost table
+        out["width_choices"] = pol.choices;
+        out["width_why"] = pol.why;
+        out["step_costs"] = pol.costs_json;
+    }
     if (req.contains("id")) out["id"] = req["id"];
     if (!(req.contains("prompt") && req["prompt"].is_array())) out["prompt_ids"] = prompt;  // the port tokenized it
     return out;
@@ -3140,7 +3503,9 @@ static void usage() {
         "          its text streamed to stdout) | --chat (stdin lines: user turns, the GGUF's chat template)\n"
         "          | --json (stdin lines: JSON requests {prompt|messages, options...}; events out)\n"
         "  length: -n N, --ignore-eos, --eos IDS, --stop-ids IDS, --stop STR (repeatable)\n"
-        "  block:  --block B, --draft D, --sub-block S, --expert-budget M, --expert-rank sum|max\n"
+        "  block:  --block B|auto, --draft D, --sub-block S, --expert-budget M, --expert-rank sum|max\n"
+        "          (auto: speculative and dflash choose each draft's width from the step costs, measured at the\n"
+        "          first such request and cached, or --step-costs W:SECONDS,...; --verbose says why)\n"
         "  accept: --threshold X, --policy threshold|entropy|factor|hierarchy, --entropy-budget X,\n"
         "          --factor X, --low-threshold X, --fallback confident|leftmost, --confidence prob|margin|entropy\n"
         "  sample: --temperature T, --top-p P, --top-k K, --seed S, --repetition-penalty X,\n"
@@ -3169,12 +3534,22 @@ int main(int argc, char ** argv) {
     for (int i = 2; i < argc; i++) {
         std::string a = argv[i];
         auto next = [&]() -> std::string { if (i + 1 >= argc) usage(); return argv[++i]; };
-        auto num = [&]() { return json::parse(next()); };
+        auto value = [&](const std::string & v) {  // a number (or JSON); a bad one stops the port in one line
+            try {
+                return json::parse(v);
+            } catch (const json::exception &) {
+                die(a + (a == "--block" ? ": a number or auto" : ": a number") + " expected, got '" + v + "'");
+            }
+            return json();
+        };
+        auto num = [&]() { return value(next()); };
         if (a == "--mode") mode = next();
         else if (a == "--sidecar") sidecar = next();
         else if (a == "--drafter") drafter = next();
         else if (a == "-n" || a == "--max-new-tokens") defaults["max_new_tokens"] = num();
-        else if (a == "--block") defaults["block_size"] = num();
+        else if (a == "--block") { const std::string v = next(); defaults["block_size"] = v == "auto" ? json(v) : value(v); }
+        else if (a == "--step-costs") auto_width().given = parse_step_costs(next());
+        else if (a == "--verbose" || a == "-v") auto_width().verbose = true;
         else if (a == "--draft") defaults["draft_length"] = num();
         else if (a == "--sub-block") defaults["sub_block"] = num();
         else if (a == "--expert-budget") defaults["expert_budget"] = num();
@@ -3247,6 +3622,15 @@ int main(int argc, char ** argv) {
     if (m.wide) pack_model(m);
     m.kv_type = kv == "f16" ? GGML_TYPE_F16 : GGML_TYPE_F32;
     m.exact_verify = verify == "exact";
+    {  // what a measured step-cost table depends on besides the mode (block_size "auto": its cache key)
+        std::string cpu;
+        std::ifstream ci("/proc/cpuinfo");
+        for (std::string l; std::getline(ci, l);)
+            if (l.rfind("model name", 0) == 0) { cpu = l.substr(l.find(':') + 1); break; }
+        auto_width().identity = file_identity(model_path) + " " + file_identity(sidecar) + " " + file_identity(drafter) + " " +
+                                file_identity("/proc/self/exe") + " |" + cpu + " | threads " + std::to_string(threads) + " moe " + moe +
+                                " attn " + attn + " kv " + kv + " verify " + verify + " gdn " + gdn + " matmul " + matmul;
+    }
     load_vocab(m, model_path);
     if (mode != "forward" && mode != "check-matmul") {
         try {

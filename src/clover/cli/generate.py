@@ -65,6 +65,11 @@ def generation_record(llm, gen, mode: str, block_size: int | None, threshold: fl
     }
 
 
+def draft_widths(width_why: list[str]) -> str:
+    """The draft width of each block_size="auto" decision ("forward N: draft width W ..."; 1: AR's step)."""
+    return " → ".join(line.split(" width ", 1)[1].split(" ", 1)[0] for line in width_why)
+
+
 def grammar_spec(args: argparse.Namespace):
     """The --json-schema / --grammar file as a GrammarSpec (None without either)."""
     if args.json_schema and args.grammar:
@@ -121,6 +126,10 @@ def run(args: argparse.Namespace) -> int:
             sys.stdout.write(rec["text"][len(streamed):] + ("" if rec["text"].endswith("\n") else "\n"))
             s = rec["stats"]
             stderr(f"[{mode.name} · llama.cpp] " + viz.stats_line(s["tokens"], s["forwards"], s["seconds"], rec["finish_reason"]))
+            if s.get("width_why"):  # block_size="auto": the draft widths chosen (every decision with --verbose)
+                stderr(f"[{mode.name} · llama.cpp] block_size auto: draft widths {draft_widths(s['width_why'])}")
+                for line in s["width_why"] if args.verbose else []:
+                    stderr(f"  {line}")
         return 0
 
     if args.json:
@@ -166,8 +175,7 @@ def run(args: argparse.Namespace) -> int:
             widths = ", ".join(f"{w}×{s.block_widths.count(w)}" for w in sorted(set(s.block_widths)))
             stderr(f"[{mode.name}] block_size auto: blocks of {widths}")
         else:  # speculative: the draft width of each decision (1: AR's step)
-            chosen = " → ".join(line.split(" width ", 1)[1].split(" ", 1)[0] for line in s.width_why)
-            stderr(f"[{mode.name}] block_size auto: draft widths {chosen}")
+            stderr(f"[{mode.name}] block_size auto: draft widths {draft_widths(s.width_why)}")
         if args.verbose:
             for line in s.width_why:
                 stderr(f"  {line}")

@@ -31,6 +31,7 @@ from ..paths import user_cache
 from ..serve.defaults import MAX_BATCH as MAX_PARALLEL  # the server's batch: the rows the port decodes together
 
 MODES = ("ar", "diffusion", "speculative", "dflash")
+AUTO_MODES = ("speculative", "dflash")  # block_size="auto": the port chooses each draft's width (clover's DraftPolicy)
 OTHER_MODES = {  # clover's other modes: why the port does not run them
     "naive": "naive is diffusion without the cache (the uncached baseline); the port always caches: use mode diffusion (the same tokens)",
 }
@@ -95,8 +96,9 @@ def port_options(mode: str, params, *, drafter=None) -> dict:
     if mode in ("speculative", "dflash") and params.temperature != 0:
         raise ValueError(f"temperature: sampled {mode} decoding (the rejection rule) is not in the llama.cpp port; "
                          "use temperature 0, or mode ar or diffusion to sample")
-    if params.block_size == "auto":
-        raise ValueError("block_size: 'auto' (a width chosen per block) is not in the llama.cpp port; give a number")
+    if params.block_size == "auto" and mode not in AUTO_MODES:  # speculative and dflash: the port chooses each draft's width
+        raise ValueError(f"block_size: 'auto' in mode {mode} (a width chosen per block) is not in the llama.cpp port; "
+                         f"give a number, or use auto with mode {' or '.join(AUTO_MODES)}")
     out = {"mode": mode}
     out.update({k: getattr(params, k) for k in OPTIONS if k in known})
     if out.get("logit_bias"):
@@ -281,7 +283,7 @@ def generate(llm, prompt, mode: str, kwargs: dict, *, gguf: str | os.PathLike | 
                     streamed += ev["text"]
                 r = ev
     stats = {k: r[k] for k in ("forwards", "tokens_per_forward", "seconds", "tokens_per_second", "block_steps",
-                               "forced_steps", "accept_lengths", "draft_forwards")}
+                               "forced_steps", "accept_lengths", "draft_forwards", "width_why", "step_costs") if k in r}
     stats.update(prompt_tokens=len(ids), tokens=r["n_tokens"])
     return {"text": r["text"], "token_ids": r["tokens"], "finish_reason": r["finish"], "stats": stats, "streamed": streamed}
 
