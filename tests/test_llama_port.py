@@ -830,13 +830,13 @@ def step_costs_arg(costs: dict) -> list[str]:
     return ["--step-costs", ",".join(f"{w}:{s!r}" for w, s in costs.items())]
 
 
-def forced_curve(costs: dict):
-    """The cost table as clover's engines read it (`width.CostCurve`: the AR step, the verifies)."""
+def forced_curve(costs: dict, kind: str):
+    """The cost table as clover's engines read it (a `width.CostCurve` of that kind at batch 1)."""
     from clover.decoding.width import CostCurve
 
     curve = CostCurve()
     for w, s in costs.items():
-        curve.add("commit" if w == 1 else "verify", 1, w, s)
+        curve.add(kind, 1, w, s)
     return curve
 
 
@@ -884,10 +884,11 @@ def test_port_auto_matches_clover(port, bundled_f32, drafter_f32, llm, monkeypat
     decides as clover's engine, forward for forward: the same decisions and reasons (width_why), tokens,
     forwards and accept lengths (speculative: clover's adaptive draft)."""
     from clover.decoding import dflash, speculative
+    from clover.decoding.width import STEP_KIND
 
     costs = SPEC_COSTS if mode == "speculative" else DFLASH_COSTS
-    monkeypatch.setattr(speculative, "step_curve", lambda *a, **k: forced_curve(costs))
-    monkeypatch.setattr(dflash, "iteration_curve", lambda *a, **k: forced_curve(costs))
+    monkeypatch.setattr(speculative, "step_curve", lambda *a, **k: forced_curve(costs, STEP_KIND))
+    monkeypatch.setattr(dflash, "iteration_curve", lambda *a, **k: forced_curve(costs, "verify"))
     prompts = task_prompts(llm, 8)
     res = port_run(bundled_f32, prompts, mode, llm, drafter=drafter_f32 if mode == "dflash" else None,
                    extra=step_costs_arg(costs), block_size="auto", ignore_eos=ignore_eos)

@@ -2936,14 +2936,24 @@ struct DraftPolicy {
         }
         return (lo + hi) / 2;
     }
+    // What a row keeps per forward drafting w: expected_tokens per verify; with a `horizon` (>= 0: the
+    // row's forwards before took AR's step) the first forward drafting w keeps only AR's token and the
+    // draft pays from the next one on, so the gain is spread over the `horizon` tokens the row is
+    // expected to have left: h tokens in 1 + (h - 1) / e forwards (DraftPolicy.tokens_per_forward).
+    double tokens_per_forward(int w, double rate, int remaining, double horizon) const {
+        const double e = expected_tokens(w, rate, remaining);
+        if (horizon < 0 || w == 1) return e;
+        const double h = std::max(1.0, std::min(horizon, (double) std::max(remaining, 1)));
+        return h / (1.0 + (h - 1.0) / e);
+    }
     // The width for the next forward of a row that has kept `kept` draft tokens in verifies of which
     // `rejected` rejected one, with `remaining` tokens left; `forward`: the forwards so far.
-    int choose(int kept, int rejected, int remaining, int forward, bool verbose) {
+    int choose(int kept, int rejected, int remaining, int forward, bool verbose, double horizon = -1) {
         const double a = acceptance(kept, rejected);
         std::map<int, double> expected;
         int best = widths[0];
         for (int w : widths) {
-            expected[w] = expected_tokens(w, a, remaining) / cost.at(w);
+            expected[w] = tokens_per_forward(w, a, remaining, horizon) / cost.at(w);
             if (expected[w] > expected[best]) best = w;
         }
         if (choices.empty() || choices.back()["width"].get<int>() != best) {
@@ -3205,7 +3215,11 @@ static void run_speculative(Model & m, const Params & p, const std::vector<int> 
     std::vector<float> first(V);
     Forward f;
     while (!r.stop_now()) {
-        if (pol) D = pol->choose(kept_draft, rejected_draft, p.max_new - (int) r.tokens.size(), r.forwards, auto_width().verbose);
+        if (pol) {  // after AR's step, a row whose draft is AR's token alone starts drafting only where that pays
+            const bool starting = r.forwards > 0 && D == 1 && has_draft && draft.size() <= 1;  // (speculative.choose_draft)
+            D = pol->choose(kept_draft, rejected_draft, p.max_new - (int) r.tokens.size(), r.forwards, auto_width().verbose,
+                            starting ? std::max<double>(1, r.tokens.size()) : -1);
+        }
         const std::vector<int> & src = has_draft ? draft : pending;
         const int Tc = (int) src.size(), Dv = has_draft ? Tc : 0;
         std::vector<int> rows;
