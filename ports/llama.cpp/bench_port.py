@@ -13,7 +13,9 @@ One thread, the same held-out task prompts (as token ids) everywhere, `--rounds`
   0.95: block 32 with the threshold rule and the entropy rule, blocks 16 and 8 with the threshold rule),
   speculative (draft 32, 8, 6, 4, 3; drafts 6 and 3 also with expert budget 2), dflash (the DFlash
   drafter `--drafter DIR`, by default the bundled model's, exported in the row's dtype or in q8_0:
-  its default confidence cut; `--verify batched`; fixed drafts of 3 and 7), and denoise forwards
+  its default confidence cut; `--verify batched`; fixed drafts of 3 and 7), block_size "auto" in
+  speculative and dflash (the step costs measured in the first round, cached for the later ones; a
+  comment line after the table gives them and the decisions per width), and denoise forwards
   of width 8 and 32 (threshold 1.5: one token per forward, the block never ended early: the cost of
   a denoise forward of that width, a block's commit in every width-th); its own clock over the
   decode loop with the first (prefill) forward taken out, as stock's.
@@ -48,6 +50,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -192,8 +195,14 @@ CONFIGS = {
     "dflash, draft 7": ["--mode", "dflash", "--draft", "7", "--ignore-eos"],
     "dflash, draft 3, q8_0 drafter": ["--mode", "dflash", "--draft", "3", "--ignore-eos"],
     "dflash, q8_0 drafter": ["--mode", "dflash", "--ignore-eos"],
+    # block_size "auto": each draft's width chosen from the row's acceptance over the step costs the port
+    # measures at its first such request (in the first round; cached for the next)
+    "speculative, auto": ["--mode", "speculative", "--block", "auto", "--ignore-eos"],
+    "dflash, auto": ["--mode", "dflash", "--block", "auto", "--ignore-eos"],
+    "dflash, auto, q8_0 drafter": ["--mode", "dflash", "--block", "auto", "--ignore-eos"],
 }
-DRAFTER_DTYPE = {"dflash, draft 3, q8_0 drafter": "q8_0", "dflash, q8_0 drafter": "q8_0"}  # else the row's dtype
+DRAFTER_DTYPE = {"dflash, draft 3, q8_0 drafter": "q8_0", "dflash, q8_0 drafter": "q8_0",
+                 "dflash, auto, q8_0 drafter": "q8_0"}  # else the row's dtype
 
 
 def main() -> int:
@@ -244,7 +253,7 @@ def main() -> int:
                     if "dflash" in configs[name] and dt not in drafters:
                         drafters[dt] = Path(tmp) / f"drafter-{dtype}-{dt}.gguf"
                         export_gguf(drafter, drafters[dt], dtype=dt, progress=False)
-            stock, rows = [], {name: [] for name in configs}
+            stock, rows, autos = [], {name: [] for name in configs}, {}
             for _ in range(a.rounds):
                 stock.append(probe_tokens_per_s(probe, gguf, prompts, a.n, eos, a.clock))
                 for name, args in configs.items():
@@ -255,6 +264,8 @@ def main() -> int:
                     sec = sum(port_seconds(r, a.clock) for r in res)
                     # per forward: the timed ones (each prompt's first, prefill forward is not timed)
                     rows[name].append((tok / sec, tok, fwd, [r["tokens"] for r in res], sec / (fwd - len(res))))
+                    if "width_choices" in res[0]:  # block_size "auto": its step costs and decisions
+                        autos.setdefault(name, []).append(res)
             s = statistics.median(stock)
             bench = llama_bench_tokens_per_s(gguf, a.n)
             print(f"| {dtype} | stock llama.cpp AR (probe) | {len(prompts) * a.n} | {len(prompts) * a.n} | 1.00 | {1e3 / s:.3f} | 1.00 | {s:.1f} | 1.00 |")
@@ -272,6 +283,12 @@ def main() -> int:
                     base = rows["ar"][0][3]  # a lossless mode: its tokens against the port's AR greedy
                     same = f" (tokens = port AR: {sum(x == y for x, y in zip(base, vals[0][3]))}/{len(base)})"
                 print(f"| {dtype} | port {name}{same} | {tok} | {fwd} | {tok / fwd:.2f} | {ms:.3f} | {ms * s / 1e3:.2f} | {tps:.1f} | {tps / s:.2f} |")
+            for name, runs in autos.items():  # the first round measured the step costs, the later ones read them
+                costs = runs[0][0]["step_costs"]
+                table = ", ".join(f"{w}: {1e3 * c:.3f}" for w, c in sorted(costs["seconds"].items(), key=lambda x: int(x[0])))
+                chosen = Counter(c["width"] for r in runs[0] for c in r["width_choices"])
+                print(f"<!-- {dtype} {name}: step costs ms ({table}) {costs['source']} in {costs['measure_seconds']:.2f} s, "
+                      f"then {runs[-1][0]['step_costs']['source']}; decisions per width {dict(sorted(chosen.items()))} -->")
             sys.stdout.flush()
     return 0
 
