@@ -378,7 +378,7 @@ def _cpu_compute_dtype(path: Path, config) -> torch.dtype | None:
 
 def load(path: str | os.PathLike | None = None, *, dtype: str | torch.dtype | None = None, device: str | None = None,
          check_finite: bool | None = None, compile: bool | str = False, drafter: str | os.PathLike | None | bool = None,
-         compile_batch: int = 1, calibrate: bool = False) -> LLM:
+         compile_batch: int = 1, calibrate: bool = False, pack: bool | None = None) -> LLM:
     """Load a model directory (config.json + safetensors + tokenizer). None = `default_model_path()`.
 
     `device` is checked first (`check_device`); a missing directory is a FileNotFoundError.
@@ -396,7 +396,11 @@ def load(path: str | os.PathLike | None = None, *, dtype: str | torch.dtype | No
     sizes in powers of two up to `compile_batch` are read from the user cache, or measured here with
     a progress bar and cached (`clover.decoding.speculative.measure_step_curves`: seconds, once per
     model shape, dtype and machine), so that no request waits on them; without it a request meets
-    that measurement at the first batch size nothing cached covers."""
+    that measurement at the first batch size nothing cached covers.
+    `pack` (None: on a CPU, float32, not compiled, where the copies fit in half the available memory)
+    keeps a second copy of the large weights in oneDNN's layout for forwards of several positions
+    (`clover.kernels.packed`: a denoise, block or verify forward in ~1.3-1.5x a GEMV's time instead of
+    ~3x; the AR step keeps the plain weights)."""
     check_device(device)
     path = model_path(path) if path is not None else default_model_path()
     if not path.exists():
@@ -410,6 +414,14 @@ def load(path: str | os.PathLike | None = None, *, dtype: str | torch.dtype | No
         elif config is not None:
             dtype = _cpu_compute_dtype(path, config)
     model = load_model(path, dtype=dtype, device=device, check_finite=check_finite, config=config)
+    if pack is None:
+        from .kernels.packed import fits
+
+        pack = not compile and fits(model)
+    if pack:
+        from .kernels.packed import pack_model
+
+        pack_model(model)
     if drafter is None and bundled and (BUNDLED_DRAFTER / "config.json").is_file():
         drafter = BUNDLED_DRAFTER
     draft_model = None

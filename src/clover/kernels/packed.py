@@ -1,0 +1,127 @@
+"""Float32 matmuls of a few rows on a CPU, through oneDNN with the weight packed once.
+
+`F.linear` of M = 2…64 rows (a denoise block, a block commit, a verify, a prompt) on a CPU runs
+MKL's sgemm with a transposed weight, which repacks the whole weight on every call: at 0.7B's
+8192 × 2048 projection, cold in memory, 8 rows cost 13.7 ms against 4.4 ms for one (3.1×). oneDNN
+with the weight reordered once into its blocked layout costs 5.9 ms (1.33×; 4.8 ms at 4 rows, 7.5 ms
+at 16; docs/benchmarks.md "Small-M matmuls"). One row (an AR step's GEMV) stays on `F.linear`:
+oneDNN is slower there. The price is a second copy of every packed weight, kept beside the plain one.
+
+`pack_model` packs a model's linear layers (`PackedLinear`) and routed experts (`Experts.packs`); a
+pack is used only at inference (no autograd, not while compiling), on a CPU, for float32 activations,
+and only while its weight is the one it was packed from (same storage, same version: an in-place
+update, `load_state_dict` or `.to()` makes the layer fall back to `F.linear` until packed again).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+PACK_ROWS = 8  # the row count oneDNN is told to expect when it lays the weight out (a width-8 block)
+MIN_BYTES = 2 << 20  # smaller matrices stay plain: MKL's repack of a weight that fits in a core's L2 is cheap
+
+
+def available() -> bool:
+    """Whether this torch has oneDNN's linear with a prepacked weight (a CPU build with mkldnn)."""
+    return (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+            and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+
+
+def _version(t: torch.Tensor) -> int:
+    return -1 if t.is_inference() else t._version  # an inference tensor has no version (nor in-place updates outside inference)
+
+
+class Pack:
+    """A weight [N, K] in oneDNN's blocked layout (`source`, or its `index`-th matrix), with what it
+    was packed from, to notice a change of `source`."""
+
+    __slots__ = ("packed", "ptr", "version")
+
+    def __init__(self, source: torch.Tensor, index: int | None = None) -> None:
+        w = source.detach() if index is None else source.detach()[index]
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), PACK_ROWS)
+        self.ptr, self.version = source.data_ptr(), _version(source)
+
+    def fresh(self, source: torch.Tensor) -> bool:
+        return source.data_ptr() == self.ptr and _version(source) == self.version and source.dtype == torch.float32
+
+
+def usable(x: torch.Tensor) -> bool:
+    """Whether a pack may serve activations `x` now: a float32 CPU tensor of more than one row, at
+    inference, outside a compiled graph."""
+    return (x.dtype == torch.float32 and x.device.type == "cpu" and x.numel() > x.shape[-1]
+            and not torch.is_grad_enabled() and not torch.compiler.is_compiling())
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, pack: Pack | None, bias: torch.Tensor | None = None,
+           source: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear(x, weight, bias)`, through `pack` where it applies (`usable`, and the pack still
+    matches `source`: the tensor it was packed from, `weight` itself unless given)."""
+    if pack is None or not usable(x) or not pack.fresh(weight if source is None else source):
+        return F.linear(x, weight, bias)
+    y = _packed_mm(x.reshape(-1, x.shape[-1]).contiguous(), pack, bias)
+    return y.view(*x.shape[:-1], y.shape[-1])
+
+
+def _packed_mm(x: torch.Tensor, pack: Pack, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [M, K] @ the packed weightᵀ (+ bias): oneDNN's linear."""
+    return torch.ops.mkldnn._linear_pointwise(x, pack.packed, bias, "none", [], "")
+
+
+class PackedLinear(nn.Linear):
+    """An `nn.Linear` with its weight also packed for oneDNN (`pack_model` turns a layer into one in
+    place; its parameters and state dict are the plain layer's)."""
+
+    pack: Pack | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.pack, self.bias)
+
+
+def _packable(t: torch.Tensor, matrix_bytes: int) -> bool:
+    return (type(t) in (torch.Tensor, nn.Parameter) and t.dtype == torch.float32 and t.device.type == "cpu"
+            and matrix_bytes >= MIN_BYTES)
+
+
+def _targets(model: nn.Module):
+    """(module, bytes) for each layer `pack_model` packs: plain float32 CPU linear layers, and routed
+    experts (`Experts`) with plain float32 CPU weights, whose matrices take at least `MIN_BYTES` each."""
+    from ..models.layers import Experts
+
+    for mod in model.modules():
+        if type(mod) in (nn.Linear, PackedLinear) and _packable(mod.weight, mod.weight.numel() * 4):
+            yield mod, mod.weight.numel() * 4
+        elif (isinstance(mod, Experts) and _packable(mod.gate_up_proj, mod.gate_up_proj[0].numel() * 4)
+              and _packable(mod.down_proj, mod.down_proj[0].numel() * 4)):
+            yield mod, (mod.gate_up_proj.numel() + mod.down_proj.numel()) * 4
+
+
+def pack_model(model: nn.Module) -> int:
+    """Pack `model`'s linear layers and routed experts (`_targets`) in place; the bytes the packs take
+    (0 where oneDNN is missing)."""
+    if not available():
+        return 0
+    total = 0
+    for mod, nbytes in _targets(model):
+        if isinstance(mod, nn.Linear):
+            mod.__class__ = PackedLinear
+            mod.pack = Pack(mod.weight)
+        else:
+            mod.packs = [(Pack(mod.gate_up_proj, e), Pack(mod.down_proj, e)) for e in range(mod.num_experts)]
+        total += nbytes
+    return total
+
+
+def fits(model: nn.Module) -> bool:
+    """Whether packing `model` is the default: oneDNN present, something to pack, and the packs fit in
+    half the memory available now (the rule `clover.load` applies to a float32 copy)."""
+    need = sum(n for _, n in _targets(model)) if available() else 0
+    try:
+        avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        avail = 0
+    return bool(need and avail and need <= avail // 2)
