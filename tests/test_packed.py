@@ -101,10 +101,13 @@ def test_packed_model_equals_plain_model(which, tiny_dir, count_packed):
 
 
 def test_pack_is_the_default_only_where_it_fits(tiny_dir, monkeypatch):
-    """Nothing large enough to pack in a tiny model: not packed; every layer large enough and memory
-    to spare: packed by default; no memory to spare: not packed."""
-    assert not any(isinstance(mod, packed.PackedLinear) for mod in clover.load(tiny_dir).model.modules())
+    """Nothing large enough to pack in a tiny model (nor in the bundled one): not packed; every layer
+    large enough and memory to spare: packed by default; no memory to spare: not packed."""
+    for path in (tiny_dir, BUNDLED):
+        assert not any(isinstance(mod, packed.PackedLinear) for mod in clover.load(path).model.modules())
     monkeypatch.setattr(packed, "MIN_BYTES", 0)
+    assert not any(isinstance(mod, packed.PackedLinear) for mod in clover.load(tiny_dir).model.modules())
+    monkeypatch.setattr(packed, "MIN_MODEL_BYTES", 0)
     assert any(isinstance(mod, packed.PackedLinear) for mod in clover.load(tiny_dir).model.modules())
     monkeypatch.setattr(packed.os, "sysconf", lambda name: 1)
     assert not any(isinstance(mod, packed.PackedLinear) for mod in clover.load(tiny_dir).model.modules())

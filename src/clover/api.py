@@ -397,8 +397,9 @@ def load(path: str | os.PathLike | None = None, *, dtype: str | torch.dtype | No
     a progress bar and cached (`clover.decoding.speculative.measure_step_curves`: seconds, once per
     model shape, dtype and machine), so that no request waits on them; without it a request meets
     that measurement at the first batch size nothing cached covers.
-    `pack` (None: on a CPU, float32, not compiled, where the copies fit in half the available memory)
-    keeps a second copy of the large weights in oneDNN's layout for forwards of several positions
+    `pack` (None: on a CPU, float32, not compiled, with at least 256 MiB of large weights, where the
+    copies fit in half the available memory; not the bundled model) keeps a second copy of the large
+    weights in oneDNN's layout for forwards of several positions
     (`clover.kernels.packed`: a denoise, block or verify forward in ~1.3-1.5x a GEMV's time instead of
     ~3x; the AR step keeps the plain weights)."""
     check_device(device)

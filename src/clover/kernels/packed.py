@@ -23,6 +23,7 @@ from torch import nn
 
 PACK_ROWS = 8  # the row count oneDNN is told to expect when it lays the weight out (a width-8 block)
 MIN_BYTES = 2 << 20  # smaller matrices stay plain: MKL's repack of a weight that fits in a core's L2 is cheap
+MIN_MODEL_BYTES = 256 << 20  # the default packs a model whose large weights stream from memory each forward
 
 
 def available() -> bool:
@@ -117,11 +118,13 @@ def pack_model(model: nn.Module) -> int:
 
 
 def fits(model: nn.Module) -> bool:
-    """Whether packing `model` is the default: oneDNN present, something to pack, and the packs fit in
-    half the memory available now (the rule `clover.load` applies to a float32 copy)."""
+    """Whether packing `model` is the default: oneDNN present, at least `MIN_MODEL_BYTES` to pack (a
+    small model's weights stay in cache, where the plain path costs little more; the bundled model
+    is not packed), and the packs fit in half the memory available now (the rule `clover.load`
+    applies to a float32 copy)."""
     need = sum(n for _, n in _targets(model)) if available() else 0
     try:
         avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError, AttributeError):
         avail = 0
-    return bool(need and avail and need <= avail // 2)
+    return bool(need >= max(MIN_MODEL_BYTES, 1) and avail and need <= avail // 2)
