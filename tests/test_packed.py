@@ -32,27 +32,28 @@ def test_packed_linear_equals_f_linear_and_falls_back_where_it_must(count_packed
         lin.bias.copy_(torch.randn(80, generator=g))
     assert packed.pack_model(lin) == 48 * 80 * 4 and isinstance(lin, packed.PackedLinear)
     with torch.inference_mode():
-        for rows in (2, 8, 33):
+        for rows in (2, 8, 32):
             x = torch.randn(1, rows, 48, generator=g)
             torch.testing.assert_close(lin(x), F.linear(x, lin.weight, lin.bias), atol=1e-5, rtol=1e-5)
-        assert count_packed == [2, 8, 33]
+        assert count_packed == [2, 8, 32]
         lin(torch.randn(1, 48, generator=g))  # one row: the plain GEMV
+        lin(torch.randn(packed.MAX_ROWS + 1, 48, generator=g))  # many rows: MKL's GEMM
     with torch.enable_grad():
         lin(torch.randn(4, 48, generator=g))  # autograd: plain
-    assert count_packed == [2, 8, 33]
+    assert count_packed == [2, 8, 32]
     with torch.no_grad():
         lin.weight.mul_(2.0)  # an in-place update: the pack is stale, the layer falls back
     x = torch.randn(4, 48, generator=g)
     with torch.inference_mode():
         torch.testing.assert_close(lin(x), F.linear(x, lin.weight, lin.bias))
-    assert count_packed == [2, 8, 33]
+    assert count_packed == [2, 8, 32]
     packed.pack_model(lin)  # packed again: the new weight
     with torch.inference_mode():
         torch.testing.assert_close(lin(x), F.linear(x, lin.weight, lin.bias), atol=1e-5, rtol=1e-5)
-    assert count_packed == [2, 8, 33, 4]
+    assert count_packed == [2, 8, 32, 4]
 
 
-@pytest.mark.parametrize("N,k", [(1, 2), (5, 2), (33, 4)])
+@pytest.mark.parametrize("N,k", [(1, 2), (5, 2), (33, 4), (80, 8)])
 def test_packed_experts_equal_reference(N, k, count_packed):
     ex = Experts(16, 24, 12)
     g = torch.Generator().manual_seed(N)
@@ -67,7 +68,7 @@ def test_packed_experts_equal_reference(N, k, count_packed):
         out = grouped_expert_forward(ex, x, idx, w)
         torch.testing.assert_close(out, reference_expert_forward(ex, x, idx, w), atol=1e-5, rtol=1e-5)
     rows = torch.bincount(idx.reshape(-1), minlength=16)
-    assert sorted(count_packed) == sorted(2 * [int(r) for r in rows if r >= 2])  # each expert of 2+ rows: two packed matmuls
+    assert sorted(count_packed) == sorted(2 * [int(r) for r in rows if 2 <= r <= packed.MAX_ROWS])  # two packed matmuls each
 
 
 def _step_outputs(llm):

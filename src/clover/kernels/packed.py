@@ -1,11 +1,12 @@
 """Float32 matmuls of a few rows on a CPU, through oneDNN with the weight packed once.
 
-`F.linear` of M = 2…64 rows (a denoise block, a block commit, a verify, a prompt) on a CPU runs
-MKL's sgemm with a transposed weight, which repacks the whole weight on every call: at 0.7B's
-8192 × 2048 projection, cold in memory, 8 rows cost 13.7 ms against 4.4 ms for one (3.1×). oneDNN
-with the weight reordered once into its blocked layout costs 5.9 ms (1.33×; 4.8 ms at 4 rows, 7.5 ms
-at 16; docs/benchmarks.md "Small-M matmuls"). One row (an AR step's GEMV) stays on `F.linear`:
-oneDNN is slower there. The price is a second copy of every packed weight, kept beside the plain one.
+`F.linear` of M = 2…32 rows (a denoise block, a block commit, a verify) on a CPU runs MKL's sgemm
+with a transposed weight, which repacks the whole weight on every call: at 0.7B's 8192 × 2048
+projection, cold in memory, 8 rows cost 13.7 ms against 4.4 ms for one (3.1×). oneDNN with the
+weight reordered once into its blocked layout costs 5.9 ms (1.33×; 4.8 ms at 4 rows, 7.5 ms at 16;
+docs/benchmarks.md "Block expert sharing at 0.7B"). One row (an AR step's GEMV) stays on
+`F.linear`, where oneDNN is slower, and so do more than `MAX_ROWS` rows. The price is a second copy
+of every packed weight, kept beside the plain one.
 
 `pack_model` packs a model's linear layers (`PackedLinear`) and routed experts (`Experts.packs`); a
 pack is used only at inference (no autograd, not while compiling), on a CPU, for float32 activations,
@@ -22,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 PACK_ROWS = 8  # the row count oneDNN is told to expect when it lays the weight out (a width-8 block)
+MAX_ROWS = 32  # above this MKL's own GEMM amortises its repack (a 64-token prompt): plain again
 MIN_BYTES = 2 << 20  # smaller matrices stay plain: MKL's repack of a weight that fits in a core's L2 is cheap
 MIN_MODEL_BYTES = 256 << 20  # the default packs a model whose large weights stream from memory each forward
 
@@ -52,9 +54,10 @@ class Pack:
 
 
 def usable(x: torch.Tensor) -> bool:
-    """Whether a pack may serve activations `x` now: a float32 CPU tensor of more than one row, at
+    """Whether a pack may serve activations `x` now: a float32 CPU tensor of 2…`MAX_ROWS` rows, at
     inference, outside a compiled graph."""
-    return (x.dtype == torch.float32 and x.device.type == "cpu" and x.numel() > x.shape[-1]
+    return (x.dtype == torch.float32 and x.device.type == "cpu"
+            and x.shape[-1] < x.numel() <= MAX_ROWS * x.shape[-1]
             and not torch.is_grad_enabled() and not torch.compiler.is_compiling())
 
 
