@@ -32,9 +32,9 @@ width 8;denoise, width 32"`).
 `--batch 1,4,8,16` times rows in one forward instead (docs/llama-port.md, "Rows in one forward"): per
 batch size B, every prompt through one port process with `--parallel B` (B rows in flight, a row
 joining as one leaves), the aggregate generated tokens over the process's CPU seconds less those of
-the same command with `-n 0` (start and load), so prefill is included; B = 1 is the port decoding
+the same command with `-n 1` (start, load and the prompts' prefill); B = 1 is the port decoding
 the rows one by one. Stock llama.cpp's own batched decode alongside: `llama-batched-bench -npl B` with
-the prompts' mean length and N tokens per row (its wall clock, prefill included: B·N / (T_PP + T_TG)).
+the prompts' mean length and N tokens per row, B·(N − 1) over the CPU seconds of `-ntg N` less `-ntg 1`.
 The configs default to "ar" and "diffusion, the model's defaults"; each batched row reports its rows
 per forward and whether its tokens equal B = 1's.
 """
@@ -88,36 +88,38 @@ def port_seconds(r: dict, clock: str) -> float:
 
 
 def port_batch_tokens_per_s(gguf: Path, prompts, args: list[str], n: int, eos, parallel: int, port: Path):
-    """(aggregate tokens/s over CPU seconds less a `-n 0` run's, tokens, results) of every prompt
-    through one port process with `--parallel`."""
-    spent, res = [], None
-    for k in (n, 0):
+    """(aggregate tokens/s, tokens, results) of every prompt through one port process with
+    `--parallel`: the tokens and CPU seconds of an `-n N` run less those of an `-n 1` run (start,
+    load and the prompts' prefill)."""
+    spent, res = [], []
+    for k in (n, 1):
         c = child_cpu()
-        out = run(gguf, prompts, [*args, "-n", str(k)], eos_ids=eos, binary=port, parallel=parallel)
+        res.append(run(gguf, prompts, [*args, "-n", str(k)], eos_ids=eos, binary=port, parallel=parallel))
         spent.append(child_cpu() - c)
-        res = res or out
-    tok = sum(r["n_tokens"] for r in res)
-    return tok / (spent[0] - spent[1]), tok, res
+    tok = sum(r["n_tokens"] for r in res[0]) - sum(r["n_tokens"] for r in res[1])
+    return tok / (spent[0] - spent[1]), sum(r["n_tokens"] for r in res[0]), res[0]
 
 
-def stock_batched_tokens_per_s(gguf: Path, n_prompt: int, n: int, batches: list[int]) -> dict[int, float]:
-    """llama-batched-bench's aggregate generated tokens/s per batch size (wall clock, prefill included)."""
+def stock_batched_tokens_per_s(gguf: Path, n_prompt: int, n: int, batch: int) -> float | None:
+    """llama-batched-bench's aggregate decode tokens/s at `batch` rows of `n_prompt` + `n` tokens: the
+    `batch` (n - 1) tokens over the CPU seconds of `-ntg n` less those of `-ntg 1` (start, load,
+    prefill, the first step's graph); weight repacking off with CLOVER_PROBE_NO_REPACK=1, as the probe."""
     exe = llama_cache_dir() / "build" / "bin" / "llama-batched-bench"
     if not exe.exists():
-        return {}
-    ctx = max(batches) * (n_prompt + n) + 256
-    r = subprocess.run([str(exe), "-m", str(gguf), "-c", str(ctx), "-b", "2048", "-ub", "512", "-npp", str(n_prompt),
-                        "-ntg", str(n), "-npl", ",".join(map(str, batches)), "-t", "1", "-fa", "on", "--output-format", "jsonl"],
-                       capture_output=True, text=True)
-    if r.returncode != 0:
-        print(f"llama-batched-bench failed ({r.returncode}) on {gguf.name}; rows left out", file=sys.stderr)
-        return {}
-    out = {}
-    for line in r.stdout.splitlines():
-        if line.startswith("{"):
-            j = json.loads(line)
-            out[int(j["pl"])] = j["pl"] * j["tg"] / (j["t_pp"] + j["t_tg"])
-    return out
+        return None
+    spent = []
+    for k in (n, 1):
+        cmd = [str(exe), "-m", str(gguf), "-c", str(batch * (n_prompt + n) + 256), "-b", "2048", "-ub", "512",
+               "-npp", str(n_prompt), "-ntg", str(k), "-npl", str(batch), "-t", "1", "-fa", "on"]
+        if os.environ.get("CLOVER_PROBE_NO_REPACK"):
+            cmd.append("--no-repack")
+        c = child_cpu()
+        r = subprocess.run(cmd, capture_output=True)
+        if r.returncode != 0:
+            print(f"llama-batched-bench failed ({r.returncode}) on {gguf.name}; row left out", file=sys.stderr)
+            return None
+        spent.append(child_cpu() - c)
+    return batch * (n - 1) / (spent[0] - spent[1])
 
 
 def batch_table(a, llm, prompts, eos, port: Path, configs: dict) -> None:
@@ -125,10 +127,10 @@ def batch_table(a, llm, prompts, eos, port: Path, configs: dict) -> None:
 
     batches = [int(b) for b in a.batch.split(",")]
     n_prompt = round(sum(map(len, prompts)) / len(prompts))
-    print(f"clock: cpu (stock: llama-batched-bench's wall clock); {a.rounds} interleaved rounds, the median shown; "
+    print(f"clock: cpu, prefill excluded; {a.rounds} interleaved rounds, the median shown; "
           f"{len(prompts)} prompts (mean {n_prompt} tokens) x {a.n} tokens")
-    print("| dtype | engine | B | tokens | rows per forward | tokens/s | × B = 1 | same tokens as B = 1 |")
-    print("|---|---|---:|---:|---:|---:|---:|---|")
+    print("| dtype | engine | B | tokens | rows per forward | tokens/s | × B = 1 | × stock at B | same tokens as B = 1 |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---|")
     with tempfile.TemporaryDirectory() as tmp:
         for dtype in a.dtypes.split(","):
             gguf = Path(tmp) / f"model-{dtype}.gguf"
@@ -136,16 +138,17 @@ def batch_table(a, llm, prompts, eos, port: Path, configs: dict) -> None:
             stock = {b: [] for b in batches}
             rows = {(name, b): [] for name in configs for b in batches}
             for _ in range(a.rounds):
-                for b, tps in stock_batched_tokens_per_s(gguf, n_prompt, a.n, batches).items():
-                    stock[b].append(tps)
+                for b in batches:
+                    if (tps := stock_batched_tokens_per_s(gguf, n_prompt, a.n, b)) is not None:
+                        stock[b].append(tps)
                 for name, args in configs.items():
                     for b in batches:
                         rows[name, b].append(port_batch_tokens_per_s(gguf, prompts, args, a.n, eos, b, port))
             for b in batches:
-                if stock[b]:
+                if stock[b] and stock[batches[0]]:
                     tps = statistics.median(stock[b])
                     print(f"| {dtype} | stock llama.cpp (llama-batched-bench) | {b} | {b * a.n} | {b} | {tps:.1f} | "
-                          f"{tps / statistics.median(stock[batches[0]]):.2f} | |")
+                          f"{tps / statistics.median(stock[batches[0]]):.2f} | 1.00 | |")
             for name in configs:
                 one = statistics.median(v[0] for v in rows[name, batches[0]])
                 base = [r["tokens"] for r in rows[name, batches[0]][0][2]]
@@ -155,7 +158,8 @@ def batch_table(a, llm, prompts, eos, port: Path, configs: dict) -> None:
                     res = vals[0][2]
                     per = sum(r.get("batch_rows", 1.0) * r["forwards"] for r in res) / sum(r["forwards"] for r in res)
                     same = sum(x["tokens"] == y for x, y in zip(res, base))
-                    print(f"| {dtype} | port {name} | {b} | {vals[0][1]} | {per:.1f} | {tps:.1f} | {tps / one:.2f} | {same}/{len(base)} |")
+                    vs = f"{tps / statistics.median(stock[b]):.2f}" if stock[b] else ""
+                    print(f"| {dtype} | port {name} | {b} | {vals[0][1]} | {per:.1f} | {tps:.1f} | {tps / one:.2f} | {vs} | {same}/{len(base)} |")
             sys.stdout.flush()
 
 
