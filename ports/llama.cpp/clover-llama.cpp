@@ -1646,7 +1646,6 @@ struct Forward {
 // the shape (commit length, block length, logit rows, padded key length, recording, expert sharing)
 // and is built, planned and allocated once.
 struct CachedGraph {
-    std::vector<uint8_t> mem;
     ggml_context * ctx = nullptr;
     ggml_cgraph * gf = nullptr;
     ggml_gallocr_t galloc = nullptr;
@@ -1965,8 +1964,9 @@ static CachedGraph * build_graph(Model & m, int Tc, int Bd, int n_out, int n_kv,
     const int T = Tc + Bd;
     auto * G = new CachedGraph();
     const size_t graph_size = 8192;
-    G->mem.resize(ggml_tensor_overhead() * graph_size + ggml_graph_overhead_custom(graph_size, false));
-    ggml_init_params ip = {G->mem.size(), G->mem.data(), true};
+    // ggml allocates the metadata buffer itself, uninitialised: a zero-filled vector of this size cost
+    // 1.8 ms per graph built (page faults on 3 MB), as much as a batched q8_0 forward's matmuls' tenth
+    ggml_init_params ip = {ggml_tensor_overhead() * graph_size + ggml_graph_overhead_custom(graph_size, false), nullptr, true};
     ggml_context * ctx = G->ctx = ggml_init(ip);
     ggml_cgraph * gf = G->gf = ggml_new_graph_custom(ctx, graph_size, false);
 
@@ -2188,7 +2188,6 @@ static void rollback(Model & m, int committed, int keep) {
 // them); then the final norm and the target's LM head on block positions 1.. (no shift). As the
 // target's graphs, one graph per shape (Tc, Bd, padded key length), its inputs set per draft.
 struct DraftGraph {
-    std::vector<uint8_t> mem;
     ggml_context * ctx = nullptr;
     ggml_cgraph * gf = nullptr;
     ggml_gallocr_t galloc = nullptr;
@@ -2210,8 +2209,9 @@ static DraftGraph * build_draft_graph(Model & m, int Tc, int Bd, int n_kv) {
     const Drafter & d = m.dr;
     auto * G = new DraftGraph();
     const size_t graph_size = 2048;
-    G->mem.resize(ggml_tensor_overhead() * graph_size + ggml_graph_overhead_custom(graph_size, false));
-    ggml_init_params ip = {G->mem.size(), G->mem.data(), true};
+    // ggml allocates the metadata buffer itself, uninitialised: a zero-filled vector of this size cost
+    // 1.8 ms per graph built (page faults on 3 MB), as much as a batched q8_0 forward's matmuls' tenth
+    ggml_init_params ip = {ggml_tensor_overhead() * graph_size + ggml_graph_overhead_custom(graph_size, false), nullptr, true};
     ggml_context * ctx = G->ctx = ggml_init(ip);
     ggml_cgraph * gf = G->gf = ggml_new_graph_custom(ctx, graph_size, false);
     const int hd = d.head_dim, nh = d.n_head, nkv = d.n_head_kv, no = Bd - 1;
