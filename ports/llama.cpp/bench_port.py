@@ -291,8 +291,9 @@ def main() -> int:
                 costs = runs[0][0]["step_costs"]
                 table = ", ".join(f"{w}: {1e3 * c:.3f}" for w, c in sorted(costs["seconds"].items(), key=lambda x: int(x[0])))
                 chosen = Counter(c["width"] for r in runs[0] for c in r["width_choices"])
-                print(f"<!-- {dtype} {name}: step costs ms ({table}) {costs['source']} in {costs['measure_seconds']:.2f} s, "
-                      f"then {runs[-1][0]['step_costs']['source']}; decisions per width {dict(sorted(chosen.items()))} -->")
+                how = f"measured in {costs['measure_seconds']:.2f} s" if costs["source"] == "measured" else costs["source"]
+                print(f"<!-- {dtype} {name}: step costs ms ({table}), {how}, then {runs[-1][0]['step_costs']['source']}; "
+                      f"decisions per width {dict(sorted(chosen.items()))} -->")
             sys.stdout.flush()
     return 0
 
