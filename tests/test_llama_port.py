@@ -823,7 +823,7 @@ def test_serve_engine_llama_cpp_dflash(port, bundled_f32, drafter_f32, llm):
 
 # ------------------------------------------------------------------------------ slow: block_size "auto"
 SPEC_COSTS = {1: 0.0010, 8: 0.0022, 16: 0.0025, 32: 0.0032, 64: 0.0047}  # seconds of a step drafting each width
-DFLASH_COSTS = {2: 0.0019, 4: 0.0026, 8: 0.0044, 16: 0.0079}
+DFLASH_COSTS = {1: 0.004, 2: 0.0019, 4: 0.0026, 8: 0.0044, 16: 0.0079}  # 1: the AR step (a table where it never wins)
 
 
 def step_costs_arg(costs: dict) -> list[str]:
@@ -862,7 +862,7 @@ def test_port_auto_equals_port_ar(port, bundled_f32, llm, tmp_path, cost_cache, 
     res = port_run(target, prompts, mode, llm, drafter=drafter, block_size="auto", ignore_eos=True)
     ar = port_run(target, prompts, "ar", llm, ignore_eos=True)
     assert [r["tokens"] for r in res] == [a["tokens"] for a in ar]
-    widths = {1, 8, 16, 32, 64} if mode == "speculative" else {2, 4, 8, 16}
+    widths = {1, 8, 16, 32, 64} if mode == "speculative" else {1, 2, 4, 8, 16}
     costs = res[0]["step_costs"]
     assert {int(w) for w in costs["seconds"]} == widths and costs["source"] == "measured" and costs["measure_seconds"] > 0
     assert all(r["step_costs"]["seconds"] == costs["seconds"] for r in res)  # measured once per process
@@ -882,9 +882,12 @@ def test_port_auto_equals_port_ar(port, bundled_f32, llm, tmp_path, cost_cache, 
 def test_port_auto_matches_clover(port, bundled_f32, drafter_f32, llm, monkeypatch, mode, ignore_eos):
     """With the same cost table (forced: --step-costs, and clover's calibration replaced by it) the port
     decides as clover's engine, forward for forward: the same decisions and reasons (width_why), tokens,
-    forwards and accept lengths (speculative: clover's adaptive draft)."""
+    forwards and accept lengths (speculative: clover's adaptive draft; dflash: clover's widths with the AR
+    step among them, as the port's)."""
     from clover.decoding import dflash, speculative
     from clover.decoding.width import STEP_KIND
+
+    monkeypatch.setattr(dflash, "AUTO_BLOCKS", (1, *dflash.AUTO_BLOCKS))
 
     costs = SPEC_COSTS if mode == "speculative" else DFLASH_COSTS
     monkeypatch.setattr(speculative, "step_curve", lambda *a, **k: forced_curve(costs, STEP_KIND))
@@ -904,22 +907,27 @@ def test_port_auto_matches_clover(port, bundled_f32, drafter_f32, llm, monkeypat
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode, width", [("speculative", 8), ("dflash", 4)])
+@pytest.mark.parametrize("mode, width", [("speculative", 8), ("dflash", 4), ("dflash", 1)])
 def test_port_auto_one_width_equals_that_width(port, bundled_f32, drafter_f32, llm, mode, width):
     """A cost table under which one width always wins: auto decodes at that width every forward and
-    gives the fixed draft's tokens (dflash: its drafts, forwards and accept lengths too; speculative
-    drafts adaptively, so only the tokens are the fixed draft's, both AR's)."""
+    gives the fixed draft's tokens (dflash: its drafts, forwards and accept lengths too; width 1: AR's
+    forwards, no drafter forward; speculative drafts adaptively, so only the tokens are the fixed
+    draft's, both AR's)."""
     costs = {w: (0.001 if w == width else 1.0) for w in (SPEC_COSTS if mode == "speculative" else DFLASH_COSTS)}
     drafter = drafter_f32 if mode == "dflash" else None
     prompts = task_prompts(llm, PROMPTS)
     auto = port_run(bundled_f32, prompts, mode, llm, drafter=drafter, extra=step_costs_arg(costs), block_size="auto",
                     ignore_eos=True)
-    fixed = port_run(bundled_f32, prompts, mode, llm, drafter=drafter, ignore_eos=True,
-                     **(dict(draft_length=width - 1) if mode == "dflash" else dict(block_size=width)))
+    if width == 1:
+        fixed = port_run(bundled_f32, prompts, "ar", llm, ignore_eos=True)
+        assert all(a["draft_forwards"] == 0 and a["forwards"] == f["forwards"] for a, f in zip(auto, fixed))
+    else:
+        fixed = port_run(bundled_f32, prompts, mode, llm, drafter=drafter, ignore_eos=True,
+                         **(dict(draft_length=width - 1) if mode == "dflash" else dict(block_size=width)))
     for a, f in zip(auto, fixed):
         assert [c["width"] for c in a["width_choices"]] == [width]
         assert a["tokens"] == f["tokens"]
-        if mode == "dflash":
+        if mode == "dflash" and width > 1:
             assert (a["drafts"], a["forwards"], a["accept_lengths"]) == (f["drafts"], f["forwards"], f["accept_lengths"])
 
 
@@ -934,7 +942,7 @@ def test_port_auto_refuses_bad_input(port, bundled_f32, drafter_f32):
         (["--mode", "speculative", "--block", "auto", "--step-costs", "8:abc"], "--step-costs: WIDTH:SECONDS"),
         (["--mode", "speculative", "--block", "auto", "--step-costs", "1:0.001,8:-1"], "--step-costs: WIDTH:SECONDS"),
         (["--mode", "speculative", "--block", "auto", "--step-costs", "8:0.002"], "--step-costs: no cost for width 1 "),
-        (["--mode", "dflash", "--drafter", str(drafter_f32), "--block", "auto", "--step-costs", "2:1,4:1,8:1"],
+        (["--mode", "dflash", "--drafter", str(drafter_f32), "--block", "auto", "--step-costs", "1:1,2:1,4:1,8:1"],
          "--step-costs: no cost for width 16 "),
     ):
         err = port_error(base + args)

@@ -2906,7 +2906,8 @@ static void run_diffusion(Model & m, const Params & p, const std::vector<int> & 
 //     (clover.block_sizes up to 64), the prior the rate at which a draft of the model's block size keeps
 //     the model card's tokens per forward there (clover.block_tokens_per_forward; else 0.5); the draft
 //     is clover's adaptive one (`run_speculative`);
-//   dflash: w = the anchor + drafts, among 2, 4, 8, 16 up to the drafter's block, prior 0.5, no cut.
+//   dflash: w = the anchor + drafts, among 2, 4, 8, 16 up to the drafter's block (clover's), and the AR
+//     step (1: no drafter forward; the tokens' features wait for the next draft), prior 0.5, no cut.
 static const int AUTO_MAX_WIDTH = 64;
 // COST_WARMUP untimed rounds (the graphs built), then COST_ROUNDS timed ones; in each, per width,
 // untimed steps for at least COST_SETTLE_S seconds (after a wider forward the AR step ran up to twice
@@ -3022,14 +3023,14 @@ static std::map<int, double> parse_step_costs(const std::string & s) {
 // The widths a mode chooses among (`DraftPolicy`).
 static std::vector<int> auto_widths(const Model & m, const std::string & mode) {
     std::set<int> w;
-    if (mode == "dflash") {
+    if (mode == "dflash") {  // dflash.AUTO_BLOCKS
         for (int b : {2, 4, 8, 16}) if (b <= m.dr.block_size) w.insert(b);
         w.insert(m.dr.block_size);
-    } else {  // the AR step and width.trained_widths
+    } else {  // width.trained_widths
         for (int b : m.hp.block_sizes) if (b <= AUTO_MAX_WIDTH) w.insert(b);
         if (w.empty()) w.insert(std::min(m.hp.block_size, AUTO_MAX_WIDTH));
-        w.insert(1);
     }
+    w.insert(1);  // and the AR step
     return std::vector<int>(w.begin(), w.end());
 }
 
@@ -3039,7 +3040,7 @@ static std::vector<int> auto_widths(const Model & m, const std::string & mode) {
 // with the next w denoised (2w - 1 logit rows, their argmaxes) rolled back to half its draft, as
 // most verifies end; w = 1 the AR step; dflash a drafter forward of the block [anchor, mask x (w-1)]
 // over w/2 context tokens and the verify of w positions (exact or batched, as --verify) rolled back
-// to half. CPU time at 1 thread (what another process disturbs least), wall time with more.
+// to half, w = 1 the AR step with the drafter's features. CPU time at 1 thread (what another process disturbs least), wall time with more.
 static std::map<int, double> measure_step_costs(Model & m, const Params & p, const std::vector<int> & widths) {
     const bool dflash = p.mode == "dflash";
     const int V = m.hp.n_vocab, PREFIX = 32, F = dflash ? m.dr.n_features() : 0;
@@ -3063,14 +3064,16 @@ static std::map<int, double> measure_step_costs(Model & m, const Params & p, con
                 std::vector<int> rows;
                 const double t0 = clock();
                 if (dflash) {
-                    const int d0 = m.dr.n_past;
-                    std::vector<int> block(w, m.dr.mask_id);
-                    block[0] = src[0];
-                    draft_forward(m, std::vector<float>(ctx.begin(), ctx.begin() + (size_t) (w / 2) * F), block, dl);
-                    for (int j = 0; j < w - 1; j++) argmax_tok(&dl[(size_t) j * V], V, p);
-                    m.dr.n_past = d0;
+                    if (w > 1) {
+                        const int d0 = m.dr.n_past;
+                        std::vector<int> block(w, m.dr.mask_id);
+                        block[0] = src[0];
+                        draft_forward(m, std::vector<float>(ctx.begin(), ctx.begin() + (size_t) (w / 2) * F), block, dl);
+                        for (int j = 0; j < w - 1; j++) argmax_tok(&dl[(size_t) j * V], V, p);
+                        m.dr.n_past = d0;
+                    }
                     for (int j = 0; j < w; j++) rows.push_back(j);
-                    forward(m, src, {}, rows, true, f, &feats, m.exact_verify);
+                    forward(m, src, {}, rows, w > 1, f, &feats, m.exact_verify);
                 } else if (w == 1) {
                     forward(m, src, {}, {0}, false, f);
                     rows = {0};
@@ -3310,9 +3313,11 @@ static void run_dflash(Model & m, const Params & p, const std::vector<int> & pro
             D = pol->choose(kept_draft, rejected_draft, p.max_new - (int) r.tokens.size(), r.forwards, auto_width().verbose) - 1;
             block.assign(D + 1, d.mask_id);
         }
-        block[0] = anchor;
-        draft_forward(m, ctx, block, dl);
-        r.draft_forwards++;
+        if (D > 0) {  // (auto's width 1 is the AR step: no draft; the context waits for the next one)
+            block[0] = anchor;
+            draft_forward(m, ctx, block, dl);
+            r.draft_forwards++;
+        }
         draft.assign(D, 0);
         int sure = D;  // drafts before the first one below DRAFT_CUT
         for (int j = 0; j < D; j++) {
@@ -3336,7 +3341,7 @@ static void run_dflash(Model & m, const Params & p, const std::vector<int> & pro
         src.insert(src.end(), draft.begin(), draft.end());
         rows.resize(src.size());
         for (size_t j = 0; j < src.size(); j++) rows[j] = (int) j;
-        forward(m, src, {}, rows, /*record: for the rollback*/ true, f, &feats, m.exact_verify);
+        forward(m, src, {}, rows, /*record: for the rollback*/ D > 0, f, &feats, m.exact_verify);
         r.forwards++;
         add.clear();
         for (int j = 0; j <= (int) draft.size(); j++) {  // AR's token at each position, while the drafts agree
@@ -3352,7 +3357,8 @@ static void run_dflash(Model & m, const Params & p, const std::vector<int> & pro
         if (kept != (int) src.size()) rollback(m, (int) src.size(), kept);
         if (r.finished) break;
         anchor = add.back();
-        ctx.assign(feats.begin(), feats.begin() + (size_t) kept * F);
+        if (D == 0) ctx.insert(ctx.end(), feats.begin(), feats.begin() + (size_t) kept * F);  // the drafter has not seen ctx
+        else ctx.assign(feats.begin(), feats.begin() + (size_t) kept * F);
     }
 }
 
