@@ -447,11 +447,17 @@ def load(path: str | os.PathLike | None = None, *, dtype: str | torch.dtype | No
                 bar.set_postfix_str("drafter")
                 draft_model.compile_static().warm_static(batches, LOAD_CAPACITIES, bar=bar)
     if calibrate and model.config.mask_token_id is not None:  # speculative decoding needs the mask token
-        from .decoding.speculative import measure_step_curves
+        from tqdm import tqdm
+
+        from .decoding.speculative import measure_step_curves, pending_step_curves
         from .decoding.width import BATCH_BUCKETS, batch_bucket
 
         top = batch_bucket(compile_batch)
-        measure_step_curves(model, [b for b in BATCH_BUCKETS if b <= top], mask_id=model.config.mask_token_id)
+        batches = [b for b in BATCH_BUCKETS if b <= top]
+        pending = pending_step_curves(model, batches)  # a cached curve is read, with no bar
+        with tqdm(total=len(pending), desc="speculative step costs", unit="batch size", file=sys.stderr,
+                  dynamic_ncols=True, disable=not pending) as bar:
+            measure_step_curves(model, batches, mask_id=model.config.mask_token_id, bar=bar)
     tokenizer = Tokenizer.from_dir(
         path,
         eos_token_id=model.config.eos_token_ids[0] if model.config.eos_token_ids else None,

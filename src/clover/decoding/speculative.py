@@ -492,29 +492,32 @@ def _time_steps(model, widths, batch: int, *, mask_id: int, pad_id: int, repeat:
     return curve
 
 
-def measure_step_curves(model, batches, *, mask_id: int, pad_id: int = 0, progress: bool = True) -> list[int]:
-    """Draft "auto"'s step costs (`step_curve`) at each batch size in `batches` for the widths it
-    chooses among (`width.draft_widths`), ahead of any request: those the user cache holds are read,
-    the rest measured (a progress bar on stderr) and cached. Returns the batch sizes measured."""
+def pending_step_curves(model, batches) -> list[int]:
+    """The batch sizes in `batches` whose draft "auto" step costs the user cache does not hold yet."""
     from .width import draft_widths, load_curve
 
+    widths, cached = draft_widths(model.config), load_curve(model)
+    return [b for b in batches if cached_step_curve(cached, widths, b) is None]
+
+
+def measure_step_curves(model, batches, *, mask_id: int, pad_id: int = 0, bar=None) -> list[int]:
+    """Draft "auto"'s step costs (`step_curve`) at each batch size in `batches` for the widths it
+    chooses among (`width.draft_widths`), ahead of any request: those the user cache holds are read,
+    the rest measured and cached. `bar`: a progress bar (tqdm's `update` and `set_postfix_str`) made
+    by the caller over `pending_step_curves`' count (this module is bundled with the transformers
+    export, which may import only the standard library and torch). Returns the batch sizes measured."""
+    from .width import draft_widths
+
     widths = draft_widths(model.config)
-    cached = load_curve(model)
-    todo = [b for b in batches if cached_step_curve(cached, widths, b) is None]
+    todo = pending_step_curves(model, batches)
     for b in batches:
         if b not in todo:
             step_curve(model, widths, b, mask_id=mask_id, pad_id=pad_id)  # read from the cache
-    if not todo:
-        return []
-    import sys
-
-    from tqdm import tqdm
-
-    with tqdm(total=len(todo), desc="speculative step costs", unit="batch size", file=sys.stderr,
-              dynamic_ncols=True, disable=not progress) as bar:
-        for b in todo:
+    for b in todo:
+        if bar is not None:
             bar.set_postfix_str(f"batch {b}")
-            step_curve(model, widths, b, mask_id=mask_id, pad_id=pad_id)
+        step_curve(model, widths, b, mask_id=mask_id, pad_id=pad_id)
+        if bar is not None:
             bar.update()
     return todo
 

@@ -93,13 +93,12 @@ def _packable(t: torch.Tensor, matrix_bytes: int) -> bool:
 
 def _targets(model: nn.Module):
     """(module, bytes) for each layer `pack_model` packs: plain float32 CPU linear layers, and routed
-    experts (`Experts`) with plain float32 CPU weights, whose matrices take at least `MIN_BYTES` each."""
-    from ..models.layers import Experts
-
+    experts (`models.layers.Experts`, known here by its `packs` slot: kernels sit below models and
+    import none of them) with plain float32 CPU weights, whose matrices take at least `MIN_BYTES` each."""
     for mod in model.modules():
         if type(mod) in (nn.Linear, PackedLinear) and _packable(mod.weight, mod.weight.numel() * 4):
             yield mod, mod.weight.numel() * 4
-        elif (isinstance(mod, Experts) and _packable(mod.gate_up_proj, mod.gate_up_proj[0].numel() * 4)
+        elif (hasattr(mod, "packs") and hasattr(mod, "gate_up_proj") and _packable(mod.gate_up_proj, mod.gate_up_proj[0].numel() * 4)
               and _packable(mod.down_proj, mod.down_proj[0].numel() * 4)):
             yield mod, (mod.gate_up_proj.numel() + mod.down_proj.numel()) * 4
 
