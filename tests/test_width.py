@@ -289,6 +289,27 @@ def test_draft_length_switching_every_forward_stays_identical_to_ar(llm, alterna
         assert len(eng.choices) > 3
 
 
+def test_auto_reserves_room_for_the_block_size_and_grows_for_wider_drafts(llm, alternating_policy, monkeypatch):
+    """Draft auto's cache keeps room behind each row for drafts of the model's block size, not its
+    widest (what every row joining or leaving a batch copies); a wider draft, when chosen, grows the
+    cache, and the tokens stay AR's."""
+    from clover.decoding.base import RowState
+    from clover.decoding.sampling import SamplingParams
+    from clover.decoding.speculative import SpeculativeEngine
+
+    monkeypatch.setattr(llm.model.config, "block_size", 4)
+    eng = SpeculativeEngine(llm.model, draft_length="auto", mask_id=llm.config.mask_token_id,
+                            draft_policy=alternating_policy((W.AR_WIDTH, 4, 16), W.CostCurve()), adaptive=True)
+    prompt = llm.tokenizer.encode("hello world")
+    row = RowState(prompt=prompt, params=SamplingParams(max_new_tokens=30, ignore_eos=True, block_size="auto"),
+                   eos_ids=set(llm.config.eos_token_ids))
+    eng.add(row)
+    assert eng.cache.capacity == len(prompt) + 30 + 2 * 4 + 1
+    list(eng.run())
+    assert row.tokens == llm.generate("hello world", mode="ar", max_new_tokens=30, ignore_eos=True).token_ids
+    assert 16 in {c.width for c in eng.choices}
+
+
 def test_bench_cost_with_expert_sharing(llm, cache_home):
     """`expert_budget`: the forwards run with block expert sharing, the curve is not cached, and a
     budget outside [experts per token, experts] is refused in one line."""

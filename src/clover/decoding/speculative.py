@@ -354,8 +354,10 @@ class SpeculativeEngine(BatchEngine):
             width = self.model.config.block_size
         block = torch.full((len(rows), width), self.mask_id, dtype=torch.long, device=self.device) if width > 1 else None
         # drafts of one are always kept: with no denoise block the forward is AR's step, no logits but
-        # the last and nothing to roll back (with one, the verify forward's shape: compiled, its graph)
-        verifying = block is not None or any(r.state.draft is not None and len(r.state.draft) > 1 for r in rows)
+        # the last and nothing to roll back (with one, the verify forward's shape: compiled, its graph);
+        # a forward of prompts alone verifies nothing either (the logits of the prompts' last tokens)
+        verifying = (block is not None and any(r.state.draft is not None for r in rows)) or any(
+            r.state.draft is not None and len(r.state.draft) > 1 for r in rows)
         snap = self.cache.start_recording() if verifying else None
         out = self.model.step(self.cache, commit_ids=commit_ids, n_commit=n_commit, denoise_ids=block,
                               all_logits=verifying, track_experts=True, expert_budget=self.expert_budget,
