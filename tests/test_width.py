@@ -97,6 +97,31 @@ def test_step_curve_times_the_engine_at_each_width_once_and_caches_it(llm, cache
         S.step_curve(llm.model, (1, 4, 8), 2, mask_id=llm.config.mask_token_id)
 
 
+def test_step_timing_drops_a_burst_and_keeps_wider_steps_no_cheaper(llm, monkeypatch):
+    """`step_curve`'s timing, on a fake clock: a burst of load over one pass is dropped (the cheaper
+    pass's median is kept), and a width measured dearer than a wider one reads the wider one's."""
+    clock = [0.0]
+    cost = {1: [1.0, 1.0], 4: [9.0, 2.0], 8: [3.0, 3.0], 16: [2.5, 2.5]}  # per pass; 4: a burst in pass 1
+
+    class FakeEngine:
+        def __init__(self, model, *, draft_length, **kw):
+            self.w, self.steps = draft_length, 0
+
+        def add(self, row):
+            pass
+
+        def step(self):
+            self.steps += 1
+            if self.steps > 2:  # after the prefill and one untimed step
+                clock[0] += cost[self.w][(self.steps - 3) // 4]
+
+    monkeypatch.setattr(S, "SpeculativeEngine", FakeEngine)
+    monkeypatch.setattr(S.time, "perf_counter", lambda: clock[0])
+    monkeypatch.setattr(S, "STEP_PASSES", 2)
+    c = S._time_steps(llm.model, (1, 4, 8, 16), 1, mask_id=0, pad_id=0, repeat=4)
+    assert c.seconds_by[W.STEP_KIND][1] == {1: 1.0, 4: 2.0, 8: 2.5, 16: 2.5}
+
+
 def test_load_measures_the_step_costs_once_per_machine(tiny_dir, cache_home, monkeypatch):
     """`clover.load(calibrate=True)` (`clover serve`): draft auto's step costs at the batch buckets,
     measured at the first load with a progress bar, read by the second, which times nothing (and
