@@ -220,6 +220,43 @@ def test_every_draft_policy_equals_ar_greedy(bundled, cut, adaptive):
         assert any(a > 1 for r in batched for a in r.accept_lengths)
 
 
+@pytest.mark.parametrize("skip_below", [0.35, 1.01])  # the default; every forward with long drafts in flight
+def test_auto_leaving_out_the_block_equals_ar_greedy(bundled, skip_below):
+    """Draft auto leaving out the denoise block of forwards whose drafts in flight are likely
+    rejected (it verifies them and drafts nothing; a draft kept whole drafts its block next) gives
+    AR's tokens on held-out prompts, batched as one by one, with fewer blocks than forwards."""
+    from clover.data.tasks import heldout_tasks
+    from clover.decoding import speculative as S
+    from clover.decoding import width as W
+    from clover.decoding.base import RowState
+    from clover.decoding.sampling import SamplingParams
+
+    prompts = [bundled.tokenizer.encode(t.prompt) for t in heldout_tasks(5000)[3000:3003]]
+    ar = [g.token_ids for g in bundled.generate(prompts, mode="ar", max_new_tokens=24, ignore_eos=True)]
+    curve = W.CostCurve()
+    for b in W.BATCH_BUCKETS:  # drafting 8 as cheap as the AR step: auto drafts 8 throughout
+        for w in W.draft_widths(bundled.config):
+            curve.add(W.STEP_KIND, b, w, 1.0 if w <= 8 else 10.0)
+    skipped = []
+
+    def rows(ps):
+        eng = S.SpeculativeEngine(bundled.model, draft_length="auto", mask_id=bundled.config.mask_token_id,
+                                  adaptive=True, draft_policy=W.DraftPolicy(W.draft_widths(bundled.config), curve,
+                                                                             kind=W.STEP_KIND))
+        eng.skip_below = skip_below
+        out = [RowState(prompt=p, params=SamplingParams(max_new_tokens=24, ignore_eos=True), eos_ids=set()) for p in ps]
+        for r in out:
+            eng.add(r)
+        list(eng.run())
+        skipped.append((eng.skipped, eng.forwards))
+        return out
+
+    batched = rows(prompts)
+    alone = [rows([p])[0] for p in prompts]
+    assert [r.tokens for r in batched] == [r.tokens for r in alone] == ar
+    assert all(0 < k < n for k, n in skipped) and any(a > 1 for r in batched for a in r.accept_lengths)
+
+
 def test_the_adaptive_draft_saves_forwards(bundled):
     """After a rejection the leftover of the draft verifies behind AR's token, and a draft's first
     token is emitted when drafted: fewer forwards for the same tokens on held-out prompts."""
