@@ -404,8 +404,10 @@ class SpeculativeEngine(BatchEngine):
             elif r.state.draft is not None and not r.params.greedy:  # verify by the rejection rule
                 p = self._probs(r, causal_logits[i, : Dv - 1]) if Dv > 1 else None
                 m, r.state.next_first = accept_draft(r.state.draft, r.state.draft_q, p, r.state.sampler.generator)
+            elif Dv == 1:  # a draft of one is AR's own token: kept, nothing to compare
+                m = 1
             elif r.state.draft is not None:  # verify
-                causal = self._argmax(r, causal_logits[i, :Dv])  # causal[j] = AR token after draft[:j+1]
+                causal = self._argmax(r, causal_logits[i, : Dv - 1])  # causal[j] = AR token after draft[:j+1]
                 m = 1 + agreed(r.state.draft[1:], causal)
             if r.state.draft is not None:
                 keep[i] = m
