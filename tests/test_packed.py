@@ -112,3 +112,14 @@ def test_pack_is_the_default_only_where_it_fits(tiny_dir, monkeypatch):
     assert any(isinstance(mod, packed.PackedLinear) for mod in clover.load(tiny_dir).model.modules())
     monkeypatch.setattr(packed.os, "sysconf", lambda name: 1)
     assert not any(isinstance(mod, packed.PackedLinear) for mod in clover.load(tiny_dir).model.modules())
+
+
+def test_cost_curve_key_tells_packed_from_plain(tiny_dir, count_packed):
+    """`block_size="auto"` reads the cost curve measured on the same kind of forward: a packed model's
+    curve has its own key; a plain model's key is what it was before packing existed."""
+    from clover.decoding.width import cost_key
+
+    plain, fast = clover.load(tiny_dir, pack=False), clover.load(tiny_dir, pack=True)
+    assert packed.is_packed(fast.model) and not packed.is_packed(plain.model)
+    assert "packed" not in cost_key(plain.model) and cost_key(fast.model).pop("packed") is True
+    assert {k: v for k, v in cost_key(fast.model).items() if k != "packed"} == cost_key(plain.model)

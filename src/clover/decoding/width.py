@@ -83,7 +83,11 @@ def compiled_kind(model) -> str:
 
 def cost_key(model, variant: str | None = None) -> dict:
     """What a forward's cost depends on: the model's shapes and dtype, eager or compiled, the device
-    and the machine (CPU, threads, torch)."""
+    and the machine (CPU, threads, torch), and whether its weights are packed for forwards of several
+    positions (`clover.kernels.packed`; only then in the key, so the curves of unpacked models keep
+    their keys)."""
+    from ..kernels.packed import is_packed
+
     c = model.config
     shape = {k: getattr(c, k, None) for k in (
         "model_type", "backbone", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
@@ -92,6 +96,7 @@ def cost_key(model, variant: str | None = None) -> dict:
         "shared_expert_intermediate_size", "intermediate_size", "layer_types")}
     dev = model.device
     return {
+        **({"packed": True} if is_packed(model) else {}),
         "model": shape,
         "dtype": str(model.dtype).replace("torch.", ""),
         "variant": variant or compiled_kind(model),

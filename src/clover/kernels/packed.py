@@ -119,6 +119,12 @@ def pack_model(model: nn.Module) -> int:
     return total
 
 
+def is_packed(model: nn.Module) -> bool:
+    """Whether `pack_model` packed any of `model`'s layers."""
+    return any(getattr(mod, "pack", None) is not None or getattr(mod, "packs", None) is not None
+               for mod in model.modules())
+
+
 def fits(model: nn.Module) -> bool:
     """Whether packing `model` is the default: oneDNN present, at least `MIN_MODEL_BYTES` to pack (a
     small model's weights stay in cache, where the plain path costs little more; the bundled model
