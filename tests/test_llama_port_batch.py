@@ -75,9 +75,13 @@ def test_batched_sampled_rows_equal_rows_one_by_one(port, bundled_f32, llm, mode
 
 @pytest.mark.slow
 def test_rows_join_as_rows_leave(port, bundled_f32, llm):
-    """12 requests on 4 slots (continuous batching): every row = one by one; diffusion and ar rows
-    share forwards."""
+    """12 requests on 4 slots (continuous batching) and two with prompts of 64+ tokens (their prefill
+    in a forward of its own, ggml's tiled attention path): every row = one by one; diffusion and ar
+    rows share forwards."""
     reqs = requests_for(llm, "diffusion", n=6, temperature=0.0) + requests_for(llm, "ar", n=6, temperature=0.0)
+    long = sum((r["prompt"] for r in reqs[:5]), [])
+    assert len(long) >= 64
+    reqs[3:3] = [dict(reqs[0], prompt=long), dict(reqs[7], prompt=long[-70:])]
     check_batched(bundled_f32, llm, reqs, 4)
 
 

@@ -1939,12 +1939,27 @@ struct Batcher {
 static Batcher * g_batch = nullptr;
 static thread_local std::unique_lock<std::mutex> * tl_lock = nullptr;  // this thread's hold on g_batch->mu
 
+// ggml's CPU flash attention takes a tiled path, which rounds differently, for 64 or more queries per
+// head and sequence (GGML_FA_TILE_Q); a batch pads every row to its longest, so rows of fewer tokens
+// run in a forward of their own when a longer one is in flight (a long prompt's prefill), and each row's
+// attention takes the path its one-row forward takes.
+static const int FA_TILE_Q = 64;
+
 static void batch_maybe_run(Model & m) {
     Batcher & b = *g_batch;
     if (b.rows == 0 || (int) b.subs.size() < b.rows || b.joining > 0) return;
-    std::vector<Sub *> subs;
+    std::vector<Sub *> subs, longs;
     subs.swap(b.subs);
-    forward_batch(m, subs);
+    for (Sub * x : subs)
+        if ((int) (x->commit->size() + x->block->size()) >= FA_TILE_Q) longs.push_back(x);
+    if (!longs.empty() && longs.size() < subs.size()) {
+        std::vector<Sub *> shorts;
+        for (Sub * x : subs) if ((int) (x->commit->size() + x->block->size()) < FA_TILE_Q) shorts.push_back(x);
+        forward_batch(m, shorts);
+        forward_batch(m, longs);
+    } else {
+        forward_batch(m, subs);
+    }
     for (Sub * x : subs) x->done = true;
     b.cv.notify_all();
 }
