@@ -147,11 +147,12 @@ def test_chat_on_the_named_model(fake_named, capsys, monkeypatch):
     assert "(turns: 2 · history:" in outs["diffusion"] and IM_END not in outs["diffusion"]
 
 
-def test_serve_and_playground_on_the_named_model(fake_named, monkeypatch):
+def test_serve_and_playground_on_the_named_model(fake_named, monkeypatch, tmp_path):
     """`clover serve --model NAME` serves the pulled model under its name: chat completions through
     its template (AR == AR greedy, speculative == AR, the default mode streams what it returns), the
     playground page and its modes."""
     pytest.importorskip("fastapi")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))  # serve measures step costs into the user cache
     from fastapi.testclient import TestClient
 
     from clover.cli import main
