@@ -7,8 +7,10 @@ finish at different times) sent at once to one `--json` process:
   same tokens as the same requests decoded one by one (`--parallel 1`), and the rows did share
   forwards (the done line's batch_rows); more requests than slots join as rows leave;
 - greedy batched rows equal clover's engine (ar; diffusion, forward count included);
-- speculative and dflash requests among batched rows run alone between batches, with their own
-  tokens; a cancelled row stops and the others go on;
+- speculative rows batch (each row's rollback its own): the same tokens, forwards and accept lengths
+  as one by one, tokens = AR greedy;
+- a request the batch does not take (speculative with expert sharing) among batched rows runs alone
+  between batches, with its own tokens; a cancelled row stops and the others go on;
 - `clover serve --engine llama.cpp` with concurrent rows batched in the port answers as the torch engine.
 """
 
@@ -86,13 +88,29 @@ def test_rows_join_as_rows_leave(port, bundled_f32, llm):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("draft", [None, 3])
+def test_batched_speculative_rows(port, bundled_f32, llm, draft):
+    """Speculative rows in one forward (the default draft, and draft 3): tokens, forwards and accept
+    lengths = one by one; tokens = AR greedy."""
+    kw = {} if draft is None else {"draft_length": draft}
+    reqs = requests_for(llm, "speculative", **kw)
+    many = check_batched(bundled_f32, llm, reqs, 8)
+    one = decode(bundled_f32, llm, reqs, 1)
+    assert [(d["forwards"], d["accept_lengths"]) for d in many] == [(d["forwards"], d["accept_lengths"]) for d in one]
+    ar = decode(bundled_f32, llm, [{**r, "mode": "ar"} for r in reqs], 8)
+    assert [d["tokens"] for d in many] == [d["tokens"] for d in ar]
+
+
+@pytest.mark.slow
 def test_unbatched_modes_and_cancel_among_batched_rows(port, bundled_f32, llm):
-    """A speculative request among ar rows runs alone between batches: its tokens = ar greedy; a
-    cancelled row stops with finish "abort" while the others go on to the same tokens as alone."""
+    """A speculative request with expert sharing among ar rows runs alone between batches: its tokens
+    = ar greedy; a cancelled row stops with finish "abort" while the others go on to the same tokens
+    as alone."""
     from clover.integrations.llama_port import PortProcess
 
     reqs = requests_for(llm, "ar", n=4, temperature=0.0)
-    spec = {"prompt": reqs[1]["prompt"], **options(llm, "speculative", max_new_tokens=reqs[1]["max_new_tokens"])}
+    spec = {"prompt": reqs[1]["prompt"], **options(llm, "speculative", max_new_tokens=reqs[1]["max_new_tokens"],
+                                                   draft_length=3, expert_budget=2)}
     alone = decode(bundled_f32, llm, reqs, 1)
     with PortProcess(bundled_f32, eos_ids=llm.eos_ids(), parallel=4) as proc:
         long = proc.send({"prompt": [5, 6, 7], "mode": "ar", "max_new_tokens": 4000, "ignore_eos": True, "stream": True})

@@ -538,6 +538,10 @@ static void reset_cache(Model & m, int n_ctx) {
 struct Seq {
     int slot = 0, n_past = 0;
     std::vector<std::vector<float>> conv, S;
+    // speculative rollback, as a Layer's: per layer the state before the last recorded commit, that
+    // commit's inputs per head, and its conv window
+    std::vector<std::vector<float>> S0, rec, window;
+    int rec_T = 0, window_len = 0;
     long forwards = 0, rows = 0;
 };
 
@@ -576,6 +580,9 @@ static void seq_start(Model & m, Seq & q, int n_ctx) {
     q.slot = slot;  // kept
     q.conv.resize(hp.n_layer);
     q.S.resize(hp.n_layer);
+    q.S0.resize(hp.n_layer);
+    q.rec.resize(hp.n_layer);
+    q.window.resize(hp.n_layer);
     for (int il = 0; il < hp.n_layer; il++) {
         if (!m.layers[il].recurrent) continue;
         q.conv[il].assign((size_t) hp.conv_dim() * (hp.conv_k - 1), 0.f);
@@ -1756,14 +1763,14 @@ static void profile_compute(Model & m, ggml_cgraph * gf, const std::string & sha
 // matmuls computed as a one-token forward's (build_graph).
 static thread_local Seq * tl_seq = nullptr;  // the batched row this thread decodes (--parallel), or null
 static void batch_submit(Model & m, const std::vector<int> & commit, const std::vector<int> & block,
-                         const std::vector<int> & out_rows, Forward & res);
+                         const std::vector<int> & out_rows, bool record, Forward & res);
 
 static void forward(Model & m, const std::vector<int> & commit, const std::vector<int> & block,
                     const std::vector<int> & out_rows, bool record, Forward & res, std::vector<float> * feats = nullptr,
                     bool exact = false) {
     if (tl_seq) {  // a batched row: its forward joins the next batch (forward_batch)
-        if (record || feats || exact) die("internal: a batched row's forward records, taps or verifies exactly");
-        batch_submit(m, commit, block, out_rows, res);
+        if (feats || exact) die("internal: a batched row's forward taps or verifies exactly");
+        batch_submit(m, commit, block, out_rows, record, res);
         return;
     }
     const Hparams & hp = m.hp;
@@ -1841,11 +1848,12 @@ static void forward(Model & m, const std::vector<int> & commit, const std::vecto
 }
 
 // ---------------------------------------------------------------------- rows in one forward
-// One batched row's forward, as forward() takes it (no recording, no taps, no exact columns).
+// One batched row's forward, as forward() takes it (no taps, no exact columns).
 struct Sub {
     Seq * seq;
     const std::vector<int> * commit, * block, * out_rows;
     Forward * res;
+    bool record;  // speculative: the commit's GDN inputs and state kept for a rollback (in the Seq)
     bool done = false;
 };
 
@@ -1892,9 +1900,21 @@ static void forward_batch(Model & m, std::vector<Sub *> & subs) {
             std::fill_n(&mask[((size_t) q.slot * Tq + t) * n_kv_pad], vis, ZERO);
         }
         for (int r : *b->out_rows) oi[out++] = col + r;
-        for (int il = 0; il < hp.n_layer; il++)
-            if (m.layers[il].recurrent)
-                G.calls[il].segs.push_back({col, Tc, Bd, b->seq->conv[il].data(), b->seq->S[il].data(), nullptr, nullptr, nullptr});
+        Seq & sq = *b->seq;
+        if (b->record) {
+            sq.rec_T = Tc;
+            sq.window_len = hp.conv_k - 1 + Tc;
+        }
+        for (int il = 0; il < hp.n_layer; il++) {
+            if (!m.layers[il].recurrent) continue;
+            if (b->record) {
+                sq.S0[il].resize(sq.S[il].size());
+                sq.rec[il].resize((size_t) hp.hv * Tc * (2 * hp.dk + hp.dv + 2));
+                sq.window[il].resize((size_t) hp.conv_dim() * sq.window_len);
+            }
+            G.calls[il].segs.push_back({col, Tc, Bd, sq.conv[il].data(), sq.S[il].data(), b->record && Tc ? sq.window[il].data() : nullptr,
+                                        b->record ? sq.S0[il].data() : nullptr, b->record ? sq.rec[il].data() : nullptr});
+        }
         col += Tc + Bd;
     }
     auto set = [](ggml_tensor * t, const void * data, size_t n) { if (t && t->buffer) ggml_backend_tensor_set(t, data, 0, n); };
@@ -1926,8 +1946,9 @@ static void forward_batch(Model & m, std::vector<Sub *> & subs) {
 // until every batched row in flight has asked for one, and the last to ask runs them all as one
 // forward_batch. One thread runs at a time (the mutex is held by a row's host work or the batch), so
 // the process uses the CPU as the unbatched one does. Rows join and leave between forwards
-// (continuous batching). Requests a batch does not take (speculative, dflash, expert sharing) wait for
-// the batched rows in flight to finish and run alone, as without --parallel.
+// (continuous batching). Speculative rows batch too (each row's rollback on its own Seq). Requests a
+// batch does not take (dflash, speculative's auto width, expert sharing) wait for the batched rows in
+// flight to finish and run alone, as without --parallel.
 struct Batcher {
     std::mutex mu;
     std::condition_variable cv;
@@ -1965,8 +1986,8 @@ static void batch_maybe_run(Model & m) {
 }
 
 static void batch_submit(Model & m, const std::vector<int> & commit, const std::vector<int> & block,
-                         const std::vector<int> & out_rows, Forward & res) {
-    Sub x{tl_seq, &commit, &block, &out_rows, &res};
+                         const std::vector<int> & out_rows, bool record, Forward & res) {
+    Sub x{tl_seq, &commit, &block, &out_rows, &res, record};
     g_batch->subs.push_back(&x);
     batch_maybe_run(m);
     g_batch->cv.wait(*tl_lock, [&] { return x.done; });
@@ -2172,25 +2193,31 @@ static CachedGraph * build_graph(Model & m, int Tc, int Bd, int n_out, int n_kv,
 }
 
 // Roll the commit of the last forward back to its first `keep` tokens (speculative partial accept).
+// (A batched row, tl_seq: its own state in its Seq.)
 static void rollback(Model & m, int committed, int keep) {
     const Hparams & hp = m.hp;
     const int K1 = hp.conv_k - 1, C = hp.conv_dim(), dk = hp.dk, dv = hp.dv;
-    m.n_past -= committed - keep;
+    Seq * sq = tl_seq;
+    (sq ? sq->n_past : m.n_past) -= committed - keep;
     std::vector<float> q(dk), k(dk), kv(dv);
-    for (Layer & L : m.layers) {
+    for (int il = 0; il < hp.n_layer; il++) {
+        Layer & L = m.layers[il];
         if (!L.recurrent) continue;
+        std::vector<float> & S = sq ? sq->S[il] : L.S, & S0 = sq ? sq->S0[il] : L.S0, & rec = sq ? sq->rec[il] : L.rec;
+        std::vector<float> & conv = sq ? sq->conv[il] : L.conv_state, & window = sq ? sq->window[il] : L.window;
+        const int rec_T = sq ? sq->rec_T : L.rec_T, W = sq ? sq->window_len : L.window_len;
         // S: the state before the commit, advanced by exactly the kept tokens (the forward's own code)
-        L.S = L.S0;
+        S = S0;
         const size_t hs = (size_t) dk * dv, rw = (size_t) 2 * dk + dv + 2;
         for (int h = 0; h < hp.hv; h++)
             for (int t = 0; t < keep; t++) {
-                const float * r = &L.rec[((size_t) h * L.rec_T + t) * rw];
-                commit_step(m.gdn_fast, hp, L, h, &L.S[(size_t) h * hs], r, r + dk, r + 2 * dk, r[2 * dk + dv], r[2 * dk + dv + 1],
+                const float * r = &rec[((size_t) h * rec_T + t) * rw];
+                commit_step(m.gdn_fast, hp, L, h, &S[(size_t) h * hs], r, r + dk, r + 2 * dk, r[2 * dk + dv], r[2 * dk + dv + 1],
                             nullptr, q.data(), k.data(), kv.data());
             }
-        const int W = L.window_len;  // conv state: the last K-1 inputs up to the last kept token
+        // conv state: the last K-1 inputs up to the last kept token
         for (int ch = 0; ch < C; ch++)
-            for (int j = 0; j < K1; j++) L.conv_state[(size_t) ch * K1 + j] = L.window[(size_t) ch * W + keep + j];
+            for (int j = 0; j < K1; j++) conv[(size_t) ch * K1 + j] = window[(size_t) ch * W + keep + j];
     }
 }
 
@@ -3546,7 +3573,8 @@ static void usage() {
         "  sample: --temperature T, --top-p P, --top-k K, --seed S, --repetition-penalty X,\n"
         "          --presence-penalty X, --eos-penalty X, --no-repeat-ngram N, --logit-bias JSON\n"
         "  batch:  --parallel N (--json, ids, --text: up to N requests decoded together, their rows in one\n"
-        "          forward; ar and diffusion rows batch, speculative and dflash run alone between batches)\n"
+        "          forward; ar, diffusion and speculative rows batch; dflash, speculative's auto width and\n"
+        "          expert sharing run alone between batches)\n"
         "  other:  --stream, --threads T, --out F (forward), --moe grouped|mul_mat_id (routed experts of\n"
         "          multi-token forwards: gathered per expert, or ggml_mul_mat_id), --attn flash|plain\n"
         "          (flash: ggml_flash_attn_ext, V read as stored; plain: mul_mat, soft_max, mul_mat on a\n"
@@ -3818,7 +3846,9 @@ int main(int argc, char ** argv) {
                     }
                     const Params p = make_params(m, defaults, req);
                     const int budget = p.mode == "ar" ? 0 : std::max(0, p.expert_budget);
-                    batched = (p.mode == "ar" || p.mode == "diffusion") && !(budget > 0 && budget < m.hp.n_expert);
+                    // speculative's auto width measures its step costs with forwards of its own first: not batched
+                    batched = (p.mode == "ar" || p.mode == "diffusion" || (p.mode == "speculative" && !p.auto_width)) &&
+                              !(budget > 0 && budget < m.hp.n_expert);
                 } catch (const std::exception & e) {
                     if (input != "json") die(e.what());
                     json err = {{"event", "error"}, {"message", e.what()}};
