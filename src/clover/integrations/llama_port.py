@@ -169,7 +169,7 @@ def forward_logits(gguf: str | os.PathLike, commit: list[int], block: list[int],
 
 class PortProcess:
     """One `llama-clover --json` process: requests in, events out. With `parallel` > 1 it decodes up to
-    that many requests together (ar and diffusion rows in one forward; the others alone, between
+    that many requests together (ar, diffusion and speculative rows in one forward; the others alone, between
     batches), their events interleaved; `request` still sends one and reads its events to the end."""
 
     def __init__(self, gguf: str | os.PathLike, *, threads: int = 1, eos_ids=None,
@@ -293,7 +293,7 @@ class PortEngine:
     """The llama.cpp port as a decoding engine of clover's server (`LLM.engine`'s interface:
     `add(row)`, `step()`, `rows`, `cancel(row)`; events as clover's engines yield them). Rows are
     requests to one shared `llama-clover --json --parallel N` process, which decodes the rows in flight
-    together (ar and diffusion rows of every engine in one forward; speculative and dflash rows alone,
+    together (ar, diffusion and speculative rows of every engine in one forward; dflash rows alone,
     between batches); each streamed block becomes a "commit" event, applied to the row with
     `RowState.accept` (which reproduces the port's own EOS / stop / length decision)."""
 
