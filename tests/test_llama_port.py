@@ -81,13 +81,11 @@ def test_port_refuses_what_it_lacks_with_a_reason():
         port_args("speculative", SamplingParams(max_new_tokens=8, temperature=0.7).validate())
     with pytest.raises(ValueError, match="^temperature: sampled dflash"):
         port_args("dflash", SamplingParams(max_new_tokens=8, temperature=0.7).validate(), drafter="d.gguf")
-    with pytest.raises(ValueError, match="^block_size: 'auto' in mode diffusion .* speculative or dflash$"):
-        port_args("diffusion", SamplingParams(max_new_tokens=8, block_size="auto").validate())
 
 
-@pytest.mark.parametrize("mode", ["speculative", "dflash"])
+@pytest.mark.parametrize("mode", ["diffusion", "speculative", "dflash"])
 def test_port_args_pass_auto(mode):
-    """block_size="auto" reaches the port in the modes where it chooses each draft's width."""
+    """block_size="auto" reaches the port (each block's or draft's width chosen there)."""
     a = port_args(mode, SamplingParams(max_new_tokens=8, block_size="auto").validate(), drafter="d.gguf")
     assert a[a.index("--block") + 1] == "auto" and "--draft" not in a
 
@@ -824,19 +822,27 @@ def test_serve_engine_llama_cpp_dflash(port, bundled_f32, drafter_f32, llm):
 # ------------------------------------------------------------------------------ slow: block_size "auto"
 SPEC_COSTS = {1: 0.0010, 8: 0.0022, 16: 0.0025, 32: 0.0032, 64: 0.0047}  # seconds of a step drafting each width
 DFLASH_COSTS = {1: 0.004, 2: 0.0019, 4: 0.0026, 8: 0.0044, 16: 0.0079}  # 1: the AR step (a table where it never wins)
+# diffusion: the AR step, then per width its denoise forward and a block's last (w committed + w denoised)
+DIFFUSION_COSTS = {1: 0.0016, 8: (0.0026, 0.0040), 16: (0.0040, 0.0060), 32: (0.0060, 0.0100), 64: (0.0100, 0.0180)}
 
 
 def step_costs_arg(costs: dict) -> list[str]:
-    return ["--step-costs", ",".join(f"{w}:{s!r}" for w, s in costs.items())]
+    return ["--step-costs", ",".join(f"{w}:{s!r}" if not isinstance(s, tuple) else f"{w}:{s[0]!r}/{s[1]!r}"
+                                     for w, s in costs.items())]
 
 
 def forced_curve(costs: dict, kind: str):
-    """The cost table as clover's engines read it (a `width.CostCurve` of that kind at batch 1)."""
+    """The cost table as clover's engines read it (a `width.CostCurve` of that kind at batch 1;
+    diffusion's: the AR step as the commit forward of one, the denoise and block forwards)."""
     from clover.decoding.width import CostCurve
 
     curve = CostCurve()
     for w, s in costs.items():
-        curve.add(kind, 1, w, s)
+        if isinstance(s, tuple):
+            curve.add("denoise", 1, w, s[0])
+            curve.add("block", 1, w, s[1])
+        else:
+            curve.add("commit" if kind == "diffusion" else kind, 1, w, s)
     return curve
 
 
@@ -877,21 +883,21 @@ def test_port_auto_equals_port_ar(port, bundled_f32, llm, tmp_path, cost_cache, 
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["speculative", "dflash"])
+@pytest.mark.parametrize("mode", ["diffusion", "speculative", "dflash"])
 @pytest.mark.parametrize("ignore_eos", [True, False])
 def test_port_auto_matches_clover(port, bundled_f32, drafter_f32, llm, monkeypatch, mode, ignore_eos):
     """With the same cost table (forced: --step-costs, and clover's calibration replaced by it) the port
     decides as clover's engine, forward for forward: the same decisions and reasons (width_why), tokens,
     forwards and accept lengths (speculative: clover's adaptive draft; dflash: clover's widths with the AR
-    step among them, as the port's)."""
-    from clover.decoding import dflash, speculative
+    step among them, as the port's; diffusion: its block steps too)."""
+    from clover.decoding import dflash, speculative, width
     from clover.decoding.width import STEP_KIND
 
     monkeypatch.setattr(dflash, "AUTO_BLOCKS", (1, *dflash.AUTO_BLOCKS))
-
-    costs = SPEC_COSTS if mode == "speculative" else DFLASH_COSTS
+    costs = {"speculative": SPEC_COSTS, "dflash": DFLASH_COSTS, "diffusion": DIFFUSION_COSTS}[mode]
     monkeypatch.setattr(speculative, "step_curve", lambda *a, **k: forced_curve(costs, STEP_KIND))
     monkeypatch.setattr(dflash, "iteration_curve", lambda *a, **k: forced_curve(costs, "verify"))
+    monkeypatch.setattr(width, "curve_for", lambda *a, **k: forced_curve(costs, "diffusion"))
     prompts = task_prompts(llm, 8)
     res = port_run(bundled_f32, prompts, mode, llm, drafter=drafter_f32 if mode == "dflash" else None,
                    extra=step_costs_arg(costs), block_size="auto", ignore_eos=ignore_eos)
@@ -901,19 +907,23 @@ def test_port_auto_matches_clover(port, bundled_f32, drafter_f32, llm, monkeypat
         assert r["width_why"] == ours.stats.width_why
         assert (r["tokens"], r["forwards"], r["accept_lengths"], r["finish"]) == \
             (ours.token_ids, ours.stats.forwards, ours.stats.accept_lengths, ours.finish_reason)
+        if mode == "diffusion":
+            assert r["block_steps"] == ours.stats.block_steps
         assert r["step_costs"]["source"] == "given"
         switched += len(r["width_choices"]) > 1
     assert switched  # the table makes the choice move with the acceptance rate
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode, width", [("speculative", 8), ("dflash", 4), ("dflash", 1)])
+@pytest.mark.parametrize("mode, width", [("speculative", 8), ("dflash", 4), ("dflash", 1), ("diffusion", 16), ("diffusion", 1)])
 def test_port_auto_one_width_equals_that_width(port, bundled_f32, drafter_f32, llm, mode, width):
     """A cost table under which one width always wins: auto decodes at that width every forward and
-    gives the fixed draft's tokens (dflash: its drafts, forwards and accept lengths too; width 1: AR's
-    forwards, no drafter forward; speculative drafts adaptively, so only the tokens are the fixed
-    draft's, both AR's)."""
-    costs = {w: (0.001 if w == width else 1.0) for w in (SPEC_COSTS if mode == "speculative" else DFLASH_COSTS)}
+    gives the fixed draft's tokens (dflash: its drafts, forwards and accept lengths too; diffusion: the
+    fixed block's tokens, forwards and block steps; width 1: AR's tokens and forwards, no drafter
+    forward; speculative drafts adaptively, so only the tokens are the fixed draft's, both AR's)."""
+    table = {"speculative": SPEC_COSTS, "dflash": DFLASH_COSTS, "diffusion": DIFFUSION_COSTS}[mode]
+    costs = {w: ((0.001, 0.001) if w == width else (1.0, 1.0)) if isinstance(c, tuple) else (0.001 if w == width else 1.0)
+             for w, c in table.items()}
     drafter = drafter_f32 if mode == "dflash" else None
     prompts = task_prompts(llm, PROMPTS)
     auto = port_run(bundled_f32, prompts, mode, llm, drafter=drafter, extra=step_costs_arg(costs), block_size="auto",
@@ -921,6 +931,9 @@ def test_port_auto_one_width_equals_that_width(port, bundled_f32, drafter_f32, l
     if width == 1:
         fixed = port_run(bundled_f32, prompts, "ar", llm, ignore_eos=True)
         assert all(a["draft_forwards"] == 0 and a["forwards"] == f["forwards"] for a, f in zip(auto, fixed))
+    elif mode == "diffusion":
+        fixed = port_run(bundled_f32, prompts, mode, llm, block_size=width, ignore_eos=True)
+        assert all((a["forwards"], a["block_steps"]) == (f["forwards"], f["block_steps"]) for a, f in zip(auto, fixed))
     else:
         fixed = port_run(bundled_f32, prompts, mode, llm, drafter=drafter, ignore_eos=True,
                          **(dict(draft_length=width - 1) if mode == "dflash" else dict(block_size=width)))
@@ -933,11 +946,14 @@ def test_port_auto_one_width_equals_that_width(port, bundled_f32, drafter_f32, l
 
 @pytest.mark.slow
 def test_port_auto_refuses_bad_input(port, bundled_f32, drafter_f32):
-    """block_size "auto" with a draft length, in diffusion, or a bad cost table: one line naming it."""
+    """block_size "auto" with a draft length, or a bad cost table: one line naming it."""
     base = [str(port), str(bundled_f32), "-n", "4"]
     for args, want in (
         (["--mode", "speculative", "--block", "auto", "--draft", "3"], "draft_length: block_size \"auto\" chooses"),
-        (["--mode", "diffusion", "--block", "auto"], "block_size: 'auto' in mode diffusion"),
+        (["--mode", "diffusion", "--block", "auto", "--step-costs", "1:0.001,8:0.002,16:0.003/0.004,32:1/1,64:1/1"],
+         "--step-costs: width 8 needs DENOISE/BLOCK seconds"),
+        (["--mode", "speculative", "--block", "auto", "--step-costs", "1:0.001,8:0.002/0.003,16:1,32:1,64:1"],
+         "--step-costs: width 8 takes one cost"),
         (["--mode", "speculative", "--block", "autox"], "--block: a number or auto expected, got 'autox'"),
         (["--mode", "speculative", "--block", "auto", "--step-costs", "8:abc"], "--step-costs: WIDTH:SECONDS"),
         (["--mode", "speculative", "--block", "auto", "--step-costs", "1:0.001,8:-1"], "--step-costs: WIDTH:SECONDS"),

@@ -2498,8 +2498,7 @@ static Params make_params(const Model & m, const json & defaults, const json & r
     }
     const Hparams & hp = m.hp;
     auto bad = [](const std::string & s) { throw std::runtime_error(s); };
-    if (p.auto_width && p.mode == "diffusion")
-        bad("block_size: 'auto' in mode diffusion (a width chosen per block) is not in the llama.cpp port; give a number, or use auto with mode speculative or dflash");
+    if (p.auto_width && p.mode == "diffusion") p.block = auto_widths(m, p.mode).back();  // the widest it may choose (the cache's room)
     if (p.auto_width && (p.mode == "speculative" || p.mode == "dflash")) {
         if (p.draft > 0) bad("draft_length: block_size \"auto\" chooses the draft length; give one or the other");
         const std::vector<int> w = auto_widths(m, p.mode);  // the widest it may choose (the cache's room)
@@ -2843,8 +2842,69 @@ static bool prefix_ends_row(const Params & p, const Row & r, const std::vector<i
 }
 
 // clover.decoding.diffusion.DiffusionEngine for one row
-static void run_diffusion(Model & m, const Params & p, const std::vector<int> & prompt, Row & r) {
-    const int V = m.hp.n_vocab, Bs = p.block, mask = m.hp.mask_id;
+// block_size "auto" in diffusion (clover.decoding.width.WidthPolicy): at each fresh block, the width w
+// among the AR step (1: a block of one, predicted by the commit part) and the trained widths with the
+// most expected tokens per second, tpf(w) / cost(w), ties to the narrower:
+//   tpf(w) = min(w, tokens left, 1 + s (prior(w) - 1)), prior(w) the model card's tokens per forward at
+//     w (clover.block_tokens_per_forward; else w/8 within [1, 4]), s the row's gain beyond one token
+//     per forward so far against the prior's (8 forwards' worth of prior);
+//   cost(w) = the denoise forward of w, and once per block (tpf / w of the forwards) a block's last
+//     forward (w committed + the next w denoised); w = 1 the AR step (`StepCosts`).
+struct WidthPolicy {
+    static constexpr double PRIOR_PSEUDO_FORWARDS = 8.0;
+    std::vector<int> widths;                     // ascending, 1 first
+    std::map<int, double> prior, denoise, block;  // denoise[1]: the AR step
+    bool verbose = false;
+    json costs_json, choices = json::array();
+    std::vector<std::string> why;
+    double row_scale(int tokens, int forwards, double expected_gain) const {
+        const double k = PRIOR_PSEUDO_FORWARDS;
+        double sum = 0.0;
+        int n = 0;
+        for (int w : widths) if (w > 1) { sum += prior.at(w) - 1; n++; }
+        const double mean_gain = n ? sum / n : 0.0;
+        const double den = k * mean_gain + expected_gain;
+        return den > 0 ? std::max(0.0, (k * mean_gain + (tokens - forwards)) / den) : 1.0;
+    }
+    double tokens_per_forward(int w, double scale, int remaining) const {
+        return std::max(1.0, std::min({(double) w, (double) std::max(remaining, 1), 1.0 + scale * (prior.at(w) - 1.0)}));
+    }
+    double forward_seconds(int w, double tpf) const {
+        if (w == 1) return denoise.at(1);  // the AR step
+        const double blocks_per_forward = std::min(1.0, tpf / w);
+        return (1 - blocks_per_forward) * denoise.at(w) + blocks_per_forward * block.at(w);
+    }
+    int choose(double scale, int remaining, int forward) {
+        std::map<int, double> expected;
+        int best = widths[0];
+        for (int w : widths) {
+            const double tpf = tokens_per_forward(w, scale, remaining);
+            expected[w] = tpf / forward_seconds(w, tpf);
+            if (expected[w] > expected[best]) best = w;
+        }
+        if (choices.empty() || choices.back()["width"].get<int>() != best) {
+            json e = json::object();
+            std::string parts;
+            char buf[64];
+            for (const auto & [w, v] : expected) {
+                e[std::to_string(w)] = v;
+                snprintf(buf, sizeof buf, "%s%d: %.0f", parts.empty() ? "" : ", ", w, v);
+                parts += buf;
+            }
+            choices.push_back({{"forward", forward}, {"width", best}, {"expected", e}});
+            why.push_back("forward " + std::to_string(forward) + ": width " + std::to_string(best) + " for 1 row(s) (expected tokens/s " + parts + ")");
+            if (verbose) fprintf(stderr, "[auto] %s\n", why.back().c_str());
+        }
+        return best;
+    }
+};
+
+// clover.decoding.diffusion.DiffusionEngine for one row; with `pol` (block_size "auto") each block's
+// width chosen by it when the block starts (a block of one: the AR step, no denoise block).
+static void run_diffusion(Model & m, const Params & p, const std::vector<int> & prompt, Row & r, WidthPolicy * pol) {
+    const int V = m.hp.n_vocab, mask = m.hp.mask_id;
+    int Bs = p.block;
+    double expected_gain = 0.0;  // auto: the prior's tokens beyond one per forward, summed over forwards
     std::vector<int> pending = prompt, blk;
     std::vector<char> masked;
     std::vector<float> first(V);
@@ -2872,6 +2932,13 @@ static void run_diffusion(Model & m, const Params & p, const std::vector<int> & 
     const bool want_ent = p.policy == "entropy";
     std::vector<int> seen;
     while (!r.stop_now()) {
+        if (pol && step == 0) {  // a fresh block: its width
+            const int w = pol->choose(pol->row_scale((int) r.tokens.size(), r.forwards, expected_gain), p.max_new - (int) r.tokens.size(), r.forwards);
+            if (w != Bs) {
+                Bs = w;
+                new_block();
+            }
+        }
         const int Tc = (int) pending.size();
         std::vector<int> rows;
         if (Tc) rows.push_back(Tc - 1);
@@ -2879,8 +2946,9 @@ static void run_diffusion(Model & m, const Params & p, const std::vector<int> & 
         std::vector<int> den_row(Bs, -1);  // block position j -> row of the logits that predict it
         for (int j = 1; j < Bs; j++)
             if (open[j]) { den_row[j] = (int) rows.size(); rows.push_back(Tc + j - 1); }
-        forward(m, pending, blk, rows, false, f);
+        forward(m, pending, Bs == 1 && Tc ? std::vector<int>() : blk, rows, false, f);  // a block of one: the AR step
         if (++r.forwards == 1) { r.first_forward_s = m.last_forward_s; r.first_forward_cpu_s = m.last_forward_cpu_s; }
+        if (pol) expected_gain += pol->prior.at(Bs) - 1.0;
         if (Tc) {
             std::copy(f.logits.begin(), f.logits.begin() + V, first.begin());
             pending.clear();
@@ -3019,7 +3087,8 @@ struct DraftPolicy {
 
 // What a step drafting each width costs (seconds; width 1: the AR step), per mode and expert budget.
 struct StepCosts {
-    std::map<int, double> seconds;
+    std::map<int, double> seconds;  // diffusion: its denoise forward at each width (1: the AR step)
+    std::map<int, double> block;    // diffusion: a block's last forward, w committed + the next w denoised
     std::string source;            // "measured", "cached" or "given" (--step-costs)
     double measure_seconds = 0.0;  // the wall time the measurement took in this process
     std::string file;              // the cache file
@@ -3027,7 +3096,7 @@ struct StepCosts {
 
 struct AutoWidth {  // the process's settings for block_size "auto"
     bool verbose = false;                   // --verbose: the cost table and each width decision on stderr
-    std::map<int, double> given;            // --step-costs W:S,...: the cost table, not measured
+    std::map<int, double> given, given_block;  // --step-costs W:S[/B],...: the cost table, not measured
     std::string identity;                   // what a measured table depends on besides the mode (main sets it)
     std::map<std::string, StepCosts> tables;
 };
@@ -3036,30 +3105,32 @@ static AutoWidth & auto_width() {
     return a;
 }
 
-// --step-costs "1:0.001,8:0.0022,...": width -> seconds of a step drafting it
-static std::map<int, double> parse_step_costs(const std::string & s) {
-    std::map<int, double> out;
+// --step-costs "1:0.001,8:0.0022,...": width -> seconds of a step drafting it (diffusion: W:D/B, its
+// denoise forward and a block's last forward at that width; 1: the AR step)
+static void parse_step_costs(const std::string & s, AutoWidth & aw) {
+    const std::string form = "--step-costs: WIDTH:SECONDS[/SECONDS],... with widths >= 1 and seconds > 0, got '";
     std::stringstream ss(s);
     std::string item;
     while (std::getline(ss, item, ',')) {
-        const size_t c = item.find(':');
+        const size_t c = item.find(':'), sl = item.find('/');
         int w = 0;
-        double sec = 0;
+        double sec = 0, blk = 1;
         try {
-            size_t n1 = 0, n2 = 0;
+            size_t n1 = 0, n2 = 0, n3 = 0;
             if (c == std::string::npos) throw std::invalid_argument("no ':'");
             w = std::stoi(item.substr(0, c), &n1);
-            sec = std::stod(item.substr(c + 1), &n2);
-            if (n1 != c || n2 != item.size() - c - 1) throw std::invalid_argument("trailing text");
+            const std::string a = item.substr(c + 1, sl == std::string::npos ? std::string::npos : sl - c - 1);
+            sec = std::stod(a, &n2);
+            if (sl != std::string::npos) blk = std::stod(item.substr(sl + 1), &n3);
+            if (n1 != c || n2 != a.size() || (sl != std::string::npos && n3 != item.size() - sl - 1)) throw std::invalid_argument("trailing text");
         } catch (const std::exception &) {
             w = 0;
         }
-        if (w < 1 || !(sec > 0) || !std::isfinite(sec))
-            die("--step-costs: WIDTH:SECONDS,... with widths >= 1 and seconds > 0, got '" + item + "'");
-        out[w] = sec;
+        if (w < 1 || !(sec > 0) || !std::isfinite(sec) || !(blk > 0) || !std::isfinite(blk)) die(form + item + "'");
+        aw.given[w] = sec;
+        if (sl != std::string::npos) aw.given_block[w] = blk;
     }
-    if (out.empty()) die("--step-costs: WIDTH:SECONDS,... with widths >= 1 and seconds > 0, got '" + s + "'");
-    return out;
+    if (aw.given.empty()) die(form + s + "'");
 }
 
 // The widths a mode chooses among (`DraftPolicy`).
@@ -3083,8 +3154,8 @@ static std::vector<int> auto_widths(const Model & m, const std::string & mode) {
 // most verifies end; w = 1 the AR step; dflash a drafter forward of the block [anchor, mask x (w-1)]
 // over w/2 context tokens and the verify of w positions (exact or batched, as --verify) rolled back
 // to half, w = 1 the AR step with the drafter's features. CPU time at 1 thread (what another process disturbs least), wall time with more.
-static std::map<int, double> measure_step_costs(Model & m, const Params & p, const std::vector<int> & widths) {
-    const bool dflash = p.mode == "dflash";
+static void measure_step_costs(Model & m, const Params & p, const std::vector<int> & widths, StepCosts & sc) {
+    const bool dflash = p.mode == "dflash", diffusion = p.mode == "diffusion";
     const int V = m.hp.n_vocab, PREFIX = 32, F = dflash ? m.dr.n_features() : 0;
     std::mt19937_64 g(0);
     auto random_ids = [&](int n) {
@@ -3097,13 +3168,19 @@ static std::map<int, double> measure_step_costs(Model & m, const Params & p, con
     Forward f;
     std::vector<float> ctx, feats, dl;
     forward(m, random_ids(PREFIX), {}, {PREFIX - 1}, false, f, dflash ? &ctx : nullptr);
-    std::map<int, std::vector<double>> t;
+    std::vector<std::pair<int, bool>> items;  // (width, diffusion's block forward)
+    for (int w : widths) {
+        items.push_back({w, false});
+        if (diffusion && w > 1) items.push_back({w, true});
+    }
+    std::map<std::pair<int, bool>, std::vector<double>> t;
     double settle = 0.0;
     for (int round = 0; round < COST_WARMUP + COST_ROUNDS; round++)
-        for (int w : widths)
+        for (const auto & [w, blk] : items)
             for (int timed = 0, settled = 0; timed < COST_TIMED;) {
                 const std::vector<int> src = random_ids(w);
                 std::vector<int> rows;
+                int keep = w / 2;  // committed positions kept (the rest rolled back)
                 const double t0 = clock();
                 if (dflash) {
                     if (w > 1) {
@@ -3119,29 +3196,32 @@ static std::map<int, double> measure_step_costs(Model & m, const Params & p, con
                 } else if (w == 1) {
                     forward(m, src, {}, {0}, false, f);
                     rows = {0};
+                } else if (diffusion) {  // a denoise forward of w (w - 1 logit rows), or a block's last: w committed too
+                    if (blk) rows.push_back(w - 1);
+                    for (int j = 0; j < w - 1; j++) rows.push_back((blk ? w : 0) + j);
+                    forward(m, blk ? src : std::vector<int>(), std::vector<int>(w, m.hp.mask_id), rows, false, f);
+                    keep = blk ? w : 0;
                 } else {
                     for (int j = 0; j < 2 * w - 1; j++) rows.push_back(j);
                     forward(m, src, std::vector<int>(w, m.hp.mask_id), rows, true, f);
                 }
                 for (size_t j = 0; j < rows.size(); j++) argmax_tok(&f.logits[j * V], V, p);
-                if (w > 1) rollback(m, w, w / 2);
-                m.n_past -= w > 1 ? w / 2 : 1;
+                if (w > 1 && !diffusion) rollback(m, w, keep);
+                m.n_past -= w > 1 ? keep : 1;  // the cache's length put back (its values do not change the cost)
                 const double dt = clock() - t0;
                 if (!settled) {
                     settle += dt;
                     if (settle >= COST_SETTLE_S) { settled = 1; settle = 0.0; }
                 } else {
-                    if (round >= COST_WARMUP) t[w].push_back(dt);
+                    if (round >= COST_WARMUP) t[{w, blk}].push_back(dt);
                     timed++;
                 }
             }
-    std::map<int, double> out;
-    for (auto & [w, v] : t) {
+    for (auto & [key, v] : t) {
         std::sort(v.begin(), v.end());
         const size_t n = v.size();
-        out[w] = n % 2 ? v[n / 2] : (v[n / 2 - 1] + v[n / 2]) / 2;
+        (key.second ? sc.block : sc.seconds)[key.first] = n % 2 ? v[n / 2] : (v[n / 2 - 1] + v[n / 2]) / 2;
     }
-    return out;
 }
 
 static std::string cost_cache_dir() {
@@ -3167,14 +3247,20 @@ static StepCosts & step_costs(Model & m, const Params & p, const std::vector<int
     key += " share " + std::to_string(m.share_budget) + (m.share_max ? " max" : " sum") + " | " + aw.identity;
     StepCosts & sc = aw.tables[key];
     if (!sc.seconds.empty()) return sc;
+    const bool diffusion = p.mode == "diffusion";  // two costs per width > 1: the denoise forward, a block's last
     if (!aw.given.empty()) {
+        std::string all;
+        for (int x : widths) all += (all.empty() ? "" : ", ") + std::to_string(x);
         for (int w : widths) {
-            if (!aw.given.count(w)) {
-                std::string all;
-                for (int x : widths) all += (all.empty() ? "" : ", ") + std::to_string(x);
-                throw std::runtime_error("--step-costs: no cost for width " + std::to_string(w) + " (mode " + p.mode + " chooses among " + all + ")");
+            const bool two = diffusion && w > 1;
+            if (!aw.given.count(w) || two != (aw.given_block.count(w) > 0)) {
+                sc.seconds.clear();
+                sc.block.clear();
+                throw std::runtime_error("--step-costs: " + std::string(aw.given.count(w) ? "" : "no cost for ") + "width " + std::to_string(w) +
+                                         (two ? " needs DENOISE/BLOCK seconds" : aw.given.count(w) ? " takes one cost" : "") + " (mode " + p.mode + " chooses among " + all + ")");
             }
             sc.seconds[w] = aw.given.at(w);
+            if (two) sc.block[w] = aw.given_block.at(w);
         }
         sc.source = "given";
         return sc;
@@ -3191,26 +3277,31 @@ static StepCosts & step_costs(Model & m, const Params & p, const std::vector<int
             if (in) {
                 const json j = json::parse(in);
                 if (j.at("schema") == "clover.port-cost/1" && j.at("key") == key)
-                    for (int w : widths) sc.seconds[w] = j.at("seconds").at(std::to_string(w)).get<double>();
+                    for (int w : widths) {
+                        sc.seconds[w] = j.at("seconds").at(std::to_string(w)).get<double>();
+                        if (diffusion && w > 1) sc.block[w] = j.at("block").at(std::to_string(w)).get<double>();
+                    }
             }
         } catch (const std::exception &) {
             sc.seconds.clear();  // unreadable or another table: measured again
+            sc.block.clear();
         }
         if (!sc.seconds.empty()) sc.source = "cached";
     }
     if (sc.seconds.empty()) {
         const auto t0 = std::chrono::steady_clock::now();
-        sc.seconds = measure_step_costs(m, p, widths);
+        measure_step_costs(m, p, widths, sc);
         sc.measure_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
         sc.source = "measured";
         if (!sc.file.empty()) {  // written whole, then renamed; a cache that cannot be written is skipped
             for (size_t i = 1; i <= dir.size(); i++)
                 if (i == dir.size() || dir[i] == '/') mkdir(dir.substr(0, i).c_str(), 0755);
-            json secs = json::object();
+            json secs = json::object(), blocks = json::object();
             for (const auto & [w, s] : sc.seconds) secs[std::to_string(w)] = s;
+            for (const auto & [w, s] : sc.block) blocks[std::to_string(w)] = s;
             const std::string tmp = sc.file + ".tmp" + std::to_string((long long) getpid());
             std::ofstream out(tmp);
-            out << json({{"schema", "clover.port-cost/1"}, {"key", key}, {"seconds", secs}}).dump(1) << "\n";
+            out << json({{"schema", "clover.port-cost/1"}, {"key", key}, {"seconds", secs}, {"block", blocks}}).dump(1) << "\n";
             out.close();
             if (!out || rename(tmp.c_str(), sc.file.c_str()) != 0) { remove(tmp.c_str()); sc.file.clear(); }
         }
@@ -3221,12 +3312,36 @@ static StepCosts & step_costs(Model & m, const Params & p, const std::vector<int
         for (const auto & [w, s] : sc.seconds) {
             snprintf(buf, sizeof buf, "%s%d: %.3f ms", parts.empty() ? "" : ", ", w, 1e3 * s);
             parts += buf;
+            if (sc.block.count(w)) {  // diffusion: / a block's last forward
+                snprintf(buf, sizeof buf, " / %.3f ms", 1e3 * sc.block.at(w));
+                parts += buf;
+            }
         }
         if (sc.source == "measured") snprintf(buf, sizeof buf, " in %.2f s", sc.measure_seconds);
         fprintf(stderr, "[auto] %s step costs (%s%s%s): %s\n", p.mode.c_str(), sc.source.c_str(), sc.source == "measured" ? buf : "",
                 sc.file.empty() ? "" : (", " + sc.file).c_str(), parts.c_str());
     }
     return sc;
+}
+
+// The request's policy in diffusion (block_size "auto").
+static WidthPolicy width_policy(Model & m, const Params & p) {
+    WidthPolicy pol;
+    pol.widths = auto_widths(m, p.mode);
+    const StepCosts & sc = step_costs(m, p, pol.widths);
+    pol.denoise = sc.seconds;
+    pol.block = sc.block;
+    pol.verbose = auto_width().verbose;
+    json secs = json::object(), blocks = json::object(), prior = json::object();
+    for (int w : pol.widths) {  // width.prior_tokens_per_forward
+        pol.prior[w] = w == 1 ? 1.0 : m.hp.block_tpf.count(w) ? m.hp.block_tpf.at(w) : std::min(4.0, std::max(1.0, w / 8.0));
+        prior[std::to_string(w)] = pol.prior[w];
+    }
+    for (const auto & [w, c] : pol.denoise) secs[std::to_string(w)] = c;
+    for (const auto & [w, c] : pol.block) blocks[std::to_string(w)] = c;
+    pol.costs_json = {{"seconds", secs}, {"block", blocks}, {"source", sc.source}, {"measure_seconds", sc.measure_seconds},
+                      {"file", sc.file}, {"prior", prior}};
+    return pol;
 }
 
 // The request's policy (block_size "auto" in speculative or dflash).
@@ -3452,8 +3567,12 @@ static json run_request(Model & m, const json & defaults, const json & req, cons
     m.share_budget = p.mode == "ar" ? 0 : std::max(0, p.expert_budget);
     m.share_max = p.expert_rank == "max";
     const bool auto_draft = p.auto_width && (p.mode == "speculative" || p.mode == "dflash");  // never a batched row
+    const bool auto_block = p.auto_width && p.mode == "diffusion";
     DraftPolicy pol;
+    WidthPolicy wpol;
+    if (tl_seq && auto_block) throw std::runtime_error("block_size: 'auto' runs alone, not as a batched row");
     if (auto_draft && p.max_new > 0) pol = draft_policy(m, p);  // may measure the step costs (on the cache, before the request's)
+    if (auto_block && p.max_new > 0) wpol = width_policy(m, p);
     const int n_ctx = (int) prompt.size() + p.max_new + 2 * std::max({p.block, p.draft, p.mode == "dflash" ? m.dr.block_size : 0}) + 1;
     if (tl_seq) seq_start(m, *tl_seq, n_ctx);
     else reset_cache(m, n_ctx);
@@ -3462,7 +3581,7 @@ static json run_request(Model & m, const json & defaults, const json & req, cons
     clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &c0);
     if (p.max_new > 0) {
         if (p.mode == "ar") run_ar(m, p, prompt, r);
-        else if (p.mode == "diffusion") run_diffusion(m, p, prompt, r);
+        else if (p.mode == "diffusion") run_diffusion(m, p, prompt, r, auto_block ? &wpol : nullptr);
         else if (p.mode == "dflash") run_dflash(m, p, prompt, r, auto_draft ? &pol : nullptr);
         else run_speculative(m, p, prompt, r, auto_draft ? &pol : nullptr);
     } else {
@@ -3485,10 +3604,10 @@ static json run_request(Model & m, const json & defaults, const json & req, cons
         out["draft_cpu_seconds"] = m.dr.cpu_s;
     }
     if (tl_seq) out["batch_rows"] = tl_seq->forwards ? (double) tl_seq->rows / tl_seq->forwards : 0.0;  // rows per forward it took part in
-    if (auto_draft && p.max_new > 0) {  // block_size "auto": the widths chosen, why, and the cost table
-        out["width_choices"] = pol.choices;
-        out["width_why"] = pol.why;
-        out["step_costs"] = pol.costs_json;
+    if ((auto_draft || auto_block) && p.max_new > 0) {  // block_size "auto": the widths chosen, why, and the cost table
+        out["width_choices"] = auto_block ? wpol.choices : pol.choices;
+        out["width_why"] = auto_block ? wpol.why : pol.why;
+        out["step_costs"] = auto_block ? wpol.costs_json : pol.costs_json;
     }
     if (req.contains("id")) out["id"] = req["id"];
     if (!(req.contains("prompt") && req["prompt"].is_array())) out["prompt_ids"] = prompt;  // the port tokenized it
@@ -3611,7 +3730,7 @@ int main(int argc, char ** argv) {
         else if (a == "--drafter") drafter = next();
         else if (a == "-n" || a == "--max-new-tokens") defaults["max_new_tokens"] = num();
         else if (a == "--block") { const std::string v = next(); defaults["block_size"] = v == "auto" ? json(v) : value(v); }
-        else if (a == "--step-costs") auto_width().given = parse_step_costs(next());
+        else if (a == "--step-costs") parse_step_costs(next(), auto_width());
         else if (a == "--verbose" || a == "-v") auto_width().verbose = true;
         else if (a == "--draft") defaults["draft_length"] = num();
         else if (a == "--sub-block") defaults["sub_block"] = num();
@@ -3846,8 +3965,8 @@ int main(int argc, char ** argv) {
                     }
                     const Params p = make_params(m, defaults, req);
                     const int budget = p.mode == "ar" ? 0 : std::max(0, p.expert_budget);
-                    // speculative's auto width measures its step costs with forwards of its own first: not batched
-                    batched = (p.mode == "ar" || p.mode == "diffusion" || (p.mode == "speculative" && !p.auto_width)) &&
+                    // block_size auto measures its step costs with forwards of its own first: not batched
+                    batched = (p.mode == "ar" || ((p.mode == "diffusion" || p.mode == "speculative") && !p.auto_width)) &&
                               !(budget > 0 && budget < m.hp.n_expert);
                 } catch (const std::exception & e) {
                     if (input != "json") die(e.what());

@@ -31,7 +31,6 @@ from ..paths import user_cache
 from ..serve.defaults import MAX_BATCH as MAX_PARALLEL  # the server's batch: the rows the port decodes together
 
 MODES = ("ar", "diffusion", "speculative", "dflash")
-AUTO_MODES = ("speculative", "dflash")  # block_size="auto": the port chooses each draft's width (clover's DraftPolicy)
 OTHER_MODES = {  # clover's other modes: why the port does not run them
     "naive": "naive is diffusion without the cache (the uncached baseline); the port always caches: use mode diffusion (the same tokens)",
 }
@@ -96,9 +95,6 @@ def port_options(mode: str, params, *, drafter=None) -> dict:
     if mode in ("speculative", "dflash") and params.temperature != 0:
         raise ValueError(f"temperature: sampled {mode} decoding (the rejection rule) is not in the llama.cpp port; "
                          "use temperature 0, or mode ar or diffusion to sample")
-    if params.block_size == "auto" and mode not in AUTO_MODES:  # speculative and dflash: the port chooses each draft's width
-        raise ValueError(f"block_size: 'auto' in mode {mode} (a width chosen per block) is not in the llama.cpp port; "
-                         f"give a number, or use auto with mode {' or '.join(AUTO_MODES)}")
     out = {"mode": mode}
     out.update({k: getattr(params, k) for k in OPTIONS if k in known})
     if out.get("logit_bias"):
