@@ -14,7 +14,7 @@ One thread, the same held-out task prompts (as token ids) everywhere, `--rounds`
   speculative (draft 32, 8, 6, 4, 3; drafts 6 and 3 also with expert budget 2), dflash (the DFlash
   drafter `--drafter DIR`, by default the bundled model's, exported in the row's dtype or in q8_0:
   its default confidence cut; `--verify batched`; fixed drafts of 3 and 7), block_size "auto" in
-  speculative and dflash (the step costs measured in the first round, cached for the later ones; a
+  diffusion, speculative and dflash (the step costs measured in the first round, cached for the later ones; a
   comment line after the table gives them and the decisions per width), and denoise forwards
   of width 8 and 32 (threshold 1.5: one token per forward, the block never ended early: the cost of
   a denoise forward of that width, a block's commit in every width-th); its own clock over the
@@ -199,8 +199,10 @@ CONFIGS = {
     "dflash, draft 7": ["--mode", "dflash", "--draft", "7", "--ignore-eos"],
     "dflash, draft 3, q8_0 drafter": ["--mode", "dflash", "--draft", "3", "--ignore-eos"],
     "dflash, q8_0 drafter": ["--mode", "dflash", "--ignore-eos"],
-    # block_size "auto": each draft's width chosen from the row's acceptance over the step costs the port
+    # block_size "auto": each block's (diffusion, the model's rule) or draft's width chosen from the row's
+    # tokens per forward or acceptance over the step costs the port
     # measures at its first such request (in the first round; cached for the next)
+    "diffusion, auto": ["--mode", "diffusion", "--block", "auto"],
     "speculative, auto": ["--mode", "speculative", "--block", "auto", "--ignore-eos"],
     "dflash, auto": ["--mode", "dflash", "--block", "auto", "--ignore-eos"],
     "dflash, auto, q8_0 drafter": ["--mode", "dflash", "--block", "auto", "--ignore-eos"],
@@ -289,7 +291,9 @@ def main() -> int:
                 print(f"| {dtype} | port {name}{same} | {tok} | {fwd} | {tok / fwd:.2f} | {ms:.3f} | {ms * s / 1e3:.2f} | {tps:.1f} | {tps / s:.2f} |")
             for name, runs in autos.items():  # the first round measured the step costs, the later ones read them
                 costs = runs[0][0]["step_costs"]
-                table = ", ".join(f"{w}: {1e3 * c:.3f}" for w, c in sorted(costs["seconds"].items(), key=lambda x: int(x[0])))
+                blocks = costs.get("block", {})  # diffusion: / a block's last forward
+                table = ", ".join(f"{w}: {1e3 * c:.3f}" + (f" / {1e3 * blocks[w]:.3f}" if w in blocks else "")
+                                  for w, c in sorted(costs["seconds"].items(), key=lambda x: int(x[0])))
                 chosen = Counter(c["width"] for r in runs[0] for c in r["width_choices"])
                 how = f"measured in {costs['measure_seconds']:.2f} s" if costs["source"] == "measured" else costs["source"]
                 print(f"<!-- {dtype} {name}: step costs ms ({table}), {how}, then {runs[-1][0]['step_costs']['source']}; "

@@ -66,7 +66,7 @@ def generation_record(llm, gen, mode: str, block_size: int | None, threshold: fl
 
 
 def draft_widths(width_why: list[str]) -> str:
-    """The draft width of each block_size="auto" decision ("forward N: draft width W ..."; 1: AR's step)."""
+    """The width of each block_size="auto" decision ("forward N: [draft] width W ..."; 1: AR's step)."""
     return " → ".join(line.split(" width ", 1)[1].split(" ", 1)[0] for line in width_why)
 
 
@@ -127,7 +127,8 @@ def run(args: argparse.Namespace) -> int:
             s = rec["stats"]
             stderr(f"[{mode.name} · llama.cpp] " + viz.stats_line(s["tokens"], s["forwards"], s["seconds"], rec["finish_reason"]))
             if s.get("width_why"):  # block_size="auto": the draft widths chosen (every decision with --verbose)
-                stderr(f"[{mode.name} · llama.cpp] block_size auto: draft widths {draft_widths(s['width_why'])}")
+                what = "block widths" if mode.name == "diffusion" else "draft widths"
+                stderr(f"[{mode.name} · llama.cpp] block_size auto: {what} {draft_widths(s['width_why'])}")
                 for line in s["width_why"] if args.verbose else []:
                     stderr(f"  {line}")
         return 0
