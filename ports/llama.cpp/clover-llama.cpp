@@ -3366,6 +3366,10 @@ static DraftPolicy draft_policy(Model & m, const Params & p) {
 // (block_size "auto") clover's adaptive draft: each forward's width chosen by `pol` (1: the AR step,
 // no denoise block), the draft's tokens past a rejected one riding behind AR's token in the next
 // draft, and a draft's first token (AR's own) emitted when drafted.
+// speculative.SKIP_BLOCK_BELOW: draft auto leaves out the denoise block of a forward whose draft in flight
+// is kept whole with probability below this (a^(L-1), a the row's acceptance rate, L the draft's length)
+static const double SKIP_BLOCK_BELOW = 0.35;
+
 static void run_speculative(Model & m, const Params & p, const std::vector<int> & prompt, Row & r, DraftPolicy * pol) {
     const int V = m.hp.n_vocab, mask = m.hp.mask_id;
     const bool adaptive = pol != nullptr;
@@ -3380,15 +3384,20 @@ static void run_speculative(Model & m, const Params & p, const std::vector<int> 
             D = pol->choose(kept_draft, rejected_draft, p.max_new - (int) r.tokens.size(), r.forwards, auto_width().verbose,
                             starting ? std::max<double>(1, r.tokens.size()) : -1);
         }
+        int Dw = D;  // this forward's draft: none where the draft in flight is likely rejected (SpeculativeEngine._skip_block:
+        // its block would draft after the whole draft; a rejection drafts on from the leftover either way)
+        if (pol && Dw > 1 && has_draft && draft.size() > 1 &&
+            std::pow(pol->acceptance(kept_draft, rejected_draft), (double) (draft.size() - 1)) < SKIP_BLOCK_BELOW)
+            Dw = 1;
         const std::vector<int> & src = has_draft ? draft : pending;
         const int Tc = (int) src.size(), Dv = has_draft ? Tc : 0;
         std::vector<int> rows;
         if (has_draft) for (int j = 0; j < Dv; j++) rows.push_back(j);
         else if (Tc) rows.push_back(Tc - 1);
         const int n_commit_rows = (int) rows.size();
-        for (int j = 0; j < D - 1; j++) rows.push_back(Tc + j);
+        for (int j = 0; j < Dw - 1; j++) rows.push_back(Tc + j);
         // a draft of one needs no denoise block (the AR step) nor a rollback (it is always kept)
-        forward(m, src, std::vector<int>(D > 1 ? D : 0, mask), rows, /*record: per-token GDN states, for a rollback*/ Dv > 1, f);
+        forward(m, src, std::vector<int>(Dw > 1 ? Dw : 0, mask), rows, /*record: per-token GDN states, for a rollback*/ Dv > 1, f);
         if (++r.forwards == 1) { r.first_forward_s = m.last_forward_s; r.first_forward_cpu_s = m.last_forward_cpu_s; }
         int keep = Tc, mm = 0;
         bool next_ok = true;
@@ -3412,10 +3421,10 @@ static void run_speculative(Model & m, const Params & p, const std::vector<int> 
         if (keep != Tc) rollback(m, Tc, keep);
         if (r.finished) break;
         old.swap(draft);
-        if (next_ok && D > 1) {
-            draft.assign(D, 0);
+        if (next_ok && Dw > 1) {
+            draft.assign(Dw, 0);
             draft[0] = argmax_tok(first.data(), V, p);
-            for (int j = 0; j < D - 1; j++) draft[j + 1] = argmax_tok(&f.logits[(size_t) (n_commit_rows + j) * V], V, p);
+            for (int j = 0; j < Dw - 1; j++) draft[j + 1] = argmax_tok(&f.logits[(size_t) (n_commit_rows + j) * V], V, p);
         } else {  // a rejection (this forward's block followed rejected tokens), or no block
             draft.assign(1, argmax_tok(first.data(), V, p));
             // adaptive: the draft's tokens past the rejected one ride along (denoised from masks, never
