@@ -568,10 +568,11 @@ def test_port_cancel(port, bundled_f32, llm):
 
 
 @pytest.mark.slow
-def test_serve_engine_llama_cpp(port, bundled_f32, llm):
+def test_serve_engine_llama_cpp(port, bundled_f32, llm, cost_cache):
     """`clover serve --engine llama.cpp`: the OpenAI API served through the port answers as the torch
-    engine does: text, finish reason and usage (completions and chat, streamed or not, each mode),
-    and the same errors for bad requests; a mode the port lacks is refused with its reason."""
+    engine does: text, finish reason and usage (completions and chat, streamed or not, each mode,
+    speculative with block_size auto: each engine's own step costs, AR's text either way), and the
+    same errors for bad requests; a mode the port lacks is refused with its reason."""
     import json
 
     pytest.importorskip("fastapi")
@@ -586,6 +587,7 @@ def test_serve_engine_llama_cpp(port, bundled_f32, llm):
                              "policy": "threshold", "stop": ["\n\n"]}),
         ("/v1/completions", {"prompt": ["assert sorted([9, 2, 5]) == ", "def f(x):"], "max_tokens": 24, "mode": "ar"}),
         ("/v1/completions", {"prompt": "import os\n", "max_tokens": 30, "mode": "speculative"}),
+        ("/v1/completions", {"prompt": "def f(x):", "max_tokens": 30, "mode": "speculative", "block_size": "auto"}),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "sort a list"}], "max_tokens": 20,
                                   "mode": "diffusion"}),
     ]
@@ -618,6 +620,7 @@ def test_serve_engine_llama_cpp(port, bundled_f32, llm):
                 if len(ca) == 1:
                     text = cb[0][key] if key == "text" else cb[0][key]["content"]
                     assert streamed(b, path, body) == text
+            assert any(f.name.startswith("port-") for f in cost_cache.iterdir())  # the port measured its step costs
             for body in bad:
                 ra, rb = a.post("/v1/completions", json={"model": "m", **body}), b.post("/v1/completions", json={"model": "m", **body})
                 assert ra.status_code == rb.status_code == 400 and ra.json() == rb.json()
