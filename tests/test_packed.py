@@ -53,7 +53,7 @@ def test_packed_linear_equals_f_linear_and_falls_back_where_it_must(count_packed
     assert count_packed == [2, 8, 32, 4]
 
 
-@pytest.mark.parametrize("N,k", [(1, 2), (5, 2), (33, 4), (80, 8)])
+@pytest.mark.parametrize("N,k", [(1, 2), (5, 2), (33, 4), (40, 8)])
 def test_packed_experts_equal_reference(N, k, count_packed):
     ex = Experts(16, 24, 12)
     g = torch.Generator().manual_seed(N)
@@ -68,7 +68,7 @@ def test_packed_experts_equal_reference(N, k, count_packed):
         out = grouped_expert_forward(ex, x, idx, w)
         torch.testing.assert_close(out, reference_expert_forward(ex, x, idx, w), atol=1e-5, rtol=1e-5)
     rows = torch.bincount(idx.reshape(-1), minlength=16)
-    assert sorted(count_packed) == sorted(2 * [int(r) for r in rows if 2 <= r <= packed.MAX_ROWS])  # two packed matmuls each
+    assert sorted(count_packed) == sorted(2 * [int(r) for r in rows if 2 <= r <= packed.EXPERT_MAX_ROWS])  # two packed matmuls each
 
 
 def _step_outputs(llm):
@@ -99,6 +99,29 @@ def test_packed_model_equals_plain_model(which, tiny_dir, count_packed):
     for mode in ("ar", "diffusion", "speculative"):
         kw = dict(mode=mode, max_new_tokens=24, ignore_eos=True)
         assert [g.token_ids for g in fast.generate(prompts, **kw)] == [g.token_ids for g in plain.generate(prompts, **kw)]
+
+
+def test_packed_model_with_many_rows_per_expert_takes_the_grouped_path(tiny_dir, count_packed, monkeypatch):
+    """Above `EXPERT_MAX_ROWS` routed slots per expert (a prompt) the experts go through torch's
+    grouped matmul as unpacked ones do; the outputs still equal the plain model's."""
+    import clover.models.layers as layers
+
+    plain, fast = clover.load(tiny_dir, pack=False), clover.load(tiny_dir, pack=True)
+    assert all(mod.packs is not None for mod in fast.model.modules() if isinstance(mod, Experts))
+    monkeypatch.setattr(layers, "EXPERT_MAX_ROWS", 1)
+    import clover.moe as moe
+
+    grouped = []
+    real = moe.grouped_swiglu
+    monkeypatch.setattr(moe, "grouped_swiglu", lambda xs, *a: grouped.append(xs.shape[0]) or real(xs, *a))
+    outs = _step_outputs(fast)
+    assert grouped and count_packed  # grouped experts, packed dense layers
+    for a, b in zip(_step_outputs(plain), outs):
+        torch.testing.assert_close(b, a, atol=2e-4, rtol=2e-4)
+    grouped.clear()
+    monkeypatch.setattr(layers, "EXPERT_MAX_ROWS", 16)
+    _step_outputs(fast)
+    assert grouped == []  # a few rows per expert: the packed host loop instead
 
 
 def test_pack_is_the_default_only_where_it_fits(tiny_dir, monkeypatch):

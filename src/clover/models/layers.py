@@ -29,7 +29,7 @@ from ..kernels import (
     one_chunk_gated_delta_rule,
     recurrent_gated_delta_rule,
 )
-from ..kernels.packed import linear as packed_linear
+from ..kernels.packed import EXPERT_MAX_ROWS, linear as packed_linear
 from ..moe import BlockSharing, grouped_expert_forward, route, static_expert_forward
 
 
@@ -620,8 +620,9 @@ class Experts(nn.Module):
 
     def expert_forward(self, e: int, x: torch.Tensor) -> torch.Tensor:
         gu, dn = self.packs[e] if self.packs is not None else (None, None)
-        gate, up = packed_linear(x, self.gate_up_proj[e], gu, source=self.gate_up_proj).chunk(2, dim=-1)
-        return packed_linear(F.silu(gate) * up, self.down_proj[e], dn, source=self.down_proj)
+        gate, up = packed_linear(x, self.gate_up_proj[e], gu, source=self.gate_up_proj,
+                                 max_rows=EXPERT_MAX_ROWS).chunk(2, dim=-1)
+        return packed_linear(F.silu(gate) * up, self.down_proj[e], dn, source=self.down_proj, max_rows=EXPERT_MAX_ROWS)
 
     def forward(self, x: torch.Tensor, top_idx: torch.Tensor, top_w: torch.Tensor) -> torch.Tensor:
         """x [N, H]; top_idx/top_w [N, k]. Tokens grouped by expert; only touched experts run."""
@@ -682,9 +683,10 @@ class SparseMoE(nn.Module):
         """Eagerly: the grouped matmul (`static_expert_forward`) where it beats the host loop over
         the touched experts: on a CPU, at inference (the grouped op has no backward), plain
         experts (not clover's quantized ones, nor a tensor subclass such as torchao's Int8Tensor in the
-        transformers export, which the grouped op cannot take), not packed (`Experts.packs`: the host
-        loop then runs each expert's rows through oneDNN, faster than the grouped op at a few rows per
-        expert), at least as many routed slots as experts."""
+        transformers export, which the grouped op cannot take), at least as many routed slots as
+        experts; packed experts (`Experts.packs`) only above `EXPERT_MAX_ROWS` slots per expert (below,
+        the host loop runs each expert's rows through oneDNN, faster than the grouped op)."""
         return (top_idx.device.type == "cpu" and not torch.is_grad_enabled() and hasattr(torch, "_grouped_mm")
-                and top_idx.numel() >= self.num_experts and getattr(self.experts, "packs", None) is None
+                and top_idx.numel() >= self.num_experts
+                and (getattr(self.experts, "packs", None) is None or top_idx.numel() > EXPERT_MAX_ROWS * self.num_experts)
                 and type(getattr(self.experts, "gate_up_proj", None)) in (torch.Tensor, nn.Parameter))
