@@ -8,9 +8,9 @@ finish at different times) sent at once to one `--json` process:
   forwards (the done line's batch_rows); more requests than slots join as rows leave;
 - greedy batched rows equal clover's engine (ar; diffusion, forward count included);
 - speculative rows batch (each row's rollback its own): the same tokens, forwards and accept lengths
-  as one by one, tokens = AR greedy;
-- a request the batch does not take (speculative with expert sharing) among batched rows runs alone
-  between batches, with its own tokens; a cancelled row stops and the others go on;
+  as one by one, tokens = AR greedy; rows with block expert sharing (each row's budget and rank) too;
+- a request the batch does not take (dflash) among batched rows runs alone between batches, with its
+  own tokens (= AR greedy); a cancelled row stops and the others go on;
 - `clover serve --engine llama.cpp` with concurrent rows batched in the port answers as the torch engine.
 """
 
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import pytest
 
-from test_llama_port import llm, mixed_prompts, options, port  # noqa: F401  (llm, port: fixtures)
+from test_llama_port import drafter_f32, llm, mixed_prompts, options, port  # noqa: F401  (drafter_f32, llm, port: fixtures)
 
 LENGTHS = (40, 17, 33, 9, 28, 40, 22, 12)  # max_new_tokens per request: rows end at different forwards
 
@@ -102,17 +102,29 @@ def test_batched_speculative_rows(port, bundled_f32, llm, draft):
 
 
 @pytest.mark.slow
-def test_unbatched_modes_and_cancel_among_batched_rows(port, bundled_f32, llm):
-    """A speculative request with expert sharing among ar rows runs alone between batches: its tokens
-    = ar greedy; a cancelled row stops with finish "abort" while the others go on to the same tokens
-    as alone."""
+def test_batched_rows_with_expert_sharing(port, bundled_f32, llm):
+    """Rows sharing the block's experts, each with its own budget and rank (diffusion budget 4 by the
+    sum, 3 by the max; speculative draft 3 budget 2), among rows that share none: = one by one, and
+    the sharing changed the diffusion rows' tokens."""
+    reqs = (requests_for(llm, "diffusion", n=4, temperature=0.0, expert_budget=4)
+            + requests_for(llm, "diffusion", n=4, temperature=0.0, expert_budget=3, expert_rank="max")
+            + requests_for(llm, "speculative", n=4, draft_length=3, expert_budget=2)
+            + requests_for(llm, "diffusion", n=4, temperature=0.0))
+    check_batched(bundled_f32, llm, reqs, 8)
+    plain = decode(bundled_f32, llm, [{**r, "expert_budget": None} for r in reqs[:8]], 8)
+    assert [d["tokens"] for d in plain] != [d["tokens"] for d in decode(bundled_f32, llm, reqs[:8], 8)]
+
+
+@pytest.mark.slow
+def test_unbatched_modes_and_cancel_among_batched_rows(port, bundled_f32, drafter_f32, llm):
+    """A dflash request among ar rows runs alone between batches: its tokens = ar greedy; a cancelled
+    row stops with finish "abort" while the others go on to the same tokens as alone."""
     from clover.integrations.llama_port import PortProcess
 
     reqs = requests_for(llm, "ar", n=4, temperature=0.0)
-    spec = {"prompt": reqs[1]["prompt"], **options(llm, "speculative", max_new_tokens=reqs[1]["max_new_tokens"],
-                                                   draft_length=3, expert_budget=2)}
+    spec = {"prompt": reqs[1]["prompt"], **options(llm, "dflash", drafter=drafter_f32, max_new_tokens=reqs[1]["max_new_tokens"])}
     alone = decode(bundled_f32, llm, reqs, 1)
-    with PortProcess(bundled_f32, eos_ids=llm.eos_ids(), parallel=4) as proc:
+    with PortProcess(bundled_f32, eos_ids=llm.eos_ids(), parallel=4, drafter=drafter_f32) as proc:
         long = proc.send({"prompt": [5, 6, 7], "mode": "ar", "max_new_tokens": 4000, "ignore_eos": True, "stream": True})
         ids = [proc.send(r) for r in reqs[:2]] + [proc.send(spec)] + [proc.send(r) for r in reqs[2:]]
         done, cancelled = {}, False

@@ -542,6 +542,8 @@ struct Seq {
     // commit's inputs per head, and its conv window
     std::vector<std::vector<float>> S0, rec, window;
     int rec_T = 0, window_len = 0;
+    int share_budget = 0;     // block expert sharing (as Model's share_budget / share_max for the one row)
+    bool share_max = false;
     long forwards = 0, rows = 0;
 };
 
@@ -1200,9 +1202,14 @@ static void moe_combine(ggml_tensor * dst, int ith, int nth, void *) {
     }
 }
 
-struct ShareCall {
-    int Tc, budget;
+// One denoise block's columns [c0, c1) and its sharing (a batched forward has one per row that shares).
+struct ShareSeg {
+    int c0, c1, budget;
     bool rank_max;
+};
+
+struct ShareCall {
+    std::vector<ShareSeg> segs;  // set before each compute
 };
 
 static void block_share(ggml_tensor * dst, int ith, int, void * ud) {
@@ -1214,20 +1221,22 @@ static void block_share(ggml_tensor * dst, int ith, int, void * ud) {
     const float * P = (const float *) src->data;
     float * D = (float *) dst->data;
     for (int t = 0; t < T; t++) std::copy(P + (size_t) t * snb, P + (size_t) t * snb + E, D + (size_t) t * dnb);
-    std::vector<float> score(E, 0.f);
-    for (int t = c.Tc; t < T; t++)
-        for (int e = 0; e < E; e++) {
-            const float v = P[(size_t) t * snb + e];
-            score[e] = c.rank_max ? std::max(score[e], v) : score[e] + v;
-        }
-    std::vector<int> order(E);
-    for (int e = 0; e < E; e++) order[e] = e;
-    std::stable_sort(order.begin(), order.end(), [&](int a, int b) { return score[a] > score[b]; });
-    std::vector<char> keep(E, 0);
-    for (int i = 0; i < std::min(c.budget, E); i++) keep[order[i]] = 1;
-    for (int t = c.Tc; t < T; t++)
-        for (int e = 0; e < E; e++)
-            if (!keep[e]) D[(size_t) t * dnb + e] = 0.f;
+    for (const ShareSeg & sg : c.segs) {
+        std::vector<float> score(E, 0.f);
+        for (int t = sg.c0; t < sg.c1; t++)
+            for (int e = 0; e < E; e++) {
+                const float v = P[(size_t) t * snb + e];
+                score[e] = sg.rank_max ? std::max(score[e], v) : score[e] + v;
+            }
+        std::vector<int> order(E);
+        for (int e = 0; e < E; e++) order[e] = e;
+        std::stable_sort(order.begin(), order.end(), [&](int a, int b) { return score[a] > score[b]; });
+        std::vector<char> keep(E, 0);
+        for (int i = 0; i < std::min(sg.budget, E); i++) keep[order[i]] = 1;
+        for (int t = sg.c0; t < sg.c1; t++)
+            for (int e = 0; e < E; e++)
+                if (!keep[e]) D[(size_t) t * dnb + e] = 0.f;
+    }
 }
 
 // ------------------------------------------------------------------- the grouped expert matmul
@@ -1674,7 +1683,8 @@ static std::map<std::vector<int>, std::unique_ptr<CachedGraph>> & graph_cache() 
     return graphs;
 }
 
-static CachedGraph * build_graph(Model & m, int Tc, int Bd, int n_out, int n_kv, bool record, bool taps, bool exact, int R = 0, int Tq = 0);
+static CachedGraph * build_graph(Model & m, int Tc, int Bd, int n_out, int n_kv, bool record, bool taps, bool exact, int R = 0, int Tq = 0,
+                                 bool share_rows = false);
 
 // The graph of `key`, built by `build` the first time (the least recently used of 48 goes).
 static CachedGraph & graph_for(const std::vector<int> & key, const std::function<CachedGraph *()> & build) {
@@ -1867,8 +1877,10 @@ static void forward_batch(Model & m, std::vector<Sub *> & subs) {
     const double c_start = cpu_now();
     std::sort(subs.begin(), subs.end(), [](const Sub * a, const Sub * b) { return a->seq->slot < b->seq->slot; });
     int T = 0, n_out = 0, Tq = 0, R = 0, n_kv = 0;
+    bool share = false;
     for (const Sub * b : subs) {
         const int Ts = (int) (b->commit->size() + b->block->size());
+        share = share || (!b->block->empty() && b->seq->share_budget > 0 && b->seq->share_budget < hp.n_expert);
         if (Ts == 0) die("empty forward");
         if (b->seq->n_past + Ts > m.n_ctx) die("context full");
         T += Ts;
@@ -1878,8 +1890,9 @@ static void forward_batch(Model & m, std::vector<Sub *> & subs) {
         n_kv = std::max(n_kv, b->seq->n_past + Ts);
     }
     const int n_kv_pad = std::min(m.n_ctx, (n_kv + KV_PAD - 1) / KV_PAD * KV_PAD);
-    const std::vector<int> key = {-1, T, n_out, n_kv_pad, R, Tq};
-    CachedGraph & G = graph_for(key, [&] { return build_graph(m, T, 0, n_out, n_kv_pad, false, false, false, R, Tq); });
+    const std::vector<int> key = {-1, T, n_out, n_kv_pad, R, Tq, share};
+    CachedGraph & G = graph_for(key, [&] { return build_graph(m, T, 0, n_out, n_kv_pad, false, false, false, R, Tq, share); });
+    G.share_call.segs.clear();
     std::vector<int32_t> ids(T), pos(T), q_idx((size_t) Tq * R, 0), o_idx(T), oi(std::max(1, n_out), 0);
     std::vector<int64_t> kvi(T);
     const ggml_fp16_t NEG = ggml_fp32_to_fp16(-INFINITY), ZERO = ggml_fp32_to_fp16(0.f);
@@ -1900,6 +1913,7 @@ static void forward_batch(Model & m, std::vector<Sub *> & subs) {
             std::fill_n(&mask[((size_t) q.slot * Tq + t) * n_kv_pad], vis, ZERO);
         }
         for (int r : *b->out_rows) oi[out++] = col + r;
+        if (Bd && q.share_budget > 0 && q.share_budget < hp.n_expert) G.share_call.segs.push_back({col + Tc, col + Tc + Bd, q.share_budget, q.share_max});
         Seq & sq = *b->seq;
         if (b->record) {
             sq.rec_T = Tc;
@@ -1946,9 +1960,10 @@ static void forward_batch(Model & m, std::vector<Sub *> & subs) {
 // until every batched row in flight has asked for one, and the last to ask runs them all as one
 // forward_batch. One thread runs at a time (the mutex is held by a row's host work or the batch), so
 // the process uses the CPU as the unbatched one does. Rows join and leave between forwards
-// (continuous batching). Speculative rows batch too (each row's rollback on its own Seq). Requests a
-// batch does not take (dflash, speculative's auto width, expert sharing) wait for the batched rows in
-// flight to finish and run alone, as without --parallel.
+// (continuous batching). Speculative rows batch too (each row's rollback on its own Seq), and rows
+// with block expert sharing (each row's block its own segment of the share op). Requests a batch does
+// not take (dflash, block_size auto) wait for the batched rows in flight to finish and run
+// alone, as without --parallel.
 struct Batcher {
     std::mutex mu;
     std::condition_variable cv;
@@ -1994,8 +2009,10 @@ static void batch_submit(Model & m, const std::vector<int> & commit, const std::
 }
 
 // R > 0: a batched forward (forward_batch) of T = Tc tokens from the rows of cache slots [0, R), each
-// row's queries gathered into [Tq, R] for attention against its own slot's first n_kv keys.
-static CachedGraph * build_graph(Model & m, int Tc, int Bd, int n_out, int n_kv, bool record, bool taps, bool exact, int R, int Tq) {
+// row's queries gathered into [Tq, R] for attention against its own slot's first n_kv keys; with
+// share_rows, the rows that share experts (their blocks set per forward in the share op's segments).
+static CachedGraph * build_graph(Model & m, int Tc, int Bd, int n_out, int n_kv, bool record, bool taps, bool exact, int R, int Tq,
+                                 bool share_rows) {
     const Hparams & hp = m.hp;
     const int T = Tc + Bd;
     auto * G = new CachedGraph();
@@ -2027,8 +2044,9 @@ static CachedGraph * build_graph(Model & m, int Tc, int Bd, int n_out, int n_kv,
     std::vector<GdnCall> & calls = G->calls;
     calls.resize(hp.n_layer);
     ShareCall & share_call = G->share_call;
-    share_call = {Tc, m.share_budget, m.share_max};
-    const bool share = Bd > 0 && m.share_budget > 0 && m.share_budget < hp.n_expert;
+    const bool share = R ? share_rows : Bd > 0 && m.share_budget > 0 && m.share_budget < hp.n_expert;
+    share_call.segs.clear();
+    if (share && !R) share_call.segs.push_back({Tc, T, m.share_budget, m.share_max});
     // the grouped op where the experts get MOE_GEMM_MIN tokens on average; below, mul_mat_id's row
     // dots do the same arithmetic without the op's gathering (5-10% of a q8_0 forward of 8 tokens)
     const bool grouped = m.moe_grouped && !exact && (int64_t) T * hp.n_expert_used >= (int64_t) MOE_GEMM_MIN * hp.n_expert;
@@ -3583,8 +3601,13 @@ static json run_request(Model & m, const json & defaults, const json & req, cons
     if (auto_draft && p.max_new > 0) pol = draft_policy(m, p);  // may measure the step costs (on the cache, before the request's)
     if (auto_block && p.max_new > 0) wpol = width_policy(m, p);
     const int n_ctx = (int) prompt.size() + p.max_new + 2 * std::max({p.block, p.draft, p.mode == "dflash" ? m.dr.block_size : 0}) + 1;
-    if (tl_seq) seq_start(m, *tl_seq, n_ctx);
-    else reset_cache(m, n_ctx);
+    if (tl_seq) {
+        seq_start(m, *tl_seq, n_ctx);
+        tl_seq->share_budget = m.share_budget;
+        tl_seq->share_max = m.share_max;
+    } else {
+        reset_cache(m, n_ctx);
+    }
     const auto t0 = std::chrono::steady_clock::now();
     timespec c0{}, c1{};
     clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &c0);
@@ -3701,8 +3724,8 @@ static void usage() {
         "  sample: --temperature T, --top-p P, --top-k K, --seed S, --repetition-penalty X,\n"
         "          --presence-penalty X, --eos-penalty X, --no-repeat-ngram N, --logit-bias JSON\n"
         "  batch:  --parallel N (--json, ids, --text: up to N requests decoded together, their rows in one\n"
-        "          forward; ar, diffusion and speculative rows batch; dflash, speculative's auto width and\n"
-        "          expert sharing run alone between batches)\n"
+        "          forward; ar, diffusion and speculative rows batch; dflash and block_size auto\n"
+        "          run alone between batches)\n"
         "  other:  --stream, --threads T, --out F (forward), --moe grouped|mul_mat_id (routed experts of\n"
         "          multi-token forwards: gathered per expert, or ggml_mul_mat_id), --attn flash|plain\n"
         "          (flash: ggml_flash_attn_ext, V read as stored; plain: mul_mat, soft_max, mul_mat on a\n"
@@ -3973,10 +3996,8 @@ int main(int argc, char ** argv) {
                         req = input == "text" ? json{{"prompt", item.second}} : json{{"prompt", parse_ids(item.second)}};
                     }
                     const Params p = make_params(m, defaults, req);
-                    const int budget = p.mode == "ar" ? 0 : std::max(0, p.expert_budget);
                     // block_size auto measures its step costs with forwards of its own first: not batched
-                    batched = (p.mode == "ar" || ((p.mode == "diffusion" || p.mode == "speculative") && !p.auto_width)) &&
-                              !(budget > 0 && budget < m.hp.n_expert);
+                    batched = p.mode == "ar" || ((p.mode == "diffusion" || p.mode == "speculative") && !p.auto_width);
                 } catch (const std::exception & e) {
                     if (input != "json") die(e.what());
                     json err = {{"event", "error"}, {"message", e.what()}};
