@@ -91,6 +91,27 @@ def test_fused_commit_and_denoise_equals_separate(llm):
     assert int(c1.lengths[0]) == int(c2.lengths[0]) == 20
 
 
+@pytest.mark.parametrize("Tc,Bd", [(1, 8), (5, 8), (8, 16), (16, 16)])
+def test_commit_and_block_share_one_causal_conv(llm, Tc, Bd):
+    """A GDN layer's commit and denoise block in one forward run one causal conv over both parts: the
+    same values, bit for bit, as the path that convolves each part on its own (a commit whose
+    `n_commit` is given), outputs and the states it leaves alike."""
+    from clover.models.layers import Segments
+
+    layer = next(l.linear_attn for l in llm.model.model.layers if l.layer_type == "linear_attention")
+    g = torch.Generator().manual_seed(Tc + Bd)
+    x = torch.randn(2, Tc + Bd, llm.config.hidden_size, generator=g).to(layer.in_proj_qkv.weight.dtype)
+    outs = []
+    with torch.no_grad():
+        for n in (None, torch.full((2,), Tc)):
+            conv = torch.randn(2, layer.conv_dim, layer.kernel_size - 1, generator=torch.Generator().manual_seed(1))
+            rec = torch.randn(2, layer.hv, layer.dk, layer.dv, generator=torch.Generator().manual_seed(2))
+            y = layer(x, Segments(commit_len=Tc, denoise_len=Bd, n_commit=n), (conv, rec), records=[])
+            outs.append((y, conv, rec))
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("block_size", [4, 8, 32])
 @pytest.mark.parametrize("prompt_len", [8, 13])
 def test_cached_equals_naive(llm, block_size, prompt_len):

@@ -480,6 +480,23 @@ def test_state_after_any_prefix_from_the_wy_terms(decay):
     assert_close(state_after(s0, wy, torch.tensor([T] * B)), s_all, atol=ATOL, rtol=RTOL)
 
 
+@pytest.mark.parametrize("T", [1, 2, 8, 33])
+def test_one_chunk_masks_built_once(T):
+    """The one-chunk kernel's masks and identity, kept per shape eagerly, are the triangles and the
+    identity they stand for, and its results are the same, bit for bit, with the masks kept or new."""
+    gd._CHUNK_MASKS.clear()
+    above, upper, eye = gd._chunk_masks(T, torch.device("cpu"), torch.float32)
+    ones = torch.ones(T, T, dtype=torch.bool)
+    assert torch.equal(above, ~ones.tril()) and torch.equal(upper, ~ones.tril(-1)) and torch.equal(eye, torch.eye(T))
+    assert gd._chunk_masks(T, torch.device("cpu"), torch.float32)[0] is above
+    (q, k, v, g, beta), s0 = make_inputs(2, T, 4, 16, 8, 2, seed=T, with_state=True)
+    kept = one_chunk_gated_delta_rule(q, k, v, g, beta, s0, wy=True)
+    gd._CHUNK_MASKS.clear()
+    new = one_chunk_gated_delta_rule(q, k, v, g, beta, s0, wy=True)
+    for a, b in zip((*kept[:2], *kept[2]), (*new[:2], *new[2])):
+        assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("T", [1, 2, 3, 17, 32, 33])
 def test_unit_lower_inverse_products(T):
     a = (torch.randn(2, T, T, generator=torch.Generator().manual_seed(T)) * 0.3).tril(-1)

@@ -39,8 +39,13 @@ def conv_window_tail(window: torch.Tensor, width: int, n: torch.Tensor | None = 
     the T; None: all T)."""
     if n is None:
         return window[:, :, window.shape[2] - width :]
-    idx = n[:, None, None] + torch.arange(width, device=window.device)[None, None, :]
-    return window.gather(2, idx.expand(window.shape[0], window.shape[1], width))
+    return window.gather(2, conv_tail_index(n, width, window.shape[1]))
+
+
+def conv_tail_index(n: torch.Tensor, width: int, channels: int) -> torch.Tensor:
+    """`conv_window_tail`'s gather index [B, channels, width]: positions n[b] .. n[b] + width - 1."""
+    idx = n[:, None, None] + torch.arange(width, device=n.device)[None, None, :]
+    return idx.expand(n.shape[0], channels, width)
 
 
 
@@ -183,8 +188,12 @@ class DeltaNetState(LayerState):
                               use_qk_l2norm_in_kernel=True)
             for s, part in zip(states, state.split([s.recurrent.shape[1] for s in states], dim=1)):
                 s.recurrent.copy_(part)
+        idx = None  # the gather index of the kept conv inputs: one for every layer
         for s, r in zip(states, recs):
-            s.conv.copy_(conv_window_tail(r[5], s.conv.shape[2], keep))
+            width = s.conv.shape[2]
+            if idx is None or idx.shape[1] != r[5].shape[1]:
+                idx = conv_tail_index(keep, width, r[5].shape[1])
+            s.conv.copy_(r[5].gather(2, idx))
 
 
 # --------------------------------------------------------------------------- the cache

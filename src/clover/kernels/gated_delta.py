@@ -705,11 +705,29 @@ def chunk_gated_delta_rule(
     return o, S.reshape(B, H, q.shape[-1], V)
 
 
-def _unit_lower_inverse_products(a: torch.Tensor) -> torch.Tensor:
+_CHUNK_MASKS: dict = {}
+
+
+def _chunk_masks(T: int, device, dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """For a chunk of T tokens: (above, diagonal and above) as bool [T, T] and the identity [T, T] of
+    `dtype`, built once per shape and device eagerly (~7 ops per GDN layer of a verify otherwise); a
+    compiled graph builds them in the graph."""
+    key = (T, device, dtype)
+    masks = None if torch.compiler.is_compiling() else _CHUNK_MASKS.get(key)
+    if masks is None:
+        upper = torch.ones(T, T, dtype=torch.bool, device=device).triu()
+        masks = (upper.triu(1), upper, torch.eye(T, dtype=dtype, device=device))
+        if not torch.compiler.is_compiling():
+            _CHUNK_MASKS[key] = masks
+    return masks
+
+
+def _unit_lower_inverse_products(a: torch.Tensor, eye: torch.Tensor | None = None) -> torch.Tensor:
     """(I + a)^-1 for strictly lower triangular a [..., T, T], as matmuls only (a compiled graph
     calls no triangular solve): a is nilpotent, so (I + a)^-1 = sum_i (-a)^i
-    = (I - a)(I + a^2)(I + a^4)...(I + a^(2^m)) with 2^(m+1) >= T."""
-    eye = torch.eye(a.shape[-1], dtype=a.dtype, device=a.device)
+    = (I - a)(I + a^2)(I + a^4)...(I + a^(2^m)) with 2^(m+1) >= T. `eye`: the identity, if at hand."""
+    if eye is None:
+        eye = torch.eye(a.shape[-1], dtype=a.dtype, device=a.device)
     inv = eye - a
     power, span = a, 2
     while span < a.shape[-1]:
@@ -754,11 +772,10 @@ def one_chunk_gated_delta_rule(
     c = g.transpose(1, 2).to(f32).cumsum(-1)  # [B, H, T]
     b = beta.transpose(1, 2).to(f32)[..., None]  # [B, H, T, 1]
     decay = c[..., :, None] - c[..., None, :]  # [B, H, T, T]: c_i - c_j
-    strict = torch.ones(T, T, dtype=torch.bool, device=q.device).tril(-1)
-    incl = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
-    gamma = torch.where(incl, decay, torch.full_like(decay, float("-inf"))).exp()  # 0 above the diagonal
-    A = (b * (kf @ kf.transpose(-1, -2)) * gamma).masked_fill(~strict, 0.0)
-    Tinv = _unit_lower_inverse_products(A)
+    above, upper, eye = _chunk_masks(T, q.device, f32)
+    gamma = decay.masked_fill(above, float("-inf")).exp()  # 0 above the diagonal
+    A = (b * (kf @ kf.transpose(-1, -2)) * gamma).masked_fill(upper, 0.0)
+    Tinv = _unit_lower_inverse_products(A, eye)
     S = initial_state.to(f32)  # [B, H, K, V]
     ec = c.exp()[..., None]
     w = Tinv @ (b * ec * kf)

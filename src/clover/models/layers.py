@@ -464,9 +464,19 @@ class GatedDeltaNet(nn.Module):
             return self.finish(o, z)
         outs = []
         conv, recurrent = state if state is not None else (mixed.new_zeros(B, self.conv_dim, K1), None)
+        causal = None
+        if Tc and Bd and segments.n_commit is None and segments.denoise_valid is None and mixed.dtype == torch.float32:
+            # the block's conv context is the commit's last K-1 inputs: one causal conv over both parts
+            # (elementwise: in fp32 the same values as two, bit for bit, each part made contiguous as its
+            # own conv's output is, so that the activations after it take the same vectorised path; not
+            # in bf16, whose scalar and vectorised multiply-adds round differently, and where the parts
+            # fall on a vector's boundaries moves with their lengths)
+            window = torch.cat([conv.to(mixed.dtype), mixed], dim=2)
+            causal = self._causal_conv(window)
         if Tc:
             n = segments.n_commit if state is not None else None
-            q, k, v, gc, bc, window = self._commit_inputs(mixed[:, :, :Tc], conv, g[:, :Tc], beta[:, :Tc], n)
+            shared = None if causal is None else (window[:, :, : K1 + Tc], causal[:, :, :Tc].contiguous())
+            q, k, v, gc, bc, window = self._commit_inputs(mixed[:, :, :Tc], conv, g[:, :Tc], beta[:, :Tc], n, shared)
             record = (q, k, v, gc, bc, window)
             if Tc == 1 and state is not None:
                 o, new_state = recurrent_gated_delta_rule(
@@ -491,7 +501,8 @@ class GatedDeltaNet(nn.Module):
                 conv.copy_(conv_window_tail(window, K1, n))
         if Bd:
             outs.append(self.denoise_block(mixed[:, :, Tc:], conv, g[:, Tc:], recurrent, width=segments.denoise_width,
-                                           valid=segments.denoise_valid))
+                                           valid=segments.denoise_valid,
+                                           causal=None if causal is None else causal[:, :, Tc:].contiguous()))
         o = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
         if live is None:
             return self.finish(o, z)
@@ -523,19 +534,23 @@ class GatedDeltaNet(nn.Module):
         return self.out_proj(self.norm(o, z).reshape(B, T, self.value_dim))
 
     def _commit_inputs(self, pre: torch.Tensor, conv_state: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                       n: torch.Tensor | None):
+                       n: torch.Tensor | None, shared: tuple[torch.Tensor, torch.Tensor] | None = None):
         """What the recurrence of a commit takes: pre [B, C, Tc] after `conv_state` -> (q, k, v, g, beta,
         window). Rows committing `n[b]` < Tc tokens: the padded steps' g and beta are zeroed, so they
-        neither decay nor write the state."""
-        window = torch.cat([conv_state.to(pre.dtype), pre], dim=2)
-        q, k, v = self._split_heads(F.silu(self._causal_conv(window)).transpose(1, 2))
+        neither decay nor write the state. `shared`: the window and its causal conv, already computed."""
+        if shared is None:
+            window = torch.cat([conv_state.to(pre.dtype), pre], dim=2)
+            shared = window, self._causal_conv(window)
+        window = shared[0]
+        q, k, v = self._split_heads(F.silu(shared[1]).transpose(1, 2))
         if n is not None:
             valid = (torch.arange(pre.shape[2], device=pre.device)[None, :] < n[:, None])[..., None]
             g, beta = g * valid, beta * valid
         return q, k, v, g, beta, window
 
     def denoise_block(self, pre: torch.Tensor, conv_ctx: torch.Tensor, g: torch.Tensor, state: torch.Tensor,
-                      width: int | None = None, valid: torch.Tensor | None = None) -> torch.Tensor:
+                      width: int | None = None, valid: torch.Tensor | None = None,
+                      causal: torch.Tensor | None = None) -> torch.Tensor:
         """Bidirectional GDN over blocks: decayed prefix readout + intra-block softmax attention.
 
         pre [M, C, Bs] pre-conv block inputs; conv_ctx [M, C, K-1] the prefix's last pre-conv inputs;
@@ -543,13 +558,13 @@ class GatedDeltaNet(nn.Module):
         `width`: the block's width when `pre` holds only its first positions (the block gain's).
         `valid [M, Bs]` (bool, a prefix per row): the positions present; the others are read as past the
         block's end (zero conv inputs, no intra-block key), so a row is computed as if its block
-        ended there."""
+        ended there. `causal`: the causal conv of the block after `conv_ctx`, already computed (then
+        `conv_ctx` is not read)."""
         Bs = pre.shape[2]
         if valid is not None:
             pre = torch.where(valid[:, None, :], pre, 0.0)
         K1 = self.kernel_size - 1
-        window = torch.cat([conv_ctx.to(pre.dtype), pre], dim=2)
-        conv = self._causal_conv(window)
+        conv = causal if causal is not None else self._causal_conv(torch.cat([conv_ctx.to(pre.dtype), pre], dim=2))
         if self.has_denoise_params:
             later = F.pad(pre, (0, K1))[:, :, 1:]  # x_{i+1} ... x_{i+K-1}, zero past the block end
             conv = conv + depthwise_conv(later, self.conv1d_right.weight)
