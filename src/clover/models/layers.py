@@ -468,9 +468,9 @@ class GatedDeltaNet(nn.Module):
         if Tc and Bd and segments.n_commit is None and segments.denoise_valid is None and mixed.dtype == torch.float32:
             # the block's conv context is the commit's last K-1 inputs: one causal conv over both parts
             # (elementwise: in fp32 the same values as two, bit for bit, each part made contiguous as its
-            # own conv's output is, so that the activations after it take the same vectorised path; not
-            # in bf16, whose scalar and vectorised multiply-adds round differently, and where the parts
-            # fall on a vector's boundaries moves with their lengths)
+            # own conv's output is, so that the activation after it takes the same vectorised path; not
+            # always in bf16: two rows committing 32 with blocks of 32 differ, where the vectorised bf16
+            # paths fall moves with the parts' lengths)
             window = torch.cat([conv.to(mixed.dtype), mixed], dim=2)
             causal = self._causal_conv(window)
         if Tc:
