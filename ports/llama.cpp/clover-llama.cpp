@@ -3240,6 +3240,13 @@ static void measure_step_costs(Model & m, const Params & p, const std::vector<in
         const size_t n = v.size();
         (key.second ? sc.block : sc.seconds)[key.first] = n % 2 ? v[n / 2] : (v[n / 2 - 1] + v[n / 2]) / 2;
     }
+    // no width dearer than a wider one (as speculative.step_curve): a step does not get cheaper for
+    // carrying more positions, and the table is cached for good, so a burst of another process's load
+    // must not stay in it as a narrow width's cost
+    for (auto * c : {&sc.seconds, &sc.block}) {
+        double dearest = INFINITY;
+        for (auto it = c->rbegin(); it != c->rend(); ++it) it->second = dearest = std::min(dearest, it->second);
+    }
 }
 
 static std::string cost_cache_dir() {
