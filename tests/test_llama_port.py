@@ -851,7 +851,11 @@ def forced_curve(costs: dict, kind: str):
 
 @pytest.fixture
 def cost_cache(tmp_path, monkeypatch):
-    """A fresh cache for the port's measured step costs (not the user's)."""
+    """A fresh cache for the port's measured step costs (not the user's); the port's build stays where
+    it was found (its default dir is under the same user cache)."""
+    from clover.integrations.llama_port import llama_cache_dir
+
+    monkeypatch.setenv("CLOVER_LLAMA_CPP_DIR", str(llama_cache_dir()))
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     return tmp_path / "cache" / "clover" / "cost"
 
