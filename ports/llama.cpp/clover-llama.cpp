@@ -2859,6 +2859,25 @@ static bool prefix_ends_row(const Params & p, const Row & r, const std::vector<i
     return false;
 }
 
+// Record an auto decision that changed the width (clover's `choices` and `width_why`): the expected
+// tokens/s per width, and the line `--verbose` prints; `what`: "width" or "draft width".
+static void record_width_choice(json & choices, std::vector<std::string> & why, const std::map<int, double> & expected,
+                                int best, int forward, const char * what, bool verbose) {
+    if (!choices.empty() && choices.back()["width"].get<int>() == best) return;
+    json e = json::object();
+    std::string parts;
+    char buf[64];
+    for (const auto & [w, v] : expected) {
+        e[std::to_string(w)] = v;
+        snprintf(buf, sizeof buf, "%s%d: %.0f", parts.empty() ? "" : ", ", w, v);
+        parts += buf;
+    }
+    choices.push_back({{"forward", forward}, {"width", best}, {"expected", e}});
+    why.push_back("forward " + std::to_string(forward) + ": " + what + " " + std::to_string(best) +
+                  " for 1 row(s) (expected tokens/s " + parts + ")");
+    if (verbose) fprintf(stderr, "[auto] %s\n", why.back().c_str());
+}
+
 // clover.decoding.diffusion.DiffusionEngine for one row
 // block_size "auto" in diffusion (clover.decoding.width.WidthPolicy): at each fresh block, the width w
 // among the AR step (1: a block of one, predicted by the commit part) and the trained widths with the
@@ -2900,19 +2919,7 @@ struct WidthPolicy {
             expected[w] = tpf / forward_seconds(w, tpf);
             if (expected[w] > expected[best]) best = w;
         }
-        if (choices.empty() || choices.back()["width"].get<int>() != best) {
-            json e = json::object();
-            std::string parts;
-            char buf[64];
-            for (const auto & [w, v] : expected) {
-                e[std::to_string(w)] = v;
-                snprintf(buf, sizeof buf, "%s%d: %.0f", parts.empty() ? "" : ", ", w, v);
-                parts += buf;
-            }
-            choices.push_back({{"forward", forward}, {"width", best}, {"expected", e}});
-            why.push_back("forward " + std::to_string(forward) + ": width " + std::to_string(best) + " for 1 row(s) (expected tokens/s " + parts + ")");
-            if (verbose) fprintf(stderr, "[auto] %s\n", why.back().c_str());
-        }
+        record_width_choice(choices, why, expected, best, forward, "width", verbose);
         return best;
     }
 };
@@ -3085,20 +3092,7 @@ struct DraftPolicy {
             expected[w] = tokens_per_forward(w, a, remaining, horizon) / cost.at(w);
             if (expected[w] > expected[best]) best = w;
         }
-        if (choices.empty() || choices.back()["width"].get<int>() != best) {
-            json e = json::object();
-            std::string parts;
-            char buf[64];
-            for (const auto & [w, v] : expected) {
-                e[std::to_string(w)] = v;
-                snprintf(buf, sizeof buf, "%s%d: %.0f", parts.empty() ? "" : ", ", w, v);
-                parts += buf;
-            }
-            choices.push_back({{"forward", forward}, {"width", best}, {"expected", e}});
-            why.push_back("forward " + std::to_string(forward) + ": draft width " + std::to_string(best) +
-                          " for 1 row(s) (expected tokens/s " + parts + ")");
-            if (verbose) fprintf(stderr, "[auto] %s\n", why.back().c_str());
-        }
+        record_width_choice(choices, why, expected, best, forward, "draft width", verbose);
         return best;
     }
 };
