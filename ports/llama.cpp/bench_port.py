@@ -122,9 +122,17 @@ def stock_batched_tokens_per_s(gguf: Path, n_prompt: int, n: int, batch: int) ->
     return batch * (n - 1) / (spent[0] - spent[1])
 
 
-def batch_table(a, llm, prompts, eos, port: Path, configs: dict) -> None:
+def exported(model, dtypes: str, tmp: str):
+    """(dtype, GGUF path) for each of the comma-separated `dtypes`: `model` exported into `tmp`."""
     from clover.export.gguf import export_gguf
 
+    for dtype in dtypes.split(","):
+        gguf = Path(tmp) / f"model-{dtype}.gguf"
+        export_gguf(model, gguf, dtype=dtype, progress=False)
+        yield dtype, gguf
+
+
+def batch_table(a, llm, prompts, eos, port: Path, configs: dict) -> None:
     batches = [int(b) for b in a.batch.split(",")]
     n_prompt = round(sum(map(len, prompts)) / len(prompts))
     print(f"clock: cpu, prefill excluded; {a.rounds} interleaved rounds, the median shown; "
@@ -132,9 +140,7 @@ def batch_table(a, llm, prompts, eos, port: Path, configs: dict) -> None:
     print("| dtype | engine | B | tokens | rows per forward | tokens/s | × B = 1 | × stock at B | same tokens as B = 1 |")
     print("|---|---|---:|---:|---:|---:|---:|---:|---|")
     with tempfile.TemporaryDirectory() as tmp:
-        for dtype in a.dtypes.split(","):
-            gguf = Path(tmp) / f"model-{dtype}.gguf"
-            export_gguf(a.model, gguf, dtype=dtype, progress=False)
+        for dtype, gguf in exported(a.model, a.dtypes, tmp):
             stock = {b: [] for b in batches}
             rows = {(name, b): [] for name in configs for b in batches}
             for _ in range(a.rounds):
@@ -211,6 +217,11 @@ DRAFTER_DTYPE = {"dflash, draft 3, q8_0 drafter": "q8_0", "dflash, q8_0 drafter"
                  "dflash, auto, q8_0 drafter": "q8_0"}  # else the row's dtype
 
 
+def drafter_dtype(name: str, dtype: str) -> str:
+    """The dtype of row `name`'s drafter (a `--compare` row's too: "NAME [ARGS]"); else the row's `dtype`."""
+    return DRAFTER_DTYPE.get(name.split(" [")[0], dtype)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default=str(REPO / "src" / "clover" / "assets" / "clover-tiny"))
@@ -249,13 +260,11 @@ def main() -> int:
     print("| dtype | engine | tokens | forwards | tokens/forward | ms/forward | × stock AR step | tokens/s | × stock AR |")
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
     with tempfile.TemporaryDirectory() as tmp:
-        for dtype in a.dtypes.split(","):
-            gguf = Path(tmp) / f"model-{dtype}.gguf"
-            export_gguf(a.model, gguf, dtype=dtype, progress=False)
+        for dtype, gguf in exported(a.model, a.dtypes, tmp):
             drafters = {}  # the drafter GGUF of each dtype the rows use
             if drafter is not None:
                 for name in configs:
-                    dt = DRAFTER_DTYPE.get(name.split(" [")[0], dtype)
+                    dt = drafter_dtype(name, dtype)
                     if "dflash" in configs[name] and dt not in drafters:
                         drafters[dt] = Path(tmp) / f"drafter-{dtype}-{dt}.gguf"
                         export_gguf(drafter, drafters[dt], dtype=dt, progress=False)
@@ -263,7 +272,7 @@ def main() -> int:
             for _ in range(a.rounds):
                 stock.append(probe_tokens_per_s(probe, gguf, prompts, a.n, eos, a.clock))
                 for name, args in configs.items():
-                    extra = ["--drafter", str(drafters[DRAFTER_DTYPE.get(name.split(" [")[0], dtype)])] if "dflash" in args else []
+                    extra = ["--drafter", str(drafters[drafter_dtype(name, dtype)])] if "dflash" in args else []
                     res = run(gguf, prompts, ["-n", str(a.n), *args, *extra], eos_ids=eos, binary=port)
                     tok = sum(r["n_tokens"] for r in res)
                     fwd = sum(r["forwards"] for r in res)
