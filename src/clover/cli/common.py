@@ -120,10 +120,12 @@ def check_device(device: str | None) -> None:
         raise UsageError(f"--{e}") from None
 
 
-def load_llm(args: argparse.Namespace, path: Path | None = None, *, bundled_drafter: bool = True):
+def load_llm(args: argparse.Namespace, path: Path | None = None, *, bundled_drafter: bool = True,
+             calibrate: bool = False):
     """`clover.load` with the user's --model/--device/--dtype/--no-check-finite; any failure to
     read the directory becomes a one-line error. `bundled_drafter=False`: without the bundled
-    model's drafter unless --drafter names one (a command that runs no drafting mode)."""
+    model's drafter unless --drafter names one (a command that runs no drafting mode). `calibrate`:
+    draft auto's step costs measured (or read from the user cache) at load (`clover.load`)."""
     from .. import api
     from ..checkpoint import CheckpointError
     from ..config import ConfigError
@@ -140,7 +142,7 @@ def load_llm(args: argparse.Namespace, path: Path | None = None, *, bundled_draf
         return api.load(path, dtype=getattr(args, "dtype", None), device=device,
                         check_finite=getattr(args, "check_finite", True), compile=getattr(args, "compile", False),
                         drafter=drafter, compile_batch=getattr(args, "max_batch", 1),
-                        calibrate=getattr(args, "calibrate", False))
+                        calibrate=calibrate)
     except mismatch as e:
         raise UsageError(f"--{e}") from None
     except (CheckpointError, ConfigError, FileNotFoundError, UsageError):

@@ -67,8 +67,7 @@ def run(args: argparse.Namespace) -> int:
         get_parser(args.tool_call_parser)  # ValueError naming the registered formats, before loading
     import contextlib
 
-    args.calibrate = args.engine == "torch"  # draft auto's step costs measured (or read) before the first request
-    llm = load_llm(args)
+    llm = load_llm(args, calibrate=args.engine == "torch")  # draft auto's step costs ready before the first request
     with contextlib.ExitStack() as stack:
         if args.engine == "llama.cpp":
             from ..integrations.llama_port import port_llm
