@@ -353,6 +353,7 @@ def _cpu_compute_dtype(path: Path, config) -> torch.dtype | None:
     than float32) when the float32 copy fits in half the available memory; otherwise a warning."""
     import warnings
 
+    from .kernels.packed import available_memory
     from .precision import cpu_capability, native_half_matmul
 
     try:
@@ -362,10 +363,7 @@ def _cpu_compute_dtype(path: Path, config) -> torch.dtype | None:
     if stored not in (torch.bfloat16, torch.float16) or native_half_matmul(stored, "cpu"):
         return None
     need = 2 * sum(f.stat().st_size for f in path.glob("*.safetensors"))
-    try:
-        avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        avail = 0
+    avail = available_memory()
     name = str(stored).replace("torch.", "")
     if need and avail and need <= avail // 2:
         return torch.float32

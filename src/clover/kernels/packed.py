@@ -132,8 +132,14 @@ def fits(model: nn.Module) -> bool:
     is not packed), and the packs fit in half the memory available now (the rule `clover.load`
     applies to a float32 copy)."""
     need = sum(n for _, n in _targets(model)) if available() else 0
-    try:
-        avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        avail = 0
+    avail = available_memory()
     return bool(need >= max(MIN_MODEL_BYTES, 1) and avail and need <= avail // 2)
+
+
+def available_memory() -> int:
+    """The bytes of memory available now (0 where the system does not say): what `fits` and
+    `clover.load`'s float32 copy of a half-precision checkpoint must fit in half of."""
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return 0
