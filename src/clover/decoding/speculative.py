@@ -374,17 +374,17 @@ class SpeculativeEngine(BatchEngine):
         commit_src = [r.state.draft if r.state.draft is not None else r.state.pending for r in rows]
         has_commit = any(commit_src)
         commit_ids, n_commit = pad_right(commit_src, self.pad_id, self.device) if has_commit else (None, None)
+        longer = any(r.state.draft is not None and len(r.state.draft) > 1 for r in rows)  # a draft to verify
         # a draft of one needs no denoise block: its token comes from the causal logits (the AR step)
         width = D
-        if D == 1 and self.model.static_steps is not None and any(r.state.draft and len(r.state.draft) > 1 for r in rows):
+        if D == 1 and self.model.static_steps is not None and longer:
             # compiled: a verify has a graph with the block (draft auto narrowing to AR), its block unused
             width = self.model.config.block_size
         block = torch.full((len(rows), width), self.mask_id, dtype=torch.long, device=self.device) if width > 1 else None
         # drafts of one are always kept: with no denoise block the forward is AR's step, no logits but
         # the last and nothing to roll back (with one, the verify forward's shape: compiled, its graph);
         # a forward of prompts alone verifies nothing either (the logits of the prompts' last tokens)
-        verifying = (block is not None and any(r.state.draft is not None for r in rows)) or any(
-            r.state.draft is not None and len(r.state.draft) > 1 for r in rows)
+        verifying = (block is not None and any(r.state.draft is not None for r in rows)) or longer
         snap = self.cache.start_recording() if verifying else None
         out = self.model.step(self.cache, commit_ids=commit_ids, n_commit=n_commit, denoise_ids=block,
                               all_logits=verifying, track_experts=True, expert_budget=self.expert_budget,
