@@ -197,7 +197,6 @@ def save_curve(model, curve: CostCurve, variant: str | None = None) -> Path:
     """Merge `curve` into the cached one (new points replace old ones) and write it."""
     key = cost_key(model, variant)
     path = cost_path(key)
-    merged = None
     try:
         merged = CostCurve.from_dict(json.loads(path.read_text()))
     except (OSError, ValueError, KeyError, TypeError, AttributeError):  # none, or unreadable: written anew
