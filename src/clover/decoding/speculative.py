@@ -556,14 +556,12 @@ def measure_step_curves(model, batches, *, mask_id: int, pad_id: int = 0, bar=No
 
     widths = draft_widths(model.config)
     todo = pending_step_curves(model, batches)
-    for b in batches:
-        if b not in todo:
-            step_curve(model, widths, b, mask_id=mask_id, pad_id=pad_id)  # read from the cache
-    for b in todo:
-        if bar is not None:
+    for b in batches:  # those in `todo` measured, the others read from the cache
+        shown = bar is not None and b in todo
+        if shown:
             bar.set_postfix_str(f"batch {b}")
         step_curve(model, widths, b, mask_id=mask_id, pad_id=pad_id)
-        if bar is not None:
+        if shown:
             bar.update()
     return todo
 
