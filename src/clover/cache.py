@@ -170,22 +170,21 @@ class DeltaNetState(LayerState):
         or where the commit kept its WY terms, the state after the kept prefix read from them."""
         recs = [s.record for s in states]
         T = min(recs[0][0].shape[1], longest)  # the tokens after the longest kept prefix need not run
-        if len(recs[0]) > 6:  # the commit's WY terms (`models.layers.ONE_CHUNK_RECORDED`): no recurrence
-            wy = tuple(torch.cat([r[6][i] for r in recs], dim=1) for i in range(3))
-            state = state_after(torch.cat([snap[1] for snap in snaps], dim=1), wy, keep)
-            for s, part in zip(states, state.split([s.recurrent.shape[1] for s in states], dim=1)):
-                s.recurrent.copy_(part)
-        elif T == 0:
+        wy = len(recs[0]) > 6  # the commit's WY terms (`models.layers.ONE_CHUNK_RECORDED`): no recurrence
+        if not wy and T == 0:
             for s, snap in zip(states, snaps):
                 s.recurrent.copy_(snap[1])
         else:
-            valid = (torch.arange(T, device=keep.device)[None, :] < keep[:, None])[..., None]
-            q, k, v, g, beta = (torch.cat([r[i][:, :T] for r in recs], dim=2) for i in range(5))
             init = torch.cat([snap[1] for snap in snaps], dim=1)
-            # a few tokens (a typical rejected draft): token by token, as AR's own steps; else chunked
-            kernel = recurrent_gated_delta_rule if T <= RECURRENT_ROLLBACK else chunk_gated_delta_rule
-            _, state = kernel(q, k, v, g * valid, beta * valid, initial_state=init, output_final_state=True,
-                              use_qk_l2norm_in_kernel=True)
+            if wy:
+                state = state_after(init, tuple(torch.cat([r[6][i] for r in recs], dim=1) for i in range(3)), keep)
+            else:
+                valid = (torch.arange(T, device=keep.device)[None, :] < keep[:, None])[..., None]
+                q, k, v, g, beta = (torch.cat([r[i][:, :T] for r in recs], dim=2) for i in range(5))
+                # a few tokens (a typical rejected draft): token by token, as AR's own steps; else chunked
+                kernel = recurrent_gated_delta_rule if T <= RECURRENT_ROLLBACK else chunk_gated_delta_rule
+                _, state = kernel(q, k, v, g * valid, beta * valid, initial_state=init, output_final_state=True,
+                                  use_qk_l2norm_in_kernel=True)
             for s, part in zip(states, state.split([s.recurrent.shape[1] for s in states], dim=1)):
                 s.recurrent.copy_(part)
         idx = None  # the gather index of the kept conv inputs: one for every layer
