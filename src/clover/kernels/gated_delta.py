@@ -713,11 +713,12 @@ def _chunk_masks(T: int, device, dtype) -> tuple[torch.Tensor, torch.Tensor, tor
     `dtype`, built once per shape and device eagerly (~7 ops per GDN layer of a verify otherwise); a
     compiled graph builds them in the graph."""
     key = (T, device, dtype)
-    masks = None if torch.compiler.is_compiling() else _CHUNK_MASKS.get(key)
+    eager = not torch.compiler.is_compiling()
+    masks = _CHUNK_MASKS.get(key) if eager else None
     if masks is None:
         upper = torch.ones(T, T, dtype=torch.bool, device=device).triu()
         masks = (upper.triu(1), upper, torch.eye(T, dtype=dtype, device=device))
-        if not torch.compiler.is_compiling():
+        if eager:
             _CHUNK_MASKS[key] = masks
     return masks
 
