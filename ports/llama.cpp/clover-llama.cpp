@@ -3106,6 +3106,18 @@ struct StepCosts {
     std::string file;              // the cache file
 };
 
+// A width-keyed table as JSON (its keys the widths as strings, as clover's)
+static json width_table(const std::map<int, double> & t) {
+    json j = json::object();
+    for (const auto & [w, v] : t) j[std::to_string(w)] = v;
+    return j;
+}
+
+// The cost table's part of a policy's costs_json (the result line's step_costs)
+static json step_costs_json(const StepCosts & sc) {
+    return {{"seconds", width_table(sc.seconds)}, {"source", sc.source}, {"measure_seconds", sc.measure_seconds}, {"file", sc.file}};
+}
+
 struct AutoWidth {  // the process's settings for block_size "auto"
     bool verbose = false;                   // --verbose: the cost table and each width decision on stderr
     std::map<int, double> given, given_block;  // --step-costs W:S[/B],...: the cost table, not measured
@@ -3315,12 +3327,9 @@ static StepCosts & step_costs(Model & m, const Params & p, const std::vector<int
         if (!sc.file.empty()) {  // written whole, then renamed; a cache that cannot be written is skipped
             for (size_t i = 1; i <= dir.size(); i++)
                 if (i == dir.size() || dir[i] == '/') mkdir(dir.substr(0, i).c_str(), 0755);
-            json secs = json::object(), blocks = json::object();
-            for (const auto & [w, s] : sc.seconds) secs[std::to_string(w)] = s;
-            for (const auto & [w, s] : sc.block) blocks[std::to_string(w)] = s;
             const std::string tmp = sc.file + ".tmp" + std::to_string((long long) getpid());
             std::ofstream out(tmp);
-            out << json({{"schema", "clover.port-cost/1"}, {"key", key}, {"seconds", secs}, {"block", blocks}}).dump(1) << "\n";
+            out << json({{"schema", "clover.port-cost/1"}, {"key", key}, {"seconds", width_table(sc.seconds)}, {"block", width_table(sc.block)}}).dump(1) << "\n";
             out.close();
             if (!out || rename(tmp.c_str(), sc.file.c_str()) != 0) { remove(tmp.c_str()); sc.file.clear(); }
         }
@@ -3351,15 +3360,11 @@ static WidthPolicy width_policy(Model & m, const Params & p) {
     pol.denoise = sc.seconds;
     pol.block = sc.block;
     pol.verbose = auto_width().verbose;
-    json secs = json::object(), blocks = json::object(), prior = json::object();
-    for (int w : pol.widths) {  // width.prior_tokens_per_forward
+    for (int w : pol.widths)  // width.prior_tokens_per_forward
         pol.prior[w] = w == 1 ? 1.0 : m.hp.block_tpf.count(w) ? m.hp.block_tpf.at(w) : std::min(4.0, std::max(1.0, w / 8.0));
-        prior[std::to_string(w)] = pol.prior[w];
-    }
-    for (const auto & [w, c] : pol.denoise) secs[std::to_string(w)] = c;
-    for (const auto & [w, c] : pol.block) blocks[std::to_string(w)] = c;
-    pol.costs_json = {{"seconds", secs}, {"block", blocks}, {"source", sc.source}, {"measure_seconds", sc.measure_seconds},
-                      {"file", sc.file}, {"prior", prior}};
+    pol.costs_json = step_costs_json(sc);
+    pol.costs_json["block"] = width_table(sc.block);
+    pol.costs_json["prior"] = width_table(pol.prior);
     return pol;
 }
 
@@ -3371,10 +3376,8 @@ static DraftPolicy draft_policy(Model & m, const Params & p) {
     pol.cost = sc.seconds;
     if (p.mode == "speculative" && m.hp.block_tpf.count(m.hp.block_size))
         pol.prior_rate = DraftPolicy::rate_keeping(m.hp.block_tpf.at(m.hp.block_size), m.hp.block_size);
-    json secs = json::object();
-    for (const auto & [w, c] : pol.cost) secs[std::to_string(w)] = c;
-    pol.costs_json = {{"seconds", secs}, {"source", sc.source}, {"measure_seconds", sc.measure_seconds}, {"file", sc.file},
-                      {"prior_rate", pol.prior_rate}};
+    pol.costs_json = step_costs_json(sc);
+    pol.costs_json["prior_rate"] = pol.prior_rate;
     return pol;
 }
 
