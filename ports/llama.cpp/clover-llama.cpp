@@ -3706,6 +3706,31 @@ static std::vector<int> parse_ids(const std::string & line) {
     return v;
 }
 
+// A stdin line that is a request (--json: not blank; ids: some token ids; --text: any)
+static bool is_request(const std::string & line, const std::string & input) {
+    return input == "json" ? line.find_first_not_of(" \t\r") != std::string::npos : input == "text" || !parse_ids(line).empty();
+}
+
+// A stdin line's request: --json its JSON object (else an error naming it), --text its prompt, ids its token ids
+static json request_of(const std::string & line, const std::string & input) {
+    if (input == "text") return json{{"prompt", line}};
+    if (input != "json") return json{{"prompt", parse_ids(line)}};
+    try {
+        json req = json::parse(line);
+        if (!req.is_object()) throw std::runtime_error("a request is a JSON object");
+        return req;
+    } catch (const std::exception & e) {
+        throw std::runtime_error(std::string("request: not a JSON object: ") + e.what());
+    }
+}
+
+// The error event of a request that failed (with its id where it has one)
+static json error_event(const std::string & message, const json & req) {
+    json err = {{"event", "error"}, {"message", message}};
+    if (req.is_object() && req.contains("id")) err["id"] = req["id"];
+    return err;
+}
+
 static std::vector<int> parse_list(const std::string & s) {
     std::string t = s;
     for (char & ch : t) if (ch == ',') ch = ' ';
@@ -3940,7 +3965,7 @@ int main(int argc, char ** argv) {
         auto add = [&](const std::string & l) {  // under q.mu
             std::string id;
             if (input == "json" && Requests::cancel_line(l, id)) q.cancelled.insert(id);
-            else if (input == "json" ? l.find_first_not_of(" \t\r") != std::string::npos : input == "text" || !parse_ids(l).empty())
+            else if (is_request(l, input))
                 q.lines.push_back({q.n++, l});
         };
         std::thread reader([&] {
@@ -3989,24 +4014,13 @@ int main(int argc, char ** argv) {
                 json req;
                 bool batched = false;
                 try {
-                    if (input == "json") {
-                        try {
-                            req = json::parse(item.second);
-                            if (!req.is_object()) throw std::runtime_error("a request is a JSON object");
-                        } catch (const std::exception & e) {
-                            throw std::runtime_error(std::string("request: not a JSON object: ") + e.what());
-                        }
-                    } else {
-                        req = input == "text" ? json{{"prompt", item.second}} : json{{"prompt", parse_ids(item.second)}};
-                    }
+                    req = request_of(item.second, input);
                     const Params p = make_params(m, defaults, req);
                     // block_size auto measures its step costs with forwards of its own first: not batched
                     batched = p.mode == "ar" || ((p.mode == "diffusion" || p.mode == "speculative") && !p.auto_width);
                 } catch (const std::exception & e) {
                     if (input != "json") die(e.what());
-                    json err = {{"event", "error"}, {"message", e.what()}};
-                    if (req.is_object() && req.contains("id")) err["id"] = req["id"];
-                    result(err);
+                    result(error_event(e.what(), req));
                     batch_maybe_run(m);
                     continue;
                 }
@@ -4034,9 +4048,7 @@ int main(int argc, char ** argv) {
                     result(run_request(m, defaults, req, print_line, cancelled));
                 } catch (const std::exception & e) {
                     if (input != "json") die(e.what());
-                    json err = {{"event", "error"}, {"message", e.what()}};
-                    if (req.contains("id")) err["id"] = req["id"];
-                    result(err);
+                    result(error_event(e.what(), req));
                 }
                 if (batched) {
                     tl_seq = nullptr;
@@ -4058,24 +4070,10 @@ int main(int argc, char ** argv) {
     Requests requests;
     auto next_line = [&](std::string & l) { return input == "json" ? requests.next(l) : (bool) std::getline(std::cin, l); };
     while (next_line(line)) {
+        if (!is_request(line, input)) continue;
         json req;
-        if (input == "json") {
-            if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
-            try {
-                req = json::parse(line);
-                if (!req.is_object()) throw std::runtime_error("a request is a JSON object");
-            } catch (const std::exception & e) {
-                print_line({{"event", "error"}, {"message", std::string("request: not a JSON object: ") + e.what()}});
-                continue;
-            }
-        } else if (input == "text") {
-            req = {{"prompt", line}};
-        } else {
-            std::vector<int> ids = parse_ids(line);
-            if (ids.empty()) continue;
-            req = {{"prompt", ids}};
-        }
         try {
+            req = request_of(line, input);  // --json: a line that is no JSON object is an error event
             std::function<bool()> cancelled = nullptr;
             if (input == "json" && req.contains("id")) {
                 const json id = req["id"];
@@ -4084,9 +4082,7 @@ int main(int argc, char ** argv) {
             print_line(run_request(m, defaults, req, print_line, cancelled));
         } catch (const std::exception & e) {
             if (input != "json") die(e.what());
-            json err = {{"event", "error"}, {"message", e.what()}};
-            if (req.contains("id")) err["id"] = req["id"];
-            print_line(err);
+            print_line(error_event(e.what(), req));
         }
     }
     return 0;
