@@ -1865,6 +1865,7 @@ struct Sub {
     Forward * res;
     bool record;  // speculative: the commit's GDN inputs and state kept for a rollback (in the Seq)
     bool done = false;
+    int tokens() const { return (int) (commit->size() + block->size()); }
 };
 
 // The forwards of several rows (each in its own cache slot, with its own GDN state) as one graph: the
@@ -1879,7 +1880,7 @@ static void forward_batch(Model & m, std::vector<Sub *> & subs) {
     int T = 0, n_out = 0, Tq = 0, R = 0, n_kv = 0;
     bool share = false;
     for (const Sub * b : subs) {
-        const int Ts = (int) (b->commit->size() + b->block->size());
+        const int Ts = b->tokens();
         share = share || (!b->block->empty() && b->seq->share_budget > 0 && b->seq->share_budget < hp.n_expert);
         if (Ts == 0) die("empty forward");
         if (b->seq->n_past + Ts > m.n_ctx) die("context full");
@@ -1900,7 +1901,7 @@ static void forward_batch(Model & m, std::vector<Sub *> & subs) {
     for (auto & c : G.calls) c.segs.clear();
     int col = 0, out = 0;
     for (const Sub * b : subs) {
-        const Seq & q = *b->seq;
+        Seq & q = *b->seq;
         const int Tc = (int) b->commit->size(), Bd = (int) b->block->size(), n_past = q.n_past;
         for (int t = 0; t < Tc + Bd; t++) {
             ids[col + t] = t < Tc ? (*b->commit)[t] : (*b->block)[t - Tc];
@@ -1914,20 +1915,19 @@ static void forward_batch(Model & m, std::vector<Sub *> & subs) {
         }
         for (int r : *b->out_rows) oi[out++] = col + r;
         if (Bd && q.share_budget > 0 && q.share_budget < hp.n_expert) G.share_call.segs.push_back({col + Tc, col + Tc + Bd, q.share_budget, q.share_max});
-        Seq & sq = *b->seq;
         if (b->record) {
-            sq.rec_T = Tc;
-            sq.window_len = hp.conv_k - 1 + Tc;
+            q.rec_T = Tc;
+            q.window_len = hp.conv_k - 1 + Tc;
         }
         for (int il = 0; il < hp.n_layer; il++) {
             if (!m.layers[il].recurrent) continue;
             if (b->record) {
-                sq.S0[il].resize(sq.S[il].size());
-                sq.rec[il].resize((size_t) hp.hv * Tc * (2 * hp.dk + hp.dv + 2));
-                sq.window[il].resize((size_t) hp.conv_dim() * sq.window_len);
+                q.S0[il].resize(q.S[il].size());
+                q.rec[il].resize((size_t) hp.hv * Tc * (2 * hp.dk + hp.dv + 2));
+                q.window[il].resize((size_t) hp.conv_dim() * q.window_len);
             }
-            G.calls[il].segs.push_back({col, Tc, Bd, sq.conv[il].data(), sq.S[il].data(), b->record && Tc ? sq.window[il].data() : nullptr,
-                                        b->record ? sq.S0[il].data() : nullptr, b->record ? sq.rec[il].data() : nullptr});
+            G.calls[il].segs.push_back({col, Tc, Bd, q.conv[il].data(), q.S[il].data(), b->record && Tc ? q.window[il].data() : nullptr,
+                                        b->record ? q.S0[il].data() : nullptr, b->record ? q.rec[il].data() : nullptr});
         }
         col += Tc + Bd;
     }
@@ -1984,13 +1984,10 @@ static const int FA_TILE_Q = 64;
 static void batch_maybe_run(Model & m) {
     Batcher & b = *g_batch;
     if (b.rows == 0 || (int) b.subs.size() < b.rows || b.joining > 0) return;
-    std::vector<Sub *> subs, longs;
+    std::vector<Sub *> subs, shorts, longs;
     subs.swap(b.subs);
-    for (Sub * x : subs)
-        if ((int) (x->commit->size() + x->block->size()) >= FA_TILE_Q) longs.push_back(x);
-    if (!longs.empty() && longs.size() < subs.size()) {
-        std::vector<Sub *> shorts;
-        for (Sub * x : subs) if ((int) (x->commit->size() + x->block->size()) < FA_TILE_Q) shorts.push_back(x);
+    for (Sub * x : subs) (x->tokens() >= FA_TILE_Q ? longs : shorts).push_back(x);
+    if (!longs.empty() && !shorts.empty()) {
         forward_batch(m, shorts);
         forward_batch(m, longs);
     } else {
