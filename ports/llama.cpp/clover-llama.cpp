@@ -3053,6 +3053,7 @@ struct DraftPolicy {
     std::vector<int> widths;                // ascending
     std::map<int, double> cost;             // width -> seconds of a step drafting it
     double prior_rate = 0.5;
+    bool verbose = false;                   // --verbose: each width decision on stderr
     json costs_json;                        // the cost table, its source and the prior, for the result line
     json choices = json::array();           // each decision that changed the width: {forward, width, expected}
     std::vector<std::string> why;           // the same as clover's width_why lines
@@ -3081,7 +3082,7 @@ struct DraftPolicy {
     }
     // The width for the next forward of a row that has kept `kept` draft tokens in verifies of which
     // `rejected` rejected one, with `remaining` tokens left; `forward`: the forwards so far.
-    int choose(int kept, int rejected, int remaining, int forward, bool verbose, double horizon = -1) {
+    int choose(int kept, int rejected, int remaining, int forward, double horizon = -1) {
         const double a = acceptance(kept, rejected);
         std::map<int, double> expected;
         int best = widths[0];
@@ -3371,6 +3372,7 @@ static DraftPolicy draft_policy(Model & m, const Params & p) {
     pol.widths = auto_widths(m, p.mode);
     const StepCosts & sc = step_costs(m, p, pol.widths);
     pol.cost = sc.seconds;
+    pol.verbose = auto_width().verbose;
     if (p.mode == "speculative" && m.hp.block_tpf.count(m.hp.block_size))
         pol.prior_rate = DraftPolicy::rate_keeping(m.hp.block_tpf.at(m.hp.block_size), m.hp.block_size);
     pol.costs_json = step_costs_json(sc);
@@ -3400,7 +3402,7 @@ static void run_speculative(Model & m, const Params & p, const std::vector<int> 
     while (!r.stop_now()) {
         if (pol) {  // after AR's step, a row whose draft is AR's token alone starts drafting only where that pays
             const bool starting = r.forwards > 0 && D == 1 && has_draft && draft.size() <= 1;  // (speculative.choose_draft)
-            D = pol->choose(kept_draft, rejected_draft, p.max_new - (int) r.tokens.size(), r.forwards, auto_width().verbose,
+            D = pol->choose(kept_draft, rejected_draft, p.max_new - (int) r.tokens.size(), r.forwards,
                             starting ? std::max<double>(1, r.tokens.size()) : -1);
         }
         int Dw = D;  // this forward's draft: none where the draft in flight is likely rejected (SpeculativeEngine._skip_block:
@@ -3495,7 +3497,7 @@ static void run_dflash(Model & m, const Params & p, const std::vector<int> & pro
     row_accept(r, p, {anchor});
     while (!r.stop_now()) {
         if (pol) {
-            D = pol->choose(kept_draft, rejected_draft, p.max_new - (int) r.tokens.size(), r.forwards, auto_width().verbose) - 1;
+            D = pol->choose(kept_draft, rejected_draft, p.max_new - (int) r.tokens.size(), r.forwards) - 1;
             block.assign(D + 1, d.mask_id);
         }
         if (D > 0) {  // (auto's width 1 is the AR step: no draft; the context waits for the next one)
