@@ -22,6 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import rows
+
 PACK_ROWS = 8  # the row count oneDNN is told to expect when it lays the weight out (a width-8 block)
 MAX_ROWS = 32  # above this MKL's own GEMM amortises its repack (a 64-token prompt): plain again
 EXPERT_MAX_ROWS = 16  # the same for an expert's smaller matrices (1024 × 2048 at 32 rows: 3.1 ms packed, 2.5 plain)
@@ -65,11 +67,45 @@ def usable(x: torch.Tensor, max_rows: int | None = None) -> bool:
 def linear(x: torch.Tensor, weight: torch.Tensor, pack: Pack | None, bias: torch.Tensor | None = None,
            source: torch.Tensor | None = None, max_rows: int | None = None) -> torch.Tensor:
     """`F.linear(x, weight, bias)`, through `pack` where it applies (`usable` up to `max_rows`, and
-    the pack still matches `source`: the tensor it was packed from, `weight` itself unless given)."""
+    the pack still matches `source`: the tensor it was packed from, `weight` itself unless given):
+    up to `rows.MAX_ROWS` rows through the row kernel on the plain weight (`row_kernel`), more
+    through oneDNN's linear on the packed one."""
     if pack is None or not usable(x, max_rows) or not pack.fresh(weight if source is None else source):
         return F.linear(x, weight, bias)
-    y = _packed_mm(x.reshape(-1, x.shape[-1]).contiguous(), pack, bias)
+    x2 = x.reshape(-1, x.shape[-1]).contiguous()
+    if x2.shape[0] <= rows.MAX_ROWS and weight.is_contiguous() and row_kernel():
+        y = _rows_mm(x2, weight, bias)
+    else:
+        y = _packed_mm(x2, pack, bias)
     return y.view(*x.shape[:-1], y.shape[-1])
+
+
+def row_kernel() -> bool:
+    """Whether the few-row kernel (`clover.kernels.rows`, single-threaded) serves packed layers now:
+    torch runs one thread (with more, oneDNN's threaded GEMM), and the kernel is built (else one
+    warning, and oneDNN)."""
+    return torch.get_num_threads() == 1 and rows.library() is not None
+
+
+def _rows_mm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [M, K] @ weightᵀ (+ bias), M ≤ `rows.MAX_ROWS`: the row kernel on the plain weight."""
+    return rows.linear(x, weight, bias)
+
+
+def experts(mod: nn.Module, x: torch.Tensor, top_idx: torch.Tensor, top_w: torch.Tensor) -> torch.Tensor | None:
+    """The routed experts of `mod` (`models.layers.Experts` with `packs`) on tokens x [N, H] with
+    their top_idx / top_w [N, k], in one call of the row kernel (each touched expert once, on its
+    tokens' rows: no host loop) where it applies: 1…`rows.MAX_ROWS` tokens of float32 CPU
+    activations at inference, packs still fresh, `row_kernel()`. None where it does not (the caller
+    runs its host loop)."""
+    gu, dn = mod.packs[0]
+    if not (x.dtype == torch.float32 and x.device.type == "cpu" and 0 < x.shape[0] <= rows.MAX_ROWS
+            and not torch.is_grad_enabled() and not torch.compiler.is_compiling()
+            and gu.fresh(mod.gate_up_proj) and dn.fresh(mod.down_proj) and mod.gate_up_proj.is_contiguous()
+            and mod.down_proj.is_contiguous() and row_kernel()):
+        return None
+    return rows.experts(x.contiguous(), top_idx.contiguous(), top_w.to(x.dtype).contiguous(),
+                        mod.gate_up_proj.detach(), mod.down_proj.detach())
 
 
 def _packed_mm(x: torch.Tensor, pack: Pack, bias: torch.Tensor | None) -> torch.Tensor:

@@ -29,7 +29,7 @@ from ..kernels import (
     one_chunk_gated_delta_rule,
     recurrent_gated_delta_rule,
 )
-from ..kernels.packed import EXPERT_MAX_ROWS, linear as packed_linear
+from ..kernels.packed import EXPERT_MAX_ROWS, experts as packed_experts, linear as packed_linear
 from ..moe import BlockSharing, grouped_expert_forward, route, static_expert_forward
 
 
@@ -640,7 +640,10 @@ class Experts(nn.Module):
         return packed_linear(F.silu(gate) * up, self.down_proj[e], dn, source=self.down_proj, max_rows=EXPERT_MAX_ROWS)
 
     def forward(self, x: torch.Tensor, top_idx: torch.Tensor, top_w: torch.Tensor) -> torch.Tensor:
-        """x [N, H]; top_idx/top_w [N, k]. Tokens grouped by expert; only touched experts run."""
+        """x [N, H]; top_idx/top_w [N, k]. Tokens grouped by expert; only touched experts run
+        (packed experts of a few tokens: in one call of the row kernel, `kernels.packed.experts`)."""
+        if self.packs is not None and (out := packed_experts(self, x, top_idx, top_w)) is not None:
+            return out
         return grouped_expert_forward(self, x, top_idx, top_w)
 
 
