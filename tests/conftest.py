@@ -19,6 +19,18 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def kernel_cache(tmp_path_factory):
+    """The few-row kernel (`clover.kernels.rows`) is built at most once per session, into a tmp cache."""
+    old = os.environ.get("CLOVER_KERNELS")
+    os.environ["CLOVER_KERNELS"] = str(tmp_path_factory.mktemp("kernels"))
+    yield os.environ["CLOVER_KERNELS"]
+    if old is None:
+        os.environ.pop("CLOVER_KERNELS")
+    else:
+        os.environ["CLOVER_KERNELS"] = old
+
+
 @pytest.fixture(scope="session")
 def tiny_dir(tmp_path_factory):
     """A tiny random Clover checkpoint (byte tokenizer), shared by the session."""

@@ -85,8 +85,8 @@ def cost_key(model, variant: str | None = None) -> dict:
     """What a forward's cost depends on: the model's shapes and dtype, eager or compiled, the device
     and the machine (CPU, threads, torch), and whether its weights are packed for forwards of several
     positions (`clover.kernels.packed`; only then in the key, so the curves of unpacked models keep
-    their keys)."""
-    from ..kernels.packed import is_packed
+    their keys) and served by the row kernel (its ISA)."""
+    from ..kernels.packed import is_packed, row_kernel, rows
 
     c = model.config
     shape = {k: getattr(c, k, None) for k in (
@@ -95,8 +95,10 @@ def cost_key(model, variant: str | None = None) -> dict:
         "linear_value_head_dim", "num_experts", "num_experts_per_tok", "moe_intermediate_size",
         "shared_expert_intermediate_size", "intermediate_size", "layer_types")}
     dev = model.device
+    packs = is_packed(model)
     return {
-        **({"packed": True} if is_packed(model) else {}),
+        **({"packed": True} if packs else {}),
+        **({"row_kernel": rows.isa()} if packs and row_kernel() else {}),
         "model": shape,
         "dtype": str(model.dtype).replace("torch.", ""),
         "variant": variant or compiled_kind(model),

@@ -73,18 +73,19 @@ def _cpu_flags() -> str:
         return platform.processor()
 
 
-def _load() -> ctypes.CDLL:
+def _load(flags: tuple[str, ...] = FLAGS) -> ctypes.CDLL:
+    """Build (unless the cache has it) and load the kernel with compiler `flags`."""
     cc = _compiler()
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=60).stdout
     key = hashlib.sha256(b"\0".join(s.encode() for s in (SOURCE.read_text(), cc, version, _cpu_flags(),
-                                                          platform.machine(), *FLAGS))).hexdigest()[:16]
+                                                          platform.machine(), *flags))).hexdigest()[:16]
     out = user_cache("kernels", env="CLOVER_KERNELS") / f"rows-{key}.so"
     if not out.exists():
         out.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
         os.close(fd)
         try:
-            r = subprocess.run([cc, *FLAGS, "-o", tmp, str(SOURCE), "-lm"], capture_output=True, text=True, timeout=300)
+            r = subprocess.run([cc, *flags, "-o", tmp, str(SOURCE), "-lm"], capture_output=True, text=True, timeout=300)
             if r.returncode != 0:
                 raise OSError(f"{cc} exited with {r.returncode}: {r.stderr.strip()}")
             os.replace(tmp, out)  # atomic: a concurrent build writes the same bytes
