@@ -89,10 +89,10 @@ def counted(monkeypatch, builds):
     """Every layer packs (MIN_BYTES 0); the row kernel's calls and oneDNN's are counted."""
     monkeypatch.setattr(packed, "MIN_BYTES", 0)
     calls = {"rows": [], "onednn": [], "experts": []}
-    real_rows, real_dnn, real_ex = packed._rows_mm, packed._packed_mm, rows.experts
+    real_rows, real_dnn, real_ex = packed._rows_mm, packed._packed_mm, packed.rows_experts
     monkeypatch.setattr(packed, "_rows_mm", lambda x, w, b: calls["rows"].append(x.shape[0]) or real_rows(x, w, b))
     monkeypatch.setattr(packed, "_packed_mm", lambda x, p, b: calls["onednn"].append(x.shape[0]) or real_dnn(x, p, b))
-    monkeypatch.setattr(rows, "experts", lambda x, *a: calls["experts"].append(x.shape[0]) or real_ex(x, *a))
+    monkeypatch.setattr(packed, "rows_experts", lambda x, *a: calls["experts"].append(x.shape[0]) or real_ex(x, *a))
     return calls
 
 

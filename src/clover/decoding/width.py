@@ -86,7 +86,8 @@ def cost_key(model, variant: str | None = None) -> dict:
     and the machine (CPU, threads, torch), and whether its weights are packed for forwards of several
     positions (`clover.kernels.packed`; only then in the key, so the curves of unpacked models keep
     their keys) and served by the row kernel (its ISA)."""
-    from ..kernels.packed import is_packed, row_kernel, rows
+    from ..kernels.packed import is_packed, row_kernel
+    from ..kernels.rows import isa
 
     c = model.config
     shape = {k: getattr(c, k, None) for k in (
@@ -98,7 +99,7 @@ def cost_key(model, variant: str | None = None) -> dict:
     packs = is_packed(model)
     return {
         **({"packed": True} if packs else {}),
-        **({"row_kernel": rows.isa()} if packs and row_kernel() else {}),
+        **({"row_kernel": isa()} if packs and row_kernel() else {}),
         "model": shape,
         "dtype": str(model.dtype).replace("torch.", ""),
         "variant": variant or compiled_kind(model),

@@ -1,12 +1,16 @@
-"""Float32 matmuls of a few rows on a CPU, through oneDNN with the weight packed once.
+"""Float32 matmuls of a few rows on a CPU: the row kernel on the plain weight, or oneDNN on a packed copy.
 
 `F.linear` of M = 2…32 rows (a denoise block, a block commit, a verify) on a CPU runs MKL's sgemm
 with a transposed weight, which repacks the whole weight on every call: at 0.7B's 8192 × 2048
 projection, cold in memory, 8 rows cost 13.7 ms against 4.4 ms for one (3.1×). oneDNN with the
-weight reordered once into its blocked layout costs 5.9 ms (1.33×; 4.8 ms at 4 rows, 7.5 ms at 16;
-docs/benchmarks.md "Block expert sharing at 0.7B"). One row (an AR step's GEMV) stays on
-`F.linear`, where oneDNN is slower, and so do more than `MAX_ROWS` rows. The price is a second copy
-of every packed weight, kept beside the plain one.
+weight reordered once into its blocked layout costs 5.9 ms (1.33×; 4.8 ms at 4 rows, 7.5 ms at 16);
+the row kernel (`clover.kernels.rows`, built on first use; single-threaded) reads the plain weight
+once at ~1.0× a GEMV at 4 rows and ~1.2× at 8 (docs/benchmarks.md "Block expert sharing at 0.7B").
+A packed layer runs 2…16 rows through the row kernel where it is built and torch runs one thread,
+else (and 17…`MAX_ROWS` rows) through oneDNN; packed routed experts of 1…16 tokens run in one call
+of the row kernel. One row (an AR step's GEMV) stays on `F.linear`, which neither beats, and so do
+more than `MAX_ROWS` rows. The price is a second copy of every packed weight, kept beside the
+plain one.
 
 `pack_model` packs a model's linear layers (`PackedLinear`) and routed experts (`Experts.packs`); a
 pack is used only at inference (no autograd, not while compiling), on a CPU, for float32 activations,
@@ -22,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import rows
+from .rows import MAX_ROWS as ROW_KERNEL_ROWS, experts as rows_experts, library as rows_library, linear as rows_linear
 
 PACK_ROWS = 8  # the row count oneDNN is told to expect when it lays the weight out (a width-8 block)
 MAX_ROWS = 32  # above this MKL's own GEMM amortises its repack (a 64-token prompt): plain again
@@ -68,12 +72,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, pack: Pack | None, bias: torch
            source: torch.Tensor | None = None, max_rows: int | None = None) -> torch.Tensor:
     """`F.linear(x, weight, bias)`, through `pack` where it applies (`usable` up to `max_rows`, and
     the pack still matches `source`: the tensor it was packed from, `weight` itself unless given):
-    up to `rows.MAX_ROWS` rows through the row kernel on the plain weight (`row_kernel`), more
+    up to `ROW_KERNEL_ROWS` (16) rows through the row kernel on the plain weight (`row_kernel`), more
     through oneDNN's linear on the packed one."""
     if pack is None or not usable(x, max_rows) or not pack.fresh(weight if source is None else source):
         return F.linear(x, weight, bias)
     x2 = x.reshape(-1, x.shape[-1]).contiguous()
-    if x2.shape[0] <= rows.MAX_ROWS and weight.is_contiguous() and row_kernel():
+    if x2.shape[0] <= ROW_KERNEL_ROWS and weight.is_contiguous() and row_kernel():
         y = _rows_mm(x2, weight, bias)
     else:
         y = _packed_mm(x2, pack, bias)
@@ -84,27 +88,27 @@ def row_kernel() -> bool:
     """Whether the few-row kernel (`clover.kernels.rows`, single-threaded) serves packed layers now:
     torch runs one thread (with more, oneDNN's threaded GEMM), and the kernel is built (else one
     warning, and oneDNN)."""
-    return torch.get_num_threads() == 1 and rows.library() is not None
+    return torch.get_num_threads() == 1 and rows_library() is not None
 
 
 def _rows_mm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x [M, K] @ weightᵀ (+ bias), M ≤ `rows.MAX_ROWS`: the row kernel on the plain weight."""
-    return rows.linear(x, weight, bias)
+    """x [M, K] @ weightᵀ (+ bias), M ≤ `ROW_KERNEL_ROWS`: the row kernel on the plain weight."""
+    return rows_linear(x, weight, bias)
 
 
 def experts(mod: nn.Module, x: torch.Tensor, top_idx: torch.Tensor, top_w: torch.Tensor) -> torch.Tensor | None:
     """The routed experts of `mod` (`models.layers.Experts` with `packs`) on tokens x [N, H] with
     their top_idx / top_w [N, k], in one call of the row kernel (each touched expert once, on its
-    tokens' rows: no host loop) where it applies: 1…`rows.MAX_ROWS` tokens of float32 CPU
+    tokens' rows: no host loop) where it applies: 1…`ROW_KERNEL_ROWS` tokens of float32 CPU
     activations at inference, packs still fresh, `row_kernel()`. None where it does not (the caller
     runs its host loop)."""
     gu, dn = mod.packs[0]
-    if not (x.dtype == torch.float32 and x.device.type == "cpu" and 0 < x.shape[0] <= rows.MAX_ROWS
+    if not (x.dtype == torch.float32 and x.device.type == "cpu" and 0 < x.shape[0] <= ROW_KERNEL_ROWS
             and not torch.is_grad_enabled() and not torch.compiler.is_compiling()
             and gu.fresh(mod.gate_up_proj) and dn.fresh(mod.down_proj) and mod.gate_up_proj.is_contiguous()
             and mod.down_proj.is_contiguous() and row_kernel()):
         return None
-    return rows.experts(x.contiguous(), top_idx.contiguous(), top_w.to(x.dtype).contiguous(),
+    return rows_experts(x.contiguous(), top_idx.contiguous(), top_w.to(x.dtype).contiguous(),
                         mod.gate_up_proj.detach(), mod.down_proj.detach())
 
 
