@@ -6,9 +6,9 @@ projection, cold in memory, 8 rows cost 13.7 ms against 4.4 ms for one (3.1×). 
 weight reordered once into its blocked layout costs 5.9 ms (1.33×; 4.8 ms at 4 rows, 7.5 ms at 16);
 the row kernel (`clover.kernels.rows`, built on first use; single-threaded) reads the plain weight
 once at ~1.0× a GEMV at 4 rows and ~1.2× at 8 (docs/benchmarks.md "Block expert sharing at 0.7B").
-A packed layer runs 2…16 rows through the row kernel where it is built and torch runs one thread,
-else (and 17…`MAX_ROWS` rows) through oneDNN; packed routed experts of 1…16 tokens run in one call
-of the row kernel. One row (an AR step's GEMV) stays on `F.linear`, which neither beats, and so do
+A packed layer runs 2…8 rows (`DENSE_ROWS`) through the row kernel where it is built and torch runs
+one thread, else (and 9…`MAX_ROWS` rows) through oneDNN; packed routed experts of 1…16 tokens run
+in one call of the row kernel. One row (an AR step's GEMV) stays on `F.linear`, which neither beats, and so do
 more than `MAX_ROWS` rows. The price is a second copy of every packed weight, kept beside the
 plain one.
 
@@ -31,6 +31,7 @@ from .rows import MAX_ROWS as ROW_KERNEL_ROWS, experts as rows_experts, library 
 PACK_ROWS = 8  # the row count oneDNN is told to expect when it lays the weight out (a width-8 block)
 MAX_ROWS = 32  # above this MKL's own GEMM amortises its repack (a 64-token prompt): plain again
 EXPERT_MAX_ROWS = 16  # the same for an expert's smaller matrices (1024 × 2048 at 32 rows: 3.1 ms packed, 2.5 plain)
+DENSE_ROWS = 8  # a layer's rows through the row kernel; at 9…16 oneDNN was 2-4% faster in a 0.7B forward of 16 rows
 MIN_BYTES = 2 << 20  # smaller matrices stay plain: MKL's repack of a weight that fits in a core's L2 is cheap
 MIN_MODEL_BYTES = 256 << 20  # the default packs a model whose large weights stream from memory each forward
 
@@ -72,12 +73,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, pack: Pack | None, bias: torch
            source: torch.Tensor | None = None, max_rows: int | None = None) -> torch.Tensor:
     """`F.linear(x, weight, bias)`, through `pack` where it applies (`usable` up to `max_rows`, and
     the pack still matches `source`: the tensor it was packed from, `weight` itself unless given):
-    up to `ROW_KERNEL_ROWS` (16) rows through the row kernel on the plain weight (`row_kernel`), more
+    up to `DENSE_ROWS` rows through the row kernel on the plain weight (`row_kernel`), more
     through oneDNN's linear on the packed one."""
     if pack is None or not usable(x, max_rows) or not pack.fresh(weight if source is None else source):
         return F.linear(x, weight, bias)
     x2 = x.reshape(-1, x.shape[-1]).contiguous()
-    if x2.shape[0] <= ROW_KERNEL_ROWS and weight.is_contiguous() and row_kernel():
+    if x2.shape[0] <= DENSE_ROWS and weight.is_contiguous() and row_kernel():
         y = _rows_mm(x2, weight, bias)
     else:
         y = _packed_mm(x2, pack, bias)
@@ -92,7 +93,7 @@ def row_kernel() -> bool:
 
 
 def _rows_mm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x [M, K] @ weightᵀ (+ bias), M ≤ `ROW_KERNEL_ROWS`: the row kernel on the plain weight."""
+    """x [M, K] @ weightᵀ (+ bias), M ≤ `DENSE_ROWS`: the row kernel on the plain weight."""
     return rows_linear(x, weight, bias)
 
 
