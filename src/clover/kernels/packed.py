@@ -5,12 +5,12 @@ with a transposed weight, which repacks the whole weight on every call: at 0.7B'
 projection, cold in memory, 8 rows cost 13.7 ms against 4.4 ms for one (3.1×). oneDNN with the
 weight reordered once into its blocked layout costs 5.9 ms (1.33×; 4.8 ms at 4 rows, 7.5 ms at 16);
 the row kernel (`clover.kernels.rows`, built on first use; single-threaded) reads the plain weight
-once at ~1.0× a GEMV at 4 rows and ~1.2× at 8 (docs/benchmarks.md "Block expert sharing at 0.7B").
-A packed layer runs 2…8 rows (`DENSE_ROWS`) through the row kernel where it is built and torch runs
-one thread, else (and 9…`MAX_ROWS` rows) through oneDNN; packed routed experts of 1…16 tokens run
-in one call of the row kernel. One row (an AR step's GEMV) stays on `F.linear`, which neither beats, and so do
-more than `MAX_ROWS` rows. The price is a second copy of every packed weight, kept beside the
-plain one.
+once at ~1.0–1.05× a GEMV at 4 rows and ~1.05–1.25× at 8 (docs/kernels.md, "Few-row float32
+matmuls"). A packed layer runs 2…8 rows (`DENSE_ROWS`) through the row kernel where it is built and
+torch runs one thread, else (and 9…`MAX_ROWS` rows) through oneDNN; packed routed experts of 1…16
+tokens run in one call of the row kernel. One row (an AR step's GEMV) stays on `F.linear`, which
+neither beats, and so do more than `MAX_ROWS` rows. The price is a second copy of every packed
+weight, kept beside the plain one.
 
 `pack_model` packs a model's linear layers (`PackedLinear`) and routed experts (`Experts.packs`); a
 pack is used only at inference (no autograd, not while compiling), on a CPU, for float32 activations,
