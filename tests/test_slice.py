@@ -69,6 +69,26 @@ def test_bench_matmul_quick_json(capsys):
         assert all(e < 2e-2 for e in x["rel_err_vs_reference"].values()), x["rel_err_vs_reference"]
 
 
+def test_bench_matmul_fp32_paths_cold(capsys):
+    """The opt-in fp32 paths (oneDNN on a packed weight, the row kernel up to 16 rows) through cycled
+    weight copies: each agrees with the fp32 reference; the row kernel has no time above 16 rows."""
+    from clover.kernels import packed, rows
+
+    rc = cli.main(["bench", "matmul", "--quick", "--repeat", "1", "--rows", "2,17", "--cold", "3", "--threads", "1",
+                   "--paths", "fp32,fp32-onednn,fp32-rows", "--json", "-"])
+    out, _ = capsys.readouterr()
+    assert rc == 0
+    r = json.loads(out)
+    assert r["cold"] == 3 and r["paths"] == ["fp32", "fp32-onednn", "fp32-rows"]
+    for x in r["results"]:
+        want = {"fp32"} | ({"fp32-onednn"} if packed.available() else set())
+        want |= {"fp32-rows"} if x["M"] <= 16 and rows.library() is not None else set()
+        assert set(x["ms"]) == want
+        assert all(e < 1e-5 for e in x["rel_err_vs_reference"].values()), x["rel_err_vs_reference"]
+    assert cli.main(["bench", "matmul", "--quick", "--paths", "fp32,fp64"]) != 0
+    assert "--paths: fp64: not among" in capsys.readouterr().err
+
+
 def test_int8_routing_by_rows(monkeypatch):
     """From `int8_cast_rows` rows on, bf16 activations take the cast + bf16 GEMM path (the int8
     kernel is not consulted); below it the kernel path; both match the dequantize reference."""

@@ -7,11 +7,16 @@ or an expert's share of a verify forward), each path computes x @ Wᵀ:
 - `bf16`: `F.linear` with bf16 x and W (torch's oneDNN/mkldnn bf16 GEMM);
 - `int8`: `aten._weight_int8pack_mm` (bf16 x, int8 W per output channel) — `Int8Linear`'s path;
 - `int4`: `aten._weight_int4pack_mm_for_cpu` (bf16 x, int4 W, group 64) — `Int4Linear`'s path;
-- `int4-dq`: dequantize the int4 weight to bf16, then `F.linear` (the fallback path), for reference.
+- `int4-dq`: dequantize the int4 weight to bf16, then `F.linear` (the fallback path), for reference;
+- `fp32-onednn`: oneDNN's linear on the fp32 weight packed once (`clover.kernels.packed`), opt-in;
+- `fp32-rows`: the row kernel on the plain fp32 weight (`clover.kernels.rows`, M ≤ 16), opt-in.
 
 Paths run interleaved (every path per repetition, round-robin) after one warm-up; the median is
 reported with the weight bytes read per call and the resulting GB/s (bytes of W / time: the
-number that bounds batch-1 decoding) and GFLOP/s. `quick=True` uses small shapes (tests).
+number that bounds batch-1 decoding) and GFLOP/s. `cold` > 1 cycles each path through that many
+copies of the weight, one per call, so that a weight comes from memory rather than from a cache
+that holds it (the 0.7B figures use 12). A path that does not apply (no oneDNN, no row kernel,
+M above its rows) has no time. `quick=True` uses small shapes (tests).
 """
 
 from __future__ import annotations
@@ -23,7 +28,9 @@ from .common import machine
 from .kernels import interleaved
 
 SCHEMA = "clover.bench.matmul/1"
-PATHS = ("fp32", "bf16", "int8", "int4", "int4-dq")
+PATHS = ("fp32", "bf16", "int8", "int4", "int4-dq")  # the default
+FP32_PATHS = ("fp32", "fp32-onednn", "fp32-rows")  # the few-row fp32 paths, opt-in
+ALL_PATHS = PATHS + FP32_PATHS[1:]
 ROWS = (1, 2, 4, 8, 16, 32, 64)
 
 
@@ -41,16 +48,33 @@ def slice_shapes(quick: bool = False) -> dict[str, tuple[int, int]]:
     }
 
 
-def _fns(N: int, K: int, M: int, paths: tuple[str, ...], gen: torch.Generator, group_size: int = 64):
+def _fns(N: int, K: int, M: int, paths: tuple[str, ...], gen: torch.Generator, group_size: int = 64, cold: int = 1):
+    from ..kernels import packed, rows as row_kernel
     from ..quant.ops import Int4Weights, _aligned_copy, dequantize_int4, quantize_int4, quantize_int8
 
     w = torch.randn(N, K, generator=gen) * 0.02
     x = torch.randn(M, K, generator=gen)
     xb = _aligned_copy(x.to(torch.bfloat16))
     fns, ref, nbytes = {}, {}, {}
+    ws = [w] + [w.clone() for _ in range(cold - 1)]  # one per call, round and round
+
+    def cycled(fn, weights):
+        i = [0]
+
+        def call():
+            i[0] = (i[0] + 1) % len(weights)
+            return fn(weights[i[0]])
+        return call
+
     if "fp32" in paths:
-        fns["fp32"] = lambda: F.linear(x, w)
+        fns["fp32"] = cycled(lambda wi: F.linear(x, wi), ws)
         nbytes["fp32"] = w.numel() * 4
+    if "fp32-onednn" in paths and packed.available():
+        fns["fp32-onednn"] = cycled(lambda p: packed._packed_mm(x, p, None), [packed.Pack(wi) for wi in ws])
+        ref["fp32-onednn"], nbytes["fp32-onednn"] = x @ w.t(), w.numel() * 4
+    if "fp32-rows" in paths and M <= row_kernel.MAX_ROWS and row_kernel.library() is not None:
+        fns["fp32-rows"] = cycled(lambda wi: row_kernel.linear(x, wi), ws)
+        ref["fp32-rows"], nbytes["fp32-rows"] = x @ w.t(), w.numel() * 4
     if "bf16" in paths:
         wb = w.to(torch.bfloat16)
         fns["bf16"] = lambda: F.linear(xb, wb)
@@ -76,7 +100,7 @@ def _fns(N: int, K: int, M: int, paths: tuple[str, ...], gen: torch.Generator, g
 
 
 def run_matmul(*, quick: bool = False, rows: tuple[int, ...] = ROWS, paths: tuple[str, ...] = PATHS,
-               repeat: int | None = None, seed: int = 0, progress=None) -> dict:
+               repeat: int | None = None, seed: int = 0, cold: int = 1, progress=None) -> dict:
     repeat = repeat or (3 if quick else 7)
     say = progress or (lambda msg: None)
     gen = torch.Generator().manual_seed(seed)
@@ -85,9 +109,9 @@ def run_matmul(*, quick: bool = False, rows: tuple[int, ...] = ROWS, paths: tupl
         for name, (N, K) in slice_shapes(quick).items():
             for M in rows:
                 say(f"{name} M={M}")
-                fns, ref, nbytes = _fns(N, K, M, paths, gen)
-                # big weights: fewer inner calls; small ones: several per timing
-                inner = max(1, min(20, int(4e6 // (N * K))))
+                fns, ref, nbytes = _fns(N, K, M, paths, gen, cold=cold)
+                # big weights: fewer inner calls; small ones: several per timing; cold: every copy
+                inner = max(cold, min(20, int(4e6 // (N * K))))
                 ms = interleaved(fns, repeat=repeat, inner=inner)
                 err = {}
                 for p, r in ref.items():
@@ -101,8 +125,8 @@ def run_matmul(*, quick: bool = False, rows: tuple[int, ...] = ROWS, paths: tupl
                     "gflops": {p: 2 * M * N * K / (t / 1e3) / 1e9 for p, t in ms.items()},
                     "rel_err_vs_reference": err,
                 })
-    return {"schema": SCHEMA, "quick": quick, "repeat": repeat, "paths": list(paths), "rows": list(rows),
-            "machine": machine(), "results": results}
+    return {"schema": SCHEMA, "quick": quick, "repeat": repeat, "cold": cold, "paths": list(paths),
+            "rows": list(rows), "machine": machine(), "results": results}
 
 
 def matmul_table(result: dict):
@@ -120,5 +144,6 @@ def matmul_table(result: dict):
     for r in result["results"]:
         label = f"{r['shape']} ({r['N']} × {r['K']})" if r["shape"] != last else ""
         last = r["shape"]
-        t.add_row(label, str(r["M"]), *[f"{r['ms'][p]:.3f} ({r['gbps'][p]:.1f})" for p in paths], r["fastest"])
+        t.add_row(label, str(r["M"]), *[f"{r['ms'][p]:.3f} ({r['gbps'][p]:.1f})" if p in r["ms"] else "—" for p in paths],
+                  r["fastest"])
     return t

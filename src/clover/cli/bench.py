@@ -152,6 +152,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true", help="small shapes (seconds; for tests)")
     p.add_argument("--rows", default="1,2,4,8,16,32,64", metavar="LIST", help="row counts M (default: 1,2,4,8,16,32,64)")
     p.add_argument("--repeat", type=int, metavar="N", help="timed repetitions (default: 7, quick: 3)")
+    p.add_argument("--paths", default="fp32,bf16,int8,int4,int4-dq", metavar="LIST",
+                   help="comma-separated among fp32,bf16,int8,int4,int4-dq,fp32-onednn (oneDNN on a packed weight),"
+                        "fp32-rows (clover's row kernel, M <= 16) (default: fp32,bf16,int8,int4,int4-dq)")
+    p.add_argument("--cold", type=int, default=1, metavar="N",
+                   help="cycle N copies of each weight, one per call, so that it comes from memory (default: 1)")
     _run_arguments(p)
 
     p = sub.add_parser("profile", help="torch.profiler + cProfile of AR and denoise steps: where a forward's time goes",
@@ -448,13 +453,19 @@ def run_slice(args) -> int:
 
 
 def run_matmul(args) -> int:
-    from ..bench.matmul import matmul_table, run_matmul as bench_matmul
+    from ..bench.matmul import ALL_PATHS, matmul_table, run_matmul as bench_matmul
 
     positive("--repeat", args.repeat)
+    positive("--cold", args.cold)
     rows = tuple(parse_list(args.rows, int, "--rows"))
     for m in rows:
         positive("--rows", m)
-    result = bench_matmul(quick=args.quick, rows=rows, repeat=args.repeat, progress=_progress(args.json))
+    paths = tuple(parse_list(args.paths, str, "--paths"))
+    bad = [p for p in paths if p not in ALL_PATHS]
+    if bad:
+        raise ValueError(f"--paths: {', '.join(bad)}: not among {', '.join(ALL_PATHS)}")
+    result = bench_matmul(quick=args.quick, rows=rows, paths=paths, repeat=args.repeat, cold=args.cold,
+                          progress=_progress(args.json))
     if _progress(args.json):
         print(file=sys.stderr)
     _emit(result, matmul_table(result), args.json)
