@@ -14,8 +14,8 @@ or an expert's share of a verify forward), each path computes x @ Wᵀ:
 Paths run interleaved (every path per repetition, round-robin) after one warm-up; the median is
 reported with the weight bytes read per call and the resulting GB/s (bytes of W / time: the
 number that bounds batch-1 decoding) and GFLOP/s. `cold` > 1 cycles each path through that many
-copies of the weight, one per call, so that a weight comes from memory rather than from a cache
-that holds it (the 0.7B figures use 12). A path that does not apply (no oneDNN, no row kernel,
+copies of the weight, one per call, so that a weight whose copies outgrow the last-level cache
+comes from memory, as a large model's weights do in a forward (the 0.7B figures use 12). A path that does not apply (no oneDNN, no row kernel,
 M above its rows) has no time. `quick=True` uses small shapes (tests).
 """
 
