@@ -257,6 +257,75 @@ def test_auto_leaving_out_the_block_equals_ar_greedy(bundled, skip_below):
     assert all(0 < k < n for k, n in skipped) and any(a > 1 for r in batched for a in r.accept_lengths)
 
 
+def test_kept_whole_reads_the_drafts_own_probabilities(bundled, monkeypatch):
+    """A greedy row's chance of keeping its draft in flight whole (`kept_whole`, what leaves out the
+    block) is the product of its tokens' denoise probabilities, which ride along with the tokens of
+    a rejected draft's leftover (`draft_sure` stays aligned with draft[1:], each the top probability
+    of the denoise logits its token was the argmax of); a row without them (sampled) reads
+    a^(L-1). The tokens stay AR's, batched and alone."""
+    from clover.data.tasks import heldout_tasks
+    from clover.decoding import speculative as S
+    from clover.decoding import width as W
+    from clover.decoding.base import RowState
+    from clover.decoding.sampling import SamplingParams
+
+    checked = {"fresh": 0, "leftover": 0}
+    real_draft, real_step = S.SpeculativeEngine._draft, S.SpeculativeEngine.step
+
+    def draft(self, r, denoise_logits):
+        out = real_draft(self, r, denoise_logits)
+        if denoise_logits is not None:
+            probs = r.state.sampler.process(denoise_logits).softmax(-1)
+            assert out[1:] == probs.argmax(-1).tolist()
+            assert r.state.draft_sure == probs.amax(-1).tolist()
+            checked["fresh"] += 1
+        return out
+
+    def step(self):
+        rows = list(self.rows)
+        before = [(r.state.draft, r.state.draft_sure, len(r.accept_lengths)) for r in rows]
+        events = real_step(self)
+        for r, (d, sure, n) in zip(rows, before):
+            if r.finished or r.state.draft is None:
+                continue
+            assert r.state.draft_sure is not None and len(r.state.draft_sure) == len(r.state.draft) - 1
+            if d is not None and len(r.accept_lengths) > n and (m := r.accept_lengths[-1]) < len(d) - 1:
+                assert r.state.draft[1:] == d[m + 1 :] and r.state.draft_sure == sure[m:]  # the leftover's
+                checked["leftover"] += 1
+        return events
+
+    monkeypatch.setattr(S.SpeculativeEngine, "_draft", draft)
+    monkeypatch.setattr(S.SpeculativeEngine, "step", step)
+    curve = W.CostCurve()
+    for b in W.BATCH_BUCKETS:  # drafting 8 as cheap as the AR step: auto drafts 8 throughout
+        for w in W.draft_widths(bundled.config):
+            curve.add(W.STEP_KIND, b, w, 1.0 if w <= 8 else 10.0)
+    policy = W.DraftPolicy(W.draft_widths(bundled.config), curve, kind=W.STEP_KIND)
+
+    def engine():
+        return S.SpeculativeEngine(bundled.model, draft_length="auto", mask_id=bundled.config.mask_token_id,
+                                   adaptive=True, draft_policy=policy)
+
+    def rows(ps):
+        eng, out = engine(), [RowState(prompt=p, params=SamplingParams(max_new_tokens=24, ignore_eos=True), eos_ids=set())
+                              for p in ps]
+        for r in out:
+            eng.add(r)
+        list(eng.run())
+        return [r.tokens for r in out]
+
+    prompts = [bundled.tokenizer.encode(t.prompt) for t in heldout_tasks(5000)[3000:3004]]
+    ar = [g.token_ids for g in bundled.generate(prompts, mode="ar", max_new_tokens=24, ignore_eos=True)]
+    assert rows(prompts) == [rows([p])[0] for p in prompts] == ar
+    assert checked["fresh"] and checked["leftover"]
+
+    eng = engine()
+    row = S.SpeculativeRow(draft=[5, 6, 7, 8], draft_sure=[0.9, 0.5, 0.8, 0.1])
+    assert eng.kept_whole(type("R", (), {"state": row})()) == pytest.approx(0.9 * 0.5 * 0.8)
+    row.draft_sure, row.kept_draft, row.rejected_draft = None, 6, 2
+    assert eng.kept_whole(type("R", (), {"state": row})()) == pytest.approx(policy.acceptance(6, 2) ** 3)
+
+
 def test_the_adaptive_draft_saves_forwards(bundled):
     """After a rejection the leftover of the draft verifies behind AR's token, and a draft's first
     token is emitted when drafted: fewer forwards for the same tokens on held-out prompts."""

@@ -47,6 +47,7 @@
 #include <deque>
 #include <fstream>
 #include <functional>
+#include <numeric>
 #include <iostream>
 #include <map>
 #include <mutex>
@@ -2790,10 +2791,21 @@ static std::vector<int> accept_rule(const Params & p, const std::vector<Proposal
 
 // the greedy token of the processed logits (propose's, without its confidences): speculative's argmax
 // (no history), and dflash's verify (`seen`: what the position follows)
-static int argmax_tok(const float * lg, int V, const Params & p, const std::vector<int> * seen = nullptr) {
+// the probability softmax gives logit x[arg], the largest of x[0..V) (processed logits)
+static double top_prob(const float * x, int V, int arg) {
+    double sum = 0.0;
+    for (int i = 0; i < V; i++) sum += exp((double) x[i] - x[arg]);
+    return 1.0 / sum;
+}
+
+// the argmax of processed logits; `top`: also its probability (top_prob)
+static int argmax_tok(const float * lg, int V, const Params & p, const std::vector<int> * seen = nullptr,
+                      double * top = nullptr) {
     std::vector<float> x(lg, lg + V);
     process_logits(p, x.data(), V, seen);
-    return (int) (std::max_element(x.begin(), x.end()) - x.begin());
+    const int arg = (int) (std::max_element(x.begin(), x.end()) - x.begin());
+    if (top) *top = top_prob(x.data(), V, arg);
+    return arg;
 }
 
 // ------------------------------------------------------------------------------------ the engines
@@ -3388,7 +3400,8 @@ static DraftPolicy draft_policy(Model & m, const Params & p) {
 // no denoise block), the draft's tokens past a rejected one riding behind AR's token in the next
 // draft, and a draft's first token (AR's own) emitted when drafted.
 // speculative.SKIP_BLOCK_BELOW: draft auto leaves out the denoise block of a forward whose draft in flight
-// is kept whole with probability below this (a^(L-1), a the row's acceptance rate, L the draft's length)
+// is kept whole with probability below this (SpeculativeEngine.kept_whole: the product of the draft's
+// tokens' denoise probabilities)
 static const double SKIP_BLOCK_BELOW = 0.35;
 
 static void run_speculative(Model & m, const Params & p, const std::vector<int> & prompt, Row & r, DraftPolicy * pol) {
@@ -3396,6 +3409,7 @@ static void run_speculative(Model & m, const Params & p, const std::vector<int> 
     const bool adaptive = pol != nullptr;
     int D = p.draft, kept_draft = 0, rejected_draft = 0;
     std::vector<int> pending = prompt, draft, old;
+    std::vector<double> sure, old_sure;  // auto: the denoise pass's top probability at each of draft[1:] (draft_sure)
     bool has_draft = false;
     std::vector<float> first(V);
     Forward f;
@@ -3408,7 +3422,7 @@ static void run_speculative(Model & m, const Params & p, const std::vector<int> 
         int Dw = D;  // this forward's draft: none where the draft in flight is likely rejected (SpeculativeEngine._skip_block:
         // its block would draft after the whole draft; a rejection drafts on from the leftover either way)
         if (pol && Dw > 1 && has_draft && draft.size() > 1 &&
-            std::pow(pol->acceptance(kept_draft, rejected_draft), (double) (draft.size() - 1)) < SKIP_BLOCK_BELOW)
+            std::accumulate(sure.begin(), sure.begin() + (draft.size() - 1), 1.0, std::multiplies<double>()) < SKIP_BLOCK_BELOW)
             Dw = 1;
         const std::vector<int> & src = has_draft ? draft : pending;
         const int Tc = (int) src.size(), Dv = has_draft ? Tc : 0;
@@ -3442,15 +3456,25 @@ static void run_speculative(Model & m, const Params & p, const std::vector<int> 
         if (keep != Tc) rollback(m, Tc, keep);
         if (r.finished) break;
         old.swap(draft);
+        old_sure.swap(sure);
+        sure.clear();
         if (next_ok && Dw > 1) {
             draft.assign(Dw, 0);
             draft[0] = argmax_tok(first.data(), V, p);
-            for (int j = 0; j < Dw - 1; j++) draft[j + 1] = argmax_tok(&f.logits[(size_t) (n_commit_rows + j) * V], V, p);
+            for (int j = 0; j < Dw - 1; j++) {
+                double top = 0.0;
+                draft[j + 1] = argmax_tok(&f.logits[(size_t) (n_commit_rows + j) * V], V, p, nullptr, pol ? &top : nullptr);
+                if (pol) sure.push_back(top);
+            }
         } else {  // a rejection (this forward's block followed rejected tokens), or no block
             draft.assign(1, argmax_tok(first.data(), V, p));
             // adaptive: the draft's tokens past the rejected one ride along (denoised from masks, never
-            // from the rejected token: as good a guess of the positions after AR's token)
-            if (adaptive && !next_ok && mm + 1 < Dv) draft.insert(draft.end(), old.begin() + mm + 1, old.end());
+            // from the rejected token: as good a guess of the positions after AR's token), their
+            // probabilities with them
+            if (adaptive && !next_ok && mm + 1 < Dv) {
+                draft.insert(draft.end(), old.begin() + mm + 1, old.end());
+                if (pol) sure.assign(old_sure.begin() + mm, old_sure.end());
+            }
         }
         has_draft = true;
         if (adaptive) {  // the draft's first token is AR's own: emitted now; a row it ends needs no further forward
@@ -3513,9 +3537,7 @@ static void run_dflash(Model & m, const Params & p, const std::vector<int> & pro
             const int arg = (int) (std::max_element(x.begin(), x.end()) - x.begin());
             draft[j] = arg;
             if (cut && sure == D) {  // the drafter's probability of its token, up to the first below the cut
-                double sum = 0.0;
-                for (int i = 0; i < V; i++) sum += exp((double) x[i] - x[arg]);
-                if ((float) (1.0 / sum) < DRAFT_CUT) sure = j;
+                if ((float) top_prob(x.data(), V, arg) < DRAFT_CUT) sure = j;
             }
         }
         if (cut) {  // DFlashEngine._cut

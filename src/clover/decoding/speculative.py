@@ -38,6 +38,7 @@ would draw it (`accept_draft`).
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 import weakref
@@ -55,10 +56,13 @@ from .sampling import AUTO, SamplingParams, filter_logits
 # at 0.3, 2.57 at 0.7) at the same speed within noise (docs/experiments.md, 2026-12-03)
 DRAFT_CUT = 0.0
 # draft "auto" leaves out the denoise block of a forward whose drafts in flight are each kept whole
-# with probability below this (`SpeculativeEngine._skip_block`; 0: never). 40 held-out prompts the
-# benchmarks do not use (`heldout_tasks(5000)[1000:1040]`), eager, load 4.6, two runs: 0 1.04-1.09x
-# AR, 0.2 1.11-1.13x, 0.35 1.09-1.15x, 0.5 1.10-1.14x (2.26 tokens per forward -> 2.10-2.12); the
-# block is kept whole with a fresh draft of 8 in 20% of verifies, with a leftover of 5-7 in none
+# with probability below this (`SpeculativeEngine._skip_block`; 0: never). That probability is read
+# from the draft itself where the denoise pass gave it (a greedy draft: the product of its tokens' top
+# probabilities; else a^(L-1), a the row's acceptance rate so far). Swept on held-out prompts the
+# benchmarks do not use (`heldout_tasks(5000)[1000:1040]` and `[1040:1080]`, eager, two runs each at
+# load 0.9-3.3): x AR 1.15-1.20 / 1.34-1.35 at 0.35 (2.18 / 2.58 tokens per forward), 1.11-1.17 /
+# 1.35-1.37 at 0.5 (2.18 / 2.56), 1.17-1.23 / 1.30-1.33 at 0.7 (2.18 / 2.48); a^(L-1) at 0.35, the
+# rule before, 1.12-1.16 / 1.29-1.30 (2.12 / 2.46)
 SKIP_BLOCK_BELOW = 0.35
 
 
@@ -200,6 +204,8 @@ class SpeculativeRow(EngineRow):
     first_logits: torch.Tensor | None = None  # causal logits after the last accepted token
     draft: list[int] | None = None  # a draft awaiting verification by the next forward
     draft_q: torch.Tensor | None = None  # sampling: [D-1, V] the distributions draft[1:] were drawn from
+    # greedy, draft "auto": the denoise pass's top probability at each of draft[1:] (None: not known)
+    draft_sure: list[float] | None = None
     next_first: int | None = None  # sampling: the residual draw at a rejection, the next draft's first token
     kept_draft: int = 0  # draft tokens after the first kept so far (draft "auto": the acceptance rate)
     rejected_draft: int = 0  # verifies that rejected a draft token
@@ -244,15 +250,24 @@ class SpeculativeEngine(BatchEngine):
         """Draft "auto", eagerly: whether this forward leaves out its denoise block. The block drafts
         the tokens after a row's whole draft, so it is used only where the draft in flight is kept
         whole; a rejection drafts on from the rejected draft's leftover (and AR's token) either way.
-        Left out where every row's draft in flight is likely rejected (kept whole with probability
-        a^(L-1) below `skip_below`, a the row's acceptance rate, L its length): the forward costs a
-        commit of the drafts alone, and a row that keeps its draft whole after all drafts its next
-        block one forward later."""
+        Left out where every row's draft in flight is likely rejected (`kept_whole` below
+        `skip_below`): the forward costs a commit of the drafts alone, and a row that keeps its draft
+        whole after all drafts its next block one forward later."""
         if not self.skip_below or self.model.static_steps is not None:  # compiled: the verify graph has the block
             return False
-        pol = self.draft_policy
-        return all(r.state.draft is not None and len(r.state.draft) > 1 and pol.acceptance(
-            r.state.kept_draft, r.state.rejected_draft) ** (len(r.state.draft) - 1) < self.skip_below for r in self.rows)
+        return all(r.state.draft is not None and len(r.state.draft) > 1 and self.kept_whole(r) < self.skip_below
+                   for r in self.rows)
+
+    def kept_whole(self, r: RowState) -> float:
+        """The probability that the row's draft in flight (of L > 1 tokens) is kept whole: where the
+        denoise pass gave its tokens' top probabilities (`draft_sure`: a greedy draft), their product —
+        on held-out prompts this ranks the drafts kept whole above the rest 98% of the time, and a draft
+        at 0.9+ is kept whole in 98% of verifies, at 0.1- in none (docs/benchmarks.md); else
+        a^(L-1), a the row's acceptance rate so far (ranking them 69% of the time)."""
+        L, sure = len(r.state.draft), r.state.draft_sure
+        if sure is not None and len(sure) >= L - 1:
+            return math.prod(sure[: L - 1])
+        return self.draft_policy.acceptance(r.state.kept_draft, r.state.rejected_draft) ** (L - 1)
 
     def _choose_draft(self) -> None:
         """Draft "auto": the draft length of the drafts this forward makes (a verify of a draft of D
@@ -326,11 +341,16 @@ class SpeculativeEngine(BatchEngine):
         rest: list[int] = []
         if r.params.greedy:
             first = self._argmax(r, r.state.first_logits[None])
+            r.state.draft_sure = [] if self.skip_below else None
             if denoise_logits is not None:
                 processed = r.state.sampler.process(denoise_logits)
                 rest = processed.argmax(-1).tolist()
-                if self.cut:
-                    rest = rest[: sure_prefix(processed.softmax(-1).amax(-1)[None], self.cut)[0]]
+                if self.cut or self.skip_below:
+                    sure = processed.softmax(-1).amax(-1)
+                    if self.cut:
+                        rest = rest[: sure_prefix(sure[None], self.cut)[0]]
+                    if self.skip_below:
+                        r.state.draft_sure = sure[: len(rest)].tolist()
             return first + rest
         gen = r.state.sampler.generator
         if r.state.next_first is not None:
@@ -419,7 +439,7 @@ class SpeculativeEngine(BatchEngine):
             elif r.state.pending:  # prompt prefill rides with the first draft
                 r.state.first_logits = causal_logits[i, len(r.state.pending) - 1 if verifying else 0]
                 r.state.pending = []
-            old_draft, old_q = r.state.draft, r.state.draft_q
+            old_draft, old_q, old_sure = r.state.draft, r.state.draft_q, r.state.draft_sure
             r.state.draft = None
             if r.finished:
                 events.append(DecodeEvent("finish", i, [], [], row_state=r))
@@ -436,6 +456,8 @@ class SpeculativeEngine(BatchEngine):
                 r.state.draft += old_draft[m + 1 :]
                 if not r.params.greedy:
                     r.state.draft_q = old_q[m:]
+                elif r.state.draft_sure is not None and old_sure is not None:
+                    r.state.draft_sure = old_sure[m:]
             if self.early(r):
                 # the draft's first token is AR's own (always kept): emitted now, as AR would emit it,
                 # and a row it ends needs no further forward (a grammar's row keeps it to its verify)
