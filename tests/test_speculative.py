@@ -220,34 +220,49 @@ def test_every_draft_policy_equals_ar_greedy(bundled, cut, adaptive):
         assert any(a > 1 for r in batched for a in r.accept_lengths)
 
 
+def _auto_engine(llm, skip_below: float | None = None):
+    """A draft "auto" engine whose step costs make drafting 8 as cheap as the AR step (it drafts 8
+    throughout); `skip_below`: its block-skip threshold, else the default."""
+    from clover.decoding import width as W
+    from clover.decoding.speculative import SpeculativeEngine
+
+    curve = W.CostCurve()
+    for b in W.BATCH_BUCKETS:
+        for w in W.draft_widths(llm.config):
+            curve.add(W.STEP_KIND, b, w, 1.0 if w <= 8 else 10.0)
+    eng = SpeculativeEngine(llm.model, draft_length="auto", mask_id=llm.config.mask_token_id, adaptive=True,
+                            draft_policy=W.DraftPolicy(W.draft_widths(llm.config), curve, kind=W.STEP_KIND))
+    if skip_below is not None:
+        eng.skip_below = skip_below
+    return eng
+
+
+def _decode(eng, prompts, n: int = 24) -> list:
+    """`prompts` decoded together by `eng` (greedy, `n` tokens each) -> their rows."""
+    from clover.decoding.base import RowState
+    from clover.decoding.sampling import SamplingParams
+
+    rows = [RowState(prompt=p, params=SamplingParams(max_new_tokens=n, ignore_eos=True), eos_ids=set()) for p in prompts]
+    for r in rows:
+        eng.add(r)
+    list(eng.run())
+    return rows
+
+
 @pytest.mark.parametrize("skip_below", [0.35, 1.01])  # the default; every forward with long drafts in flight
 def test_auto_leaving_out_the_block_equals_ar_greedy(bundled, skip_below):
     """Draft auto leaving out the denoise block of forwards whose drafts in flight are likely
     rejected (it verifies them and drafts nothing; a draft kept whole drafts its block next) gives
     AR's tokens on held-out prompts, batched as one by one, with fewer blocks than forwards."""
     from clover.data.tasks import heldout_tasks
-    from clover.decoding import speculative as S
-    from clover.decoding import width as W
-    from clover.decoding.base import RowState
-    from clover.decoding.sampling import SamplingParams
 
     prompts = [bundled.tokenizer.encode(t.prompt) for t in heldout_tasks(5000)[3000:3003]]
     ar = [g.token_ids for g in bundled.generate(prompts, mode="ar", max_new_tokens=24, ignore_eos=True)]
-    curve = W.CostCurve()
-    for b in W.BATCH_BUCKETS:  # drafting 8 as cheap as the AR step: auto drafts 8 throughout
-        for w in W.draft_widths(bundled.config):
-            curve.add(W.STEP_KIND, b, w, 1.0 if w <= 8 else 10.0)
     skipped = []
 
     def rows(ps):
-        eng = S.SpeculativeEngine(bundled.model, draft_length="auto", mask_id=bundled.config.mask_token_id,
-                                  adaptive=True, draft_policy=W.DraftPolicy(W.draft_widths(bundled.config), curve,
-                                                                             kind=W.STEP_KIND))
-        eng.skip_below = skip_below
-        out = [RowState(prompt=p, params=SamplingParams(max_new_tokens=24, ignore_eos=True), eos_ids=set()) for p in ps]
-        for r in out:
-            eng.add(r)
-        list(eng.run())
+        eng = _auto_engine(bundled, skip_below)
+        out = _decode(eng, ps)
         skipped.append((eng.skipped, eng.forwards))
         return out
 
@@ -265,9 +280,6 @@ def test_kept_whole_reads_the_drafts_own_probabilities(bundled, monkeypatch):
     a^(L-1). The tokens stay AR's, batched and alone."""
     from clover.data.tasks import heldout_tasks
     from clover.decoding import speculative as S
-    from clover.decoding import width as W
-    from clover.decoding.base import RowState
-    from clover.decoding.sampling import SamplingParams
 
     checked = {"fresh": 0, "leftover": 0}
     real_draft, real_step = S.SpeculativeEngine._draft, S.SpeculativeEngine.step
@@ -296,34 +308,17 @@ def test_kept_whole_reads_the_drafts_own_probabilities(bundled, monkeypatch):
 
     monkeypatch.setattr(S.SpeculativeEngine, "_draft", draft)
     monkeypatch.setattr(S.SpeculativeEngine, "step", step)
-    curve = W.CostCurve()
-    for b in W.BATCH_BUCKETS:  # drafting 8 as cheap as the AR step: auto drafts 8 throughout
-        for w in W.draft_widths(bundled.config):
-            curve.add(W.STEP_KIND, b, w, 1.0 if w <= 8 else 10.0)
-    policy = W.DraftPolicy(W.draft_widths(bundled.config), curve, kind=W.STEP_KIND)
-
-    def engine():
-        return S.SpeculativeEngine(bundled.model, draft_length="auto", mask_id=bundled.config.mask_token_id,
-                                   adaptive=True, draft_policy=policy)
-
-    def rows(ps):
-        eng, out = engine(), [RowState(prompt=p, params=SamplingParams(max_new_tokens=24, ignore_eos=True), eos_ids=set())
-                              for p in ps]
-        for r in out:
-            eng.add(r)
-        list(eng.run())
-        return [r.tokens for r in out]
-
     prompts = [bundled.tokenizer.encode(t.prompt) for t in heldout_tasks(5000)[3000:3004]]
     ar = [g.token_ids for g in bundled.generate(prompts, mode="ar", max_new_tokens=24, ignore_eos=True)]
-    assert rows(prompts) == [rows([p])[0] for p in prompts] == ar
+    tokens = lambda ps: [r.tokens for r in _decode(_auto_engine(bundled), ps)]
+    assert tokens(prompts) == [tokens([p])[0] for p in prompts] == ar
     assert checked["fresh"] and checked["leftover"]
 
-    eng = engine()
+    eng = _auto_engine(bundled)
     row = S.SpeculativeRow(draft=[5, 6, 7, 8], draft_sure=[0.9, 0.5, 0.8, 0.1])
     assert eng.kept_whole(type("R", (), {"state": row})()) == pytest.approx(0.9 * 0.5 * 0.8)
     row.draft_sure, row.kept_draft, row.rejected_draft = None, 6, 2
-    assert eng.kept_whole(type("R", (), {"state": row})()) == pytest.approx(policy.acceptance(6, 2) ** 3)
+    assert eng.kept_whole(type("R", (), {"state": row})()) == pytest.approx(eng.draft_policy.acceptance(6, 2) ** 3)
 
 
 def test_the_adaptive_draft_saves_forwards(bundled):
