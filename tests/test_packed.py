@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 import clover
-from clover.kernels import packed
+from clover.kernels import packed, rows
 from clover.models.layers import Experts
 from clover.moe import grouped_expert_forward, reference_expert_forward, route
 
@@ -106,11 +106,9 @@ def test_packed_model_equals_plain_model(which, tiny_dir, count_packed):
 def test_packed_model_with_many_rows_per_expert_takes_the_grouped_path(tiny_dir, count_packed, monkeypatch):
     """Above `EXPERT_MAX_ROWS` routed slots per expert (a prompt) the experts go through torch's
     grouped matmul as unpacked ones do; the outputs still equal the plain model's."""
-    import clover.models.layers as layers
-
     plain, fast = clover.load(tiny_dir, pack=False), clover.load(tiny_dir, pack=True)
     assert all(mod.packs is not None for mod in fast.model.modules() if isinstance(mod, Experts))
-    monkeypatch.setattr(layers, "EXPERT_MAX_ROWS", 1)
+    monkeypatch.setattr(packed, "EXPERT_MAX_ROWS", 1)
     import clover.moe as moe
 
     grouped = []
@@ -121,21 +119,24 @@ def test_packed_model_with_many_rows_per_expert_takes_the_grouped_path(tiny_dir,
     for a, b in zip(_step_outputs(plain), outs):
         torch.testing.assert_close(b, a, atol=2e-4, rtol=2e-4)
     grouped.clear()
-    monkeypatch.setattr(layers, "EXPERT_MAX_ROWS", 16)
+    monkeypatch.setattr(packed, "EXPERT_MAX_ROWS", 16)
     _step_outputs(fast)
     assert grouped == []  # a few rows per expert: the packed host loop instead
 
 
 def test_pack_is_the_default_only_where_it_fits(tiny_dir, monkeypatch):
     """Nothing large enough to pack in a tiny model (nor in the bundled one): not packed; every layer
-    large enough and memory to spare: packed by default; no memory to spare: not packed."""
+    large enough and memory to spare: packed by default; no memory to spare: the row kernel alone
+    where it is built (no copies), else not packed."""
     for path in (tiny_dir, BUNDLED):
         assert not any(isinstance(mod, packed.PackedLinear) for mod in clover.load(path).model.modules())
     monkeypatch.setattr(packed, "MIN_BYTES", 0)
     assert not any(isinstance(mod, packed.PackedLinear) for mod in clover.load(tiny_dir).model.modules())
     monkeypatch.setattr(packed, "MIN_MODEL_BYTES", 0)
     assert any(isinstance(mod, packed.PackedLinear) for mod in clover.load(tiny_dir).model.modules())
-    monkeypatch.setattr(packed.os, "sysconf", lambda name: 1)
+    monkeypatch.setattr(packed.os, "sysconf", lambda name: 1)  # no memory to spare: no copies
+    assert packed.packing(clover.load(tiny_dir).model) == ("rows" if rows.library() is not None else None)
+    monkeypatch.setattr(rows, "_lib", False)  # nor the row kernel: not packed
     assert not any(isinstance(mod, packed.PackedLinear) for mod in clover.load(tiny_dir).model.modules())
 
 

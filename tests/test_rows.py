@@ -157,3 +157,56 @@ def test_packed_model_through_the_row_kernel_equals_plain_model(tiny_dir, counte
     counted["experts"].clear()
     assert fast.generate(prompts[0], **kw).token_ids == plain.generate(prompts[0], **kw).token_ids
     assert 1 in counted["experts"]  # an AR step's one token: its experts in one call too
+
+
+def test_pack_without_copies_takes_the_row_kernel_up_to_16_rows(counted):
+    """`pack_model(copies=False)`: no oneDNN copy; 2…16 rows through the row kernel, one row and more
+    than 16 through `F.linear`, oneDNN never."""
+    g = torch.Generator().manual_seed(0)
+    lin = torch.nn.Linear(48, 80, bias=True)
+    with torch.no_grad():
+        lin.bias.copy_(torch.randn(80, generator=g))
+    assert packed.pack_model(lin, copies=False) == 0 and lin.pack.packed is None
+    with torch.inference_mode():
+        for shape in ((1, 2, 48), (16, 48), (3, 6, 48), (1, 48), (17, 48)):
+            x = torch.randn(shape, generator=g)
+            torch.testing.assert_close(lin(x), F.linear(x, lin.weight, lin.bias), atol=1e-5, rtol=1e-5)
+    assert counted["rows"] == [2, 16] and counted["onednn"] == []
+    torch.set_num_threads(2)
+    try:
+        with torch.inference_mode():
+            torch.testing.assert_close(lin(x[:4]), F.linear(x[:4], lin.weight, lin.bias))  # more threads: F.linear
+    finally:
+        torch.set_num_threads(1)
+    assert counted["rows"] == [2, 16] and counted["onednn"] == []
+
+
+def test_model_with_the_row_kernel_alone_equals_plain_model(tiny_dir, counted, monkeypatch):
+    """`clover.load(pack="rows")`: no copies; step logits within f32 tolerance of the plain model's,
+    greedy tokens identical (AR, diffusion, speculative); a few tokens' experts in one kernel call,
+    more tokens on torch's grouped matmul (no host loop); its own cost-curve key; and the default
+    where copies do not fit. A bad `pack` is refused before loading."""
+    import clover.models.layers as L
+    from clover.decoding.width import cost_key
+    from test_packed import _step_outputs
+
+    grouped = []
+    real_grouped = L.static_expert_forward
+    monkeypatch.setattr(L, "static_expert_forward", lambda ex, x, *a: grouped.append(x.shape[0]) or real_grouped(ex, x, *a))
+    plain, lean = clover.load(tiny_dir, pack=False), clover.load(tiny_dir, pack="rows")
+    assert packed.packing(lean.model) == "rows" and packed.packing(plain.model) is None
+    assert all(m.pack.packed is None for m in lean.model.modules() if isinstance(m, packed.PackedLinear))
+    for a, b in zip(_step_outputs(plain), _step_outputs(lean)):
+        torch.testing.assert_close(b, a, atol=2e-4, rtol=2e-4)
+    assert counted["rows"] and counted["experts"] and not counted["onednn"]
+    assert grouped and all(n > rows.MAX_ROWS for n in grouped[len(grouped) // 2:])  # the prompt's tokens
+    prompts = ["The capital of France is", "def add(a, b):"]
+    for mode in ("ar", "diffusion", "speculative"):
+        kw = dict(mode=mode, max_new_tokens=24, ignore_eos=True)
+        assert [g.token_ids for g in lean.generate(prompts, **kw)] == [g.token_ids for g in plain.generate(prompts, **kw)]
+    assert cost_key(lean.model)["packed"] == "rows" and "packed" not in cost_key(plain.model)
+    monkeypatch.setattr(packed, "MIN_MODEL_BYTES", 0)
+    monkeypatch.setattr(packed.os, "sysconf", lambda name: 1)  # the copies do not fit: the kernel alone
+    assert packed.packing(clover.load(tiny_dir).model) == "rows"
+    with pytest.raises(ValueError, match="pack='yes'"):
+        clover.load(tiny_dir / "no-such-model", pack="yes")

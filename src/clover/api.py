@@ -376,7 +376,7 @@ def _cpu_compute_dtype(path: Path, config) -> torch.dtype | None:
 
 def load(path: str | os.PathLike | None = None, *, dtype: str | torch.dtype | None = None, device: str | None = None,
          check_finite: bool | None = None, compile: bool | str = False, drafter: str | os.PathLike | None | bool = None,
-         compile_batch: int = 1, calibrate: bool = False, pack: bool | None = None) -> LLM:
+         compile_batch: int = 1, calibrate: bool = False, pack: bool | str | None = None) -> LLM:
     """Load a model directory (config.json + safetensors + tokenizer). None = `default_model_path()`.
 
     `device` is checked first (`check_device`); a missing directory is a FileNotFoundError.
@@ -399,8 +399,12 @@ def load(path: str | os.PathLike | None = None, *, dtype: str | torch.dtype | No
     copies fit in half the available memory; not the bundled model) keeps a second copy of the large
     weights in oneDNN's layout for forwards of several positions
     (`clover.kernels.packed`: a denoise, block or verify forward in ~1.3-1.5x a GEMV's time instead of
-    ~3x; the AR step keeps the plain weights)."""
+    ~3x; the AR step keeps the plain weights); where the copies do not fit, the row kernel alone
+    (`clover.kernels.rows`: forwards of up to 16 positions on the plain weights, one torch thread; no
+    memory). True: the copies; "rows": the row kernel alone; False: neither."""
     check_device(device)
+    if pack not in (None, True, False, "rows"):
+        raise ValueError(f"pack={pack!r}: None (the default), True, False or 'rows'")
     path = model_path(path) if path is not None else default_model_path()
     if not path.exists():
         raise FileNotFoundError(f"{path}: no such model directory (nor a model name: clover pull lists them)")
@@ -414,13 +418,13 @@ def load(path: str | os.PathLike | None = None, *, dtype: str | torch.dtype | No
             dtype = _cpu_compute_dtype(path, config)
     model = load_model(path, dtype=dtype, device=device, check_finite=check_finite, config=config)
     if pack is None:
-        from .kernels.packed import fits
+        from .kernels.packed import default_packing
 
-        pack = not compile and fits(model)
+        pack = not compile and default_packing(model)
     if pack:
         from .kernels.packed import pack_model
 
-        pack_model(model)
+        pack_model(model, copies=pack is True)
     if drafter is None and bundled and (BUNDLED_DRAFTER / "config.json").is_file():
         drafter = BUNDLED_DRAFTER
     draft_model = None

@@ -84,9 +84,10 @@ def compiled_kind(model) -> str:
 def cost_key(model, variant: str | None = None) -> dict:
     """What a forward's cost depends on: the model's shapes and dtype, eager or compiled, the device
     and the machine (CPU, threads, torch), and whether its weights are packed for forwards of several
-    positions (`clover.kernels.packed`; only then in the key, so the curves of unpacked models keep
-    their keys) and served by the row kernel (its ISA)."""
-    from ..kernels.packed import is_packed, row_kernel
+    positions (`clover.kernels.packed`: True for oneDNN copies, "rows" for the row kernel alone; only
+    then in the key, so the curves of unpacked models keep their keys) and served by the row kernel
+    (its ISA)."""
+    from ..kernels.packed import packing, row_kernel
     from ..kernels.rows import isa
 
     c = model.config
@@ -96,9 +97,9 @@ def cost_key(model, variant: str | None = None) -> dict:
         "linear_value_head_dim", "num_experts", "num_experts_per_tok", "moe_intermediate_size",
         "shared_expert_intermediate_size", "intermediate_size", "layer_types")}
     dev = model.device
-    packs = is_packed(model)
+    packs = packing(model)
     return {
-        **({"packed": True} if packs else {}),
+        **({"packed": True if packs == "onednn" else packs} if packs else {}),
         **({"row_kernel": isa()} if packs and row_kernel() else {}),
         "model": shape,
         "dtype": str(model.dtype).replace("torch.", ""),

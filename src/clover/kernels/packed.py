@@ -48,13 +48,14 @@ def _version(t: torch.Tensor) -> int:
 
 class Pack:
     """A weight [N, K] in oneDNN's blocked layout (`source`, or its `index`-th matrix), with what it
-    was packed from, to notice a change of `source`."""
+    was packed from, to notice a change of `source`. `copy=False`: no oneDNN copy (`packed` None),
+    the row kernel alone on the plain weight (`pack_model(copies=False)`)."""
 
     __slots__ = ("packed", "ptr", "version")
 
-    def __init__(self, source: torch.Tensor, index: int | None = None) -> None:
+    def __init__(self, source: torch.Tensor, index: int | None = None, copy: bool = True) -> None:
         w = source.detach() if index is None else source.detach()[index]
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), PACK_ROWS)
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), PACK_ROWS) if copy else None
         self.ptr, self.version = source.data_ptr(), _version(source)
 
     def fresh(self, source: torch.Tensor) -> bool:
@@ -74,14 +75,18 @@ def linear(x: torch.Tensor, weight: torch.Tensor, pack: Pack | None, bias: torch
     """`F.linear(x, weight, bias)`, through `pack` where it applies (`usable` up to `max_rows`, and
     the pack still matches `source`: the tensor it was packed from, `weight` itself unless given):
     up to `DENSE_ROWS` rows through the row kernel on the plain weight (`row_kernel`), more
-    through oneDNN's linear on the packed one."""
+    through oneDNN's linear on the packed one; a pack without a copy (`Pack(copy=False)`) up to
+    `ROW_KERNEL_ROWS` rows through the row kernel, more through `F.linear`."""
     if pack is None or not usable(x, max_rows) or not pack.fresh(weight if source is None else source):
         return F.linear(x, weight, bias)
     x2 = x.reshape(-1, x.shape[-1]).contiguous()
-    if x2.shape[0] <= DENSE_ROWS and weight.is_contiguous() and row_kernel():
+    rows = DENSE_ROWS if pack.packed is not None else ROW_KERNEL_ROWS
+    if x2.shape[0] <= rows and weight.is_contiguous() and row_kernel():
         y = _rows_mm(x2, weight, bias)
-    else:
+    elif pack.packed is not None:
         y = _packed_mm(x2, pack, bias)
+    else:
+        return F.linear(x, weight, bias)
     return y.view(*x.shape[:-1], y.shape[-1])
 
 
@@ -145,26 +150,46 @@ def _targets(model: nn.Module):
             yield mod, (mod.gate_up_proj.numel() + mod.down_proj.numel()) * 4
 
 
-def pack_model(model: nn.Module) -> int:
-    """Pack `model`'s linear layers and routed experts (`_targets`) in place; the bytes the packs take
-    (0 where oneDNN is missing)."""
-    if not available():
+def pack_model(model: nn.Module, copies: bool = True) -> int:
+    """Pack `model`'s linear layers and routed experts (`_targets`) in place; the bytes the oneDNN
+    copies take. `copies=False`: no copy, the layers marked for the row kernel alone (their weights
+    as they are; 0 bytes). Nothing where the path is missing (oneDNN, or the row kernel's build)."""
+    if not (available() if copies else rows_library() is not None):
         return 0
     total = 0
     for mod, nbytes in _targets(model):
         if isinstance(mod, nn.Linear):
             mod.__class__ = PackedLinear
-            mod.pack = Pack(mod.weight)
+            mod.pack = Pack(mod.weight, copy=copies)
         else:
-            mod.packs = [(Pack(mod.gate_up_proj, e), Pack(mod.down_proj, e)) for e in range(mod.num_experts)]
-        total += nbytes
+            mod.packs = [(Pack(mod.gate_up_proj, e, copies), Pack(mod.down_proj, e, copies)) for e in range(mod.num_experts)]
+        total += nbytes if copies else 0
     return total
+
+
+def packing(model: nn.Module) -> str | None:
+    """How `pack_model` packed `model`: "onednn" (copies, with the row kernel for a few rows), "rows"
+    (the row kernel alone), or None (not packed)."""
+    for mod in model.modules():
+        pack = getattr(mod, "pack", None) or (getattr(mod, "packs", None) or [(None,)])[0][0]
+        if pack is not None:
+            return "onednn" if pack.packed is not None else "rows"
+    return None
 
 
 def is_packed(model: nn.Module) -> bool:
     """Whether `pack_model` packed any of `model`'s layers."""
-    return any(getattr(mod, "pack", None) is not None or getattr(mod, "packs", None) is not None
-               for mod in model.modules())
+    return packing(model) is not None
+
+
+def grouped_serves(mod: nn.Module, top_idx: torch.Tensor) -> bool:
+    """Whether routed experts `mod` (`models.layers.Experts`) with packs leave tokens routed as
+    `top_idx` [N, k] to torch's grouped matmul: not where the row kernel takes them in one call
+    (`experts`: up to `ROW_KERNEL_ROWS` tokens, `row_kernel()`), nor where oneDNN copies serve a
+    host loop (up to `EXPERT_MAX_ROWS` slots per expert); a pack without copies otherwise does."""
+    if top_idx.shape[0] <= ROW_KERNEL_ROWS and row_kernel():
+        return False
+    return mod.packs[0][0].packed is None or top_idx.numel() > EXPERT_MAX_ROWS * mod.num_experts
 
 
 def fits(model: nn.Module) -> bool:
@@ -175,6 +200,16 @@ def fits(model: nn.Module) -> bool:
     need = sum(n for _, n in _targets(model)) if available() else 0
     avail = available_memory()
     return bool(need >= max(MIN_MODEL_BYTES, 1) and avail and need <= avail // 2)
+
+
+def default_packing(model: nn.Module) -> bool | str:
+    """`clover.load`'s `pack=None`: oneDNN copies where they `fit`; else, with at least
+    `MIN_MODEL_BYTES` to pack and the row kernel built, the row kernel alone ("rows": no memory);
+    else not packed (False)."""
+    if fits(model):
+        return True
+    need = sum(n for _, n in _targets(model))
+    return "rows" if need >= max(MIN_MODEL_BYTES, 1) and rows_library() is not None else False
 
 
 def available_memory() -> int:

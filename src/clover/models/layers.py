@@ -29,7 +29,7 @@ from ..kernels import (
     one_chunk_gated_delta_rule,
     recurrent_gated_delta_rule,
 )
-from ..kernels.packed import EXPERT_MAX_ROWS, experts as packed_experts, linear as packed_linear
+from ..kernels.packed import EXPERT_MAX_ROWS, experts as packed_experts, grouped_serves as packed_grouped_serves, linear as packed_linear
 from ..moe import BlockSharing, grouped_expert_forward, route, static_expert_forward
 
 
@@ -702,9 +702,10 @@ class SparseMoE(nn.Module):
         the touched experts: on a CPU, at inference (the grouped op has no backward), plain
         experts (not clover's quantized ones, nor a tensor subclass such as torchao's Int8Tensor in the
         transformers export, which the grouped op cannot take), at least as many routed slots as
-        experts; packed experts (`Experts.packs`) only above `EXPERT_MAX_ROWS` slots per expert (below,
-        the host loop runs each expert's rows through oneDNN, faster than the grouped op)."""
+        experts; packed experts (`Experts.packs`) only where `kernels.packed.grouped_serves` says (not
+        for the row kernel's few tokens, nor below `EXPERT_MAX_ROWS` slots per expert with oneDNN
+        copies, where the host loop runs each expert's rows through oneDNN, faster than the grouped op)."""
         return (top_idx.device.type == "cpu" and not torch.is_grad_enabled() and hasattr(torch, "_grouped_mm")
                 and top_idx.numel() >= self.num_experts
-                and (getattr(self.experts, "packs", None) is None or top_idx.numel() > EXPERT_MAX_ROWS * self.num_experts)
+                and (getattr(self.experts, "packs", None) is None or packed_grouped_serves(self.experts, top_idx))
                 and type(getattr(self.experts, "gate_up_proj", None)) in (torch.Tensor, nn.Parameter))
