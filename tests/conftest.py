@@ -20,15 +20,18 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture(scope="session", autouse=True)
-def kernel_cache(tmp_path_factory):
-    """The few-row kernel (`clover.kernels.rows`) is built at most once per session, into a tmp cache."""
-    old = os.environ.get("CLOVER_KERNELS")
-    os.environ["CLOVER_KERNELS"] = str(tmp_path_factory.mktemp("kernels"))
-    yield os.environ["CLOVER_KERNELS"]
-    if old is None:
-        os.environ.pop("CLOVER_KERNELS")
-    else:
-        os.environ["CLOVER_KERNELS"] = old
+def session_caches(tmp_path_factory):
+    """The few-row kernel (`clover.kernels.rows`) is built at most once per session, and the forward
+    costs `block_size="auto"` measures (speculative's default) are kept, in tmp caches, not the user's."""
+    old = {k: os.environ.get(k) for k in ("CLOVER_KERNELS", "CLOVER_COST")}
+    for k in old:
+        os.environ[k] = str(tmp_path_factory.mktemp(k.lower()))
+    yield
+    for k, v in old.items():
+        if v is None:
+            os.environ.pop(k)
+        else:
+            os.environ[k] = v
 
 
 @pytest.fixture(scope="session")

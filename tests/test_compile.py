@@ -14,6 +14,12 @@ from clover.models.compile import compile_model, is_compiled
 from clover.models.static import CAPACITY_QUANTUM, batch_buckets, load_shapes
 
 
+def fixed_draft(mode: str, config) -> dict:
+    """Speculative's fixed draft of the model's block size (its default is the adaptive draft, which
+    takes AR's step where drafting does not pay): the options that exercise the verify graphs."""
+    return {"block_size": config.block_size} if mode == "speculative" else {}
+
+
 def _identity_compile(monkeypatch, seen=None):
     monkeypatch.setattr(torch, "compile", lambda fn, **kw: (seen.append(kw) if seen is not None else None) or fn)
 
@@ -52,7 +58,7 @@ def test_static_steps_run_eagerly_equal_eager_step(tiny_dir, monkeypatch):
     static = clover.load(tiny_dir, compile="static")
     prompts = ["def f(x):", "ab", "a longer prompt of a few words"]
     for mode in filter(eager.mode_available, mode_names()):  # dflash: no drafter here (tests/test_dflash.py)
-        kw = dict(mode=mode, max_new_tokens=12, ignore_eos=True)
+        kw = dict(mode=mode, max_new_tokens=12, ignore_eos=True) | fixed_draft(mode, eager.config)
         if mode != "ar":
             kw["block_size"] = 4
         for a, b in zip(eager.generate(prompts, **kw), static.generate(prompts, **kw)):
@@ -105,7 +111,7 @@ def test_load_compiles_a_bounded_set_then_freezes(tiny_dir, monkeypatch):
     eager = clover.load(tiny_dir)
     prompts = ["def f(x):", "ab", "a longer prompt of a few words"]  # 3 rows: the graphs of 4
     for mode in filter(eager.mode_available, mode_names()):
-        kw = dict(mode=mode, max_new_tokens=w + 6, ignore_eos=True)  # a second block: a commit+denoise step
+        kw = dict(mode=mode, max_new_tokens=w + 6, ignore_eos=True) | fixed_draft(mode, eager.config)  # a second block: a commit+denoise step
         for a, b in zip(eager.generate(prompts, **kw), llm.generate(prompts, **kw)):
             assert a.token_ids == b.token_ids and a.finish_reason == b.finish_reason, mode
     assert steps.calls["padded"] and steps.calls["commit+denoise"] and steps.calls["verify"], steps.calls
@@ -179,7 +185,7 @@ def test_every_frozen_step_has_a_compiled_shape(tiny_dir, monkeypatch, alternati
     eager = clover.load(tiny_dir)
     for prompts in (["def f(x):"], ["def f(x):", "ab", "a longer prompt of a few words"]):
         for mode in ("speculative",) if auto else ("ar", "diffusion", "speculative"):
-            kw = dict(mode=mode, max_new_tokens=40, ignore_eos=True) | ({"block_size": "auto"} if auto else {})
+            kw = dict(mode=mode, max_new_tokens=40, ignore_eos=True) | ({"block_size": "auto"} if auto else fixed_draft(mode, eager.config))
             out = llm.generate(prompts, **kw)
             if auto:
                 assert [g.token_ids for g in out] == [g.token_ids for g in eager.generate(prompts, **kw)]
@@ -226,7 +232,7 @@ def test_compiled_tokens_equal_eager(tiny_dir):
     compiled = clover.load(tiny_dir)
     compile_model(compiled.model)
     for mode in filter(eager.mode_available, mode_names()):  # dflash: no drafter here
-        kw = dict(mode=mode, max_new_tokens=12, ignore_eos=True)
+        kw = dict(mode=mode, max_new_tokens=12, ignore_eos=True) | fixed_draft(mode, eager.config)
         if mode != "ar":
             kw["block_size"] = 4
         a = eager.generate("def f(x):", **kw)

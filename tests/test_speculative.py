@@ -341,6 +341,7 @@ def test_auto_drafts_adaptively_and_a_fixed_width_as_before(bundled):
     mode = get_mode("speculative")
     auto = mode.spec(bundled.params("speculative", {"block_size": "auto"}))
     assert auto.draft_cut == DRAFT_CUT
-    for kw in ({}, {"draft_length": 4}, {"block_size": 16}):
+    assert mode.spec(bundled.params("speculative", {})).draft_cut == DRAFT_CUT  # auto is the default
+    for kw in ({"block_size": 8}, {"draft_length": 4}, {"block_size": 16}):
         fixed = mode.spec(bundled.params("speculative", kw))
         assert fixed.draft_cut is None and not mode.make_engine(bundled.model, fixed, mask_id=2, pad_id=1).adaptive

@@ -13,6 +13,7 @@ from clover.decoding import width as W
 @pytest.fixture()
 def cache_home(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.delenv("CLOVER_COST", raising=False)  # the cost files under XDG_CACHE_HOME, as users have them
     return tmp_path / "cache"
 
 

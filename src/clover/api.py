@@ -218,7 +218,7 @@ class LLM:
     def extra_positions(self, params: SamplingParams, mode: Mode) -> int:
         """The positions `mode` needs beyond prompt + max_new_tokens here (a mode that drafts with
         this LLM's drafter reserves what its engine does with it)."""
-        return mode.extra_positions(params, drafter=self.drafter)
+        return mode.extra_positions(params, drafter=self.drafter, config=self.config)
 
     def eos_ids(self) -> set[int]:
         """The tokens that end a row: the config's EOS ids and the tokenizer's (every front end's set)."""

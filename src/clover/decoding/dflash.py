@@ -327,7 +327,7 @@ class DFlash(Mode):
         if params.block_size == AUTO and params.draft_length is not None:
             raise ValueError("draft_length: block_size \"auto\" chooses the draft length; give one or the other")
 
-    def extra_positions(self, params, drafter=None) -> int:
+    def extra_positions(self, params, drafter=None, config=None) -> int:
         """As the engine reserves for the drafter it decodes with (`drafter`; the LLM passes its own)."""
         return reserved_positions(max_draft(params.draft_length, drafter))
 

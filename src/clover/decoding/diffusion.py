@@ -479,7 +479,7 @@ class Diffusion(Mode):
     recompute = False
     auto_width = True
 
-    def extra_positions(self, params, drafter=None) -> int:
+    def extra_positions(self, params, drafter=None, config=None) -> int:
         from .width import AUTO_MAX_WIDTH
 
         return AUTO_MAX_WIDTH if params.block_size == AUTO else params.block_size

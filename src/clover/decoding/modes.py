@@ -52,15 +52,17 @@ class Mode:
     threshold_commit: bool = False  # commits by the confidence threshold (block steps, forced steps)
     reference: str | None = None  # a lossless mode: its greedy tokens equal this mode's
     auto_width: bool = False  # takes block_size="auto" (otherwise "auto" means the model's block size)
+    auto_default: bool = False  # block_size unset (nor draft_length): "auto", where it wins in every measured case
     summary: str = ""
     grammar: bool = True  # obeys a row's grammar (clover.grammar); a mode that does not refuses one
 
     def check(self, params: SamplingParams) -> None:
         """Mode-specific checks, after the model's defaults are filled in (ValueError "option: why")."""
 
-    def extra_positions(self, params: SamplingParams, drafter=None) -> int:
+    def extra_positions(self, params: SamplingParams, drafter=None, config=None) -> int:
         """Context positions needed beyond prompt + max_new_tokens (e.g. one block); `drafter`: the
-        draft model the engine would decode with (the LLM's own), for a mode that drafts with one."""
+        draft model the engine would decode with (the LLM's own), for a mode that drafts with one;
+        `config`: the model's (the LLM passes it)."""
         return 0
 
     def spec(self, params: SamplingParams, provisional: bool = False) -> EngineSpec:
@@ -118,7 +120,9 @@ def resolve_params(m: Mode, kwargs: dict, config) -> SamplingParams:
     expert_budget) filled in. The one place this happens: `LLM.params` and the transformers export's
     `diffusion_generate` both call it."""
     params = SamplingParams.from_kwargs(**kwargs).check_model(config.vocab_size)
-    if params.block_size is None or (params.block_size == AUTO and not m.auto_width):
+    if params.block_size is None and m.auto_default and params.draft_length is None:
+        params.block_size = AUTO
+    elif params.block_size is None or (params.block_size == AUTO and not m.auto_width):
         params.block_size = config.block_size
     if params.policy is None:  # a threshold given alone asks for the threshold rule
         params.policy = "threshold" if params.threshold is not None else config.policy

@@ -63,7 +63,8 @@ PRIOR_PSEUDO_FORWARDS = 8.0  # how many forwards' worth of evidence the prior to
 
 # ------------------------------------------------------------------------------ identity
 def cost_root() -> Path:
-    return user_cache("cost")
+    """Where forward costs are kept: `$CLOVER_COST`, else `${XDG_CACHE_HOME:-~/.cache}/clover/cost`."""
+    return user_cache("cost", env="CLOVER_COST")
 
 
 def _cpu_name() -> str:
