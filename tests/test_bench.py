@@ -278,3 +278,22 @@ def test_sweep_without_matplotlib_keeps_the_results(tiny_dir, tmp_path, capsys, 
     assert not png.exists() and "plot written" not in out
     line = [x for x in err.splitlines() if "plot skipped" in x]
     assert len(line) == 1 and "pip install 'clover-dlm[plot]'" in line[0] and "Traceback" not in err
+
+
+def test_decode_runs_each_mode_with_its_defaults_unless_told(tiny_llm, monkeypatch):
+    """No block size or threshold given: each mode's own defaults reach `generate` (the model's block
+    and policy; speculative's adaptive draft), recorded as such; given ones reach every mode."""
+    from clover.bench.decode import Workload, options_label, run_decode
+
+    seen = []
+    real = tiny_llm.generate
+    monkeypatch.setattr(tiny_llm, "generate", lambda prompt, **kw: seen.append(kw) or real(prompt, **kw))
+    work = Workload("tasks", prompts=1, max_new_tokens=4)
+    res = run_decode(tiny_llm, work, modes=["ar", "speculative"], warmup=False)
+    assert seen and not any("block_size" in kw or "threshold" in kw for kw in seen)
+    s = res["settings"]
+    assert s["defaults"] and s["block_size"] == tiny_llm.config.block_size and "each mode's defaults" in options_label(s)
+    seen.clear()
+    res = run_decode(tiny_llm, work, modes=["ar", "speculative"], block_size=4, warmup=False)
+    assert seen and all(kw["block_size"] == 4 and "threshold" not in kw for kw in seen)
+    assert not res["settings"]["defaults"] and options_label(res["settings"]).startswith("block 4 · threshold")

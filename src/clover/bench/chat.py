@@ -19,7 +19,7 @@ import subprocess
 from pathlib import Path
 from typing import Callable, Iterable
 
-from .decode import Item, Workload, run_decode
+from .decode import Item, Workload, options_label, run_decode
 
 SCHEMA = "clover.bench.chat/2"
 DEFAULT_MODES = "ar,diffusion,speculative"  # the baseline, the default mode, the lossless one
@@ -71,7 +71,7 @@ def same_as_ar(r: dict) -> float | None:
 def markdown(result: dict) -> str:
     s = result["settings"]
     lines = [f"clover bench chat · {result['model']} · {s['prompts']} held-out questions · "
-             f"{s['max_new_tokens']} new tokens · block {s['block_size']} · threshold {s['threshold']}", "",
+             f"{s['max_new_tokens']} new tokens · {options_label(s)}", "",
              "| mode | accuracy | by kind | tokens/forward | tokens/s | ×AR tok/s | = AR |", "|---|---|---|---|---|---|---|"]
     for m, r in result["modes"].items():
         q = r["quality"]["chat"]

@@ -481,14 +481,17 @@ def interleaved(llm, items: list[Item], configs: list[dict], kwargs: Callable[[d
 def run_decode(llm, work: Workload = Workload("both"), *, modes: Iterable[str] | None = None, block_size: int | None = None,
                threshold: float | None = None, warmup: bool = True, progress: Callable[[str], None] | None = None,
                model_note: str | None = None) -> dict:
-    """The decode benchmark; returns the JSON-ready result (schema `SCHEMA`)."""
+    """The decode benchmark; returns the JSON-ready result (schema `SCHEMA`). `block_size` /
+    `threshold` None: each mode runs with its own defaults (the model's block size and acceptance
+    policy; speculative's adaptive draft), as a user's `generate` does."""
     modes, skipped = usable_modes(llm, mode_names() if modes is None else modes)
     if not modes:
         raise ValueError("modes: none of the requested modes can run on this (AR-only) checkpoint")
     items = work.load()
+    kw = work.kwargs(block_size, threshold)
+    defaults = block_size is None and threshold is None
     block_size = block_size if block_size is not None else llm.config.block_size
     threshold = threshold if threshold is not None else llm.config.threshold
-    kw = work.kwargs(block_size, threshold)
     runs = interleaved(llm, items, [{"mode": m} for m in modes], lambda c: kw, warm=warmup,
                        warm_tokens=min(work.max_new_tokens, 2 * block_size), progress=progress)
     return {
@@ -498,7 +501,7 @@ def run_decode(llm, work: Workload = Workload("both"), *, modes: Iterable[str] |
         "config": config_summary(llm.config, str(llm.model.dtype).replace("torch.", "")),
         "settings": {
             **work.settings(items), "modes": modes, "skipped_modes": skipped, "block_size": block_size,
-            "threshold": threshold, "greedy": True, "batch_size": 1, "interleaved": True, "warmup": warmup,
+            "threshold": threshold, "defaults": defaults, "policy": llm.config.policy if defaults else None, "greedy": True, "batch_size": 1, "interleaved": True, "warmup": warmup,
         },
         "machine": machine(llm.model.device),
         "max_rss_bytes": max_rss_bytes(),
@@ -529,6 +532,14 @@ def quality_text(q: dict) -> str:
     return " · ".join(parts) or "-"
 
 
+def options_label(s: dict) -> str:
+    """A result's block size and threshold as run: given to every mode, or each mode's own defaults."""
+    if s.get("defaults"):
+        return (f"each mode's defaults (the model's block {s['block_size']}, {s.get('policy')} policy, "
+                f"threshold {s['threshold']})")
+    return f"block {s['block_size']} · threshold {s['threshold']}"
+
+
 def decode_table(result: dict):
     """A rich Table of the per-mode summary."""
     from rich.table import Table
@@ -536,7 +547,7 @@ def decode_table(result: dict):
     s = result["settings"]
     note = f" ({result['model_note']})" if result.get("model_note") else ""
     title = (f"clover bench decode · {result['model']}{note} · {s['workload']} · {s['prompts']} prompts · "
-             f"{s['max_new_tokens']} new tokens · block {s['block_size']} · threshold {s['threshold']}")
+             f"{s['max_new_tokens']} new tokens · {options_label(s)}")
     t = Table(title=title, title_justify="left")
     for col in ("mode", "tok/s median", "IQR", "×AR", "forwards", "tok/fwd", "acc len", "forced", "ms/fwd", "experts",
                 "cache MiB", "quality"):
