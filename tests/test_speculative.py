@@ -345,3 +345,37 @@ def test_auto_drafts_adaptively_and_a_fixed_width_as_before(bundled):
     for kw in ({"block_size": 8}, {"draft_length": 4}, {"block_size": 16}):
         fixed = mode.spec(bundled.params("speculative", kw))
         assert fixed.draft_cut is None and not mode.make_engine(bundled.model, fixed, mask_id=2, pad_id=1).adaptive
+
+
+def test_auto_draft_narrows_at_the_end_of_the_context(tiny_dir, monkeypatch):
+    """The context reserves the model's block size for speculative's default adaptive draft; a wider
+    draft chosen near the end narrows to what fits (no position past the context), AR's tokens."""
+    from clover.decoding import speculative as S, width as W
+
+    class Widest(W.DraftPolicy):
+        def choose(self, rows):
+            return W.WidthChoice(self.widths[-1], len(rows), {self.widths[-1]: 1.0})
+
+    llm = clover.load(tiny_dir)
+    ctx, block = 96, llm.config.block_size
+    monkeypatch.setattr(llm.config, "max_position_embeddings", ctx)
+    monkeypatch.setattr(W.DraftPolicy, "for_model", classmethod(
+        lambda cls, model, measure: Widest((1, block, 2 * block), W.CostCurve())))
+    seen = []
+    real = llm.model.step
+
+    def spy(cache, commit_ids=None, denoise_ids=None, **kw):
+        ends = cache.lengths + sum(0 if t is None else t.shape[1] for t in (commit_ids, denoise_ids))
+        seen.append((int(ends.max()), 0 if denoise_ids is None else denoise_ids.shape[1]))
+        return real(cache, commit_ids=commit_ids, denoise_ids=denoise_ids, **kw)
+
+    monkeypatch.setattr(llm.model, "step", spy)
+    monkeypatch.setattr(S, "SKIP_BLOCK_BELOW", 0.0)  # every forward drafts (random weights reject every draft)
+    prompt = "def f(x):"
+    n = llm.room(len(llm.tokenizer.encode(prompt)), llm.params("speculative", {}), llm.mode("speculative"))
+    assert n == ctx - len(llm.tokenizer.encode(prompt)) - block  # the block size reserved, not the widest draft
+    out = llm.generate(prompt, mode="speculative", max_new_tokens=n, ignore_eos=True)
+    spec = list(seen)
+    assert out.token_ids == llm.generate(prompt, mode="ar", max_new_tokens=n, ignore_eos=True).token_ids
+    assert max(end for end, _ in spec) <= ctx
+    assert 2 * block in {w for _, w in spec}  # the wide draft where it fits
