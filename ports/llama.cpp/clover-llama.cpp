@@ -79,14 +79,6 @@ struct Layer {
     ggml_tensor *wqkv = nullptr, *wgate = nullptr, *conv1d = nullptr, *dt = nullptr, *ssm_a = nullptr;
     ggml_tensor *wbeta = nullptr, *walpha = nullptr, *ssm_norm = nullptr, *ssm_out = nullptr;
     ggml_tensor *conv_right = nullptr, *intra_scale = nullptr, *gain_a = nullptr, *gain_b = nullptr;  // Clover
-    std::vector<float> conv_state;  // [C][K-1] the last K-1 pre-conv inputs of the prefix
-    std::vector<float> S;           // [Hv][dk][dv] the prefix recurrent state
-    // speculative rollback: the state before the last commit and that commit's inputs, per value head
-    // [h][t][q dk | k dk | v dv | alpha | beta]; a rollback replays the kept tokens with the same code
-    std::vector<float> S0, rec;
-    int rec_T = 0;
-    std::vector<float> window;      // [C][K-1+Tc] the last commit's conv window (speculative rollback)
-    int window_len = 0;
     // MoE
     ggml_tensor *gate_inp = nullptr, *up_exps = nullptr, *gate_exps = nullptr, *down_exps = nullptr;
     ggml_tensor *gate_inp_shexp = nullptr, *gate_shexp = nullptr, *up_shexp = nullptr, *down_shexp = nullptr;
@@ -140,6 +132,24 @@ struct Drafter {
     }
 };
 
+// A row: what one request's decoding keeps between forwards. Its cache slot and committed length, its
+// GDN states per layer (the conv state [C][K-1]: the last K-1 pre-conv inputs of the prefix; the
+// recurrent state [Hv][dk][dv]), its block expert sharing, and how many rows the forwards it took part
+// in had (the done line's batch_rows). The unbatched row is the model's own (`Model::row`, slot 0); a
+// batched row (--parallel) is its request thread's (`tl_seq`), in a slot of its own.
+struct Seq {
+    int slot = 0, n_past = 0;
+    std::vector<std::vector<float>> conv, S;
+    // speculative rollback: per layer the state before the last recorded commit, that commit's inputs
+    // per value head [h][t][q dk | k dk | v dv | alpha | beta] (a rollback replays the kept tokens with
+    // the same code), and its conv window [C][K-1+Tc]
+    std::vector<std::vector<float>> S0, rec, window;
+    int rec_T = 0, window_len = 0;
+    int share_budget = 0;     // block expert sharing of the request (0: off)
+    bool share_max = false;   // rank experts by the max (else the sum) of the block's router probabilities
+    long forwards = 0, rows = 0;
+};
+
 struct Model {
     Hparams hp;
     Drafter dr;
@@ -147,8 +157,6 @@ struct Model {
     std::vector<std::string> pieces;  // each token's bytes, for stop strings
     llama_model * vocab_model = nullptr;  // libllama, vocab_only: the GGUF's tokenizer and chat template
     const llama_vocab * vocab = nullptr;
-    int share_budget = 0;       // block expert sharing of the current request (0: off)
-    bool share_max = false;     // rank experts by the max (else the sum) of the block's router probabilities
     bool has_clover = false;
     bool moe_grouped = true;    // routed experts of large forwards by moe_grouped (else ggml_mul_mat_id)
     bool flash_attn = true;     // attention by ggml_flash_attn_ext (else mul_mat, soft_max, mul_mat)
@@ -164,7 +172,7 @@ struct Model {
     ggml_backend_buffer_t cache_buf = nullptr;
     int n_ctx = 0;   // positions per cache slot
     int n_slots = 1; // cache slots (--parallel): a batched row's K/V live in its slot, [slot * n_ctx, (slot + 1) * n_ctx)
-    int n_past = 0;  // committed positions (the one row of unbatched forwards, in slot 0)
+    Seq row;         // the row of unbatched forwards (slot 0)
     double last_forward_s = 0.0;  // wall time of the last forward (graph build + compute)
     double last_forward_cpu_s = 0.0;  // its process CPU time
     ggml_gallocr_t galloc = nullptr;
@@ -500,7 +508,25 @@ static void load_drafter(Model & m, const std::string & path) {
 static const int KV_PAD = 256;  // the cache's capacity and the key length a graph reads: multiples of this
 static void clear_graphs();
 
-// (Re)creates an empty cache for n_ctx positions (per slot).
+// A row emptied: nothing committed, zero GDN states (its slot and expert sharing kept).
+static void seq_clear(const Model & m, Seq & q) {
+    const Hparams & hp = m.hp;
+    q.n_past = 0;
+    q.forwards = q.rows = 0;
+    q.conv.assign(hp.n_layer, {});
+    q.S.assign(hp.n_layer, {});
+    q.S0.assign(hp.n_layer, {});
+    q.rec.assign(hp.n_layer, {});
+    q.window.assign(hp.n_layer, {});
+    q.rec_T = q.window_len = 0;
+    for (int il = 0; il < hp.n_layer; il++) {
+        if (!m.layers[il].recurrent) continue;
+        q.conv[il].assign((size_t) hp.conv_dim() * (hp.conv_k - 1), 0.f);
+        q.S[il].assign((size_t) hp.hv * hp.dk * hp.dv, 0.f);
+    }
+}
+
+// (Re)creates an empty cache for n_ctx positions (per slot), and empties the model's row.
 static void reset_cache(Model & m, int n_ctx) {
     const Hparams & hp = m.hp;
     n_ctx = (n_ctx + KV_PAD - 1) / KV_PAD * KV_PAD;
@@ -523,30 +549,10 @@ static void reset_cache(Model & m, int n_ctx) {
         m.n_ctx = n_ctx;
     }
     ggml_backend_buffer_clear(m.cache_buf, 0);
-    for (Layer & L : m.layers) {
-        if (!L.recurrent) continue;
-        L.conv_state.assign((size_t) hp.conv_dim() * (hp.conv_k - 1), 0.f);
-        L.S.assign((size_t) hp.hv * hp.dk * hp.dv, 0.f);
-    }
-    m.n_past = 0;
+    seq_clear(m, m.row);
     m.dr.n_past = 0;
     m.dr.cpu_s = 0.0;
 }
-
-// A batched row (--parallel): its cache slot, committed length and GDN states (per layer: the conv
-// state [C][K-1] and the recurrent state [Hv][dk][dv], as a Layer's own for the one unbatched row),
-// and how many rows the forwards it took part in had (the done line's batch_rows).
-struct Seq {
-    int slot = 0, n_past = 0;
-    std::vector<std::vector<float>> conv, S;
-    // speculative rollback, as a Layer's: per layer the state before the last recorded commit, that
-    // commit's inputs per head, and its conv window
-    std::vector<std::vector<float>> S0, rec, window;
-    int rec_T = 0, window_len = 0;
-    int share_budget = 0;     // block expert sharing (as Model's share_budget / share_max for the one row)
-    bool share_max = false;
-    long forwards = 0, rows = 0;
-};
 
 // Every slot grown to n_ctx positions, keeping what the slots hold (the batched rows in flight).
 static void grow_cache(Model & m, int n_ctx) {
@@ -576,21 +582,8 @@ static void grow_cache(Model & m, int n_ctx) {
 
 // A new batched row in its slot (q.slot), for n_ctx positions: empty GDN states.
 static void seq_start(Model & m, Seq & q, int n_ctx) {
-    const Hparams & hp = m.hp;
-    const int slot = q.slot;
     grow_cache(m, n_ctx);
-    q = Seq();
-    q.slot = slot;  // kept
-    q.conv.resize(hp.n_layer);
-    q.S.resize(hp.n_layer);
-    q.S0.resize(hp.n_layer);
-    q.rec.resize(hp.n_layer);
-    q.window.resize(hp.n_layer);
-    for (int il = 0; il < hp.n_layer; il++) {
-        if (!m.layers[il].recurrent) continue;
-        q.conv[il].assign((size_t) hp.conv_dim() * (hp.conv_k - 1), 0.f);
-        q.S[il].assign((size_t) hp.hv * hp.dk * hp.dv, 0.f);
-    }
+    seq_clear(m, q);
 }
 
 // ------------------------------------------------------------------------------------- text
@@ -760,9 +753,9 @@ static std::string trim_at_stop(const std::string & text, const std::vector<std:
 // order; the l2norm and q.k reductions in 16 lane sums added pairwise). The two round differently at
 // the level of float epsilon (the reductions' order; the compiler's multiply-add contraction of the
 // conv's right branch): one f32 forward's logits within 1e-5 of each other.
-// One row's columns of a forward and that row's GDN state: the one row of a forward (the layer's own
-// state), or each row of a batched forward (its Seq's). window (speculative rollback) and S0/rec
-// (record) are null where not kept.
+// One row's columns of a forward and that row's GDN state (its Seq's, for this layer: the model's row,
+// or each row of a batched forward; row_columns). window, S0 and rec (a recording forward's, read by a
+// speculative rollback) are null where not kept.
 struct GdnSeg {
     int col0, Tc, Bd;
     float * conv_state;  // [C][K-1]
@@ -805,7 +798,7 @@ static void l2norm_inplace(bool fast, float * x, int n) {  // x * rsqrt(sum(x^2)
     for (int i = 0; i < n; i++) x[i] *= r;
 }
 
-// What both gdn_conv paths read: the layer (its conv state and rollback window), the sizes (C channels,
+// What both gdn_conv paths read: the row's conv state and rollback window, the sizes (C channels,
 // kernel K, Tc commit and Bd block columns, the window W = K-1 + Tc), the weights w [C][K] and the
 // right branch wr [C][K-1] (or null), the input X and output Y with their column strides in floats.
 // One segment's (row's) view: its conv state and window (or null), the sizes, its columns of X and Y.
@@ -1660,7 +1653,7 @@ struct Forward {
 // The graph of one forward shape, kept for the next forward of that shape: the cache positions it
 // writes and the key length it reads are inputs (K/V rows written by ggml_set_rows at input indices;
 // attention reads the cache padded to KV_PAD positions, the padding masked), so a graph depends only on
-// the shape (commit length, block length, logit rows, padded key length, recording, expert sharing)
+// the shape (commit length, block length, logit rows, padded key length, expert sharing)
 // and is built, planned and allocated once.
 struct CachedGraph {
     ggml_context * ctx = nullptr;
@@ -1684,8 +1677,7 @@ static std::map<std::vector<int>, std::unique_ptr<CachedGraph>> & graph_cache() 
     return graphs;
 }
 
-static CachedGraph * build_graph(Model & m, int Tc, int Bd, int n_out, int n_kv, bool record, bool taps, bool exact, int R = 0, int Tq = 0,
-                                 bool share_rows = false);
+static CachedGraph * build_graph(Model & m, int Tc, int Bd, int n_out, int n_kv, bool taps, bool exact, int R, int Tq, bool share);
 
 // The graph of `key`, built by `build` the first time (the least recently used of 48 goes).
 static CachedGraph & graph_for(const std::vector<int> & key, const std::function<CachedGraph *()> & build) {
@@ -1768,11 +1760,74 @@ static void profile_compute(Model & m, ggml_cgraph * gf, const std::string & sha
     ggml_free(ctx);
 }
 
+// A graph's input (one the graph does not use has no buffer), and an f32 attention mask [n_kv, rows]
+// into kq_mask (flash attention's is f16).
+static void set_input(ggml_tensor * t, const void * data, size_t n) {
+    if (t && t->buffer) ggml_backend_tensor_set(t, data, 0, n);
+}
+static void set_mask(ggml_tensor * kq_mask, const std::vector<float> & mask) {
+    if (kq_mask->type == GGML_TYPE_F16) {
+        std::vector<ggml_fp16_t> mask16(mask.size());
+        ggml_fp32_to_fp16_row(mask.data(), mask16.data(), (int64_t) mask.size());
+        set_input(kq_mask, mask16.data(), sizeof(ggml_fp16_t) * mask16.size());
+    } else {
+        set_input(kq_mask, mask.data(), sizeof(float) * mask.size());
+    }
+}
+
+// A forward's graph of `shape` computed (node by node, timed per shape, where profiling).
+static void compute(Model & m, ggml_cgraph * gf, const std::string & shape) {
+    if (profiling()) profile_compute(m, gf, shape);
+    else if (ggml_backend_graph_compute(m.backend, gf) != GGML_STATUS_SUCCESS) die("graph compute failed: " + shape);
+}
+
+static thread_local Seq * tl_seq = nullptr;  // the batched row this thread decodes (--parallel), or null
+static Seq & row_of(Model & m) { return tl_seq ? *tl_seq : m.row; }  // the row this thread decodes
+
+// Whether a row's block of Bd tokens shares experts (its block a segment of the share op).
+static bool row_shares(const Model & m, const Seq & q, int Bd) {
+    return Bd > 0 && q.share_budget > 0 && q.share_budget < m.hp.n_expert;
+}
+
+// How many of a row's keys (its cache slot's first) its query t sees: a commit query the prefix and
+// the commit up to itself, a block query everything up to the row's end.
+static int visible_keys(int n_past, int Tc, int Bd, int t) { return t < Tc ? n_past + t + 1 : n_past + Tc + Bd; }
+
+// A row's columns [col, col + Tc + Bd) of a forward's graph G (its GDN and share segments cleared
+// before the first row): their token ids, positions and cache rows (in its slot) from `col` in ids,
+// pos and kvi; the GDN ops' segments over its state (with record, also the buffers a rollback reads:
+// the state before the commit, the commit's inputs, its conv window); its block's share segment.
+static void row_columns(Model & m, Seq & q, CachedGraph & G, int col, const std::vector<int> & commit, const std::vector<int> & block,
+                        bool record, int32_t * ids, int32_t * pos, int64_t * kvi) {
+    const Hparams & hp = m.hp;
+    const int Tc = (int) commit.size(), Bd = (int) block.size();
+    for (int t = 0; t < Tc + Bd; t++) {
+        ids[col + t] = t < Tc ? commit[t] : block[t - Tc];
+        pos[col + t] = q.n_past + t;
+        kvi[col + t] = (int64_t) q.slot * m.n_ctx + q.n_past + t;
+    }
+    if (row_shares(m, q, Bd)) G.share_call.segs.push_back({col + Tc, col + Tc + Bd, q.share_budget, q.share_max});
+    if (record) {
+        q.rec_T = Tc;
+        q.window_len = hp.conv_k - 1 + Tc;
+    }
+    for (int il = 0; il < hp.n_layer; il++) {
+        if (!m.layers[il].recurrent) continue;
+        if (record) {
+            q.S0[il].resize(q.S[il].size());
+            q.rec[il].resize((size_t) hp.hv * Tc * (2 * hp.dk + hp.dv + 2));
+            q.window[il].resize((size_t) hp.conv_dim() * q.window_len);
+        }
+        G.calls[il].segs.push_back({col, Tc, Bd, q.conv[il].data(), q.S[il].data(), record && Tc ? q.window[il].data() : nullptr,
+                                    record ? q.S0[il].data() : nullptr, record ? q.rec[il].data() : nullptr});
+    }
+}
+
 // commit: tokens appended to the cache; block: one denoise block read against the cache after the
 // commit (not written); out_rows: indices into [commit | block] whose logits are wanted. `feats`
 // (dflash): also the drafter's context features of the commit tokens, [Tc][F]. `exact`: each column's
-// matmuls computed as a one-token forward's (build_graph).
-static thread_local Seq * tl_seq = nullptr;  // the batched row this thread decodes (--parallel), or null
+// matmuls computed as a one-token forward's (build_graph). The row is the model's own (a batched
+// row's forward joins the next batch).
 static void batch_submit(Model & m, const std::vector<int> & commit, const std::vector<int> & block,
                          const std::vector<int> & out_rows, bool record, Forward & res);
 
@@ -1785,77 +1840,44 @@ static void forward(Model & m, const std::vector<int> & commit, const std::vecto
         return;
     }
     const Hparams & hp = m.hp;
+    Seq & q = m.row;
     const int Tc = (int) commit.size(), Bd = (int) block.size(), T = Tc + Bd;
     if (T == 0) die("empty forward");
-    if (m.n_past + T > m.n_ctx) die("context full");
-    const int n_past = m.n_past, n_kv = n_past + T;
+    if (q.n_past + T > m.n_ctx) die("context full");
+    const int n_past = q.n_past, n_kv = n_past + T;
     const auto t_start = std::chrono::steady_clock::now();
-    timespec c_start{};
-    clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &c_start);
+    const double c_start = cpu_now();
     const int n_out = (int) out_rows.size();
     const int n_kv_pad = std::min(m.n_ctx, (n_kv + KV_PAD - 1) / KV_PAD * KV_PAD);
-    const bool share = Bd > 0 && m.share_budget > 0 && m.share_budget < hp.n_expert;
+    const bool share = row_shares(m, q, Bd);
     const bool taps = feats != nullptr && Tc > 0;
-    const std::vector<int> key = {Tc, Bd, n_out, n_kv_pad, record, share ? m.share_budget : 0, share && m.share_max, taps, exact};
-    CachedGraph & G = graph_for(key, [&] { return build_graph(m, Tc, Bd, n_out, n_kv_pad, record, taps, exact); });
-    for (int il = 0; il < hp.n_layer; il++) {  // the GDN ops' per-forward buffers: the layer's own state
-        Layer & L = m.layers[il];
-        if (!L.recurrent) continue;
-        if (Tc) L.window.resize((size_t) hp.conv_dim() * (hp.conv_k - 1 + Tc));
-        L.window_len = hp.conv_k - 1 + Tc;
-        if (record) {
-            L.S0.resize(L.S.size());
-            L.rec.resize((size_t) hp.hv * Tc * (2 * hp.dk + hp.dv + 2));
-            L.rec_T = Tc;
-        }
-        G.calls[il].segs = {{0, Tc, Bd, L.conv_state.data(), L.S.data(), Tc ? L.window.data() : nullptr,
-                             record ? L.S0.data() : nullptr, record ? L.rec.data() : nullptr}};
-    }
-    auto set = [](ggml_tensor * t, const void * data, size_t n) {  // an input the graph does not use has no buffer
-        if (t && t->buffer) ggml_backend_tensor_set(t, data, 0, n);
-    };
-    std::vector<int32_t> buf(T);
-    for (int t = 0; t < Tc; t++) buf[t] = commit[t];
-    for (int t = 0; t < Bd; t++) buf[Tc + t] = block[t];
-    set(G.ids, buf.data(), sizeof(int32_t) * T);
-    for (int t = 0; t < T; t++) buf[t] = n_past + t;
-    set(G.pos, buf.data(), sizeof(int32_t) * T);
+    const std::vector<int> key = {Tc, Bd, n_out, n_kv_pad, share, taps, exact};
+    CachedGraph & G = graph_for(key, [&] { return build_graph(m, Tc, Bd, n_out, n_kv_pad, taps, exact, 0, 0, share); });
+    G.share_call.segs.clear();
+    for (auto & c : G.calls) c.segs.clear();
+    std::vector<int32_t> ids(T), pos(T);
     std::vector<int64_t> kvi(T);
-    for (int t = 0; t < T; t++) kvi[t] = n_past + t;
-    set(G.kv_idx, kvi.data(), sizeof(int64_t) * T);
-    std::vector<float> mask((size_t) n_kv_pad * T);
-    for (int t = 0; t < T; t++) {
-        float * row = &mask[(size_t) t * n_kv_pad];
-        for (int j = 0; j < n_kv_pad; j++) {
-            // commit query t: the prefix and commit tokens up to itself; block query: everything; padding: nothing
-            const bool vis = j < n_kv && (t < Tc ? j <= n_past + t : true);
-            row[j] = vis ? 0.f : -INFINITY;
-        }
-    }
-    if (G.kq_mask->type == GGML_TYPE_F16) {  // flash attention's mask
-        std::vector<ggml_fp16_t> mask16(mask.size());
-        ggml_fp32_to_fp16_row(mask.data(), mask16.data(), (int64_t) mask.size());
-        set(G.kq_mask, mask16.data(), sizeof(ggml_fp16_t) * mask16.size());
-    } else {
-        set(G.kq_mask, mask.data(), sizeof(float) * mask.size());
-    }
+    row_columns(m, q, G, 0, commit, block, record, ids.data(), pos.data(), kvi.data());
+    set_input(G.ids, ids.data(), sizeof(int32_t) * T);
+    set_input(G.pos, pos.data(), sizeof(int32_t) * T);
+    set_input(G.kv_idx, kvi.data(), sizeof(int64_t) * T);
+    std::vector<float> mask((size_t) n_kv_pad * T, -INFINITY);  // padding: nothing
+    for (int t = 0; t < T; t++) std::fill_n(&mask[(size_t) t * n_kv_pad], visible_keys(n_past, Tc, Bd, t), 0.f);
+    set_mask(G.kq_mask, mask);
     std::vector<int32_t> oi(std::max(1, n_out), 0);
     for (int i = 0; i < n_out; i++) oi[i] = out_rows[i];
-    set(G.out_ids, oi.data(), sizeof(int32_t) * oi.size());
+    set_input(G.out_ids, oi.data(), sizeof(int32_t) * oi.size());
 
-    if (profiling()) profile_compute(m, G.gf, "Tc=" + std::to_string(Tc) + " Bd=" + std::to_string(Bd) + " logits=" + std::to_string(n_out));
-    else if (ggml_backend_graph_compute(m.backend, G.gf) != GGML_STATUS_SUCCESS) die("graph compute failed");
+    compute(m, G.gf, "Tc=" + std::to_string(Tc) + " Bd=" + std::to_string(Bd) + " logits=" + std::to_string(n_out));
     res.logits.resize((size_t) n_out * hp.n_vocab);
     if (n_out) ggml_backend_tensor_get(G.logits, res.logits.data(), 0, sizeof(float) * res.logits.size());
     if (feats) {
         feats->resize((size_t) Tc * m.dr.n_features());
         if (taps) ggml_backend_tensor_get(G.feats, feats->data(), 0, sizeof(float) * feats->size());
     }
-    m.n_past += Tc;
+    q.n_past += Tc;
     m.last_forward_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start).count();
-    timespec c_end{};
-    clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &c_end);
-    m.last_forward_cpu_s = (c_end.tv_sec - c_start.tv_sec) + 1e-9 * (c_end.tv_nsec - c_start.tv_nsec);
+    m.last_forward_cpu_s = cpu_now() - c_start;
 }
 
 // ---------------------------------------------------------------------- rows in one forward
@@ -1882,7 +1904,7 @@ static void forward_batch(Model & m, std::vector<Sub *> & subs) {
     bool share = false;
     for (const Sub * b : subs) {
         const int Ts = b->tokens();
-        share = share || (!b->block->empty() && b->seq->share_budget > 0 && b->seq->share_budget < hp.n_expert);
+        share = share || row_shares(m, *b->seq, (int) b->block->size());
         if (Ts == 0) die("empty forward");
         if (b->seq->n_past + Ts > m.n_ctx) die("context full");
         T += Ts;
@@ -1893,7 +1915,7 @@ static void forward_batch(Model & m, std::vector<Sub *> & subs) {
     }
     const int n_kv_pad = std::min(m.n_ctx, (n_kv + KV_PAD - 1) / KV_PAD * KV_PAD);
     const std::vector<int> key = {-1, T, n_out, n_kv_pad, R, Tq, share};
-    CachedGraph & G = graph_for(key, [&] { return build_graph(m, T, 0, n_out, n_kv_pad, false, false, false, R, Tq, share); });
+    CachedGraph & G = graph_for(key, [&] { return build_graph(m, T, 0, n_out, n_kv_pad, false, false, R, Tq, share); });
     G.share_call.segs.clear();
     std::vector<int32_t> ids(T), pos(T), q_idx((size_t) Tq * R, 0), o_idx(T), oi(std::max(1, n_out), 0);
     std::vector<int64_t> kvi(T);
@@ -1903,45 +1925,24 @@ static void forward_batch(Model & m, std::vector<Sub *> & subs) {
     int col = 0, out = 0;
     for (const Sub * b : subs) {
         Seq & q = *b->seq;
-        const int Tc = (int) b->commit->size(), Bd = (int) b->block->size(), n_past = q.n_past;
+        const int Tc = (int) b->commit->size(), Bd = (int) b->block->size();
+        row_columns(m, q, G, col, *b->commit, *b->block, b->record, ids.data(), pos.data(), kvi.data());
         for (int t = 0; t < Tc + Bd; t++) {
-            ids[col + t] = t < Tc ? (*b->commit)[t] : (*b->block)[t - Tc];
-            pos[col + t] = n_past + t;
-            kvi[col + t] = (int64_t) q.slot * m.n_ctx + n_past + t;
             q_idx[(size_t) q.slot * Tq + t] = col + t;
             o_idx[col + t] = q.slot * Tq + t;
-            // commit query t: the prefix and commit tokens up to itself; block query: everything before the row's end
-            const int vis = t < Tc ? n_past + t + 1 : n_past + Tc + Bd;
-            std::fill_n(&mask[((size_t) q.slot * Tq + t) * n_kv_pad], vis, ZERO);
+            std::fill_n(&mask[((size_t) q.slot * Tq + t) * n_kv_pad], visible_keys(q.n_past, Tc, Bd, t), ZERO);
         }
         for (int r : *b->out_rows) oi[out++] = col + r;
-        if (Bd && q.share_budget > 0 && q.share_budget < hp.n_expert) G.share_call.segs.push_back({col + Tc, col + Tc + Bd, q.share_budget, q.share_max});
-        if (b->record) {
-            q.rec_T = Tc;
-            q.window_len = hp.conv_k - 1 + Tc;
-        }
-        for (int il = 0; il < hp.n_layer; il++) {
-            if (!m.layers[il].recurrent) continue;
-            if (b->record) {
-                q.S0[il].resize(q.S[il].size());
-                q.rec[il].resize((size_t) hp.hv * Tc * (2 * hp.dk + hp.dv + 2));
-                q.window[il].resize((size_t) hp.conv_dim() * q.window_len);
-            }
-            G.calls[il].segs.push_back({col, Tc, Bd, q.conv[il].data(), q.S[il].data(), b->record && Tc ? q.window[il].data() : nullptr,
-                                        b->record ? q.S0[il].data() : nullptr, b->record ? q.rec[il].data() : nullptr});
-        }
         col += Tc + Bd;
     }
-    auto set = [](ggml_tensor * t, const void * data, size_t n) { if (t && t->buffer) ggml_backend_tensor_set(t, data, 0, n); };
-    set(G.ids, ids.data(), sizeof(int32_t) * T);
-    set(G.pos, pos.data(), sizeof(int32_t) * T);
-    set(G.kv_idx, kvi.data(), sizeof(int64_t) * T);
-    set(G.kq_mask, mask.data(), sizeof(ggml_fp16_t) * mask.size());
-    set(G.q_idx, q_idx.data(), sizeof(int32_t) * q_idx.size());
-    set(G.o_idx, o_idx.data(), sizeof(int32_t) * T);
-    set(G.out_ids, oi.data(), sizeof(int32_t) * oi.size());
-    if (profiling()) profile_compute(m, G.gf, "batch R=" + std::to_string(R) + " T=" + std::to_string(T) + " logits=" + std::to_string(n_out));
-    else if (ggml_backend_graph_compute(m.backend, G.gf) != GGML_STATUS_SUCCESS) die("graph compute failed");
+    set_input(G.ids, ids.data(), sizeof(int32_t) * T);
+    set_input(G.pos, pos.data(), sizeof(int32_t) * T);
+    set_input(G.kv_idx, kvi.data(), sizeof(int64_t) * T);
+    set_input(G.kq_mask, mask.data(), sizeof(ggml_fp16_t) * mask.size());
+    set_input(G.q_idx, q_idx.data(), sizeof(int32_t) * q_idx.size());
+    set_input(G.o_idx, o_idx.data(), sizeof(int32_t) * T);
+    set_input(G.out_ids, oi.data(), sizeof(int32_t) * oi.size());
+    compute(m, G.gf, "batch R=" + std::to_string(R) + " T=" + std::to_string(T) + " logits=" + std::to_string(n_out));
     const size_t V = hp.n_vocab;
     out = 0;
     for (Sub * b : subs) {
@@ -2007,10 +2008,10 @@ static void batch_submit(Model & m, const std::vector<int> & commit, const std::
 }
 
 // R > 0: a batched forward (forward_batch) of T = Tc tokens from the rows of cache slots [0, R), each
-// row's queries gathered into [Tq, R] for attention against its own slot's first n_kv keys; with
-// share_rows, the rows that share experts (their blocks set per forward in the share op's segments).
-static CachedGraph * build_graph(Model & m, int Tc, int Bd, int n_out, int n_kv, bool record, bool taps, bool exact, int R, int Tq,
-                                 bool share_rows) {
+// row's queries gathered into [Tq, R] for attention against its own slot's first n_kv keys. share: the
+// router's probabilities through the share op, the blocks that share experts set per forward in its
+// segments (row_columns).
+static CachedGraph * build_graph(Model & m, int Tc, int Bd, int n_out, int n_kv, bool taps, bool exact, int R, int Tq, bool share) {
     const Hparams & hp = m.hp;
     const int T = Tc + Bd;
     auto * G = new CachedGraph();
@@ -2042,9 +2043,7 @@ static CachedGraph * build_graph(Model & m, int Tc, int Bd, int n_out, int n_kv,
     std::vector<GdnCall> & calls = G->calls;
     calls.resize(hp.n_layer);
     ShareCall & share_call = G->share_call;
-    const bool share = R ? share_rows : Bd > 0 && m.share_budget > 0 && m.share_budget < hp.n_expert;
     share_call.segs.clear();
-    if (share && !R) share_call.segs.push_back({Tc, T, m.share_budget, m.share_max});
     // the grouped op where the experts get MOE_GEMM_MIN tokens on average; below, mul_mat_id's row
     // dots do the same arithmetic without the op's gathering (5-10% of a q8_0 forward of 8 tokens)
     const bool grouped = m.moe_grouped && !exact && (int64_t) T * hp.n_expert_used >= (int64_t) MOE_GEMM_MIN * hp.n_expert;
@@ -2208,20 +2207,20 @@ static CachedGraph * build_graph(Model & m, int Tc, int Bd, int n_out, int n_kv,
     return G;
 }
 
-// Roll the commit of the last forward back to its first `keep` tokens (speculative partial accept).
-// (A batched row, tl_seq: its own state in its Seq.)
+// Roll the commit of this thread's row's last forward (one that recorded) back to its first `keep`
+// tokens (speculative partial accept).
 static void rollback(Model & m, int committed, int keep) {
     const Hparams & hp = m.hp;
     const int K1 = hp.conv_k - 1, C = hp.conv_dim(), dk = hp.dk, dv = hp.dv;
-    Seq * sq = tl_seq;
-    (sq ? sq->n_past : m.n_past) -= committed - keep;
+    Seq & sq = row_of(m);
+    sq.n_past -= committed - keep;
     std::vector<float> q(dk), k(dk), kv(dv);
     for (int il = 0; il < hp.n_layer; il++) {
-        Layer & L = m.layers[il];
+        const Layer & L = m.layers[il];
         if (!L.recurrent) continue;
-        std::vector<float> & S = sq ? sq->S[il] : L.S, & S0 = sq ? sq->S0[il] : L.S0, & rec = sq ? sq->rec[il] : L.rec;
-        std::vector<float> & conv = sq ? sq->conv[il] : L.conv_state, & window = sq ? sq->window[il] : L.window;
-        const int rec_T = sq ? sq->rec_T : L.rec_T, W = sq ? sq->window_len : L.window_len;
+        std::vector<float> & S = sq.S[il], & conv = sq.conv[il];
+        const std::vector<float> & S0 = sq.S0[il], & rec = sq.rec[il], & window = sq.window[il];
+        const int rec_T = sq.rec_T, W = sq.window_len;
         // S: the state before the commit, advanced by exactly the kept tokens (the forward's own code)
         S = S0;
         const size_t hs = (size_t) dk * dv, rw = (size_t) 2 * dk + dv + 2;
@@ -2360,33 +2359,25 @@ static void draft_forward(Model & m, const std::vector<float> & feats, const std
     DraftGraph & G = *it->second;
     G.used = ++tick;
     const double c0 = cpu_now();
-    auto set = [](ggml_tensor * t, const void * data, size_t n) { if (t && t->buffer) ggml_backend_tensor_set(t, data, 0, n); };
     std::vector<int32_t> i32(std::max(Tc, Bd));
     std::vector<int64_t> i64(std::max(Tc, Bd));
     if (Tc) {
-        set(G.feats, feats.data(), sizeof(float) * feats.size());
+        set_input(G.feats, feats.data(), sizeof(float) * feats.size());
         for (int t = 0; t < Tc; t++) { i32[t] = n0 + t; i64[t] = n0 + t; }
-        set(G.pos_c, i32.data(), sizeof(int32_t) * Tc);
-        set(G.kv_c, i64.data(), sizeof(int64_t) * Tc);
+        set_input(G.pos_c, i32.data(), sizeof(int32_t) * Tc);
+        set_input(G.kv_c, i64.data(), sizeof(int64_t) * Tc);
     }
-    set(G.ids, block.data(), sizeof(int32_t) * Bd);
+    set_input(G.ids, block.data(), sizeof(int32_t) * Bd);
     for (int t = 0; t < Bd; t++) { i32[t] = n0 + Tc + t; i64[t] = n0 + Tc + t; }
-    set(G.pos_b, i32.data(), sizeof(int32_t) * Bd);
-    set(G.kv_b, i64.data(), sizeof(int64_t) * Bd);
+    set_input(G.pos_b, i32.data(), sizeof(int32_t) * Bd);
+    set_input(G.kv_b, i64.data(), sizeof(int64_t) * Bd);
     std::vector<float> mask((size_t) n_kv_pad * Bd);
     for (int t = 0; t < Bd; t++)
         for (int j = 0; j < n_kv_pad; j++) mask[(size_t) t * n_kv_pad + j] = j < n_kv ? 0.f : -INFINITY;
-    if (G.kq_mask->type == GGML_TYPE_F16) {
-        std::vector<ggml_fp16_t> mask16(mask.size());
-        ggml_fp32_to_fp16_row(mask.data(), mask16.data(), (int64_t) mask.size());
-        set(G.kq_mask, mask16.data(), sizeof(ggml_fp16_t) * mask16.size());
-    } else {
-        set(G.kq_mask, mask.data(), sizeof(float) * mask.size());
-    }
+    set_mask(G.kq_mask, mask);
     for (int t = 0; t < Bd - 1; t++) i32[t] = t + 1;
-    set(G.out_ids, i32.data(), sizeof(int32_t) * (Bd - 1));
-    if (profiling()) profile_compute(m, G.gf, "dflash draft: context " + std::to_string(Tc) + " Bd=" + std::to_string(Bd));
-    else if (ggml_backend_graph_compute(m.backend, G.gf) != GGML_STATUS_SUCCESS) die("drafter graph compute failed");
+    set_input(G.out_ids, i32.data(), sizeof(int32_t) * (Bd - 1));
+    compute(m, G.gf, "dflash draft: context " + std::to_string(Tc) + " Bd=" + std::to_string(Bd));
     logits.resize((size_t) (Bd - 1) * V);
     ggml_backend_tensor_get(G.logits, logits.data(), 0, sizeof(float) * logits.size());
     d.n_past += Tc;
@@ -3241,7 +3232,7 @@ static void measure_step_costs(Model & m, const Params & p, const std::vector<in
                 }
                 for (size_t j = 0; j < rows.size(); j++) argmax_tok(&f.logits[j * V], V, p);
                 if (w > 1 && !diffusion) rollback(m, w, keep);
-                m.n_past -= w > 1 ? keep : 1;  // the cache's length put back (its values do not change the cost)
+                m.row.n_past -= w > 1 ? keep : 1;  // the cache's length put back (its values do not change the cost)
                 const double dt = clock() - t0;
                 if (!settled) {
                     settle += dt;
@@ -3285,7 +3276,8 @@ static StepCosts & step_costs(Model & m, const Params & p, const std::vector<int
     AutoWidth & aw = auto_width();
     std::string key = p.mode + " widths";
     for (int w : widths) key += " " + std::to_string(w);
-    key += " share " + std::to_string(m.share_budget) + (m.share_max ? " max" : " sum") + " | " + aw.identity;
+    const Seq & q = row_of(m);
+    key += " share " + std::to_string(q.share_budget) + (q.share_max ? " max" : " sum") + " | " + aw.identity;
     StepCosts & sc = aw.tables[key];
     if (!sc.seconds.empty()) return sc;
     const bool diffusion = p.mode == "diffusion";  // two costs per width > 1: the denoise forward, a block's last
@@ -3616,8 +3608,9 @@ static json run_request(Model & m, const json & defaults, const json & req, cons
             if (now.size() > emitted.size()) emitted = now;
             emit(ev);
         };
-    m.share_budget = p.mode == "ar" ? 0 : std::max(0, p.expert_budget);
-    m.share_max = p.expert_rank == "max";
+    Seq & q = row_of(m);  // the model's row, or this thread's batched row
+    q.share_budget = p.mode == "ar" ? 0 : std::max(0, p.expert_budget);
+    q.share_max = p.expert_rank == "max";
     const bool auto_draft = p.auto_width && (p.mode == "speculative" || p.mode == "dflash");  // never a batched row
     const bool auto_block = p.auto_width && p.mode == "diffusion";
     DraftPolicy pol;
@@ -3626,13 +3619,8 @@ static json run_request(Model & m, const json & defaults, const json & req, cons
     if (auto_draft && p.max_new > 0) pol = draft_policy(m, p);  // may measure the step costs (on the cache, before the request's)
     if (auto_block && p.max_new > 0) wpol = width_policy(m, p);
     const int n_ctx = (int) prompt.size() + p.max_new + 2 * std::max({p.block, p.draft, p.mode == "dflash" ? m.dr.block_size : 0}) + 1;
-    if (tl_seq) {
-        seq_start(m, *tl_seq, n_ctx);
-        tl_seq->share_budget = m.share_budget;
-        tl_seq->share_max = m.share_max;
-    } else {
-        reset_cache(m, n_ctx);
-    }
+    if (tl_seq) seq_start(m, q, n_ctx);
+    else reset_cache(m, n_ctx);
     const auto t0 = std::chrono::steady_clock::now();
     timespec c0{}, c1{};
     clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &c0);
@@ -3660,7 +3648,7 @@ static json run_request(Model & m, const json & defaults, const json & req, cons
         out["drafts"] = r.drafts;
         out["draft_cpu_seconds"] = m.dr.cpu_s;
     }
-    if (tl_seq) out["batch_rows"] = tl_seq->forwards ? (double) tl_seq->rows / tl_seq->forwards : 0.0;  // rows per forward it took part in
+    if (tl_seq) out["batch_rows"] = q.forwards ? (double) q.rows / q.forwards : 0.0;  // rows per forward it took part in
     if ((auto_draft || auto_block) && p.max_new > 0) {  // block_size "auto": the widths chosen, why, and the cost table
         out["width_choices"] = auto_block ? wpol.choices : pol.choices;
         out["width_why"] = auto_block ? wpol.why : pol.why;
