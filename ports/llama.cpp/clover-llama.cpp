@@ -2408,7 +2408,7 @@ struct Params {
     float repetition_penalty = 1.f, presence_penalty = 0.f, eos_penalty = 0.f;
     int no_repeat_ngram_size = 0, sub_block = 0, expert_budget = -1;  // expert_budget -1: the model's
     bool draft_given = false;  // draft_length was set (dflash: a fixed draft, no confidence cut)
-    bool auto_width = false;   // block_size "auto": speculative and dflash choose each draft's width (DraftPolicy)
+    bool auto_width = false;   // block_size "auto": each block's width chosen (diffusion, WidthPolicy) or draft's (DraftPolicy)
     std::string expert_rank = "sum";
     std::vector<std::pair<int, float>> logit_bias;  // token id -> added to its logit (OpenAI's logit_bias)
     bool ignore_eos = false, stream = false;
@@ -3588,10 +3588,10 @@ static std::vector<int> request_prompt(const Model & m, const json & req) {
 
 static std::string dump(const json & j) { return j.dump(-1, ' ', false, json::error_handler_t::replace); }
 
-// Runs one request; `emit` gets each output line (commit events when streaming, then the result).
-static json run_request(Model & m, const json & defaults, const json & req, const std::function<void(const json &)> & emit,
+// Runs one request (its options p: make_params); `emit` gets each output line (commit events when
+// streaming, then the result).
+static json run_request(Model & m, const Params & p, const json & req, const std::function<void(const json &)> & emit,
                         const std::function<bool()> & cancelled = nullptr) {
-    const Params p = make_params(m, defaults, req);
     const std::vector<int> prompt = request_prompt(m, req);
     Row r;
     r.prompt = prompt;
@@ -3755,8 +3755,9 @@ static void usage() {
         "          | --json (stdin lines: JSON requests {prompt|messages, options...}; events out)\n"
         "  length: -n N, --ignore-eos, --eos IDS, --stop-ids IDS, --stop STR (repeatable)\n"
         "  block:  --block B|auto, --draft D, --sub-block S, --expert-budget M, --expert-rank sum|max\n"
-        "          (auto: speculative and dflash choose each draft's width from the step costs, measured at the\n"
-        "          first such request and cached, or --step-costs W:SECONDS,...; --verbose says why)\n"
+        "          (auto: diffusion chooses each fresh block's width, speculative and dflash each draft's, from the\n"
+        "          step costs, measured at the first such request and cached, or --step-costs W:SECONDS,...;\n"
+        "          --verbose says why)\n"
         "  accept: --threshold X, --policy threshold|entropy|factor|hierarchy, --entropy-budget X,\n"
         "          --factor X, --low-threshold X, --fallback confident|leftmost, --confidence prob|margin|entropy\n"
         "  sample: --temperature T, --top-p P, --top-k K, --seed S, --repetition-penalty X,\n"
@@ -3933,7 +3934,7 @@ int main(int argc, char ** argv) {
             }
         };
         auto turn = [&](const json & req) -> json {
-            json out = run_request(m, d, req, show);
+            json out = run_request(m, make_params(m, d, req), req, show);
             fprintf(stderr, "\n[%s · llama-clover] %d tokens, %d forwards (%.2f tokens/forward), %.1f tokens/s, finish %s\n",
                     out["mode"].get<std::string>().c_str(), out["n_tokens"].get<int>(), out["forwards"].get<int>(),
                     out["tokens_per_forward"].get<double>(), out["tokens_per_second"].get<double>(), out["finish"].get<std::string>().c_str());
@@ -4021,10 +4022,11 @@ int main(int argc, char ** argv) {
                     }
                 };
                 json req;
+                Params p;
                 bool batched = false;
                 try {
                     req = request_of(item.second, input);
-                    const Params p = make_params(m, defaults, req);
+                    p = make_params(m, defaults, req);
                     // block_size auto measures its step costs with forwards of its own first: not batched
                     batched = p.mode == "ar" || ((p.mode == "diffusion" || p.mode == "speculative") && !p.auto_width);
                 } catch (const std::exception & e) {
@@ -4054,7 +4056,7 @@ int main(int argc, char ** argv) {
                     b.cv.wait(lk, [&] { return b.rows == 0; });
                 }
                 try {
-                    result(run_request(m, defaults, req, print_line, cancelled));
+                    result(run_request(m, p, req, print_line, cancelled));
                 } catch (const std::exception & e) {
                     if (input != "json") die(e.what());
                     result(error_event(e.what(), req));
@@ -4088,7 +4090,7 @@ int main(int argc, char ** argv) {
                 const json id = req["id"];
                 cancelled = [&requests, id]() { return requests.is_cancelled(id); };
             }
-            print_line(run_request(m, defaults, req, print_line, cancelled));
+            print_line(run_request(m, make_params(m, defaults, req), req, print_line, cancelled));
         } catch (const std::exception & e) {
             if (input != "json") die(e.what());
             print_line(error_event(e.what(), req));
