@@ -343,6 +343,8 @@ def test_generate_engine_llama_cpp(port, bundled_f32, mode, capsys):
 
     prompt = "assert sorted([9, 2, 5]) == "
     common = [prompt, "--model", str(BUNDLED), "--dtype", "float32", "--mode", mode, "-n", "40", "--json"]
+    if mode == "speculative":  # the fixed draft: its default, the adaptive draft, chooses widths by each engine's own costs
+        common += ["--block-size", "8"]
     assert main(["generate", *common]) == 0
     ours = json.loads(capsys.readouterr().out)
     assert main(["generate", *common, "--engine", "llama.cpp", "--gguf", str(bundled_f32)]) == 0
@@ -472,9 +474,9 @@ OPTION_CASES = [
     ("ar", dict(repetition_penalty=1.5, presence_penalty=0.5)),
     ("ar", dict(no_repeat_ngram_size=3)),
     ("ar", dict(eos_penalty=-8.0)),
-    ("speculative", dict(eos_penalty=-8.0, expert_budget=4)),
+    ("speculative", dict(eos_penalty=-8.0, expert_budget=4, block_size=8)),  # the fixed draft (auto: each engine's costs)
     ("diffusion", dict(logit_bias={225: 4.0, 203: -3.0})),
-    ("speculative", dict(logit_bias={225: -20.0})),
+    ("speculative", dict(logit_bias={225: -20.0}, block_size=8)),
 ]
 
 

@@ -90,9 +90,10 @@ def test_rows_join_as_rows_leave(port, bundled_f32, llm):
 @pytest.mark.slow
 @pytest.mark.parametrize("draft", [None, 3])
 def test_batched_speculative_rows(port, bundled_f32, llm, draft):
-    """Speculative rows in one forward (the default draft, and draft 3): tokens, forwards and accept
-    lengths = one by one; tokens = AR greedy."""
-    kw = {} if draft is None else {"draft_length": draft}
+    """Speculative rows in one forward (the fixed draft of the model's block, and draft 3; the adaptive
+    draft, speculative's default, runs alone between batches): tokens, forwards and accept lengths =
+    one by one; tokens = AR greedy."""
+    kw = {"block_size": llm.config.block_size} if draft is None else {"draft_length": draft}
     reqs = requests_for(llm, "speculative", **kw)
     many = check_batched(bundled_f32, llm, reqs, 8)
     one = decode(bundled_f32, llm, reqs, 1)

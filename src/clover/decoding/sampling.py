@@ -124,7 +124,7 @@ LIMITS: dict[str, Limit] = {
     "eos_penalty": Limit(float, ge=-100, le=100, doc="subtracted from the EOS logits"),
     "no_repeat_ngram_size": Limit(int, ge=0, le=64, doc="0 = off"),
     "block_size": Limit(int, ge=1, le=1024, nullable=True, words=(AUTO,),
-                        doc="diffusion / speculative block (null = the model's); diffusion also takes \"auto\": per block, the trained width with the most expected tokens/s"),
+                        doc="diffusion / speculative block (null = the model's; speculative without draft_length: \"auto\"); \"auto\": diffusion per block, speculative per draft, the trained width with the most expected tokens/s"),
     "threshold": Limit(float, gt=0, le=2, nullable=True, doc="confidence to accept a token (null = the model's); above 1: one token per step"),
     "confidence": Limit(str, choices=CONFIDENCE_KINDS, doc="confidence measure"),
     "policy": Limit(str, choices=tuple(POLICIES), nullable=True,
