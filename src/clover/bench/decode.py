@@ -501,7 +501,8 @@ def run_decode(llm, work: Workload = Workload("both"), *, modes: Iterable[str] |
         "config": config_summary(llm.config, str(llm.model.dtype).replace("torch.", "")),
         "settings": {
             **work.settings(items), "modes": modes, "skipped_modes": skipped, "block_size": block_size,
-            "threshold": threshold, "defaults": defaults, "policy": llm.config.policy if defaults else None, "greedy": True, "batch_size": 1, "interleaved": True, "warmup": warmup,
+            "threshold": threshold, "defaults": defaults, "policy": llm.config.policy if defaults else None,
+            "greedy": True, "batch_size": 1, "interleaved": True, "warmup": warmup,
         },
         "machine": machine(llm.model.device),
         "max_rss_bytes": max_rss_bytes(),

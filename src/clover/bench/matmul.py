@@ -15,11 +15,14 @@ Paths run interleaved (every path per repetition, round-robin) after one warm-up
 reported with the weight bytes read per call and the resulting GB/s (bytes of W / time: the
 number that bounds batch-1 decoding) and GFLOP/s. `cold` > 1 cycles each path through that many
 copies of the weight, one per call, so that a weight whose copies outgrow the last-level cache
-comes from memory, as a large model's weights do in a forward (the 0.7B figures use 12). A path that does not apply (no oneDNN, no row kernel,
-M above its rows) has no time. `quick=True` uses small shapes (tests).
+comes from memory, as a large model's weights do in a forward (the 0.7B figures use 12). A path
+that does not apply (no oneDNN, no row kernel, M above its rows) has no time. `quick=True` uses
+small shapes (tests).
 """
 
 from __future__ import annotations
+
+import itertools
 
 import torch
 import torch.nn.functional as F
@@ -59,12 +62,8 @@ def _fns(N: int, K: int, M: int, paths: tuple[str, ...], gen: torch.Generator, g
     ws = [w] + [w.clone() for _ in range(cold - 1)]  # one per call, round and round
 
     def cycled(fn, weights):
-        i = [0]
-
-        def call():
-            i[0] = (i[0] + 1) % len(weights)
-            return fn(weights[i[0]])
-        return call
+        it = itertools.cycle(weights)
+        return lambda: fn(next(it))
 
     if "fp32" in paths:
         fns["fp32"] = cycled(lambda wi: F.linear(x, wi), ws)
