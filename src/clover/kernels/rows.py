@@ -151,7 +151,8 @@ def experts(x: torch.Tensor, top_idx: torch.Tensor, top_w: torch.Tensor, gate_up
                          f"top_w {tuple(top_w.shape)}, gate_up {tuple(gate_up.shape)}, down {tuple(down.shape)}")
     if not 0 < N <= MAX_ROWS:
         raise ValueError(f"clover.kernels.rows: {N} tokens (1…{MAX_ROWS})")
-    if N and (int(top_idx.min()) < 0 or int(top_idx.max()) >= E):
+    lo, hi = torch.aminmax(top_idx)
+    if int(lo) < 0 or int(hi) >= E:
         raise ValueError(f"clover.kernels.rows: expert ids outside 0…{E - 1}")
     out = torch.zeros_like(x)
     scratch = x.new_empty(N * (2 * H + 3 * (I2 // 2)))
