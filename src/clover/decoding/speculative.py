@@ -274,12 +274,14 @@ class SpeculativeEngine(BatchEngine):
         costs a forward of 2D positions; each draft token is kept with the row's acceptance rate)."""
         self.draft_length = choose_draft(self.draft_policy, self.rows, self.choices, self.forwards,
                                          from_ar=self.forwards > 0 and self.draft_length == 1)
+        if self.draft_length <= 1:  # AR's step: nothing to fit
+            return
         # a row near the end of the context drafts only what fits behind it: the context reserves the
         # model's block size for a draft (`Speculative.extra_positions`), a wider choice narrows there
         room = self.model.config.max_position_embeddings - max(
             n + len(r.state.draft if r.state.draft is not None else r.state.pending)
             for n, r in zip(self.cache.lengths.tolist(), self.rows))
-        if self.draft_length > 1 and self.draft_length > room:
+        if self.draft_length > room:
             self.draft_length = max((w for w in self.draft_policy.widths if w <= room), default=1)
 
     def _init_row(self, row: RowState) -> None:
