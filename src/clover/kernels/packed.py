@@ -62,12 +62,16 @@ class Pack:
         return source.data_ptr() == self.ptr and _version(source) == self.version and source.dtype == torch.float32
 
 
-def usable(x: torch.Tensor, max_rows: int | None = None) -> bool:
-    """Whether a pack may serve activations `x` now: a float32 CPU tensor of 2…`max_rows` rows
-    (`MAX_ROWS`), at inference, outside a compiled graph."""
+def _inference(x: torch.Tensor) -> bool:
+    """Whether activations `x` are a float32 CPU tensor at inference, outside a compiled graph: what
+    a pack (`usable`) and the row kernel's experts (`experts`) both ask of them, besides a row count."""
     return (x.dtype == torch.float32 and x.device.type == "cpu"
-            and x.shape[-1] < x.numel() <= (max_rows or MAX_ROWS) * x.shape[-1]
             and not torch.is_grad_enabled() and not torch.compiler.is_compiling())
+
+
+def usable(x: torch.Tensor, max_rows: int | None = None) -> bool:
+    """Whether a pack may serve activations `x` now: `_inference`, of 2…`max_rows` rows (`MAX_ROWS`)."""
+    return x.shape[-1] < x.numel() <= (max_rows or MAX_ROWS) * x.shape[-1] and _inference(x)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, pack: Pack | None, bias: torch.Tensor | None = None,
@@ -109,10 +113,9 @@ def experts(mod: nn.Module, x: torch.Tensor, top_idx: torch.Tensor, top_w: torch
     activations at inference, packs still fresh, `row_kernel()`. None where it does not (the caller
     runs its host loop)."""
     gu, dn = mod.packs[0]
-    if not (x.dtype == torch.float32 and x.device.type == "cpu" and 0 < x.shape[0] <= ROW_KERNEL_ROWS
-            and not torch.is_grad_enabled() and not torch.compiler.is_compiling()
-            and gu.fresh(mod.gate_up_proj) and dn.fresh(mod.down_proj) and mod.gate_up_proj.is_contiguous()
-            and mod.down_proj.is_contiguous() and row_kernel()):
+    if not (0 < x.shape[0] <= ROW_KERNEL_ROWS and _inference(x) and gu.fresh(mod.gate_up_proj)
+            and dn.fresh(mod.down_proj) and mod.gate_up_proj.is_contiguous() and mod.down_proj.is_contiguous()
+            and row_kernel()):
         return None
     return rows_experts(x.contiguous(), top_idx.contiguous(), top_w.to(x.dtype).contiguous(),
                         mod.gate_up_proj.detach(), mod.down_proj.detach())
