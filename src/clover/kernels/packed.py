@@ -195,28 +195,23 @@ def grouped_serves(mod: nn.Module, top_idx: torch.Tensor) -> bool:
     return mod.packs[0][0].packed is None or top_idx.numel() > EXPERT_MAX_ROWS * mod.num_experts
 
 
-def fits(model: nn.Module) -> bool:
-    """Whether packing `model` is the default: oneDNN present, at least `MIN_MODEL_BYTES` to pack (a
-    small model's weights stay in cache, where the plain path costs little more; the bundled model
-    is not packed), and the packs fit in half the memory available now (the rule `clover.load`
-    applies to a float32 copy)."""
-    need = sum(n for _, n in _targets(model)) if available() else 0
-    avail = available_memory()
-    return bool(need >= max(MIN_MODEL_BYTES, 1) and avail and need <= avail // 2)
-
-
 def default_packing(model: nn.Module) -> bool | str:
-    """`clover.load`'s `pack=None`: oneDNN copies where they `fit`; else, with at least
-    `MIN_MODEL_BYTES` to pack and the row kernel built, the row kernel alone ("rows": no memory);
-    else not packed (False)."""
-    if fits(model):
-        return True
+    """`clover.load`'s `pack=None`. With at least `MIN_MODEL_BYTES` to pack (a small model's weights
+    stay in cache, where the plain path costs little more; the bundled model is not packed): oneDNN's
+    copies (True) where oneDNN is present and they fit in half the memory available now (the rule
+    `clover.load` applies to a float32 copy); else the row kernel alone where it is built ("rows": no
+    memory); else not packed (False)."""
     need = sum(n for _, n in _targets(model))
-    return "rows" if need >= max(MIN_MODEL_BYTES, 1) and rows_library() is not None else False
+    if need < max(MIN_MODEL_BYTES, 1):
+        return False
+    avail = available_memory()
+    if available() and avail and need <= avail // 2:
+        return True
+    return "rows" if rows_library() is not None else False
 
 
 def available_memory() -> int:
-    """The bytes of memory available now (0 where the system does not say): what `fits` and
+    """The bytes of memory available now (0 where the system does not say): what `default_packing` and
     `clover.load`'s float32 copy of a half-precision checkpoint must fit in half of."""
     try:
         return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
