@@ -2859,24 +2859,32 @@ static bool prefix_ends_row(const Params & p, const Row & r, const std::vector<i
     return false;
 }
 
-// Record an auto decision that changed the width (clover's `choices` and `width_why`): the expected
-// tokens/s per width, and the line `--verbose` prints; `what`: "width" or "draft width".
-static void record_width_choice(json & choices, std::vector<std::string> & why, const std::map<int, double> & expected,
-                                int best, int forward, const char * what, bool verbose) {
-    if (!choices.empty() && choices.back()["width"].get<int>() == best) return;
-    json e = json::object();
-    std::string parts;
-    char buf[64];
-    for (const auto & [w, v] : expected) {
-        e[std::to_string(w)] = v;
-        snprintf(buf, sizeof buf, "%s%d: %.0f", parts.empty() ? "" : ", ", w, v);
-        parts += buf;
+// What both block_size "auto" policies (`WidthPolicy`, `DraftPolicy`) share: the widths they choose
+// among, the cost table for the result line and each decision (`policy_setup` fills the first three).
+struct AutoPolicy {
+    std::vector<int> widths;                // ascending
+    bool verbose = false;                   // --verbose: each width decision on stderr
+    json costs_json;                        // the cost table, its source and the prior, for the result line
+    json choices = json::array();           // each decision that changed the width: {forward, width, expected}
+    std::vector<std::string> why;           // the same as clover's width_why lines
+    // Record a decision that changed the width (clover's `choices` and `width_why`): the expected
+    // tokens/s per width, and the line `--verbose` prints; `what`: "width" or "draft width".
+    void record_choice(const std::map<int, double> & expected, int best, int forward, const char * what) {
+        if (!choices.empty() && choices.back()["width"].get<int>() == best) return;
+        json e = json::object();
+        std::string parts;
+        char buf[64];
+        for (const auto & [w, v] : expected) {
+            e[std::to_string(w)] = v;
+            snprintf(buf, sizeof buf, "%s%d: %.0f", parts.empty() ? "" : ", ", w, v);
+            parts += buf;
+        }
+        choices.push_back({{"forward", forward}, {"width", best}, {"expected", e}});
+        why.push_back("forward " + std::to_string(forward) + ": " + what + " " + std::to_string(best) +
+                      " for 1 row(s) (expected tokens/s " + parts + ")");
+        if (verbose) fprintf(stderr, "[auto] %s\n", why.back().c_str());
     }
-    choices.push_back({{"forward", forward}, {"width", best}, {"expected", e}});
-    why.push_back("forward " + std::to_string(forward) + ": " + what + " " + std::to_string(best) +
-                  " for 1 row(s) (expected tokens/s " + parts + ")");
-    if (verbose) fprintf(stderr, "[auto] %s\n", why.back().c_str());
-}
+};
 
 // clover.decoding.diffusion.DiffusionEngine for one row
 // block_size "auto" in diffusion (clover.decoding.width.WidthPolicy): at each fresh block, the width w
@@ -2887,13 +2895,9 @@ static void record_width_choice(json & choices, std::vector<std::string> & why, 
 //     per forward so far against the prior's (8 forwards' worth of prior);
 //   cost(w) = the denoise forward of w, and once per block (tpf / w of the forwards) a block's last
 //     forward (w committed + the next w denoised); w = 1 the AR step (`StepCosts`).
-struct WidthPolicy {
+struct WidthPolicy : AutoPolicy {  // widths: 1 first
     static constexpr double PRIOR_PSEUDO_FORWARDS = 8.0;
-    std::vector<int> widths;                     // ascending, 1 first
     std::map<int, double> prior, denoise, block;  // denoise[1]: the AR step
-    bool verbose = false;
-    json costs_json, choices = json::array();
-    std::vector<std::string> why;
     double row_scale(int tokens, int forwards, double expected_gain) const {
         const double k = PRIOR_PSEUDO_FORWARDS;
         double sum = 0.0;
@@ -2919,7 +2923,7 @@ struct WidthPolicy {
             expected[w] = tpf / forward_seconds(w, tpf);
             if (expected[w] > expected[best]) best = w;
         }
-        record_width_choice(choices, why, expected, best, forward, "width", verbose);
+        record_choice(expected, best, forward, "width");
         return best;
     }
 };
@@ -3051,15 +3055,10 @@ static const int AUTO_MAX_WIDTH = 64;
 static const int COST_WARMUP = 1, COST_ROUNDS = 3, COST_TIMED = 2;
 static const double COST_SETTLE_S = 0.02;
 
-struct DraftPolicy {
+struct DraftPolicy : AutoPolicy {
     static constexpr double PRIOR_N = 4.0;  // the prior is worth this many verifies
-    std::vector<int> widths;                // ascending
     std::map<int, double> cost;             // width -> seconds of a step drafting it
     double prior_rate = 0.5;
-    bool verbose = false;                   // --verbose: each width decision on stderr
-    json costs_json;                        // the cost table, its source and the prior, for the result line
-    json choices = json::array();           // each decision that changed the width: {forward, width, expected}
-    std::vector<std::string> why;           // the same as clover's width_why lines
     double acceptance(int kept, int rejected) const { return (PRIOR_N * prior_rate + kept) / (PRIOR_N + kept + rejected); }
     static double expected_tokens(int w, double rate, int remaining) {
         const double e = rate >= 1 ? (double) w : (1 - std::pow(rate, (double) w)) / (1 - rate);
@@ -3093,7 +3092,7 @@ struct DraftPolicy {
             expected[w] = tokens_per_forward(w, a, remaining, horizon) / cost.at(w);
             if (expected[w] > expected[best]) best = w;
         }
-        record_width_choice(choices, why, expected, best, forward, "draft width", verbose);
+        record_choice(expected, best, forward, "draft width");
         return best;
     }
 };
@@ -3354,17 +3353,24 @@ static StepCosts & step_costs(Model & m, const Params & p, const std::vector<int
     return sc;
 }
 
+// What both policies' setup shares: the mode's widths, --verbose and the cost table (measured, cached
+// or given: `step_costs`) as the result line's step_costs; the table itself for the policy's own part.
+static const StepCosts & policy_setup(Model & m, const Params & p, AutoPolicy & pol) {
+    pol.widths = auto_widths(m, p.mode);
+    pol.verbose = auto_width().verbose;
+    const StepCosts & sc = step_costs(m, p, pol.widths);
+    pol.costs_json = step_costs_json(sc);
+    return sc;
+}
+
 // The request's policy in diffusion (block_size "auto").
 static WidthPolicy width_policy(Model & m, const Params & p) {
     WidthPolicy pol;
-    pol.widths = auto_widths(m, p.mode);
-    const StepCosts & sc = step_costs(m, p, pol.widths);
+    const StepCosts & sc = policy_setup(m, p, pol);
     pol.denoise = sc.seconds;
     pol.block = sc.block;
-    pol.verbose = auto_width().verbose;
     for (int w : pol.widths)  // width.prior_tokens_per_forward
         pol.prior[w] = w == 1 ? 1.0 : m.hp.block_tpf.count(w) ? m.hp.block_tpf.at(w) : std::min(4.0, std::max(1.0, w / 8.0));
-    pol.costs_json = step_costs_json(sc);
     pol.costs_json["block"] = width_table(sc.block);
     pol.costs_json["prior"] = width_table(pol.prior);
     return pol;
@@ -3373,13 +3379,9 @@ static WidthPolicy width_policy(Model & m, const Params & p) {
 // The request's policy (block_size "auto" in speculative or dflash).
 static DraftPolicy draft_policy(Model & m, const Params & p) {
     DraftPolicy pol;
-    pol.widths = auto_widths(m, p.mode);
-    const StepCosts & sc = step_costs(m, p, pol.widths);
-    pol.cost = sc.seconds;
-    pol.verbose = auto_width().verbose;
+    pol.cost = policy_setup(m, p, pol).seconds;
     if (p.mode == "speculative" && m.hp.block_tpf.count(m.hp.block_size))
         pol.prior_rate = DraftPolicy::rate_keeping(m.hp.block_tpf.at(m.hp.block_size), m.hp.block_size);
-    pol.costs_json = step_costs_json(sc);
     pol.costs_json["prior_rate"] = pol.prior_rate;
     return pol;
 }
@@ -3650,9 +3652,10 @@ static json run_request(Model & m, const Params & p, const json & req, const std
     }
     if (tl_seq) out["batch_rows"] = q.forwards ? (double) q.rows / q.forwards : 0.0;  // rows per forward it took part in
     if ((auto_draft || auto_block) && p.max_new > 0) {  // block_size "auto": the widths chosen, why, and the cost table
-        out["width_choices"] = auto_block ? wpol.choices : pol.choices;
-        out["width_why"] = auto_block ? wpol.why : pol.why;
-        out["step_costs"] = auto_block ? wpol.costs_json : pol.costs_json;
+        const AutoPolicy & ap = auto_block ? static_cast<const AutoPolicy &>(wpol) : pol;
+        out["width_choices"] = ap.choices;
+        out["width_why"] = ap.why;
+        out["step_costs"] = ap.costs_json;
     }
     if (req.contains("id")) out["id"] = req["id"];
     if (!(req.contains("prompt") && req["prompt"].is_array())) out["prompt_ids"] = prompt;  // the port tokenized it
