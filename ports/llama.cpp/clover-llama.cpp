@@ -241,6 +241,21 @@ static float get_f32(gguf_context * g, const std::string & k, float dflt, bool r
     return gguf_get_val_f32(g, id);
 }
 
+// The integers of GGUF array key k (id: its key_id)
+static std::vector<int> get_ints(gguf_context * g, int64_t id, const std::string & k) {
+    const gguf_type t = gguf_get_arr_type(g, id);
+    const void * d = gguf_get_arr_data(g, id);
+    std::vector<int> out;
+    for (size_t i = 0; i < gguf_get_arr_n(g, id); i++) {
+        if (t == GGUF_TYPE_INT32) out.push_back(((const int32_t *) d)[i]);
+        else if (t == GGUF_TYPE_UINT32) out.push_back((int) ((const uint32_t *) d)[i]);
+        else if (t == GGUF_TYPE_INT64) out.push_back((int) ((const int64_t *) d)[i]);
+        else if (t == GGUF_TYPE_UINT64) out.push_back((int) ((const uint64_t *) d)[i]);
+        else die(k + ": an array of integers expected");
+    }
+    return out;
+}
+
 static GgufFile open_gguf(const std::string & path, ggml_backend_t backend) {
     GgufFile f;
     gguf_init_params p = {/*no_alloc*/ true, /*ctx*/ &f.meta};
@@ -325,16 +340,7 @@ static void load_model(Model & m, const std::string & path, const std::string & 
     hp.threshold = get_f32(g, "clover.threshold", 0.95f, false);
     if (key_id(g, "clover.policy", false) >= 0) hp.policy = gguf_get_val_str(g, key_id(g, "clover.policy"));
     if (key_id(g, "clover.expert_budget", false) >= 0) hp.expert_budget = (int) get_u32(g, "clover.expert_budget");
-    if (int64_t bid = key_id(g, "clover.block_sizes", false); bid >= 0) {
-        const gguf_type t = gguf_get_arr_type(g, bid);
-        const void * d = gguf_get_arr_data(g, bid);
-        for (size_t i = 0; i < gguf_get_arr_n(g, bid); i++) {
-            if (t == GGUF_TYPE_INT32) hp.block_sizes.push_back(((const int32_t *) d)[i]);
-            else if (t == GGUF_TYPE_UINT32) hp.block_sizes.push_back((int) ((const uint32_t *) d)[i]);
-            else if (t == GGUF_TYPE_INT64) hp.block_sizes.push_back((int) ((const int64_t *) d)[i]);
-            else die("clover.block_sizes: an array of integers expected");
-        }
-    }
+    if (int64_t bid = key_id(g, "clover.block_sizes", false); bid >= 0) hp.block_sizes = get_ints(g, bid, "clover.block_sizes");
     if (int64_t tid = key_id(g, "clover.block_tokens_per_forward", false); tid >= 0) {
         try {
             const nlohmann::json t = nlohmann::json::parse(gguf_get_val_str(g, tid));
@@ -451,12 +457,7 @@ static void load_drafter(Model & m, const std::string & path) {
     d.softcap = get_f32(g, "dflash.final_logit_softcapping", 0.f, false);
     const int64_t tid = gguf_find_key(g, "dflash.target_layer_ids");
     if (tid < 0) bad("key dflash.target_layer_ids missing");
-    const gguf_type at = gguf_get_arr_type(g, tid);
-    for (size_t i = 0; i < gguf_get_arr_n(g, tid); i++) {
-        const void * a = gguf_get_arr_data(g, tid);
-        d.target_layers.push_back(at == GGUF_TYPE_INT32 ? ((const int32_t *) a)[i] : at == GGUF_TYPE_UINT32 ? (int) ((const uint32_t *) a)[i]
-                                  : at == GGUF_TYPE_INT64 ? (int) ((const int64_t *) a)[i] : (int) ((const uint64_t *) a)[i]);
-    }
+    d.target_layers = get_ints(g, tid, "dflash.target_layer_ids");
     const std::string another = "; this drafter was trained for another model";
     if (d.n_embd != hp.n_embd)
         bad("drafter: hidden_size " + std::to_string(d.n_embd) + " != the target's " + std::to_string(hp.n_embd) + another);
