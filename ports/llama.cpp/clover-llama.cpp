@@ -3401,7 +3401,6 @@ static const double SKIP_BLOCK_BELOW = 0.35;
 
 static void run_speculative(Model & m, const Params & p, const std::vector<int> & prompt, Row & r, DraftPolicy * pol) {
     const int V = m.hp.n_vocab, mask = m.hp.mask_id;
-    const bool adaptive = pol != nullptr;
     int D = p.draft, kept_draft = 0, rejected_draft = 0;
     std::vector<int> pending = prompt, draft, old;
     std::vector<double> sure, old_sure;  // auto: the denoise pass's top probability at each of draft[1:] (draft_sure)
@@ -3442,7 +3441,7 @@ static void run_speculative(Model & m, const Params & p, const std::vector<int> 
             kept_draft += mm - 1;
             rejected_draft += mm < Dv;
             next_ok = mm == Dv;  // a draft of one (the resync after a rejection) is always kept
-            row_accept(r, p, std::vector<int>(draft.begin() + (adaptive ? 1 : 0), draft.begin() + mm));  // adaptive: [0] emitted when drafted
+            row_accept(r, p, std::vector<int>(draft.begin() + (pol ? 1 : 0), draft.begin() + mm));  // adaptive: [0] emitted when drafted
         } else if (Tc) {
             std::copy(f.logits.begin(), f.logits.begin() + V, first.begin());
             pending.clear();
@@ -3466,13 +3465,13 @@ static void run_speculative(Model & m, const Params & p, const std::vector<int> 
             // adaptive: the draft's tokens past the rejected one ride along (denoised from masks, never
             // from the rejected token: as good a guess of the positions after AR's token), their
             // probabilities with them
-            if (adaptive && !next_ok && mm + 1 < Dv) {
+            if (pol && !next_ok && mm + 1 < Dv) {
                 draft.insert(draft.end(), old.begin() + mm + 1, old.end());
-                if (pol) sure.assign(old_sure.begin() + mm, old_sure.end());
+                sure.assign(old_sure.begin() + mm, old_sure.end());
             }
         }
         has_draft = true;
-        if (adaptive) {  // the draft's first token is AR's own: emitted now; a row it ends needs no further forward
+        if (pol) {  // adaptive: the draft's first token is AR's own: emitted now; a row it ends needs no further forward
             row_accept(r, p, {draft[0]});
             if (r.finished) break;
         }
