@@ -1776,10 +1776,11 @@ static void set_mask(ggml_tensor * kq_mask, const std::vector<float> & mask) {
     }
 }
 
-// A forward's graph of `shape` computed (node by node, timed per shape, where profiling).
-static void compute(Model & m, ggml_cgraph * gf, const std::string & shape) {
-    if (profiling()) profile_compute(m, gf, shape);
-    else if (ggml_backend_graph_compute(m.backend, gf) != GGML_STATUS_SUCCESS) die("graph compute failed: " + shape);
+// A forward's graph computed (node by node, timed per shape, where profiling); shape() names it, called
+// only where profiling or failed (not a string built per forward).
+template <class Shape> static void compute(Model & m, ggml_cgraph * gf, const Shape & shape) {
+    if (profiling()) profile_compute(m, gf, shape());
+    else if (ggml_backend_graph_compute(m.backend, gf) != GGML_STATUS_SUCCESS) die("graph compute failed: " + shape());
 }
 
 static thread_local Seq * tl_seq = nullptr;  // the batched row this thread decodes (--parallel), or null
@@ -1869,7 +1870,7 @@ static void forward(Model & m, const std::vector<int> & commit, const std::vecto
     for (int i = 0; i < n_out; i++) oi[i] = out_rows[i];
     set_input(G.out_ids, oi.data(), sizeof(int32_t) * oi.size());
 
-    compute(m, G.gf, "Tc=" + std::to_string(Tc) + " Bd=" + std::to_string(Bd) + " logits=" + std::to_string(n_out));
+    compute(m, G.gf, [&] { return "Tc=" + std::to_string(Tc) + " Bd=" + std::to_string(Bd) + " logits=" + std::to_string(n_out); });
     res.logits.resize((size_t) n_out * hp.n_vocab);
     if (n_out) ggml_backend_tensor_get(G.logits, res.logits.data(), 0, sizeof(float) * res.logits.size());
     if (feats) {
@@ -1943,7 +1944,7 @@ static void forward_batch(Model & m, std::vector<Sub *> & subs) {
     set_input(G.q_idx, q_idx.data(), sizeof(int32_t) * q_idx.size());
     set_input(G.o_idx, o_idx.data(), sizeof(int32_t) * T);
     set_input(G.out_ids, oi.data(), sizeof(int32_t) * oi.size());
-    compute(m, G.gf, "batch R=" + std::to_string(R) + " T=" + std::to_string(T) + " logits=" + std::to_string(n_out));
+    compute(m, G.gf, [&] { return "batch R=" + std::to_string(R) + " T=" + std::to_string(T) + " logits=" + std::to_string(n_out); });
     const size_t V = hp.n_vocab;
     out = 0;
     for (Sub * b : subs) {
@@ -2378,7 +2379,7 @@ static void draft_forward(Model & m, const std::vector<float> & feats, const std
     set_mask(G.kq_mask, mask);
     for (int t = 0; t < Bd - 1; t++) i32[t] = t + 1;
     set_input(G.out_ids, i32.data(), sizeof(int32_t) * (Bd - 1));
-    compute(m, G.gf, "dflash draft: context " + std::to_string(Tc) + " Bd=" + std::to_string(Bd));
+    compute(m, G.gf, [&] { return "dflash draft: context " + std::to_string(Tc) + " Bd=" + std::to_string(Bd); });
     logits.resize((size_t) (Bd - 1) * V);
     ggml_backend_tensor_get(G.logits, logits.data(), 0, sizeof(float) * logits.size());
     d.n_past += Tc;
