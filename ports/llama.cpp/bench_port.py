@@ -96,8 +96,8 @@ def port_batch_tokens_per_s(gguf: Path, prompts, args: list[str], n: int, eos, p
         c = child_cpu()
         res.append(run(gguf, prompts, [*args, "-n", str(k)], eos_ids=eos, binary=port, parallel=parallel))
         spent.append(child_cpu() - c)
-    tok = sum(r["n_tokens"] for r in res[0]) - sum(r["n_tokens"] for r in res[1])
-    return tok / (spent[0] - spent[1]), sum(r["n_tokens"] for r in res[0]), res[0]
+    tok = [sum(r["n_tokens"] for r in out) for out in res]
+    return (tok[0] - tok[1]) / (spent[0] - spent[1]), tok[0], res[0]
 
 
 def stock_batched_tokens_per_s(gguf: Path, n_prompt: int, n: int, batch: int) -> float | None:
