@@ -1,0 +1,159 @@
+"""What every peer engine of `clover bench peers` shares: the `Runner` and `Engine` interfaces, the run's
+`Setup`, and the model directories engines load (a transformers directory, a GGUF export)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from ...models.layers import is_clover_parameter
+
+SCHEMA = "clover.bench.peers/1"
+GGUF_DTYPES = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}
+STATIC_SUFFIX = "+static"  # clover's variants with compile="static"
+
+
+def llama_cpp_dir() -> Path:
+    """Where `scripts/build-llama-cpp.sh` builds llama.cpp (and the port)."""
+    from ...integrations.llama_port import llama_cache_dir
+
+    return llama_cache_dir()
+
+
+
+def hf_config_dict(config) -> dict:
+    """transformers' text config (the backbone's: Qwen3.5, Qwen3.5-MoE, ...) for a clover config."""
+    d = config.replace(model_type=config.base_model_type, backbone=None).to_dict()  # the AR config: no Clover keys
+    for k in ("auto_map", "torch_dtype"):
+        d.pop(k, None)
+    return d
+
+
+def write_hf_dir(src: Path, dst: Path, config, *, dtype: str, copy: bool = False) -> Path:
+    """A transformers-loadable directory for clover checkpoint `src`: an HF config.json, the tokenizer
+    files, and the weights — linked (transformers skips clover's extra tensors with a warning) or,
+    with `copy`, rewritten without them in `dtype` (for loaders that refuse unknown keys)."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    dst.mkdir(parents=True, exist_ok=True)
+    d = hf_config_dict(config)
+    d["torch_dtype"] = dtype
+    (dst / "config.json").write_text(json.dumps(d, indent=1) + "\n")
+    for f in src.iterdir():
+        if f.name.startswith("tokenizer") or f.name in ("special_tokens_map.json", "generation_config.json", "vocab.json",
+                                                         "merges.txt"):
+            shutil.copy(f, dst / f.name)
+    shards = sorted(src.glob("*.safetensors"))
+    if not copy:
+        for f in shards + sorted(src.glob("*.safetensors.index.json")):
+            link = dst / f.name
+            if link.is_symlink() or link.exists():
+                link.unlink()
+            link.symlink_to(f.resolve())
+        return dst
+    want = getattr(torch, dtype)
+    index = {}
+    for i, shard in enumerate(shards):
+        out = {}
+        with safe_open(str(shard), "pt") as fh:
+            for k in fh.keys():
+                if is_clover_parameter(k):
+                    continue
+                t = fh.get_tensor(k)
+                out[k] = t.to(want) if t.is_floating_point() else t
+        name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" if len(shards) > 1 else "model.safetensors"
+        save_file(out, str(dst / name), metadata={"format": "pt"})
+        index.update({k: name for k in out})
+    if len(shards) > 1:
+        (dst / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": index}))
+    return dst
+
+
+def gguf_file(src: Path, workdir: Path, dtype: str, *, clover_tensors: str = "none") -> Path:
+    """`clover export-gguf` of `src` in `workdir` (AR tensors only; `clover_tensors="sidecar"`: plus
+    DST.clover.gguf for the port), reused when newer than the weights."""
+    from ...export.gguf import export_gguf
+
+    tag = "" if clover_tensors == "none" else "-port"
+    dst = workdir / f"{src.resolve().name}-{GGUF_DTYPES[dtype]}{tag}.gguf"
+    newest = max(p.stat().st_mtime for p in src.glob("*.safetensors"))
+    if not (dst.is_file() and dst.stat().st_mtime > newest):
+        export_gguf(src, dst, dtype=GGUF_DTYPES[dtype], clover_tensors=clover_tensors, progress=False)
+    return dst
+
+
+
+class Runner:
+    """One engine configuration. `one(ids)` -> (generated ids or None, tokens, seconds) for a runner
+    that runs single prompts (`single`); `many(list of ids)` -> (tokens, seconds) for one that
+    batches (`batches`)."""
+
+    engine = ""
+    variant = ""
+    single = True
+    batches = False
+
+    def warm(self, ids: list[int]) -> None:
+        self.one(ids)
+
+    def one(self, ids: list[int]):
+        raise NotImplementedError
+
+    def many(self, prompts: list[list[int]]):
+        return None
+
+    def close(self) -> None:
+        pass
+
+
+
+@dataclass
+class Setup:
+    """What an engine's preparation and runners read: the run's model, options and work directory."""
+
+    src: Path
+    llm: object
+    static_llm: object | None
+    dtype: str
+    work: Path
+    max_new_tokens: int
+    modes: list[str]  # clover's modes in this run
+    batch_ids: list[list[int]]
+    batch_rounds: int
+    n_ctx: int
+    llama_dir: Path
+    vllm_python: str | None
+    say: Callable[[str], None]
+
+    @property
+    def config(self):
+        return self.llm.config
+
+
+class Engine:
+    """One peer engine: `find` says whether this machine has it (and why not), `prepare` readies it
+    once per run (loading a model, exporting a GGUF; what it raises skips the engine with a note
+    beginning `fails`), `runners` gives its configurations for a thread count. A new engine is one
+    subclass, registered in `ENGINES`."""
+
+    name = ""
+    fails = "failed to prepare"
+
+    def __init__(self, setup: Setup, found: dict) -> None:
+        self.setup, self.found = setup, found
+
+    @staticmethod
+    def find(config, *, dtype: str, llama_dir: Path, vllm_python: str | None) -> dict:
+        raise NotImplementedError
+
+    def prepare(self) -> None:
+        pass
+
+    def runners(self, threads: int) -> list[Runner]:
+        return []

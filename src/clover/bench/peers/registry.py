@@ -1,0 +1,37 @@
+"""The engines `clover bench peers` knows, by name, and which of them this machine has."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Iterable
+
+from .base import GGUF_DTYPES, Engine, llama_cpp_dir
+from .clover import CloverEngine
+from .hf import TransformersEngine
+from .llama_cpp import LlamaCppEngine
+from .port import PortEngine
+from .vllm_cpu import VLLMEngine
+
+ENGINES: dict[str, type[Engine]] = {e.name: e for e in (CloverEngine, TransformersEngine, LlamaCppEngine, PortEngine,
+                                                        VLLMEngine)}
+
+
+def check_engines(engines: Iterable[str] | None) -> list[str]:
+    """The engine names asked for (None: all), or ValueError naming the known ones."""
+    wanted = list(ENGINES if engines is None else engines)
+    bad = [e for e in wanted if e not in ENGINES]
+    if bad:
+        raise ValueError(f"engines: unknown {bad[0]!r}; choose from {', '.join(ENGINES)}")
+    return wanted
+
+
+def discover(config, *, dtype: str = "float32", engines: Iterable[str] | None = None, llama_dir: str | Path | None = None,
+             vllm_python: str | None = None) -> dict[str, dict]:
+    """{engine: {"available": bool, "note": why not / caveats, "version": ..., ...}} for every engine;
+    the ones not in `engines` are marked as not asked for."""
+    wanted = check_engines(engines)
+    if dtype not in GGUF_DTYPES:
+        raise ValueError(f"dtype: must be one of {', '.join(GGUF_DTYPES)}, got {dtype!r}")
+    where = dict(dtype=dtype, llama_dir=Path(llama_dir) if llama_dir else llama_cpp_dir(), vllm_python=vllm_python)
+    return {name: cls.find(config, **where) if name in wanted else {"available": False, "note": "not asked for (--engines)"}
+            for name, cls in ENGINES.items()}
