@@ -1,0 +1,228 @@
+"""Regenerate tests/golden/sdar/ from a checkout of the SDAR reference (github.com/JetAstra/SDAR).
+
+    python scripts/sdar-golden.py PATH/TO/SDAR [--out tests/golden/sdar]
+
+Run it in a scratch environment with the transformers the reference was written for (4.52.x, its
+checkpoints' `transformers_version`) and torch; nothing of clover is imported. It builds a tiny random
+SDAR checkpoint in the family's real layout (config.json with `model_type` "sdar", `block_size`,
+`mask_token_id`, the `auto_map` to modeling_sdar; model.safetensors with Qwen3's tensor names), loads
+it with the reference's own `SDARForCausalLM` (training/model/SDAR-4B-Chat/modeling_sdar.py) and runs
+the reference's `block_diffusion_generate` (generate.py) on it. It writes
+
+- `checkpoint/`: the tiny checkpoint (config.json, model.safetensors),
+- `golden.safetensors`: the full-sequence logits (the block-causal prefill mask of generate.py over a
+  whole sequence) and the logits of every denoising forward of one generation per block size (the
+  cached steps),
+- `cases.json`: per case the prompt, the block size and steps, the tokens generate.py returns and the
+  denoising forwards it ran per block, and the order of the cached-step forwards.
+
+Shims, each forced by running on a CPU or by asking for greedy decoding (nothing else is changed):
+1. `flash_attn.ops.triton.layer_norm.rms_norm_fn` (a Triton kernel) -> the same RMSNorm in torch, in
+   fp32 (the body modeling_sdar.py keeps commented out under its call).
+2. `flash_attn.flash_attn_func(q, k, v, causal=False, softmax_scale=s)` (the decode-time attention)
+   -> `torch.nn.functional.scaled_dot_product_attention` with the same scale, no mask, GQA.
+3. `fused_linear_diffusion_cross_entropy` (the training loss; imports Triton) -> an empty stand-in,
+   never called at inference.
+4. `sample_with_temperature_topk_topp` (generate.py samples; it has no greedy path) -> the argmax
+   token and its softmax probability, which is what greedy unmasking scores (lmdeploy's SDAR path with
+   `do_sample=False`); the acceptance rule itself (`low_confidence_dynamic`) is the reference's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import shutil
+import sys
+import tempfile
+import types
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import save_file
+
+MODEL_DIR = "training/model/SDAR-4B-Chat"
+MODEL_FILES = ("configuration_sdar.py", "modeling_sdar.py")
+SEED = 0
+HEAD_STD = 10  # the LM head's scale: confidences spread across the 0.9 threshold (tiny random weights are flat otherwise)
+GEN_LENGTH = 16
+THRESHOLD = 0.9  # the threshold SDAR's README and JetEngine/lmdeploy use (generate.py's CLI default is 0.85)
+
+# the tiny config: the real SDAR-4B-Chat config.json with the sizes shrunk (every other key kept)
+TINY = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=8, max_position_embeddings=256, max_window_layers=2,
+            bos_token_id=2, eos_token_id=1, mask_token_id=127, block_size=4)
+PROMPTS = {  # lengths: at a block's end for block 4 and 8, inside a block for both, inside the first block
+    "p8": [5, 17, 33, 60, 9, 71, 44, 102],
+    "p11": [8, 90, 14, 3, 77, 51, 26, 119, 40, 66, 12],
+    "p5": [30, 7, 84, 113, 58],
+}
+# (block_length, denoising_steps): SDAR's default (4, 4) and a second size at one token per step quota
+SCHEDULES = [(4, 4), (8, 8)]
+FULL_LEN = 14  # the full-sequence logits: one sequence of this length (ends inside a block of either size)
+
+
+def install_shims() -> None:
+    """Shims 1-3 (see the module docstring), as modules the reference imports."""
+
+    def rms_norm_fn(x, weight, bias=None, eps=1e-6, **_):  # shim 1
+        dtype = x.dtype
+        h = x.to(torch.float32)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+        return weight * h.to(dtype)
+
+    def flash_attn_func(q, k, v, causal=False, softmax_scale=None, **_):  # shim 2: [B, L, H, D] in and out
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                             is_causal=causal, scale=softmax_scale, enable_gqa=True)
+        return out.transpose(1, 2)
+
+    flash = types.ModuleType("flash_attn")
+    flash.flash_attn_func = flash_attn_func
+    flash.flash_attn_varlen_func = None
+    ops, trit, ln = (types.ModuleType(n) for n in ("flash_attn.ops", "flash_attn.ops.triton",
+                                                   "flash_attn.ops.triton.layer_norm"))
+    ln.rms_norm_fn = rms_norm_fn
+    sys.modules.update({"flash_attn": flash, "flash_attn.ops": ops, "flash_attn.ops.triton": trit,
+                        "flash_attn.ops.triton.layer_norm": ln})
+
+
+def load_reference(checkout: Path, work: Path):
+    """The reference's modeling package (config + model classes) and generate module."""
+    pkg = work / "sdar_ref"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    for name in MODEL_FILES:
+        shutil.copy(checkout / MODEL_DIR / name, pkg / name)
+    (pkg / "fused_linear_diffusion_cross_entropy.py").write_text(  # shim 3
+        "class FusedLinearDiffusionCrossEntropyLoss:\n    pass\n")
+    shutil.copy(checkout / "generate.py", work / "sdar_generate.py")
+    sys.path.insert(0, str(work))
+    import transformers.modeling_flash_attention_utils  # noqa: F401  (reads flash_attn's absence before the shims exist)
+    import transformers.modeling_utils  # noqa: F401
+    install_shims()
+    modeling = importlib.import_module("sdar_ref.modeling_sdar")
+    generate = importlib.import_module("sdar_generate")
+
+    def greedy(logits, temperature=1.0, top_k=0, top_p=1.0):  # shim 4
+        probs = torch.softmax(logits.float(), dim=-1)
+        p, tok = probs.max(dim=-1)
+        return tok, p
+
+    generate.sample_with_temperature_topk_topp = greedy
+    return modeling, generate
+
+
+def tiny_checkpoint(checkout: Path, modeling, out: Path):
+    """config.json (the real one, shrunk) and model.safetensors of a seeded random SDARForCausalLM."""
+    raw = json.loads((checkout / MODEL_DIR / "config.json").read_text())
+    raw.update(TINY)
+    raw["torch_dtype"] = "float32"
+    raw["attn_implementation"] = "sdpa"  # the inference path never reads it; flex_attention is training's
+    config = modeling.SDARConfig(**raw)
+    torch.manual_seed(SEED)
+    model = modeling.SDARForCausalLM(config).eval()
+    gen = torch.Generator().manual_seed(SEED)
+    with torch.no_grad():
+        for name, p in sorted(model.named_parameters()):
+            if "norm" in name:
+                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
+            elif name == "lm_head.weight":
+                p.copy_(torch.randn(p.shape, generator=gen) * HEAD_STD / p.shape[1] ** 0.5)
+                p[TINY["mask_token_id"]] = 0.0  # the mask is never the argmax (a trained model never predicts it)
+            else:
+                p.copy_(torch.randn(p.shape, generator=gen) / p.shape[-1] ** 0.5)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(out / "model.safetensors"),
+              metadata={"format": "pt"})
+    return model
+
+
+class Recorder:
+    """Wraps the model: records each forward's kind (store_kv: a commit) and logits."""
+
+    def __init__(self, model):
+        self.model, self.calls = model, []
+        self.device = model.device
+
+    def eval(self):
+        return self
+
+    def __call__(self, ids, **kw):
+        out = self.model(ids, **kw)
+        self.calls.append((bool(kw.get("store_kv")), ids[0].tolist(), None if out.logits is None else out.logits[0]))
+        return out
+
+
+def run_case(generate, model, prompt, block, steps):
+    rec = Recorder(model)
+    ids = torch.tensor([prompt])
+    x = generate.block_diffusion_generate(
+        rec, {"input_ids": ids}, mask_id=TINY["mask_token_id"], gen_length=GEN_LENGTH, block_length=block,
+        denoising_steps=steps, temperature=1.0, top_k=0, top_p=1.0, remasking_strategy="low_confidence_dynamic",
+        confidence_threshold=THRESHOLD, stopping_criteria_idx=None)
+    tokens = x[0, len(prompt):].tolist()
+    assert TINY["mask_token_id"] not in tokens, "a golden case left a mask in its output"
+    # denoising forwards per decoded block (each block ends with one store_kv forward)
+    per_block, n = [], 0
+    prefill = len(prompt) >= block
+    for i, (store, _, _) in enumerate(rec.calls):
+        if prefill and i == 0:
+            continue
+        if store:
+            per_block.append(n)
+            n = 0
+        else:
+            n += 1
+    return tokens, per_block, rec.calls
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("checkout", type=Path, help="a checkout of github.com/JetAstra/SDAR")
+    ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parents[1] / "tests/golden/sdar")
+    args = ap.parse_args()
+    if not (args.checkout / MODEL_DIR / "modeling_sdar.py").exists() or not (args.checkout / "generate.py").exists():
+        sys.exit(f"{args.checkout}: not an SDAR checkout (needs generate.py and {MODEL_DIR}/modeling_sdar.py)")
+    torch.set_num_threads(1)
+    work = Path(tempfile.mkdtemp(prefix="sdar-golden-"))
+    try:
+        modeling, generate = load_reference(args.checkout, work)
+        model = tiny_checkpoint(args.checkout, modeling, args.out / "checkpoint")
+        tensors, cases = {}, []
+        with torch.no_grad():
+            for block, _ in SCHEDULES:  # full-sequence logits under generate.py's block-causal mask
+                ids = torch.tensor([(PROMPTS["p11"] + PROMPTS["p8"])[:FULL_LEN]])
+                nb = -(-FULL_LEN // block)
+                mask = torch.tril(torch.ones(nb, nb)).repeat_interleave(block, 0).repeat_interleave(block, 1)
+                mask = mask[None, :FULL_LEN, :FULL_LEN]
+                tensors[f"full_b{block}"] = model(ids, attention_mask=mask, position_ids=torch.arange(FULL_LEN)[None]).logits[0]
+            for block, steps in SCHEDULES:
+                for name, prompt in PROMPTS.items():
+                    tokens, per_block, calls = run_case(generate, model, prompt, block, steps)
+                    case = {"name": f"{name}_b{block}", "prompt": prompt, "block_length": block, "steps": steps,
+                            "threshold": THRESHOLD, "gen_length": GEN_LENGTH, "tokens": tokens,
+                            "denoise_forwards_per_block": per_block}
+                    if name == "p11":  # the cached steps of this one: every forward's kind, input and logits
+                        case["forwards"] = [{"commit": s, "ids": i} for s, i, _ in calls]
+                        for j, (commit, _, logits) in enumerate(calls):
+                            if not commit:  # a commit's logits are never read by generate.py
+                                tensors[f"step_{name}_b{block}_{j}"] = logits
+                    cases.append(case)
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(args.out / "golden.safetensors"),
+                  metadata={"format": "pt"})
+        head = {"reference": "github.com/JetAstra/SDAR generate.py + " + MODEL_DIR + "/modeling_sdar.py",
+                "mask_token_id": TINY["mask_token_id"], "full_sequence": (PROMPTS["p11"] + PROMPTS["p8"])[:FULL_LEN]}
+        lines = [f" {json.dumps(k)}: {json.dumps(v)}," for k, v in head.items()]  # one case a line: small diffs
+        body = ",\n".join("  " + json.dumps(c) for c in cases)
+        (args.out / "cases.json").write_text("{\n" + "\n".join(lines) + '\n "cases": [\n' + body + "\n ]\n}\n")
+        for c in cases:
+            print(f"{c['name']}: {c['tokens']} forwards/block {c['denoise_forwards_per_block']}")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
