@@ -1,4 +1,5 @@
-"""The public entry points: `clover.load(...) -> LLM`, `LLM.generate`, `LLM.stream`.
+"""The public entry points: `clover.load(...) -> LLM`, `LLM.generate`, `LLM.stream`, `LLM.chat`,
+`LLM.chat_stream`.
 
 Loading helpers every front end shares (the CLI, the server, bench, eval): `model_path(given)` (a
 directory, or a model name resolved to its directory), `default_model_path()` (`$CLOVER_MODEL`, else
@@ -161,13 +162,23 @@ class LLM:
 
     @property
     def default_mode(self) -> str:
-        """The name of the mode used when none is named (`decoding.modes.default_mode`: diffusion for
-        a Clover checkpoint, ar for a plain AR one)."""
-        return default_mode(self.config).name
+        """The name of the mode used when none is named: the one the checkpoint states (config
+        `default_mode`, `decoding.modes.default_mode`; ar when it needs a drafter that is not loaded),
+        else diffusion for a Clover checkpoint, ar for a plain AR one."""
+        return self.mode().name
 
     def mode(self, name: str | Mode | None = None) -> Mode:
         """The `Mode` of that name; None: the model's default (as the CLI and the server use)."""
-        return default_mode(self.config) if name is None else get_mode(name)
+        if name is not None:
+            return get_mode(name)
+        m = default_mode(self.config)
+        return m if self.mode_available(m) else get_mode("ar")
+
+    @property
+    def is_chat(self) -> bool:
+        """A chat (instruct) model: its tokenizer has a chat template of its own (`Tokenizer.is_chat`).
+        `chat` is the way to prompt it; `generate` sends the text as it is."""
+        return self.tokenizer.is_chat
 
     def mode_available(self, mode: str | Mode) -> bool:
         """Whether `mode` can run here: a mask token for the modes that decode with it (a Clover
@@ -341,6 +352,42 @@ class LLM:
                               steps=held.steps if held else [], forced=held.forced if held else [], block=-1)
         done.text = ""
         yield done
+
+    def chat_prompt(self, messages: list[dict], *, tools: list[dict] | None = None) -> list[int]:
+        """The token ids of `messages` (OpenAI's shape: [{"role": "user", "content": "..."}, ...])
+        rendered by the chat template, ending with the assistant's turn opened. ValueError ("messages:
+        why") for messages that are not that shape or a tokenizer without a template."""
+        if not isinstance(messages, (list, tuple)) or not messages:
+            raise ValueError("messages: give a non-empty list of {'role': ..., 'content': ...} dicts")
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+                raise ValueError(f"messages[{i}]: expected {{'role': str, 'content': str}}, got {m!r}"[:200])
+        try:
+            return self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tools=tools)
+        except ValueError as e:
+            raise ValueError(f"messages: {e}") from None
+
+    def chat_options(self, kwargs: dict) -> dict:
+        """Generation options for a chat turn: the user's, plus the end of the turn (`<|im_end|>`,
+        as a stop token when the vocabulary has it and as a stop string) ending the reply."""
+        from .tokenizer import IM_END
+
+        out = dict(kwargs)
+        out["stop"] = [IM_END] + [s for s in (out.get("stop") or []) if s != IM_END]
+        end = self.tokenizer.end_of_turn_id()
+        if end is not None:
+            out["stop_token_ids"] = [end] + [t for t in (out.get("stop_token_ids") or []) if t != end]
+        return out
+
+    def chat(self, messages: list[dict], *, mode: str | Mode | None = None, **kwargs) -> Generation:
+        """The assistant's reply to `messages` (a chat model's way in: the chat template applied, the
+        reply ending at the end of its turn). Options as in `generate`. `chat_stream` streams it."""
+        return self.generate(self.chat_prompt(messages), mode=mode, **self.chat_options(kwargs))
+
+    def chat_stream(self, messages: list[dict], *, mode: str | Mode | None = None, provisional: bool = False,
+                    **kwargs) -> Iterator[StreamEvent]:
+        """`chat`, streamed as `stream` does: "block" events with the text delta, then "done"."""
+        return self.stream(self.chat_prompt(messages), mode=mode, provisional=provisional, **self.chat_options(kwargs))
 
     def __repr__(self) -> str:
         c = self.config

@@ -107,6 +107,10 @@ class CloverConfig:
     threshold: float = 0.95
     policy: str = "threshold"  # the default acceptance policy (clover.decoding.acceptance)
     expert_budget: int | None = None
+    # the decoding mode front ends use when none is named (`clover.decoding.modes.default_mode`); None:
+    # diffusion for a Clover checkpoint, ar for an AR one. A checkpoint states the mode its model card
+    # measured best (clover-smol: ar; with a drafter, dflash)
+    default_mode: str | None = None
     # quantization metadata, passed through untouched (see clover.quant)
     quantization_config: dict | None = None
 
@@ -160,6 +164,13 @@ class CloverConfig:
             bad(f"mask_token_id {self.mask_token_id} is outside the vocabulary (size {self.vocab_size})")
         if self.expert_budget is not None and not self.has_experts:
             bad("expert_budget needs a mixture-of-experts backbone; this model's MLP is dense")
+        if self.default_mode is not None:
+            from .decoding.modes import get_mode
+
+            try:
+                get_mode(self.default_mode)
+            except ValueError as e:
+                bad(f"default_{e}")
 
     # -------------------------------------------------------------- properties
     @property
@@ -249,7 +260,7 @@ class CloverConfig:
             d["architectures"] = [self.HF_ARCHITECTURE]
             for k in CLOVER_FIELDS:
                 d.pop(k)
-        for k in ("quantization_config", "block_sizes", "block_tokens_per_forward"):
+        for k in ("quantization_config", "block_sizes", "block_tokens_per_forward", "default_mode"):
             if d.get(k, 0) is None:
                 d.pop(k)
         self.write_keys(d)

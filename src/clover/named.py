@@ -167,7 +167,7 @@ def apply_adapter(base: Path, adapter_dir: Path, out: Path) -> Path:
     config = json.loads((tmp / "config.json").read_text())
     (tmp / "config.json").unlink()
     config["denoise_adapter"] = spec["denoise_adapter"]
-    for k in ("block_size", "threshold"):
+    for k in ("block_size", "threshold", "default_mode"):  # the model card's defaults
         if k in spec:
             config[k] = spec[k]
     (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")

@@ -138,6 +138,36 @@ class Tokenizer:
     def decode(self, ids: list[int], *, skip_special_tokens: bool = False) -> str:
         return self.raw.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
+    @property
+    def is_chat(self) -> bool:
+        """Whether this is a chat (instruct) model's tokenizer: it carries a chat template of its own.
+        `CHAT_TEMPLATE`, which `write_tokenizer_config` gives every tokenizer clover writes (the
+        bundled model's, `clover tiny`'s), does not count: those models were trained on plain text."""
+        template = self._chat_template()
+        return bool(template) and template != CHAT_TEMPLATE
+
+    def _chat_template(self) -> str | None:
+        """The chat template, read off the directory's files (without loading transformers) when
+        the tokenizer came from one."""
+        if self._hf is not None or self._dir is None:
+            return getattr(self.hf, "chat_template", None) if self._hf is not None else None
+        jinja = self._dir / "chat_template.jinja"
+        if jinja.is_file():
+            return jinja.read_text(encoding="utf-8")
+        for name in ("chat_template.json", "tokenizer_config.json"):
+            path = self._dir / name
+            try:
+                template = json.loads(path.read_text(encoding="utf-8")).get("chat_template") if path.is_file() else None
+            except (ValueError, UnicodeDecodeError, AttributeError):
+                template = None
+            if template:
+                return template if isinstance(template, str) else None
+        return None
+
+    def end_of_turn_id(self) -> int | None:
+        """The id of `<|im_end|>`, the token that ends a chat turn, when the vocabulary has it."""
+        return self.raw.token_to_id(IM_END)
+
     def supports_tools(self) -> bool:
         """Whether the chat template renders `tools` and tool calls itself."""
         return "tools" in (getattr(self.hf, "chat_template", None) or "")

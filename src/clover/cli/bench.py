@@ -8,17 +8,18 @@ import json
 import sys
 from pathlib import Path
 
-from .common import (UsageError, add_model_arguments, check_device, draw_plot, load_llm, model_dir, model_dir_or_tiny,
+from .common import (UsageError, add_model_arguments, apply_threads, check_device, draw_plot, load_llm, model_dir, model_dir_or_tiny,
                      parse_list, parse_modes, positive)
 
 
 def _run_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--threads", type=int, metavar="N", help="torch CPU threads (default: torch's)")
+    p.add_argument("--threads", type=int, metavar="N",
+                   help="torch CPU threads (default: $OMP_NUM_THREADS, else one per idle core)")
     p.add_argument("--json", metavar="FILE", help="also write the full result as JSON ('-' = stdout, no table)")
 
 
 def _model_arguments(p: argparse.ArgumentParser) -> None:
-    add_model_arguments(p)
+    add_model_arguments(p, threads=False)
     _run_arguments(p)
 
 
@@ -275,9 +276,7 @@ def _load(args):
 # ---------------------------------------------------------------------------------------- run
 def run(args: argparse.Namespace) -> int:
     if args.bench_command not in ("quant", "peers"):  # peers sets its own per measured thread count
-        from ..bench.common import set_threads
-
-        set_threads(getattr(args, "threads", None))
+        apply_threads(args)
     return {"decode": run_decode, "chat": run_chat, "sweep": run_sweep, "cost": run_cost, "kernels": run_kernels, "roofline": run_roofline,
             "experts": run_experts, "quant": run_quant, "slice": run_slice, "matmul": run_matmul,
             "profile": run_profile, "peers": run_peers}[args.bench_command](args)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .common import add_model_arguments, add_sampling_arguments, load_llm, sampling_kwargs, stderr
+from .common import add_model_arguments, add_sampling_arguments, load_llm, sampling_kwargs, stderr, wants_drafter
 
 CHAT_MAX_NEW_TOKENS = 256
 CHAT_HELP = "commands: /reset (forget the conversation), /stats (last reply's numbers), /exit (quit)"
@@ -41,12 +41,9 @@ def run(args: argparse.Namespace) -> int:
     from ..tokenizer import IM_END
 
     kwargs = sampling_kwargs(args)
-    llm = load_llm(args)
+    llm = load_llm(args, bundled_drafter=wants_drafter(args))
     mode = llm.mode(args.mode)  # None: the model's default
-    kwargs["stop"] = [IM_END] + list(kwargs.get("stop", []))
-    end_id = _special_id(llm, IM_END)
-    if end_id is not None:
-        kwargs["stop_token_ids"] = [end_id] + list(kwargs.get("stop_token_ids", []))
+    kwargs = llm.chat_options(kwargs)  # the reply ends with its turn
     params = llm.params(mode, kwargs)
     budget = llm.room(0, params, mode) - params.max_new_tokens  # the history, with room for the reply
     system = [{"role": "system", "content": args.system}] if args.system else []
@@ -103,15 +100,10 @@ def run(args: argparse.Namespace) -> int:
         if not ends_nl:
             sys.stdout.write("\n")
         sys.stdout.flush()
+        s = gen.stats  # the speed of every answer, on stderr (the reply alone on stdout)
+        stderr(f"[{mode.name}] {s.tokens} tokens · {s.tokens_per_second:.1f} tokens/s")
         reply = gen.text.split(IM_END)[0]
         messages.append({"role": "assistant", "content": reply})
         last = gen
     return 0
 
-
-def _special_id(llm, token: str) -> int | None:
-    hf = llm.tokenizer.hf
-    tid = hf.convert_tokens_to_ids(token)
-    if tid is None or (hf.unk_token_id is not None and tid == hf.unk_token_id):
-        return None
-    return int(tid)

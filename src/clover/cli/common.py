@@ -62,9 +62,68 @@ def positive(flag: str, value) -> None:
 
 
 # ------------------------------------------------------------------------------ model flags
-def add_model_arguments(p: argparse.ArgumentParser, *, positional: bool = False, weights: bool = True) -> None:
+def default_threads() -> int:
+    """torch's CPU threads when --threads is not given: what OMP_NUM_THREADS (or MKL_NUM_THREADS)
+    says when set (torch read it), else one per idle core: the cores this process may use less the
+    busy ones (the other processes running now, or the 1-minute load average, whichever is more;
+    rounded up), at least 1 and at most torch's own default. With torch's default alone (one thread
+    per core) a forward waits for every core, so one busy process elsewhere makes each parallel
+    region wait a scheduler slice: on a 2-core box a generate ran 4-10x slower than on 1 thread
+    (docs/experiments.md, 2026-12-06)."""
+    import math
+    import os
+
+    import torch
+
+    if os.environ.get("OMP_NUM_THREADS") or os.environ.get("MKL_NUM_THREADS"):
+        return torch.get_num_threads()
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    busy = 0.0
+    try:
+        busy = os.getloadavg()[0]
+    except (OSError, AttributeError):  # not on this platform
+        pass
+    try:
+        with open("/proc/loadavg") as f:  # "0.53 0.34 0.14 3/180 1234": 3 runnable now, this one among them
+            busy = max(busy, int(f.read().split()[3].split("/")[0]) - 1)
+    except (OSError, ValueError, IndexError):
+        pass
+    return max(1, min(torch.get_num_threads(), cores - math.ceil(busy - 0.2)))
+
+
+def apply_threads(args: argparse.Namespace) -> int:
+    """Set torch's CPU threads: --threads N, else `default_threads()`. Returns the number set."""
+    import torch
+
+    n = getattr(args, "threads", None)
+    positive("--threads", n)
+    n = n or default_threads()
+    torch.set_num_threads(n)
+    return n
+
+
+def add_engine_arguments(p: argparse.ArgumentParser, what: str) -> None:
+    """--engine torch|llama.cpp, --gguf FILE and --llama-threads N (the port's threads; --threads is
+    torch's and, given alone, the port's too)."""
+    eng = p.add_argument_group("engine")
+    eng.add_argument("--engine", choices=("torch", "llama.cpp"), default="torch",
+                     help=f"llama.cpp: {what} with the ggml port (PORT=1 scripts/build-llama-cpp.sh; docs/llama-port.md)")
+    eng.add_argument("--gguf", metavar="FILE", help="--engine llama.cpp: the model's GGUF export (default: export it, f32)")
+    eng.add_argument("--llama-threads", type=int, metavar="N",
+                     help="--engine llama.cpp: the port's CPU threads (default: --threads, else 1)")
+
+
+def llama_threads(args: argparse.Namespace) -> int:
+    """The llama.cpp port's threads: --llama-threads, else --threads, else 1."""
+    n = args.llama_threads or getattr(args, "threads", None) or 1
+    positive("--llama-threads", n)
+    return n
+
+
+def add_model_arguments(p: argparse.ArgumentParser, *, positional: bool = False, weights: bool = True,
+                        threads: bool = True) -> None:
     """--model DIR (default: the bundled model), --device, --dtype, and for commands that load the
-    weights (`weights`) --no-check-finite."""
+    weights (`weights`) --no-check-finite and (`threads`) --threads, torch's CPU threads."""
     if positional:
         p.add_argument("model_pos", nargs="?", metavar="MODEL", help="model directory (same as --model)")
     p.add_argument("--model", "-m", metavar="DIR", help="model directory (default: $CLOVER_MODEL or the bundled model)")
@@ -79,6 +138,9 @@ def add_model_arguments(p: argparse.ArgumentParser, *, positional: bool = False,
                        help="a DFlash drafter directory for --mode dflash (default: the bundled model's own)")
         p.add_argument("--no-check-finite", dest="check_finite", action="store_false",
                        help="load weights holding NaN/Inf instead of refusing them (skips the scan at load)")
+        if threads:
+            p.add_argument("--threads", type=int, metavar="N",
+                           help="torch CPU threads (default: $OMP_NUM_THREADS, else one per idle core)")
 
 
 def model_dir(args: argparse.Namespace) -> Path:
@@ -110,6 +172,22 @@ def model_dir_or_tiny(args: argparse.Namespace) -> tuple[Path, str | None]:
     return d, "tiny random weights (no trained model yet)"
 
 
+def wants_drafter(args: argparse.Namespace) -> bool:
+    """Whether the mode the user named (--mode), or else the model's default (its config's
+    `default_mode`), drafts with a DFlash drafter: then `load_llm` loads the model's own drafter."""
+    from ..decoding import get_mode
+
+    name = getattr(args, "mode", None)
+    if name is None:
+        from ..models import read_config
+
+        try:
+            name = read_config(model_dir(args)).default_mode
+        except Exception:  # noqa: BLE001 - load_llm reports a missing or broken model with its own message
+            return False
+    return name is not None and getattr(get_mode(name), "needs_drafter", False)
+
+
 def check_device(device: str | None) -> None:
     """`clover.api.check_device`, its error naming the flag (--device)."""
     from ..api import check_device as api_check_device
@@ -133,6 +211,7 @@ def load_llm(args: argparse.Namespace, path: Path | None = None, *, bundled_draf
     path = path or model_dir(args)
     device = getattr(args, "device", None)
     check_device(device)
+    apply_threads(args)
     drafter = getattr(args, "drafter", None) or (None if bundled_drafter else False)
     mismatch = ()  # the drafter's error, when there is a drafter (its module is imported only then)
     if drafter:

@@ -17,12 +17,10 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-sweep", action="store_true", help="skip the threshold/block-size sweep")
     p.add_argument("--modes", metavar="LIST",
                    help="comma-separated modes (default: every registered mode the model can run)")
-    p.add_argument("--threads", type=int, help="torch CPU threads")
     p.add_argument("--json", metavar="FILE", help="write the full result as JSON")
 
 
 def run(args: argparse.Namespace) -> int:
-    import torch
     from tqdm import tqdm
 
     from ..bench.eval import markdown, run_eval
@@ -30,8 +28,6 @@ def run(args: argparse.Namespace) -> int:
     if args.task_prompts <= 0 or args.code_prompts <= 0:
         raise UsageError("--task-prompts/--code-prompts: must be positive")
     modes = parse_modes(args.modes)
-    if args.threads:
-        torch.set_num_threads(args.threads)
     llm = load_llm(args)
     bar = tqdm(desc="eval", unit="prompt", file=sys.stderr)
     result = run_eval(llm, task_prompts=args.task_prompts, code_prompts=args.code_prompts,

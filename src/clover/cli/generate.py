@@ -7,8 +7,9 @@ import json
 import sys
 from pathlib import Path
 
-from .common import (UsageError, add_model_arguments, add_sampling_arguments, extra_hint, has_module, load_llm, read_prompt,
-                     sampling_kwargs, stderr)
+from .common import (UsageError, add_engine_arguments, add_model_arguments, add_sampling_arguments, extra_hint, has_module,
+                     llama_threads, load_llm, read_prompt,
+                     sampling_kwargs, stderr, wants_drafter)
 
 TIMELINE_SUFFIXES = (".png", ".svg", ".pdf", ".html", ".htm")
 
@@ -26,13 +27,11 @@ def configure(p: argparse.ArgumentParser) -> None:
     out.add_argument("--step-delay", type=float, default=0.0, metavar="SEC", help="--live: pause after each denoise step")
     out.add_argument("--timeline", metavar="FILE", help="write a picture of the decoding: FILE.png (or .svg) or FILE.html")
     out.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    p.add_argument("--raw", action="store_true",
+                   help="a chat model: send the prompt as it is (default: as a user message through its chat template)")
     out.add_argument("--verbose", "-v", action="store_true",
                      help="also print each block_size=auto width decision and why (expected tokens/s per width)")
-    eng = p.add_argument_group("engine")
-    eng.add_argument("--engine", choices=("torch", "llama.cpp"), default="torch",
-                     help="llama.cpp: run the ggml port (PORT=1 scripts/build-llama-cpp.sh; docs/llama-port.md)")
-    eng.add_argument("--gguf", metavar="FILE", help="--engine llama.cpp: the model's GGUF export (default: export it, f32)")
-    eng.add_argument("--threads", type=int, default=1, help="--engine llama.cpp: CPU threads (default: 1)")
+    add_engine_arguments(p, "run")
 
 
 def write_timeline(llm, gen, mode, block_size: int, path: str) -> Path:
@@ -95,11 +94,15 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("--step-delay: must be >= 0")
     kwargs = sampling_kwargs(args)
     prompt = read_prompt(args.prompt)
-    from ..decoding import get_mode
-
-    # the bundled drafter is loaded for the one mode that drafts with it (a named mode; the default never does)
-    llm = load_llm(args, bundled_drafter=args.mode is not None and getattr(get_mode(args.mode), "needs_drafter", False))
+    # the model's drafter is loaded for a mode that drafts with it (named, or the model's default)
+    llm = load_llm(args, bundled_drafter=wants_drafter(args))
     mode = llm.mode(args.mode)  # None: the model's default, as LLM.generate and the server use
+    chat = llm.is_chat and not args.raw
+    if chat:  # an instruct model answers a user turn; raw text it mostly ends at once
+        prompt, kwargs = llm.chat_prompt([{"role": "user", "content": prompt}]), llm.chat_options(kwargs)
+        if not args.json:
+            stderr(f"[{mode.name}] a chat model: the prompt goes as a user message through its chat template "
+                   "(--raw sends it as it is)")
     params = llm.params(mode, kwargs)  # the options with the model's defaults filled in
     grammar = grammar_spec(args)
     if grammar is not None:
@@ -117,7 +120,7 @@ def run(args: argparse.Namespace) -> int:
             sys.stdout.write(viz.printable_text(delta) if tty else delta)
             sys.stdout.flush()
 
-        rec = port_generate(llm, prompt, mode, kwargs, gguf=args.gguf, threads=args.threads,
+        rec = port_generate(llm, prompt, mode, kwargs, gguf=args.gguf, threads=llama_threads(args),
                             on_text=None if args.json else show)
         streamed = rec.pop("streamed")
         if args.json:
@@ -137,6 +140,7 @@ def run(args: argparse.Namespace) -> int:
         gen = llm.generate(prompt, mode=mode, **kwargs)
         record = generation_record(llm, gen, mode.name, params.block_size if masked else None,
                                    params.threshold if masked else None)
+        record["chat_template"] = chat
         print(json.dumps(record, ensure_ascii=False))
     elif args.live and tty:
         from rich.console import Console

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from .common import UsageError, add_model_arguments, extra_hint, load_llm
+from .common import UsageError, add_engine_arguments, add_model_arguments, extra_hint, llama_threads, load_llm
 
 SERVE_EXTRA = ("fastapi", "uvicorn", "pydantic", "starlette", "prometheus_client")  # pyproject's `serve` extra
 
@@ -22,11 +22,7 @@ def configure(p: argparse.ArgumentParser) -> None:
                    help=f"the largest request body; larger ones get 413 (default {d.MAX_BODY_BYTES})")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
     p.add_argument("--served-model-name", default=None, help="the model id clients send (default: the directory name)")
-    eng = p.add_argument_group("engine")
-    eng.add_argument("--engine", choices=("torch", "llama.cpp"), default="torch",
-                     help="llama.cpp: decode with the ggml port (PORT=1 scripts/build-llama-cpp.sh; docs/llama-port.md)")
-    eng.add_argument("--gguf", metavar="FILE", help="--engine llama.cpp: the model's GGUF export (default: export it, f32)")
-    eng.add_argument("--threads", type=int, default=1, help="--engine llama.cpp: CPU threads (default: 1)")
+    add_engine_arguments(p, "decode")
     p.add_argument("--tool-call-parser", default=None, metavar="NAME",
                    help="the model family's tool-call format: hermes or qwen3_xml (default: read off the chat template)")
 
@@ -72,7 +68,7 @@ def run(args: argparse.Namespace) -> int:
         if args.engine == "llama.cpp":
             from ..integrations.llama_port import port_llm
 
-            llm = port_llm(llm, stack, gguf=args.gguf, threads=args.threads, parallel=args.max_batch)
+            llm = port_llm(llm, stack, gguf=args.gguf, threads=llama_threads(args), parallel=args.max_batch)
         run_app(llm, host=args.host, port=args.port, max_batch=args.max_batch, max_queue=args.max_queue,
                 api_key=args.api_key, model_name=args.served_model_name,
                 max_body_bytes=args.max_body_bytes, tool_parser=args.tool_call_parser)

@@ -109,9 +109,10 @@ def get_mode(name: str | Mode) -> Mode:
 
 def default_mode(config) -> Mode:
     """The mode used when none is named, for every front end (`LLM.generate` / `stream`, the CLI,
-    the server): diffusion for a Clover checkpoint (its config has a mask token), ar for a plain
-    AR one."""
-    return get_mode("diffusion" if config.mask_token_id is not None else "ar")
+    the server): the one the checkpoint states (config `default_mode`), else diffusion for a Clover
+    checkpoint (its config has a mask token), ar for a plain AR one."""
+    stated = getattr(config, "default_mode", None)
+    return get_mode(stated or ("diffusion" if config.mask_token_id is not None else "ar"))
 
 
 def resolve_params(m: Mode, kwargs: dict, config) -> SamplingParams:

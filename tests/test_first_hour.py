@@ -1,0 +1,163 @@
+"""What a new user meets first: the checkpoint's own default mode in every front end, a chat model
+answered through its chat template (`LLM.chat`, `clover generate`, `clover chat`), and torch's
+thread count (`--threads`, and a default that leaves busy cores alone)."""
+
+from __future__ import annotations
+
+import io
+import json
+import sys
+
+import pytest
+import torch
+
+from clover import cli
+from clover.tiny import build_tiny_checkpoint
+
+CHAT = "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}" \
+       "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+
+
+def run(capsys, *argv) -> tuple[int, str, str]:
+    rc = cli.main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def _set_config(d, **changes) -> None:
+    cfg = json.loads((d / "config.json").read_text())
+    cfg.update(changes)
+    (d / "config.json").write_text(json.dumps(cfg))
+
+
+@pytest.fixture(scope="module")
+def ar_default(tmp_path_factory):
+    """A Clover checkpoint whose config states `default_mode: ar` (as clover-smol's does)."""
+    d = build_tiny_checkpoint(tmp_path_factory.mktemp("fh") / "ar-default", seed=0)
+    _set_config(d, default_mode="ar")
+    return d
+
+
+@pytest.fixture(scope="module")
+def chat_model(tmp_path_factory):
+    """A tiny checkpoint with a chat template of its own (an instruct model's)."""
+    d = build_tiny_checkpoint(tmp_path_factory.mktemp("fh") / "chat", seed=1)
+    (d / "chat_template.jinja").write_text(CHAT)
+    return d
+
+
+# ------------------------------------------------------------------------------- default mode
+def test_the_checkpoint_states_its_default_mode_and_every_front_end_reads_it(capsys, ar_default):
+    from fastapi.testclient import TestClient
+
+    import clover
+    from clover.serve.app import create_app
+
+    llm = clover.load(ar_default)
+    assert llm.default_mode == "ar" and llm.mode().name == "ar"
+    kw = dict(max_new_tokens=8)
+    assert llm.generate("hello", **kw).token_ids == llm.generate("hello", mode="ar", **kw).token_ids
+    rc, out, err = run(capsys, "generate", "hello", "--model", ar_default, "-n", "8", "--json")
+    assert rc == 0, err
+    assert json.loads(out)["mode"] == "ar"
+    with TestClient(create_app(llm)) as client:
+        assert client.get("/v1/clover/modes").json()["default"] == "ar"
+        r = client.post("/v1/completions", json={"prompt": "hello", "max_tokens": 8, "temperature": 0})
+        assert r.json()["choices"][0]["text"] == llm.generate("hello", mode="ar", **kw).text
+
+
+def test_a_stated_mode_that_needs_a_missing_drafter_falls_back_to_ar(tmp_path):
+    import clover
+
+    d = build_tiny_checkpoint(tmp_path / "m", seed=0)
+    _set_config(d, default_mode="dflash")
+    assert clover.load(d, drafter=False).default_mode == "ar"
+    _set_config(d, default_mode="nonesuch")
+    with pytest.raises(ValueError, match="default_mode"):
+        clover.load(d)
+
+
+def test_an_unstated_default_stays_diffusion_for_clover_and_ar_for_ar(tiny_llm):
+    assert tiny_llm.config.default_mode is None and tiny_llm.default_mode == "diffusion"
+    assert "default_mode" not in tiny_llm.config.to_dict()  # not written when unset
+
+
+# ----------------------------------------------------------------------------------------- chat
+def test_llm_chat_is_generate_through_the_template_ending_at_the_turn(chat_model):
+    import clover
+
+    llm = clover.load(chat_model)
+    assert llm.is_chat
+    msgs = [{"role": "user", "content": "hi"}]
+    ids = llm.chat_prompt(msgs)
+    assert ids == llm.tokenizer.apply_chat_template(msgs, add_generation_prompt=True)
+    opts = llm.chat_options({"max_new_tokens": 6})
+    assert "<|im_end|>" in opts["stop"] and opts["stop_token_ids"] == [llm.tokenizer.end_of_turn_id()]
+    gen = llm.chat(msgs, mode="ar", max_new_tokens=6)
+    assert gen.token_ids == llm.generate(ids, mode="ar", **opts).token_ids
+    done = [e for e in llm.chat_stream(msgs, mode="ar", max_new_tokens=6) if e.kind == "done"][0]
+    assert done.generation.token_ids == gen.token_ids
+    for bad in ([], [{"role": "user"}], "hi", [{"role": "user", "content": 3}]):
+        with pytest.raises(ValueError, match="messages"):
+            llm.chat(bad)
+
+
+def test_a_model_with_clovers_generic_template_is_not_a_chat_model(tiny_llm):
+    assert not tiny_llm.is_chat
+
+
+def test_generate_on_a_chat_model_applies_its_template_unless_raw(capsys, chat_model):
+    import clover
+
+    llm = clover.load(chat_model)
+    msgs = [{"role": "user", "content": "hi"}]
+    rc, out, err = run(capsys, "generate", "hi", "--model", chat_model, "--mode", "ar", "-n", "6", "--json")
+    assert rc == 0, err
+    d = json.loads(out)
+    assert d["chat_template"] is True and d["token_ids"] == llm.chat(msgs, mode="ar", max_new_tokens=6).token_ids
+    rc, out, err = run(capsys, "generate", "hi", "--model", chat_model, "--mode", "ar", "-n", "6", "--json", "--raw")
+    d = json.loads(out)
+    assert d["chat_template"] is False and d["token_ids"] == llm.generate("hi", mode="ar", max_new_tokens=6).token_ids
+    rc, out, err = run(capsys, "generate", "hi", "--model", chat_model, "--mode", "ar", "-n", "6")
+    assert rc == 0 and "chat template" in err and "--raw" in err
+
+
+def test_chat_prints_the_speed_of_every_answer(capsys, chat_model, monkeypatch):
+    monkeypatch.setattr(sys, "stdin", io.StringIO("hi\nand again\n"))
+    rc, out, err = run(capsys, "chat", "--model", chat_model, "--mode", "ar", "-n", "4")
+    assert rc == 0, err
+    assert err.count("tokens/s") == 2 and "tokens/s" not in out
+
+
+# -------------------------------------------------------------------------------------- threads
+def test_default_threads_leave_busy_cores_alone(monkeypatch):
+    import os
+
+    from clover.cli.common import default_threads
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.delenv("MKL_NUM_THREADS", raising=False)
+    monkeypatch.setattr(os, "getloadavg", lambda: (7.5, 7.0, 6.0))  # a busy box
+    assert default_threads() == 1
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # the user's setting is torch's
+    assert default_threads() == torch.get_num_threads()
+
+
+def test_threads_is_torchs_in_every_model_command_and_the_port_has_its_own(capsys, ar_default):
+    from clover.cli.common import llama_threads
+
+    before = torch.get_num_threads()
+    try:
+        rc, _, err = run(capsys, "generate", "hi", "--model", ar_default, "-n", "2", "--threads", "2")
+        assert rc == 0, err
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+    for name in ("generate", "chat", "serve", "demo", "eval", "bench"):
+        parser = cli.build_parser(name)
+        argv = [name, "decode"] if name == "bench" else [name]
+        assert parser.parse_args([*argv, "--threads", "3"]).threads == 3
+    for argv, want in ((["--threads", "3"], 3), (["--llama-threads", "2", "--threads", "3"], 2), ([], 1)):
+        assert llama_threads(cli.build_parser("generate").parse_args(["generate", "x", *argv])) == want
+    rc, _, err = run(capsys, "generate", "hi", "--model", ar_default, "--threads", "0")
+    assert rc == 2 and "--threads" in err
