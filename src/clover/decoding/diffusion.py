@@ -280,7 +280,7 @@ class DiffusionEngine(BatchEngine):
         return events
 
     def _skips(self, rows: list[RowState], cands: list[torch.Tensor], need: torch.Tensor) -> dict:
-        """The forward's approximate skips (`model.step` arguments; `clover.models.qwen3_5`):
+        """The forward's approximate skips (`model.step` arguments; `clover.models.core`):
 
         - `skip_window`: each row's block ends at its decode window's end (`_window_end`),
           `denoise_valid`; the forward carries the batch's widest window (`denoise_width` keeps the

@@ -53,7 +53,7 @@ class Segments:
 @dataclass
 class Live:
     """Which positions of an eager cached forward one layer computes, when it needs fewer than all
-    (`Qwen3_5ForCausalLM.forward_step` builds one per layer; flat indices into the forward's B*T).
+    (`CausalLM.forward_step` builds one per layer; flat indices into the forward's B*T).
 
     - `kv`: the positions whose layer inputs are computed: attention K/V, the GDN's pre-conv inputs
       and gates. The others are *frozen* denoise positions (`frozen` [B, Bd]), whose inputs come

@@ -7,7 +7,7 @@ The Clover denoise mode of an attention-only backbone needs no new parameter: th
 the cached prefix and bidirectionally to itself (`cached_attention_mask`), its masked positions
 hold the mask token, and the hidden state at position i predicts token i+1 (shift by one, as in
 commit mode), so a converted checkpoint starts from the AR model itself. The cached `step`, the
-block-diffusion training forward and `make_cache` are the family's (`qwen3_5.Qwen3_5ForCausalLM`);
+block-diffusion training forward and `make_cache` are the model core's (`core.CausalLM`);
 this file supplies its arguments (`LlamaConfig`: its keys and defaults), its layers and its
 registration (`ARCHITECTURE`).
 
@@ -33,8 +33,8 @@ from torch import nn
 
 from ..config import CloverConfig, ConfigError
 from ..moe import BlockSharing
-from .layers import init_plain_weights, PlainRMSNorm, GatedAttention, Segments, apply_rope, block_diffusion_mask
-from .qwen3_5 import KeyLayout, Qwen3_5ForCausalLM
+from .core import CausalLM
+from .layers import PlainRMSNorm, GatedAttention, Segments, apply_rope, block_diffusion_mask
 from .registry import Architecture
 
 ROPE_TYPES = ("default", "linear", "llama3")
@@ -288,23 +288,21 @@ class LlamaModel(nn.Module):
         self.rotary_emb = LlamaRotaryEmbedding(args)
 
 
-class LlamaForCausalLM(Qwen3_5ForCausalLM):
-    """The Llama stack under the family's causal LM: `forward`, `step` (commit and/or denoise),
-    `forward_block_diffusion` and `make_cache` work unchanged over attention-only layers."""
+class LlamaForCausalLM(CausalLM):
+    """The Llama stack under the model core: `forward`, `step` (commit and/or denoise),
+    `forward_block_diffusion` and `make_cache` work unchanged over attention-only layers; HF Llama
+    keys are our parameter names (the core's `key_layout`), and the plain initialisation is the core's."""
 
-    key_layout = KeyLayout()  # HF Llama keys are our parameter names
     live_positions = False  # its layers (and the denoise adapter's layout) compute every position
 
     def __init__(self, config: CloverConfig) -> None:
-        nn.Module.__init__(self)
-        self.config = config
+        super().__init__(config)
         self.args = config
-        self.model = LlamaModel(config, self.args)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        if config.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
         if config.denoise_adapter:
             self._build_adapter(config.denoise_adapter)
+
+    def build_text_model(self, config: CloverConfig) -> nn.Module:
+        return LlamaModel(config, config)
 
     # -- the denoise adapter
     def _build_adapter(self, spec: dict) -> None:
@@ -370,7 +368,7 @@ class LlamaForCausalLM(Qwen3_5ForCausalLM):
         k = noisy_ids.shape[1] // L
         cache = self.make_cache(B, L)
         with torch.no_grad():
-            clean_logits = Qwen3_5ForCausalLM.step(self, cache, commit_ids=clean_ids, all_logits=True).commit_logits
+            clean_logits = CausalLM.step(self, cache, commit_ids=clean_ids, all_logits=True).commit_logits
         dev = clean_ids.device
         mask = block_diffusion_mask(L, k, block_size, dev)[:, :, L:]  # [1, 1, kL, (k+1)L]: clean keys, then the copies
         positions = torch.arange(L, device=dev).repeat(k).expand(B, k * L)
@@ -395,11 +393,6 @@ class LlamaForCausalLM(Qwen3_5ForCausalLM):
             return super().step(cache, commit_ids, n_commit, denoise_ids, **kw)
         finally:
             _DENOISE_FROM.reset(token)
-
-    @torch.no_grad()
-    def init_weights(self, seed: int | None = None, std: float | None = None) -> None:
-        """normal(0, std) for matrices and embeddings, zero biases, norms at 1."""
-        init_plain_weights(self, seed, std if std is not None else self.config.initializer_range)
 
 
 def is_adapter_parameter(name: str) -> bool:

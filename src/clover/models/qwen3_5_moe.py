@@ -17,7 +17,7 @@ import torch
 
 from ..config import ConfigError
 from .layers import SparseMoE
-from .qwen3_5 import KeyLayout, Qwen3_5Config, Qwen3_5ForCausalLM
+from .qwen3_5 import Qwen3_5Config, Qwen3_5ForCausalLM, Qwen3_5KeyLayout
 from .registry import Architecture, VLLMSupport
 
 MULTIMODAL = {"qwen3_5_moe": "qwen3_5_moe_text"}
@@ -62,7 +62,7 @@ PER_EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj
 EXPERT_PARTS = ("gate_proj", "up_proj", "down_proj")
 
 
-class MoeKeyLayout(KeyLayout):
+class MoeKeyLayout(Qwen3_5KeyLayout):
     def expert_part(self, name: str) -> tuple[str, int, str] | None:
         m = PER_EXPERT.match(name)
         return (m.group(1), int(m.group(2)), m.group(3)) if m else None
