@@ -297,3 +297,30 @@ def test_decode_runs_each_mode_with_its_defaults_unless_told(tiny_llm, monkeypat
     res = run_decode(tiny_llm, work, modes=["ar", "speculative"], block_size=4, warmup=False)
     assert seen and all(kw["block_size"] == 4 and "threshold" not in kw for kw in seen)
     assert not res["settings"]["defaults"] and options_label(res["settings"]).startswith("block 4 · threshold")
+
+
+def test_default_workloads_decode_each_answer_to_its_end(tiny_llm, monkeypatch):
+    """A task's answer is its line and a function ends where the next definition at its level
+    begins: by default every generation stops there (`Item.stop`), not at a fixed length past it;
+    `to_end=False` (`--fixed-length`) runs every prompt to max_new_tokens, as before."""
+    from clover.bench.decode import Workload, code_stops, run_decode
+
+    assert all(it.stop == ["\n"] for it in load_items("tasks", 3))
+    code = load_items("code", 3)
+    assert all(it.stop == code_stops(it.prompt) for it in code)
+    assert "\n    def " in code_stops("    def f(self):\n") and "\ndef " in code_stops("    def f(self):\n")
+    assert code_stops("def f(x):\n") == sorted({"\ndef ", "\nasync def ", "\nclass ", "\n@"})
+
+    seen = []
+    real = tiny_llm.generate
+    monkeypatch.setattr(tiny_llm, "generate", lambda prompt, **kw: seen.append(kw) or real(prompt, **kw))
+    res = run_decode(tiny_llm, Workload("both", prompts=1, max_new_tokens=24), modes=["ar"], warmup=False)
+    assert [kw.get("stop") for kw in seen] == [["\n"], code_stops(res["items"][1]["prompt"])]
+    assert res["settings"]["to_end"] and res["items"][0]["stop"] == ["\n"]
+    for run in res["runs"]:
+        if run["finish_reason"] == "stop" and run["workload"] == "tasks":
+            assert "\n" not in run["text"]
+    seen.clear()
+    res = run_decode(tiny_llm, Workload("both", prompts=1, max_new_tokens=24, to_end=False), modes=["ar"], warmup=False)
+    assert seen and not any("stop" in kw for kw in seen) and not res["settings"]["to_end"]
+    assert "stop" not in res["items"][0]

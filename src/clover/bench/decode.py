@@ -1,10 +1,12 @@
 """`clover bench decode`: every decoding mode on the same weights and the same held-out prompts.
 
-Workloads
-- `tasks`: held-out task prompts (`assert <expr> == `); the answer is the generated text up to the
-  first newline, scored by exact match (`check_answer`).
-- `code`: held-out `def` headers from the stdlib split; the generated body is cut where the function
-  ends (first line indented at or left of the header) and, when the length limit cut it, trimmed to
+Workloads (each answer is decoded to its end, as a user would stop it, unless `Workload.to_end` is
+off: then every prompt runs to `max_new_tokens`, past its answer)
+- `tasks`: held-out task prompts (`assert <expr> == `); the answer is the rest of the line: generation
+  stops at the first newline, and the answer is scored by exact match (`check_answer`).
+- `code`: held-out `def` headers from the stdlib split; generation stops where the next definition
+  at the header's level (or an outer one) begins (`code_stops`); the generated body is cut where the
+  function ends (first line indented at or left of the header) and, when the length limit cut it, trimmed to
   whole statements (the last partial line and, if that still does not parse, the last body-level
   statement are dropped). Reported: parse rate (`ast.parse` of header + body) and edit similarity
   (`difflib.SequenceMatcher.ratio`) to the held-out body — the whole body when the generation ended
@@ -28,7 +30,7 @@ from __future__ import annotations
 import ast
 import difflib
 import textwrap
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Iterable
 
 import torch
@@ -48,10 +50,19 @@ class Item:
     reference: str  # the task's answer, or the held-out function body
     task: object = None  # clover.data.tasks.Task (tasks), clover.data.instructions.Question (chat)
     schema: dict | None = None  # the json workload: the schema the output must match
+    stop: list[str] | None = None  # where the answer ends (tasks: the line; code: the next definition)
 
     def as_dict(self) -> dict:
         d = {"workload": self.workload, "prompt": self.prompt, "reference": self.reference}
-        return d | ({"schema": self.schema} if self.schema is not None else {})
+        return d | ({"schema": self.schema} if self.schema is not None else {}) | ({"stop": self.stop} if self.stop else {})
+
+
+def code_stops(header: str) -> list[str]:
+    """Stop strings that end a generated function body: the next definition (or decorator) at the
+    header's own indent, or at the top level."""
+    first = header.splitlines()[0] if header.strip() else ""
+    indents = {"", first[: len(first) - len(first.lstrip(" \t"))]}
+    return sorted(f"\n{ind}{kw}" for ind in indents for kw in ("def ", "async def ", "class ", "@"))
 
 
 # held out: never used to tune anything; the kinds of schema agents send
@@ -139,11 +150,11 @@ def load_items(workload: str, n: int, *, seed: int = 0) -> list[Item]:
     if workload in ("tasks", "both"):
         from ..data.tasks import heldout_tasks
 
-        items += [Item("tasks", t.prompt, t.answer, t) for t in heldout_tasks(n)]
+        items += [Item("tasks", t.prompt, t.answer, t, stop=["\n"]) for t in heldout_tasks(n)]
     if workload in ("code", "both"):
         from ..data.corpus import heldout_functions
 
-        items += [Item("code", h, b) for h, b in heldout_functions(n, seed=seed)]
+        items += [Item("code", h, b, stop=code_stops(h)) for h, b in heldout_functions(n, seed=seed)]
     if workload == "json":
         items += json_items(n)
     return items
@@ -294,6 +305,8 @@ def generate_once(llm, item: Item, mode: str, kwargs: dict) -> dict:
     cuda = device.type == "cuda"
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
+    if item.stop and "stop" not in kwargs:  # the answer's own end
+        kwargs = dict(kwargs, stop=item.stop)
     if item.schema is not None:
         kwargs = dict(kwargs, response_format={"type": "json_schema", "json_schema": {"name": "out", "schema": item.schema}})
     with CacheProbe(llm.model) as probe:
@@ -418,7 +431,8 @@ def usable_modes(llm, modes: Iterable[str]) -> tuple[list[str], list[str]]:
 @dataclass(frozen=True)
 class Workload:
     """What the decode, sweep and experts benchmarks generate from: `prompts` held-out prompts of a
-    kind (`load_items`; or the `items` given), `max_new_tokens` each, greedy, stopped at the first
+    kind (`load_items`; or the `items` given), `max_new_tokens` each, greedy; each answer decoded to
+    its end (the item's own stop) unless `to_end` is off, every generation stopped at the first
     newline when `stop_newline`."""
 
     kind: str = "tasks"
@@ -426,13 +440,15 @@ class Workload:
     max_new_tokens: int = 64
     stop_newline: bool = False
     items: list[Item] | None = None
+    to_end: bool = True
 
     def __post_init__(self) -> None:
         if self.max_new_tokens <= 0:
             raise ValueError(f"max_new_tokens: must be a positive integer, got {self.max_new_tokens}")
 
     def load(self) -> list[Item]:
-        return self.items if self.items is not None else load_items(self.kind, self.prompts)
+        items = self.items if self.items is not None else load_items(self.kind, self.prompts)
+        return items if self.to_end else [replace(it, stop=None) for it in items]
 
     def kwargs(self, block_size: int | None = None, threshold: float | None = None) -> dict:
         """The generation options of one run (block size and threshold: None, the model's)."""
@@ -448,7 +464,7 @@ class Workload:
     def settings(self, items: list[Item]) -> dict:
         """The result's record of it."""
         return {"workload": self.kind, "prompts": len(items), "max_new_tokens": self.max_new_tokens,
-                "stop_newline": self.stop_newline}
+                "stop_newline": self.stop_newline, "to_end": self.to_end}
 
 
 def interleaved(llm, items: list[Item], configs: list[dict], kwargs: Callable[[dict], dict], *, warm_tokens: int,

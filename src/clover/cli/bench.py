@@ -31,6 +31,9 @@ def _workload_arguments(p: argparse.ArgumentParser, *, workload: str, prompts: i
     p.add_argument("--max-new-tokens", "-n", type=int, default=max_new_tokens, metavar="N",
                    help=f"tokens per generation (default: {max_new_tokens})")
     p.add_argument("--stop-newline", action="store_true", help="stop every generation at its first newline")
+    p.add_argument("--fixed-length", action="store_true",
+                   help="decode every prompt to --max-new-tokens, past its answer (default: each answer to its end: "
+                        "a task's line, a function up to the next definition)")
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -263,7 +266,7 @@ def _workload(args):
     """The `_workload_arguments` as a `bench.decode.Workload`."""
     from ..bench.decode import Workload
 
-    return Workload(args.workload, args.prompts, args.max_new_tokens, args.stop_newline)
+    return Workload(args.workload, args.prompts, args.max_new_tokens, args.stop_newline, to_end=not args.fixed_length)
 
 
 def _load(args):
