@@ -35,9 +35,11 @@ def route(
     logits: torch.Tensor,
     top_k: int,
     sharing: BlockSharing | None = None,
+    normalize: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [N, E] -> (weights [N, k] fp32, indices [N, k]); with `sharing`, the denoise tokens
-    choose only among their block's shared experts."""
+    choose only among their block's shared experts. `normalize=False` keeps the k probabilities as
+    they are (Qwen3-MoE's `norm_topk_prob` off)."""
     probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
     if sharing is not None:
         B, Tc, m = sharing.rows, sharing.denoise_from, sharing.budget
@@ -51,7 +53,8 @@ def route(
             shared = block.masked_fill(~allowed[:, None, :], 0.0)
             probs = torch.cat([p[:, :Tc], shared], dim=1).reshape(-1, E)
     w, idx = probs.topk(top_k, dim=-1)
-    w = w / w.sum(-1, keepdim=True)
+    if normalize:
+        w = w / w.sum(-1, keepdim=True)
     return w, idx
 
 

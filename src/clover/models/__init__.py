@@ -26,6 +26,8 @@ from .registry import Architecture
 from .qwen3_5_moe import ARCHITECTURE as QWEN3_5_MOE  # noqa: E402
 from .qwen3_5 import ARCHITECTURE as QWEN3_5  # noqa: E402
 from .llama import ARCHITECTURE as LLAMA  # noqa: E402
+from .qwen3 import ARCHITECTURE as QWEN3  # noqa: E402
+from .qwen3_moe import ARCHITECTURE as QWEN3_MOE  # noqa: E402
 
 REGISTERED: tuple[Architecture, ...] = tuple(v for v in dict(globals()).values() if isinstance(v, Architecture))
 

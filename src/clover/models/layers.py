@@ -663,6 +663,7 @@ class SparseMoE(nn.Module):
         super().__init__()
         c = config
         self.top_k, self.num_experts = c.num_experts_per_tok, c.num_experts
+        self.normalize = getattr(c, "norm_topk_prob", True)  # renormalise the top-k (Qwen3-MoE may not)
         self.gate = nn.Linear(c.hidden_size, c.num_experts, bias=False)  # the router
         self.experts = Experts(c.num_experts, c.hidden_size, c.moe_intermediate_size)
         self.has_shared = c.shared_expert_intermediate_size > 0
@@ -684,7 +685,7 @@ class SparseMoE(nn.Module):
         B, T, H = x.shape
         flat = x.reshape(-1, H)
         logits = self.gate(flat)
-        top_w, top_idx = route(logits, self.top_k, sharing)
+        top_w, top_idx = route(logits, self.top_k, sharing, self.normalize)
         touched = None
         if count_experts:
             touched = torch.zeros(self.num_experts, dtype=torch.long, device=x.device).index_fill_(
