@@ -15,9 +15,9 @@ import torch
 from torch import nn
 
 from ..config import CloverConfig, ConfigError
-from .layers import DenseMLP, GatedAttention, PlainRMSNorm, apply_rope, init_plain_weights
+from .core import CausalLM
+from .layers import DenseMLP, GatedAttention, PlainRMSNorm, apply_rope
 from .llama import LlamaConfig, LlamaRotaryEmbedding
-from .qwen3_5 import KeyLayout, Qwen3_5ForCausalLM
 from .registry import Architecture
 
 
@@ -83,20 +83,15 @@ class Qwen3Attention(GatedAttention):
         return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
 
 
-class Qwen3ForCausalLM(Qwen3_5ForCausalLM):
-    """The Qwen3 stack under the family's causal LM (`step`, `forward_block_diffusion`, `make_cache`)."""
+class Qwen3ForCausalLM(CausalLM):
+    """The Qwen3 stack under the model core (`step`, `forward_block_diffusion`, `make_cache`; its
+    identity key layout and plain initialisation)."""
 
     attention_class = Qwen3Attention
     mlp_class = DenseMLP
     norm_class = PlainRMSNorm
     rotary_class = Qwen3RotaryEmbedding
-    key_layout = KeyLayout()
     live_positions = False  # its attention computes every position
-
-    @torch.no_grad()
-    def init_weights(self, seed: int | None = None, std: float | None = None) -> None:
-        """normal(0, std) for matrices and embeddings, zero biases, norms at 1."""
-        init_plain_weights(self, seed, std if std is not None else self.config.initializer_range)
 
 
 ARCHITECTURE = Architecture(name="qwen3", config_class=Qwen3Config, model_class=Qwen3ForCausalLM)
