@@ -291,15 +291,9 @@ def test_dflash_sampling_keeps_ar_distribution(monkeypatch, llm):
     assert chi2 < dof + 3.3 * math.sqrt(2 * dof) + 6, (chi2, dof, counts, expected)
 
 
-# ------------------------------------------------------------------------------ training
-def test_train_a_drafter_resume_and_export(tmp_path, target_dir):
-    """`clover train` stage "drafter": the target's greedy outputs, one document per row; a checkpoint
-    resumes; the export is a drafter in the published layout that loads next to its target."""
-    from clover.train import load_recipe
-    from clover.train.trainer import Trainer, export_model
-
-    recipe = tmp_path / "r.toml"
-    recipe.write_text(f'''name = "d"
+def _drafter_recipe(target_dir, dflash: str = "") -> str:
+    """A stage "drafter" recipe of two steps for `target_dir`; `dflash`: more lines of its [dflash] table."""
+    return f'''name = "d"
 stage = "drafter"
 init = "{target_dir}"
 [data]
@@ -313,14 +307,25 @@ distill_code = 2
 block_size = 8
 layers = 1
 anchors = 4
-[optim]
+{dflash}[optim]
 steps = 2
 warmup_steps = 1
 [run]
 threads = 1
 autocast = "none"
 progress = false
-''')
+'''
+
+
+# ------------------------------------------------------------------------------ training
+def test_train_a_drafter_resume_and_export(tmp_path, target_dir):
+    """`clover train` stage "drafter": the target's greedy outputs, one document per row; a checkpoint
+    resumes; the export is a drafter in the published layout that loads next to its target."""
+    from clover.train import load_recipe
+    from clover.train.trainer import Trainer, export_model
+
+    recipe = tmp_path / "r.toml"
+    recipe.write_text(_drafter_recipe(target_dir))
     r = load_recipe(recipe, {"run.out": str(tmp_path / "run")})
     t = Trainer(r, quiet=True)
     hist = t.train()
@@ -590,3 +595,105 @@ def test_constrained_dflash_sampling_stays_valid(llm):
         g = llm.generate("x", mode="dflash", max_new_tokens=96, temperature=1.0, seed=seed, response_format=_rf(schema))
         jsonschema.validate(json.loads(g.text), schema)
         assert g.stats.draft_forwards > 0
+
+
+# ------------------------------------------------------------------------------ a reduced draft vocabulary
+def _vocab_drafter(tmp_path, llm, ids):
+    cfg = drafter_config_for(llm.config, num_hidden_layers=2, block_size=8, draft_vocab_size=len(ids))
+    dr = build_drafter(cfg, seed=1)
+    dr.set_draft_vocab(ids)
+    return save_drafter(dr, tmp_path / "vocab")
+
+
+def test_draft_vocab_round_trips_and_scores_its_rows(tmp_path, target_dir, llm):
+    """EAGLE-3's d2t on a borrowed head: the draft vocabulary is stored as int64 offsets, loads back,
+    and the drafter's logits are the full head's on those tokens and far below them elsewhere."""
+    ids = sorted(torch.randperm(llm.config.vocab_size, generator=torch.Generator().manual_seed(0))[:40].tolist())
+    d = _vocab_drafter(tmp_path, llm, ids)
+    raw = json.loads((d / "config.json").read_text())
+    assert raw["dflash_config"]["draft_vocab_size"] == 40
+    with safe_open(str(d / "model.safetensors"), "pt") as f:
+        d2t = f.get_tensor("d2t")
+    assert d2t.dtype == torch.int64 and (torch.arange(40) + d2t).tolist() == ids
+    again = clover.load(target_dir, drafter=d).drafter
+    assert again.draft_ids.tolist() == ids
+    h = torch.randn(2, 3, llm.config.hidden_size)
+    full = llm.model.lm_head(h)
+    got = again.logits(h, llm.model)
+    torch.testing.assert_close(got[..., ids], full[..., ids])
+    torch.testing.assert_close(again.draft_logits(h, llm.model), full[..., ids])
+    outside = torch.ones(llm.config.vocab_size, dtype=torch.bool)
+    outside[ids] = False
+    assert (got[..., outside] < full.min() - 100).all()
+
+
+def test_draft_vocab_refusals(tmp_path, llm):
+    cfg = drafter_config_for(llm.config, num_hidden_layers=1, block_size=8, draft_vocab_size=4)
+    dr = build_drafter(cfg)
+    with pytest.raises(ValueError, match="4 distinct token ids"):
+        dr.set_draft_vocab([1, 2, 2, 3])
+    cfg.draft_vocab_size = llm.config.vocab_size + 1
+    with pytest.raises(DrafterMismatch, match="draft_vocab_size"):
+        cfg.check_target(llm.config)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_dflash_with_a_draft_vocab_equals_ar_greedy(tmp_path, target_dir, llm, seed):
+    """Tokens outside the draft vocabulary are never drafted; the verify keeps AR's text, alone and batched."""
+    ids = list(range(0, llm.config.vocab_size, 3))
+    vocab = clover.load(target_dir, drafter=_vocab_drafter(tmp_path, llm, ids))
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (3, 11, 17)]
+    ar = [llm.generate(p, mode="ar", max_new_tokens=20, ignore_eos=True).token_ids for p in prompts]
+    alone = [vocab.generate(p, mode="dflash", max_new_tokens=20, ignore_eos=True) for p in prompts]
+    assert [a.token_ids for a in alone] == ar
+    assert [g.token_ids for g in vocab.generate(prompts, mode="dflash", max_new_tokens=20, ignore_eos=True)] == ar
+
+
+def test_train_a_drafter_with_a_draft_vocab(tmp_path, target_dir):
+    """`dflash.draft_vocab`: the drafter drafts over the distillation set's most frequent tokens, from
+    its first step; the checkpoint and the export keep them."""
+    from clover.data.distill import frequent_tokens, load_distill_set
+    from clover.train import load_recipe
+    from clover.train.trainer import Trainer, export_model
+
+    recipe = tmp_path / "r.toml"
+    recipe.write_text(_drafter_recipe(target_dir, "draft_vocab = 64\n"))
+    t = Trainer(load_recipe(recipe, {"run.out": str(tmp_path / "run")}), quiet=True)
+    want = frequent_tokens(load_distill_set(tmp_path / "run" / "distill"), t.tokenizer, 64, t.target.config.vocab_size)
+    assert t.model.draft_ids.tolist() == want
+    hist = t.train()
+    assert len(hist) == 2 and all(math.isfinite(h["loss"]) and 0 < h["valid"] <= 1 for h in hist)
+    out = export_model(tmp_path / "run" / "ckpt" / "step-00000002", tmp_path / "exported")
+    llm = clover.load(target_dir, drafter=out)
+    assert llm.drafter.draft_ids.tolist() == want
+    got = llm.generate([1, 2, 3], mode="dflash", max_new_tokens=10, ignore_eos=True)
+    assert got.token_ids == llm.generate([1, 2, 3], mode="ar", max_new_tokens=10, ignore_eos=True).token_ids
+
+
+@pytest.mark.parametrize("vocab", [None, 64])
+def test_target_memo_gives_the_same_loss(monkeypatch, llm, vocab):
+    """`TargetMemo` (the target's outputs kept per document) with every token in its top-k: the loss of
+    a step is the one that runs the target, up to the kept features' bfloat16; a second epoch runs
+    no target forward."""
+    from clover.train.losses import TargetMemo, dflash_step_loss
+
+    cfg = drafter_config_for(llm.config, num_hidden_layers=1, block_size=8, draft_vocab_size=vocab)
+    dr = build_drafter(cfg, seed=2)
+    if vocab:
+        dr.set_draft_vocab(range(0, 2 * vocab, 2))
+    ids = torch.randint(1, 200, (2, 30), generator=torch.Generator().manual_seed(0))
+    ids[1, 24:] = 0  # padding
+    kw = dict(anchors=4, decay=4.0, kl_weight=0.5, pad_id=0)
+    exact, _ = dflash_step_loss(dr, llm.model, ids, torch.Generator().manual_seed(5), **kw)
+    memo = TargetMemo(vocab or llm.config.vocab_size)
+    kept, _ = dflash_step_loss(dr, llm.model, ids, torch.Generator().manual_seed(5), memo=memo, **kw)
+    torch.testing.assert_close(kept, exact, rtol=2e-2, atol=1e-3)
+    assert len(memo.rows) == 2
+
+    def no_forward(*a, **k):
+        raise AssertionError("the target ran again")
+
+    monkeypatch.setattr(llm.model, "forward", no_forward)
+    again, _ = dflash_step_loss(dr, llm.model, ids, torch.Generator().manual_seed(5), memo=memo, **kw)
+    torch.testing.assert_close(again, kept)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from clover.data import tasks
-from clover.data.distill import DistillSet, build_distill_set, distill_prompts, load_distill_set
+from clover.data.distill import DistillSet, build_distill_set, distill_prompts, ensure_distill_set, load_distill_set
 from clover.data.mix import PackedStream
 
 
@@ -99,6 +99,31 @@ def test_interrupted_build_continues(bundled, tmp_path):
         seen.clear()
         build_distill_set(Counting(bundled), tmp_path / "other", **{**kw, **other})
         assert seen[0] == distill_prompts(5, 1, seed=0)[0][reused]
+
+
+def test_a_set_grows_at_a_larger_count(bundled, tmp_path):
+    """`ensure_distill_set` asked for more prompts than a finished set holds keeps its rows and decodes
+    only the new prompts (a long run starts training on a first part); fewer, or other token
+    limits, leave the set as it is."""
+    kw = dict(n_tasks=3, n_code=1, task_tokens=10, code_tokens=6, batch_size=2, progress=False)
+    small = ensure_distill_set(tmp_path / "set", lambda: bundled, **kw)
+    seen = []
+
+    class Counting:
+        tokenizer = bundled.tokenizer
+
+        def generate(self, prompts, **k):
+            seen.extend(prompts)
+            return bundled.generate(prompts, **k)
+
+    assert ensure_distill_set(tmp_path / "set", Counting, **{**kw, "n_tasks": 2}).digest == small.digest
+    assert ensure_distill_set(tmp_path / "set", Counting, **{**kw, "n_tasks": 5, "task_tokens": 9}).digest == small.digest
+    assert seen == []
+    grown = ensure_distill_set(tmp_path / "set", Counting, **{**kw, "n_tasks": 5})
+    task_prompts, _ = distill_prompts(5, 1, seed=0)
+    assert seen == task_prompts[3:]
+    whole = build_distill_set(bundled, tmp_path / "whole", **{**kw, "n_tasks": 5})
+    assert (grown.task_lines, grown.code_docs, grown.digest) == (whole.task_lines, whole.code_docs, whole.digest)
 
 
 def test_instructions_are_a_prefix_of_more():

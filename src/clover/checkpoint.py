@@ -111,7 +111,10 @@ def load_drafter(directory: str | Path, target=None, *, dtype: torch.dtype | str
     dtype = parse_dtype(dtype) or getattr(target, "dtype", None) or torch.float32
     with torch.device("meta"):
         model = DFlashDrafter(config)
-    state = read_state_dict(directory, expected_shapes(model), layout=model.key_layout, dtype=dtype)
+    shapes = expected_shapes(model)
+    state = read_state_dict(directory, shapes, layout=model.key_layout, dtype=dtype, allow_missing={"d2t"})
+    if "d2t" in shapes:  # the draft vocabulary: an integer buffer beside the weights
+        state["d2t"] = _read_d2t(directory, shapes["d2t"])
     if device is None and hasattr(target, "device"):
         device = target.device
     if device is not None and str(device) != "cpu":
@@ -121,11 +124,28 @@ def load_drafter(directory: str | Path, target=None, *, dtype: torch.dtype | str
     return model
 
 
+def _read_d2t(directory: Path, shape: torch.Size) -> torch.Tensor:
+    """A drafter's `d2t` (draft index -> target token offset, int64), checked against `shape`."""
+    from safetensors import safe_open
+
+    for path in shard_files(directory):
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            if "d2t" in f.keys():
+                t = f.get_tensor("d2t")
+                if t.shape != shape or t.is_floating_point():
+                    raise CheckpointError(f"{path}: d2t is {str(t.dtype).replace('torch.', '')} {tuple(t.shape)}, "
+                                          f"but config.json's draft_vocab_size implies int64 {tuple(shape)}")
+                return t.long()
+    raise CheckpointError(f"{directory}: config.json sets draft_vocab_size but no safetensors file holds d2t "
+                          "(the draft vocabulary); the drafter is incomplete")
+
+
 def save_drafter(drafter, directory: str | Path, *, dtype: torch.dtype | str | None = None) -> Path:
     """Write a drafter as config.json + model.safetensors in the published layout."""
     directory = Path(directory)
     dtype = parse_dtype(dtype) or drafter.dtype
     drafter.config.torch_dtype = str(dtype).replace("torch.", "")
     drafter.config.save(directory)
-    save_state_dict({k: v.detach().to(dtype).contiguous() for k, v in drafter.state_dict().items()}, directory)
+    save_state_dict({k: v.detach().to(dtype if v.is_floating_point() else v.dtype).contiguous()
+                     for k, v in drafter.state_dict().items()}, directory)
     return directory

@@ -69,8 +69,8 @@ def build_distill_set(llm, out: str | Path, *, n_tasks: int, n_code: int, seed: 
     # build with other counts keeps the prefix they share), decoded with the same token limits
     out.mkdir(parents=True, exist_ok=True)
     part = out / "distill.jsonl.part"
-    header = {"format": FORMAT, "seed": seed, "task_tokens": task_tokens, "code_tokens": code_tokens,
-              "chat_tokens": chat_tokens, "task_line": task_line}
+    header = _part_header(dict(seed=seed, task_tokens=task_tokens, code_tokens=code_tokens, chat_tokens=chat_tokens,
+                               task_line=task_line))
     old = _read_part(part, header)
     shown = {"task": task_prompts, "code": code_prompts, "chat": [tok.decode(p) for p in chat_prompts]}
     results = []
@@ -106,12 +106,14 @@ def build_distill_set(llm, out: str | Path, *, n_tasks: int, n_code: int, seed: 
                 results.extend(rows)
                 bar.update(len(chunk))
         bar.close()
+    order = {"task": 0, "code": 1, "chat": 2}  # kept rows of every kind came first: the set lists kind by kind
+    results.sort(key=lambda r: order[r[0]])
     task_lines = [t for k, t in results if k == "task" and t.strip()]
     code_docs = [t for k, t in results if k in ("code", "chat") and t.strip()]
     digest = hashlib.sha256("\x00".join(t for _, t in results).encode()).hexdigest()[:16]
     meta = {"format": FORMAT, "teacher": str(getattr(llm, "path", "")), "tasks": len(task_lines),
             "code": sum(k == "code" for k, _ in results), "chat": sum(k == "chat" for k, _ in results), "seed": seed, "task_tokens": task_tokens, "code_tokens": code_tokens,
-            "task_line": task_line, "digest": digest}
+            "chat_tokens": chat_tokens, "task_line": task_line, "digest": digest}
     tmp = out / "distill.jsonl.tmp"
     tmp.write_text(_jsonl((k, t) for k, t in results if t.strip()), encoding="utf-8")
     tmp.replace(out / "distill.jsonl")
@@ -158,11 +160,51 @@ def load_distill_set(path: str | Path) -> DistillSet:
 
 def ensure_distill_set(path: str | Path, teacher, **kw) -> DistillSet:
     """The set at `path`, built with `teacher()` (a function returning a `clover.LLM`) if it is not
-    there yet."""
+    there yet. A set built with the same token limits and seed but fewer prompts of some kind than
+    `kw` asks for grows: its rows are kept and only the new prompts are decoded (so a long run can
+    start training on a first part and add more at a resume)."""
     path = Path(path)
     if (path / "meta.json").exists():
-        return load_distill_set(path)
+        have = load_distill_set(path)
+        header = _part_header(kw)
+        m = have.meta
+        same = all(m.get(k) == v for k, v in header.items())
+        more = (kw.get("n_tasks", 0) > m.get("tasks", 0) or kw.get("n_code", 0) > m.get("code", 0)
+                or kw.get("n_chat", 0) > m.get("chat", 0))
+        if not (same and more):
+            return have
+        rows = [(r["kind"], r["text"]) for r in map(json.loads, (path / "distill.jsonl").read_text(encoding="utf-8").splitlines())]
+        (path / "distill.jsonl.part").write_text(json.dumps(header) + "\n" + _jsonl(rows), encoding="utf-8")
+        (path / "meta.json").unlink()
     return build_distill_set(teacher(), path, **kw)
+
+
+def _part_header(kw: dict) -> dict:
+    """The part file's header for `build_distill_set(**kw)` (its defaults where `kw` has none)."""
+    import inspect
+
+    d = {k: p.default for k, p in inspect.signature(build_distill_set).parameters.items()}
+    get = lambda k: kw.get(k, d[k])  # noqa: E731
+    return {"format": FORMAT, "seed": get("seed"), "task_tokens": get("task_tokens"), "code_tokens": get("code_tokens"),
+            "chat_tokens": get("chat_tokens"), "task_line": get("task_line")}
+
+
+def frequent_tokens(distill: DistillSet, tokenizer: str | Path, n: int, vocab_size: int) -> list[int]:
+    """The `n` token ids most frequent in the set's documents (ties and the rest of the `n`, when the
+    set holds fewer distinct tokens, in id order: BPE ids run roughly from frequent to rare), for a
+    drafter's reduced vocabulary (`DFlashConfig.draft_vocab_size`)."""
+    from collections import Counter
+
+    from .tokenizer import load_tokenizer
+
+    if not 0 < n <= vocab_size:
+        raise ValueError(f"a draft vocabulary of {n} tokens does not fit a vocabulary of {vocab_size}")
+    tok = load_tokenizer(str(tokenizer))
+    counts = Counter(i for t in distill.task_lines + distill.code_docs for i in tok.encode(t, add_special_tokens=False).ids)
+    ranked = sorted((i for i in counts if i < vocab_size), key=lambda i: (-counts[i], i))[:n]
+    chosen = set(ranked)
+    rest = (i for i in range(vocab_size) if i not in chosen)
+    return sorted(ranked + [next(rest) for _ in range(n - len(ranked))])
 
 
 class DistillRows:
@@ -170,10 +212,11 @@ class DistillRows:
     `pad_id`: each continuation is seen after its own prompt only, exactly as it was generated, so the
     data is the model's greedy output in its own context (a DFlash drafter's training stream).
     A `task_fraction` of the rows is one task line, the rest one code document; documents longer than
-    `seq_len` are cut. Seeded per batch, so `state_dict` is just the batch count."""
+    `seq_len` are cut. With `min_len`, a batch is cut after its longest row (at least `min_len`
+    columns). Seeded per batch, so `state_dict` is just the batch count."""
 
     def __init__(self, distill: DistillSet, tokenizer: str | Path, *, seq_len: int, batch_size: int, seed: int,
-                 task_fraction: float, pad_id: int) -> None:
+                 task_fraction: float, pad_id: int, min_len: int = 0) -> None:
         from .tokenizer import load_tokenizer
 
         if not (distill.task_lines or distill.code_docs):
@@ -182,7 +225,7 @@ class DistillRows:
         self.task = [tok.encode(t, add_special_tokens=False).ids[:seq_len] for t in distill.task_lines]
         self.code = [tok.encode(t, add_special_tokens=False).ids[:seq_len] for t in distill.code_docs]
         self.seq_len, self.batch_size, self.seed = seq_len, batch_size, seed
-        self.task_fraction, self.pad_id = task_fraction, pad_id
+        self.task_fraction, self.pad_id, self.min_len = task_fraction, pad_id, min(min_len, seq_len)
         self.batches = 0
 
     def next_batch(self):
@@ -195,6 +238,9 @@ class DistillRows:
             pool = self.task if self.task and (not self.code or rng.random() < self.task_fraction) else self.code
             doc = rng.choice(pool)
             ids[b, : len(doc)] = torch.tensor(doc, dtype=torch.long)
+        if self.min_len:  # the batch ends after its longest row: no forward over columns of padding alone
+            used = int((ids != self.pad_id).any(0).nonzero().max()) + 1 if (ids != self.pad_id).any() else 0
+            ids = ids[:, : max(used, self.min_len)]
         return ids
 
     def state_dict(self) -> dict:

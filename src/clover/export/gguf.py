@@ -903,6 +903,9 @@ def export_drafter_gguf(src, dst: str | Path, *, dtype: str = "f32") -> ExportRe
     c = drafter.config
     if c.attention_bias:
         raise GGUFExportError(f"{label}: attention_bias=true is not supported by the llama.cpp port's drafter")
+    if c.draft_vocab_size is not None:
+        raise GGUFExportError(f"{label}: a reduced draft vocabulary (draft_vocab_size {c.draft_vocab_size}, d2t) is not "
+                              "read by the llama.cpp port's drafter yet")
     dst.parent.mkdir(parents=True, exist_ok=True)
     tmp = dst.with_name(dst.name + ".partial")
     w = gguf.GGUFWriter(tmp, DRAFTER_ARCH)

@@ -7,11 +7,20 @@ The published layout, which this module reads and writes:
   `num_key_value_heads`, `head_dim`, `intermediate_size`, `rms_norm_eps`, `rope_theta` or
   `rope_parameters.rope_theta`, `vocab_size`), `block_size` (top level or in `dflash_config`),
   `num_target_layers`, and `dflash_config` with `target_layer_ids` and `mask_token_id`
-  (`input_embedding_scale`, `output_multiplier`, `final_logit_softcapping` optional);
+  (`input_embedding_scale`, `output_multiplier`, `final_logit_softcapping` optional;
+  `draft_vocab_size` for a reduced draft vocabulary, below);
 - safetensors: `fc.weight [H, n*H_t]`, `hidden_norm.weight`, `layers.N.{input_layernorm,
   post_attention_layernorm}.weight`, `layers.N.self_attn.{q,k,v,o}_proj.weight`,
   `layers.N.self_attn.{q,k}_norm.weight`, `layers.N.mlp.{gate,up,down}_proj.weight`, `norm.weight`.
   No embedding and no LM head: both are the target's.
+
+A reduced draft vocabulary (EAGLE-3's `d2t`, here on a borrowed head): with `draft_vocab_size` V_d
+the drafter scores only V_d of the target's tokens, the rows of the target's LM head they name, and
+stores `d2t` [V_d] (int64; draft index d is target token d + d2t[d], as EAGLE-3 writes it). On a
+small target the full head is most of a draft's cost (SmolLM2-135M: 15 x 49k head rows against two
+576-wide layers); a token outside the set is never drafted, so a block stops there and the verify
+stays lossless. `logits` scatters the scores back into the target's vocabulary (the rest at a large
+negative value), so sampling, grammars and the rejection rule see the usual shape.
 
 The computation: the target's hidden states after layers `target_layer_ids` (the reference's
 `hidden_states[i + 1]`: decoder layer i's output; the last layer's is after the final norm) are
@@ -46,6 +55,7 @@ from .static import call_frozen
 from .layers import PlainRMSNorm, init_plain_weights, MLP, RotaryEmbedding, Segments, apply_rope, cached_attention_mask, step_positions
 
 ARCHITECTURE = "DFlashDraftModel"
+OUTSIDE = -1e4  # a draft logit for a token outside the draft vocabulary
 
 
 class DrafterMismatch(ValueError):
@@ -73,6 +83,7 @@ class DFlashConfig:
     input_embedding_scale: float = 1.0
     output_multiplier: float = 1.0
     final_logit_softcapping: float | None = None
+    draft_vocab_size: int | None = None  # a reduced draft vocabulary (`d2t`), or None: the target's whole head
     torch_dtype: str = "float32"
     extra: dict = field(default_factory=dict)  # other config.json keys, written back unchanged
 
@@ -125,6 +136,7 @@ class DFlashConfig:
                 input_embedding_scale=float(get("input_embedding_scale", 1.0)),
                 output_multiplier=float(get("output_multiplier", 1.0)),
                 final_logit_softcapping=get("final_logit_softcapping"),
+                draft_vocab_size=None if get("draft_vocab_size") is None else int(get("draft_vocab_size")),
                 torch_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "float32"),
                 extra={k: v for k, v in raw.items() if k not in known},
             )
@@ -148,7 +160,7 @@ class DFlashConfig:
         d = asdict(self)
         extra = d.pop("extra")
         dc = {k: d.pop(k) for k in ("target_layer_ids", "mask_token_id", "input_embedding_scale",
-                                    "output_multiplier", "final_logit_softcapping")}
+                                    "output_multiplier", "final_logit_softcapping", "draft_vocab_size")}
         dc = {k: v for k, v in dc.items() if not (k in ("input_embedding_scale", "output_multiplier") and v == 1.0)
               and v is not None}
         theta = d.pop("rope_theta")
@@ -176,6 +188,9 @@ class DFlashConfig:
         if self.num_target_layers is not None and self.num_target_layers != n:
             raise DrafterMismatch(f"drafter: num_target_layers {self.num_target_layers} != the target's {n} layers; "
                                   "this drafter was trained for another model")
+        if self.draft_vocab_size is not None and not 0 < self.draft_vocab_size <= t.vocab_size:
+            raise DrafterMismatch(f"drafter: draft_vocab_size {self.draft_vocab_size} does not fit the target's "
+                                  f"vocabulary ({t.vocab_size})")
         if not 0 <= self.mask_token_id < t.vocab_size:
             raise DrafterMismatch(f"drafter: mask_token_id {self.mask_token_id} is outside the target's vocabulary "
                                   f"({t.vocab_size})")
@@ -237,6 +252,9 @@ class DFlashDrafter(nn.Module):
         self.fc = nn.Linear(len(c.target_layer_ids) * c.hidden_size, c.hidden_size, bias=False)
         self.hidden_norm = PlainRMSNorm(c.hidden_size, c.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(c.head_dim, c.rope_theta)
+        if c.draft_vocab_size is not None:  # draft index d -> target token d + d2t[d] (EAGLE-3's layout)
+            self.register_buffer("d2t", torch.zeros(c.draft_vocab_size, dtype=torch.long))
+        self._head_rows = None  # (the target head's weight, its rows of the draft vocabulary), cached
 
     # -- properties the engine reads
     @property
@@ -279,9 +297,38 @@ class DFlashDrafter(nn.Module):
         s = self.config.input_embedding_scale
         return x * s if s != 1.0 else x
 
-    def logits(self, h: torch.Tensor, target) -> torch.Tensor:
-        """Drafter output (after `norm`) -> logits through the target's LM head (no target norm)."""
-        out = target.lm_head(h.to(target.lm_head.weight.dtype))
+    @property
+    def draft_ids(self) -> torch.Tensor | None:
+        """The target token of each draft index [V_d], or None (the whole vocabulary)."""
+        if self.config.draft_vocab_size is None:
+            return None
+        return torch.arange(self.d2t.shape[0], device=self.d2t.device) + self.d2t
+
+    def set_draft_vocab(self, token_ids) -> None:
+        """Fix the draft vocabulary to `token_ids` (distinct target token ids, V_d of them)."""
+        ids = torch.as_tensor(list(token_ids), dtype=torch.long)
+        if ids.numel() != self.config.draft_vocab_size or ids.unique().numel() != ids.numel():
+            raise ValueError(f"drafter: the draft vocabulary needs {self.config.draft_vocab_size} distinct token ids, "
+                             f"got {ids.numel()} ({ids.unique().numel()} distinct)")
+        self.d2t.copy_(ids - torch.arange(ids.numel()))
+        self._head_rows = None
+
+    def _head(self, target) -> torch.Tensor:
+        """The target's LM head weight, cut to the draft vocabulary's rows (cached while the head
+        and the vocabulary stay the same tensors)."""
+        w = target.lm_head.weight
+        if self.config.draft_vocab_size is None:
+            return w
+        key = (w.data_ptr(), w.dtype, w.device, self.d2t.data_ptr(), self.d2t._version)
+        if self._head_rows is None or self._head_rows[0] != key:
+            self._head_rows = (key, w.detach()[self.draft_ids.to(w.device)].contiguous())
+        return self._head_rows[1]
+
+    def draft_logits(self, h: torch.Tensor, target) -> torch.Tensor:
+        """Drafter output (after `norm`) -> logits [..., V_d] over the draft vocabulary (the target's
+        whole vocabulary without one), through the target's LM head (no target norm)."""
+        w = self._head(target)
+        out = F.linear(h.to(w.dtype), w)
         c = self.config
         if c.output_multiplier != 1.0:
             out = out * c.output_multiplier
@@ -289,6 +336,15 @@ class DFlashDrafter(nn.Module):
             cap = float(c.final_logit_softcapping)
             out = torch.tanh(out / cap) * cap
         return out
+
+    def logits(self, h: torch.Tensor, target) -> torch.Tensor:
+        """Drafter output -> logits over the target's vocabulary; with a draft vocabulary, tokens
+        outside it get `OUTSIDE` (finite: a temperature or a grammar mask leaves no NaN behind)."""
+        out = self.draft_logits(h, target)
+        if self.config.draft_vocab_size is None:
+            return out
+        full = out.new_full((*out.shape[:-1], self.config.vocab_size), OUTSIDE)
+        return full.index_copy_(-1, self.draft_ids.to(out.device), out)
 
     def make_cache(self, batch_size: int, capacity: int) -> HybridCache:
         """Per draft layer the K/V of the context vectors; `lengths[b]` = context tokens of row b."""
@@ -414,6 +470,8 @@ class DrafterKeyLayout:
     """Stored key -> parameter name: the published layout is ours; a "model." prefix is dropped."""
 
     def name(self, key: str) -> str | None:
+        if key == "d2t":  # an index buffer, not a weight: `checkpoint.load_drafter` reads it apart
+            return None
         return key[len("model."):] if key.startswith("model.") else key
 
     def expert_part(self, name: str):
@@ -435,7 +493,7 @@ def build_drafter(config: DFlashConfig, *, device="cpu", dtype: torch.dtype = to
 def drafter_config_for(target, *, target_layer_ids: list[int] | None = None, num_hidden_layers: int = 1,
                        intermediate_size: int | None = None, block_size: int = 16, mask_token_id: int | None = None,
                        num_attention_heads: int | None = None, num_key_value_heads: int | None = None,
-                       head_dim: int | None = None) -> DFlashConfig:
+                       head_dim: int | None = None, draft_vocab_size: int | None = None) -> DFlashConfig:
     """A drafter config that fits `target` (a CloverConfig): its hidden size and vocabulary, and by
     default target layers spread as in the published drafters (from layer 1 to the third-last)."""
     n = target.num_hidden_layers
@@ -454,6 +512,7 @@ def drafter_config_for(target, *, target_layer_ids: list[int] | None = None, num
         target_layer_ids=list(target_layer_ids), mask_token_id=int(mask), block_size=block_size,
         head_dim=head_dim or target.head_dim, num_target_layers=n, rms_norm_eps=target.rms_norm_eps,
         rope_theta=target.rope_theta, max_position_embeddings=target.max_position_embeddings,
+        draft_vocab_size=draft_vocab_size or None,
     )
 
 

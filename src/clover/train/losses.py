@@ -256,8 +256,51 @@ def ar_step_loss(model, ids: torch.Tensor, *, aux_coef: float, top_k: int) -> tu
     return loss, {"loss": float(loss.detach()), "ar_loss": float(ar.detach()), "aux": float(aux.detach())}
 
 
+class TargetMemo:
+    """The frozen target's outputs on each training row, computed once and kept (keyed by the row's
+    tokens): the drafter's context features (bfloat16), the target's argmax, and its `top_k` most
+    likely tokens of the (draft) vocabulary with their log-probabilities there. A drafter trained
+    for several epochs on one distillation set then runs the target once per document instead of
+    once per step, which on a CPU is most of a step (SmolLM2-135M: ~30 GMAC a row against ~10 for
+    a 2-layer drafter's forward and backward); the KL is taken over those `top_k` tokens."""
+
+    def __init__(self, top_k: int) -> None:
+        self.top_k = top_k
+        self.rows: dict[bytes, tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+
+    def outputs(self, drafter, target, ids: torch.Tensor, real: torch.Tensor):
+        """-> (ctx [B, L, F], greedy [B, L], top-k log-probs [B, L, K], their (draft) indices [B, L, K])."""
+        B, L = ids.shape
+        lengths = real.long().cumsum(-1).argmax(-1) + 1  # up to the row's last real token
+        keys = [ids[b, : int(lengths[b])].cpu().numpy().tobytes() for b in range(B)]
+        todo = [b for b in range(B) if keys[b] not in self.rows]
+        if todo:
+            with torch.no_grad():
+                hidden = dict.fromkeys(drafter.target_layer_ids)
+                logits = target(ids[todo], hidden_out=hidden).float()
+                ctx = drafter.context_features(hidden, target)
+                greedy = logits.argmax(-1)
+                if drafter.draft_ids is not None:
+                    logits = logits[..., drafter.draft_ids.to(logits.device)]
+                lp, idx = logits.log_softmax(-1).topk(self.top_k, dim=-1)
+            for j, b in enumerate(todo):
+                n = int(lengths[b])
+                self.rows[keys[b]] = (ctx[j, :n].to(torch.bfloat16), greedy[j, :n].int(), lp[j, :n].half(), idx[j, :n].int())
+        F_, K = drafter.fc.in_features, self.top_k
+        ctx = torch.zeros(B, L, F_, dtype=drafter.dtype, device=ids.device)
+        greedy = torch.zeros(B, L, dtype=torch.long, device=ids.device)
+        lp = torch.zeros(B, L, K, device=ids.device)
+        idx = torch.zeros(B, L, K, dtype=torch.long, device=ids.device)
+        for b in range(B):
+            c, g, l_, i_ = self.rows[keys[b]]
+            n = c.shape[0]
+            ctx[b, :n], greedy[b, :n], lp[b, :n], idx[b, :n] = c, g, l_, i_
+        return ctx, greedy, lp, idx
+
+
 def dflash_step_loss(drafter, target, ids: torch.Tensor, gen: torch.Generator, *, anchors: int, decay: float,
-                     kl_weight: float, pad_id: int | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+                     kl_weight: float, pad_id: int | None = None,
+                     memo: TargetMemo | None = None) -> tuple[torch.Tensor, dict[str, float]]:
     """The DFlash drafter's training loss (arXiv 2602.06036) on a batch `ids` [B, L], the target frozen.
 
     The target runs once over the batch (no grad): its logits and the hidden states of the drafter's
@@ -269,21 +312,32 @@ def dflash_step_loss(drafter, target, ids: torch.Tensor, gen: torch.Generator, *
     stops counting at the first token greedy decoding would not have written). The label is the
     target's argmax at a+k-1 (cross-entropy) and its distribution there (KL(p_target || p_draft),
     weight `kl_weight`); position k weighs exp(-(k-1)/decay), since a draft is only accepted up to
-    its first miss. With `pad_id`, rows are right-padded documents: anchors are drawn from their
-    tokens and a block stops counting at the padding. Reported: `accept_len`, the mean accepted length per block that these
-    predictions would give in a verify (the anchor's successor counted as 1 + leading hits)."""
+    its first miss. Anchors are drawn where decoding puts them, on tokens the target wrote (a token
+    equal to its argmax after the prefix), prompt tokens 20x less often. With `pad_id`, rows are
+    right-padded documents: anchors are drawn from their tokens and a block stops counting at the padding. Reported: `accept_len`, the mean accepted length per block that these
+    predictions would give in a verify (the anchor's successor counted as 1 + leading hits).
+    With a reduced draft vocabulary (`drafter.draft_ids`), both terms live on it (the target's
+    distribution renormalised over it), and a block stops counting at a label outside it: the
+    drafter can never write that token, so no later position of the block is reached. With `memo`
+    the target's outputs come from it (`TargetMemo`) and the KL is over its top-k tokens, renormalised."""
     B, L = ids.shape
     Bs = drafter.block_size
     if L <= Bs:
         raise ValueError(f"data.seq_len ({L}) must exceed the drafter's block_size ({Bs})")
     A = max(1, min(anchors, L - Bs))
-    with torch.no_grad():
-        hidden = dict.fromkeys(drafter.target_layer_ids)
-        t_logits = target(ids, hidden_out=hidden).float()  # [B, L, V]
-        ctx = drafter.context_features(hidden, target)
-        greedy = t_logits.argmax(-1)  # [B, L]: the target's token after position i
     real = (ids != pad_id) if pad_id is not None else torch.ones_like(ids, dtype=torch.bool)
-    weight = real[:, 1 : L - Bs + 1].float().cpu() + 1e-6  # anchors in [1, L - Bs], on real tokens
+    if memo is not None:
+        ctx, greedy, top_lp, top_idx = memo.outputs(drafter, target, ids, real)
+    else:
+        with torch.no_grad():
+            hidden = dict.fromkeys(drafter.target_layer_ids)
+            t_logits = target(ids, hidden_out=hidden).float()  # [B, L, V]
+            ctx = drafter.context_features(hidden, target)
+            greedy = t_logits.argmax(-1)  # [B, L]: the target's token after position i
+    written = torch.zeros_like(real)  # token i is the one the target writes after i-1: where decoding anchors
+    written[:, 1:] = ids[:, 1:] == greedy[:, :-1]
+    # anchors in [1, L - Bs] on real tokens, mostly on tokens the target wrote (a prompt's are rarely drawn)
+    weight = (real & written).float()[:, 1 : L - Bs + 1].cpu() + 0.05 * real[:, 1 : L - Bs + 1].float().cpu() + 1e-6
     anchor = (torch.multinomial(weight, A, replacement=bool((weight > 0.5).sum(-1).min() < A), generator=gen) + 1)
     anchor = anchor.sort(-1).values.to(ids.device)  # [B, A]
     k = torch.arange(1, Bs, device=ids.device)
@@ -293,15 +347,29 @@ def dflash_step_loss(drafter, target, ids: torch.Tensor, gen: torch.Generator, *
     on_chain = ids[rows, pred_pos] == greedy[rows, pred_pos - 1]  # data token at a+k-1 is the target's
     on_chain[:, :, 0] = True  # k = 1 follows the anchor itself
     valid = (on_chain & real[rows, pred_pos]).cumprod(-1).bool()
+    t_pred = t_logits[rows, pred_pos] if memo is None else None  # [B, A, Bs-1, V]
+    vocab = drafter.draft_ids
+    if vocab is not None:  # labels as draft indices; a label outside the draft vocabulary ends the block
+        vocab = vocab.to(ids.device)
+        index = torch.full((drafter.config.vocab_size,), -1, dtype=torch.long, device=ids.device)
+        index[vocab] = torch.arange(vocab.numel(), device=ids.device)
+        labels = index[labels]
+        valid = (valid & (labels >= 0)).cumprod(-1).bool()
+        labels = labels.clamp_min(0)
+        t_pred = t_pred[..., vocab] if t_pred is not None else None
     block = torch.full((B, A, Bs), drafter.mask_token_id, dtype=torch.long, device=ids.device)
     block[:, :, 0] = ids[rows[:, :, 0], anchor]
     h = drafter.forward_train(ctx, anchor, drafter.embed(block, target))
-    logits = drafter.logits(h[:, :, 1:], target).float()  # [B, A, Bs-1, V]
+    logits = drafter.draft_logits(h[:, :, 1:], target).float()  # [B, A, Bs-1, V or V_d]
     w = torch.exp(-(k - 1).float() / decay)[None, None, :] * valid
     logp = logits.log_softmax(-1)
     ce = -logp.gather(-1, labels[..., None]).squeeze(-1)
-    t_logp = t_logits[rows, pred_pos].log_softmax(-1)
-    kl = (t_logp.exp() * (t_logp - logp)).sum(-1)
+    if memo is None:
+        t_logp = t_pred.log_softmax(-1)
+        kl = (t_logp.exp() * (t_logp - logp)).sum(-1)
+    else:  # over the target's top-k tokens, renormalised
+        t_logp = top_lp[rows, pred_pos].log_softmax(-1)
+        kl = (t_logp.exp() * (t_logp - logp.gather(-1, top_idx[rows, pred_pos]))).sum(-1)
     denom = w.sum().clamp_min(1e-9)
     loss = ((1 - kl_weight) * (ce * w).sum() + kl_weight * (kl * w).sum()) / denom
     with torch.no_grad():

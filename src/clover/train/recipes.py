@@ -149,6 +149,10 @@ class DFlashSpec:
     decay: float = 7.0  # position k of a block weighs exp(-(k-1)/decay) (the paper's gamma for block 16)
     kl_weight: float = 0.5  # KL to the target's distribution; the rest is CE on its argmax
     init: str = ""  # a drafter directory to start from
+    kl_top_k: int = 0  # 0: the target runs every step, KL over the whole (draft) vocabulary; K: its outputs on
+    #                    each document are computed once and kept (`losses.TargetMemo`), KL over its top K tokens
+    draft_vocab: int = 0  # 0: draft over the target's whole vocabulary; N: over the N tokens most frequent in the
+    #                       distillation set (`DFlashConfig.draft_vocab_size`: a smaller head for a small target)
 
 
 @dataclass
@@ -229,6 +233,10 @@ class Recipe:
                 raise RecipeError("stage 'drafter' needs `init`: the target model the drafter is trained for")
             if f.block_size < 2 or f.layers < 1 or f.anchors < 1 or f.decay <= 0 or not 0 <= f.kl_weight <= 1:
                 raise RecipeError("dflash: block_size must be >= 2, layers and anchors >= 1, decay > 0, kl_weight in [0, 1]")
+            if f.kl_top_k < 0:
+                raise RecipeError(f"dflash.kl_top_k must be >= 0 (0: the exact KL, the target run every step), got {f.kl_top_k}")
+            if f.draft_vocab < 0:
+                raise RecipeError(f"dflash.draft_vocab must be >= 0 (0: the target's whole vocabulary), got {f.draft_vocab}")
             if self.data.seq_len <= f.block_size:
                 raise RecipeError(f"data.seq_len ({self.data.seq_len}) must exceed dflash.block_size ({f.block_size})")
         if self.stage == "diffusion":

@@ -39,7 +39,7 @@ from ..models.layers import CLOVER_PARAMETERS, is_clover_parameter
 from ..tokenizer import MASK_TOKEN, copy_tokenizer_files
 from . import checkpointing as ck
 from . import parallel
-from .losses import ar_step_loss, dflash_step_loss, diffusion_step_loss
+from .losses import TargetMemo, ar_step_loss, dflash_step_loss, diffusion_step_loss
 from ..data.sources import parse_sources
 from .recipes import Recipe
 
@@ -174,8 +174,9 @@ def build_or_load_model(recipe: Recipe, tokenizer_ids: dict[str, int]):
     return model
 
 
-def build_drafter_for(recipe: Recipe, target):
-    """Stage "drafter": the drafter to train (from `dflash.init`, or new with random weights) for `target`."""
+def build_drafter_for(recipe: Recipe, target, distill=None, tokenizer: str | None = None):
+    """Stage "drafter": the drafter to train (from `dflash.init`, or new with random weights) for `target`;
+    a new one with `dflash.draft_vocab` drafts over the tokens most frequent in `distill` (read with `tokenizer`)."""
     from ..checkpoint import load_drafter
     from ..models.dflash import build_drafter, drafter_config_for
 
@@ -185,8 +186,12 @@ def build_drafter_for(recipe: Recipe, target):
     else:
         cfg = drafter_config_for(target.config, target_layer_ids=list(f.target_layer_ids) or None,
                                  num_hidden_layers=f.layers, intermediate_size=f.intermediate_size or None,
-                                 block_size=f.block_size)
+                                 block_size=f.block_size, draft_vocab_size=f.draft_vocab or None)
         drafter = build_drafter(cfg, seed=recipe.seed)
+        if f.draft_vocab:
+            from ..data.distill import frequent_tokens
+
+            drafter.set_draft_vocab(frequent_tokens(distill, tokenizer, f.draft_vocab, target.config.vocab_size))
     drafter.train()
     return drafter
 
@@ -302,10 +307,12 @@ class Trainer:
         else:
             self.model = build_or_load_model(recipe, ids).to(self.device)
         self.target = None
+        distill = None
         if recipe.stage == "drafter":  # the loaded model is the frozen target; the drafter is trained
-            self._say("drafter: " + (f"loading {recipe.dflash.init}" if recipe.dflash.init else "building a new one"))
             self.target = self.model.eval().requires_grad_(False)
-            self.model = build_drafter_for(recipe, self.target).to(self.device)
+            distill = self._distill_set()  # first: a draft vocabulary is counted on the target's outputs
+            self._say("drafter: " + (f"loading {recipe.dflash.init}" if recipe.dflash.init else "building a new one"))
+            self.model = build_drafter_for(recipe, self.target, distill, self.tokenizer).to(self.device)
         cfg = self.model.config
         if recipe.stage == "drafter":
             pass
@@ -318,7 +325,8 @@ class Trainer:
                 raise ValueError("stage 'diffusion' needs a clover model with mask_token_id")
             if not hasattr(self.model, "forward_block_diffusion"):
                 raise RuntimeError("this model has no forward_block_diffusion(clean_ids, noisy_ids, block_size)")
-        distill = self._distill_set()  # built from the full model, before it is sharded
+        if recipe.stage != "drafter":
+            distill = self._distill_set()  # built from the full model, before it is sharded
         if recipe.adapter.rank:
             self._attach_adapter()
         if recipe.run.activation_checkpointing:
@@ -340,12 +348,14 @@ class Trainer:
             self.stream = DistillRows(distill, self.tokenizer, seq_len=recipe.data.seq_len,
                                       batch_size=recipe.data.batch_size // self.dist.world,
                                       seed=(recipe.seed if recipe.data.seed is None else recipe.data.seed) * 1000 + self.dist.rank,
-                                      task_fraction=recipe.data.task_fraction, pad_id=ids.get("<|pad|>", 0))
+                                      task_fraction=recipe.data.task_fraction, pad_id=ids.get("<|pad|>", 0),
+                                      min_len=recipe.dflash.block_size + 1)
         else:
             self._say("data: " + (", ".join(s.label for s in parse_sources(recipe.data.sources)) or "the stdlib")
                       + f" and tasks ({recipe.data.task_fraction:g} of rows)")
             self.stream = make_stream(recipe, self.dist.rank, self.dist.world, self.tokenizer, distill,
                                       verbose=self.announce)
+        self.memo = TargetMemo(recipe.dflash.kl_top_k) if recipe.stage == "drafter" and recipe.dflash.kl_top_k else None
         self.gen = torch.Generator().manual_seed(recipe.seed * 7919 + 17 + self.dist.rank)
         # stage 2 under FSDP: one forward per micro-batch, the same on every rank, so each micro-batch
         # takes one block size from a generator all ranks share (the masks still come from `gen`)
@@ -523,7 +533,7 @@ class Trainer:
         if r.stage == "drafter":
             f = r.dflash
             loss, stats = dflash_step_loss(self.model, self.target, ids, self.gen, anchors=f.anchors, decay=f.decay,
-                                           kl_weight=f.kl_weight, pad_id=self.stream.pad_id)
+                                           kl_weight=f.kl_weight, pad_id=self.stream.pad_id, memo=self.memo)
         elif r.stage == "ar":
             loss, stats = ar_step_loss(self.model, ids, aux_coef=r.optim.aux_loss_coef, top_k=top_k)
         else:
@@ -604,14 +614,14 @@ class Trainer:
         window: list[dict[str, float]] = []
         t_window = time.time()
         tok_window = 0
-        per_step_tokens = r.data.batch_size * r.data.seq_len
         while self.step < total:
             t0 = time.time()
             ids = self.stream.next_batch().to(self.device, non_blocking=True)
             stats = self.train_step(ids)
             self.step += 1
-            self.tokens += per_step_tokens
-            tok_window += per_step_tokens
+            step_tokens = ids.numel() * self.dist.world  # a drafter's rows end at the batch's longest
+            self.tokens += step_tokens
+            tok_window += step_tokens
             self.elapsed += time.time() - t0
             history.append(stats)
             window.append(stats)
