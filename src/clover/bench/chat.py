@@ -36,7 +36,7 @@ def chat_items(llm, questions: int, *, seed: int = 0) -> list[Item]:
                  " | ".join(q.answers), task=q) for q in held_out_questions(questions, seed=seed)]
 
 
-def run_chat(llm, *, questions: int = 40, modes: Iterable[str] = DEFAULT_MODES.split(","), max_new_tokens: int = 48,
+def run_chat(llm, *, questions: int = 40, modes: Iterable[str] = DEFAULT_MODES.split(","), max_new_tokens: int = 128,
              block_size: int | None = None, threshold: float | None = None, seed: int = 0,
              progress: Callable[[str], None] | None = None) -> dict:
     """`clover bench decode` on the `chat` workload (the same protocol, summary and ratios; quality:
@@ -68,11 +68,18 @@ def same_as_ar(r: dict) -> float | None:
     return None if d is None else 1 - d["diverged"]
 
 
+def ended(result: dict, mode: str) -> float:
+    """The share of a mode's replies that ended on their own (EOS or a stop), not at the token cap."""
+    runs = [r for r in result["runs"] if r["mode"] == mode]
+    return sum(r["finish_reason"] != "length" for r in runs) / max(1, len(runs))
+
+
 def markdown(result: dict) -> str:
     s = result["settings"]
     lines = [f"clover bench chat · {result['model']} · {s['prompts']} held-out questions · "
-             f"{s['max_new_tokens']} new tokens · {options_label(s)}", "",
-             "| mode | accuracy | by kind | tokens/forward | tokens/s | ×AR tok/s | = AR |", "|---|---|---|---|---|---|---|"]
+             f"up to {s['max_new_tokens']} new tokens · {options_label(s)}", "",
+             "| mode | accuracy | by kind | tokens/forward | tokens/s | ×AR tok/s | = AR | ended |",
+             "|---|---|---|---|---|---|---|---|"]
     for m, r in result["modes"].items():
         q = r["quality"]["chat"]
         kinds = ", ".join(f"{k} {v['accuracy']:.0%}" for k, v in q["by_kind"].items())
@@ -80,10 +87,10 @@ def markdown(result: dict) -> str:
         same = same_as_ar(r)
         lines.append(f"| {m} | {q['accuracy']:.1%} | {kinds} | {r['tokens_per_forward']:.2f} | "
                      f"{r['tokens_per_second']['aggregate']:.1f} | {'-' if vs is None else f'{vs:.2f}'} | "
-                     f"{'-' if same is None else format(same, '.0%')} |")
+                     f"{'-' if same is None else format(same, '.0%')} | {ended(result, m):.0%} |")
     if result.get("llama_cpp"):
         lc = result["llama_cpp"]
         ar = result["modes"]["ar"]["tokens_per_second"]["aggregate"]
         lines.append(f"| llama.cpp AR ({lc['type']}) | - | - | 1.00 | {lc['tokens_per_second']:.1f} | "
-                     f"{lc['tokens_per_second'] / max(ar, 1e-9):.2f} | - |")
+                     f"{lc['tokens_per_second'] / max(ar, 1e-9):.2f} | - | - |")
     return "\n".join(lines)

@@ -60,7 +60,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0, metavar="N",
                    help="which draw of held-out questions (default: 0, the reported set; another seed draws others, "
                         "which may overlap it, e.g. to tune a policy)")
-    p.add_argument("--max-new-tokens", "-n", type=int, default=48, metavar="N", help="tokens per answer (default: 48)")
+    p.add_argument("--max-new-tokens", "-n", type=int, default=128, metavar="N",
+                   help="the cap on an answer's tokens; each answer runs to its EOS below it (default: 128)")
     p.add_argument("--modes", default="ar,diffusion,speculative", help="comma-separated (default: ar,diffusion,speculative)")
     p.add_argument("--block-size", type=int, metavar="N", help="diffusion block / draft length (default: the model's)")
     p.add_argument("--threshold", type=float, metavar="X", help="diffusion confidence threshold (default: the model's)")
