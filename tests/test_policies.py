@@ -115,3 +115,24 @@ def test_config_refuses_an_unknown_policy():
 
     with pytest.raises(ConfigError, match="policy"):
         config_from_dict({**tiny_config().to_dict(), "policy": "yolo"})
+
+
+def test_quota_fallback_by_hand():
+    """fallback="quota" (SDAR / LLaDA2's low_confidence_dynamic): a step that accepts fewer than its quota
+    (block // steps, one more for the first block % steps steps) commits the quota most confident."""
+    from clover.decoding.acceptance import step_quota
+
+    assert [step_quota(8, 4, s) for s in range(4)] == [2, 2, 2, 2]
+    assert [step_quota(7, 4, s) for s in range(5)] == [2, 2, 2, 1, 1]  # past the last step: the last's
+    assert [step_quota(4, None, s) for s in range(4)] == [1, 1, 1, 1]  # steps null: the block size
+    quota = params("threshold", fallback="quota", steps=4)
+    take, forced = accept(quota, CONF, POS, ENT, step=0, width=8)  # only 0.97 passes 0.95: the top 2
+    assert take.tolist() == [0, 1] and forced
+    take, forced = accept(quota, CONF, POS, ENT, step=3, width=7)  # quota 1: what passes
+    assert take.tolist() == [0] and not forced
+    take, forced = accept(params("threshold", threshold=0.6, fallback="quota", steps=4), CONF, POS, ENT, step=0, width=8)
+    assert take.tolist() == [0, 1, 2, 3, 4] and not forced  # five pass: all of them
+    take, forced = accept(params("threshold", fallback="quota", steps=1), CONF, POS, ENT, step=0, width=8)
+    assert take.tolist() == [0, 1, 2, 3, 4, 5] and forced  # a quota beyond the candidates: all of them
+    with pytest.raises(ValueError, match="steps: sets the quota of fallback='quota'"):
+        clover.decoding.modes.get_mode("diffusion").check(params("threshold", steps=4))

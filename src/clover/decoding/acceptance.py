@@ -15,8 +15,13 @@ The rules (`policy=`):
   so adjacent uncertain tokens are never committed together);
 - `entropy`: in confidence order while the summed entropy of the accepted positions stays
   <= `entropy_budget` nats (an entropy-bounded sampler).
-The fallback on a forced step (`fallback=`): `confident` (the most confident candidate) or
-`leftmost` (the leftmost, as left-to-right decoding would)."""
+The fallback on a forced step (`fallback=`): `confident` (the most confident candidate), `leftmost`
+(the leftmost, as left-to-right decoding would) or `quota`: a step that accepts fewer than its
+quota commits the quota most confident instead, the quota of step s of a block of width B decoded
+in `steps` steps being B // steps, one more for the first B % steps steps (`step_quota`; `steps`
+null: B, one a step, which is `confident`). `threshold` with `quota` is SDAR's and LLaDA2's
+`low_confidence_dynamic` (theirs compares `> threshold`, this rule `>=`: they differ only on a
+confidence equal to the threshold in fp32)."""
 
 from __future__ import annotations
 
@@ -25,7 +30,7 @@ from typing import Callable
 import torch
 
 POLICIES: dict[str, Callable] = {}
-FALLBACKS = ("confident", "leftmost")
+FALLBACKS = ("confident", "leftmost", "quota")
 
 
 def _policy(name: str):
@@ -78,12 +83,27 @@ def entropy_rule(conf: torch.Tensor, *, entropy: torch.Tensor, entropy_budget: f
     return order[:count].sort().values
 
 
-def accept(params, conf: torch.Tensor, pos: torch.Tensor, entropy: torch.Tensor | None = None) -> tuple[torch.Tensor, bool]:
-    """conf [N] (N >= 1), pos [N] block positions (ascending), entropy [N] (the entropy rule) ->
+def step_quota(width: int, steps: int | None, step: int) -> int:
+    """The positions step `step` (0-based) of a block of `width` must commit at least, when the
+    block is decoded in `steps` steps (None: `width`, one a step); past the last step, the last's."""
+    steps = steps or width
+    step = min(step, steps - 1)
+    return width // steps + (step < width % steps)
+
+
+def accept(params, conf: torch.Tensor, pos: torch.Tensor, entropy: torch.Tensor | None = None, *,
+           step: int = 0, width: int = 1) -> tuple[torch.Tensor, bool]:
+    """conf [N] (N >= 1), pos [N] block positions (ascending), entropy [N] (the entropy rule),
+    `step` the block's denoise step (0-based) and `width` its width (the quota fallback) ->
     (indices into the candidates to commit, ascending; forced)."""
     take = POLICIES[params.policy](conf, pos=pos, entropy=entropy, threshold=params.threshold,
                                    factor=params.factor, low_threshold=params.low_threshold,
                                    entropy_budget=params.entropy_budget)
+    if params.fallback == "quota":
+        quota = min(step_quota(width, params.steps, step), conf.numel())
+        if take.numel() >= quota:
+            return take, False
+        return conf.topk(quota).indices.sort().values, True
     if take.numel():
         return take, False
     if params.fallback == "leftmost":

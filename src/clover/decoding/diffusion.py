@@ -366,7 +366,7 @@ class DiffusionEngine(BatchEngine):
             logits[frontier] = r.constraint.mask(logits[frontier])
         prop = propose_tokens(r, logits[cand], tails, with_entropy=want_ent)  # stay tensors: no list round trip
         toks, conf = prop[0], prop[1]
-        take, forced = accept(r.params, conf, cand, prop[2] if want_ent else None)
+        take, forced = accept(r.params, conf, cand, prop[2] if want_ent else None, step=r.state.step - 1, width=Bs)
         if forced:
             r.forced_steps += 1
             r.state.dec_forced[cand[take]] = True
@@ -487,6 +487,8 @@ class Diffusion(Mode):
     def check(self, params) -> None:
         if params.policy == "hierarchy" and params.low_threshold > params.threshold:
             raise ValueError(f"low_threshold: must be <= threshold ({params.threshold}), got {params.low_threshold}")
+        if params.steps is not None and params.fallback != "quota":
+            raise ValueError(f"steps: sets the quota of fallback='quota'; fallback is {params.fallback!r}")
 
     def spec(self, params, provisional=False) -> EngineSpec:
         # what changes the forward itself; the acceptance options are per row

@@ -133,6 +133,8 @@ LIMITS: dict[str, Limit] = {
     "factor": Limit(float, gt=0, le=10, doc="policy factor: the top n while the n-th confidence >= 1 - factor/(n+1)"),
     "low_threshold": Limit(float, gt=0, le=1, doc="policy hierarchy: local maxima at or above this also commit (<= threshold)"),
     "entropy_budget": Limit(float, gt=0, le=100, doc="policy entropy: summed entropy (nats) a step may commit"),
+    "steps": Limit(int, ge=1, le=1024, nullable=True,
+                   doc="fallback quota: denoise steps per block; step s commits at least block/steps positions (null = the block size: one)"),
     "sub_block": Limit(int, ge=1, le=1024, nullable=True,
                        doc="denoise the block in sub-blocks of this size, left to right (null = the whole block)"),
     "expert_budget": Limit(int, ge=1, le=1 << 16, nullable=True,
@@ -178,6 +180,7 @@ class SamplingParams:
     factor: float = 1.0
     low_threshold: float = 0.5
     entropy_budget: float = 1.0
+    steps: int | None = None  # fallback quota: denoise steps per block (None: the block size)
     sub_block: int | None = None
     skip_window: bool = False
     skip_decoded: bool = False
