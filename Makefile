@@ -7,15 +7,19 @@ TEST_STAMP := $(VENV)/.clover-test-installed
 
 .PHONY: demo test test-slow install bench clean
 
-# `make demo` needs the package alone; `make test` adds the extras the tests exercise.
+TORCH_CPU_INDEX := https://download.pytorch.org/whl/cpu
+
+# `make demo` installs the package with the server (`clover serve`, the playground); `make test` adds
+# the extras the tests exercise. torch: the CPU build, 2.13.0 where a local wheel has it, else the
+# newest from PyTorch's CPU index (PyPI's Linux torch is the multi-GB CUDA build); pip shows progress.
 $(STAMP): pyproject.toml
 	test -d $(VENV) || $(PY) -m venv $(VENV)
-	$(BIN)/pip install -q "torch==2.13.0" || $(BIN)/pip install -q "torch>=2.5"
-	$(BIN)/pip install -q -e .
+	$(BIN)/pip install "torch==2.13.0+cpu" || $(BIN)/pip install torch --index-url $(TORCH_CPU_INDEX)
+	$(BIN)/pip install -e ".[serve]"
 	touch $(STAMP)
 
 $(TEST_STAMP): $(STAMP)
-	$(BIN)/pip install -q -e ".[serve,plot,test]"
+	$(BIN)/pip install -e ".[serve,plot,test]"
 	touch $(TEST_STAMP)
 
 install: $(STAMP)

@@ -161,3 +161,81 @@ def test_threads_is_torchs_in_every_model_command_and_the_port_has_its_own(capsy
         assert llama_threads(cli.build_parser("generate").parse_args(["generate", "x", *argv])) == want
     rc, _, err = run(capsys, "generate", "hi", "--model", ar_default, "--threads", "0")
     assert rc == 2 and "--threads" in err
+
+
+# ----------------------------------------------------------------------------------- serving
+def test_the_playground_opens_on_chat_for_a_chat_model_and_serve_says_where(chat_model, tiny_llm):
+    from fastapi.testclient import TestClient
+
+    import clover
+    from clover.serve.app import banner, create_app
+
+    llm = clover.load(chat_model)
+    with TestClient(create_app(llm)) as client:
+        assert client.get("/v1/clover/modes").json()["chat"] is True
+    with TestClient(create_app(tiny_llm)) as client:
+        assert client.get("/v1/clover/modes").json()["chat"] is False
+    line = banner(llm, "m", "0.0.0.0", 8123)
+    assert "http://127.0.0.1:8123/v1" in line and "playground http://127.0.0.1:8123/" in line and "\n" not in line
+
+
+def test_the_serve_extra_hint_names_an_install_that_works():
+    from clover.cli.common import extra_hint
+
+    assert "pip install -e '.[serve]'" in extra_hint("serve")
+
+
+# --------------------------------------------------------------------------------- GGUF, cache
+def test_a_gguf_file_is_a_model_imported_once_and_the_cache_lists_and_removes_it(tmp_path, monkeypatch, capsys):
+    import os
+    import stat
+
+    from test_gguf_import import hf_llama, write_gguf
+
+    import clover
+    from clover import named
+
+    monkeypatch.setenv("CLOVER_MODELS", str(tmp_path / "models"))
+    ref, tok_dir, ids = hf_llama(tmp_path, tied=True)
+    gguf = write_gguf(tmp_path / "tiny.gguf", ref, tok_dir, ids)
+    llm = clover.load(gguf)
+    assert llm.path.parent == named.models_root() / named.GGUF_DIR and "importing tiny.gguf" in capsys.readouterr().err
+    weights = llm.path / "model.safetensors"
+    assert stat.S_IMODE(os.stat(weights).st_mode) == 0o666 & ~_umask()  # readable by others, as any new file
+    mtime = weights.stat().st_mtime_ns
+    rc, out, err = run(capsys, "generate", "hi", "--model", gguf, "--mode", "ar", "-n", "3", "--raw")
+    assert rc == 0, err
+    assert "importing" not in err and weights.stat().st_mtime_ns == mtime  # once
+    rc, out, _ = run(capsys, "list")
+    assert rc == 0 and llm.path.name in out and "total" in out
+    rc, out, _ = run(capsys, "rm", llm.path.name)
+    assert rc == 0 and not llm.path.exists()
+    rc, _, err = run(capsys, "rm", "nothing-such")
+    assert rc == 2 and "not in the model cache" in err
+
+
+def _umask() -> int:
+    import os
+
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def test_the_server_names_max_tokens_as_sent_and_refuses_content_less_messages(tiny_llm):
+    from fastapi.testclient import TestClient
+
+    from clover.serve.app import create_app
+
+    with TestClient(create_app(tiny_llm)) as client:
+        too_long = tiny_llm.context_length
+        for field in ("max_tokens", "max_completion_tokens"):
+            r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], field: too_long})
+            err = r.json()["error"]
+            assert r.status_code == 400 and err["param"] == field and err["code"] == "context_length_exceeded"
+            assert err["message"].startswith(f"{field}: ") and "max_new_tokens" not in err["message"]
+        for msg in ({"role": "user"}, {"role": "user", "content": None}, {"role": "system", "content": None}):
+            r = client.post("/v1/chat/completions", json={"messages": [msg, {"role": "user", "content": "hi"}]})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text
+        ok = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+        assert ok.status_code == 200

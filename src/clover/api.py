@@ -31,11 +31,16 @@ OWN_DRAFTER = "dflash"  # a model directory's own DFlash drafter lives in this s
 
 
 def model_path(given: str | os.PathLike) -> Path:
-    """What a user's model argument names: the directory itself when it exists, else the directory
+    """What a user's model argument names: the directory itself when it exists; for a GGUF file, the
+    directory it was imported into (`named.imported_gguf`: on first use, with a progress bar); else the directory
     of the named model (a name such as clover-smol, pulled into the user cache; FileNotFoundError
     with the `clover pull` command when it is not there yet), else the path as given (for the caller
     to report)."""
     path = Path(given)
+    if path.suffix.lower() == ".gguf" and path.is_file():  # imported into the user cache once
+        from .named import imported_gguf
+
+        return imported_gguf(path)
     if not path.exists():
         from .named import resolve_named
 
@@ -439,7 +444,7 @@ def load(path: str | os.PathLike | None = None, *, dtype: str | torch.dtype | No
     docs/benchmarks.md). `drafter` is a DFlash drafter directory for mode "dflash" (`clover.models.dflash`; refused with one line when it does not fit the model);
     the bundled model comes with its own (`BUNDLED_DRAFTER`), and a model directory may hold its own
     (`<path>/dflash`, `OWN_DRAFTER`: what `clover pull` installs beside clover-smol), loaded unless `drafter=False`.
-    `calibrate=True` (what `clover serve` does): speculative draft "auto"'s step costs at the batch
+    `calibrate=True`: speculative draft "auto"'s step costs at the batch
     sizes in powers of two up to `compile_batch` are read from the user cache, or measured here with
     a progress bar and cached (`clover.decoding.speculative.measure_step_curves`: seconds, once per
     model shape, dtype and machine), so that no request waits on them; without it a request meets

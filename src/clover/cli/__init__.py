@@ -73,6 +73,8 @@ _command("quantize", "quantize", "weight-only INT8/INT4 quantization of a model 
 _command("convert", "convert",
          "turn a Qwen3.5-MoE checkpoint into a Clover one (mask token + zero-initialised new parameters)")
 _command("pull", "pull", "download a named model (clover-smol) into the user cache; then --model NAME works offline")
+_command("list", "ls", "the models in the user cache (pulled, imported GGUF files, downloads) with their sizes")
+_command("rm", "rm", "delete a model from the user cache (a name that `clover list` shows)")
 _command("import-gguf", "import_gguf", "turn a GGUF file (llama; qwen35moe as export-gguf writes it) into a model directory (safetensors, tokenizer, chat template)")
 _command("export-gguf", "export_gguf", "write a checkpoint as GGUF for llama.cpp (arch qwen35moe; see docs/gguf.md)")
 _command("export-hf", "export_hf", "write a Clover checkpoint as a transformers directory (trust_remote_code; see docs/transformers.md)")

@@ -26,8 +26,10 @@ DISTRIBUTION = "clover-dlm"  # the name on PyPI (`clover` there is another proje
 
 
 def extra_hint(extra: str) -> str:
-    """How to install an optional extra: pip install 'clover-dlm[EXTRA]'."""
-    return f"pip install '{DISTRIBUTION}[{extra}]'"
+    """How to install an optional extra: from the clone (`pip install -e '.[EXTRA]'`: the package is
+    not on PyPI yet), or, once published, pip install 'clover-dlm[EXTRA]'."""
+    return (f"in the clover clone: pip install -e '.[{extra}]'; "
+            f"once published: pip install '{DISTRIBUTION}[{extra}]'")
 
 
 def has_module(name: str) -> bool:
@@ -126,7 +128,8 @@ def add_model_arguments(p: argparse.ArgumentParser, *, positional: bool = False,
     weights (`weights`) --no-check-finite and (`threads`) --threads, torch's CPU threads."""
     if positional:
         p.add_argument("model_pos", nargs="?", metavar="MODEL", help="model directory (same as --model)")
-    p.add_argument("--model", "-m", metavar="DIR", help="model directory (default: $CLOVER_MODEL or the bundled model)")
+    p.add_argument("--model", "-m", metavar="DIR", help="model directory, GGUF file (imported into the user cache on "
+                   "first use) or name (clover-smol) (default: $CLOVER_MODEL or the bundled model)")
     p.add_argument("--device", help="torch device, e.g. cpu, cuda, cuda:1 (default: cpu)")
     p.add_argument("--dtype", choices=DTYPE_CHOICES, help="weight dtype (default: the checkpoint's)")
     p.add_argument("--compile", action="store_const", const="static", default=False,

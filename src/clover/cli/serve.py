@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-from .common import UsageError, add_engine_arguments, add_model_arguments, extra_hint, llama_threads, load_llm
+from .common import (UsageError, add_engine_arguments, add_model_arguments, extra_hint, llama_threads, load_llm, stderr,
+                     wants_drafter)
 
 SERVE_EXTRA = ("fastapi", "uvicorn", "pydantic", "starlette", "prometheus_client")  # pyproject's `serve` extra
 
@@ -40,6 +41,20 @@ def _missing_serve_extra() -> str | None:
     return None
 
 
+def calibration_note(llm, max_batch: int) -> None:
+    """One line on what a first request may measure: speculative draft auto's step costs at the batch
+    sizes the user cache does not hold yet."""
+    if llm.config.mask_token_id is None:
+        return
+    from ..decoding.speculative import pending_step_curves
+    from ..decoding.width import BATCH_BUCKETS, batch_bucket
+
+    pending = pending_step_curves(llm.model, [b for b in BATCH_BUCKETS if b <= batch_bucket(max_batch)])
+    if pending:
+        stderr(f"clover serve: the first speculative request at batch size {', '.join(map(str, pending))} measures "
+               "what a draft step costs (draft auto's widths; seconds, once per model and machine, then cached)")
+
+
 def run(args: argparse.Namespace) -> int:
     missing = _missing_serve_extra()  # before loading the model: uvicorn is only imported to run
     if missing is None:
@@ -63,7 +78,11 @@ def run(args: argparse.Namespace) -> int:
         get_parser(args.tool_call_parser)  # ValueError naming the registered formats, before loading
     import contextlib
 
-    llm = load_llm(args, calibrate=args.engine == "torch")  # draft auto's step costs ready before the first request
+    # nothing measured before the server listens: speculative draft auto's step costs are measured
+    # (then cached) by the first request that needs them
+    llm = load_llm(args, bundled_drafter=wants_drafter(args))
+    if args.engine == "torch":
+        calibration_note(llm, args.max_batch)
     with contextlib.ExitStack() as stack:
         if args.engine == "llama.cpp":
             from ..integrations.llama_port import port_llm

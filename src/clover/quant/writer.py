@@ -17,12 +17,11 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 
 from ..config import CloverConfig
 from ..models import read_config
 from ..models import build_model
-from ..weights import INDEX_FILE, SINGLE_FILE, CheckpointError, expected_shapes, iter_tensors, shard_files
+from ..weights import INDEX_FILE, SINGLE_FILE, CheckpointError, expected_shapes, iter_tensors, shard_files, write_safetensors
 from .format import (
     EXPERT_PARTS,
     GROUP_SIZES,
@@ -150,7 +149,7 @@ def quantize_checkpoint(
                     out[name] = t
             # per-expert pieces completed in this shard were emitted by _finish_experts
             if out:
-                save_file(out, str(dst / out_name), metadata={"format": "pt", "quant_method": "clover-weight-only", "bits": str(bits)})
+                write_safetensors(out, dst / out_name, metadata={"format": "pt", "quant_method": "clover-weight-only", "bits": str(bits)})
                 total_bytes += sum(v.numel() * v.element_size() for v in out.values())
                 weight_map.update({k: out_name for k in out})
             del out

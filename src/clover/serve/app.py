@@ -20,6 +20,7 @@ import json
 import logging
 import re
 import secrets
+import sys
 import time
 import uuid
 from typing import Annotated, AsyncIterator
@@ -119,11 +120,16 @@ class APIError(Exception):
         return JSONResponse(body, status_code=self.status, headers=self.headers)
 
 
-def _value_error(e: Exception, *, prompt_param: str = "prompt") -> APIError:
-    """A ValueError "field: why" from SamplingParams / LLM -> 400 naming the request field."""
+def _value_error(e: Exception, *, prompt_param: str = "prompt", length_param: str | None = None) -> APIError:
+    """A ValueError "field: why" from SamplingParams / LLM -> 400 naming the request field. A prompt
+    that fits the context alone but not with the length the client asked for (`length_param`:
+    max_tokens or max_completion_tokens, as sent) names that field."""
     msg = str(e)
     if "context length" in msg:
-        return APIError(400, msg, param=prompt_param, code="context_length_exceeded")
+        msg = re.sub(r"\bmax_new_tokens\b", length_param or "max_tokens", msg)
+        if length_param:
+            msg = f"{length_param}: too long for this prompt: {msg.split(': ', 1)[-1]}"
+        return APIError(400, msg, param=length_param or prompt_param, code="context_length_exceeded")
     m = re.match(r"^(\w+)[: ]", msg)
     param = _PARAM_NAMES.get(m.group(1), m.group(1)) if m else None
     if param == "prompt":
@@ -147,7 +153,7 @@ class Server:
         self.llm = llm
         self.tok = llm.tokenizer
         # the model family's tool-call format (serve/tools.py): named, or read off the chat template
-        self.tool_parser = get_parser(tool_parser) if tool_parser else parser_for(getattr(self.tok.hf, "chat_template", None))
+        self.tool_parser = get_parser(tool_parser) if tool_parser else parser_for(self.tok.chat_template)
         self.model_name = model_name
         self.aliases = {model_name} | ({str(llm.path)} if getattr(llm, "path", None) else set())
         self.api_key = api_key
@@ -155,15 +161,15 @@ class Server:
         self.metrics = Metrics()
         self.scheduler = Scheduler(llm, max_batch=max_batch, max_queue=max_queue, metrics=self.metrics)
         self.created = int(time.time())
-        im_end = self.tok.hf.convert_tokens_to_ids("<|im_end|>") if hasattr(self.tok, "hf") else None
-        self.chat_stop_ids = [im_end] if isinstance(im_end, int) and im_end != self.tok.hf.unk_token_id else []
+        im_end = self.tok.end_of_turn_id()
+        self.chat_stop_ids = [] if im_end is None else [im_end]
         if max_body_bytes < 1:
             raise ValueError(f"max_body_bytes: must be >= 1, got {max_body_bytes}")
         self.max_body_bytes = max_body_bytes
         # A prompt longer than this many characters cannot fit the context whatever it encodes to
         # (no token spans more characters than the longest vocabulary entry; x2 for normalizers
         # that merge characters), so it is refused before tokenization.
-        vocab = self.tok.hf.get_vocab() if hasattr(self.tok, "hf") else {}
+        vocab = self.tok.raw.get_vocab()  # (transformers' tokenizer loads on the prepare worker: `warm`)
         self.max_prompt_chars = 2 * llm.context_length * max((len(t) for t in vocab), default=64)
         # tokenization, chat templates and parameter checks: one worker (the tokenizer is not
         # safe to encode from several threads at once), off the event loop
@@ -201,6 +207,9 @@ class Server:
             if m.role not in CHAT_ROLES:
                 raise APIError(400, f"messages.{i}.role: {m.role!r} is not a chat role; use one of {', '.join(CHAT_ROLES)}",
                                param="messages", code="invalid_value")
+            if m.role in ("user", "system", "developer") and ("content" not in m.model_fields_set or m.content is None):
+                raise APIError(400, f"messages.{i}.content: a {m.role} message needs content", param="messages",
+                               code="invalid_value")
         try:
             msgs = chat_messages_with_tools(messages, structured or Structured(), self.tok.supports_tools())
         except RequestError as e:
@@ -265,7 +274,10 @@ class Server:
             for p in prompts:
                 self.llm.check_length(len(p), params, mode)
         except ValueError as e:
-            raise _value_error(e, prompt_param=prompt_param) from None
+            sent = "max_tokens" if body.max_tokens is not None else "max_completion_tokens"
+            fits = max(len(p) for p in prompts) < self.llm.context_length  # then the length asked is too long
+            raise _value_error(e, prompt_param=prompt_param,
+                               length_param=sent if max_tokens is not None and fits else None) from None
         except TypeError as e:
             raise APIError(400, str(e), code="invalid_value") from None
         return mode, params
@@ -663,6 +675,7 @@ def create_app(llm, *, model_name: str = "clover", max_batch: int = MAX_BATCH, m
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         srv.scheduler.start()
+        srv.pool.submit(lambda: srv.tok.hf)  # the chat template's tokenizer (transformers), loaded off the start
         yield
         await asyncio.to_thread(srv.scheduler.stop, srv.drain_timeout)
         srv.pool.shutdown(wait=False, cancel_futures=True)
@@ -834,13 +847,20 @@ def serve(model_dir=None, host: str = HOST, port: int = PORT, max_batch: int = M
             model_name=model_name, log_level=log_level, max_body_bytes=max_body_bytes, tool_parser=tool_parser)
 
 
-def uvicorn_server(app: FastAPI, *, host: str, port: int, log_level: str = "info", graceful: float | None = 30.0):
+def uvicorn_server(app: FastAPI, *, host: str, port: int, log_level: str = "info", graceful: float | None = 30.0,
+                   banner: str | None = None):
     """A uvicorn.Server for `app` whose shutdown first drains the scheduler (in-flight rows finish
     for up to the app's drain timeout, then end with finish_reason "abort", so every open request
-    gets an answer) and only then waits for the connections to close."""
+    gets an answer) and only then waits for the connections to close. `banner`: printed on stderr
+    once the socket listens."""
     import uvicorn
 
     class _Server(uvicorn.Server):
+        async def startup(self, sockets=None):
+            await super().startup(sockets)
+            if banner and not self.should_exit:
+                print(banner, file=sys.stderr, flush=True)
+
         async def shutdown(self, sockets=None):
             srv: Server = app.state.server
             await asyncio.to_thread(srv.scheduler.stop, srv.drain_timeout)
@@ -859,5 +879,14 @@ def run_app(llm, *, host: str = HOST, port: int = PORT, max_batch: int = MAX_BAT
     name = model_name or (llm.path.name if getattr(llm, "path", None) else "clover")
     app = create_app(llm, model_name=name, max_batch=max_batch, max_queue=max_queue, api_key=api_key,
                      max_body_bytes=max_body_bytes, tool_parser=tool_parser)
-    uvicorn_server(app, host=host, port=port, log_level=log_level).run()
+    uvicorn_server(app, host=host, port=port, log_level=log_level, banner=banner(llm, name, host, port)).run()
+
+
+def banner(llm, name: str, host: str, port: int) -> str:
+    """What `clover serve` prints once it listens: the model, its default mode and where to go."""
+    shown = "127.0.0.1" if host in ("0.0.0.0", "", "::") else (f"[{host}]" if ":" in host else host)
+    base = f"http://{shown}:{port}"
+    kind = "chat" if getattr(llm, "is_chat", False) else "completion"
+    return (f"clover serve: {name} ({kind} model, {llm.default_mode} by default) · OpenAI API {base}/v1 · "
+            f"playground {base}/ · health {base}/health")
 

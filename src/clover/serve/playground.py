@@ -1,7 +1,7 @@
 """The denoising playground: a static page (`static/`: HTML, JS and CSS, no build step, nothing
 fetched from elsewhere) served at `/` and `/playground`, and `GET /v1/clover/modes`, what its
 controls offer: the registry's modes, the acceptance policies, the model's defaults and each
-option's limits.
+option's limits, and whether the model is a chat model (the page then opens on the chat endpoint).
 
 The page uses only the public API: it streams `/v1/completions` or `/v1/chat/completions` with
 `stream_options.provisional` (a clover extension, docs/serving.md) and draws each denoise step."""
@@ -59,7 +59,7 @@ def modes_info(llm, model_name: str, default_mode: str) -> dict:
                      "threshold_commit": m.threshold_commit, "reference": m.reference,
                      "available": llm.mode_available(name)})
     return {"object": "list", "model": model_name, "default": default_mode, "max_model_len": llm.context_length,
-            "data": data, "options": options}
+            "chat": bool(getattr(llm, "is_chat", False)), "data": data, "options": options}
 
 
 router = APIRouter()  # the page, its two assets and the modes endpoint (under /v1, so behind `--api-key`)

@@ -84,6 +84,8 @@ async function loadModes() {
   }
   info = await resp.json();
   $("model").textContent = `model ${info.model} · context ${info.max_model_len} tokens`;
+  // a chat model opens on the chat endpoint (the URL's kind= still chooses)
+  document.querySelector(`input[name="kind"][value="${info.chat ? "chat" : "completion"}"]`).checked = true;
   buildControls();
   return true;
 }
@@ -163,7 +165,7 @@ function shareUrl(autorun) {
   const q = new URLSearchParams();
   q.set("prompt", s.prompt);
   q.set("mode", s.modes.join(","));
-  if (s.kind === "chat") q.set("kind", "chat");
+  if (s.kind !== (info.chat ? "chat" : "completion")) q.set("kind", s.kind);
   for (const name of FIELDS) if (s[name] !== $(name).dataset.default) q.set(name, s[name]);
   if (s.pace) q.set("pace", String(s.pace));
   if (s.seq) q.set("seq", "1");
@@ -174,7 +176,9 @@ function shareUrl(autorun) {
 function applyUrl() {
   const q = new URLSearchParams(location.search);
   if (q.has("prompt")) $("prompt").value = q.get("prompt");
-  if (q.get("kind") === "chat") document.querySelector('input[name="kind"][value="chat"]').checked = true;
+  if (q.get("kind") === "chat" || q.get("kind") === "completion") {
+    document.querySelector(`input[name="kind"][value="${q.get("kind")}"]`).checked = true;
+  }
   if (q.has("mode")) setModes(q.get("mode").split(",").map((x) => x.trim()));
   for (const name of FIELDS) if (q.has(name)) $(name).value = q.get(name);
   if (q.has("pace")) $("pace").value = q.get("pace");
