@@ -11,7 +11,7 @@ the reference's `block_diffusion_generate` (generate.py) on it. It writes
 
 - `checkpoint/`: the tiny checkpoint (config.json, model.safetensors),
 - `golden.safetensors`: the full-sequence logits (the block-causal prefill mask of generate.py over a
-  whole sequence) and the logits of every denoising forward of one generation per block size (the
+  whole sequence; in float32, and in float64 from the same weights) and the logits of every denoising forward of one generation per block size (the
   cached steps),
 - `cases.json`: per case the prompt, the block size and steps, the tokens generate.py returns and the
   denoising forwards it ran per block, and the order of the cached-step forwards.
@@ -31,6 +31,7 @@ Shims, each forced by running on a CPU or by asking for greedy decoding (nothing
 from __future__ import annotations
 
 import argparse
+import copy
 import importlib
 import json
 import shutil
@@ -179,6 +180,14 @@ def run_case(generate, model, prompt, block, steps):
     return tokens, per_block, rec.calls
 
 
+def full_logits(model, ids, block):
+    """The logits of one forward over `ids` under generate.py's prefill mask (block-causal)."""
+    L = ids.shape[1]
+    nb = -(-L // block)
+    mask = torch.tril(torch.ones(nb, nb)).repeat_interleave(block, 0).repeat_interleave(block, 1)[None, :L, :L]
+    return model(ids, attention_mask=mask.to(model.dtype), position_ids=torch.arange(L)[None]).logits[0]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("checkout", type=Path, help="a checkout of github.com/JetAstra/SDAR")
@@ -195,10 +204,7 @@ def main() -> None:
         with torch.no_grad():
             for block, _ in SCHEDULES:  # full-sequence logits under generate.py's block-causal mask
                 ids = torch.tensor([(PROMPTS["p11"] + PROMPTS["p8"])[:FULL_LEN]])
-                nb = -(-FULL_LEN // block)
-                mask = torch.tril(torch.ones(nb, nb)).repeat_interleave(block, 0).repeat_interleave(block, 1)
-                mask = mask[None, :FULL_LEN, :FULL_LEN]
-                tensors[f"full_b{block}"] = model(ids, attention_mask=mask, position_ids=torch.arange(FULL_LEN)[None]).logits[0]
+                tensors[f"full_b{block}"] = full_logits(model, ids, block)
             for block, steps in SCHEDULES:
                 for name, prompt in PROMPTS.items():
                     tokens, per_block, calls = run_case(generate, model, prompt, block, steps)
@@ -211,6 +217,10 @@ def main() -> None:
                             if not commit:  # a commit's logits are never read by generate.py
                                 tensors[f"step_{name}_b{block}_{j}"] = logits
                     cases.append(case)
+            model64 = copy.deepcopy(model).double()  # the same in float64: clover's float64 must agree to ~1e-12
+            for block, _ in SCHEDULES:
+                ids = torch.tensor([(PROMPTS["p11"] + PROMPTS["p8"])[:FULL_LEN]])
+                tensors[f"full64_b{block}"] = full_logits(model64, ids, block)
         save_file({k: v.contiguous() for k, v in tensors.items()}, str(args.out / "golden.safetensors"),
                   metadata={"format": "pt"})
         head = {"reference": "github.com/JetAstra/SDAR generate.py + " + MODEL_DIR + "/modeling_sdar.py",

@@ -284,6 +284,7 @@ class CausalLM(nn.Module):
         denoise_memo: list | None = None,
         denoise_width: int | None = None,
         denoise_valid: torch.Tensor | None = None,
+        commit_block: int | None = None,
     ) -> StepOutput:
         """One forward. `commit_ids [B, Tc]` (right-padded, `n_commit[b]` valid; None = all valid) are
         appended to `cache`; `denoise_ids [B, Bd]` is one block denoised against the updated cache.
@@ -294,12 +295,18 @@ class CausalLM(nn.Module):
         ([B, Tc, H]; a DFlash drafter's context).
         `denoise_frozen [B, Bd]` (bool), `denoise_memo` (a list), `denoise_width` and `denoise_valid`
         are the eager forward's skips (`forward_step`); a step that uses one runs eagerly.
+        `commit_block`: the commit part attends bidirectionally inside blocks of that size on the
+        absolute grid (positions [kB, (k+1)B)) and causally across them (`commit_attention` "block",
+        SDAR's); None: causally. It runs eagerly.
 
         The host side of a step (normalise `n_commit`, grow the cache, keep the commit's inputs
         while recording, advance the lengths) is here; the forward itself is `forward_step`, run
         eagerly or, with static steps, compiled when the call is one of their kinds."""
         if commit_ids is None and denoise_ids is None:
             raise ValueError("step needs commit_ids, denoise_ids or both")
+        if commit_block is not None and "linear_attention" in self.config.layer_types:
+            raise ValueError("commit_block: linear-attention layers commit causally; a block-causal commit needs "
+                             "attention-only layers")
         Tc = 0 if commit_ids is None else commit_ids.shape[1]
         if n_commit is not None and Tc and bool((n_commit == Tc).all()):
             n_commit = None
@@ -312,7 +319,7 @@ class CausalLM(nn.Module):
         kw = dict(expert_budget=expert_budget, expert_rank=expert_rank, all_logits=all_logits, record=record)
         out = None
         skips = dict(denoise_frozen=denoise_frozen, denoise_memo=denoise_memo, denoise_width=denoise_width,
-                     denoise_valid=denoise_valid)
+                     denoise_valid=denoise_valid, commit_block=commit_block)
         if self.static_steps is not None and all(v is None for v in skips.values()):
             out = self.static_steps.run(*args, **kw, hidden_out=hidden_out)
         if out is None:
@@ -346,6 +353,7 @@ class CausalLM(nn.Module):
         denoise_memo: list | None = None,
         denoise_width: int | None = None,
         denoise_valid: torch.Tensor | None = None,
+        commit_block: int | None = None,
     ):
         """The forward of a cached step, over the cache's tensors (`states`: per layer
         `state.tensors()`, updated in place; `lengths` [B] before the step, not advanced here) ->
@@ -381,7 +389,7 @@ class CausalLM(nn.Module):
         x = self.model.embed_tokens(ids)
         rope = self.model.rotary_emb(step_positions(lengths, n, Tc, Bd), x.dtype)
         segments = Segments(commit_len=Tc, denoise_len=Bd, n_commit=n_commit, denoise_width=denoise_width,
-                            denoise_valid=denoise_valid)
+                            denoise_valid=denoise_valid, commit_block=commit_block)
         sharing = BlockSharing(expert_budget, B, Tc, expert_rank) if expert_budget is not None and Bd else None
         lives = None
         if not static and sharing is None and self.live_positions:

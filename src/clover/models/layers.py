@@ -44,6 +44,7 @@ class Segments:
     block_size: int | None = None  # set: block-diffusion training, x is [clean L | noisy k*L]
     denoise_width: int | None = None  # the block's width when the denoise part carries only its first positions
     denoise_valid: torch.Tensor | None = None  # [B, Bd] bool: each row's block positions present (a prefix)
+    commit_block: int | None = None  # the commit part bidirectional inside blocks of this size (absolute grid)
 
     @property
     def ragged(self) -> bool:
@@ -325,7 +326,9 @@ def cached_attention_mask(start: torch.Tensor, segments: Segments, key_slots: in
     Lk the cached key slots (`key_slots`, e.g. the whole capacity for a static-shape graph; default
     max(start) + Tc, a host read): commit queries see the prefix and earlier commit tokens (causal);
     block queries see the whole committed prefix (after this forward's commit) and the whole block;
-    commit queries never see the block. Built once per forward."""
+    commit queries never see the block. With `segments.commit_block` B, a commit query at position
+    p sees every valid commit key up to the end of its block, ((p // B) + 1) * B - 1 (SDAR's
+    block-causal commit). Built once per forward."""
     Tc, Bd = segments.commit_len, segments.denoise_len
     Lk = key_slots if key_slots is not None else int(start.max()) + Tc
     dev = start.device
@@ -333,7 +336,14 @@ def cached_attention_mask(start: torch.Tensor, segments: Segments, key_slots: in
     parts = []
     if Tc:
         t = torch.arange(Tc, device=dev)
-        parts.append(j[None, None, :] <= (start[:, None, None] + t[None, :, None]))
+        p = start[:, None, None] + t[None, :, None]  # [B, Tc, 1] the commit queries' positions
+        cb = segments.commit_block
+        if cb is None:
+            parts.append(j[None, None, :] <= p)
+        else:
+            n = segments.n_commit if segments.n_commit is not None else torch.full_like(start, Tc)
+            end = torch.minimum((p // cb + 1) * cb, (start + n)[:, None, None])
+            parts.append((j[None, None, :] < end) | (j[None, None, :] <= p))
     if Bd:
         n = segments.n_commit if segments.n_commit is not None else torch.full_like(start, Tc)
         parts.append((j[None, None, :] < (start + n)[:, None, None]).expand(-1, Bd, -1))

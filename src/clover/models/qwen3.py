@@ -21,13 +21,32 @@ from .llama import LlamaConfig, LlamaRotaryEmbedding
 from .registry import Architecture
 
 
+# SDAR / TraDo (model_type "sdar"; its MoE "sdar_moe"): Qwen3 trained for block diffusion. What its
+# config.json may omit, at its reference's values (docs/checkpoints.md: each checked in its code)
+SDAR_DEFAULTS = dict(block_size=4, mask_token_id=151669, threshold=0.9)
+SDAR_TYPES = ("sdar", "sdar_moe")
+
+
 @dataclass(kw_only=True)
 class Qwen3Config(LlamaConfig):
     """A Qwen3 `config.json`, with Qwen3's defaults (head_dim 128, 32768 positions); RoPE read as
-    Llama's (`rope_parameters` / `rope_scaling`). Sliding-window attention is refused."""
+    Llama's (`rope_parameters` / `rope_scaling`). Sliding-window attention is refused. An SDAR
+    config.json (model_type "sdar") is one too, with its `block_size` and `mask_token_id` and its
+    authors' decoding defaults (`SDAR_DEFAULTS`)."""
 
-    MODEL_TYPES = ("qwen3",)
+    MODEL_TYPES = ("qwen3", "sdar")
     HF_ARCHITECTURE = "Qwen3ForCausalLM"
+
+    @property
+    def is_sdar(self) -> bool:
+        return self.model_type in SDAR_TYPES
+
+    @classmethod
+    def read_keys(cls, d: dict, shown: dict, source: str) -> None:
+        super().read_keys(d, shown, source)
+        if d.get("model_type") in SDAR_TYPES:
+            for k, v in SDAR_DEFAULTS.items():
+                d.setdefault(k, v)
 
     head_dim: int | None = 128
     max_position_embeddings: int = 32768
@@ -43,6 +62,9 @@ class Qwen3Config(LlamaConfig):
     def write_keys(self, d: dict) -> None:
         super().write_keys(d)
         d.pop("mlp_bias", None)  # Llama's key; Qwen3's MLP has no bias
+        if self.is_sdar:  # its diffusion keys (a plain AR config.json drops them)
+            d.update({k: getattr(self, k) for k in SDAR_DEFAULTS})
+            d["architectures"] = ["SDARForCausalLM"]
 
 
 class Qwen3RotaryEmbedding(LlamaRotaryEmbedding):

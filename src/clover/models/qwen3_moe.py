@@ -22,7 +22,7 @@ class Qwen3MoeConfig(Qwen3Config):
     """A Qwen3-MoE `config.json`: Qwen3's, with the sparse MoE's keys. Every layer sparse
     (`decoder_sparse_step` 1, no `mlp_only_layers`), as in every released Qwen3-MoE."""
 
-    MODEL_TYPES = ("qwen3_moe",)
+    MODEL_TYPES = ("qwen3_moe", "sdar_moe")
     HF_ARCHITECTURE = "Qwen3MoeForCausalLM"
 
     num_experts: int
