@@ -31,7 +31,7 @@ BUILD="$CACHE/build"
 BIN="$CACHE/bin"
 READY="$BIN/READY"
 
-build_port() {  # PORT=1: the Clover port, one C++ file against the stock build's ggml
+build_port() {  # PORT=1: the Clover port, one translation unit (clover-llama.cpp and its .inc parts) against the stock build's ggml
   local repo
   repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
   echo "== building llama-clover (ports/llama.cpp)"
