@@ -85,3 +85,34 @@ def hf_model(config, seed: int = 0):
             else:
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.08)
     return model
+
+
+def assert_cached_logits(ours, ids, expected, split: int, tol: float) -> None:
+    """`ours`' cached `step` gives `expected` (the reference's full-sequence logits of `ids` [B, T]):
+    a prefill of `split` tokens (all their logits), then token by token to the end."""
+    import torch
+
+    B, T = ids.shape
+    with torch.no_grad():
+        cache = ours.make_cache(B, T + 8)
+        out = ours.step(cache, commit_ids=ids[:, :split], all_logits=True)
+        torch.testing.assert_close(out.commit_logits, expected[:, :split], atol=tol, rtol=tol)
+        for t in range(split, T):
+            out = ours.step(cache, commit_ids=ids[:, t : t + 1])
+            torch.testing.assert_close(out.commit_logits, expected[:, t], atol=tol, rtol=tol)
+
+
+def randomise(ref, seed: int = 0) -> None:
+    """Every weight of a transformers model drawn from `seed`: norms off their identity (1 + 0.2 N),
+    biases non-zero (0.1 N), matrices N / sqrt(width)."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for n, p in ref.named_parameters():
+            if "norm" in n:
+                p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=gen))
+            elif n.endswith("bias"):
+                p.copy_(0.1 * torch.randn(p.shape, generator=gen))
+            else:
+                p.copy_(torch.randn(p.shape, generator=gen) / p.shape[-1] ** 0.5)

@@ -133,6 +133,12 @@ class LlamaConfig(CloverConfig):
     def rotary_dim(self) -> int:
         return self.head_dim
 
+    @property
+    def qkv_bias(self) -> bool:
+        """Whether the query, key and value projections carry a bias (Llama: `attention_bias`, as the
+        output projection; Qwen2: always)."""
+        return self.attention_bias
+
     @classmethod
     def read_keys(cls, d: dict, shown: dict, source: str) -> None:
         """`rope_parameters` (or the older `rope_scaling`): theta, and a scaling other than the
@@ -200,9 +206,9 @@ class LlamaAttention(Adapted, GatedAttention):
         nn.Module.__init__(self)
         a = args
         self.num_heads, self.num_kv_heads, self.head_dim = a.num_attention_heads, a.num_key_value_heads, a.head_dim
-        self.q_proj = nn.Linear(a.hidden_size, a.num_attention_heads * a.head_dim, bias=a.attention_bias)
-        self.k_proj = nn.Linear(a.hidden_size, a.num_key_value_heads * a.head_dim, bias=a.attention_bias)
-        self.v_proj = nn.Linear(a.hidden_size, a.num_key_value_heads * a.head_dim, bias=a.attention_bias)
+        self.q_proj = nn.Linear(a.hidden_size, a.num_attention_heads * a.head_dim, bias=a.qkv_bias)
+        self.k_proj = nn.Linear(a.hidden_size, a.num_key_value_heads * a.head_dim, bias=a.qkv_bias)
+        self.v_proj = nn.Linear(a.hidden_size, a.num_key_value_heads * a.head_dim, bias=a.qkv_bias)
         self.o_proj = nn.Linear(a.num_attention_heads * a.head_dim, a.hidden_size, bias=a.attention_bias)
 
     def project(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]):
