@@ -1,5 +1,5 @@
-"""AR decoding accelerated by a DFlash block drafter (arXiv 2602.06036): the comparator the seed's
-headline speed was measured against, on the same target weights.
+"""AR decoding accelerated by a DFlash block drafter (arXiv 2602.06036): the comparator of
+Clover-35B-A3B's published speed figure, here on the same target weights.
 
 Per row, an iteration is one drafter forward and one target forward:
 - *draft*: the drafter (`clover.models.dflash`) takes the target's hidden states of the tokens
