@@ -7,7 +7,7 @@ and how it reads and writes its RoPE settings. So a key missing from a checkpoin
 gets that family's default, never another's. This module keeps what they share: the fields every
 model has (vocabulary, width, depth, token ids, dtype, the quantization metadata) and Clover's own
 (`backbone`, the mask token, the block size and widths, the acceptance defaults, the expert
-budget), the JSON type checks and the (de)serialisation. Which class reads a config.json (its
+budget, the block semantics: `BlockSemantics`), the JSON type checks and the (de)serialisation. Which class reads a config.json (its
 model_type, a multimodal wrapper's `text_config`, a Clover file's `backbone`) is the registry's:
 `clover.models.read_config(path)` / `config_from_dict(raw)`.
 
@@ -32,7 +32,7 @@ from .decoding.sampling import LIMITS
 
 # Clover's own fields: on a Clover config only (an AR config.json never carries them)
 CLOVER_FIELDS = ("backbone", "mask_token_id", "block_size", "block_sizes", "block_tokens_per_forward", "threshold",
-                 "policy", "expert_budget")
+                 "policy", "expert_budget", "logit_shift", "block_grid", "commit_attention", "first_token")
 
 
 class ConfigError(ValueError):
@@ -80,6 +80,66 @@ def check_types(values: dict[str, Any], annotations: dict[str, str], shown: dict
         raise ConfigError(f"{(shown or {}).get(name, name)!r} must be {expected}, got {got}")
 
 
+@dataclass(frozen=True)
+class BlockSemantics:
+    """How a block-diffusion checkpoint decodes, on the axes where released families differ
+    (docs/design.md §7), with Clover's values as defaults. Each field acts in one place:
+
+    - `logit_shift` — 1: the hidden state at position i predicts token i+1 (Clover, Fast-dLLM v2,
+      Dream), so block position 0 is predicted by the last committed position; 0: it predicts the
+      token at i itself (SDAR/TraDo, LLaDA2). Acts where an engine reads a block's logits
+      (`DiffusionEngine._block_logits`, `_read_positions`);
+    - `block_grid` — "prompt": blocks start at the end of the prompt; "absolute": blocks are aligned
+      at multiples of the block size from position 0, so the prompt's last partial block is
+      denoised together with the first masks (SDAR, LLaDA2, Fast-dLLM v2). Acts where the first
+      block is placed (`DiffusionEngine._place_prompt`);
+    - `commit_attention` — "causal": a finished block is committed causally; "block": its K/V are
+      computed with attention bidirectional inside the block (SDAR, LLaDA2). Acts where a forward
+      builds its attention mask (`core.CausalLM.attention_mask`, `training_mask`);
+    - `first_token` — "denoise": every block position is denoised; "commit_argmax": the block's
+      first token is the commit forward's argmax (Fast-dLLM v2). Acts where the commit's logits
+      reach a row (`DiffusionEngine._first_token`).
+
+    Only Clover's values run today; a component meeting another one refuses it in one line
+    (`require`, `refuse`)."""
+
+    logit_shift: int = 1
+    block_grid: str = "prompt"
+    commit_attention: str = "causal"
+    first_token: str = "denoise"
+
+    CHOICES: ClassVar[dict[str, tuple]] = {
+        "logit_shift": (1, 0),
+        "block_grid": ("prompt", "absolute"),
+        "commit_attention": ("causal", "block"),
+        "first_token": ("denoise", "commit_argmax"),
+    }
+
+    def __post_init__(self) -> None:
+        for name, choices in self.CHOICES.items():
+            value = getattr(self, name)
+            if value not in choices or isinstance(value, bool):
+                raise ConfigError(f"{name} must be one of {', '.join(map(repr, choices))}, got {value!r}")
+
+    @classmethod
+    def of(cls, config: Any) -> "BlockSemantics":
+        """The semantics a config states (its fields of these names)."""
+        return cls(**{name: getattr(config, name) for name in cls.CHOICES})
+
+    def refuse(self, name: str, where: str) -> ConfigError:
+        """The one-line error of `where` meeting this value of `name`, which it does not implement."""
+        return ConfigError(f"{name}={getattr(self, name)!r}: not implemented in {where} yet (only {self.CHOICES[name][0]!r}, "
+                           f"Clover's, is)")
+
+    def require(self, where: str, implemented: dict[str, tuple] | None = None) -> None:
+        """Raise `refuse` for the first field whose value is neither Clover's nor in `implemented`
+        (field -> the other values `where` implements)."""
+        for name, choices in self.CHOICES.items():
+            value = getattr(self, name)
+            if value != choices[0] and value not in (implemented or {}).get(name, ()):
+                raise self.refuse(name, where)
+
+
 @dataclass(kw_only=True)
 class CloverConfig:
     """The fields every architecture's config has, Clover's, and the machinery; subclassed by each
@@ -107,6 +167,11 @@ class CloverConfig:
     threshold: float = 0.95
     policy: str = "threshold"  # the default acceptance policy (clover.decoding.acceptance)
     expert_budget: int | None = None
+    # the block semantics (`BlockSemantics`: what each value means, where it acts), Clover's by default
+    logit_shift: int = BlockSemantics.logit_shift
+    block_grid: str = BlockSemantics.block_grid
+    commit_attention: str = BlockSemantics.commit_attention
+    first_token: str = BlockSemantics.first_token
     # the decoding mode front ends use when none is named (`clover.decoding.modes.default_mode`); None:
     # diffusion for a Clover checkpoint, ar for an AR one. A checkpoint states the mode its model card
     # measured best (clover-smol: ar; with a drafter, dflash)
@@ -164,6 +229,10 @@ class CloverConfig:
             bad(f"mask_token_id {self.mask_token_id} is outside the vocabulary (size {self.vocab_size})")
         if self.expert_budget is not None and not self.has_experts:
             bad("expert_budget needs a mixture-of-experts backbone; this model's MLP is dense")
+        try:
+            self.semantics
+        except ConfigError as e:
+            bad(str(e))
         if self.default_mode is not None:
             from .decoding.modes import get_mode
 
@@ -176,6 +245,11 @@ class CloverConfig:
     @property
     def is_clover(self) -> bool:
         return self.model_type == "clover"
+
+    @property
+    def semantics(self) -> BlockSemantics:
+        """How this model's blocks decode (`BlockSemantics`)."""
+        return BlockSemantics.of(self)
 
     @property
     def base_model_type(self) -> str:

@@ -13,6 +13,9 @@ from .modes import Mode, register
 
 
 class AREngine(BatchEngine):
+    # no block: where blocks start and how their first token is decided do not apply
+    semantics_implemented = {"block_grid": ("absolute",), "first_token": ("commit_argmax",)}
+
     @grad_free_call
     def step(self) -> list[DecodeEvent]:
         ids, n = pad_right([r.state.pending for r in self.rows], self.pad_id, self.device)

@@ -313,8 +313,12 @@ class BatchEngine:
     """Rows in flight over one cache; subclasses define what a forward feeds and how it is read."""
 
     row_type: type = EngineRow
+    # the block semantics (`clover.config.BlockSemantics`) this engine decodes right, beyond Clover's
+    # values: field -> the other values. A model whose config states another is refused here, in one line.
+    semantics_implemented: dict[str, tuple] = {}
 
     def __init__(self, model, *, pad_id: int = 0) -> None:
+        model.config.semantics.require(f"{type(self).__name__}", self.semantics_implemented)
         self.model = model
         self.pad_id = pad_id
         self.rows: list[RowState] = []

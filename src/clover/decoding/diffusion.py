@@ -139,6 +139,33 @@ class DiffusionEngine(BatchEngine):
         super()._init_row(row)
         row.state.committed = list(row.prompt) if self.recompute else []
         self._new_block(row)
+        self._place_prompt(row)
+
+    # -- where the block semantics act (`clover.config.BlockSemantics`; `semantics_implemented`
+    # lists the values beyond Clover's these implement, the constructor refuses the others)
+    def _place_prompt(self, row: RowState) -> None:
+        """`block_grid` "prompt": the whole prompt is committed by the row's first forward and its
+        first block starts right after it (nothing to do)."""
+
+    def _read_positions(self, cands: list[torch.Tensor]) -> torch.Tensor:
+        """[B, Bs] bool: the denoise positions whose logits a step reads. `logit_shift` 1: block
+        position j is predicted by position j-1, so those whose next position is a candidate."""
+        Bs = self.block_size
+        need = torch.zeros(len(cands), Bs, dtype=torch.bool, device=self.device)
+        for i, c in enumerate(cands):
+            need[i, : Bs - 1] = c[1:]
+        return need
+
+    def _block_logits(self, r: RowState, denoise_logits: torch.Tensor | None) -> torch.Tensor:
+        """[Bs, V]: the logits that predict each block position of row `r`. `logit_shift` 1: position
+        0 from the commit part (the last committed position), position j >= 1 from block position j-1
+        (`denoise_logits` [Bs, V], None for a block of one)."""
+        first = r.state.first_logits[None]
+        return first if denoise_logits is None else torch.cat([first, denoise_logits[: self.block_size - 1]], dim=0)
+
+    def _first_token(self, r: RowState) -> None:
+        """The commit part's logits reached row `r` (`first_logits`, predicting its block's first
+        position). `first_token` "denoise": that position is decoded like the others (nothing to do)."""
 
     def _new_block(self, row: RowState) -> None:
         Bs = self.block_size
@@ -229,11 +256,8 @@ class DiffusionEngine(BatchEngine):
             commit_src = [r.state.pending for r in rows]
         has_commit = any(commit_src)
         commit_ids, n_commit = pad_right(commit_src, self.pad_id, self.device) if has_commit else (None, None)
-        # block position j is predicted by position j-1: only those whose next position is masked matter
-        need = torch.zeros(len(rows), Bs, dtype=torch.bool, device=self.device)
         cands = [self._candidates(r) for r in rows]
-        for i, c in enumerate(cands):
-            need[i, : Bs - 1] = c[1:]
+        need = self._read_positions(cands)
         # a block of one position is predicted by the commit part alone (the AR step): nothing to denoise
         ar_step = Bs == 1 and has_commit and all(commit_src)
         denoise_ids = None if ar_step else torch.stack([r.state.blk for r in rows])
@@ -261,9 +285,8 @@ class DiffusionEngine(BatchEngine):
             if commit_src[i]:
                 r.state.first_logits = out.commit_logits[i]
                 r.state.pending = []
-            # position 0 from the commit part, position j >= 1 from block position j-1
-            logits = r.state.first_logits[None] if Bs == 1 else torch.cat(
-                [r.state.first_logits[None], out.denoise_logits[i, : Bs - 1]], dim=0)
+                self._first_token(r)
+            logits = self._block_logits(r, None if Bs == 1 else out.denoise_logits[i])
             r.forwards += 1
             if self.width_policy is not None:
                 r.state.expected_gain += self.width_policy.prior[Bs] - 1.0

@@ -43,7 +43,7 @@ import numpy as np
 import torch
 
 from ..checkpoint import CheckpointError, shard_files
-from ..config import CloverConfig
+from ..config import CloverConfig, ConfigError
 from ..models import architecture_of, key_layout, read_config
 from ..models.layers import CLOVER_PARAMETERS
 from ..tokenizer import MASK_TOKEN
@@ -481,6 +481,10 @@ def check_supported(config: CloverConfig, src: Path) -> None:
         problems.append("llama.cpp's qwen35moe requires a shared expert (shared_expert_intermediate_size > 0)")
     if c.hidden_act != "silu":
         problems.append(f"hidden_act {c.hidden_act!r} is not supported (silu only)")
+    try:  # the port decodes Clover's block semantics
+        c.semantics.require("the GGUF export (the llama.cpp port decodes Clover's)")
+    except ConfigError as e:
+        problems.append(str(e))
     if problems:
         raise GGUFExportError(f"{src}: cannot export to GGUF: " + "; ".join(problems))
     mrope_sections(c.rotary_dim)

@@ -214,11 +214,36 @@ class CausalLM(nn.Module):
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.model.norm(h))
 
+    # -- attention masks: where the config's `commit_attention` acts (how a commit part sees itself)
+    def step_mask(self, lengths: torch.Tensor, segments: Segments, *, key_slots: int | None = None,
+                  denoise_valid: torch.Tensor | None = None) -> torch.Tensor:
+        """The cached step's attention mask (`cached_attention_mask`): the commit part causal
+        (`commit_attention` "causal"), or block-causal where the step names its blocks
+        (`segments.commit_block`, which a "block" model's steps must); the denoise block
+        bidirectional inside and after the commit part; `denoise_valid [B, Bd]`: a row's block keys
+        after its end are not there."""
+        if self.config.commit_attention != "causal" and segments.commit_block is None:
+            raise self.config.semantics.refuse("commit_attention", "the cached step's attention mask")
+        mask = cached_attention_mask(lengths, segments, key_slots=key_slots)
+        if denoise_valid is not None:
+            mask = mask.clone()
+            mask[..., -denoise_valid.shape[1]:] &= denoise_valid[:, None, None, :]
+        return mask
+
+    def training_mask(self, L: int, k: int, block_size: int, device) -> torch.Tensor:
+        """The block-diffusion training forward's mask (`block_diffusion_mask`): the clean stream
+        causal (`commit_attention` "causal"), each noisy block over the clean prefix and itself."""
+        if self.config.commit_attention != "causal":
+            raise self.config.semantics.refuse("commit_attention", "the block-diffusion training mask")
+        return block_diffusion_mask(L, k, block_size, device)
+
     # -- plain causal forward (no cache): logits [B, T, V]
     def forward(self, input_ids: torch.Tensor, *, router_logits: list | None = None,
                 hidden_out: dict | None = None) -> torch.Tensor:
         """`router_logits`, when a list, receives each MoE layer's router logits (for the aux loss);
         `hidden_out`, when a dict, the outputs of the layers it has as keys (e.g. for a DFlash drafter)."""
+        if self.config.commit_attention != "causal":
+            raise self.config.semantics.refuse("commit_attention", "the plain causal forward")
         B, T = input_ids.shape
         positions = torch.arange(T, device=input_ids.device).expand(B, T)
         x = self.model.embed_tokens(input_ids)
@@ -245,7 +270,10 @@ class CausalLM(nn.Module):
         Noisy block b of every copy (positions [b*Bs, (b+1)*Bs) of that copy) sees the clean prefix
         before it (attention: clean keys; GDN: the clean state and conv inputs at the block boundary)
         and itself bidirectionally -- exactly what the engine's denoise step computes with that prefix
-        committed. Copies never see each other."""
+        committed. Copies never see each other. The noisy logits are read shift-by-one (position i
+        predicts token i+1) by the loss (`clover.train.losses`): `logit_shift` 1 only."""
+        if self.config.logit_shift != 1:
+            raise self.config.semantics.refuse("logit_shift", "block-diffusion training")
         B, L = clean_ids.shape
         if noisy_ids.shape[0] != B or noisy_ids.shape[1] == 0 or noisy_ids.shape[1] % max(L, 1):
             raise ValueError(
@@ -256,7 +284,7 @@ class CausalLM(nn.Module):
         k = noisy_ids.shape[1] // L
         dev = clean_ids.device
         positions = torch.arange(L, device=dev).repeat(k + 1).expand(B, (k + 1) * L)
-        mask = block_diffusion_mask(L, k, block_size, dev)
+        mask = self.training_mask(L, k, block_size, dev)
         x = self.model.embed_tokens(torch.cat([clean_ids, noisy_ids], dim=1))
         rope = self.model.rotary_emb(positions, x.dtype)
         segments = Segments(commit_len=L, denoise_len=k * L, block_size=block_size)
@@ -401,10 +429,7 @@ class CausalLM(nn.Module):
         if "full_attention" in self.config.layer_types:
             slots = next(s[0].shape[2] for s, layer in zip(states, self.model.layers)
                          if layer.layer_type == "full_attention") if static else None
-            mask = cached_attention_mask(lengths, segments, key_slots=slots)
-            if denoise_valid is not None:  # a row's block keys after its end are not there
-                mask = mask.clone()
-                mask[..., -Bd:] &= denoise_valid[:, None, None, :]
+            mask = self.step_mask(lengths, segments, key_slots=slots, denoise_valid=denoise_valid)
         records: list | None = [] if record else None
         x, touched = self._layers(x, rope, segments, mask=mask, states=states, lengths=lengths, sharing=sharing,
                                   count_experts=count_experts or static, static=static, records=records,

@@ -34,7 +34,7 @@ from torch import nn
 from ..config import CloverConfig, ConfigError
 from ..moe import BlockSharing
 from .core import CausalLM
-from .layers import PlainRMSNorm, GatedAttention, Segments, apply_rope, block_diffusion_mask
+from .layers import PlainRMSNorm, GatedAttention, Segments, apply_rope
 from .registry import Architecture
 
 ROPE_TYPES = ("default", "linear", "llama3")
@@ -376,7 +376,7 @@ class LlamaForCausalLM(CausalLM):
         with torch.no_grad():
             clean_logits = CausalLM.step(self, cache, commit_ids=clean_ids, all_logits=True).commit_logits
         dev = clean_ids.device
-        mask = block_diffusion_mask(L, k, block_size, dev)[:, :, L:]  # [1, 1, kL, (k+1)L]: clean keys, then the copies
+        mask = self.training_mask(L, k, block_size, dev)[:, :, L:]  # [1, 1, kL, (k+1)L]: clean keys, then the copies
         positions = torch.arange(L, device=dev).repeat(k).expand(B, k * L)
         x = self.model.embed_tokens(noisy_ids)
         rope = self.model.rotary_emb(positions, x.dtype)
