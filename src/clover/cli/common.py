@@ -268,7 +268,8 @@ def add_sampling_arguments(p: argparse.ArgumentParser, *, max_new_tokens: int | 
         defaults["max_new_tokens"] = max_new_tokens
     g = p.add_argument_group("decoding")
     g.add_argument("--mode", choices=mode_names(),
-                   help="decoding mode (default: diffusion when the model has a mask token, else ar)")
+                   help="decoding mode (default: the model's own, its config's default_mode; else diffusion when "
+                        "it has a mask token, else ar)")
     for name, lim in LIMITS.items():
         names = (flag(name), *FLAG_ALIASES.get(name, ()))
         kw: dict = {"dest": name, "help": _flag_help(name, lim, defaults.get(name))}

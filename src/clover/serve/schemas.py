@@ -86,7 +86,8 @@ class _Request(BaseModel):
     user: str | None = Field(default=None, max_length=256)
     frequency_penalty: float = Field(default=0.0, ge=0, le=0, description="not supported: only 0 is accepted")
     mode: Annotated[str, AfterValidator(_registered_mode), Field(json_schema_extra=_mode_enum)] | None = Field(
-        default=None, description="the decoding mode (null = the model's default: diffusion for a Clover checkpoint)")
+        default=None, description="the decoding mode (null = the model's default: the mode its config states, "
+                                     "else diffusion for a Clover checkpoint, ar for an AR one)")
     # structured output (docs/structured-output.md): one of these constrains the output in every mode
     logit_bias: dict[str, float] | None = Field(default=None, description="token id -> bias in [-100, 100] added to its logit")
     response_format: dict | None = Field(default=None, description=(
