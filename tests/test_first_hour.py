@@ -239,3 +239,18 @@ def test_the_server_names_max_tokens_as_sent_and_refuses_content_less_messages(t
             assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text
         ok = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
         assert ok.status_code == 200
+
+
+def test_generate_says_so_when_a_chat_model_ends_a_plain_prompt_at_once(chat_model):
+    import warnings
+
+    import clover
+
+    llm = clover.load(chat_model)
+    eos = llm.config.eos_token_ids[0]
+    with pytest.warns(UserWarning, match="llm.chat"):
+        assert llm.generate("hi", mode="ar", max_new_tokens=4, logit_bias={eos: 100.0}).token_ids == []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        llm.generate("hi", mode="ar", max_new_tokens=2, ignore_eos=True)  # tokens: no warning
+        llm.chat([{"role": "user", "content": "hi"}], mode="ar", max_new_tokens=4, logit_bias={eos: 100.0})

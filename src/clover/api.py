@@ -326,6 +326,11 @@ class LLM:
         for _ in self._events(rows, m.spec(params)):
             pass
         results = [self.result(r) for r in rows]
+        if any(isinstance(p, str) and not r.token_ids for p, r in zip(prompts, results)) and self.is_chat:
+            import warnings
+
+            warnings.warn(f"{self.path}: a chat model ended a plain-text prompt at once (0 tokens); "
+                          "llm.chat([{'role': 'user', 'content': ...}]) applies its chat template", stacklevel=2)
         return results if batched else results[0]
 
     def stream(self, prompt, *, mode: str | Mode | None = None, provisional: bool = False, **kwargs) -> Iterator[StreamEvent]:
