@@ -188,9 +188,10 @@ class LLM:
 
     def mode_available(self, mode: str | Mode) -> bool:
         """Whether `mode` can run here: a mask token for the modes that decode with it (a Clover
-        checkpoint), a loaded drafter for those that need one (dflash)."""
+        checkpoint), a loaded drafter for those that need one (dflash), the canvas mode for a
+        whole-sequence model and no other (`Mode.available`)."""
         m = self.mode(mode)
-        return ((not m.needs_mask or self.config.mask_token_id is not None)
+        return (m.available(self.config) and (not m.needs_mask or self.config.mask_token_id is not None)
                 and (not getattr(m, "needs_drafter", False) or self.drafter is not None))
 
     def params(self, mode: str | Mode | None, kwargs: dict) -> SamplingParams:

@@ -94,8 +94,10 @@ class BlockSemantics:
       denoised together with the first masks (SDAR, LLaDA2, Fast-dLLM v2). Acts where the first
       block is placed (`DiffusionEngine._place_prompt`);
     - `commit_attention` — "causal": a finished block is committed causally; "block": its K/V are
-      computed with attention bidirectional inside the block (SDAR, LLaDA2). Acts where a forward
-      builds its attention mask (`core.CausalLM.attention_mask`, `training_mask`);
+      computed with attention bidirectional inside the block (SDAR, LLaDA2); "full": there is no
+      commit, every position attends to every other over the whole sequence (the whole-sequence
+      diffusion models, Dream and LLaDA, decoded by the canvas mode). Acts where a forward builds its
+      attention mask (`core.CausalLM.attention_mask`, `training_mask`, `forward_mask`);
     - `first_token` — "denoise": every block position is denoised; "commit_argmax": the block's
       first token is the commit forward's argmax (Fast-dLLM v2). Acts where the commit's logits
       reach a row (`DiffusionEngine._first_token`).
@@ -111,7 +113,7 @@ class BlockSemantics:
     CHOICES: ClassVar[dict[str, tuple]] = {
         "logit_shift": (1, 0),
         "block_grid": ("prompt", "absolute"),
-        "commit_attention": ("causal", "block"),
+        "commit_attention": ("causal", "block", "full"),
         "first_token": ("denoise", "commit_argmax"),
     }
 

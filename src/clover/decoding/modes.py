@@ -56,6 +56,11 @@ class Mode:
     summary: str = ""
     grammar: bool = True  # obeys a row's grammar (clover.grammar); a mode that does not refuses one
 
+    def available(self, config) -> bool:
+        """Whether this mode decodes a model of `config` at all: every mode but the canvas mode needs
+        a model with a commit (`commit_attention` not "full")."""
+        return config.commit_attention != "full"
+
     def check(self, params: SamplingParams) -> None:
         """Mode-specific checks, after the model's defaults are filled in (ValueError "option: why")."""
 

@@ -146,6 +146,9 @@ LIMITS: dict[str, Limit] = {
     "expert_rank": Limit(str, choices=EXPERT_RANKS,
                          doc="how expert_budget ranks a block's experts: sum of its tokens' router probabilities, or max"),
     "draft_length": Limit(int, ge=1, le=1024, nullable=True, doc="speculative draft, <= block_size (null = block_size)"),
+    "steps": Limit(int, ge=1, le=1 << 16, nullable=True,
+                   doc="canvas: denoising steps over the whole canvas, <= max_new_tokens (null = one token a step)"),
+    "cfg_scale": Limit(float, ge=0, le=100, doc="canvas (LLaDA): classifier-free guidance scale (0 = off)"),
 }
 
 
@@ -188,6 +191,9 @@ class SamplingParams:
     expert_rank: str = "sum"
     # speculative
     draft_length: int | None = None
+    # canvas (whole-sequence diffusion)
+    steps: int | None = None
+    cfg_scale: float = 0.0
     # token id -> added to its logit, in [-100, 100] (OpenAI's logit_bias; -100 bans the token)
     logit_bias: dict[int, float] | None = None
 

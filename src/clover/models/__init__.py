@@ -29,6 +29,8 @@ from .llama import ARCHITECTURE as LLAMA  # noqa: E402
 from .qwen3 import ARCHITECTURE as QWEN3  # noqa: E402
 from .qwen3_moe import ARCHITECTURE as QWEN3_MOE  # noqa: E402
 from .qwen2 import ARCHITECTURE as QWEN2  # noqa: E402
+from .dream import ARCHITECTURE as DREAM  # noqa: E402
+from .llada import ARCHITECTURE as LLADA  # noqa: E402
 
 REGISTERED: tuple[Architecture, ...] = tuple(v for v in dict(globals()).values() if isinstance(v, Architecture))
 

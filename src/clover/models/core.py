@@ -230,6 +230,20 @@ class CausalLM(nn.Module):
             mask[..., -denoise_valid.shape[1]:] &= denoise_valid[:, None, None, :]
         return mask
 
+    def forward_mask(self, input_ids: torch.Tensor, key_valid: torch.Tensor | None) -> torch.Tensor | None:
+        """The plain forward's mask: None (causal, `commit_attention` "causal"), or every key of the
+        row (`commit_attention` "full": the whole-sequence models), `key_valid [B, T]` its keys."""
+        c = self.config.commit_attention
+        if c == "full":
+            B, T = input_ids.shape
+            mask = torch.ones(B, 1, T, T, dtype=torch.bool, device=input_ids.device)
+            return mask if key_valid is None else mask & key_valid[:, None, None, :]
+        if c != "causal":
+            raise self.config.semantics.refuse("commit_attention", "the plain forward")
+        if key_valid is not None:
+            raise ValueError("key_valid: only a whole-sequence model (commit_attention 'full') takes one")
+        return None
+
     def training_mask(self, L: int, k: int, block_size: int, device) -> torch.Tensor:
         """The block-diffusion training forward's mask (`block_diffusion_mask`): the clean stream
         causal (`commit_attention` "causal"), each noisy block over the clean prefix and itself."""
@@ -239,16 +253,19 @@ class CausalLM(nn.Module):
 
     # -- plain causal forward (no cache): logits [B, T, V]
     def forward(self, input_ids: torch.Tensor, *, router_logits: list | None = None,
-                hidden_out: dict | None = None) -> torch.Tensor:
+                hidden_out: dict | None = None, key_valid: torch.Tensor | None = None) -> torch.Tensor:
         """`router_logits`, when a list, receives each MoE layer's router logits (for the aux loss);
-        `hidden_out`, when a dict, the outputs of the layers it has as keys (e.g. for a DFlash drafter)."""
-        if self.config.commit_attention != "causal":
-            raise self.config.semantics.refuse("commit_attention", "the plain causal forward")
+        `hidden_out`, when a dict, the outputs of the layers it has as keys (e.g. for a DFlash drafter).
+        A whole-sequence model (`commit_attention` "full": Dream, LLaDA) attends both ways over the
+        sequence; `key_valid [B, T]` (bool, a prefix per row) then says where each row's sequence ends
+        (the positions after it are not attended to: right-padded rows compute what they would alone)."""
+        mask = self.forward_mask(input_ids, key_valid)
         B, T = input_ids.shape
         positions = torch.arange(T, device=input_ids.device).expand(B, T)
         x = self.model.embed_tokens(input_ids)
         rope = self.model.rotary_emb(positions, x.dtype)
-        x, _ = self._layers(x, rope, Segments(commit_len=T), router_logits=router_logits, hidden_out=hidden_out)
+        x, _ = self._layers(x, rope, Segments(commit_len=T), mask=mask, router_logits=router_logits,
+                            hidden_out=hidden_out)
         return self._logits(x)
 
     # -- block-diffusion training forward (clean stream + noisy stream, vectorised over blocks)

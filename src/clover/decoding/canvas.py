@@ -1,0 +1,233 @@
+"""Whole-canvas masked diffusion (`mode="canvas"`): Dream's `diffusion_generate` and LLaDA's
+`generate`, exactly, for the checkpoints whose model attends over the whole sequence
+(`commit_attention` "full": Dream, LLaDA).
+
+A row's canvas is its prompt followed by `max_new_tokens` mask tokens. Every step is one forward over
+the whole canvas (no cache: the prompt attends to the masks, so nothing is final until the end), whose
+logits predict each masked position (`logit_shift` 1, Dream: position i-1's logits, the first
+position its own; 0, LLaDA: position i's); each masked position gets a token and a confidence
+(`confidence`: "prob", the token's probability, which is Dream's `maskgit_plus` and LLaDA's
+`low_confidence`; "margin", top-1 minus top-2, Dream's `topk_margin`; "entropy", the negative entropy,
+Dream's `entropy`), and the step unmasks the most confident positions, as many as the family's
+schedule says (the model's `canvas_schedule`):
+
+- "timesteps" (Dream): one block over the whole canvas; at step i of `steps`, with the timesteps
+  t = linspace(1, eps, steps + 1) (eps 1e-3), `int(n * (1 - t[i+1] / t[i]))` of the n masks left,
+  and every mask left at the last step (computed in float32 as the reference does);
+- "even" (LLaDA): semi-autoregressive blocks of `block_size` from the prompt's end, `steps / blocks`
+  steps each, the block's masks split evenly over them (the remainder one each to the first steps);
+  only the current block's masks compete. `cfg_scale` > 0 adds LLaDA's classifier-free guidance:
+  a second forward with the prompt masked, `u + (cfg_scale + 1) * (c - u)`.
+
+Dream's confidences are read over the 50 largest logits (`canvas_top_k`; a request's `top_k` replaces
+it): transformers' `PretrainedConfig` carries `top_k` 50, which `diffusion_generate` takes into its
+generation config when none is given, and its `sample_tokens` filters before the softmax.
+
+`steps` null: one token a step (`max_new_tokens` steps), the families' README settings. Greedy only
+(temperature 0: each position's argmax). Rows of any length and options ride one forward: the canvases
+are right-padded and each row attends to its own canvas only (`key_valid`), at positions from 0, so a
+row decodes as it does alone. The row's tokens are the canvas after the prompt, cut at the first EOS
+(the reported count is the real one). `provisional` reports the canvas after every step.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .base import BatchEngine, DecodeEvent, EngineRow, RowState, grad_free_call
+from .modes import EngineSpec, Mode, register
+from .sampling import SamplingParams
+
+EPS = 1e-3  # Dream's `eps`: the last timestep
+SCHEDULES = ("timesteps", "even")
+
+
+def canvas_confidence(logits: torch.Tensor, kind: str, top_k: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [N, V] -> (confidences [N], tokens [N]): the argmax and its confidence, written as
+    Dream's `sample_tokens` at temperature 0 (and LLaDA's low-confidence remasking, which is "prob"
+    without a top-k). `top_k`: the confidence is read over the k largest logits only (the others at
+    the dtype's minimum), as Dream's `top_k_logits` does."""
+    if top_k:
+        floor = torch.topk(logits, min(top_k, logits.shape[-1]))[0][..., -1, None]
+        logits = logits.masked_fill(logits < floor, torch.finfo(logits.dtype).min)
+    probs = torch.softmax(logits, dim=-1)
+    confidence, tokens = probs.max(dim=-1)
+    if kind == "margin":
+        top2 = probs.topk(2, dim=-1).values
+        confidence = top2[:, 0] - top2[:, 1]
+    elif kind == "entropy":
+        confidence = torch.sum(probs * torch.log(probs + 1e-10), dim=-1)
+    return confidence, tokens
+
+
+def timestep_count(masked: int, step: int, steps: int, eps: float = EPS) -> int:
+    """Dream's number of positions to unmask at `step` of `steps` with `masked` masks left."""
+    if step == steps - 1:
+        return masked
+    t = torch.linspace(1, eps, steps + 1)
+    return int(torch.tensor(float(masked)) * (1 - t[step + 1] / t[step]))
+
+
+def even_counts(masked: int, steps: int) -> list[int]:
+    """LLaDA's `get_num_transfer_tokens`: `masked` split over `steps`, the remainder to the first ones."""
+    base, rem = divmod(masked, steps)
+    return [base + (i < rem) for i in range(steps)]
+
+
+class CanvasRow(EngineRow):
+    def __init__(self, x: torch.Tensor, start: int, steps: int, blocks: list[tuple[int, int]], plan: list[int]) -> None:
+        super().__init__()
+        self.x = x  # [T] the canvas: prompt, then tokens and masks
+        self.start = start  # the prompt's length
+        self.steps = steps  # steps per block
+        self.blocks = blocks  # [(begin, end)] canvas positions of each block
+        self.block = 0
+        self.step = 0  # within the block
+        self.plan = plan  # tokens to unmask at each step of the current block
+        self.decoded_at = torch.zeros_like(x)  # the step (from 1, over the whole generation) each position was decoded at
+        self.done = 0  # steps run
+
+
+class CanvasEngine(BatchEngine):
+    """Rows in flight over whole-canvas forwards (no cache)."""
+
+    semantics_implemented = {"logit_shift": (0,), "commit_attention": ("full",)}
+
+    def __init__(self, model, spec: EngineSpec, *, mask_id: int, pad_id: int) -> None:
+        super().__init__(model, pad_id=pad_id)
+        c = model.config
+        self.mask_id = mask_id
+        self.shift = c.logit_shift
+        self.schedule = getattr(c, "canvas_schedule", None)
+        if self.schedule not in SCHEDULES or c.commit_attention != "full":
+            raise ValueError(f"mode: 'canvas' needs a whole-sequence diffusion model (commit_attention 'full'); "
+                             f"this one's is {c.commit_attention!r}")
+        self.provisional = spec.provisional
+        self.top_k = getattr(c, "canvas_top_k", 0)  # the family's top-k where a request sets none
+
+    @grad_free_call
+    def add(self, row: RowState) -> list[DecodeEvent]:
+        p = row.params
+        if p.max_new_tokens == 0:
+            row._finish("length")
+            return [DecodeEvent("finish", -1, [], [], row_state=row)]
+        n, start = p.max_new_tokens, len(row.prompt)
+        x = torch.tensor(row.prompt + [self.mask_id] * n, dtype=torch.long, device=self.device)
+        steps = p.steps or n
+        if self.schedule == "timesteps":
+            blocks = [(start, start + n)]
+        else:
+            width = int(p.block_size)
+            blocks = [(b, min(b + width, start + n)) for b in range(start, start + n, width)]
+            if steps % len(blocks):
+                raise ValueError(f"steps: {steps} must be a multiple of the number of blocks ({len(blocks)} of "
+                                 f"block_size {width} in {n} tokens), as LLaDA's generate asks")
+            steps //= len(blocks)
+        row.state = CanvasRow(x, start, steps, blocks, self._plan(x, blocks[0], steps))
+        self.rows.append(row)
+        return []
+
+    def _plan(self, x: torch.Tensor, block: tuple[int, int], steps: int) -> list[int]:
+        if self.schedule == "timesteps":
+            return []  # computed at each step from the masks left
+        return even_counts(int((x[block[0]:block[1]] == self.mask_id).sum()), steps)
+
+    def _drop_finished(self) -> None:
+        self.rows = [r for r in self.rows if not r.finished]
+
+    def _logits(self) -> torch.Tensor:
+        """One forward over every row's canvas (and, for rows with `cfg_scale`, the canvas with the
+        prompt masked) -> [rows (+ guided rows), T, V], read as each position's prediction."""
+        seqs = [r.state.x for r in self.rows]
+        for r in self.rows:
+            if r.params.cfg_scale:
+                un = r.state.x.clone()
+                un[: r.state.start] = self.mask_id
+                seqs.append(un)
+        T = max(len(s) for s in seqs)
+        ids = torch.full((len(seqs), T), self.pad_id, dtype=torch.long, device=self.device)
+        valid = torch.zeros(len(seqs), T, dtype=torch.bool, device=self.device)
+        for i, s in enumerate(seqs):
+            ids[i, : len(s)] = s
+            valid[i, : len(s)] = True
+        logits = self.model(ids, key_valid=valid)
+        if self.shift:
+            logits = torch.cat([logits[:, :1], logits[:, :-1]], dim=1)
+        return logits
+
+    @grad_free_call
+    def step(self) -> list[DecodeEvent]:
+        logits = self._logits()
+        events, guided = [], len(self.rows)
+        for i, r in enumerate(self.rows):
+            s = r.state
+            lg = logits[i, : len(s.x)]
+            if r.params.cfg_scale:
+                un = logits[guided, : len(s.x)]
+                guided += 1
+                lg = un + (r.params.cfg_scale + 1) * (lg - un)
+            self._unmask(r, lg)
+            r.forwards += 1
+            if self.provisional:
+                toks = [None if t == self.mask_id else t for t in s.x[s.start:].tolist()]
+                events.append(DecodeEvent("provisional", i, toks, s.decoded_at[s.start:].tolist(), step=s.done,
+                                          row_state=r))
+            if s.block == len(s.blocks):
+                kept = r.accept(s.x[s.start:].tolist(), s.decoded_at[s.start:].tolist())
+                r.block_steps.append(s.done)
+                if kept:
+                    events.append(DecodeEvent("commit", i, kept, r.steps[-len(kept):], row_state=r))
+                events.append(DecodeEvent("finish", i, [], [], row_state=r))  # the whole canvas is accepted: done
+        self._drop_finished()
+        return events
+
+    def _unmask(self, r: RowState, logits: torch.Tensor) -> None:
+        """One step of row `r`'s schedule over its canvas logits [T, V]."""
+        s = r.state
+        begin, end = s.blocks[s.block]
+        masked = s.x == self.mask_id
+        if self.schedule == "timesteps":
+            k = timestep_count(int(masked.sum()), s.step, s.steps)
+        else:
+            k = s.plan[s.step]
+            masked[end:] = False  # later blocks wait
+        conf, tokens = canvas_confidence(logits[masked], r.params.confidence, r.params.top_k or self.top_k)
+        full = torch.full(s.x.shape, -torch.inf, dtype=logits.dtype, device=logits.device)
+        full[masked] = conf
+        s.done += 1
+        if k > 0:
+            proposal = torch.full_like(s.x, self.mask_id)
+            proposal[masked] = tokens
+            pick = torch.topk(full, k).indices
+            s.x[pick] = proposal[pick]
+            s.decoded_at[pick] = s.done
+        s.step += 1
+        if s.step == s.steps:
+            s.block, s.step = s.block + 1, 0
+            if s.block < len(s.blocks):
+                s.plan = self._plan(s.x, s.blocks[s.block], s.steps)
+
+
+class Canvas(Mode):
+    name = "canvas"
+    needs_mask = True
+    summary = "whole-canvas masked diffusion: Dream's diffusion_generate / LLaDA's generate, exactly (no cache)"
+    grammar = False
+
+    def available(self, config) -> bool:
+        return config.commit_attention == "full"
+
+    def check(self, params: SamplingParams) -> None:
+        if not params.greedy:
+            raise ValueError("temperature: the canvas mode decodes greedily (temperature 0) for now")
+        if params.steps is not None and params.steps > max(1, params.max_new_tokens):
+            raise ValueError(f"steps: at most max_new_tokens ({params.max_new_tokens}), got {params.steps}")
+
+    def spec(self, params: SamplingParams, provisional: bool = False) -> EngineSpec:
+        return EngineSpec(self, provisional=provisional)
+
+    def make_engine(self, model, spec, *, mask_id, pad_id):
+        return CanvasEngine(model, spec, mask_id=mask_id, pad_id=pad_id)
+
+
+register(Canvas())

@@ -1,0 +1,147 @@
+"""Whole-sequence diffusion models (Dream, LLaDA) against their reference code: tiny random checkpoints
+in each family's real layout (config.json keys, tensor names, vocabulary, mask token), rebuilt from the
+seed and shapes in tests/golden/{dream,llada}/cases.json (scripts/dream-llada-golden.py wrote them by
+running NVlabs/Fast-dLLM's modeling code and the authors' decoding), give the reference's
+full-sequence logits and, in the canvas mode, the reference's greedy tokens on every case, alone and
+batched."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from clover.checkpoint import load_model
+from clover.config import ConfigError
+from clover.decoding import get_mode
+from clover.decoding.base import RowState
+from clover.decoding.modes import resolve_params
+from clover.models import config_from_dict
+
+ROOT = Path(__file__).resolve().parents[1]
+FAMILIES = ("dream", "llada")
+ALG = {"entropy": "entropy", "maskgit_plus": "prob", "topk_margin": "margin"}  # Dream's alg -> clover's confidence
+
+
+def _script():
+    spec = importlib.util.spec_from_file_location("dream_llada_golden", ROOT / "scripts" / "dream-llada-golden.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def golden(family: str) -> dict:
+    return json.loads((ROOT / "tests" / "golden" / family / "cases.json").read_text())
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def family(request, tmp_path_factory):
+    """(family, its golden data, the tiny checkpoint's directory, the model loaded by clover)."""
+    g = golden(request.param)
+    out = tmp_path_factory.mktemp(request.param)
+    shapes = [(name, shape) for name, shape in g["parameters"]]
+    weights = _script().tiny_parameters(shapes, g["seed"], g["head"], g["config"]["mask_token_id"])
+    save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(g["config"]))
+    return request.param, g, out, load_model(out)
+
+
+def options(family: str, case: dict) -> dict:
+    if family == "dream":
+        return dict(max_new_tokens=case["max_new_tokens"], steps=case["steps"], confidence=ALG[case["alg"]])
+    return dict(max_new_tokens=case["gen_length"], steps=case["steps"], block_size=case["block_length"],
+                cfg_scale=case["cfg_scale"])
+
+
+def decode(model, prompts: list[list[int]], opts: list[dict]) -> list[list[int]]:
+    """The canvas mode's tokens for each prompt (each with its options), all in one engine: the whole
+    canvas after the prompt (ignore_eos, as the reference returns it)."""
+    mode = get_mode("canvas")
+    params = [resolve_params(mode, {**o, "ignore_eos": True}, model.config) for o in opts]
+    engine = mode.spec(params[0]).make_engine(model, mask_id=model.config.mask_token_id, pad_id=0)
+    rows = [RowState(prompt=list(p), params=q, eos_ids=set(model.config.eos_token_ids)) for p, q in zip(prompts, params)]
+    for r in rows:
+        engine.add(r)
+    for _ in engine.run():
+        pass
+    return [r.tokens for r in rows]
+
+
+def test_config_reads_the_family(family):
+    name, g, _, model = family
+    c = model.config
+    assert type(model).__name__ == {"dream": "DreamModel", "llada": "LLaDAModelLM"}[name]
+    assert c.mask_token_id == g["config"]["mask_token_id"] and c.vocab_size == g["config"]["vocab_size"]
+    assert c.commit_attention == "full" and c.logit_shift == (1 if name == "dream" else 0)
+    assert get_mode(c.default_mode).name == "canvas"
+    assert config_from_dict(json.loads(json.dumps(c.to_dict()))) == c  # writes its family's keys back
+
+
+def test_logits_match_reference(family):
+    _, g, _, model = family
+    ref = g["logits"]
+    with torch.no_grad():
+        logits = model(torch.tensor([ref["ids"]]))[0]
+    cols = len(ref["columns"][0])
+    torch.testing.assert_close(logits[:, :cols], torch.tensor(ref["columns"]), atol=1e-4, rtol=1e-4)
+    assert logits.argmax(-1).tolist() == ref["argmax"]
+    torch.testing.assert_close(logits.max(-1).values, torch.tensor(ref["max"]), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(logits.logsumexp(-1), torch.tensor(ref["logsumexp"]), atol=1e-4, rtol=1e-4)
+
+
+def test_tokens_match_reference_alone(family):
+    name, g, _, model = family
+    for case in g["cases"]:
+        for prompt, expected in zip(case["prompts"], case["tokens"]):
+            assert decode(model, [prompt], [options(name, case)]) == [expected], case["name"]
+
+
+def test_tokens_match_reference_batched(family):
+    """Every case's rows in one engine (prompts of different lengths, different steps, schedules and
+    guidance side by side): each row gives the reference's tokens."""
+    name, g, _, model = family
+    prompts, opts, expected = [], [], []
+    for case in g["cases"]:
+        for prompt, tokens in zip(case["prompts"], case["tokens"]):
+            prompts.append(prompt)
+            opts.append(options(name, case))
+            expected.append(tokens)
+    assert decode(model, prompts, opts) == expected
+
+
+def test_canvas_refusals(family):
+    name, _, _, model = family
+    mode = get_mode("canvas")
+    with pytest.raises(ValueError, match="^temperature: "):
+        resolve_params(mode, {"max_new_tokens": 8, "temperature": 0.5}, model.config)
+    with pytest.raises(ValueError, match="^steps: "):
+        resolve_params(mode, {"max_new_tokens": 8, "steps": 9}, model.config)
+    if name == "llada":
+        with pytest.raises(ValueError, match="^steps: .*multiple of the number of blocks"):
+            decode(model, [[5, 6]], [dict(max_new_tokens=16, steps=5, block_size=8)])
+
+
+def test_llada_refuses_what_it_does_not_build():
+    raw = dict(golden("llada")["config"])
+    with pytest.raises(ConfigError, match="alibi"):
+        config_from_dict({**raw, "alibi": True})
+    with pytest.raises(ConfigError, match="block_type"):
+        config_from_dict({**raw, "block_type": "sequential"})
+
+
+def test_llm_decodes_with_the_canvas_mode_by_default(family, tiny_llm):
+    """`clover.load` of a whole-sequence checkpoint: the canvas mode is its default and its only mode
+    (the others need a commit); a Clover checkpoint is not offered it."""
+    import clover
+    from clover.tokenizer import write_byte_tokenizer
+
+    name, g, path, _ = family
+    write_byte_tokenizer(path)
+    llm = clover.load(path)
+    assert llm.mode_available("canvas") and not llm.mode_available("ar") and not llm.mode_available("diffusion")
+    assert not tiny_llm.mode_available("canvas")
+    case = g["cases"][0]
+    out = llm.generate(case["prompts"][0], **options(name, case), ignore_eos=True)
+    assert out.token_ids == case["tokens"][0] and out.stats.forwards == case["steps"]
