@@ -145,3 +145,38 @@ def test_llm_decodes_with_the_canvas_mode_by_default(family, tiny_llm):
     case = g["cases"][0]
     out = llm.generate(case["prompts"][0], **options(name, case), ignore_eos=True)
     assert out.token_ids == case["tokens"][0] and out.stats.forwards == case["steps"]
+
+
+def test_prefix_cache_reads_what_the_full_forward_computed(family):
+    """Fast-dLLM's prefix cache on a whole-sequence model: the refresh (the canvas's prefix as the
+    commit part, the rest as the block, attention both ways) gives the full forward's logits, and a
+    step reading the kept prefix K/V gives them again while the canvas is unchanged."""
+    _, g, _, model = family
+    x = torch.tensor([g["logits"]["ids"]])
+    a = len(x[0]) // 2
+    with torch.no_grad():
+        full = model(x)
+        cache = model.make_cache(1, x.shape[1])
+        out = model.step(cache, commit_ids=x[:, :a], denoise_ids=x[:, a:])
+        torch.testing.assert_close(out.denoise_logits, full[:, a:], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(out.commit_logits, full[:, a - 1], atol=1e-5, rtol=1e-5)
+        again = model.step(cache, denoise_ids=x[:, a:])
+        torch.testing.assert_close(again.denoise_logits, full[:, a:], atol=1e-5, rtol=1e-5)
+
+
+def test_fast_dllm_options_batched_as_alone(family):
+    """LLaDA with the prefix cache and threshold parallel decoding (approximate: their agreement with
+    the exact mode is reported, not asserted): every position decoded, and a row in a batch (rows at
+    different blocks and refreshes in one forward) decodes as it does alone. Dream refuses the cache."""
+    name, g, _, model = family
+    if name == "dream":
+        with pytest.raises(ValueError, match="^canvas_cache: "):
+            decode(model, [[5, 6]], [dict(max_new_tokens=4, canvas_cache="prefix")])
+        return
+    cases = [c for c in g["cases"] if not c["cfg_scale"] and len(c["prompts"]) == 1]
+    prompts = [c["prompts"][0] for c in cases]
+    for extra in ({"canvas_cache": "prefix"}, {"canvas_cache": "prefix", "canvas_threshold": 0.5}):
+        opts = [{**options(name, c), **extra} for c in cases]
+        alone = [decode(model, [p], [o])[0] for p, o in zip(prompts, opts)]
+        assert decode(model, prompts, opts) == alone
+        assert all(model.config.mask_token_id not in t for t in alone)

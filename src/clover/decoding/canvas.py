@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import BatchEngine, DecodeEvent, EngineRow, RowState, grad_free_call
+from .base import BatchEngine, DecodeEvent, EngineRow, RowState, grad_free_call, pad_right
 from .modes import EngineSpec, Mode, register
 from .sampling import SamplingParams
 
@@ -104,6 +104,10 @@ class CanvasEngine(BatchEngine):
                              f"this one's is {c.commit_attention!r}")
         self.provisional = spec.provisional
         self.top_k = getattr(c, "canvas_top_k", 0)  # the family's top-k where a request sets none
+        self.cached = "prefix" in spec.skips  # Fast-dLLM's prefix cache (below)
+        if self.cached and (self.schedule != "even" or self.shift):
+            raise ValueError("canvas_cache: Fast-dLLM's prefix cache is built here for LLaDA's semi-autoregressive "
+                             "blocks (no logit shift, the even schedule)")
 
     @grad_free_call
     def add(self, row: RowState) -> list[DecodeEvent]:
@@ -123,7 +127,15 @@ class CanvasEngine(BatchEngine):
                 raise ValueError(f"steps: {steps} must be a multiple of the number of blocks ({len(blocks)} of "
                                  f"block_size {width} in {n} tokens), as LLaDA's generate asks")
             steps //= len(blocks)
+        if self.cached and p.cfg_scale:
+            raise ValueError("cfg_scale: not with canvas_cache (Fast-dLLM's cached generators have no guidance)")
         row.state = CanvasRow(x, start, steps, blocks, self._plan(x, blocks[0], steps))
+        if self.cached:
+            fresh = self.model.make_cache(1, len(x))
+            if self.cache is not None:
+                fresh.ensure_capacity(self.cache.capacity)
+                self.cache.ensure_capacity(fresh.capacity)
+            self.cache = fresh if self.cache is None else self.cache.concat([self.cache, fresh])
         self.rows.append(row)
         return []
 
@@ -133,7 +145,30 @@ class CanvasEngine(BatchEngine):
         return even_counts(int((x[block[0]:block[1]] == self.mask_id).sum()), steps)
 
     def _drop_finished(self) -> None:
+        if self.cached:
+            return super()._drop_finished()
         self.rows = [r for r in self.rows if not r.finished]
+
+    def _cached_logits(self) -> tuple[torch.Tensor, list[int]]:
+        """Fast-dLLM's prefix cache: a row at its block's first step runs its whole canvas (attention
+        both ways) and keeps the K/V of the positions before the block; its later steps run only the
+        block and what follows, reading those K/V, which go stale as the block fills (approximate).
+        -> (logits [rows, Bd, V] of each row's positions from its block's start, those starts)."""
+        starts = [r.state.blocks[r.state.block][0] for r in self.rows]
+        commit, rest = [], []
+        for i, (r, a) in enumerate(zip(self.rows, starts)):
+            refresh = r.state.step == 0
+            if refresh:
+                self.cache.lengths[i] = 0
+            commit.append(r.state.x[:a].tolist() if refresh else [])
+            rest.append(r.state.x[a:].tolist())
+        commit_ids = n = None
+        if any(commit):
+            commit_ids, n = pad_right(commit, self.pad_id, self.device)
+        ids, lens = pad_right(rest, self.pad_id, self.device)
+        valid = torch.arange(ids.shape[1], device=self.device)[None, :] < lens[:, None]
+        out = self.model.step(self.cache, commit_ids=commit_ids, n_commit=n, denoise_ids=ids, denoise_valid=valid)
+        return out.denoise_logits, starts
 
     def _logits(self) -> torch.Tensor:
         """One forward over every row's canvas (and, for rows with `cfg_scale`, the canvas with the
@@ -157,16 +192,19 @@ class CanvasEngine(BatchEngine):
 
     @grad_free_call
     def step(self) -> list[DecodeEvent]:
-        logits = self._logits()
+        if self.cached:
+            logits, offsets = self._cached_logits()
+        else:
+            logits, offsets = self._logits(), [0] * len(self.rows)
         events, guided = [], len(self.rows)
         for i, r in enumerate(self.rows):
             s = r.state
-            lg = logits[i, : len(s.x)]
+            lg = logits[i, : len(s.x) - offsets[i]]
             if r.params.cfg_scale:
                 un = logits[guided, : len(s.x)]
                 guided += 1
                 lg = un + (r.params.cfg_scale + 1) * (lg - un)
-            self._unmask(r, lg)
+            self._unmask(r, lg, offsets[i])
             r.forwards += 1
             if self.provisional:
                 toks = [None if t == self.mask_id else t for t in s.x[s.start:].tolist()]
@@ -181,19 +219,23 @@ class CanvasEngine(BatchEngine):
         self._drop_finished()
         return events
 
-    def _unmask(self, r: RowState, logits: torch.Tensor) -> None:
-        """One step of row `r`'s schedule over its canvas logits [T, V]."""
+    def _unmask(self, r: RowState, logits: torch.Tensor, offset: int = 0) -> None:
+        """One step of row `r`'s schedule over its canvas logits [T - offset, V] (of the positions from
+        `offset`, before which nothing is masked)."""
         s = r.state
         begin, end = s.blocks[s.block]
         masked = s.x == self.mask_id
         if self.schedule == "timesteps":
             k = timestep_count(int(masked.sum()), s.step, s.steps)
         else:
-            k = s.plan[s.step]
+            k = s.plan[s.step] if s.step < len(s.plan) else 0
             masked[end:] = False  # later blocks wait
-        conf, tokens = canvas_confidence(logits[masked], r.params.confidence, r.params.top_k or self.top_k)
+        conf, tokens = canvas_confidence(logits[masked[offset:]], r.params.confidence, r.params.top_k or self.top_k)
         full = torch.full(s.x.shape, -torch.inf, dtype=logits.dtype, device=logits.device)
         full[masked] = conf
+        threshold = r.params.canvas_threshold
+        if threshold is not None:  # Fast-dLLM's parallel decoding: the best, and every other above the threshold
+            k = max(1, int((conf >= threshold).sum()))
         s.done += 1
         if k > 0:
             proposal = torch.full_like(s.x, self.mask_id)
@@ -202,7 +244,7 @@ class CanvasEngine(BatchEngine):
             s.x[pick] = proposal[pick]
             s.decoded_at[pick] = s.done
         s.step += 1
-        if s.step == s.steps:
+        if (s.step == s.steps) if threshold is None else not bool((s.x[begin:end] == self.mask_id).any()):
             s.block, s.step = s.block + 1, 0
             if s.block < len(s.blocks):
                 s.plan = self._plan(s.x, s.blocks[s.block], s.steps)
@@ -224,7 +266,7 @@ class Canvas(Mode):
             raise ValueError(f"steps: at most max_new_tokens ({params.max_new_tokens}), got {params.steps}")
 
     def spec(self, params: SamplingParams, provisional: bool = False) -> EngineSpec:
-        return EngineSpec(self, provisional=provisional)
+        return EngineSpec(self, provisional=provisional, skips=("prefix",) if params.canvas_cache else ())
 
     def make_engine(self, model, spec, *, mask_id, pad_id):
         return CanvasEngine(model, spec, mask_id=mask_id, pad_id=pad_id)

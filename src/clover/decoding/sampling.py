@@ -149,6 +149,11 @@ LIMITS: dict[str, Limit] = {
     "steps": Limit(int, ge=1, le=1 << 16, nullable=True,
                    doc="canvas: denoising steps over the whole canvas, <= max_new_tokens (null = one token a step)"),
     "cfg_scale": Limit(float, ge=0, le=100, doc="canvas (LLaDA): classifier-free guidance scale (0 = off)"),
+    "canvas_cache": Limit(str, choices=("prefix",), nullable=True,
+                          doc="canvas (LLaDA): Fast-dLLM's prefix cache, refreshed at each block's start (approximate; null = none)"),
+    "canvas_threshold": Limit(float, gt=0, le=1, nullable=True,
+                              doc="canvas (LLaDA): Fast-dLLM's parallel decoding, a step unmasks every position above this "
+                                  "confidence, at least one (approximate; null = the schedule's count)"),
 }
 
 
@@ -194,6 +199,8 @@ class SamplingParams:
     # canvas (whole-sequence diffusion)
     steps: int | None = None
     cfg_scale: float = 0.0
+    canvas_cache: str | None = None
+    canvas_threshold: float | None = None
     # token id -> added to its logit, in [-100, 100] (OpenAI's logit_bias; -100 bans the token)
     logit_bias: dict[int, float] | None = None
 

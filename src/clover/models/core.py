@@ -221,10 +221,18 @@ class CausalLM(nn.Module):
         (`commit_attention` "causal"), or block-causal where the step names its blocks
         (`segments.commit_block`, which a "block" model's steps must); the denoise block
         bidirectional inside and after the commit part; `denoise_valid [B, Bd]`: a row's block keys
-        after its end are not there."""
-        if self.config.commit_attention != "causal" and segments.commit_block is None:
+        after its end are not there. A whole-sequence model (`commit_attention` "full") has no
+        commit order: every query sees every cached key, this forward's commit keys and the block
+        (Fast-dLLM's caches of the canvas mode)."""
+        full = self.config.commit_attention == "full"
+        if self.config.commit_attention != "causal" and segments.commit_block is None and not full:
             raise self.config.semantics.refuse("commit_attention", "the cached step's attention mask")
         mask = cached_attention_mask(lengths, segments, key_slots=key_slots)
+        if full and segments.commit_len:  # every row reads what a block row reads (the commit's valid keys, the block)
+            n = segments.n_commit if segments.n_commit is not None else torch.full_like(lengths, segments.commit_len)
+            cols = torch.arange(mask.shape[-1] - segments.denoise_len, device=lengths.device) < (lengths + n)[:, None]
+            cols = torch.cat([cols, cols.new_ones(cols.shape[0], segments.denoise_len)], dim=1)
+            mask = cols[:, None, None, :].expand(-1, 1, mask.shape[2], -1)
         if denoise_valid is not None:
             mask = mask.clone()
             mask[..., -denoise_valid.shape[1]:] &= denoise_valid[:, None, None, :]
