@@ -1,7 +1,9 @@
 """SDAR / TraDo (`model_type` "sdar") against its reference: the golden data of tests/golden/sdar/, made by
 scripts/sdar-golden.py running JetAstra/SDAR's own generate.py and modeling_sdar.py on a tiny random
 checkpoint saved in SDAR's layout (which is what clover loads here): full-sequence logits (the
-block-causal prefill) and the logits of every cached denoising step."""
+block-causal prefill), the logits of every cached denoising step, and greedy block decoding (prompts
+ending inside and at the end of a block, blocks 4 and 8, alone and batched): identical tokens and
+denoising forwards per block."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import torch
 from safetensors.torch import load_file
 
 import clover
+from clover.config import BlockSemantics
 from clover.models import config_from_dict
 
 GOLDEN = Path(__file__).parent / "golden" / "sdar"
@@ -49,6 +52,7 @@ def test_reads_the_sdar_layout_with_its_authors_defaults(sdar):
     assert type(c).__name__ == "Qwen3Config" and c.model_type == "sdar" and not c.is_clover
     assert (c.block_size, c.mask_token_id, c.threshold) == (4, 127, 0.9)
     assert sdar.default_mode == "diffusion"
+    assert c.semantics == BlockSemantics(logit_shift=0, block_grid="absolute", commit_attention="block")
     raw = c.to_dict()  # written back as SDAR's own keys
     assert raw["architectures"] == ["SDARForCausalLM"] and (raw["block_size"], raw["mask_token_id"]) == (4, 127)
     assert config_from_dict(json.loads(json.dumps(raw))) == c
@@ -84,3 +88,58 @@ def test_cached_step_logits(sdar, block):
             out = m.step(cache, commit_ids=pending, denoise_ids=ids, commit_block=block)
             pending = None
             torch.testing.assert_close(out.denoise_logits[0], TENSORS[f"step_p11_b{block}_{j}"], **TOL)
+
+
+def _generate(llm, cases):
+    """The cases decoded together in one batch, each to its reference's output length (its blocks
+    run to the end of the grid), with the checkpoint's defaults."""
+    from clover.decoding.modes import resolve_params
+
+    m = llm.mode(None)
+    rows, spec = [], None
+    for c in cases:
+        params = resolve_params(m, dict(max_new_tokens=len(c["tokens"]), block_size=c["block_length"]), llm.config)
+        spec = m.spec(params)
+        rows.append(llm.row(c["prompt"], params, None))
+    for _ in llm._events(rows, spec):
+        pass
+    return [llm.result(r) for r in rows]
+
+
+@pytest.mark.parametrize("name", [c["name"] for c in CASES["cases"]])
+def test_greedy_block_decoding_alone(sdar, name):
+    case = next(c for c in CASES["cases"] if c["name"] == name)
+    (g,) = _generate(sdar, [case])
+    assert g.token_ids == case["tokens"]
+    assert g.stats.block_steps == case["denoise_forwards_per_block"]
+    assert g.stats.forwards == sum(case["denoise_forwards_per_block"])  # each commit rides with a denoising step
+
+
+@pytest.mark.parametrize("block", [4, 8])
+def test_greedy_block_decoding_batched(sdar, block):
+    """Every prompt of a block size in one batch (the reference decodes one at a time)."""
+    cases = [c for c in CASES["cases"] if c["block_length"] == block]
+    assert len(cases) >= 2
+    for g, c in zip(_generate(sdar, cases), cases):
+        assert g.token_ids == c["tokens"] and g.stats.block_steps == c["denoise_forwards_per_block"], c["name"]
+
+
+@pytest.mark.parametrize("block", [4, 8])
+def test_naive_recomputation_gives_the_same_tokens(sdar, block):
+    """mode="naive" rebuilds the committed sequence every forward (block-causal, the same grid)."""
+    for c in CASES["cases"]:
+        if c["block_length"] == block:
+            g = sdar.generate(c["prompt"], mode="naive", max_new_tokens=len(c["tokens"]), block_size=block)
+            assert g.token_ids == c["tokens"] and g.stats.block_steps == c["denoise_forwards_per_block"], c["name"]
+
+
+def test_modes_that_need_a_causal_commit_are_refused_in_one_line(sdar):
+    """AR and self-speculation verify causally, which SDAR's block-causal commit is not."""
+    from clover.config import ConfigError
+
+    for mode in ("ar", "speculative"):
+        with pytest.raises(ConfigError, match=r"^logit_shift=0: not implemented in \w+") as e:
+            sdar.generate([5, 6, 7], mode=mode, max_new_tokens=4)
+        assert "\n" not in str(e.value)
+    with pytest.raises(ConfigError, match="^commit_attention='block': not implemented in the plain causal forward"):
+        sdar.model(torch.tensor([[5, 6, 7]]))

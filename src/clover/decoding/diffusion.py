@@ -75,6 +75,7 @@ from .sampling import AUTO
 @dataclass(eq=False)
 class DiffusionRow(EngineRow):
     committed: list[int] = field(default_factory=list)  # naive (recompute): the whole committed sequence
+    fixed: int = 0  # block_grid "absolute": the block's first positions that hold the prompt's tail
     first_logits: torch.Tensor | None = None  # logits of the last committed position (predicts block position 0)
     block_no: int = 0
     blk: torch.Tensor | None = None  # [Bs] the current block (mask id where still masked)
@@ -90,11 +91,20 @@ class DiffusionRow(EngineRow):
 
 class DiffusionEngine(BatchEngine):
     row_type = DiffusionRow
+    # SDAR's / LLaDA2's: no shift, the absolute grid, a block-causal commit (docs/diffusion.md)
+    semantics_implemented = {"logit_shift": (0,), "block_grid": ("absolute",), "commit_attention": ("block",)}
 
     def __init__(self, model, *, block_size: int | str, mask_id: int, pad_id: int = 0,
                  recompute: bool = False, provisional: bool = False, expert_budget: int | None = None,
                  expert_rank: str = "sum", width_policy=None, skips: tuple[str, ...] = ()) -> None:
         super().__init__(model, pad_id=pad_id)
+        sem = model.config.semantics
+        if sem.commit_attention == "block" and sem.block_grid != "absolute":
+            raise sem.refuse("commit_attention", "blocks that start at the prompt's end (block_grid 'prompt')")
+        self.shift, self.absolute = sem.logit_shift, sem.block_grid == "absolute"
+        self.commit_block = sem.commit_attention == "block"
+        if block_size == AUTO and self.absolute:
+            raise ValueError("block_size: 'auto' re-makes fresh blocks, which an absolute block grid does not have; give a size")
         self.width_policy = None
         if block_size == AUTO:
             from .width import WidthPolicy
@@ -145,11 +155,36 @@ class DiffusionEngine(BatchEngine):
     # lists the values beyond Clover's these implement, the constructor refuses the others)
     def _place_prompt(self, row: RowState) -> None:
         """`block_grid` "prompt": the whole prompt is committed by the row's first forward and its
-        first block starts right after it (nothing to do)."""
+        first block starts right after it (nothing to do). "absolute": the prompt's whole blocks are
+        committed, and its tail opens the first block, decoded with it (never part of the output)."""
+        if not self.absolute:
+            return
+        st, Bs = row.state, self.block_size
+        full = len(row.prompt) - len(row.prompt) % Bs
+        tail = row.prompt[full:]
+        if row.constraint is not None and st.valid:  # what the grammar forced into the block goes behind the tail
+            row.constraint.rollback(st.valid)
+            row.constraint.forced_tokens -= st.valid
+            st.blk.fill_(self.mask_id)
+            st.masked.fill_(True)
+            st.dec_step.zero_()
+        if self.recompute:
+            st.committed = list(row.prompt[:full])
+        else:
+            st.pending = list(row.prompt[:full])
+        st.blk[: len(tail)] = torch.tensor(tail, dtype=torch.long, device=st.blk.device)
+        st.masked[: len(tail)] = False
+        st.fixed = st.valid = len(tail)
+        st.need = min(Bs, len(tail) + row.remaining)
+        if row.constraint is not None:
+            self._grammar_advance(row)
 
     def _read_positions(self, cands: list[torch.Tensor]) -> torch.Tensor:
         """[B, Bs] bool: the denoise positions whose logits a step reads. `logit_shift` 1: block
-        position j is predicted by position j-1, so those whose next position is a candidate."""
+        position j is predicted by position j-1, so those whose next position is a candidate; 0: the
+        candidates themselves."""
+        if not self.shift:
+            return torch.stack(cands)
         Bs = self.block_size
         need = torch.zeros(len(cands), Bs, dtype=torch.bool, device=self.device)
         for i, c in enumerate(cands):
@@ -159,7 +194,11 @@ class DiffusionEngine(BatchEngine):
     def _block_logits(self, r: RowState, denoise_logits: torch.Tensor | None) -> torch.Tensor:
         """[Bs, V]: the logits that predict each block position of row `r`. `logit_shift` 1: position
         0 from the commit part (the last committed position), position j >= 1 from block position j-1
-        (`denoise_logits` [Bs, V], None for a block of one)."""
+        (`denoise_logits` [Bs, V], None for a block of one). 0: each position from itself."""
+        if not self.shift:
+            return denoise_logits
+        if r.state.first_logits is None:  # no commit yet (block_grid "absolute"): position 0 holds the prompt
+            return torch.cat([denoise_logits[:1], denoise_logits[: self.block_size - 1]], dim=0)
         first = r.state.first_logits[None]
         return first if denoise_logits is None else torch.cat([first, denoise_logits[: self.block_size - 1]], dim=0)
 
@@ -180,7 +219,7 @@ class DiffusionEngine(BatchEngine):
         row.state.step = 0
         row.state.memo_ok = torch.zeros(Bs, dtype=torch.bool, device=self.device)
         row.state.need = min(Bs, row.remaining)  # positions that must be decoded in this block
-        row.state.valid = 0
+        row.state.valid = row.state.fixed = 0
         if row.constraint is not None:
             self._grammar_advance(row)  # the tokens the grammar forces fill their positions now
 
@@ -259,7 +298,7 @@ class DiffusionEngine(BatchEngine):
         cands = [self._candidates(r) for r in rows]
         need = self._read_positions(cands)
         # a block of one position is predicted by the commit part alone (the AR step): nothing to denoise
-        ar_step = Bs == 1 and has_commit and all(commit_src)
+        ar_step = self.shift and Bs == 1 and has_commit and all(commit_src)
         denoise_ids = None if ar_step else torch.stack([r.state.blk for r in rows])
         skips = {} if ar_step else self._skips(rows, cands, need)
         valid = skips.get("denoise_valid")  # skip_window: rows' blocks cut at the batch's widest window
@@ -274,6 +313,7 @@ class DiffusionEngine(BatchEngine):
             expert_rank=self.expert_rank,
             track_experts=True,
             denoise_need=None if ar_step else need,
+            commit_block=Bs if self.commit_block else None,
             **skips,
         )
         at_input = denoise_ids if self.skip_decoded and not ar_step else None
@@ -286,7 +326,7 @@ class DiffusionEngine(BatchEngine):
                 r.state.first_logits = out.commit_logits[i]
                 r.state.pending = []
                 self._first_token(r)
-            logits = self._block_logits(r, None if Bs == 1 else out.denoise_logits[i])
+            logits = self._block_logits(r, None if ar_step or (Bs == 1 and self.shift) else out.denoise_logits[i])
             r.forwards += 1
             if self.width_policy is not None:
                 r.state.expected_gain += self.width_policy.prior[Bs] - 1.0
@@ -340,7 +380,8 @@ class DiffusionEngine(BatchEngine):
         st = r.state
         lim = st.need
         if not r.params.ignore_eos and r.eos_ids:
-            eos = [j for j, t in enumerate(st.blk[:lim].tolist()) if t in r.eos_ids and not bool(st.masked[j])]
+            eos = [j for j, t in enumerate(st.blk[:lim].tolist())
+                   if j >= st.fixed and t in r.eos_ids and not bool(st.masked[j])]
             if eos:
                 lim = eos[0] + 1
         live = (cand | ~st.masked)[:lim].nonzero()
@@ -441,7 +482,8 @@ class DiffusionEngine(BatchEngine):
             ))
         open_pos = r.state.masked[: r.state.need].nonzero()
         done = r.state.need if open_pos.numel() == 0 else int(open_pos[0])  # decoded contiguous prefix
-        if done < r.state.need and not (done and _prefix_ends_row(r, r.state.blk[:done].tolist())):
+        fixed = r.state.fixed  # the prompt's tail (block_grid "absolute"): committed, never output
+        if done < r.state.need and not (done > fixed and _prefix_ends_row(r, r.state.blk[fixed:done].tolist())):
             return events
         # block finished (or its decoded prefix already ends the row: EOS, a stop token or stop
         # string — the positions after it cannot change the output): emit it, then queue it for
@@ -449,10 +491,10 @@ class DiffusionEngine(BatchEngine):
         r.block_steps.append(r.state.step)
         r.block_widths.append(Bs)
         start = len(r.tokens)
-        kept = r.accept(r.state.blk[:done].tolist(), r.state.dec_step[:done].tolist())
+        kept = r.accept(r.state.blk[fixed:done].tolist(), r.state.dec_step[fixed:done].tolist())
         r.grammar_done()
         n = len(r.tokens)  # a stop string may have cut into earlier blocks too
-        forced_here = r.state.dec_forced[: max(0, n - start)].nonzero().flatten().tolist()
+        forced_here = r.state.dec_forced[fixed : fixed + max(0, n - start)].nonzero().flatten().tolist()
         r.forced = [k for k in r.forced if k < n] + [start + j for j in forced_here]
         if kept:
             events.append(DecodeEvent("commit", i, kept, r.steps[len(r.tokens) - len(kept) :],

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from ..cache import HybridCache
-from ..config import CloverConfig
+from ..config import BlockSemantics, CloverConfig
 from ..moe import BlockSharing
 from .layers import (
     Live,
@@ -358,8 +358,7 @@ class CausalLM(nn.Module):
         if commit_ids is None and denoise_ids is None:
             raise ValueError("step needs commit_ids, denoise_ids or both")
         if commit_block is not None and "linear_attention" in self.config.layer_types:
-            raise ValueError("commit_block: linear-attention layers commit causally; a block-causal commit needs "
-                             "attention-only layers")
+            raise BlockSemantics(commit_attention="block").refuse("commit_attention", "linear-attention layers")
         Tc = 0 if commit_ids is None else commit_ids.shape[1]
         if n_commit is not None and Tc and bool((n_commit == Tc).all()):
             n_commit = None

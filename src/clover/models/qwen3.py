@@ -23,7 +23,8 @@ from .registry import Architecture
 
 # SDAR / TraDo (model_type "sdar"; its MoE "sdar_moe"): Qwen3 trained for block diffusion. What its
 # config.json may omit, at its reference's values (docs/checkpoints.md: each checked in its code)
-SDAR_DEFAULTS = dict(block_size=4, mask_token_id=151669, threshold=0.9)
+SDAR_DEFAULTS = dict(block_size=4, mask_token_id=151669, threshold=0.9, logit_shift=0, block_grid="absolute",
+                     commit_attention="block")
 SDAR_TYPES = ("sdar", "sdar_moe")
 
 
