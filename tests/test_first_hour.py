@@ -254,3 +254,32 @@ def test_generate_says_so_when_a_chat_model_ends_a_plain_prompt_at_once(chat_mod
         warnings.simplefilter("error")
         llm.generate("hi", mode="ar", max_new_tokens=2, ignore_eos=True)  # tokens: no warning
         llm.chat([{"role": "user", "content": "hi"}], mode="ar", max_new_tokens=4, logit_bias={eos: 100.0})
+
+
+def test_a_q4_1_gguf_stays_4_bit_on_the_same_grid(tmp_path, monkeypatch):
+    """Q4_1 puts each block's min and max at its codes 0 and 15: clover's INT4 with group 32 of the
+    imported weights has the same 16 levels per block, up to bfloat16 rounding of scale and offset."""
+    import gguf
+    import numpy as np
+    from gguf import GGMLQuantizationType as T
+    from safetensors import safe_open
+    from test_gguf_import import hf_llama, write_gguf
+
+    import clover
+    from clover.export.gguf_quant import planes_from_parts
+
+    monkeypatch.setenv("CLOVER_MODELS", str(tmp_path / "models"))
+    ref, tok_dir, ids = hf_llama(tmp_path, tied=True)
+    src = write_gguf(tmp_path / "q41.gguf", ref, tok_dir, ids, matrix_type=T.Q4_1)
+    llm = clover.load(src)
+    qc = llm.config.quantization_config
+    assert qc["bits"] == 4 and qc["group_size"] == 32
+    t = next(t for t in gguf.GGUFReader(src).tensors if t.name == "blk.0.ffn_down.weight")
+    want = torch.from_numpy(gguf.quants.dequantize(np.asarray(t.data), t.tensor_type).copy()).float()
+    with safe_open(str(llm.path / "model.safetensors"), "pt") as f:
+        parts = {k: f.get_tensor(f"model.layers.0.mlp.down_proj.{k}") for k in ("qweight", "scales", "zeros")}
+    got = planes_from_parts(parts, 4, 32, want.shape[-1]).dequantize()
+    blocks = want.reshape(want.shape[0], -1, 32)
+    step = ((blocks.amax(-1) - blocks.amin(-1)) / 15).repeat_interleave(32, -1)
+    assert float(((got - want).abs() / step).max()) < 0.05
+    assert len(llm.generate("hi", mode="ar", max_new_tokens=3, ignore_eos=True).token_ids) == 3

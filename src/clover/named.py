@@ -100,17 +100,27 @@ def gguf_key(path: Path) -> str:
 
 def imported_gguf(path: str | Path, *, progress: bool = True) -> Path:
     """The model directory of a GGUF file (`clover.load("x.gguf")`, `--model x.gguf`): imported into
-    the user cache (`clover.gguf_import`, with a progress bar) the first time, read from there after."""
-    from .gguf_import import import_gguf
+    the user cache (`clover.gguf_import`, with a progress bar) the first time, read from there after.
+    A file of Q4_0/Q4_1 (or Q8_0) layer matrices stays 4-bit (8-bit): clover's INT4 with group 32
+    (INT8) of the imported weights (`gguf_import.kept_bits`; the embedding stays float)."""
+    from .gguf_import import import_gguf, kept_bits
 
     path = Path(path)
     out = models_root() / GGUF_DIR / f"{path.stem}-{gguf_key(path)}"
     if (out / "config.json").is_file():
         return out
-    print(f"clover: importing {path.name} into the model cache (once): {out}", file=sys.stderr, flush=True)
-    tmp = out.with_name(out.name + ".part")
-    shutil.rmtree(tmp, ignore_errors=True)
-    import_gguf(path, tmp, progress=progress)
+    bits = kept_bits(path)
+    kept = f", its layers kept in {bits} bits" if bits else ""
+    print(f"clover: importing {path.name} into the model cache (once{kept}): {out}", file=sys.stderr, flush=True)
+    tmp, floats = out.with_name(out.name + ".part"), out.with_name(out.name + ".float.part")
+    for d in (tmp, floats):
+        shutil.rmtree(d, ignore_errors=True)
+    import_gguf(path, floats if bits else tmp, progress=progress)
+    if bits:
+        from .quant.writer import quantize_checkpoint
+
+        quantize_checkpoint(floats, tmp, bits=bits, group_size=32, progress=progress)
+        shutil.rmtree(floats)
     tmp.replace(out)
     return out
 
