@@ -141,5 +141,5 @@ def test_modes_that_need_a_causal_commit_are_refused_in_one_line(sdar):
         with pytest.raises(ConfigError, match=r"^logit_shift=0: not implemented in \w+") as e:
             sdar.generate([5, 6, 7], mode=mode, max_new_tokens=4)
         assert "\n" not in str(e.value)
-    with pytest.raises(ConfigError, match="^commit_attention='block': not implemented in the plain causal forward"):
+    with pytest.raises(ConfigError, match="^commit_attention='block': not implemented in the plain forward"):
         sdar.model(torch.tensor([[5, 6, 7]]))

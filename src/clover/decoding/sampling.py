@@ -133,8 +133,6 @@ LIMITS: dict[str, Limit] = {
     "factor": Limit(float, gt=0, le=10, doc="policy factor: the top n while the n-th confidence >= 1 - factor/(n+1)"),
     "low_threshold": Limit(float, gt=0, le=1, doc="policy hierarchy: local maxima at or above this also commit (<= threshold)"),
     "entropy_budget": Limit(float, gt=0, le=100, doc="policy entropy: summed entropy (nats) a step may commit"),
-    "steps": Limit(int, ge=1, le=1024, nullable=True,
-                   doc="fallback quota: denoise steps per block; step s commits at least block/steps positions (null = the block size: one)"),
     "sub_block": Limit(int, ge=1, le=1024, nullable=True,
                        doc="denoise the block in sub-blocks of this size, left to right (null = the whole block)"),
     "expert_budget": Limit(int, ge=1, le=1 << 16, nullable=True,
@@ -147,7 +145,9 @@ LIMITS: dict[str, Limit] = {
                          doc="how expert_budget ranks a block's experts: sum of its tokens' router probabilities, or max"),
     "draft_length": Limit(int, ge=1, le=1024, nullable=True, doc="speculative draft, <= block_size (null = block_size)"),
     "steps": Limit(int, ge=1, le=1 << 16, nullable=True,
-                   doc="canvas: denoising steps over the whole canvas, <= max_new_tokens (null = one token a step)"),
+                   doc="canvas: denoising steps over the whole canvas, <= max_new_tokens (null = one token a step); "
+                       "diffusion with fallback quota: denoise steps per block, step s commits at least block/steps "
+                       "positions (null = the block size: one)"),
     "cfg_scale": Limit(float, ge=0, le=100, doc="canvas (LLaDA): classifier-free guidance scale (0 = off)"),
     "canvas_cache": Limit(str, choices=("prefix",), nullable=True,
                           doc="canvas (LLaDA): Fast-dLLM's prefix cache, refreshed at each block's start (approximate; null = none)"),
@@ -188,7 +188,6 @@ class SamplingParams:
     factor: float = 1.0
     low_threshold: float = 0.5
     entropy_budget: float = 1.0
-    steps: int | None = None  # fallback quota: denoise steps per block (None: the block size)
     sub_block: int | None = None
     skip_window: bool = False
     skip_decoded: bool = False
@@ -196,7 +195,7 @@ class SamplingParams:
     expert_rank: str = "sum"
     # speculative
     draft_length: int | None = None
-    # canvas (whole-sequence diffusion)
+    # canvas (whole-sequence diffusion); diffusion's fallback quota (steps per block)
     steps: int | None = None
     cfg_scale: float = 0.0
     canvas_cache: str | None = None
