@@ -180,3 +180,39 @@ def test_fast_dllm_options_batched_as_alone(family):
         alone = [decode(model, [p], [o])[0] for p, o in zip(prompts, opts)]
         assert decode(model, prompts, opts) == alone
         assert all(model.config.mask_token_id not in t for t in alone)
+
+
+def test_served_canvas_streams_and_stops_at_eos(family, tmp_path):
+    """The OpenAI server on a whole-sequence checkpoint: `max_tokens` is the canvas, the answer ends
+    at the first EOS the canvas holds (`finish_reason` stop, the real count in `usage`), and a stream
+    with `stream_options.provisional` carries the canvas after every step before the text."""
+    openai = pytest.importorskip("openai")
+    httpx = pytest.importorskip("httpx")
+    import clover
+    from clover.tokenizer import write_byte_tokenizer
+    from test_serve import KEY, MODEL, LiveServer
+
+    name, g, path, _ = family
+    case = g["cases"][0]
+    tokens = case["tokens"][0]
+    eos_at = next(i for i in range(2, len(tokens)) if tokens[i] not in tokens[:i])  # this copy's EOS: first seen there
+    config = {**g["config"], "eos_token_id": tokens[eos_at]}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    (tmp_path / "model.safetensors").symlink_to(path / "model.safetensors")
+    write_byte_tokenizer(tmp_path)
+    llm = clover.load(tmp_path)
+    opts = {k: v for k, v in options(name, case).items() if k != "max_new_tokens"}
+    expected = llm.generate(case["prompts"][0], max_new_tokens=len(tokens), **opts)
+    assert expected.token_ids == tokens[:eos_at] and expected.finish_reason == "stop"
+    with LiveServer(llm, api_key=KEY) as server:
+        client = openai.OpenAI(base_url=server.base + "/v1", api_key=KEY, max_retries=0, timeout=60)
+        r = client.completions.create(model=MODEL, prompt=case["prompts"][0], max_tokens=len(tokens), temperature=0,
+                                      extra_body=opts)
+        assert r.choices[0].finish_reason == "stop" and r.usage.completion_tokens == eos_at
+        body = {"model": MODEL, "prompt": case["prompts"][0], "max_tokens": len(tokens), "temperature": 0, "stream": True,
+                "stream_options": {"provisional": True}, **opts}
+        with httpx.Client(base_url=server.base, headers={"Authorization": f"Bearer {KEY}"}, timeout=60) as http:
+            lines = [json.loads(x[6:]) for x in http.post("/v1/completions", json=body).text.splitlines()
+                     if x.startswith("data: {")]
+    provisional = [x for x in lines if "provisional" in json.dumps(x)]
+    assert len(provisional) == case["steps"]
