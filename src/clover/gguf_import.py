@@ -75,6 +75,17 @@ def _reader(path: Path):
     import gguf
 
     class Reader(gguf.GGUFReader):
+        # the file as a plain array over the same mapping: the reader slices it once per metadata element
+        # (a tokenizer's ~100k strings), and each slice of an np.memmap pays its subclass bookkeeping
+        # (SmolLM2-135M's GGUF: read in 3 s instead of 11)
+        @property
+        def data(self):
+            return self._plain
+
+        @data.setter
+        def data(self, value):
+            self._plain = value.view(np.ndarray)
+
         def _build_tensors(self, start_offs, fields):  # name the tensor a truncated file cuts off
             for field in fields:
                 _, name_data, _, dims, raw_dtype, offset = field.parts
