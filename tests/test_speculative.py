@@ -81,7 +81,7 @@ def test_speculative_refuses_what_it_cannot_keep_lossless(llm):
 def test_rejection_rule_emits_the_target_distribution():
     """A small vocabulary, fixed target p and draft q per position: the first emitted token after
     draft[0] is distributed as p[0], and the next (given the first draft token kept) as p[1]."""
-    from clover.decoding.speculative import accept_draft
+    from clover.decoding.verify import accept_draft
 
     V, D, trials = 5, 4, 8000
     g = torch.Generator().manual_seed(0)
@@ -144,7 +144,7 @@ def _two_tokens(p1, p2, qs, cut, g, drawn_cut=False, reuse=True):
     q's drawn per trial from `qs`: the denoiser's confidence varies with the context), cut before its
     first unsure token (`sure_prefix`), verified by the rejection rule against p1 and p2[d1]; after a
     rejection of d1 the leftover d2 rides behind the residual token (`reuse`), else x2 is AR's draw."""
-    from clover.decoding.speculative import accept_draft, sure_prefix
+    from clover.decoding.verify import accept_draft, sure_prefix
 
     q = qs[int(torch.randint(len(qs), (1,), generator=g))]
     d = torch.multinomial(q, 1, generator=g)[:, 0].tolist()

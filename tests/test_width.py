@@ -117,7 +117,7 @@ def test_step_timing_drops_a_burst_and_keeps_wider_steps_no_cheaper(llm, monkeyp
                 clock[0] += cost[self.w][(self.steps - 3) // 4]
 
     monkeypatch.setattr(S, "SpeculativeEngine", FakeEngine)
-    monkeypatch.setattr(S.time, "perf_counter", lambda: clock[0])
+    monkeypatch.setattr(W.time, "perf_counter", lambda: clock[0])
     monkeypatch.setattr(S, "STEP_PASSES", 2)
     c = S._time_steps(llm.model, (1, 4, 8, 16), 1, mask_id=0, pad_id=0, repeat=4)
     assert c.seconds_by[W.STEP_KIND][1] == {1: 1.0, 4: 2.0, 8: 2.5, 16: 2.5}

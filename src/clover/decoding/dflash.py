@@ -1,5 +1,6 @@
 """AR decoding accelerated by a DFlash block drafter (arXiv 2602.06036): the comparator of
-Clover-35B-A3B's published speed figure, here on the same target weights.
+Clover-35B-A3B's published speed figure, here on the same target weights. A drafter of the one verify
+engine (`verify.VerifyEngine`, which holds the verify, the rejection rule and the rollback).
 
 Per row, an iteration is one drafter forward and one target forward:
 - *draft*: the drafter (`clover.models.dflash`) takes the target's hidden states of the tokens
@@ -25,18 +26,15 @@ d_1..d_j). `forwards` counts the target's forwards; `draft_forwards` the drafter
 
 from __future__ import annotations
 
-import statistics
-import time
 import weakref
 from dataclasses import dataclass
 
 import torch
 
-from .base import BatchEngine, DecodeEvent, EngineRow, RowState, grad_free_call, next_tokens, pad_right, row_history
+from .base import DecodeEvent, RowState, grad_free_call
 from .modes import EngineSpec, Mode, register
-from .sampling import AUTO, SamplingParams, greedy_tokens
-from .speculative import (accept_draft, agreed, choose_draft, commit_verified, constrained_draft,
-                          constrained_sampled_draft, sampling_probs, settle_cache, sure_prefix)
+from .sampling import AUTO
+from .verify import VerifyEngine, VerifyRow, constrained_draft, constrained_sampled_draft, sure_prefix
 
 DEFAULT_DRAFT = 15  # the published drafters' block of 16: the anchor + 15 drafts
 # the default draft ends before its first token the drafter gives less than this probability (the
@@ -61,39 +59,41 @@ def reserved_positions(draft_length: int) -> int:
 
 
 @dataclass(eq=False)
-class DFlashRow(EngineRow):
-    anchor: int | None = None  # the target's last token, not yet in its cache (None: prefill pending)
+class DFlashRow(VerifyRow):
     ctx: torch.Tensor | None = None  # [n, F] context features not yet in the drafter's cache
-    kept_draft: int = 0  # drafts kept so far (draft "auto": the acceptance rate)
-    rejected_draft: int = 0  # verifies that rejected a draft
 
 
-class DFlashEngine(BatchEngine):
+class DFlashEngine(VerifyEngine):
+    """The verify engine drafting with a DFlash drafter: one drafter forward before each verify."""
+
     row_type = DFlashRow
 
     def __init__(self, model, drafter, *, draft_length: int | str, pad_id: int = 0, draft_policy=None,
                  cut: float | None = None) -> None:
-        super().__init__(model, pad_id=pad_id)
-        self.drafter = drafter
-        self.cut = cut  # cut each draft before its first token below this drafter probability (None: never)
-        self.draft_policy = None
         if draft_length == AUTO:
             from .width import DraftPolicy
 
             blocks = sorted({b for b in AUTO_BLOCKS if b <= drafter.block_size} | {drafter.block_size})
-            self.draft_policy = draft_policy or DraftPolicy(blocks, iteration_curve(model, drafter, blocks))
-            draft_length = max(self.draft_policy.widths) - 1
+            draft_policy = draft_policy or DraftPolicy(blocks, iteration_curve(model, drafter, blocks))
+            draft_length = max(draft_policy.widths) - 1
         elif not 1 <= draft_length <= drafter.block_size - 1:
             raise ValueError(f"draft_length: must lie in [1, {drafter.block_size - 1}] for this drafter "
                              f"(block_size {drafter.block_size}), got {draft_length}")
-        self.draft_length = self.max_draft = draft_length
+        else:
+            draft_policy = None
+        self.max_draft = draft_length
+        super().__init__(model, width=draft_length + 1, reserve=reserved_positions(draft_length), pad_id=pad_id,
+                         draft_policy=draft_policy)
+        self.drafter = drafter
+        self.cut = cut  # cut each draft before its first token below this drafter probability (None: never)
         self.draft_cache = None
         self.layer_ids = drafter.target_layer_ids
-        self.choices: list = []  # draft "auto": each WidthChoice (block = anchor + drafts, why), in order
-        self.forwards = 0
+        self._hidden: dict | None = None
 
-    def _capacity(self, row: RowState) -> int:
-        return len(row.prompt) + row.params.max_new_tokens + reserved_positions(self.max_draft)
+    @property
+    def draft_length(self) -> int:
+        """Drafts per verify (after t): the width less one."""
+        return self.width - 1
 
     @grad_free_call  # as the target's cache (`BatchEngine.add`): a compiled draft is specialised on it
     def add(self, row: RowState) -> list[DecodeEvent]:
@@ -110,12 +110,35 @@ class DFlashEngine(BatchEngine):
             self.draft_cache = self.draft_cache.select_rows(keep) if keep else None
         super()._drop_finished()
 
-    # -- the draft
-    _probs = staticmethod(sampling_probs)  # the distribution a row samples from (AR's)
+    # -- the drafter strategy
+    def _propose(self, rows: list[RowState]) -> dict:
+        """The drafter's forward (where any row has its t), its drafts appended to each row's t; the
+        verify forward returns every logit and the drafter's context (the chosen layers' states)."""
+        if any(r.state.draft is not None for r in rows):
+            if self.draft_policy is not None:
+                self._choose_width()
+            drafts, q = self._draft(rows)
+            for r, d, qd in zip(rows, drafts, q):
+                if d is not None:
+                    r.state.draft = r.state.draft + d
+                    r.state.draft_q = qd
+        self._hidden = dict.fromkeys(self.layer_ids)
+        return {"all_logits": True, "hidden_out": self._hidden}
+
+    def _forward(self, commit_ids, n_commit, **kw):
+        out = super()._forward(commit_ids, n_commit, **kw)
+        self._feats = self.drafter.context_features(self._hidden, self.model)  # [B, Tc, F]
+        return out
+
+    def _follow(self, i: int, r: RowState, out, *, keep: int, whole: bool, verified: list[int] | None, m: int
+                ) -> None:
+        r.state.ctx = self._feats[i, :keep]  # the states of the tokens this forward put in the cache
 
     def _draft(self, rows: list[RowState]) -> tuple[list[list[int] | None], list[torch.Tensor | None]]:
+        """One drafter forward: per row the drafts after its t (None for a row whose prefill is
+        pending) and, sampling, the distributions they were drawn from."""
         D, dr, dev = self.draft_length, self.drafter, self.device
-        ctx = [r.state.ctx if r.state.anchor is not None else None for r in rows]
+        ctx = [r.state.ctx if r.state.draft is not None else None for r in rows]
         Tc = max((c.shape[0] for c in ctx if c is not None), default=0)
         if dr.static_draft is not None and Tc <= D + 1:
             Tc = D + 1  # the compiled draft's shape: the context padded to the block
@@ -126,7 +149,7 @@ class DFlashEngine(BatchEngine):
                 feats[i, : c.shape[0]] = c
         n_ctx = torch.tensor([0 if c is None else c.shape[0] for c in ctx], dtype=torch.long, device=dev)
         block = torch.full((len(rows), D + 1), dr.mask_token_id, dtype=torch.long, device=dev)
-        block[:, 0] = torch.tensor([dr.mask_token_id if r.state.anchor is None else r.state.anchor for r in rows],
+        block[:, 0] = torch.tensor([dr.mask_token_id if r.state.draft is None else r.state.draft[0] for r in rows],
                                    dtype=torch.long, device=dev)  # one copy to the device, not one write per row
         h = dr.draft(self.draft_cache, feats, n_ctx, dr.embed(block, self.model))
         logits = dr.logits(h[:, 1:], self.model)  # [B, D, V]: block position j predicts its own token
@@ -135,7 +158,7 @@ class DFlashEngine(BatchEngine):
         sure: list = []  # (row, the drafter's probability of each draft token) where drafts may be cut
         for i, r in enumerate(rows):
             r.state.ctx = None
-            if r.state.anchor is None:
+            if r.state.draft is None:
                 drafts.append(None)
                 q.append(None)
                 continue
@@ -179,105 +202,6 @@ class DFlashEngine(BatchEngine):
                 if q[i] is not None:
                     q[i] = q[i][: width - 1]
 
-    # -- the verify
-    def _verify(self, r: RowState, logits: torch.Tensor, draft: list[int], q: torch.Tensor | None) -> list[int]:
-        """logits [D+1, V] (after anchor, d_1, ..., d_D) -> the new tokens: accepted drafts + one."""
-        D = len(draft)
-        tails = [draft[:j] for j in range(D + 1)]
-        if r.constraint is not None:
-            new = self._verify_constrained(r, logits, draft, q, tails)
-        elif r.params.greedy:  # AR's token choice (`propose`), without its confidences
-            target = greedy_tokens(r.state.sampler.process(logits, row_history(r, tails, D + 1))).tolist()
-            m = agreed(draft, target)
-            new = draft[:m] + [target[m]]
-        else:
-            p = self._probs(r, logits, tails)  # [D+1, V]
-            gen = r.state.sampler.generator
-            m, token = accept_draft([r.state.anchor] + draft, q, p[:D], gen)  # the anchor is the target's own
-            if token is None:  # every draft kept: the next token from the target after the last one
-                token = int(torch.multinomial(p[D], 1, generator=gen))
-            new = draft[: m - 1] + [token]
-        r.state.kept_draft += max(len(new) - 1, 0)
-        r.state.rejected_draft += len(new) - 1 < D
-        return new
-
-    def _verify_constrained(self, r: RowState, logits: torch.Tensor, draft: list[int], q: torch.Tensor | None,
-                            tails: list) -> list[int]:
-        """The verify of a constrained row: position j's logits masked by the grammar after the
-        anchor and d_1..d_j, so that greedy keeps exactly the tokens constrained AR chooses and
-        sampling (the rejection rule over the masked distributions) draws as constrained AR does.
-        The grammar consumes the new tokens; where it completes, the row ends (no further token)."""
-        c, D = r.constraint, len(draft)
-        if r.params.greedy:
-            processed = r.state.sampler.process(logits, row_history(r, tails, D + 1))
-            new = []
-            for j in range(D + 1):
-                if c.stopped:
-                    break
-                tok = c.argmax(processed[j])
-                c.consume([tok])
-                new.append(tok)
-                if j == D or tok != draft[j]:
-                    break
-            return new
-        ps = []  # p_j: AR's distribution after the anchor and d_1..d_j, masked by the grammar there
-        for j in range(D + 1):
-            if c.stopped:
-                break
-            ps.append(self._probs(r, c.mask(logits[j : j + 1]), tails[j : j + 1])[0])
-            if j < D:
-                c.consume(draft[j : j + 1])
-        c.rollback(min(len(ps), D))
-        gen = r.state.sampler.generator
-        m, token = accept_draft([r.state.anchor] + draft, q, torch.stack(ps[:D]) if D else None, gen)
-        if token is None and len(ps) > D:  # every draft kept: the next token after the last one
-            token = int(torch.multinomial(ps[D], 1, generator=gen))
-        new = draft[: m - 1] + ([token] if token is not None else [])
-        c.consume(new)
-        return new
-
-    @grad_free_call
-    def step(self) -> list[DecodeEvent]:
-        rows = self.rows
-        drafting = any(r.state.anchor is not None for r in rows)
-        if drafting and self.draft_policy is not None:
-            self.draft_length = choose_draft(self.draft_policy, rows, self.choices, self.forwards) - 1
-        self.forwards += 1
-        drafts, q = self._draft(rows) if drafting else ([None] * len(rows),) * 2
-        src = [r.state.pending if d is None else [r.state.anchor] + d for r, d in zip(rows, drafts)]
-        ids, n = pad_right(src, self.pad_id, self.device)
-        snap = self.cache.start_recording() if drafting else None  # a prefill alone is never rolled back
-        hidden = dict.fromkeys(self.layer_ids)
-        out = self.model.step(self.cache, commit_ids=ids, n_commit=n, all_logits=True, track_experts=True,
-                              hidden_out=hidden)
-        feats = self.drafter.context_features(hidden, self.model)  # [B, Tc, F]
-        keep = [0] * len(rows)
-        events: list[DecodeEvent] = []
-        for i, r in enumerate(rows):
-            r.forwards += 1
-            r.experts_touched.extend(out.experts_touched)
-            if drafts[i] is None:  # the prefill: the first anchor, as AR samples it
-                m = len(r.state.pending)
-                new = next_tokens(r, out.commit_logits[i, m - 1 : m])
-                r.state.pending = []
-                kept = r.accept(new, [1])
-                r.grammar_done()
-                if kept:
-                    events.append(DecodeEvent("commit", i, kept, [1], row_state=r))
-            else:
-                new = self._verify(r, out.commit_logits[i, : len(drafts[i]) + 1], drafts[i], q[i])
-                m = len(new)  # the anchor and the accepted drafts enter the cache
-                commit_verified(r, i, new, events)
-            keep[i] = m
-            if r.finished:
-                events.append(DecodeEvent("finish", i, [], [], row_state=r))
-                continue
-            r.state.anchor = new[-1]
-            r.state.ctx = feats[i, :m]
-        if snap is not None:
-            settle_cache(self.cache, snap, keep, [len(s) for s in src])
-        self._drop_finished()
-        return events
 
 
 # model -> drafter -> (eager/compiled, blocks) -> CostCurve, measured once per process; weak keys, so
@@ -287,31 +211,22 @@ _ITERATION_COSTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 @grad_free_call
 def iteration_curve(model, drafter, blocks, *, repeat: int = 3) -> "CostCurve":
-    """What one dflash iteration (draft, verify, rollback, bookkeeping) costs at each block (anchor
-    + drafts) in `blocks`: an engine of that fixed draft length decoding a random prompt at batch 1,
-    the median of `repeat` iterations after one untimed one (where a compiled model compiles).
-    Kept in the `"verify"` kind of a `width.CostCurve` for `DraftPolicy`; measured once per
-    process."""
-    from .width import CostCurve, compiled_kind
+    """What one dflash iteration (draft, verify, rollback, bookkeeping) costs at each block (t +
+    drafts) in `blocks` (`width.time_steps`: an engine of that fixed draft length decoding a random
+    prompt at batch 1, the median of `repeat` iterations after two untimed ones, where a compiled
+    model compiles). Kept in the `"verify"` kind of a `width.CostCurve` for `DraftPolicy`; measured
+    once per process."""
+    from .width import CostCurve, compiled_kind, memo, time_steps
 
-    known = _ITERATION_COSTS.setdefault(model, weakref.WeakKeyDictionary()).setdefault(drafter, {})
+    known = memo(_ITERATION_COSTS, model, drafter)
     key = (compiled_kind(model), tuple(blocks))
     if key in known:
         return known[key]
+    seconds = time_steps(lambda b: DFlashEngine(model, drafter, draft_length=b - 1), blocks, 1,
+                         vocab_size=model.config.vocab_size, repeat=repeat, budget=lambda b: (repeat + 2) * b + 1)
     curve = CostCurve()
-    gen = torch.Generator().manual_seed(0)
-    prompt = torch.randint(3, model.config.vocab_size, (32,), generator=gen).tolist()
-    for b in blocks:
-        engine = DFlashEngine(model, drafter, draft_length=b - 1)
-        engine.add(RowState(prompt, SamplingParams(max_new_tokens=(repeat + 2) * b + 1, ignore_eos=True), set()))
-        engine.step()  # the prefill
-        engine.step()
-        seconds = []
-        for _ in range(repeat):
-            t0 = time.perf_counter()
-            engine.step()
-            seconds.append(time.perf_counter() - t0)
-        curve.add("verify", 1, b, statistics.median(seconds))
+    for b, sec in seconds.items():
+        curve.add("verify", 1, b, sec)
     known[key] = curve
     return curve
 

@@ -56,8 +56,8 @@ approximations, opt-in per request and tested against the exact path on what the
 
 Both run eagerly: a compiled model serves a step that uses them without its graphs.
 
-`recompute=True` is the uncached baseline (`mode="naive"`): every forward rebuilds the whole
-committed sequence from scratch with the same block and acceptance rules.
+The uncached baseline (`mode="naive"`, `naive.NaiveEngine`) is this engine without a cache: every
+forward rebuilds the whole committed sequence from scratch with the same block and acceptance rules.
 """
 
 from __future__ import annotations
@@ -74,7 +74,7 @@ from .sampling import AUTO
 
 @dataclass(eq=False)
 class DiffusionRow(EngineRow):
-    committed: list[int] = field(default_factory=list)  # naive (recompute): the whole committed sequence
+    committed: list[int] = field(default_factory=list)  # naive (no cache): the whole committed sequence
     fixed: int = 0  # block_grid "absolute": the block's first positions that hold the prompt's tail
     first_logits: torch.Tensor | None = None  # logits of the last committed position (predicts block position 0)
     block_no: int = 0
@@ -95,7 +95,7 @@ class DiffusionEngine(BatchEngine):
     semantics_implemented = {"logit_shift": (0,), "block_grid": ("absolute",), "commit_attention": ("block",)}
 
     def __init__(self, model, *, block_size: int | str, mask_id: int, pad_id: int = 0,
-                 recompute: bool = False, provisional: bool = False, expert_budget: int | None = None,
+                 provisional: bool = False, expert_budget: int | None = None,
                  expert_rank: str = "sum", width_policy=None, skips: tuple[str, ...] = ()) -> None:
         super().__init__(model, pad_id=pad_id)
         sem = model.config.semantics
@@ -113,11 +113,11 @@ class DiffusionEngine(BatchEngine):
             block_size = max(self.width_policy.widths)
         self.block_size, self.mask_id = block_size, mask_id
         self.max_width = block_size
-        self.recompute, self.provisional, self.expert_budget = recompute, provisional, expert_budget
+        self.provisional, self.expert_budget = provisional, expert_budget
         self.expert_rank = expert_rank
-        self.skip_window = "window" in skips and not recompute
+        self.skip_window = "window" in skips
         # the memo needs the hybrid family's layers (`live`) and routes per position (no expert sharing)
-        self.skip_decoded = ("decoded" in skips and not recompute and expert_budget is None
+        self.skip_decoded = ("decoded" in skips and expert_budget is None
                              and getattr(model, "live_positions", False))
         self.memo: list | None = None  # skip_decoded: per layer, the rows' block inputs of their last forward [B, Bs, ...]
         self.choices: list = []  # block_size="auto": each WidthChoice (width, why), in order
@@ -147,7 +147,7 @@ class DiffusionEngine(BatchEngine):
 
     def _init_row(self, row: RowState) -> None:
         super()._init_row(row)
-        row.state.committed = list(row.prompt) if self.recompute else []
+        self._commit_first(row, list(row.prompt))
         self._new_block(row)
         self._place_prompt(row)
 
@@ -168,10 +168,7 @@ class DiffusionEngine(BatchEngine):
             st.blk.fill_(self.mask_id)
             st.masked.fill_(True)
             st.dec_step.zero_()
-        if self.recompute:
-            st.committed = list(row.prompt[:full])
-        else:
-            st.pending = list(row.prompt[:full])
+        self._commit_first(row, list(row.prompt[:full]))
         st.blk[: len(tail)] = torch.tensor(tail, dtype=torch.long, device=st.blk.device)
         st.masked[: len(tail)] = False
         st.fixed = st.valid = len(tail)
@@ -259,22 +256,12 @@ class DiffusionEngine(BatchEngine):
             st.need = st.valid
 
     def add(self, row: RowState) -> list[DecodeEvent]:
-        if self.recompute:  # no persistent cache: just track the row
-            if row.params.max_new_tokens == 0:
-                row._finish("length")
-                return [DecodeEvent("finish", -1, [], [], row_state=row)]
-            self._init_row(row)
-            self.rows.append(row)
-            return []
         events = super().add(row)
         if self.memo is not None and len(self.rows) > self.memo[0][0].shape[0]:  # the newcomer has no memo yet
             self.memo = [tuple(torch.cat([t, t.new_zeros(1, *t.shape[1:])]) for t in layer) for layer in self.memo]
         return events
 
     def _drop_finished(self) -> None:
-        if self.recompute:
-            self.rows = [r for r in self.rows if not r.finished]
-            return
         keep = [i for i, r in enumerate(self.rows) if not r.finished]
         if self.memo is not None and len(keep) < len(self.rows):
             idx = torch.tensor(keep, dtype=torch.long, device=self.device)
@@ -287,12 +274,7 @@ class DiffusionEngine(BatchEngine):
             self._choose_width()
         Bs, rows = self.block_size, self.rows
         self.forwards += 1
-        if self.recompute:
-            cache = self.model.make_cache(len(rows), max(len(r.state.committed) for r in rows) + Bs)
-            commit_src = [r.state.committed for r in rows]
-        else:
-            cache = self.cache
-            commit_src = [r.state.pending for r in rows]
+        cache, commit_src = self._forward_cache(rows)
         has_commit = any(commit_src)
         commit_ids, n_commit = pad_right(commit_src, self.pad_id, self.device) if has_commit else (None, None)
         cands = [self._candidates(r) for r in rows]
@@ -341,6 +323,19 @@ class DiffusionEngine(BatchEngine):
                 r.state.memo_ok[:W] = ok if valid is None else ok & valid[i]
         self._drop_finished()
         return events
+
+    # -- where the cache acts (`naive.NaiveEngine` has none)
+    def _commit_first(self, row: RowState, tokens: list[int]) -> None:
+        """What the row's first forward commits: its prompt (block_grid "absolute": its whole blocks)."""
+        row.state.pending = tokens
+
+    def _forward_cache(self, rows: list[RowState]) -> tuple:
+        """The cache this forward runs on and what each row commits into it first."""
+        return self.cache, [r.state.pending for r in rows]
+
+    def _queue_commit(self, r: RowState, tokens: list[int]) -> None:
+        """A finished block's tokens, committed with the next block's first step."""
+        r.state.pending = tokens
 
     def _skips(self, rows: list[RowState], cands: list[torch.Tensor], need: torch.Tensor) -> dict:
         """The forward's approximate skips (`model.step` arguments; `clover.models.core`):
@@ -502,10 +497,7 @@ class DiffusionEngine(BatchEngine):
         if r.finished:
             events.append(DecodeEvent("finish", i, [], [], row_state=r))
             return events
-        if self.recompute:
-            r.state.committed.extend(r.state.blk[:done].tolist())
-        else:
-            r.state.pending = r.state.blk[:done].tolist()
+        self._queue_commit(r, r.state.blk[:done].tolist())
         r.state.block_no += 1
         self._new_block(r)
         return events
@@ -541,8 +533,8 @@ class Diffusion(Mode):
     needs_mask = True
     threshold_commit = True
     summary = "block diffusion with the cache: every position whose confidence passes the threshold commits"
-    recompute = False
     auto_width = True
+    engine = DiffusionEngine
 
     def extra_positions(self, params, drafter=None, config=None) -> int:
         from .width import AUTO_MAX_WIDTH
@@ -561,9 +553,8 @@ class Diffusion(Mode):
         return EngineSpec(self, params.block_size, params.expert_budget, params.expert_rank, provisional, skips)
 
     def make_engine(self, model, spec, *, mask_id, pad_id):
-        return DiffusionEngine(model, block_size=spec.width, mask_id=mask_id, pad_id=pad_id,
-                               recompute=self.recompute, provisional=spec.provisional,
-                               expert_budget=spec.expert_budget, expert_rank=spec.expert_rank, skips=spec.skips)
+        return self.engine(model, block_size=spec.width, mask_id=mask_id, pad_id=pad_id, provisional=spec.provisional,
+                           expert_budget=spec.expert_budget, expert_rank=spec.expert_rank, skips=spec.skips)
 
 
 register(Diffusion())

@@ -9,7 +9,8 @@
 - `block`: a finished block of n committed fused with the next block's first denoise step (2n
   positions), what the diffusion engine runs once per block;
 - `step` (`STEP_KIND`): not a bare forward but speculative decoding's whole step as it runs, drafting
-  n (n = 1: its AR step), timed by `speculative.step_curve` for draft "auto" (`DraftPolicy`).
+  n (n = 1: its AR step), timed by `speculative.step_curve` for draft "auto" (`DraftPolicy`); any
+  engine's step is timed by one harness, `time_steps` (dflash's `iteration_curve` too).
 Measured on this machine at batch 1 and under batch (`time_forward`, `measure_curve`; `clover bench
 cost` runs the full sweep) and kept per model shape, dtype and machine in the user cache
 (`$XDG_CACHE_HOME/clover/cost/`, JSON), eager and compiled apart. A cache file that cannot be read
@@ -43,12 +44,14 @@ import json
 import platform
 import statistics
 import time
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from ..paths import user_cache
-from .base import grad_free_call
+from .base import RowState, grad_free_call
+from .sampling import SamplingParams
 
 KINDS = ("commit", "denoise", "verify", "block")  # the bare forwards `time_forward` times
 STEP_KIND = "step"  # speculative's step as it runs, drafting n (1: its AR step): `speculative.step_curve`
@@ -486,3 +489,50 @@ class DraftPolicy:
                     for D in self.widths}
         best = max(self.widths, key=lambda D: (expected[D], -D))
         return WidthChoice(best, B, expected)
+
+
+def memo(store: weakref.WeakKeyDictionary, *owners) -> dict:
+    """The per-process memo in `store` of what `owners` (a model, then whatever else the entries
+    depend on, a drafter) cost: weak keys all the way, so an owner collected (its id reused) takes
+    its entries with it."""
+    d = store
+    for o in owners[:-1]:
+        d = d.setdefault(o, weakref.WeakKeyDictionary())
+    return d.setdefault(owners[-1], {})
+
+
+def time_steps(make_engine, widths, batch: int, *, vocab_size: int, budget, repeat: int, passes: int = 1,
+               prompt_len: int = 32) -> dict[int, float]:
+    """What a step of the engine `make_engine(w)` costs as it runs at each width in `widths` with
+    `batch` rows decoding random prompts (`budget(w)` new tokens each, room for every step taken):
+    the steps timed in rounds across the widths after two untimed ones (the prefill; a compiled model
+    compiles there), the median of each of `passes` passes of `repeat` rounds, the cheapest pass
+    kept, then no width dearer than a wider one. The rounds spread load that comes and goes on a
+    shared machine over every width, and the median keeps what a step pays as it varies (a rollback
+    after one, none after the next); a burst of another process's load seldom spans two passes, and
+    a step does not get cheaper for carrying more positions. The one cost harness for any engine
+    (`speculative.step_curve`, `dflash.iteration_curve`)."""
+    gen = torch.Generator().manual_seed(0)
+    engines = {}
+    for w in widths:
+        engine = make_engine(w)
+        for _ in range(batch):
+            prompt = torch.randint(3, vocab_size, (prompt_len,), generator=gen).tolist()
+            engine.add(RowState(prompt, SamplingParams(max_new_tokens=budget(w), ignore_eos=True), set()))
+        engine.step()  # the prefill
+        engine.step()
+        engines[w] = engine
+    best = {w: float("inf") for w in widths}
+    for _ in range(passes):
+        seconds = {w: [] for w in widths}
+        for _ in range(repeat):
+            for w, engine in engines.items():
+                t0 = time.perf_counter()
+                engine.step()
+                seconds[w].append(time.perf_counter() - t0)
+        best = {w: min(best[w], statistics.median(seconds[w])) for w in widths}
+    out, dearest = {}, float("inf")
+    for w in sorted(widths, reverse=True):
+        dearest = min(dearest, best[w])
+        out[w] = dearest
+    return out
