@@ -170,3 +170,13 @@ def test_sdar_moe_decodes_alike_cached_naive_and_batched(tmp_path):
     for a, b, n in zip(alone, batched, naive):
         assert a.token_ids == b.token_ids == n.token_ids and len(a.token_ids) == 12
         assert a.stats.block_steps == b.stats.block_steps == n.stats.block_steps
+
+
+def test_info_names_the_family_and_its_decoding(sdar, capsys):
+    from clover.cli import main
+
+    assert main(["info", str(sdar.path)]) == 0
+    out = capsys.readouterr().out
+    for needle in ("(sdar)", "block size       4", "threshold        0.9", "mask token       127",
+                   "block semantics  logit_shift=0, block_grid=absolute, commit_attention=block"):
+        assert needle in out, needle

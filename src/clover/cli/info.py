@@ -5,6 +5,7 @@ one (a FIFO would block the read forever) is ever opened."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from pathlib import Path
 
@@ -108,6 +109,7 @@ def model_info(path: Path) -> dict:
         "diffusion": c.mask_token_id is not None,
         "block_size": c.block_size if c.mask_token_id is not None else None,
         "threshold": c.threshold if c.mask_token_id is not None else None,
+        "semantics": dataclasses.asdict(c.semantics) if c.mask_token_id is not None else None,
         "mask_token_id": c.mask_token_id,
         "mask_token": _token_string(path, c.mask_token_id),
         "eos_token_ids": c.eos_token_ids,
@@ -146,6 +148,11 @@ def format_info(info: dict) -> str:
     if info["diffusion"]:
         mask = f"{info['mask_token_id']}" + (f" {info['mask_token']}" if info["mask_token"] else "")
         rows += [("block size", str(info["block_size"])), ("threshold", str(info["threshold"])), ("mask token", mask)]
+        from ..config import BlockSemantics
+
+        other = {k: v for k, v in info["semantics"].items() if v != getattr(BlockSemantics, k)}
+        if other:  # a released family's decoding (docs/architecture.md, "Block semantics")
+            rows.append(("block semantics", ", ".join(f"{k}={v}" for k, v in other.items())))
     else:
         rows.append(("diffusion", "no mask token: autoregressive only"))
     q = info["quantization"]
