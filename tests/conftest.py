@@ -4,6 +4,8 @@ import pytest
 import torch
 
 torch.set_num_threads(1)  # tiny models: threads only add overhead, and CI shares 2 cores
+# and a command run in-process keeps it (`clover.cli.common.default_threads` reads this), as do subprocesses
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 def pytest_addoption(parser):
