@@ -17,7 +17,7 @@ from typing import Iterator, Literal, Sequence
 
 import torch
 
-from .checkpoint import load_model, parse_dtype
+from .checkpoint import OWN_DRAFTER, load_model, parse_dtype
 from .models import read_config
 from .config import CloverConfig
 from .decoding.base import DecodeEvent, GenerationStats, RowState
@@ -27,7 +27,6 @@ from .tokenizer import Tokenizer
 
 BUNDLED_MODEL = Path(__file__).parent / "assets" / "clover-tiny"
 BUNDLED_DRAFTER = Path(__file__).parent / "assets" / "clover-tiny-dflash"  # the bundled model's DFlash drafter
-OWN_DRAFTER = "dflash"  # a model directory's own DFlash drafter lives in this subdirectory (`clover pull` puts it there)
 
 
 def model_path(given: str | os.PathLike) -> Path:

@@ -35,6 +35,8 @@ from .weights import (  # noqa: F401  (re-exported: the names callers import fro
     shard_files,
 )
 
+OWN_DRAFTER = "dflash"  # a model directory's own DFlash drafter lives in this subdirectory (`clover pull` puts it there)
+
 def load_model(
     directory: str | Path,
     *,

@@ -279,10 +279,10 @@ def apply_adapter(base: Path, adapter_dir: Path, out: Path) -> Path:
 
 def install_drafter(m: NamedModel, model_dir: Path) -> Path | None:
     """The DFlash drafter this package ships for `m` (assets/<drafter>/), copied to `model_dir`/dflash
-    (`clover.api.OWN_DRAFTER`, which `clover.load` picks up), and the model's `default_mode` set to
+    (`clover.checkpoint.OWN_DRAFTER`, which `clover.load` picks up), and the model's `default_mode` set to
     dflash: the model card's measurement (AR's text, faster). None where none ships; a model pulled
     before the drafter shipped gets it at the next pull."""
-    from .api import OWN_DRAFTER
+    from .checkpoint import OWN_DRAFTER
 
     src = ASSETS / m.drafter if m.drafter else None
     if src is None or not (src / "config.json").is_file():
