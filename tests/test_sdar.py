@@ -180,3 +180,13 @@ def test_info_names_the_family_and_its_decoding(sdar, capsys):
     for needle in ("(sdar)", "block size       4", "threshold        0.9", "mask token       127",
                    "block semantics  logit_shift=0, block_grid=absolute, commit_attention=block"):
         assert needle in out, needle
+
+
+def test_max_new_tokens_cuts_the_output_not_the_block(sdar):
+    """The reference decodes whole blocks; a length limit inside a block cuts the output after, so the
+    tokens are the reference's first ones and the last block takes the reference's steps."""
+    for c in CASES["cases"]:
+        n = len(c["tokens"]) - 2  # inside the last block (of 4 or 8)
+        g = sdar.generate(c["prompt"], max_new_tokens=n, block_size=c["block_length"])
+        assert g.token_ids == c["tokens"][:n] and g.finish_reason == "length", c["name"]
+        assert g.stats.block_steps == c["denoise_forwards_per_block"], c["name"]

@@ -156,7 +156,8 @@ class DiffusionEngine(BatchEngine):
     def _place_prompt(self, row: RowState) -> None:
         """`block_grid` "prompt": the whole prompt is committed by the row's first forward and its
         first block starts right after it (nothing to do). "absolute": the prompt's whole blocks are
-        committed, and its tail opens the first block, decoded with it (never part of the output)."""
+        committed, and its tail opens the first block, decoded with it (never part of the output).
+        Every block is decoded whole, as the references do; `max_new_tokens` cuts the output after."""
         if not self.absolute:
             return
         st, Bs = row.state, self.block_size
@@ -172,7 +173,7 @@ class DiffusionEngine(BatchEngine):
         st.blk[: len(tail)] = torch.tensor(tail, dtype=torch.long, device=st.blk.device)
         st.masked[: len(tail)] = False
         st.fixed = st.valid = len(tail)
-        st.need = min(Bs, len(tail) + row.remaining)
+        st.need = Bs
         if row.constraint is not None:
             self._grammar_advance(row)
 
@@ -215,7 +216,9 @@ class DiffusionEngine(BatchEngine):
         row.state.dec_forced = torch.zeros(Bs, dtype=torch.bool, device=self.device)
         row.state.step = 0
         row.state.memo_ok = torch.zeros(Bs, dtype=torch.bool, device=self.device)
-        row.state.need = min(Bs, row.remaining)  # positions that must be decoded in this block
+        # positions that must be decoded in this block; on an absolute grid the whole block, as its
+        # references decode it (the output is cut at max_new_tokens after)
+        row.state.need = Bs if self.absolute else min(Bs, row.remaining)
         row.state.valid = row.state.fixed = 0
         if row.constraint is not None:
             self._grammar_advance(row)  # the tokens the grammar forces fill their positions now
