@@ -148,9 +148,10 @@ def test_llm_decodes_with_the_canvas_mode_by_default(family, tiny_llm):
 
 
 def test_prefix_cache_reads_what_the_full_forward_computed(family):
-    """Fast-dLLM's prefix cache on a whole-sequence model: the refresh (the canvas's prefix as the
-    commit part, the rest as the block, attention both ways) gives the full forward's logits, and a
-    step reading the kept prefix K/V gives them again while the canvas is unchanged."""
+    """Fast-dLLM's caches on a whole-sequence model: the refresh (the canvas's prefix as the commit
+    part, the rest as the block, attention both ways; or the whole canvas committed) gives the full
+    forward's logits, and a step reading the kept K/V (the prefix's; every position's but the
+    block's) gives them again while the canvas is unchanged."""
     _, g, _, model = family
     x = torch.tensor([g["logits"]["ids"]])
     a = len(x[0]) // 2
@@ -162,10 +163,18 @@ def test_prefix_cache_reads_what_the_full_forward_computed(family):
         torch.testing.assert_close(out.commit_logits, full[:, a - 1], atol=1e-5, rtol=1e-5)
         again = model.step(cache, denoise_ids=x[:, a:])
         torch.testing.assert_close(again.denoise_logits, full[:, a:], atol=1e-5, rtol=1e-5)
+        # the dual cache: every position's K/V kept but the block's, the block run alone at its positions
+        b = a + 4
+        cache = model.make_cache(1, x.shape[1])
+        out = model.step(cache, commit_ids=x, all_logits=True)
+        torch.testing.assert_close(out.commit_logits, full, atol=1e-5, rtol=1e-5)
+        cache.drop_span(0, a, b)
+        block = model.step(cache, denoise_ids=x[:, a:b], denoise_start=torch.tensor([a]))
+        torch.testing.assert_close(block.denoise_logits, full[:, a:b], atol=1e-4, rtol=1e-4)  # keys reordered
 
 
 def test_fast_dllm_options_batched_as_alone(family):
-    """LLaDA with the prefix cache and threshold parallel decoding (approximate: their agreement with
+    """LLaDA with the prefix or dual cache and threshold parallel decoding (approximate: their agreement with
     the exact mode is reported, not asserted): every position decoded, and a row in a batch (rows at
     different blocks and refreshes in one forward) decodes as it does alone. Dream refuses the cache."""
     name, g, _, model = family
@@ -175,7 +184,7 @@ def test_fast_dllm_options_batched_as_alone(family):
         return
     cases = [c for c in g["cases"] if not c["cfg_scale"] and len(c["prompts"]) == 1]
     prompts = [c["prompts"][0] for c in cases]
-    for extra in ({"canvas_cache": "prefix"}, {"canvas_cache": "prefix", "canvas_threshold": 0.5}):
+    for extra in ({"canvas_cache": "prefix"}, {"canvas_cache": "dual"}, {"canvas_cache": "dual", "canvas_threshold": 0.5}):
         opts = [{**options(name, c), **extra} for c in cases]
         alone = [decode(model, [p], [o])[0] for p, o in zip(prompts, opts)]
         assert decode(model, prompts, opts) == alone

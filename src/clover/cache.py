@@ -315,6 +315,18 @@ class HybridCache:
         self.lengths.copy_(snap.lengths + keep)
         self._stop_recording()
 
+    def drop_span(self, row: int, begin: int, end: int) -> None:
+        """Remove slots [begin, end) of one row's keys and values, the later ones moving down (a
+        whole-sequence model's dual cache: the canvas's keys but its current block's; attention
+        layers only, whose stored keys carry their RoPE already)."""
+        if self.deltanet_states():
+            raise ValueError("drop_span: a linear-attention state cannot drop positions")
+        n = int(self.lengths[row])
+        for state in self.attention_states():
+            for buf in (state.keys, state.values):
+                buf[row, :, begin : n - (end - begin)] = buf[row, :, end:n].clone()
+        self.lengths[row] = n - (end - begin)
+
     def select_rows(self, rows: list[int] | torch.Tensor) -> "HybridCache":
         """A new cache holding copies of the given rows (used to split or reorder a batch)."""
         idx = torch.as_tensor(rows, dtype=torch.long, device=self.device)

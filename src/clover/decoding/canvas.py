@@ -39,6 +39,7 @@ from .modes import EngineSpec, Mode, register
 from .sampling import SamplingParams
 
 EPS = 1e-3  # Dream's `eps`: the last timestep
+CACHES = ("prefix", "dual")  # Fast-dLLM's caches (`canvas_cache`)
 SCHEDULES = ("timesteps", "even")
 
 
@@ -104,9 +105,9 @@ class CanvasEngine(BatchEngine):
                              f"this one's is {c.commit_attention!r}")
         self.provisional = spec.provisional
         self.top_k = getattr(c, "canvas_top_k", 0)  # the family's top-k where a request sets none
-        self.cached = "prefix" in spec.skips  # Fast-dLLM's prefix cache (below)
+        self.cached = next((k for k in CACHES if k in spec.skips), None)  # Fast-dLLM's caches (below)
         if self.cached and (self.schedule != "even" or self.shift):
-            raise ValueError("canvas_cache: Fast-dLLM's prefix cache is built here for LLaDA's semi-autoregressive "
+            raise ValueError("canvas_cache: Fast-dLLM's caches are built here for LLaDA's semi-autoregressive "
                              "blocks (no logit shift, the even schedule)")
 
     @grad_free_call
@@ -149,26 +150,45 @@ class CanvasEngine(BatchEngine):
             return super()._drop_finished()
         self.rows = [r for r in self.rows if not r.finished]
 
-    def _cached_logits(self) -> tuple[torch.Tensor, list[int]]:
-        """Fast-dLLM's prefix cache: a row at its block's first step runs its whole canvas (attention
-        both ways) and keeps the K/V of the positions before the block; its later steps run only the
-        block and what follows, reading those K/V, which go stale as the block fills (approximate).
-        -> (logits [rows, Bd, V] of each row's positions from its block's start, those starts)."""
+    def _cached_logits(self) -> list[tuple[torch.Tensor, int]]:
+        """Fast-dLLM's caches. A row at its block's first step runs its whole canvas (attention both
+        ways) and keeps K/V: "prefix", those of the positions before the block, its later steps
+        running the block and what follows; "dual", those of every position but the block's, its
+        later steps running the block alone. The kept K/V go stale as the block fills (approximate).
+        -> per row (logits [N, V] of its positions from the block's start, that start)."""
+        dual = self.cached == "dual"
         starts = [r.state.blocks[r.state.block][0] for r in self.rows]
-        commit, rest = [], []
-        for i, (r, a) in enumerate(zip(self.rows, starts)):
-            refresh = r.state.step == 0
-            if refresh:
+        ends = [r.state.blocks[r.state.block][1] for r in self.rows]
+        refresh = [r.state.step == 0 for r in self.rows]
+        commit, block = [], []
+        for i, r in enumerate(self.rows):
+            x, a, b = r.state.x.tolist(), starts[i], ends[i]
+            if refresh[i]:
                 self.cache.lengths[i] = 0
-            commit.append(r.state.x[:a].tolist() if refresh else [])
-            rest.append(r.state.x[a:].tolist())
-        commit_ids = n = None
+            if dual:
+                commit.append(x if refresh[i] else [])
+                block.append([] if refresh[i] else x[a:b])
+            else:
+                commit.append(x[:a] if refresh[i] else [])
+                block.append(x[a:])
+        commit_ids = n = denoise_ids = valid = None
         if any(commit):
             commit_ids, n = pad_right(commit, self.pad_id, self.device)
-        ids, lens = pad_right(rest, self.pad_id, self.device)
-        valid = torch.arange(ids.shape[1], device=self.device)[None, :] < lens[:, None]
-        out = self.model.step(self.cache, commit_ids=commit_ids, n_commit=n, denoise_ids=ids, denoise_valid=valid)
-        return out.denoise_logits, starts
+        if any(block):
+            denoise_ids, lens = pad_right(block, self.pad_id, self.device)
+            valid = torch.arange(denoise_ids.shape[1], device=self.device)[None, :] < lens[:, None]
+        start = torch.tensor(starts, device=self.device) if dual else None
+        out = self.model.step(self.cache, commit_ids=commit_ids, n_commit=n, denoise_ids=denoise_ids,
+                              denoise_valid=valid, all_logits=dual, denoise_start=start)
+        rows = []
+        for i in range(len(self.rows)):
+            a, b = starts[i], ends[i]
+            if dual and refresh[i]:
+                rows.append((out.commit_logits[i, a:b], a))
+                self.cache.drop_span(i, a, b)
+            else:
+                rows.append((out.denoise_logits[i, : len(block[i])], a))
+        return rows
 
     def _logits(self) -> torch.Tensor:
         """One forward over every row's canvas (and, for rows with `cfg_scale`, the canvas with the
@@ -193,18 +213,19 @@ class CanvasEngine(BatchEngine):
     @grad_free_call
     def step(self) -> list[DecodeEvent]:
         if self.cached:
-            logits, offsets = self._cached_logits()
+            per_row = self._cached_logits()
         else:
-            logits, offsets = self._logits(), [0] * len(self.rows)
+            logits = self._logits()
+            per_row = [(logits[i, : len(r.state.x)], 0) for i, r in enumerate(self.rows)]
         events, guided = [], len(self.rows)
         for i, r in enumerate(self.rows):
             s = r.state
-            lg = logits[i, : len(s.x) - offsets[i]]
+            lg, offset = per_row[i]
             if r.params.cfg_scale:
                 un = logits[guided, : len(s.x)]
                 guided += 1
                 lg = un + (r.params.cfg_scale + 1) * (lg - un)
-            self._unmask(r, lg, offsets[i])
+            self._unmask(r, lg, offset)
             r.forwards += 1
             if self.provisional:
                 toks = [None if t == self.mask_id else t for t in s.x[s.start:].tolist()]
@@ -220,8 +241,8 @@ class CanvasEngine(BatchEngine):
         return events
 
     def _unmask(self, r: RowState, logits: torch.Tensor, offset: int = 0) -> None:
-        """One step of row `r`'s schedule over its canvas logits [T - offset, V] (of the positions from
-        `offset`, before which nothing is masked)."""
+        """One step of row `r`'s schedule over its canvas logits [N, V] (of the positions from
+        `offset`, outside which nothing is masked that this step may unmask)."""
         s = r.state
         begin, end = s.blocks[s.block]
         masked = s.x == self.mask_id
@@ -230,7 +251,8 @@ class CanvasEngine(BatchEngine):
         else:
             k = s.plan[s.step] if s.step < len(s.plan) else 0
             masked[end:] = False  # later blocks wait
-        conf, tokens = canvas_confidence(logits[masked[offset:]], r.params.confidence, r.params.top_k or self.top_k)
+        conf, tokens = canvas_confidence(logits[masked[offset : offset + logits.shape[0]]], r.params.confidence,
+                                         r.params.top_k or self.top_k)
         full = torch.full(s.x.shape, -torch.inf, dtype=logits.dtype, device=logits.device)
         full[masked] = conf
         threshold = r.params.canvas_threshold
@@ -266,7 +288,7 @@ class Canvas(Mode):
             raise ValueError(f"steps: at most max_new_tokens ({params.max_new_tokens}), got {params.steps}")
 
     def spec(self, params: SamplingParams, provisional: bool = False) -> EngineSpec:
-        return EngineSpec(self, provisional=provisional, skips=("prefix",) if params.canvas_cache else ())
+        return EngineSpec(self, provisional=provisional, skips=(params.canvas_cache,) if params.canvas_cache else ())
 
     def make_engine(self, model, spec, *, mask_id, pad_id):
         return CanvasEngine(model, spec, mask_id=mask_id, pad_id=pad_id)

@@ -149,8 +149,9 @@ LIMITS: dict[str, Limit] = {
                        "diffusion with fallback quota: denoise steps per block, step s commits at least block/steps "
                        "positions (null = the block size: one)"),
     "cfg_scale": Limit(float, ge=0, le=100, doc="canvas (LLaDA): classifier-free guidance scale (0 = off)"),
-    "canvas_cache": Limit(str, choices=("prefix",), nullable=True,
-                          doc="canvas (LLaDA): Fast-dLLM's prefix cache, refreshed at each block's start (approximate; null = none)"),
+    "canvas_cache": Limit(str, choices=("prefix", "dual"), nullable=True,
+                          doc="canvas (LLaDA): Fast-dLLM's prefix or dual cache, refreshed at each block's start "
+                              "(approximate; null = none)"),
     "canvas_threshold": Limit(float, gt=0, le=1, nullable=True,
                               doc="canvas (LLaDA): Fast-dLLM's parallel decoding, a step unmasks every position above this "
                                   "confidence, at least one (approximate; null = the schedule's count)"),

@@ -338,6 +338,7 @@ class CausalLM(nn.Module):
         denoise_width: int | None = None,
         denoise_valid: torch.Tensor | None = None,
         commit_block: int | None = None,
+        denoise_start: torch.Tensor | None = None,
     ) -> StepOutput:
         """One forward. `commit_ids [B, Tc]` (right-padded, `n_commit[b]` valid; None = all valid) are
         appended to `cache`; `denoise_ids [B, Bd]` is one block denoised against the updated cache.
@@ -351,6 +352,9 @@ class CausalLM(nn.Module):
         `commit_block`: the commit part attends bidirectionally inside blocks of that size on the
         absolute grid (positions [kB, (k+1)B)) and causally across them (`commit_attention` "block",
         SDAR's); None: causally. It runs eagerly.
+        `denoise_start [B]`: the RoPE position of each row's first block position (default: right
+        after its cache and commit part); a whole-sequence model's dual cache keeps the keys after the
+        block too. It runs eagerly.
 
         The host side of a step (normalise `n_commit`, grow the cache, keep the commit's inputs
         while recording, advance the lengths) is here; the forward itself is `forward_step`, run
@@ -371,7 +375,7 @@ class CausalLM(nn.Module):
         kw = dict(expert_budget=expert_budget, expert_rank=expert_rank, all_logits=all_logits, record=record)
         out = None
         skips = dict(denoise_frozen=denoise_frozen, denoise_memo=denoise_memo, denoise_width=denoise_width,
-                     denoise_valid=denoise_valid, commit_block=commit_block)
+                     denoise_valid=denoise_valid, commit_block=commit_block, denoise_start=denoise_start)
         if self.static_steps is not None and all(v is None for v in skips.values()):
             out = self.static_steps.run(*args, **kw, hidden_out=hidden_out)
         if out is None:
@@ -406,6 +410,7 @@ class CausalLM(nn.Module):
         denoise_width: int | None = None,
         denoise_valid: torch.Tensor | None = None,
         commit_block: int | None = None,
+        denoise_start: torch.Tensor | None = None,
     ):
         """The forward of a cached step, over the cache's tensors (`states`: per layer
         `state.tensors()`, updated in place; `lengths` [B] before the step, not advanced here) ->
@@ -439,7 +444,10 @@ class CausalLM(nn.Module):
         Bd = 0 if denoise_ids is None else denoise_ids.shape[1]
         n = n_commit if n_commit is not None else torch.full_like(lengths, Tc)
         x = self.model.embed_tokens(ids)
-        rope = self.model.rotary_emb(step_positions(lengths, n, Tc, Bd), x.dtype)
+        positions = step_positions(lengths, n, Tc, Bd)
+        if denoise_start is not None:
+            positions[:, Tc:] = denoise_start[:, None] + torch.arange(Bd, device=positions.device)
+        rope = self.model.rotary_emb(positions, x.dtype)
         segments = Segments(commit_len=Tc, denoise_len=Bd, n_commit=n_commit, denoise_width=denoise_width,
                             denoise_valid=denoise_valid, commit_block=commit_block)
         sharing = BlockSharing(expert_budget, B, Tc, expert_rank) if expert_budget is not None and Bd else None
