@@ -400,6 +400,25 @@ class LLM:
         """`chat`, streamed as `stream` does: "block" events with the text delta, then "done"."""
         return self.stream(self.chat_prompt(messages), mode=mode, provisional=provisional, **self.chat_options(kwargs))
 
+    def logprobs(self, seqs: list[list[int]], top: int = 0) -> list[tuple[list, list]]:
+        """Per sequence of token ids, from one causal (commit-mode) forward: the log-probability of
+        each token given the ones before it (None for the first), and the `top` most likely
+        (token id, logprob) at each position (None for the first; [] with `top` 0)."""
+        res = []
+        with torch.inference_mode():
+            for ids in seqs:
+                x = torch.tensor([ids], dtype=torch.long, device=self.model.device)
+                lp = self.model(x)[0].float().log_softmax(-1)[:-1]
+                nxt = torch.tensor(ids[1:], dtype=torch.long, device=lp.device)
+                chosen = lp.gather(-1, nxt[:, None]).squeeze(-1).tolist()
+                if top:
+                    v, i = lp.topk(min(top, lp.shape[-1]), dim=-1)
+                    tops = [list(zip(ii, vv)) for ii, vv in zip(i.tolist(), v.tolist())]
+                else:
+                    tops = [[] for _ in chosen]
+                res.append(([None] + chosen, [None] + tops))
+        return res
+
     def __repr__(self) -> str:
         c = self.config
         return f"LLM({self.path}, {c.model_type}, layers={c.num_hidden_layers}, experts={c.num_experts if c.has_experts else 0}, dtype={self.model.dtype})"
