@@ -275,7 +275,10 @@ def test_pull_installs_the_shipped_drafter_and_dflash_is_the_default(fake_named,
     save_drafter(dr, named.ASSETS / "tiny-dflash", dtype="bfloat16")
     named.NAMED["tiny-named"] = replace(m, drafter="tiny-dflash")
     assert named.pull("tiny-named", progress=False) == path
-    assert (path / "dflash" / "config.json").is_file()
+    assert (path / "dflash" / "config.json").is_file() and clover.load("tiny-named").drafter is not None
+    assert json.loads((path / "config.json").read_text()).get("default_mode") != "dflash"  # not measured fastest
+    named.NAMED["tiny-named"] = replace(m, drafter="tiny-dflash", drafter_default=True)
+    assert named.pull("tiny-named", progress=False) == path
     assert json.loads((path / "config.json").read_text())["default_mode"] == "dflash"
     assert json.loads((named.base_path("tiny-named") / "config.json").read_text()).get("default_mode") is None
     llm = clover.load("tiny-named")

@@ -37,6 +37,7 @@ class NamedModel:
     member: str  # the GGUF's path inside the wheel
     adapter: str  # assets/<adapter>/adapter.safetensors + adapter_config.json + README.md
     drafter: str = ""  # assets/<drafter>/: a DFlash drafter (config.json + model.safetensors), installed as <model>/dflash
+    drafter_default: bool = False  # the model card measured dflash fastest (AR's text): the pulled model's default mode
     block_size: int = 16
     what: str = ""
 
@@ -279,9 +280,9 @@ def apply_adapter(base: Path, adapter_dir: Path, out: Path) -> Path:
 
 def install_drafter(m: NamedModel, model_dir: Path) -> Path | None:
     """The DFlash drafter this package ships for `m` (assets/<drafter>/), copied to `model_dir`/dflash
-    (`clover.checkpoint.OWN_DRAFTER`, which `clover.load` picks up), and the model's `default_mode` set to
-    dflash: the model card's measurement (AR's text, faster). None where none ships; a model pulled
-    before the drafter shipped gets it at the next pull."""
+    (`clover.checkpoint.OWN_DRAFTER`, which `clover.load` picks up), and, where the model card measured
+    it fastest (`drafter_default`), the model's `default_mode` set to dflash (AR's text). None where none
+    ships; a model pulled before the drafter shipped gets it at the next pull."""
     from .checkpoint import OWN_DRAFTER
 
     src = ASSETS / m.drafter if m.drafter else None
@@ -295,7 +296,7 @@ def install_drafter(m: NamedModel, model_dir: Path) -> Path | None:
     tmp.replace(dst)
     cfg_file = model_dir / "config.json"
     config = json.loads(cfg_file.read_text())
-    if config.get("default_mode") != "dflash":
+    if m.drafter_default and config.get("default_mode") != "dflash":
         config["default_mode"] = "dflash"
         tmp = cfg_file.with_name("config.json.part")
         tmp.write_text(json.dumps(config, indent=2) + "\n")
