@@ -23,7 +23,8 @@ decoding on it. It writes, per family, `cases.json`:
 Shims: none. The tiny model runs in float32 on the CPU through the reference's own SDPA path
 (`attn_implementation="sdpa"` for Dream; LLaDA's blocks call torch's SDPA themselves). Decoding is
 greedy (temperature 0), which both references implement as the argmax (Dream's `sample_tokens`,
-LLaDA's `add_gumbel_noise` returning the logits unchanged), so no random number is drawn. LLaDA's
+LLaDA's `add_gumbel_noise` returning the logits unchanged), so no random number is drawn; the
+`_sampled` cases draw at temperature 0.5 (Dream: top_p 0.95) after `torch.manual_seed(7)`. LLaDA's
 `generate` is given an all-ones `attention_mask` (its classifier-free guidance branch reads one and
 fails without it; the prompts are not padded, so it changes nothing).
 """
@@ -59,6 +60,8 @@ DREAM = {
 }
 DREAM_ALGS = ("entropy", "maskgit_plus", "topk_margin")
 DREAM_STEPS = (16, 8, 5)  # one token per step, two, and an uneven schedule
+SAMPLED = dict(temperature=0.5, seed=7)  # seeded sampling: the reference after torch.manual_seed(seed)
+DREAM_TOP_P = 0.95  # Dream's README sampling setting (with its temperature 0.2: here 0.5, for more spread)
 
 # LLaDA-8B-Instruct's config.json, the sizes shrunk (every other key kept; init_device on the CPU)
 LLADA = {
@@ -143,6 +146,14 @@ def dream(fast_dllm: Path, work: Path) -> dict:
                 tokens = out.sequences[0, len(prompt):].tolist()
                 cases.append({"name": f"{name}_{alg}_s{steps}", "prompts": [prompt], "alg": alg, "steps": steps,
                               "max_new_tokens": GEN_LENGTH, "tokens": [tokens]})
+        for alg in ("entropy", "maskgit_plus"):
+            torch.manual_seed(SAMPLED["seed"])
+            out = model.diffusion_generate(torch.tensor([prompt]), max_new_tokens=GEN_LENGTH, steps=8, alg=alg,
+                                           temperature=SAMPLED["temperature"], top_p=DREAM_TOP_P,
+                                           return_dict_in_generate=True)
+            cases.append({"name": f"{name}_{alg}_s8_sampled", "prompts": [prompt], "alg": alg, "steps": 8,
+                          "max_new_tokens": GEN_LENGTH, **SAMPLED, "top_p": DREAM_TOP_P,
+                          "tokens": [out.sequences[0, len(prompt):].tolist()]})
     # a batch of two prompt lengths, left-padded with the attention mask (diffusion_generate's batching)
     a, b = PROMPTS["p5"], PROMPTS["p9"]
     pad = DREAM["pad_token_id"]
@@ -178,6 +189,14 @@ def llada(fast_dllm: Path, llada_checkout: Path, work: Path) -> dict:
                              steps=steps, gen_length=GEN_LENGTH, block_length=block, temperature=0.0, cfg_scale=cfg, remasking="low_confidence", mask_id=mask)
             cases.append({"name": f"{name}_s{steps}_b{block}" + (f"_cfg{cfg:g}" if cfg else ""), "prompts": [prompt],
                           "steps": steps, "gen_length": GEN_LENGTH, "block_length": block, "cfg_scale": cfg,
+                          "tokens": [x[0, len(prompt):].tolist()]})
+        for steps, block in ((8, 8), (8, 4)):
+            torch.manual_seed(SAMPLED["seed"])
+            x = gen.generate(model, torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                             steps=steps, gen_length=GEN_LENGTH, block_length=block,
+                             temperature=SAMPLED["temperature"], cfg_scale=0.0, remasking="low_confidence", mask_id=mask)
+            cases.append({"name": f"{name}_s{steps}_b{block}_sampled", "prompts": [prompt], "steps": steps,
+                          "gen_length": GEN_LENGTH, "block_length": block, "cfg_scale": 0.0, **SAMPLED,
                           "tokens": [x[0, len(prompt):].tolist()]})
     batch = [PROMPTS["p9"], PROMPT_SAME_LEN]
     for steps, block, cfg in ((8, 8, 0.0), (8, 4, 0.0)):

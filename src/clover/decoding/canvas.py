@@ -23,8 +23,11 @@ Dream's confidences are read over the 50 largest logits (`canvas_top_k`; a reque
 it): transformers' `PretrainedConfig` carries `top_k` 50, which `diffusion_generate` takes into its
 generation config when none is given, and its `sample_tokens` filters before the softmax.
 
-`steps` null: one token a step (`max_new_tokens` steps), the families' README settings. Greedy only
-(temperature 0: each position's argmax). Rows of any length and options ride one forward: the canvases
+`steps` null: one token a step (`max_new_tokens` steps), the families' README settings. Temperature
+0 takes each position's argmax; above it each family draws as its reference does (`canvas_sampler`:
+Dream's categorical draw after `top_p` / top-k, LLaDA's Gumbel noise in float64), from the row's
+`seed`, so a seeded row gives the reference's tokens after `torch.manual_seed(seed)` (alone; the
+reference's batch shares one stream). Rows of any length and options ride one forward: the canvases
 are right-padded and each row attends to its own canvas only (`key_valid`), at positions from 0, so a
 row decodes as it does alone. The row's tokens are the canvas after the prompt, cut at the first EOS
 (the reported count is the real one). `provisional` reports the canvas after every step.
@@ -36,29 +39,61 @@ import torch
 
 from .base import BatchEngine, DecodeEvent, EngineRow, RowState, grad_free_call, pad_right
 from .modes import EngineSpec, Mode, register
-from .sampling import SamplingParams
+from .sampling import SamplingParams, make_generator
 
 EPS = 1e-3  # Dream's `eps`: the last timestep
 CACHES = ("prefix", "dual")  # Fast-dLLM's caches (`canvas_cache`)
 SCHEDULES = ("timesteps", "even")
 
 
-def canvas_confidence(logits: torch.Tensor, kind: str, top_k: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """logits [N, V] -> (confidences [N], tokens [N]): the argmax and its confidence, written as
-    Dream's `sample_tokens` at temperature 0 (and LLaDA's low-confidence remasking, which is "prob"
-    without a top-k). `top_k`: the confidence is read over the k largest logits only (the others at
-    the dtype's minimum), as Dream's `top_k_logits` does."""
+def top_p_filter(logits: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Dream's `top_p_logits`: outside the smallest set whose probability passes `top_p` (the first
+    token always kept), the dtype's minimum."""
+    sorted_logits, order = torch.sort(logits, descending=True)
+    drop = torch.cumsum(torch.softmax(sorted_logits, dim=-1), dim=-1) > top_p
+    drop[..., 1:] = drop[..., :-1].clone()
+    drop[..., 0] = False
+    mask = torch.zeros_like(logits, dtype=torch.bool).scatter_(-1, order, drop)
+    return logits.masked_fill(mask, torch.finfo(logits.dtype).min)
+
+
+def canvas_confidence(logits: torch.Tensor, kind: str, top_k: int = 0, *, temperature: float = 0.0,
+                      top_p: float = 1.0, generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [N, V] -> (confidences [N], tokens [N]), as Dream's `sample_tokens`: the logits over
+    `temperature`, filtered by `top_p` and `top_k` (the k largest kept, as `top_k_logits`), their
+    softmax; the token its argmax (temperature 0) or a draw from it (`torch.multinomial` on the
+    renormalised probabilities, as `Categorical.sample`, from `generator`); the confidence the
+    token's probability ("prob": Dream's `maskgit_plus`, and LLaDA's low-confidence remasking at
+    temperature 0), top-1 minus top-2 ("margin": `topk_margin`) or the negative entropy ("entropy")."""
+    if temperature > 0:
+        logits = logits / temperature
+    if top_p < 1:
+        logits = top_p_filter(logits, top_p)
     if top_k:
         floor = torch.topk(logits, min(top_k, logits.shape[-1]))[0][..., -1, None]
         logits = logits.masked_fill(logits < floor, torch.finfo(logits.dtype).min)
     probs = torch.softmax(logits, dim=-1)
-    confidence, tokens = probs.max(dim=-1)
+    if temperature > 0:
+        tokens = torch.multinomial(probs / probs.sum(-1, keepdim=True), 1, True, generator=generator)[:, 0]
+        confidence = probs.gather(-1, tokens[:, None])[:, 0]
+    else:
+        confidence, tokens = probs.max(dim=-1)
     if kind == "margin":
         top2 = probs.topk(2, dim=-1).values
         confidence = top2[:, 0] - top2[:, 1]
     elif kind == "entropy":
         confidence = torch.sum(probs * torch.log(probs + 1e-10), dim=-1)
     return confidence, tokens
+
+
+def gumbel_argmax(logits: torch.Tensor, temperature: float, generator: torch.Generator | None = None) -> torch.Tensor:
+    """LLaDA's `add_gumbel_noise` then argmax: logits [L, V] -> tokens [L]; above temperature 0, in
+    float64, exp(logits) / (-log u) ** temperature with u uniform over the whole canvas's logits."""
+    if temperature == 0:
+        return logits.argmax(-1)
+    wide = logits.to(torch.float64)
+    noise = torch.rand(wide.shape, dtype=torch.float64, generator=generator, device=wide.device)
+    return (wide.exp() / (-torch.log(noise)) ** temperature).argmax(-1)
 
 
 def timestep_count(masked: int, step: int, steps: int, eps: float = EPS) -> int:
@@ -87,6 +122,7 @@ class CanvasRow(EngineRow):
         self.plan = plan  # tokens to unmask at each step of the current block
         self.decoded_at = torch.zeros_like(x)  # the step (from 1, over the whole generation) each position was decoded at
         self.done = 0  # steps run
+        self.generator: torch.Generator | None = None  # the row's draws (a seed given)
 
 
 class CanvasEngine(BatchEngine):
@@ -105,6 +141,7 @@ class CanvasEngine(BatchEngine):
                              f"this one's is {c.commit_attention!r}")
         self.provisional = spec.provisional
         self.top_k = getattr(c, "canvas_top_k", 0)  # the family's top-k where a request sets none
+        self.sampler = getattr(c, "canvas_sampler", "categorical")  # how the family draws a token (above 0)
         self.cached = next((k for k in CACHES if k in spec.skips), None)  # Fast-dLLM's caches (below)
         if self.cached and (self.schedule != "even" or self.shift):
             raise ValueError("canvas_cache: Fast-dLLM's caches are built here for LLaDA's semi-autoregressive "
@@ -131,6 +168,7 @@ class CanvasEngine(BatchEngine):
         if self.cached and p.cfg_scale:
             raise ValueError("cfg_scale: not with canvas_cache (Fast-dLLM's cached generators have no guidance)")
         row.state = CanvasRow(x, start, steps, blocks, self._plan(x, blocks[0], steps))
+        row.state.generator = make_generator(p.seed, self.device)
         if self.cached:
             fresh = self.model.make_cache(1, len(x))
             if self.cache is not None:
@@ -251,8 +289,14 @@ class CanvasEngine(BatchEngine):
         else:
             k = s.plan[s.step] if s.step < len(s.plan) else 0
             masked[end:] = False  # later blocks wait
-        conf, tokens = canvas_confidence(logits[masked[offset : offset + logits.shape[0]]], r.params.confidence,
-                                         r.params.top_k or self.top_k)
+        rows = masked[offset : offset + logits.shape[0]]
+        p = r.params
+        if self.sampler == "gumbel":  # LLaDA: noise over every position's logits, the confidence noise-free
+            tokens = gumbel_argmax(logits, p.temperature, s.generator)[rows]
+            conf = torch.softmax(logits[rows], dim=-1).gather(-1, tokens[:, None])[:, 0]
+        else:
+            conf, tokens = canvas_confidence(logits[rows], p.confidence, p.top_k or self.top_k, temperature=p.temperature,
+                                             top_p=p.top_p, generator=s.generator)
         full = torch.full(s.x.shape, -torch.inf, dtype=logits.dtype, device=logits.device)
         full[masked] = conf
         threshold = r.params.canvas_threshold
@@ -282,8 +326,6 @@ class Canvas(Mode):
         return config.commit_attention == "full"
 
     def check(self, params: SamplingParams) -> None:
-        if not params.greedy:
-            raise ValueError("temperature: the canvas mode decodes greedily (temperature 0) for now")
         if params.steps is not None and params.steps > max(1, params.max_new_tokens):
             raise ValueError(f"steps: at most max_new_tokens ({params.max_new_tokens}), got {params.steps}")
 

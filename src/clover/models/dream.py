@@ -24,6 +24,7 @@ class DreamConfig(Qwen2Config):
     MODEL_TYPES = ("Dream",)
     HF_ARCHITECTURE = "DreamModel"
     canvas_schedule: ClassVar[str] = "timesteps"  # how the canvas mode paces the unmasking (Dream's timesteps)
+    canvas_sampler: ClassVar[str] = "categorical"  # its draw above temperature 0 (sample_tokens)
     # the top-k diffusion_generate reads confidences over when none is given (transformers' PretrainedConfig
     # default, 50, reaches its generation config; Dream's README passes none)
     canvas_top_k: ClassVar[int] = 50

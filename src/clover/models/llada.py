@@ -44,6 +44,7 @@ class LLaDAConfig(LlamaConfig):
     MODEL_TYPES = ("llada",)
     HF_ARCHITECTURE = "LLaDAModelLM"
     canvas_schedule: ClassVar[str] = "even"  # how the canvas mode paces the unmasking (semi-AR blocks, even split)
+    canvas_sampler: ClassVar[str] = "gumbel"  # its draw above temperature 0 (add_gumbel_noise, float64)
 
     rms_norm_eps: float = 1e-5
     max_position_embeddings: int = 4096
