@@ -124,21 +124,32 @@ def tiny_checkpoint(checkout: Path, modeling, out: Path):
     config = modeling.SDARConfig(**raw)
     torch.manual_seed(SEED)
     model = modeling.SDARForCausalLM(config).eval()
-    gen = torch.Generator().manual_seed(SEED)
-    with torch.no_grad():
-        for name, p in sorted(model.named_parameters()):
-            if "norm" in name:
-                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
-            elif name == "lm_head.weight":
-                p.copy_(torch.randn(p.shape, generator=gen) * HEAD_STD / p.shape[1] ** 0.5)
-                p[TINY["mask_token_id"]] = 0.0  # the mask is never the argmax (a trained model never predicts it)
-            else:
-                p.copy_(torch.randn(p.shape, generator=gen) / p.shape[-1] ** 0.5)
+    randomise(model, [TINY["mask_token_id"]])
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
     save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(out / "model.safetensors"),
               metadata={"format": "pt"})
     return model
+
+
+@torch.no_grad()
+def randomise(model, never: list[int]) -> torch.Generator:
+    """Every weight drawn from SEED in name order: norms near 1, the LM head scaled by HEAD_STD (a
+    peaked head, so confidences spread across the threshold) with the rows of `never` at zero (the
+    mask: a trained model never predicts it), biases small, matrices at 1/sqrt(fan-in). Returns the
+    generator, for whatever the caller draws next."""
+    gen = torch.Generator().manual_seed(SEED)
+    for name, p in sorted(model.named_parameters()):
+        if "norm" in name:
+            p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
+        elif name == "lm_head.weight":
+            p.copy_(torch.randn(p.shape, generator=gen) * HEAD_STD / p.shape[1] ** 0.5)
+            p[never] = 0.0
+        elif name.endswith("bias"):
+            p.copy_(0.1 * torch.randn(p.shape, generator=gen))
+        else:
+            p.copy_(torch.randn(p.shape, generator=gen) / p.shape[-1] ** 0.5)
+    return gen
 
 
 class Recorder:
@@ -188,6 +199,16 @@ def full_logits(model, ids, block):
     return model(ids, attention_mask=mask.to(model.dtype), position_ids=torch.arange(L)[None]).logits[0]
 
 
+def write_golden(out: Path, head: dict, cases: list[dict], tensors: dict) -> None:
+    """golden.safetensors and cases.json (one case a line: small diffs); each case printed."""
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / "golden.safetensors"), metadata={"format": "pt"})
+    lines = [f" {json.dumps(k)}: {json.dumps(v)}," for k, v in head.items()]
+    body = ",\n".join("  " + json.dumps(c) for c in cases)
+    (out / "cases.json").write_text("{\n" + "\n".join(lines) + '\n "cases": [\n' + body + "\n ]\n}\n")
+    for c in cases:
+        print(f"{c['name']}: {c['tokens']} forwards/block {c['denoise_forwards_per_block']}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("checkout", type=Path, help="a checkout of github.com/JetAstra/SDAR")
@@ -221,15 +242,9 @@ def main() -> None:
             for block, _ in SCHEDULES:
                 ids = torch.tensor([(PROMPTS["p11"] + PROMPTS["p8"])[:FULL_LEN]])
                 tensors[f"full64_b{block}"] = full_logits(model64, ids, block)
-        save_file({k: v.contiguous() for k, v in tensors.items()}, str(args.out / "golden.safetensors"),
-                  metadata={"format": "pt"})
         head = {"reference": "github.com/JetAstra/SDAR generate.py + " + MODEL_DIR + "/modeling_sdar.py",
                 "mask_token_id": TINY["mask_token_id"], "full_sequence": (PROMPTS["p11"] + PROMPTS["p8"])[:FULL_LEN]}
-        lines = [f" {json.dumps(k)}: {json.dumps(v)}," for k, v in head.items()]  # one case a line: small diffs
-        body = ",\n".join("  " + json.dumps(c) for c in cases)
-        (args.out / "cases.json").write_text("{\n" + "\n".join(lines) + '\n "cases": [\n' + body + "\n ]\n}\n")
-        for c in cases:
-            print(f"{c['name']}: {c['tokens']} forwards/block {c['denoise_forwards_per_block']}")
+        write_golden(args.out, head, cases, tensors)
     finally:
         shutil.rmtree(work, ignore_errors=True)
 

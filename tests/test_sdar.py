@@ -38,13 +38,18 @@ def _word_tokenizer(directory: Path, vocab_size: int) -> None:
     tok.save(str(directory / "tokenizer.json"))
 
 
-@pytest.fixture(scope="module")
-def sdar(tmp_path_factory):
-    d = tmp_path_factory.mktemp("sdar")
-    for f in (GOLDEN / "checkpoint").iterdir():
+def load_golden(tmp_path_factory, golden: Path):
+    """The golden checkpoint of a family, copied with a word-level tokenizer, loaded."""
+    d = tmp_path_factory.mktemp(golden.name)
+    for f in (golden / "checkpoint").iterdir():
         shutil.copy(f, d / f.name)
     _word_tokenizer(d, 128)
     return clover.load(d)
+
+
+@pytest.fixture(scope="module")
+def sdar(tmp_path_factory):
+    return load_golden(tmp_path_factory, GOLDEN)
 
 
 def test_reads_the_sdar_layout_with_its_authors_defaults(sdar):
@@ -90,15 +95,16 @@ def test_cached_step_logits(sdar, block):
             torch.testing.assert_close(out.denoise_logits[0], TENSORS[f"step_p11_b{block}_{j}"], **TOL)
 
 
-def _generate(llm, cases):
+def _generate(llm, cases, **options):
     """The cases decoded together in one batch, each to its reference's output length (its blocks
-    run to the end of the grid), with the checkpoint's defaults."""
+    run to the end of the grid), with the checkpoint's defaults and `options`."""
     from clover.decoding.modes import resolve_params
 
     m = llm.mode(None)
     rows, spec = [], None
     for c in cases:
-        params = resolve_params(m, dict(max_new_tokens=len(c["tokens"]), block_size=c["block_length"]), llm.config)
+        params = resolve_params(m, dict(max_new_tokens=len(c["tokens"]), block_size=c["block_length"], **options),
+                                llm.config)
         spec = m.spec(params)
         rows.append(llm.row(c["prompt"], params, None))
     for _ in llm._events(rows, spec):
