@@ -283,3 +283,33 @@ def test_a_q4_1_gguf_stays_4_bit_on_the_same_grid(tmp_path, monkeypatch):
     step = ((blocks.amax(-1) - blocks.amin(-1)) / 15).repeat_interleave(32, -1)
     assert float(((got - want).abs() / step).max()) < 0.05
     assert len(llm.generate("hi", mode="ar", max_new_tokens=3, ignore_eos=True).token_ids) == 3
+
+
+def test_frequency_penalty_has_openais_meaning():
+    """frequency_penalty subtracts penalty x (times seen) from a seen token's logit, beside presence_penalty's
+    once-if-seen; the server takes it in OpenAI's range [-2, 2]; speculative (lossless) refuses it, as it does
+    every history-dependent penalty."""
+    from clover.decoding.sampling import SamplingParams, process_logits
+
+    logits = torch.zeros(1, 6)
+    seen = [[1, 1, 1, 2, None]]
+    out = process_logits(logits, SamplingParams(frequency_penalty=0.5, presence_penalty=0.25).validate(), seen, [])
+    assert out[0].tolist() == [0.0, -1.75, -0.75, 0.0, 0.0, 0.0]
+    neg = process_logits(logits, SamplingParams(frequency_penalty=-1.0).validate(), seen, [])
+    assert neg[0, 1].item() == 3.0 and neg[0, 2].item() == 1.0
+    with pytest.raises(ValueError, match="frequency_penalty"):
+        SamplingParams(frequency_penalty=2.5).validate()
+
+
+def test_the_server_takes_frequency_penalty(tiny_llm):
+    from fastapi.testclient import TestClient
+
+    from clover.serve.app import create_app
+
+    with TestClient(create_app(tiny_llm)) as client:
+        body = {"prompt": "x", "max_tokens": 4, "mode": "ar", "frequency_penalty": 1.5}
+        assert client.post("/v1/completions", json=body).status_code == 200
+        r = client.post("/v1/completions", json=dict(body, frequency_penalty=3))
+        assert r.status_code == 400 and r.json()["error"]["param"] == "frequency_penalty"
+        r = client.post("/v1/completions", json=dict(body, mode="speculative"))
+        assert r.status_code == 400 and "penalt" in r.json()["error"]["message"]

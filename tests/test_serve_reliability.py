@@ -303,7 +303,7 @@ def test_every_4xx_has_a_code(http, server):
         ("/v1/completions", {"prompt": ""}),
         ("/v1/completions", {"prompt": []}),
         ("/v1/completions", {"prompt": "x", "logprobs": 2, "stream": True}),
-        ("/v1/completions", {"prompt": "x", "frequency_penalty": 1}),
+        ("/v1/completions", {"prompt": "x", "frequency_penalty": 3}),  # OpenAI's range is [-2, 2]
         ("/v1/completions", {"prompt": "x", "stop_token_ids": [10**9]}),
         ("/v1/completions", {"prompt": "x", "n": 64}),
         ("/v1/completions", {"prompt": "x", "mode": "speculative", "repetition_penalty": 1.3}),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections import Counter
 from dataclasses import dataclass, field, fields
 
 import torch
@@ -121,6 +122,7 @@ LIMITS: dict[str, Limit] = {
     "ignore_eos": Limit(bool, doc="keep generating past EOS"),
     "repetition_penalty": Limit(float, gt=0, le=10, doc="1 = off"),
     "presence_penalty": Limit(float, ge=-2, le=2, doc="subtracted from the logits of tokens already seen"),
+    "frequency_penalty": Limit(float, ge=-2, le=2, doc="OpenAI's: subtracted from a seen token's logit once per time it was seen"),
     "eos_penalty": Limit(float, ge=-100, le=100, doc="subtracted from the EOS logits"),
     "no_repeat_ngram_size": Limit(int, ge=0, le=64, doc="0 = off"),
     "block_size": Limit(int, ge=1, le=1024, nullable=True, words=(AUTO,),
@@ -178,6 +180,7 @@ class SamplingParams:
     ignore_eos: bool = False
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
     eos_penalty: float = 0.0
     no_repeat_ngram_size: int = 0
     # diffusion
@@ -284,7 +287,7 @@ class Sampler:
         self.params = params
         self.eos = sorted(eos_ids)
         self.generator = generator
-        self.uses_history = bool(params.repetition_penalty != 1.0 or params.presence_penalty
+        self.uses_history = bool(params.repetition_penalty != 1.0 or params.presence_penalty or params.frequency_penalty
                                  or params.no_repeat_ngram_size)
 
     def process(self, logits: torch.Tensor, history: list[list[int]] | None = None) -> torch.Tensor:
@@ -310,16 +313,20 @@ def process_logits(
     if params.logit_bias:
         ids = torch.tensor(list(params.logit_bias), dtype=torch.long, device=logits.device)
         logits[:, ids] += torch.tensor(list(params.logit_bias.values()), dtype=logits.dtype, device=logits.device)
-    if history is not None and (params.repetition_penalty != 1.0 or params.presence_penalty):
+    if history is not None and (params.repetition_penalty != 1.0 or params.presence_penalty or params.frequency_penalty):
         for n, seen in enumerate(history):
-            known = {t for t in seen if t is not None}
-            if not known:
+            counts = Counter(t for t in seen if t is not None)
+            if not counts:
                 continue
-            ids = torch.tensor(sorted(known), dtype=torch.long, device=logits.device)
+            ids = torch.tensor(sorted(counts), dtype=torch.long, device=logits.device)
             row = logits[n, ids]
             if params.repetition_penalty != 1.0:
                 row = torch.where(row > 0, row / params.repetition_penalty, row * params.repetition_penalty)
-            logits[n, ids] = row - params.presence_penalty
+            row = row - params.presence_penalty
+            if params.frequency_penalty:
+                times = torch.tensor([counts[i] for i in sorted(counts)], dtype=logits.dtype, device=logits.device)
+                row = row - params.frequency_penalty * times
+            logits[n, ids] = row
     if params.eos_penalty and eos_ids:
         logits[:, eos_ids] -= params.eos_penalty
     if params.ignore_eos and eos_ids:

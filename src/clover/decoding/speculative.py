@@ -67,7 +67,8 @@ SKIP_BLOCK_BELOW = 0.35
 
 
 def check_speculative_params(params) -> None:
-    if params.repetition_penalty != 1.0 or params.presence_penalty or params.no_repeat_ngram_size:
+    if (params.repetition_penalty != 1.0 or params.presence_penalty or params.frequency_penalty
+            or params.no_repeat_ngram_size):
         raise ValueError("repetition_penalty: history-dependent penalties are not supported in speculative mode")
 
 

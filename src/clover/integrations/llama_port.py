@@ -43,6 +43,7 @@ OPTIONS = ("max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop", "s
 NOT_IN_PORT = {  # clover's options the port does not run: why (refused when set)
     "skip_window": "the port computes every block position (clover's exact path)",
     "skip_decoded": "the port computes every block position (clover's exact path)",
+    "frequency_penalty": "the port applies presence_penalty and repetition_penalty, not counts",
     "steps": "the port has neither the canvas mode nor diffusion's quota fallback (SDAR / LLaDA2's rule)",
     "canvas_cache": "the port has no canvas mode (whole-sequence diffusion)",
     "canvas_threshold": "the port has no canvas mode (whole-sequence diffusion)",

@@ -84,7 +84,6 @@ class _Request(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = Field(default=None, max_length=256)
-    frequency_penalty: float = Field(default=0.0, ge=0, le=0, description="not supported: only 0 is accepted")
     mode: Annotated[str, AfterValidator(_registered_mode), Field(json_schema_extra=_mode_enum)] | None = Field(
         default=None, description="the decoding mode (null = the model's default: the mode its config states, "
                                      "else diffusion for a Clover checkpoint, ar for an AR one)")

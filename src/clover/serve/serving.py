@@ -148,9 +148,6 @@ class Server:
     def params(self, body, prompts: list[list[int]], *, default_max: int, prompt_param: str,
                extra_stop_ids: list[int] = ()) -> tuple[Mode, SamplingParams]:
         """The request's mode (None: the model's default, as everywhere) and its checked options."""
-        if body.frequency_penalty:
-            raise APIError(400, "frequency_penalty: not supported; use presence_penalty or repetition_penalty",
-                           param="frequency_penalty", code="invalid_value")
         max_tokens = getattr(body, "max_completion_tokens", None)
         max_tokens = body.max_tokens if body.max_tokens is not None else max_tokens
         # every generation option of `LIMITS`, under its request name (the schema states each one)
