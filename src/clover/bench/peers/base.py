@@ -78,7 +78,7 @@ def write_hf_dir(src: Path, dst: Path, config, *, dtype: str, copy: bool = False
 def gguf_file(src: Path, workdir: Path, dtype: str, *, clover_tensors: str = "none") -> Path:
     """`clover export-gguf` of `src` in `workdir` (AR tensors only; `clover_tensors="sidecar"`: plus
     DST.clover.gguf for the port), reused when newer than the weights."""
-    from ...export.gguf import export_gguf
+    from ...gguf.write import export_gguf
 
     tag = "" if clover_tensors == "none" else "-port"
     dst = workdir / f"{src.resolve().name}-{GGUF_DTYPES[dtype]}{tag}.gguf"
