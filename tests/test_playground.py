@@ -96,7 +96,8 @@ def test_modes_endpoint_reads_the_registry(client, tiny_llm):
     assert info["default"] == "diffusion" and info["model"] == "tiny"
     for m in info["data"]:
         assert m["reference"] == get_mode(m["id"]).reference
-        assert m["available"] == (not getattr(get_mode(m["id"]), "needs_drafter", False))  # no drafter loaded here
+        assert m["available"] == (not getattr(get_mode(m["id"]), "needs_drafter", False)  # no drafter loaded here
+                                  and get_mode(m["id"]).available(tiny_llm.config))  # canvas: whole-sequence models
     opts = info["options"]
     assert opts["policy"]["choices"] == list(POLICIES) and opts["fallback"]["choices"] == list(FALLBACKS)
     assert opts["block_size"]["default"] == tiny_llm.config.block_size
