@@ -149,6 +149,8 @@ def test_modes_that_need_a_causal_commit_are_refused_in_one_line(sdar):
         assert "\n" not in str(e.value)
     with pytest.raises(ConfigError, match="^commit_attention='block': not implemented in the plain forward"):
         sdar.model(torch.tensor([[5, 6, 7]]))
+    with pytest.raises(ValueError, match="^compile: the static steps commit causally; this model commits block-causally"):
+        clover.load(sdar.path, compile=True)
 
 
 def test_sdar_moe_decodes_alike_cached_naive_and_batched(tmp_path):
@@ -176,6 +178,9 @@ def test_sdar_moe_decodes_alike_cached_naive_and_batched(tmp_path):
     for a, b, n in zip(alone, batched, naive):
         assert a.token_ids == b.token_ids == n.token_ids and len(a.token_ids) == 12
         assert a.stats.block_steps == b.stats.block_steps == n.stats.block_steps
+    # block expert sharing (the denoise block routes within 3 of the 4 experts): alone == batched
+    shared = [llm.generate(p, expert_budget=3, **kw) for p in prompts]
+    assert [g.token_ids for g in shared] == [g.token_ids for g in llm.generate(prompts, expert_budget=3, **kw)]
 
 
 def test_info_names_the_family_and_its_decoding(sdar, capsys):

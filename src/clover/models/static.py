@@ -57,6 +57,9 @@ KINDS = ("ar", "denoise", "commit+denoise", "verify", "verify-commit")
 
 def unsupported_reason(model) -> str | None:
     """Why `model` cannot use the static steps, or None."""
+    if model.config.commit_attention != "causal":
+        return (f"compile: the static steps commit causally; this model commits block-causally "
+                f"(commit_attention {model.config.commit_attention!r}); load it without compiling")
     for layer in model.model.layers:
         experts = getattr(layer.mlp, "experts", None)
         if experts is not None and not isinstance(getattr(experts, "gate_up_proj", None), torch.Tensor):
