@@ -278,6 +278,26 @@ def test_mrope_sections_cover_every_rotary_pair():
         assert sum(mrope_sections(rot)) == rot // 2
 
 
+def test_every_table_row_reads_back_what_it_writes():
+    """clover.gguf.names: export and import read one table; each row's inverse undoes its transform,
+    with value heads that the export really reorders (2 key heads, 3 value heads each)."""
+    from clover.gguf.names import INVERSE, QWEN35MOE, Heads
+
+    h = Heads(n_k=2, n_v=6, dk=4, dv=4)
+    qkv, v = 2 * h.n_k * h.dk + h.n_v * h.dv, h.n_v * h.dv
+    shapes = {"qkv_rows": (qkv, 5), "v_rows": (v, 5), "head_rows": (h.n_v,), "neg_exp_heads": (h.n_v,),
+              "conv": (qkv, 1, 4), "v_cols": (5, v), "squeeze0": (1, 5), "norm_offset": (5,), "same": (3, 5)}
+    g = torch.Generator().manual_seed(0)
+    rows = {**QWEN35MOE.layer, **QWEN35MOE.globals}
+    for ours, (gguf_name, fn) in rows.items():
+        t = torch.randn(shapes[fn.__name__], generator=g)
+        out = fn(t, h)
+        if fn.__name__ in ("qkv_rows", "v_rows", "head_rows", "conv", "v_cols"):
+            assert not torch.equal(out.reshape(t.shape), t), ours  # the heads really move
+        torch.testing.assert_close(INVERSE[fn](out, h), t, rtol=1e-6, atol=1e-6, msg=ours)
+        assert QWEN35MOE.read_layer().get(gguf_name, QWEN35MOE.read_globals().get(gguf_name))[0] == ours
+
+
 def test_pre_tokenizer_detection():
     tj = json.loads((BUNDLED / "tokenizer.json").read_text())
     assert detect_pre_tokenizer(tj) == ("smollm", False)

@@ -274,6 +274,22 @@ def test_chat_template_errors_roles_and_empty_model(http, tiny_llm, monkeypatch)
 
 
 # -------------------------------------------------------------------------- contract
+def test_logprobs_are_the_causal_forwards(tiny_llm):
+    """`LLM.logprobs`, what the server's `logprobs` read: each token's log-probability from the causal
+    (commit-mode) forward over the tokens before it, and the top k at each position."""
+    import torch
+
+    ids = tiny_llm.tokenizer.encode("def f(x): return x")
+    ((chosen, tops),) = tiny_llm.logprobs([ids], top=3)
+    with torch.inference_mode():
+        lp = tiny_llm.model(torch.tensor([ids]))[0].float().log_softmax(-1)
+    assert chosen[0] is None and tops[0] is None and len(chosen) == len(tops) == len(ids)
+    for i in range(1, len(ids)):
+        assert chosen[i] == pytest.approx(lp[i - 1, ids[i]].item(), abs=1e-6)
+        assert [t for t, _ in tops[i]] == lp[i - 1].topk(3).indices.tolist()
+    assert tiny_llm.logprobs([ids])[0][1][1:] == [[]] * (len(ids) - 1)
+
+
 def test_openapi_declares_errors_not_422(http):
     spec = http.get("/openapi.json").json()
     assert "HTTPValidationError" not in spec["components"]["schemas"]

@@ -26,7 +26,7 @@ per-head permutation of the q/k rows (`read.py`, `unpermute_rows`).
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -158,15 +158,25 @@ REARRANGING = (same, qkv_rows, v_rows, v_cols)
 
 
 # ------------------------------------------------------------------------------- the tables
+FLOAT_KEYS = frozenset({"rope.freq_base", "attention.layer_norm_rms_epsilon"})  # float32 (others: uint32)
+
 @dataclass(frozen=True)
 class Table:
-    """One llama.cpp architecture's tensors: ours -> (GGUF name, transform) for the layers (after
-    `model.layers.N.` / `blk.N.`) and the globals; `writes`: whether clover writes it (export)."""
+    """One llama.cpp architecture: its tensors, ours -> (GGUF name, transform) for the layers (after
+    `model.layers.N.` / `blk.N.`) and the globals; the metadata keys that are config attributes as
+    they are; `writes`: whether clover writes it (export)."""
 
     arch: str
     layer: dict[str, tuple[str, Transform]]
     globals: dict[str, tuple[str, Transform]]
     writes: bool = True
+    keys: dict[str, str] = field(default_factory=dict)  # metadata key after `{arch}.` -> config attribute
+
+    def write_keys(self, w, config) -> None:
+        """The `keys` of `config` into the gguf.GGUFWriter `w` (uint32, float32 for FLOAT_KEYS)."""
+        for key, attr in self.keys.items():
+            add = w.add_float32 if key in FLOAT_KEYS else w.add_uint32
+            add(f"{self.arch}.{key}", getattr(config, attr))
 
     def read_layer(self) -> dict[str, tuple[str, Transform]]:
         """A layer's GGUF name (after `blk.N.`) -> (our name after `model.layers.N.`, the inverse transform)."""
@@ -213,6 +223,17 @@ QWEN35MOE = Table("qwen35moe", layer={
     "model.embed_tokens.weight": ("token_embd.weight", same),
     "model.norm.weight": ("output_norm.weight", norm_offset),
     "lm_head.weight": ("output.weight", same),
+}, keys={  # docs/gguf.md "Metadata"; `rope.dimension_sections`, `ssm.inner_size`, `attention.recurrent_layers` are derived
+    "context_length": "max_position_embeddings", "embedding_length": "hidden_size", "block_count": "num_hidden_layers",
+    "attention.head_count": "num_attention_heads", "attention.head_count_kv": "num_key_value_heads",
+    "attention.key_length": "head_dim", "attention.value_length": "head_dim", "rope.freq_base": "rope_theta",
+    "rope.dimension_count": "rotary_dim", "attention.layer_norm_rms_epsilon": "rms_norm_eps",
+    "expert_count": "num_experts", "expert_used_count": "num_experts_per_tok",
+    "expert_feed_forward_length": "moe_intermediate_size",
+    "expert_shared_feed_forward_length": "shared_expert_intermediate_size",
+    "ssm.conv_kernel": "linear_conv_kernel_dim", "ssm.state_size": "linear_key_head_dim",
+    "ssm.group_count": "linear_num_key_heads", "ssm.time_step_rank": "linear_num_value_heads",
+    "full_attention_interval": "full_attention_interval",
 })
 
 # llama (SmolLM2, TinyLlama, Llama 3.x): names only here; `read.py` undoes the q/k row permutation.
@@ -257,24 +278,10 @@ DRAFTER = Table("dflash", layer={
 }, globals={
     "fc.weight": ("fc.weight", same), "hidden_norm.weight": ("hidden_norm.weight", same),
     "norm.weight": ("output_norm.weight", same),
+}, keys={  # DFlashConfig's attributes; the drafter's own keys follow (write.export_drafter_gguf)
+    "embedding_length": "hidden_size", "block_count": "num_hidden_layers", "attention.head_count": "num_attention_heads",
+    "attention.head_count_kv": "num_key_value_heads", "attention.key_length": "head_dim",
+    "attention.value_length": "head_dim", "feed_forward_length": "intermediate_size",
+    "attention.layer_norm_rms_epsilon": "rms_norm_eps", "rope.freq_base": "rope_theta", "vocab_size": "vocab_size",
+    "context_length": "max_position_embeddings",
 })
-
-
-# ------------------------------------------------------------------------------- metadata keys
-# the architecture keys (`qwen35moe.*`, docs/gguf.md "Metadata"): gguf.GGUFWriter.add_<key> -> config attribute;
-# `rope.dimension_sections`, `ssm.inner_size` and `attention.recurrent_layers` are derived (write._write_metadata)
-ARCH_KEYS = {
-    "context_length": "max_position_embeddings", "embedding_length": "hidden_size", "block_count": "num_hidden_layers",
-    "head_count": "num_attention_heads", "head_count_kv": "num_key_value_heads",
-    "key_length": "head_dim", "value_length": "head_dim", "rope_freq_base": "rope_theta", "rope_dimension_count": "rotary_dim",
-    "layer_norm_rms_eps": "rms_norm_eps", "expert_count": "num_experts", "expert_used_count": "num_experts_per_tok",
-    "expert_feed_forward_length": "moe_intermediate_size", "expert_shared_feed_forward_length": "shared_expert_intermediate_size",
-    "ssm_conv_kernel": "linear_conv_kernel_dim", "ssm_state_size": "linear_key_head_dim", "ssm_group_count": "linear_num_key_heads",
-    "ssm_time_step_rank": "linear_num_value_heads", "full_attention_interval": "full_attention_interval",
-}
-DRAFTER_KEYS = {  # gguf.GGUFWriter.add_<key> -> DFlashConfig attribute
-    "embedding_length": "hidden_size", "block_count": "num_hidden_layers", "head_count": "num_attention_heads",
-    "head_count_kv": "num_key_value_heads", "key_length": "head_dim", "value_length": "head_dim",
-    "feed_forward_length": "intermediate_size", "layer_norm_rms_eps": "rms_norm_eps", "rope_freq_base": "rope_theta",
-    "vocab_size": "vocab_size", "context_length": "max_position_embeddings",
-}

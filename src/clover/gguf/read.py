@@ -41,7 +41,7 @@ import torch
 from ..config import CloverConfig
 from ..models import build_model, config_from_dict
 from ..weights import expected_shapes, save_state_dict
-from .names import BLOCK, FUSED_GATE_UP, LLAMA, QWEN35MOE, SPLIT_EXPERTS, TABLES, GGUFImportError, Heads
+from .names import BLOCK, FLOAT_KEYS, FUSED_GATE_UP, LLAMA, QWEN35MOE, SPLIT_EXPERTS, TABLES, GGUFImportError, Heads
 from .tokenizer import QWEN2_REGEX, QWEN35_REGEX
 
 ARCHITECTURES = tuple(TABLES)  # the architectures a table names (`names.TABLES`)
@@ -293,14 +293,18 @@ def llama_state_dict(reader, path: Path, config: CloverConfig, progress: bool = 
 
 # ----------------------------------------------------------------------------- qwen35moe
 def qwen35moe_config(reader, path: Path, tensor_names: set[str]) -> CloverConfig:
-    a = "qwen35moe"
+    a = QWEN35MOE.arch
     tokens = _field(reader, "tokenizer.ggml.tokens")
     if not tokens:
         raise GGUFImportError(f"{path}: metadata key 'tokenizer.ggml.tokens' is missing; the vocabulary size is unknown")
-    head_dim = int(_require(reader, path, f"{a}.attention.key_length"))
-    rotary = int(_field(reader, f"{a}.rope.dimension_count", head_dim))
-    n_v = int(_require(reader, path, f"{a}.ssm.time_step_rank"))
-    layers = int(_require(reader, path, f"{a}.block_count"))
+    got: dict = {}  # the config attributes export writes as they are (the table's keys)
+    for key, attr in QWEN35MOE.keys.items():
+        if attr in got:  # head_dim: key_length and value_length
+            continue
+        default = {"rope.dimension_count": got.get("head_dim"), "full_attention_interval": 4}.get(key)
+        v = _require(reader, path, f"{a}.{key}") if default is None else _field(reader, f"{a}.{key}", default)
+        got[attr] = _f32(v) if key in FLOAT_KEYS else int(v)
+    rotary, n_v, layers = got.pop("rotary_dim"), got["linear_num_value_heads"], got["num_hidden_layers"]
     recurrent = _field(reader, f"{a}.attention.recurrent_layers")
     if recurrent is None or len(recurrent) != layers:
         raise GGUFImportError(f"{path}: metadata key '{a}.attention.recurrent_layers' is missing or not one flag per "
@@ -308,26 +312,10 @@ def qwen35moe_config(reader, path: Path, tensor_names: set[str]) -> CloverConfig
     fields = dict(
         model_type="qwen3_5_moe_text",
         vocab_size=len(tokens),
-        hidden_size=int(_require(reader, path, f"{a}.embedding_length")),
-        num_hidden_layers=layers,
-        num_attention_heads=int(_require(reader, path, f"{a}.attention.head_count")),
-        num_key_value_heads=int(_require(reader, path, f"{a}.attention.head_count_kv")),
-        head_dim=head_dim,
-        rms_norm_eps=_f32(_require(reader, path, f"{a}.attention.layer_norm_rms_epsilon")),
-        rope_theta=_f32(_require(reader, path, f"{a}.rope.freq_base")),
-        partial_rotary_factor=rotary / head_dim,
-        max_position_embeddings=int(_require(reader, path, f"{a}.context_length")),
-        num_experts=int(_require(reader, path, f"{a}.expert_count")),
-        num_experts_per_tok=int(_require(reader, path, f"{a}.expert_used_count")),
-        moe_intermediate_size=int(_require(reader, path, f"{a}.expert_feed_forward_length")),
-        shared_expert_intermediate_size=int(_require(reader, path, f"{a}.expert_shared_feed_forward_length")),
-        linear_conv_kernel_dim=int(_require(reader, path, f"{a}.ssm.conv_kernel")),
-        linear_key_head_dim=int(_require(reader, path, f"{a}.ssm.state_size")),
-        linear_num_key_heads=int(_require(reader, path, f"{a}.ssm.group_count")),
-        linear_num_value_heads=n_v,
+        **got,
+        partial_rotary_factor=rotary / got["head_dim"],
         linear_value_head_dim=int(_require(reader, path, f"{a}.ssm.inner_size")) // n_v,
         layer_types=["linear_attention" if r else "full_attention" for r in recurrent],
-        full_attention_interval=int(_field(reader, f"{a}.full_attention_interval", 4)),
         tie_word_embeddings="output.weight" not in tensor_names,
         torch_dtype="float32",
     )

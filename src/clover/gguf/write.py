@@ -33,7 +33,7 @@ import torch
 from ..checkpoint import CheckpointError, shard_files
 from ..config import CloverConfig, ConfigError
 from ..models import architecture_of, key_layout, read_config
-from .names import (ARCH_KEYS, DRAFTER, DRAFTER_KEYS, F32_ALWAYS, FUSED_GATE_UP, LAYER, QWEN35MOE, REARRANGING, SPLIT_EXPERTS,
+from .names import (DRAFTER, F32_ALWAYS, FUSED_GATE_UP, LAYER, QWEN35MOE, REARRANGING, SPLIT_EXPERTS,
                     GGUFExportError, Heads, Transform, is_clover_tensor, table_for, v_cols)
 from .quant import QuantPlanes, Rounding, block_type_fits, encode_q4_1, encode_q8_0, planes_from_parts
 from .tokenizer import TokenizerMetadata, read_tokenizer
@@ -238,8 +238,7 @@ def _write_metadata(w, config: CloverConfig, tok: TokenizerMetadata, *, name: st
     w.add_file_type(_file_type(dtype))
     if dtype in ("q8_0", "int8", "int4"):
         w.add_quantization_version(gguf.GGML_QUANT_VERSION)
-    for key, attr in ARCH_KEYS.items():
-        getattr(w, f"add_{key}")(getattr(c, attr))
+    QWEN35MOE.write_keys(w, c)
     w.add_rope_dimension_sections(mrope_sections(c.rotary_dim))
     w.add_ssm_inner_size(c.linear_value_head_dim * c.linear_num_value_heads)
     w.add_array(f"{ARCH}.attention.recurrent_layers", [t == "linear_attention" for t in c.layer_types])
@@ -593,8 +592,8 @@ def export_gguf(
 
 # ------------------------------------------------------------------------------ DFlash drafter
 # A DFlash drafter (`clover.models.dflash`) as a GGUF of its own (`names.DRAFTER`), for the llama.cpp
-# port's `--mode dflash --drafter FILE`. The hyper-parameters go under `dflash.*` (the keys
-# `gguf.GGUFWriter.add_<key>` writes, `names.DRAFTER_KEYS`, plus the drafter's own).
+# port's `--mode dflash --drafter FILE`. The hyper-parameters go under `dflash.*` (the table's keys,
+# plus the drafter's own).
 def is_drafter_dir(src: str | Path) -> bool:
     """Whether `src` holds a DFlash drafter (config.json's architectures say DFlashDraftModel)."""
     from ..models.dflash import ARCHITECTURE as DRAFTER
@@ -647,8 +646,7 @@ def export_drafter_gguf(src, dst: str | Path, *, dtype: str = "f32") -> ExportRe
     w.add_file_type(_file_type(dtype))
     if dtype == "q8_0":
         w.add_quantization_version(gguf.GGML_QUANT_VERSION)
-    for key, attr in DRAFTER_KEYS.items():
-        getattr(w, f"add_{key}")(getattr(c, attr))
+    DRAFTER.write_keys(w, c)
     w.add_uint32(f"{DRAFTER.arch}.block_size", c.block_size)
     w.add_uint32(f"{DRAFTER.arch}.mask_token_id", c.mask_token_id)
     w.add_array(f"{DRAFTER.arch}.target_layer_ids", [int(i) for i in c.target_layer_ids])
