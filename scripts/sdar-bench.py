@@ -44,6 +44,8 @@ def main() -> None:
     ap.add_argument("--gen", type=int, default=64, help="tokens per answer (the reference runs to its block grid's end)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--pack", choices=("auto", "on", "rows", "off"), default="auto",
+                    help="clover.load's pack: oneDNN weight copies for forwards of several positions (auto: its default)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     g = _golden_module()
@@ -62,7 +64,7 @@ def main() -> None:
     tok.save(str(ckpt / "tokenizer.json"))
     import clover
 
-    llm = clover.load(ckpt)
+    llm = clover.load(ckpt, pack={"auto": None, "on": True, "rows": "rows", "off": False}[args.pack])
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, args.vocab - 1, (int(n),), generator=gen).tolist()
                for n in torch.randint(9, 40, (args.batch,), generator=gen)]
@@ -111,7 +113,7 @@ def main() -> None:
     tokens = sum(lengths)
     med = {k: statistics.median(v) for k, v in times.items()}
     out = {"load": os.getloadavg()[0], "threads": torch.get_num_threads(), "tokens": tokens, "prompts": len(prompts),
-           "model": dict(hidden=args.hidden, layers=args.layers, vocab=args.vocab, block=B),
+           "model": dict(hidden=args.hidden, layers=args.layers, vocab=args.vocab, block=B), "pack": args.pack,
            **{f"{k} tok/s": round(tokens / v, 1) for k, v in med.items()},
            "clover b1 / reference": round(med["reference"] / med["clover b1"], 2),
            "clover b8 / reference": round(med["reference"] / med["clover b8"], 2)}
