@@ -64,7 +64,7 @@ class RowState:
     request_id: object = None  # whoever owns the row (a server request, a batch index)
     state: "EngineRow | None" = None  # what the row's engine keeps between forwards
     stop_token: int | None = None  # the EOS / stop token id that ended the row (not in `tokens`)
-    constraint: object = None  # a `clover.grammar.Constraint` the output must match (its state: `tokens`)
+    constraint: object = None  # a `clover.grammar.Constraint` the output must match, handed to the row's sampler
     _new_tokens: int = 0
 
     @property
@@ -109,7 +109,7 @@ class RowState:
     def grammar_done(self) -> None:
         """A constrained row whose grammar is complete (admits nothing more) ends here, `stop`, in
         every mode alike (without spending a forward on the EOS the grammar would force)."""
-        if self.constraint is not None and not self.finished and self.constraint.stopped:
+        if not self.finished and self.state.sampler.complete:
             self._finish("stop")
 
     def _stop_string_cut(self) -> int | None:
@@ -257,19 +257,9 @@ def row_history(row: RowState, history_tail: list | None, n: int) -> list[list[i
 
 
 def next_tokens(row: RowState, logits: torch.Tensor) -> list[int]:
-    """`propose_tokens`' tokens as a Python list; a constrained row's logits are masked by its
-    grammar first and the tokens consumed by it."""
-    c = row.constraint
-    if c is None:
-        return propose_tokens(row, logits)[0].tolist()
-    if row.params.greedy:  # the plain argmax when the grammar allows it: no mask to compute
-        toks = propose_tokens(row, logits)[0].tolist()
-        if not c.allows(toks[0]):
-            toks = propose_tokens(row, c.mask(logits))[0].tolist()
-    else:
-        toks = propose_tokens(row, c.mask(logits))[0].tolist()
-    c.consume(toks)
-    return toks
+    """`propose_tokens`' tokens as a Python list, chosen and consumed under the row's grammar by its
+    sampler (`Sampler.next_tokens`)."""
+    return row.state.sampler.next_tokens(logits, row_history(row, None, logits.shape[0]))
 
 
 @dataclass(eq=False)
@@ -356,7 +346,7 @@ class BatchEngine:
         return []
 
     def _init_row(self, row: RowState) -> None:
-        sampler = Sampler(row.params, row.eos_ids, make_generator(row.params.seed, self.device))
+        sampler = Sampler(row.params, row.eos_ids, make_generator(row.params.seed, self.device), row.constraint)
         row.state = self.row_type(sampler=sampler, pending=list(row.prompt))
 
     @grad_free_call

@@ -31,10 +31,10 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import DecodeEvent, RowState, grad_free_call
+from .base import DecodeEvent, RowState, grad_free_call, row_history
 from .modes import EngineSpec, Mode, register
 from .sampling import AUTO
-from .verify import VerifyEngine, VerifyRow, constrained_draft, constrained_sampled_draft, sure_prefix
+from .verify import VerifyEngine, VerifyRow, sure_prefix
 
 DEFAULT_DRAFT = 15  # the published drafters' block of 16: the anchor + 15 drafts
 # the default draft ends before its first token the drafter gives less than this probability (the
@@ -163,26 +163,15 @@ class DFlashEngine(VerifyEngine):
                 q.append(None)
                 continue
             r.draft_forwards += 1
-            if r.constraint is not None:  # each draft token masked by the grammar after those before it
-                if r.params.greedy:
-                    drafts.append(constrained_draft(r, logits[i]))
-                    q.append(None)
-                else:
-                    d, qd = constrained_sampled_draft(r, logits[i])
-                    drafts.append(d)
-                    q.append(qd)
-            elif r.params.greedy:
-                processed = r.state.sampler.process(logits[i], None)
-                drafts.append(processed.argmax(-1).tolist())
-                q.append(None)
-                if self.cut is not None:
-                    sure.append((i, processed.softmax(-1).amax(-1)))
-            else:
-                probs = self._probs(r, logits[i])
-                drafts.append(torch.multinomial(probs, 1, generator=r.state.sampler.generator).squeeze(-1).tolist())
-                q.append(probs)
-                if self.cut is not None:  # the top probability, not the drawn token's: a cut that read the
-                    sure.append((i, probs.amax(-1)))  # draws would bias what the rejection rule emits
+            # the row's sampler drafts (under its grammar: each token masked after those before it);
+            # the cut reads each distribution's top probability, not the drawn token's: a cut that read
+            # the draws would bias what the rejection rule emits
+            d, qd, top = r.state.sampler.draft(logits[i], row_history(r, None, logits.shape[1]),
+                                               sure=self.cut is not None)
+            drafts.append(d)
+            q.append(qd)
+            if top is not None:
+                sure.append((i, top))
         if sure:
             self._cut(drafts, q, sure)
         return drafts, q

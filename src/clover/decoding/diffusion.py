@@ -163,9 +163,8 @@ class DiffusionEngine(BatchEngine):
         st, Bs = row.state, self.block_size
         full = len(row.prompt) - len(row.prompt) % Bs
         tail = row.prompt[full:]
-        if row.constraint is not None and st.valid:  # what the grammar forced into the block goes behind the tail
-            row.constraint.rollback(st.valid)
-            row.constraint.forced_tokens -= st.valid
+        if st.valid:  # what the grammar forced into the block goes behind the tail
+            st.sampler.rollback(st.valid, forced=True)
             st.blk.fill_(self.mask_id)
             st.masked.fill_(True)
             st.dec_step.zero_()
@@ -174,8 +173,8 @@ class DiffusionEngine(BatchEngine):
         st.masked[: len(tail)] = False
         st.fixed = st.valid = len(tail)
         st.need = Bs
-        if row.constraint is not None:
-            self._grammar_advance(row)
+        if st.sampler.constrained:
+            self._advance_valid(row)
 
     def _read_positions(self, cands: list[torch.Tensor]) -> torch.Tensor:
         """[B, Bs] bool: the denoise positions whose logits a step reads. `logit_shift` 1: block
@@ -206,10 +205,9 @@ class DiffusionEngine(BatchEngine):
 
     def _new_block(self, row: RowState) -> None:
         Bs = self.block_size
-        if row.constraint is not None and row.state.blk is not None and row.state.step == 0 and row.state.valid:
+        if row.state.blk is not None and row.state.step == 0 and row.state.valid:
             # a fresh block re-made (a new width): what the grammar forced into it is undone first
-            row.constraint.rollback(row.state.valid)
-            row.constraint.forced_tokens -= row.state.valid
+            row.state.sampler.rollback(row.state.valid, forced=True)
         row.state.blk = torch.full((Bs,), self.mask_id, dtype=torch.long, device=self.device)
         row.state.masked = torch.ones(Bs, dtype=torch.bool, device=self.device)
         row.state.dec_step = torch.zeros(Bs, dtype=torch.long, device=self.device)
@@ -220,16 +218,17 @@ class DiffusionEngine(BatchEngine):
         # references decode it (the output is cut at max_new_tokens after)
         row.state.need = Bs if self.absolute else min(Bs, row.remaining)
         row.state.valid = row.state.fixed = 0
-        if row.constraint is not None:
-            self._grammar_advance(row)  # the tokens the grammar forces fill their positions now
+        if row.state.sampler.constrained:
+            self._advance_valid(row)  # the tokens the grammar forces fill their positions now
 
-    def _grammar_advance(self, r: RowState) -> None:
-        """A constrained row, left to right from its validated prefix: a masked position takes the
-        tokens the grammar forces (no forward decides them); decoded positions are checked and
-        consumed while they keep the output valid, and the first that breaks it is masked again.
-        Once the grammar is complete the block ends there."""
-        c, st = r.constraint, r.state
-        while st.valid < st.need and not c.stopped:
+    def _advance_valid(self, r: RowState) -> None:
+        """A constrained row, left to right from its validated prefix (its sampler holds the grammar):
+        a masked position takes the tokens the grammar forces (no forward decides them); decoded
+        positions are checked and consumed while they keep the output valid, and the first that
+        breaks it is masked again. Once the grammar is complete the block ends there."""
+        st = r.state
+        c = st.sampler
+        while st.valid < st.need and not c.complete:
             j = st.valid
             if st.masked[j]:
                 forced = c.forced()[: st.need - j]
@@ -239,8 +238,7 @@ class DiffusionEngine(BatchEngine):
                 st.blk[span] = torch.tensor(forced, dtype=torch.long, device=st.blk.device)
                 st.masked[span] = False
                 st.dec_step[span] = max(st.step, 1)
-                c.consume(forced)
-                c.forced_tokens += len(forced)
+                c.consume(forced, forced=True)
                 st.valid += len(forced)
                 continue
             end = j
@@ -255,7 +253,7 @@ class DiffusionEngine(BatchEngine):
                 st.blk[j + n] = self.mask_id
                 st.dec_step[j + n] = 0
                 st.dec_forced[j + n] = False
-        if c.stopped:
+        if c.complete:
             st.need = st.valid
 
     def add(self, row: RowState) -> list[DecodeEvent]:
@@ -423,9 +421,10 @@ class DiffusionEngine(BatchEngine):
             tails = [block_now[:j] for j in cand.tolist()]
         want_ent = needs_entropy(r.params)
         frontier = r.state.valid
-        if r.constraint is not None:  # the first open position follows the validated prefix: mask it
+        constrained = r.state.sampler.constrained
+        if constrained:  # the first open position follows the validated prefix: mask it
             logits = logits.clone()
-            logits[frontier] = r.constraint.mask(logits[frontier])
+            logits[frontier] = r.state.sampler.allowed(logits[frontier])
         prop = propose_tokens(r, logits[cand], tails, with_entropy=want_ent)  # stay tensors: no list round trip
         toks, conf = prop[0], prop[1]
         take, forced = accept(r.params, conf, cand, prop[2] if want_ent else None, step=r.state.step - 1, width=Bs)
@@ -436,8 +435,8 @@ class DiffusionEngine(BatchEngine):
         r.state.blk[pos] = toks[take].to(r.state.blk.device)
         r.state.masked[pos] = False
         r.state.dec_step[pos] = r.state.step
-        if r.constraint is not None:
-            self._grammar_advance(r)
+        if constrained:
+            self._advance_valid(r)
             if r.state.valid == frontier and r.state.valid < r.state.need:
                 # nothing the step accepted extends the valid prefix: the frontier commits its
                 # grammar-masked proposal (always valid), so every forward makes progress
@@ -446,9 +445,9 @@ class DiffusionEngine(BatchEngine):
                 r.state.masked[frontier] = False
                 r.state.dec_step[frontier] = r.state.step
                 r.state.dec_forced[frontier] = True
-                self._grammar_advance(r)
+                self._advance_valid(r)
             pos = pos[~r.state.masked[pos]]
-        if not r.params.ignore_eos and r.eos_ids and r.constraint is None:
+        if not r.params.ignore_eos and r.eos_ids and not constrained:
             eos_hits = [j for j in pos.tolist() if int(r.state.blk[j]) in r.eos_ids]
             if eos_hits:  # everything after the first accepted EOS becomes EOS
                 e = min(eos_hits)
@@ -471,7 +470,7 @@ class DiffusionEngine(BatchEngine):
         Bs = self.block_size
         events = []
         r.state.step += 1
-        if r.state.valid < r.state.need or r.constraint is None:  # a fully forced block has nothing to decode
+        if r.state.valid < r.state.need or not r.state.sampler.constrained:  # a fully forced block: nothing to decode
             self._decode_positions(r, logits, cand)
         if self.provisional:
             events.append(DecodeEvent(

@@ -280,13 +280,19 @@ def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torc
 
 
 class Sampler:
-    """One row's logits processing and token proposal, built once from its options (which
-    processors apply is decided here, not at every step)."""
+    """One row's logits processing, token proposal and grammar, built once from its options (which
+    processors apply is decided here, not at every step). As in vLLM the sampler owns the row's
+    grammar (`grammar`, a `clover.grammar.Constraint` whose state is the row's output so far, or
+    None): its mask, consume and rollback, and every choice made under it (`next_tokens`, `agree`,
+    `target_probs`, `draft`), so an engine never reads the grammar and writes each step once. Each
+    grammar operation is a no-op without one."""
 
-    def __init__(self, params: SamplingParams, eos_ids, generator: torch.Generator | None = None) -> None:
+    def __init__(self, params: SamplingParams, eos_ids, generator: torch.Generator | None = None,
+                 grammar=None) -> None:
         self.params = params
         self.eos = sorted(eos_ids)
         self.generator = generator
+        self.grammar = grammar
         self.uses_history = bool(params.repetition_penalty != 1.0 or params.presence_penalty or params.frequency_penalty
                                  or params.no_repeat_ngram_size)
 
@@ -298,6 +304,137 @@ class Sampler:
         """logits [N, V] -> (tokens [N], confidences [N][, entropies [N]]); `history[n]`: the tokens
         position n follows."""
         return propose(self.process(logits, history), self.params, self.generator, with_entropy)
+
+    def probs(self, logits: torch.Tensor, history: list[list[int]] | None = None) -> torch.Tensor:
+        """AR's sampling distribution for logits [N, V]: processed, then temperature / top-k / top-p."""
+        return filter_logits(self.process(logits, history), self.params).softmax(-1)
+
+    # -- the grammar
+    @property
+    def constrained(self) -> bool:
+        return self.grammar is not None
+
+    @property
+    def complete(self) -> bool:
+        """The grammar admits nothing more: the row's output ends here."""
+        return self.grammar is not None and self.grammar.stopped
+
+    def consume(self, tokens, forced: bool = False) -> None:
+        """The grammar moves past `tokens` (`forced`: placed because it forced them)."""
+        if self.grammar is not None and tokens:
+            self.grammar.consume(tokens)
+            self.grammar.forced_tokens += len(tokens) if forced else 0
+
+    def rollback(self, n: int, forced: bool = False) -> None:
+        """The grammar forgets its last `n` tokens (`forced`: tokens it had forced)."""
+        if self.grammar is not None and n:
+            self.grammar.rollback(n)
+            self.grammar.forced_tokens -= n if forced else 0
+
+    def allowed(self, logits: torch.Tensor) -> torch.Tensor:
+        """logits [..., V] with -inf where a token would break the grammar (as they are without one)."""
+        return logits if self.grammar is None else self.grammar.mask(logits)
+
+    def forced(self) -> list[int]:
+        """The tokens the grammar forces from here (nothing consumed; none without one)."""
+        return [] if self.grammar is None else self.grammar.forced()
+
+    def valid_prefix(self, tokens: list[int]) -> int:
+        """How many of `tokens`, from the left, keep the output valid (nothing consumed)."""
+        return len(tokens) if self.grammar is None else self.grammar.valid_prefix(tokens)
+
+    # -- choosing under it
+    def next_tokens(self, logits: torch.Tensor, history: list[list[int]] | None = None) -> list[int]:
+        """The tokens proposed at logits [N, V] (`__call__`), under the grammar (masked first; greedy:
+        the plain argmax where the grammar allows it, no mask computed), consumed by it."""
+        if self.grammar is None:
+            return self(logits, history)[0].tolist()
+        if self.params.greedy:
+            toks = self(logits, history)[0].tolist()
+            if not self.grammar.allows(toks[0]):
+                toks = self(self.grammar.mask(logits), history)[0].tolist()
+        else:
+            toks = self(self.grammar.mask(logits), history)[0].tolist()
+        self.grammar.consume(toks)
+        return toks
+
+    def agree(self, processed: torch.Tensor, drafts: list[int]) -> tuple[int, int | None]:
+        """Greedy verification: processed logits [k+1, V], position j after d_1 .. d_j -> (how many of
+        `drafts` equal the target's choice there, the target's token after them: None where the
+        grammar is complete). Under the grammar each choice is masked by it after the drafts before
+        and the agreed drafts are consumed."""
+        k, c = len(drafts), self.grammar
+        if c is None:  # AR's token choice (`propose`), without its confidences
+            target = greedy_tokens(processed).tolist()
+            n = 0
+            while n < k and drafts[n] == target[n]:
+                n += 1
+            return n, target[n]
+        n = 0
+        while not c.stopped:
+            tok = c.argmax(processed[n])
+            if n == k or tok != drafts[n]:
+                return n, tok
+            c.consume([tok])
+            n += 1
+        return n, None
+
+    def target_probs(self, logits: torch.Tensor, drafts: list[int], history: list[list[int]] | None = None
+                     ) -> torch.Tensor | None:
+        """AR's distributions p_j at logits [k+1, V], position j after d_1 .. d_j (`history[j]`: what it
+        follows, for the penalties); under the grammar each masked by it after the drafts before
+        (it ends where the grammar completes; None: at once). Nothing is consumed."""
+        c, k = self.grammar, len(drafts)
+        if c is None:
+            return self.probs(logits, history)
+        ps = []
+        for j in range(k + 1):
+            if c.stopped:
+                break
+            ps.append(self.probs(c.mask(logits[j : j + 1]), history[j : j + 1] if history else None)[0])
+            if j < k:
+                c.consume(drafts[j : j + 1])
+        c.rollback(min(len(ps), k))
+        return torch.stack(ps) if ps else None
+
+    def draw(self, probs: torch.Tensor) -> int:
+        """One token drawn from `probs` [V] with the row's generator."""
+        return int(torch.multinomial(probs, 1, generator=self.generator))
+
+    def draft(self, logits: torch.Tensor, history: list[list[int]] | None = None, sure: bool = False
+              ) -> tuple[list[int], torch.Tensor | None, torch.Tensor | None]:
+        """A drafter's guesses at logits [D, V] (position j: the token after the row's output and
+        guesses 0 .. j-1): greedy the argmax of the processed logits, sampled a draw from AR's
+        distribution (penalties reading `history`), under the grammar each masked by it after the
+        guesses before (ending where it completes; its state restored after). Returns the tokens,
+        sampled the distributions they were drawn from ([n, V], None when none), and with `sure`
+        each position's top probability ([D]; None under a grammar, whose drafts are not cut)."""
+        c, greedy = self.grammar, self.params.greedy
+        if c is None:
+            if greedy:
+                processed = self.process(logits)
+                return (processed.argmax(-1).tolist(), None,
+                        processed.softmax(-1).amax(-1) if sure else None)
+            q = self.probs(logits, history)
+            toks = torch.multinomial(q, 1, generator=self.generator).squeeze(-1).tolist()
+            return toks, q, (q.amax(-1) if sure else None)
+        toks, qs = [], []
+        processed = self.process(logits) if greedy else None
+        for j in range(logits.shape[0]):
+            if c.stopped:
+                break
+            if greedy:
+                tok = c.argmax(processed[j])
+            else:
+                q = self.probs(c.mask(logits[j : j + 1]), history[j : j + 1] if history else None)
+                tok = int(torch.multinomial(q, 1, generator=self.generator))
+            if not c.consume([tok]):
+                break
+            toks.append(tok)
+            if not greedy:
+                qs.append(q[0])
+        c.rollback(len(toks))
+        return toks, (torch.stack(qs) if qs else None), None
 
 
 def process_logits(

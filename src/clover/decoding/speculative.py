@@ -48,7 +48,7 @@ import torch
 from .base import RowState, grad_free_call
 from .modes import EngineSpec, Mode, register
 from .sampling import AUTO
-from .verify import VerifyEngine, VerifyRow, constrained_draft, constrained_sampled_draft, sure_prefix
+from .verify import VerifyEngine, VerifyRow, sure_prefix
 
 # the adaptive draft is cut before its first token whose distribution's top probability is below
 # this (0: never). On the bundled model no cut paid: at 0.1 it never cuts, from 0.2 on it keeps fewer
@@ -158,7 +158,7 @@ class SpeculativeEngine(VerifyEngine):
     def early(self, r: RowState) -> bool:
         """Whether the row's drafts have their first token emitted when drafted (the adaptive draft;
         not under a grammar, whose verify consumes it)."""
-        return self.adaptive and r.constraint is None
+        return self.adaptive and not r.state.sampler.constrained
 
     def _propose(self, rows: list[RowState]) -> dict:
         """The denoise block this forward carries: `width` masks (none for a draft of one: the
@@ -189,7 +189,7 @@ class SpeculativeEngine(VerifyEngine):
         D, st = self.block_width, r.state
         old_q, old_sure = st.draft_q, st.draft_sure
         st.draft = self._draft(r, out.denoise_logits[i, : D - 1] if whole and D > 1 else None)
-        if self.adaptive and not whole and r.constraint is None and m + 1 < len(verified):
+        if self.adaptive and not whole and not st.sampler.constrained and m + 1 < len(verified):
             st.draft += verified[m + 1 :]
             if not r.params.greedy:
                 st.draft_q = old_q[m:]
@@ -198,51 +198,29 @@ class SpeculativeEngine(VerifyEngine):
 
     def _draft(self, r: RowState, denoise_logits: torch.Tensor | None) -> list[int]:
         """The row's next draft: its t (`state.draft[0]`, the verify's) and the tokens after it from
-        the denoise logits (`denoise_logits[j-1]` predicts draft token j; None: a draft of one), cut
-        before the first the denoise pass gave less than `self.cut`; under the row's grammar each
-        masked by it after the draft before it."""
-        st, rest = r.state, []
-        first = st.draft[:1]
-        if r.constraint is not None:
-            return first + self._draft_constrained(r, denoise_logits)
-        if r.params.greedy:
-            st.draft_sure = [] if self.skip_below else None
-            if denoise_logits is not None:
-                processed = st.sampler.process(denoise_logits)
-                rest = processed.argmax(-1).tolist()
-                if self.cut or self.skip_below:
-                    sure = processed.softmax(-1).amax(-1)
-                    if self.cut:
-                        rest = rest[: sure_prefix(sure[None], self.cut)[0]]
-                    if self.skip_below:
-                        st.draft_sure = sure[: len(rest)].tolist()
-            return first + rest
-        st.draft_q = None
-        if denoise_logits is not None:
-            q = self._probs(r, denoise_logits)
-            drawn = torch.multinomial(q, 1, generator=st.sampler.generator)
-            # cut by each distribution's top probability: a cut that read the drawn tokens' would bias
-            # what the rejection rule emits (tests/test_speculative.py)
-            k = q.shape[0] if not self.cut else sure_prefix(q.amax(-1)[None], self.cut)[0]
-            rest = drawn[:k, 0].tolist()
-            st.draft_q = q[:k] if k else None
+        the denoise logits (`denoise_logits[j-1]` predicts draft token j; None: a draft of one) as
+        the row's sampler drafts them (`Sampler.draft`: under its grammar after t), cut before the
+        first the denoise pass gave less than `self.cut`: by each distribution's top probability (a
+        cut that read the drawn tokens' would bias what the rejection rule emits,
+        tests/test_speculative.py)."""
+        st = r.state
+        first, s = st.draft[:1], st.sampler
+        st.draft_q, st.draft_sure = None, ([] if self.skip_below and r.params.greedy else None)
+        if denoise_logits is None:
+            return first
+        late = not self.early(r)
+        if late:
+            s.consume(first)  # t precedes the drafts (consumed for good by its verify)
+        rest, q, sure = s.draft(denoise_logits, sure=bool(self.cut or self.skip_below))
+        if late:
+            s.rollback(len(first))
+        if sure is not None and self.cut:
+            k = sure_prefix(sure[None], self.cut)[0]
+            rest, q = rest[:k], (q[:k] if q is not None else None)
+        st.draft_q = q if rest else None
+        if sure is not None and self.skip_below and r.params.greedy:
+            st.draft_sure = sure[: len(rest)].tolist()
         return first + rest
-
-    def _draft_constrained(self, r: RowState, logits: torch.Tensor | None) -> list[int]:
-        """A constrained row's drafts after its t (greedy: `constrained_draft`; sampled:
-        `constrained_sampled_draft`, their distributions kept in `draft_q` for the rejection rule)."""
-        st, c = r.state, r.constraint
-        st.draft_sure = None
-        if logits is None:
-            st.draft_q = None
-            return []
-        c.consume(st.draft[:1])  # t precedes the drafts (consumed for good by its verify)
-        if r.params.greedy:
-            rest = constrained_draft(r, logits)
-        else:
-            rest, st.draft_q = constrained_sampled_draft(r, logits)
-        c.rollback(1)
-        return rest
 
 
 # model -> (eager/compiled, widths, batch) -> CostCurve, once per process (read from the user cache or

@@ -10,7 +10,8 @@ logits at position j follow t, d_1 .. d_j and verify d_{j+1} (`VerifyEngine._ver
   p_j being AR's sampling distribution there; at the first rejection the next `t` is drawn from
   norm(max(0, p_j - q_j)), after a full accept from p; each token is distributed as AR sampling draws it;
 - under a grammar every p_j (and each greedy choice) is masked by the grammar after the tokens before
-  it, so the kept tokens are those constrained AR chooses (or draws).
+  it, so the kept tokens are those constrained AR chooses (or draws); the row's sampler owns the
+  grammar and makes those choices (`Sampler.agree`, `target_probs`, `draft`).
 The cache then rolls back to the kept tokens (`settle_cache`: K/V truncated, GDN state re-derived from
 the recorded inputs of exactly those tokens). The prompt's prefill yields the first `t`.
 
@@ -32,7 +33,6 @@ from dataclasses import dataclass
 import torch
 
 from .base import BatchEngine, DecodeEvent, EngineRow, RowState, grad_free_call, pad_right, row_history
-from .sampling import filter_logits, greedy_tokens
 
 
 def accept_draft(draft: list[int], q: torch.Tensor, p: torch.Tensor, generator: torch.Generator | None = None
@@ -58,21 +58,6 @@ def accept_draft(draft: list[int], q: torch.Tensor, p: torch.Tensor, generator: 
     return j + 1, int(torch.multinomial(residual, 1, generator=generator))
 
 
-def sampling_probs(row: RowState, logits: torch.Tensor, history_tail: list | None = None) -> torch.Tensor:
-    """AR's sampling distribution for logits [N, V] of one row: processed (penalties, whose history
-    is the row's tokens plus `history_tail[n]` at position n), then temperature / top-k / top-p."""
-    s = row.state.sampler
-    return filter_logits(s.process(logits, row_history(row, history_tail, logits.shape[0])), s.params).softmax(-1)
-
-
-def agreed(draft: list[int], target: list[int]) -> int:
-    """Greedy verification: how many leading draft tokens equal the target's tokens there."""
-    m = 0
-    while m < min(len(draft), len(target)) and draft[m] == target[m]:
-        m += 1
-    return m
-
-
 def commit_verified(r: RowState, i: int, tokens: list[int], events: list[DecodeEvent], emitted: int = 0) -> list[int]:
     """The outcome of a verify for row `r` (batch index `i`): `tokens` recorded as one accept length
     and appended by `RowState.accept` (EOS, stops, limits; a complete grammar ends the row), but for
@@ -95,42 +80,6 @@ def settle_cache(cache, snap, keep: list[int], committed: list[int]) -> None:
         cache.rollback(snap, keep)
     else:
         cache.record = None
-
-
-def constrained_draft(r: RowState, logits: torch.Tensor) -> list[int]:
-    """A greedy draft under the row's grammar: position j's logits [D, V] masked by the grammar
-    after draft[:j] (the grammar state is restored afterwards; the draft stops where the grammar
-    is complete, so it may be shorter than D or empty)."""
-    c, draft = r.constraint, []
-    processed = r.state.sampler.process(logits)
-    for j in range(logits.shape[0]):
-        if c.stopped:
-            break
-        tok = c.argmax(processed[j])
-        if not c.consume([tok]):
-            break
-        draft.append(tok)
-    c.rollback(len(draft))
-    return draft
-
-
-def constrained_sampled_draft(r: RowState, logits: torch.Tensor) -> tuple[list[int], torch.Tensor | None]:
-    """A sampled draft under the row's grammar: token j drawn from AR's sampling distribution of
-    logits[j] masked by the grammar after draft[:j] (the grammar state is restored afterwards; the
-    draft stops where the grammar is complete). Returns the draft and those distributions
-    ([len, V], for the rejection rule; None when empty)."""
-    c, gen, draft, qs = r.constraint, r.state.sampler.generator, [], []
-    for j in range(logits.shape[0]):
-        if c.stopped:
-            break
-        q = sampling_probs(r, c.mask(logits[j : j + 1]))
-        tok = int(torch.multinomial(q, 1, generator=gen))
-        if not c.consume([tok]):
-            break
-        draft.append(tok)
-        qs.append(q[0])
-    c.rollback(len(draft))
-    return draft, (torch.stack(qs) if qs else None)
 
 
 def sure_prefix(probs: torch.Tensor, cut: float) -> list[int]:
@@ -212,49 +161,29 @@ class VerifyEngine(BatchEngine):
         self.width = choose_draft(self.draft_policy, self.rows, self.choices, self.forwards, from_ar=from_ar)
 
     # -- the verify
-    _probs = staticmethod(sampling_probs)  # the distribution a row samples from (AR's)
+    @staticmethod
+    def _probs(r: RowState, logits: torch.Tensor, history_tail: list | None = None) -> torch.Tensor:
+        """AR's sampling distribution for logits [N, V] of row `r` (penalties reading its tokens and
+        `history_tail[n]` at position n)."""
+        return r.state.sampler.probs(logits, row_history(r, history_tail, logits.shape[0]))
 
     def _verify(self, r: RowState, logits: torch.Tensor, drafts: list[int], q: torch.Tensor | None,
                 before: list[int]) -> tuple[int, int | None]:
         """logits [k+1, V], position j after the row's tokens, `before` (tokens committed with the
         drafts, not yet in `r.tokens`) and d_1 .. d_j -> (how many of `drafts` are kept, the
-        target's next token: None where the grammar is complete). The grammar consumes the kept
-        drafts."""
-        k, c, gen = len(drafts), r.constraint, r.state.sampler.generator
-        tails = [before + drafts[:j] for j in range(k + 1)]
+        target's next token: None where the row's grammar is complete). Its sampler chooses (under
+        the grammar, which consumes the kept drafts); sampled, by the rejection rule."""
+        k, s = len(drafts), r.state.sampler
+        history = row_history(r, [before + drafts[:j] for j in range(k + 1)], k + 1)
         if r.params.greedy:
-            processed = r.state.sampler.process(logits, row_history(r, tails, k + 1))
-            if c is None:  # AR's token choice (`propose`), without its confidences
-                target = greedy_tokens(processed).tolist()
-                n = agreed(drafts, target)
-                return n, target[n]
-            n = 0
-            while not c.stopped:
-                tok = c.argmax(processed[n])
-                if n == k or tok != drafts[n]:
-                    return n, tok
-                c.consume([tok])
-                n += 1
-            return n, None
-        if c is None:
-            p = self._probs(r, logits, tails)  # [k+1, V]
-        else:  # p_j masked by the grammar after d_1 .. d_j
-            ps = []
-            for j in range(k + 1):
-                if c.stopped:
-                    break
-                ps.append(self._probs(r, c.mask(logits[j : j + 1]), tails[j : j + 1])[0])
-                if j < k:
-                    c.consume(drafts[j : j + 1])
-            c.rollback(min(len(ps), k))
-            if not ps:
-                return 0, None
-            p = torch.stack(ps)
-        m, token = accept_draft([None] + drafts, q, p[:k], gen)  # position 0 is the target's own
+            return s.agree(s.process(logits, history), drafts)
+        p = s.target_probs(logits, drafts, history)
+        if p is None:
+            return 0, None
+        m, token = accept_draft([None] + drafts, q, p[:k], s.generator)  # position 0 is the target's own
         if token is None and p.shape[0] > k:  # every draft kept: the next token after the last one
-            token = int(torch.multinomial(p[k], 1, generator=gen))
-        if c is not None:
-            c.consume(drafts[: m - 1])
+            token = s.draw(p[k])
+        s.consume(drafts[: m - 1])
         return m - 1, token
 
     @grad_free_call
@@ -292,8 +221,8 @@ class VerifyEngine(BatchEngine):
                     self._emit(r, i, t, events)
             else:
                 D = len(verified)
-                if not early and r.constraint is not None:
-                    r.constraint.consume(verified[:1])  # t, AR's own token, is kept
+                if not early:
+                    st.sampler.consume(verified[:1])  # t, AR's own token, is kept
                 n, t = self._verify(r, causal[i, :D], verified[1:], st.draft_q, [] if early else verified[:1])
                 m = keep[i] = 1 + n
                 st.kept_draft += n
@@ -303,8 +232,8 @@ class VerifyEngine(BatchEngine):
                     emit = verified[:m]
                 else:  # t_prev was emitted when drawn: the kept drafts and t
                     emit = verified[1:m] + ([t] if t is not None else [])
-                    if t is not None and r.constraint is not None:
-                        r.constraint.consume([t])
+                    if t is not None:
+                        st.sampler.consume([t])
                 commit_verified(r, i, emit, events)
             st.draft = None
             if t is None:  # the grammar is complete: the row ends here
@@ -325,8 +254,7 @@ class VerifyEngine(BatchEngine):
 
     def _emit(self, r: RowState, i: int, t: int, events: list[DecodeEvent]) -> None:
         """The prefill's `t`, emitted when drawn (and consumed by the row's grammar)."""
-        if r.constraint is not None:
-            r.constraint.consume([t])
+        r.state.sampler.consume([t])
         kept = r.accept([t], [1])
         r.grammar_done()
         if kept:
