@@ -19,7 +19,7 @@ class AREngine(BatchEngine):
     @grad_free_call
     def step(self) -> list[DecodeEvent]:
         ids, n = pad_right([r.state.pending for r in self.rows], self.pad_id, self.device)
-        out = self.model.step(self.cache, commit_ids=ids, n_commit=n, track_experts=True)
+        out = self.model.step(self.cache, kind="commit", commit_ids=ids, n_commit=n, track_experts=True)
         events = []
         for i, r in enumerate(self.rows):
             r.forwards += 1

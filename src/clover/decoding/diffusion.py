@@ -289,6 +289,7 @@ class DiffusionEngine(BatchEngine):
             denoise_ids, need = denoise_ids[:, : valid.shape[1]], need[:, : valid.shape[1]]
         out = self.model.step(
             cache,
+            kind="commit" if ar_step else "commit+denoise" if has_commit else "denoise",
             commit_ids=commit_ids,
             n_commit=n_commit,
             denoise_ids=denoise_ids,
@@ -300,7 +301,7 @@ class DiffusionEngine(BatchEngine):
             **skips,
         )
         at_input = denoise_ids if self.skip_decoded and not ar_step else None
-        memo = skips.get("denoise_memo")
+        memo = out.memo
         if memo:  # this forward's block inputs, kept for the next
             self._keep_memo(memo)
         events: list[DecodeEvent] = []
@@ -358,7 +359,7 @@ class DiffusionEngine(BatchEngine):
             elif bool(out["denoise_valid"].all()):
                 del out["denoise_valid"]
         if self.skip_decoded:
-            out["denoise_memo"] = [] if self.memo is None else [tuple(t[:, :W] for t in layer) for layer in self.memo]
+            out["denoise_memo"] = () if self.memo is None else tuple(tuple(t[:, :W] for t in layer) for layer in self.memo)
             if self.memo is not None:
                 frozen = torch.stack([r.state.memo_ok[:W] for r in rows]) & ~need[:, :W]
                 if "denoise_valid" in out:

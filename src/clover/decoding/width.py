@@ -82,7 +82,7 @@ def _cpu_name() -> str:
 
 
 def compiled_kind(model) -> str:
-    return "compiled" if getattr(model, "_clover_compiled", False) else "eager"
+    return "compiled" if model.compiled else "eager"
 
 
 def cost_key(model, variant: str | None = None) -> dict:

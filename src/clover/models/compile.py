@@ -22,9 +22,8 @@ def compile_model(model: nn.Module, *, mode: str = "static", backend: str = "ind
     from .static import StaticSteps
 
     model.static_steps = StaticSteps(model, backend=backend)
-    model._clover_compiled = True  # what `decoding.width` reads (it may not import models)
     return model
 
 
 def is_compiled(model: nn.Module) -> bool:
-    return bool(getattr(model, "_clover_compiled", False))
+    return getattr(model, "static_steps", None) is not None

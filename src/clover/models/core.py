@@ -18,7 +18,8 @@ committing a finished block and denoising the next block are all instances of `s
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import dataclasses
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -121,11 +122,91 @@ class TextModel(nn.Module):
         self.rotary_emb = parts.rotary_class.from_config(config)
 
 
+STEP_KINDS = ("commit", "denoise", "commit+denoise", "verify")
+
+
+@dataclass(frozen=True, eq=False)
+class Step:
+    """One cached forward, as the engine that asks for it describes it (`CausalLM.run_step`).
+
+    `kind`: "commit" (tokens appended to the cache: a prompt, an AR step), "denoise" (one block
+    denoised against the cache), "commit+denoise" (a commit and the next block in one forward) or
+    "verify" (a commit whose logits are read at every position and whose inputs are recorded for a
+    rollback: the cache records, `HybridCache.start_recording`; a denoise block may ride along).
+    The segments: `commit_ids [B, Tc]` (right-padded, `n_commit[b]` valid; None = all valid) and
+    `denoise_ids [B, Bd]`. What to return: `all_logits` (commit logits at every commit position, not
+    only each row's last), `track_experts` (experts touched per MoE layer), `hidden_layers` (those
+    layers' outputs over the commit part, `StepOutput.hidden`: a DFlash drafter's context),
+    `denoise_need [B, Bd]` (bool: denoise logits only there, the others garbage). How:
+    `expert_budget` experts shared across the denoise block (MoE only), ranked by `expert_rank`
+    ("sum" or "max" of the block's router probabilities). The eager forward's approximate skips
+    (`forward_step`; a step with one runs eagerly): `denoise_frozen [B, Bd]` (bool),
+    `denoise_memo` (per layer, an earlier forward's block inputs; `()` none yet; this forward's
+    return in `StepOutput.memo`), `denoise_width` and `denoise_valid [B, Bd]`. `commit_block`: the
+    commit part attends bidirectionally inside blocks of that size on the absolute grid (positions
+    [kB, (k+1)B)) and causally across them (`commit_attention` "block", SDAR's); None: causally. It
+    runs eagerly (attention-only layers). `denoise_start [B]`: the RoPE position of each row's first
+    block position (default: right after its cache and commit part); a whole-sequence model's dual
+    cache keeps the keys after the block too. It runs eagerly."""
+
+    kind: str
+    commit_ids: torch.Tensor | None = None
+    n_commit: torch.Tensor | None = None
+    denoise_ids: torch.Tensor | None = None
+    all_logits: bool = False
+    track_experts: bool = False
+    hidden_layers: tuple[int, ...] = ()
+    denoise_need: torch.Tensor | None = None
+    expert_budget: int | None = None
+    expert_rank: str = "sum"
+    denoise_frozen: torch.Tensor | None = None
+    denoise_memo: tuple | None = None
+    denoise_width: int | None = None
+    denoise_valid: torch.Tensor | None = None
+    commit_block: int | None = None
+    denoise_start: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in STEP_KINDS:
+            raise ValueError(f"step kind {self.kind!r}: expected one of {', '.join(STEP_KINDS)}")
+        commit, denoise = self.commit_ids is not None, self.denoise_ids is not None
+        parts = {"commit": (True, False), "denoise": (False, True), "commit+denoise": (True, True)}.get(self.kind)
+        if (parts is not None and parts != (commit, denoise)) or (self.kind == "verify" and not commit):
+            have = " and ".join(n for n, on in (("commit_ids", commit), ("denoise_ids", denoise)) if on) or "neither part"
+            raise ValueError(f"a {self.kind} step has {have}")
+
+    @staticmethod
+    def kind_of(commit_ids, denoise_ids, *, verify: bool = False) -> str:
+        """The kind of a step of these parts (`verify`: a commit into a recording cache)."""
+        if commit_ids is None and denoise_ids is None:
+            raise ValueError("step needs commit_ids, denoise_ids or both")
+        if commit_ids is not None and verify:
+            return "verify"
+        return "commit+denoise" if commit_ids is not None and denoise_ids is not None else \
+            "commit" if commit_ids is not None else "denoise"
+
+    @property
+    def commit_len(self) -> int:
+        return 0 if self.commit_ids is None else self.commit_ids.shape[1]
+
+    @property
+    def denoise_len(self) -> int:
+        return 0 if self.denoise_ids is None else self.denoise_ids.shape[1]
+
+    @property
+    def has_skips(self) -> bool:
+        """Whether the step uses an eager skip (it then runs eagerly)."""
+        return not (self.denoise_frozen is None and self.denoise_memo is None and self.denoise_width is None
+                    and self.denoise_valid is None and self.commit_block is None and self.denoise_start is None)
+
+
 @dataclass
 class StepOutput:
     commit_logits: torch.Tensor | None  # [B, V] at each row's last valid commit token (or [B, Tc, V] if all_logits)
     denoise_logits: torch.Tensor | None  # [B, Bd, V]
     experts_touched: list[int]  # per MoE layer, when tracked (empty for a dense MLP)
+    hidden: dict[int, torch.Tensor] = field(default_factory=dict)  # `Step.hidden_layers`' outputs [B, Tc, H]
+    memo: list | None = None  # with `Step.denoise_memo`: per layer, this forward's block inputs
 
 class CausalLM(nn.Module):
     """The causal LM over an architecture's layers (its class attributes, below), with the cached
@@ -320,6 +401,16 @@ class CausalLM(nn.Module):
         return self._logits(clean_x), self._logits(noisy_x)
 
     # -- the cached step: commit and/or denoise in one forward
+    @property
+    def compiled(self) -> bool:
+        """Whether steps run on compiled graphs where one fits (`clover.models.compile`)."""
+        return self.static_steps is not None
+
+    def has_graph(self, kind: str, width: int) -> bool:
+        """Whether a step of `kind` (`Step.kind`) at block `width` runs on a compiled graph: compiled,
+        and a graph of that width was built at load (or, not frozen, is built on first use)."""
+        return self.static_steps is not None and self.static_steps.has_graph(kind, width)
+
     def step(
         self,
         cache: HybridCache,
@@ -327,67 +418,69 @@ class CausalLM(nn.Module):
         n_commit: torch.Tensor | None = None,
         denoise_ids: torch.Tensor | None = None,
         *,
-        expert_budget: int | None = None,
-        expert_rank: str = "sum",
-        all_logits: bool = False,
-        track_experts: bool = False,
-        denoise_need: torch.Tensor | None = None,
+        kind: str | None = None,
         hidden_out: dict | None = None,
-        denoise_frozen: torch.Tensor | None = None,
         denoise_memo: list | None = None,
-        denoise_width: int | None = None,
-        denoise_valid: torch.Tensor | None = None,
-        commit_block: int | None = None,
-        denoise_start: torch.Tensor | None = None,
+        **fields,
     ) -> StepOutput:
-        """One forward. `commit_ids [B, Tc]` (right-padded, `n_commit[b]` valid; None = all valid) are
-        appended to `cache`; `denoise_ids [B, Bd]` is one block denoised against the updated cache.
-        `expert_budget` shares that many experts across the denoise block (MoE only), ranked by
-        `expert_rank` ("sum" or "max" of the block's router probabilities).
-        `denoise_need [B, Bd]` (bool) limits the denoise logits to those positions (others are garbage).
-        `hidden_out` (a dict keyed by layer index) receives those layers' outputs over the commit part
-        ([B, Tc, H]; a DFlash drafter's context).
-        `denoise_frozen [B, Bd]` (bool), `denoise_memo` (a list), `denoise_width` and `denoise_valid`
-        are the eager forward's skips (`forward_step`); a step that uses one runs eagerly.
-        `commit_block`: the commit part attends bidirectionally inside blocks of that size on the
-        absolute grid (positions [kB, (k+1)B)) and causally across them (`commit_attention` "block",
-        SDAR's); None: causally. It runs eagerly.
-        `denoise_start [B]`: the RoPE position of each row's first block position (default: right
-        after its cache and commit part); a whole-sequence model's dual cache keeps the keys after the
-        block too. It runs eagerly.
+        """`run_step(cache, Step(...))` from keyword arguments (`Step`'s fields). `kind` None: what the
+        parts and the cache say (a commit while the cache records is a verify). Two containers are
+        filled in place, for callers that hold them: `hidden_out` (a dict keyed by layer index: those
+        layers' outputs over the commit part, `Step.hidden_layers`) and `denoise_memo` when a list (an
+        earlier forward's block inputs on entry, this forward's on return; a tuple is
+        `Step.denoise_memo`, this forward's then in `StepOutput.memo`)."""
+        if kind is None:
+            kind = Step.kind_of(commit_ids, denoise_ids, verify=cache.record is not None)
+        step = Step(kind, commit_ids, n_commit, denoise_ids, hidden_layers=tuple(hidden_out or ()),
+                    denoise_memo=None if denoise_memo is None else tuple(denoise_memo), **fields)
+        out = self.run_step(cache, step)
+        if hidden_out is not None:
+            hidden_out.update(out.hidden)
+        if isinstance(denoise_memo, list):
+            denoise_memo[:] = out.memo
+        return out
+
+    def run_step(self, cache: HybridCache, step: Step) -> StepOutput:
+        """One forward, as `step` describes it: its commit part appended to `cache`, its denoise
+        block denoised against the updated cache.
 
         The host side of a step (normalise `n_commit`, grow the cache, keep the commit's inputs
         while recording, advance the lengths) is here; the forward itself is `forward_step`, run
-        eagerly or, with static steps, compiled when the call is one of their kinds."""
-        if commit_ids is None and denoise_ids is None:
-            raise ValueError("step needs commit_ids, denoise_ids or both")
-        if commit_block is not None and "linear_attention" in self.config.layer_types:
+        eagerly or, with static steps, on the compiled graph of the step's kind when one fits
+        (`StaticSteps.run`; never a step with an eager skip)."""
+        Tc = step.commit_len
+        if step.commit_block is not None and "linear_attention" in self.config.layer_types:
             raise BlockSemantics(commit_attention="block").refuse("commit_attention", "linear-attention layers")
-        Tc = 0 if commit_ids is None else commit_ids.shape[1]
-        if n_commit is not None and Tc and bool((n_commit == Tc).all()):
-            n_commit = None
+        if step.kind == "verify" and cache.record is None:
+            raise ValueError("a verify step needs a recording cache (cache.start_recording() before it)")
+        if step.n_commit is not None and Tc and bool((step.n_commit == Tc).all()):
+            step = dataclasses.replace(step, n_commit=None)
         cache.ensure_capacity(int(cache.lengths.max()) + Tc)
         if self.static_steps is not None:  # a batch between two compiled sizes runs in place on the larger graph
             cache.reserve_rows(self.static_steps.batch_for(cache.batch_size))
         record = cache.record is not None and Tc > 0
         states = [s.tensors() for s in cache.layers]
-        args = (commit_ids, n_commit, denoise_ids, cache.lengths, states)
-        kw = dict(expert_budget=expert_budget, expert_rank=expert_rank, all_logits=all_logits, record=record)
+        hidden = dict.fromkeys(step.hidden_layers) if step.hidden_layers else None
         out = None
-        skips = dict(denoise_frozen=denoise_frozen, denoise_memo=denoise_memo, denoise_width=denoise_width,
-                     denoise_valid=denoise_valid, commit_block=commit_block, denoise_start=denoise_start)
-        if self.static_steps is not None and all(v is None for v in skips.values()):
-            out = self.static_steps.run(*args, **kw, hidden_out=hidden_out)
+        if self.static_steps is not None and not step.has_skips:
+            out = self.static_steps.run(step, cache.lengths, states, record=record, hidden_out=hidden)
+        memo = None
         if out is None:
-            out = self.forward_step(*args, **kw, count_experts=track_experts, denoise_need=denoise_need,
-                                    hidden_out=hidden_out, **skips)
+            memo = None if step.denoise_memo is None else list(step.denoise_memo)
+            out = self.forward_step(
+                step.commit_ids, step.n_commit, step.denoise_ids, cache.lengths, states,
+                expert_budget=step.expert_budget, expert_rank=step.expert_rank, all_logits=step.all_logits,
+                record=record, count_experts=step.track_experts, denoise_need=step.denoise_need, hidden_out=hidden,
+                denoise_frozen=step.denoise_frozen, denoise_memo=memo, denoise_width=step.denoise_width,
+                denoise_valid=step.denoise_valid, commit_block=step.commit_block, denoise_start=step.denoise_start)
         commit_logits, denoise_logits, touched, records = out
         if record:  # what `HybridCache.rollback` re-runs
             for state, rec in zip(cache.deltanet_states(), records):
                 state.record = rec
         if Tc:
-            cache.advance(n_commit if n_commit is not None else Tc)
-        return StepOutput(commit_logits, denoise_logits, touched.tolist() if track_experts else [])
+            cache.advance(step.n_commit if step.n_commit is not None else Tc)
+        return StepOutput(commit_logits, denoise_logits, touched.tolist() if step.track_experts else [],
+                          hidden if hidden is not None else {}, memo)
 
     def forward_step(
         self,

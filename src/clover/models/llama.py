@@ -33,7 +33,7 @@ from torch import nn
 
 from ..config import CloverConfig, ConfigError
 from ..moe import BlockSharing
-from .core import CausalLM
+from .core import CausalLM, Step
 from .layers import PlainRMSNorm, GatedAttention, Segments, apply_rope
 from .registry import Architecture
 
@@ -374,7 +374,7 @@ class LlamaForCausalLM(CausalLM):
         k = noisy_ids.shape[1] // L
         cache = self.make_cache(B, L)
         with torch.no_grad():
-            clean_logits = CausalLM.step(self, cache, commit_ids=clean_ids, all_logits=True).commit_logits
+            clean_logits = self.run_step(cache, Step("commit", clean_ids, all_logits=True)).commit_logits
         dev = clean_ids.device
         mask = self.training_mask(L, k, block_size, dev)[:, :, L:]  # [1, 1, kL, (k+1)L]: clean keys, then the copies
         positions = torch.arange(L, device=dev).repeat(k).expand(B, k * L)
@@ -390,13 +390,13 @@ class LlamaForCausalLM(CausalLM):
             x = x[noisy_logits_at]
         return clean_logits, self._logits(x)
 
-    def step(self, cache, commit_ids=None, n_commit=None, denoise_ids=None, **kw):
+    def run_step(self, cache, step: Step):
         start = None
-        if self.config.denoise_adapter and denoise_ids is not None:
-            start = 0 if commit_ids is None else commit_ids.shape[1]
+        if self.config.denoise_adapter and step.denoise_ids is not None:
+            start = step.commit_len
         token = _DENOISE_FROM.set(start)
         try:
-            return super().step(cache, commit_ids, n_commit, denoise_ids, **kw)
+            return super().run_step(cache, step)
         finally:
             _DENOISE_FROM.reset(token)
 

@@ -48,6 +48,7 @@ from collections import Counter
 import torch
 
 from ..cache import first_rows, row_room
+from .core import Step
 
 CAPACITY_QUANTUM = 512  # the smallest static cache: prompt + max_new_tokens + 2 blocks up to 512 share one graph
 LOAD_CAPACITIES = (CAPACITY_QUANTUM,)  # the cache capacities compiled at load
@@ -122,21 +123,23 @@ def batch_buckets(max_batch: int) -> tuple[int, ...]:
     return (*out, top)
 
 
-def step_kind(commit_ids, n_commit, denoise_ids, *, all_logits: bool, record: bool) -> str | None:
-    """Which compiled kind serves this step, or None (eager): a prompt prefill, a commit of another
-    length than the block's, logits at every position without a commit, a row with nothing to commit
-    in an AR step."""
-    Tc = 0 if commit_ids is None else commit_ids.shape[1]
-    Bd = 0 if denoise_ids is None else denoise_ids.shape[1]
-    if all_logits and not Tc:
+def graph_kind(step) -> str | None:
+    """The compiled kind (`KINDS`) that serves `step` (a `clover.models.core.Step`), or None (eager):
+    the step's own kind where its shapes fit a graph -- a commit of one token per row ("ar"), a
+    block commit as wide as the block ("commit+denoise", "verify"), a verify's commit alone
+    ("verify-commit"); not a prompt (its length would be one graph more), nor a commit of one
+    token on a row with nothing to commit, nor logits at every position without a commit."""
+    Tc, Bd, n_commit = step.commit_len, step.denoise_len, step.n_commit
+    verify = step.kind == "verify"
+    if step.all_logits and not Tc:
         return None
-    if Tc and not (Tc == 1 or Tc == Bd or (record and not Bd and n_commit is None)):
-        return None  # a prompt (or a batch with one): its length would be one more graph
+    if Tc and not (Tc == 1 or Tc == Bd or (verify and not Bd and n_commit is None)):
+        return None
     if Tc == 1 and n_commit is not None:
         return None
-    if record:
-        return "verify-commit" if not Bd else "verify"
-    return "ar" if Tc == 1 and not Bd else "commit+denoise" if Tc else "denoise"
+    if verify:
+        return "verify" if Bd else "verify-commit"
+    return {"commit": "ar", "denoise": "denoise", "commit+denoise": "commit+denoise"}[step.kind]
 
 
 def compile_static(fn, device: torch.device, backend: str = "inductor"):
@@ -165,16 +168,17 @@ class StaticSteps:
         self.limit_hit = False
         self.frozen = False  # after `warm_all`: a shape without a graph runs eagerly, never compiles
         self.batches: tuple[int, ...] = ()  # the batch sizes `warm_all` compiled (a batch between them is padded)
+        self.widths: frozenset[tuple[str, int]] = frozenset()  # the (kind, width) pairs `warm_all` compiled
 
-    def run(self, commit_ids, n_commit, denoise_ids, lengths: torch.Tensor, states: list, *, expert_budget,
-            expert_rank: str, all_logits: bool, record: bool, hidden_out: dict | None = None):
-        """`model.forward_step`'s result from the compiled graph, or None when the step is not one
-        of its kinds (or past the graph limit): the caller then runs it eagerly. Called by `step`
-        with the cache already large enough and `n_commit` None when every row commits all its
-        tokens; nothing is written before the graph runs."""
-        kind = step_kind(commit_ids, n_commit, denoise_ids, all_logits=all_logits, record=record)
+    def run(self, step, lengths: torch.Tensor, states: list, *, record: bool, hidden_out: dict | None = None):
+        """`model.forward_step`'s result for `step` (a `Step` without eager skips) from the compiled
+        graph of its kind (`graph_kind`), or None when no graph serves it (or past the graph limit):
+        the caller then runs it eagerly. Called by `run_step` with the cache already large enough and
+        `n_commit` None when every row commits all its tokens; nothing is written before the graph runs."""
+        kind = graph_kind(step)
         if kind is None:
             return None
+        commit_ids, n_commit, denoise_ids = step.commit_ids, step.n_commit, step.denoise_ids
         B = lengths.shape[0]
         b = self.batch_for(B)
         if self.frozen and commit_ids is not None and kind != "verify-commit":
@@ -184,20 +188,22 @@ class StaticSteps:
                 commit_ids = torch.cat([commit_ids, commit_ids.new_zeros(B, Bd - Tc)], 1)
             elif n_commit is None and Tc > 1 and (b > 1 or kind == "verify"):
                 n_commit = torch.full_like(lengths, Tc)  # the ragged graph serves every commit
+        kw = dict(expert_budget=step.expert_budget, expert_rank=step.expert_rank, all_logits=step.all_logits,
+                  record=record, hidden_out=hidden_out)
         if b != B:
-            return self._run_padded(b, commit_ids, n_commit, denoise_ids, lengths, states, expert_budget=expert_budget,
-                                    expert_rank=expert_rank, all_logits=all_logits, record=record,
-                                    hidden_out=hidden_out)
+            return self._run_padded(kind, b, commit_ids, n_commit, denoise_ids, lengths, states, **kw)
+        return self._call(kind, commit_ids, n_commit, denoise_ids, lengths, states, **kw)
+
+    def _call(self, kind: str, *args, **kw):
+        """The graph of `kind` on these inputs, or None (not compiled while frozen, or past the limit)."""
         try:
-            out = call_frozen(self._forward, commit_ids, n_commit, denoise_ids, lengths, states, frozen=self.frozen,
-                              expert_budget=expert_budget, expert_rank=expert_rank, all_logits=all_logits,
-                              record=record, hidden_out=hidden_out)
+            out = call_frozen(self._forward, *args, frozen=self.frozen, **kw)
         except torch._dynamo.exc.FailOnRecompileLimitHit:
             # more shapes than RECOMPILE_LIMIT graphs: raised while compiling, before the graph runs
             # (nothing was written to the cache), so this call and later new shapes run eagerly
             if not self.limit_hit:
                 warnings.warn(f"compile: {RECOMPILE_LIMIT} compiled graphs reached (forward kinds x "
-                              f"batch sizes x cache sizes); new shapes run eagerly", RuntimeWarning, stacklevel=3)
+                              f"batch sizes x cache sizes); new shapes run eagerly", RuntimeWarning, stacklevel=4)
             self.limit_hit = True
             out = None
         if out is None:
@@ -206,12 +212,21 @@ class StaticSteps:
         self.calls[kind] += 1
         return out
 
+    def has_graph(self, kind: str, width: int) -> bool:
+        """Whether a step of `kind` (a `Step` kind) at block `width` runs on a graph: not frozen (one
+        is compiled on first use), or one of that width was compiled before freezing."""
+        if not self.frozen:
+            return True
+        kinds = {"commit": ("ar",), "denoise": ("denoise",), "commit+denoise": ("commit+denoise",),
+                 "verify": ("verify", "verify-commit")}[kind]
+        return any(k in kinds and w == width for k, w in self.widths)
+
     def batch_for(self, rows: int) -> int:
         """The batch size of the graph that serves a step of `rows` rows: once frozen, the smallest
         compiled size at least `rows` (the cache keeps that many rows of memory, `HybridCache.reserve_rows`)."""
         return min((x for x in self.batches if x >= rows), default=rows) if self.frozen else rows
 
-    def _run_padded(self, b: int, commit_ids, n_commit, denoise_ids, lengths, states, **kw):
+    def _run_padded(self, kind: str, b: int, commit_ids, n_commit, denoise_ids, lengths, states, **kw):
         """A step of B rows on the graph of `b` > B rows (frozen: the batch sizes compiled are powers
         of two): b - B dummy rows at length 0 are appended to the inputs, the graph runs, and the
         first B rows of its outputs are kept (the experts-touched count includes the dummy rows).
@@ -227,7 +242,7 @@ class StaticSteps:
             n_commit = pad(n_commit, commit_ids.shape[1])
         in_place = all(row_room(t) >= b for s in states for t in s)
         padded = [tuple(first_rows(t, b) if in_place else pad(t) for t in s) for s in states]
-        out = self.run(pad(commit_ids), n_commit, pad(denoise_ids), pad(lengths), padded, **kw)
+        out = self._call(kind, pad(commit_ids), n_commit, pad(denoise_ids), pad(lengths), padded, **kw)
         if out is None:
             return None
         hidden = kw.get("hidden_out")
@@ -267,8 +282,9 @@ class StaticSteps:
             denoise = ids if kind not in ("ar", "verify-commit") else None
             states = [s.tensors() for s in cache.layers]
             verify = kind.startswith("verify")
-            out = self.run(commit, n, denoise, cache.lengths, states, expert_budget=expert_budget,
-                           expert_rank=expert_rank, all_logits=verify, record=verify,
+            step = Step("verify" if verify else "commit" if kind == "ar" else kind, commit, n, denoise,
+                        all_logits=verify, expert_budget=expert_budget, expert_rank=expert_rank)
+            out = self.run(step, cache.lengths, states, record=verify,
                            hidden_out=dict.fromkeys(hidden) if hidden else None)
         if out is None:
             raise ValueError(f"static step {kind} (batch {batch}, width {width}, capacity {capacity}) was not compiled")
@@ -286,4 +302,5 @@ class StaticSteps:
             if bar is not None:
                 bar.update()
         self.batches = tuple(sorted({int(x[1]) for x in shapes}))
+        self.widths = frozenset((x[0], int(x[2])) for x in shapes)
         self.frozen = True
