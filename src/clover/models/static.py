@@ -7,16 +7,19 @@ one layer loop: K/V scattered at each row's length into the buffers at their ful
 attention over the whole capacity under the length mask (`cached_attention_mask(key_slots=)`); the
 GDN states updated in place, a block commit as one WY chunk (`one_chunk_gated_delta_rule`); the
 routed experts grouped on the device (`moe.static_expert_forward`); the experts touched counted on
-the device. The forward kinds served:
+the device. A step's kind is the engine's (`core.Step.kind`); `graph_kind` picks the graph that
+serves it where its shapes fit one. The graphs:
 
-- **ar**: one token per row committed (`step(cache, commit_ids=[B, 1])`);
-- **denoise**: one block denoised against the cache (`step(cache, denoise_ids=[B, Bd])`);
-- **commit+denoise**: a finished block committed (rows may commit fewer tokens, `n_commit`) fused
-  with the next block's first denoise step;
-- **verify**: the same with logits at every commit position and the GDN commit inputs returned for
-  a rollback (speculative decoding: the draft verified causally, the next block drafted);
-- **verify-commit**: a commit alone of that kind (dflash: the anchor and drafts verified, with the
-  hidden states of the layers the drafter reads, `hidden_out`; a graph per set of those layers).
+- **ar**: a "commit" step of one token per row (`Step("commit", commit_ids=[B, 1])`);
+- **denoise**: a "denoise" step, one block against the cache (`Step("denoise", denoise_ids=[B, Bd])`);
+- **commit+denoise**: a "commit+denoise" step, a finished block committed (rows may commit fewer
+  tokens, `n_commit`) fused with the next block's first denoise step;
+- **verify**: a "verify" step with a block: the same with logits at every commit position and the
+  GDN commit inputs returned for a rollback (speculative decoding: the draft verified causally, the
+  next block drafted);
+- **verify-commit**: a "verify" step without a block (dflash: the anchor and drafts verified, with
+  the hidden states of the layers the drafter reads, `Step.hidden_layers`; a graph per set of those
+  layers).
 
 Every other forward runs eagerly: the prompt prefill (its length would be one graph more), and
 every forward of a model with quantized experts (`unsupported_reason`). A speculative rollback
