@@ -9,7 +9,7 @@ Per row, an iteration is one drafter forward and one target forward:
   target's cache -- and proposes D tokens at once (greedy: the argmax; sampling: drawn from the
   drafter's distribution q, processed like the target's);
 - *verify*: the target commits `[anchor, d_1..d_D]` in one causal forward, which also yields the
-  hidden states of the chosen layers (`step(hidden_out=...)`, the next draft's context). Greedy:
+  hidden states of the chosen layers (`Step.hidden_layers`, the next draft's context). Greedy:
   the longest prefix of drafts that equals the target's argmax is kept, plus the target's token at
   the first mismatch (or after the last draft) as the next anchor. Sampling: the standard
   speculative rejection rule (accept d_j with probability min(1, p_j(d_j) / q_j(d_j)); at the first
@@ -88,7 +88,6 @@ class DFlashEngine(VerifyEngine):
         self.cut = cut  # cut each draft before its first token below this drafter probability (None: never)
         self.draft_cache = None
         self.layer_ids = drafter.target_layer_ids
-        self._hidden: dict | None = None
 
     @property
     def draft_length(self) -> int:
@@ -122,12 +121,11 @@ class DFlashEngine(VerifyEngine):
                 if d is not None:
                     r.state.draft = r.state.draft + d
                     r.state.draft_q = qd
-        self._hidden = dict.fromkeys(self.layer_ids)
-        return {"all_logits": True, "hidden_out": self._hidden}
+        return {"all_logits": True, "hidden_layers": tuple(self.layer_ids)}
 
     def _forward(self, commit_ids, n_commit, **kw):
         out = super()._forward(commit_ids, n_commit, **kw)
-        self._feats = self.drafter.context_features(self._hidden, self.model)  # [B, Tc, F]
+        self._feats = self.drafter.context_features(out.hidden, self.model)  # [B, Tc, F]
         return out
 
     def _follow(self, i: int, r: RowState, out, *, keep: int, whole: bool, verified: list[int] | None, m: int

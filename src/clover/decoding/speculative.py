@@ -121,7 +121,7 @@ class SpeculativeEngine(VerifyEngine):
         Left out where every row's draft in flight is likely rejected (`kept_whole` below
         `skip_below`): the forward costs a commit of the drafts alone, and a row that keeps its draft
         whole after all drafts its next block one forward later."""
-        if not self.skip_below or self.model.static_steps is not None:  # compiled: the verify graph has the block
+        if not self.skip_below or self.model.has_graph("verify", self.width):  # its graph has the block
             return False
         return all(r.state.draft is not None and len(r.state.draft) > 1 and self.kept_whole(r) < self.skip_below
                    for r in self.rows)
@@ -171,7 +171,7 @@ class SpeculativeEngine(VerifyEngine):
             self.skipped += 1
         self.block_width = D
         width = D
-        if D == 1 and self.model.static_steps is not None and any(
+        if D == 1 and self.model.has_graph("verify", self.model.config.block_size) and any(
                 r.state.draft is not None and len(r.state.draft) > 1 for r in rows):
             # compiled: a verify has a graph with the block (draft auto narrowing to AR), its block unused
             width = self.model.config.block_size

@@ -201,7 +201,9 @@ class VerifyEngine(BatchEngine):
             extra.get("denoise_ids") is not None and any(r.state.draft is not None for r in rows))
         every = extra.pop("all_logits", verifying)
         snap = self.cache.start_recording() if verifying else None
-        out = self._forward(commit_ids, n_commit, all_logits=every, **extra)
+        block = extra.get("denoise_ids") is not None
+        kind = "verify" if verifying else ("commit+denoise" if block else "commit") if has_commit else "denoise"
+        out = self._forward(commit_ids, n_commit, kind=kind, all_logits=every, **extra)
         causal = out.commit_logits if every else out.commit_logits[:, None]  # [B, Tc or 1, V]
         committed = [len(s) for s in commit_src]
         keep = list(committed)

@@ -431,8 +431,11 @@ class CausalLM(nn.Module):
         `Step.denoise_memo`, this forward's then in `StepOutput.memo`)."""
         if kind is None:
             kind = Step.kind_of(commit_ids, denoise_ids, verify=cache.record is not None)
-        step = Step(kind, commit_ids, n_commit, denoise_ids, hidden_layers=tuple(hidden_out or ()),
-                    denoise_memo=None if denoise_memo is None else tuple(denoise_memo), **fields)
+        if hidden_out is not None:
+            fields["hidden_layers"] = tuple(hidden_out)
+        if denoise_memo is not None:
+            fields["denoise_memo"] = tuple(denoise_memo)
+        step = Step(kind, commit_ids, n_commit, denoise_ids, **fields)
         out = self.run_step(cache, step)
         if hidden_out is not None:
             hidden_out.update(out.hidden)
