@@ -1,4 +1,4 @@
-"""The step says what it is: an engine describes a cached forward as a frozen `core.Step` (its kind,
+"""The step says what it is: an engine describes a cached forward as a frozen `step.Step` (its kind,
 segments, what to return), the model dispatches on it (`run_step`; the compiled graph of its kind
 where the shapes fit, `static.graph_kind`), and the model answers which widths run on graphs
 (`compiled`, `has_graph`)."""
@@ -8,7 +8,7 @@ import torch
 
 import clover
 from clover.models.compile import compile_model, is_compiled
-from clover.models.core import Step
+from clover.models.step import Step
 from clover.models.static import CAPACITY_QUANTUM, graph_kind
 
 

@@ -7,7 +7,7 @@ one layer loop: K/V scattered at each row's length into the buffers at their ful
 attention over the whole capacity under the length mask (`cached_attention_mask(key_slots=)`); the
 GDN states updated in place, a block commit as one WY chunk (`one_chunk_gated_delta_rule`); the
 routed experts grouped on the device (`moe.static_expert_forward`); the experts touched counted on
-the device. A step's kind is the engine's (`core.Step.kind`); `graph_kind` picks the graph that
+the device. A step's kind is the engine's (`step.Step.kind`); `graph_kind` picks the graph that
 serves it where its shapes fit one. The graphs:
 
 - **ar**: a "commit" step of one token per row (`Step("commit", commit_ids=[B, 1])`);
@@ -51,7 +51,7 @@ from collections import Counter
 import torch
 
 from ..cache import first_rows, row_room
-from .core import Step
+from .step import Step
 
 CAPACITY_QUANTUM = 512  # the smallest static cache: prompt + max_new_tokens + 2 blocks up to 512 share one graph
 LOAD_CAPACITIES = (CAPACITY_QUANTUM,)  # the cache capacities compiled at load
@@ -127,7 +127,7 @@ def batch_buckets(max_batch: int) -> tuple[int, ...]:
 
 
 def graph_kind(step) -> str | None:
-    """The compiled kind (`KINDS`) that serves `step` (a `clover.models.core.Step`), or None (eager):
+    """The compiled kind (`KINDS`) that serves `step` (a `clover.models.step.Step`), or None (eager):
     the step's own kind where its shapes fit a graph -- a commit of one token per row ("ar"), a
     block commit as wide as the block ("commit+denoise", "verify"), a verify's commit alone
     ("verify-commit"); not a prompt (its length would be one graph more), nor a commit of one
