@@ -29,12 +29,14 @@ BUNDLED_MODEL = Path(__file__).parent / "assets" / "clover-tiny"
 BUNDLED_DRAFTER = Path(__file__).parent / "assets" / "clover-tiny-dflash"  # the bundled model's DFlash drafter
 
 
-def model_path(given: str | os.PathLike) -> Path:
+def model_path(given: str | os.PathLike, *, device: str | None = None) -> Path:
     """What a user's model argument names: the directory itself when it exists; for a GGUF file, the
     directory it was imported into (`named.imported_gguf`: on first use, with a progress bar); else the directory
     of the named model (a name such as clover-smol, pulled into the user cache; FileNotFoundError
-    with the `clover pull` command when it is not there yet), else the path as given (for the caller
-    to report)."""
+    with the `clover pull` command when it is not there yet); else, for a Hugging Face repo id
+    (`ORG/NAME`), its snapshot in the hub cache (`hub.resolve`: downloaded after the fit check for
+    `device` when online and not cached; offline, FileNotFoundError naming `clover pull`); else the
+    path as given (for the caller to report). A local path wins over a repo id of the same spelling."""
     path = Path(given)
     if path.suffix.lower() == ".gguf" and path.is_file():  # imported into the user cache once
         from .named import imported_gguf
@@ -46,6 +48,10 @@ def model_path(given: str | os.PathLike) -> Path:
         named = resolve_named(str(path))
         if named is not None:
             return named
+        from .hub import is_repo_id, resolve
+
+        if is_repo_id(str(given)):
+            return resolve(str(given), device=device)
     return path
 
 
@@ -483,7 +489,7 @@ def load(path: str | os.PathLike | None = None, *, dtype: str | torch.dtype | No
     check_device(device)
     if pack not in (None, True, False, "rows"):
         raise ValueError(f"pack={pack!r}: None (the default), True, False or 'rows'")
-    path = model_path(path) if path is not None else default_model_path()
+    path = model_path(path, device=device) if path is not None else default_model_path()
     if not path.exists():
         raise FileNotFoundError(f"{path}: no such model directory (nor a model name: clover pull lists them)")
     bundled = path.resolve() == BUNDLED_MODEL.resolve()

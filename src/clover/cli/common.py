@@ -129,7 +129,8 @@ def add_model_arguments(p: argparse.ArgumentParser, *, positional: bool = False,
     if positional:
         p.add_argument("model_pos", nargs="?", metavar="MODEL", help="model directory (same as --model)")
     p.add_argument("--model", "-m", metavar="DIR", help="model directory, GGUF file (imported into the user cache on "
-                   "first use) or name (clover-smol) (default: $CLOVER_MODEL or the bundled model)")
+                   "first use), name (clover-smol) or Hugging Face repo id ORG/NAME (from the hub cache, else "
+                   "downloaded) (default: $CLOVER_MODEL or the bundled model)")
     p.add_argument("--device", help="torch device, e.g. cpu, cuda, cuda:1 (default: cpu)")
     p.add_argument("--dtype", choices=DTYPE_CHOICES, help="weight dtype (default: the checkpoint's)")
     p.add_argument("--compile", action="store_const", const="static", default=False,
@@ -152,7 +153,7 @@ def model_dir(args: argparse.Namespace) -> Path:
     from ..api import default_model_path, model_path
 
     given = getattr(args, "model_pos", None) or getattr(args, "model", None)
-    return model_path(given) if given else default_model_path()
+    return model_path(given, device=getattr(args, "device", None)) if given else default_model_path()
 
 
 def model_dir_or_tiny(args: argparse.Namespace) -> tuple[Path, str | None]:
@@ -162,7 +163,7 @@ def model_dir_or_tiny(args: argparse.Namespace) -> tuple[Path, str | None]:
     from ..api import default_model_path, model_path
 
     if getattr(args, "model", None):
-        return model_path(args.model), None
+        return model_path(args.model, device=getattr(args, "device", None)), None
     try:
         return default_model_path(), None
     except FileNotFoundError:
