@@ -298,7 +298,8 @@ class StaticSteps:
         on a step of another shape runs eagerly. `bar`: a progress bar (tqdm's `update` and
         `set_postfix_str`), made by the caller: this module is bundled into the transformers export,
         which may import only torch and transformers."""
-        for kind, batch, width, capacity, ragged, hidden in shapes:
+        for kind, batch, width, capacity, ragged, *hidden in shapes:  # hidden: optional (the layers a verify-commit returns)
+            hidden = hidden[0] if hidden else ()
             if bar is not None:
                 bar.set_postfix_str(f"{kind} batch {batch} width {width} capacity {capacity}{' ragged' if ragged else ''}")
             self.warm(kind, batch, width, capacity, ragged=ragged, hidden=hidden)
