@@ -64,6 +64,21 @@ def test_info_names_the_family_and_its_decoding_defaults(hub_cache, capsys):
     assert [ln.split()[-1] for ln in out.splitlines() if ln.startswith(("block size", "threshold"))] == ["4", "0.9"]
 
 
+def test_generate_decodes_a_released_family_from_the_cache_as_its_reference(hub_cache, capsys):
+    """The golden SDAR checkpoint as repo JetLM/SDAR-tiny: `clover generate --model` decodes with its
+    authors' defaults (block 4, threshold 0.9, no shift) and gives the reference's greedy tokens."""
+    from test_sdar import CASES, _word_tokenizer
+
+    snap = lay_out(hub_cache.parents[2], "JetLM/SDAR-tiny", GOLDEN_SDAR)
+    _word_tokenizer(snap, 128)
+    case = next(c for c in CASES["cases"] if c["block_length"] == 4)
+    prompt = " ".join(f"t{i}" for i in case["prompt"])
+    rc, out, err = run(capsys, "generate", prompt, "--model", "JetLM/SDAR-tiny", "--raw", "--ignore-eos", "-t", "0",
+                       "-n", len(case["tokens"]), "--json")
+    assert rc == 0, err
+    assert json.loads(out)["token_ids"] == case["tokens"]
+
+
 def test_a_local_path_wins_over_a_repo_id(hub_cache, tmp_path):
     local = tmp_path / REPO_ID
     shutil.copytree(hub_cache, local)
@@ -137,5 +152,14 @@ def test_missing_repo_online_is_one_line(monkeypatch):
     monkeypatch.setattr(huggingface_hub, "HfApi", Api)
     monkeypatch.setattr(hub, "cached", lambda repo_id: None)
     with pytest.raises(hub.HubError, match="no such model on the Hugging Face hub") as e:
+        hub.pull("nobody/nothing")
+    assert "\n" not in str(e.value)
+
+    class Unreachable:
+        def model_info(self, repo_id, files_metadata=False):
+            raise ConnectionError("[Errno -2] Name or service not known")
+
+    monkeypatch.setattr(huggingface_hub, "HfApi", Unreachable)
+    with pytest.raises(hub.HubError, match="cannot reach the Hugging Face hub") as e:
         hub.pull("nobody/nothing")
     assert "\n" not in str(e.value)
