@@ -148,6 +148,6 @@ def save_drafter(drafter, directory: str | Path, *, dtype: torch.dtype | str | N
     dtype = parse_dtype(dtype) or drafter.dtype
     drafter.config.torch_dtype = str(dtype).replace("torch.", "")
     drafter.config.save(directory)
-    save_state_dict({k: v.detach().to(dtype if v.is_floating_point() else v.dtype).contiguous()
+    save_state_dict({drafter.key_layout.stored(k): v.detach().to(dtype if v.is_floating_point() else v.dtype).contiguous()
                      for k, v in drafter.state_dict().items()}, directory)
     return directory

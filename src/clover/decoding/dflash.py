@@ -151,6 +151,7 @@ class DFlashEngine(VerifyEngine):
                                    dtype=torch.long, device=dev)  # one copy to the device, not one write per row
         h = dr.draft(self.draft_cache, feats, n_ctx, dr.embed(block, self.model))
         logits = dr.logits(h[:, 1:], self.model)  # [B, D, V]: block position j predicts its own token
+        picked = dr.select(h[:, 1:], logits, block[:, 0])  # DFlash2: the selector's greedy path (or None)
         drafts: list[list[int] | None] = []
         q: list[torch.Tensor | None] = []
         sure: list = []  # (row, the drafter's probability of each draft token) where drafts may be cut
@@ -166,6 +167,8 @@ class DFlashEngine(VerifyEngine):
             # the draws would bias what the rejection rule emits
             d, qd, top = r.state.sampler.draft(logits[i], row_history(r, None, logits.shape[1]),
                                                sure=self.cut is not None)
+            if picked is not None and r.state.sampler.grammar is None and r.state.sampler.params.greedy:
+                d = picked[i].tolist()  # z-lab's greedy draft; sampled or under a grammar, the sampler's
             drafts.append(d)
             q.append(qd)
             if top is not None:

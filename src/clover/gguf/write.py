@@ -595,12 +595,12 @@ def export_gguf(
 # port's `--mode dflash --drafter FILE`. The hyper-parameters go under `dflash.*` (the table's keys,
 # plus the drafter's own).
 def is_drafter_dir(src: str | Path) -> bool:
-    """Whether `src` holds a DFlash drafter (config.json's architectures say DFlashDraftModel)."""
-    from ..models.dflash import ARCHITECTURE as DRAFTER
+    """Whether `src` holds a DFlash drafter (config.json's architectures name a drafter layout)."""
+    from ..models.dflash import LAYOUTS
 
     path = Path(src) / "config.json"
     try:
-        return DRAFTER in (json.loads(path.read_text(encoding="utf-8")).get("architectures") or [])
+        return any(a in LAYOUTS for a in json.loads(path.read_text(encoding="utf-8")).get("architectures") or [])
     except (OSError, ValueError, AttributeError):
         return False
 
@@ -633,6 +633,9 @@ def export_drafter_gguf(src, dst: str | Path, *, dtype: str = "f32") -> ExportRe
         src = Path(src)
         drafter, label = load_drafter(src, dtype=torch.float32), src.resolve().name
     c = drafter.config
+    if c.conv_kernel_size is not None or c.selector_rank is not None:
+        raise GGUFExportError(f"{label}: a {c.architecture} drafter (dynamic convolutions, candidate selector) is not "
+                              "read by the llama.cpp port's drafter yet; only DFlashDraftModel exports")
     if c.attention_bias:
         raise GGUFExportError(f"{label}: attention_bias=true is not supported by the llama.cpp port's drafter")
     if c.draft_vocab_size is not None:

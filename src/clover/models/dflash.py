@@ -33,8 +33,20 @@ bidirectionally. Block position i >= 1 (after the final `norm` and the target's 
 the token at that position (no shift: the anchor predicts nothing).
 
 Norms are Qwen3's (`w * x / rms(x)`, w initialised to 1), unlike the zero-centred norms of the target
-family; RoPE covers the whole head. Sliding-window layers and DFlash2's extra modules (dynamic convs,
-candidate selector) are refused with a message.
+family; RoPE covers the whole head. Sliding-window and causal drafter layers are refused with a message.
+
+DFlash2 (`architectures: ["DFlash2DraftModel"]`, the dflash package's `DFlash2DraftModel`) is DFlash
+plus two modules, both read from `dflash_config`:
+- per layer two grouped dynamic causal convolutions over the block's positions
+  (`conv_kernel_size` K, `conv_group_size` G): `attention_conv` mixes the normed input before
+  attention and `mlp_conv` before the MLP; each also mixes the sublayer's output with a second
+  kernel (keys `layers.N.{attention,mlp}_conv.{base_kernel [2, K, H], kernel_projection.weight
+  [2*K*H/G, H]}`);
+- a candidate selector (`selector_rank` R, `selector_top_k` k): the draft is a left-to-right path
+  through each position's top-k tokens scored by the logit plus a low-rank pair term between the
+  token before and the candidate (keys `candidate_selector.{predecessor_codebook,
+  successor_codebook}` [V, R], stored without `.weight`, and `candidate_selector.hidden_projection.weight`).
+Which modules and key names a layout has is the table `LAYOUTS`; any other architecture is refused.
 """
 
 from __future__ import annotations
@@ -55,6 +67,24 @@ from .static import call_frozen
 from .layers import PlainRMSNorm, init_plain_weights, MLP, RotaryEmbedding, Segments, apply_rope, cached_attention_mask, step_positions
 
 ARCHITECTURE = "DFlashDraftModel"
+
+
+@dataclass(frozen=True)
+class DrafterLayout:
+    """One published drafter layout: the `dflash_config` keys its extra modules need, and stored key
+    -> parameter name renames (beyond the optional "model." prefix)."""
+    required: tuple[str, ...] = ()
+    renames: tuple[tuple[str, str], ...] = ()
+
+
+# architectures name -> layout (z-lab's `dflash` package: `DFlashDraftModel`, `DFlash2DraftModel`)
+LAYOUTS = {
+    ARCHITECTURE: DrafterLayout(),
+    "DFlash2DraftModel": DrafterLayout(
+        required=("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"),
+        renames=tuple((f"candidate_selector.{n}", f"candidate_selector.{n}.weight")
+                      for n in ("predecessor_codebook", "successor_codebook"))),
+}
 OUTSIDE = -1e4  # a draft logit for a token outside the draft vocabulary
 
 
@@ -84,6 +114,11 @@ class DFlashConfig:
     output_multiplier: float = 1.0
     final_logit_softcapping: float | None = None
     draft_vocab_size: int | None = None  # a reduced draft vocabulary (`d2t`), or None: the target's whole head
+    architecture: str = ARCHITECTURE  # a key of LAYOUTS
+    conv_kernel_size: int | None = None  # DFlash2: the dynamic convolutions' width (None: none)
+    conv_group_size: int | None = None
+    selector_rank: int | None = None  # DFlash2: the candidate selector (None: none)
+    selector_top_k: int | None = None
     torch_dtype: str = "float32"
     extra: dict = field(default_factory=dict)  # other config.json keys, written back unchanged
 
@@ -100,9 +135,10 @@ class DFlashConfig:
         if not isinstance(raw, dict):
             raise ConfigError(f"{source}: expected a JSON object")
         archs = raw.get("architectures") or [ARCHITECTURE]
-        if any(a != ARCHITECTURE for a in archs):
-            raise ConfigError(f"{source}: architectures {archs} is not a DFlash drafter ({ARCHITECTURE}); "
-                              "DFlash2 and other drafters are not supported")
+        if len(archs) != 1 or archs[0] not in LAYOUTS:
+            raise ConfigError(f"{source}: architectures {archs} is not a drafter layout clover reads "
+                              f"({', '.join(LAYOUTS)})")
+        layout = LAYOUTS[archs[0]]
         if "transformer_layer_config" in raw:
             raise ConfigError(f"{source}: a vLLM speculators config (transformer_layer_config); convert it to the "
                               "z-lab layout (Qwen3 keys at the top, dflash_config) first")
@@ -111,16 +147,19 @@ class DFlashConfig:
         types = raw.get("layer_types") or []
         if any(t != "full_attention" for t in types) or raw.get("use_sliding_window"):
             raise ConfigError(f"{source}: sliding-window drafter layers are not supported (layer_types {types})")
+        if raw.get("is_causal"):
+            raise ConfigError(f"{source}: causal drafter layers (is_causal) are not supported")
         missing = [k for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
                                "vocab_size") if k not in raw]
-        missing += [k for k in ("target_layer_ids", "mask_token_id") if get(k) is None]
+        missing += [k for k in ("target_layer_ids", "mask_token_id", *layout.required) if get(k) is None]
         if missing:
             raise ConfigError(f"{source}: missing {', '.join(missing)}; not a DFlash drafter config")
         rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
         known = {"hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "intermediate_size",
                  "vocab_size", "dflash_config", "block_size", "head_dim", "num_target_layers", "rms_norm_eps",
                  "rope_theta", "rope_parameters", "attention_bias", "max_position_embeddings", "torch_dtype", "dtype",
-                 "architectures", "model_type", "layer_types"}
+                 "architectures", "model_type", "layer_types", "is_causal"}
+        opt = lambda k: None if get(k) is None else int(get(k))  # noqa: E731
         try:
             return cls(
                 hidden_size=int(raw["hidden_size"]), num_hidden_layers=int(raw["num_hidden_layers"]),
@@ -138,6 +177,8 @@ class DFlashConfig:
                 final_logit_softcapping=get("final_logit_softcapping"),
                 draft_vocab_size=None if get("draft_vocab_size") is None else int(get("draft_vocab_size")),
                 torch_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "float32"),
+                architecture=archs[0], conv_kernel_size=opt("conv_kernel_size"), conv_group_size=opt("conv_group_size"),
+                selector_rank=opt("selector_rank"), selector_top_k=opt("selector_top_k"),
                 extra={k: v for k, v in raw.items() if k not in known},
             )
         except (TypeError, ValueError) as e:
@@ -159,12 +200,14 @@ class DFlashConfig:
     def to_dict(self) -> dict:
         d = asdict(self)
         extra = d.pop("extra")
+        arch = d.pop("architecture")
         dc = {k: d.pop(k) for k in ("target_layer_ids", "mask_token_id", "input_embedding_scale",
-                                    "output_multiplier", "final_logit_softcapping", "draft_vocab_size")}
+                                    "output_multiplier", "final_logit_softcapping", "draft_vocab_size",
+                                    "conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")}
         dc = {k: v for k, v in dc.items() if not (k in ("input_embedding_scale", "output_multiplier") and v == 1.0)
               and v is not None}
         theta = d.pop("rope_theta")
-        return {"architectures": [ARCHITECTURE], "model_type": "qwen3", **extra, **d, "dflash_config": dc,
+        return {"architectures": [arch], "model_type": "qwen3", **extra, **d, "dflash_config": dc,
                 "rope_parameters": {"rope_type": "default", "rope_theta": theta},
                 "layer_types": ["full_attention"] * self.num_hidden_layers}
 
@@ -227,6 +270,44 @@ class DraftAttention(nn.Module):
         return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
 
 
+def causal_group_conv(x: torch.Tensor, dynamic: torch.Tensor, base: torch.Tensor, group: int) -> torch.Tensor:
+    """x [B, T, H] mixed along T causally: out[t] = sum_o (base[o] + dynamic[t, o]) * x[t - o], the
+    dynamic part one scalar per channel group of `group`. dynamic [B, T, K, H/group], base [K, H]."""
+    B, T, H = x.shape
+    K = base.shape[0]
+    xs = x.view(B, T, H // group, group)
+    dyn = dynamic.reshape(B, T, K, H // group, 1)
+    out = torch.zeros_like(xs)
+    for o in range(K):
+        shifted = xs if o == 0 else F.pad(xs[:, :-o], (0, 0, 0, 0, o, 0))
+        out = out + base[o].view(1, 1, H // group, group).to(x.dtype) * shifted
+        out = torch.addcmul(out, dyn[:, :, o], shifted)
+    return out.view_as(x)
+
+
+class DynamicConv(nn.Module):
+    """DFlash2's grouped dynamic causal convolution around a sublayer: kernels from the sublayer's
+    input mix its input (`before`) and its output (`after`) along the block's positions."""
+
+    def __init__(self, hidden: int, kernel: int, group: int) -> None:
+        super().__init__()
+        if hidden % group:
+            raise ConfigError(f"drafter: conv_group_size {group} does not divide hidden_size {hidden}")
+        self.kernel, self.group = kernel, group
+        self.base_kernel = nn.Parameter(torch.zeros(2, kernel, hidden))
+        self.kernel_projection = nn.Linear(hidden, 2 * kernel * (hidden // group), bias=False)
+
+    def around(self, sublayer, x: torch.Tensor, width: int) -> torch.Tensor:
+        """sublayer(conv(x)) conv'ed again; x [B, T, H] holds blocks of `width` positions each (T a
+        multiple: training runs many blocks at once); the convolution never crosses a block."""
+        B, T, H = x.shape
+        dyn = self.kernel_projection(x).view(B, T, 2, self.kernel, H // self.group)
+        blocks = lambda t: t.reshape(B * T // width, width, *t.shape[2:])  # noqa: E731
+        y = causal_group_conv(blocks(x), blocks(dyn[:, :, 0]), self.base_kernel[0], self.group).view(B, T, H)
+        y = sublayer(y)
+        return causal_group_conv(blocks(y), blocks(dyn[:, :, 1]), self.base_kernel[1], self.group).view(B, T, H)
+
+
 class DraftLayer(nn.Module):
     def __init__(self, c: DFlashConfig) -> None:
         super().__init__()
@@ -234,10 +315,45 @@ class DraftLayer(nn.Module):
         self.mlp = MLP(c.hidden_size, c.intermediate_size)
         self.input_layernorm = PlainRMSNorm(c.hidden_size, c.rms_norm_eps)
         self.post_attention_layernorm = PlainRMSNorm(c.hidden_size, c.rms_norm_eps)
+        if c.conv_kernel_size is not None:  # DFlash2
+            self.attention_conv = DynamicConv(c.hidden_size, c.conv_kernel_size, c.conv_group_size)
+            self.mlp_conv = DynamicConv(c.hidden_size, c.conv_kernel_size, c.conv_group_size)
 
-    def forward(self, x, rope_q, ctx_k, ctx_v, mask) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), rope_q, ctx_k, ctx_v, mask)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, rope_q, ctx_k, ctx_v, mask, width: int | None = None) -> torch.Tensor:
+        """width: the block's positions (x holds one block per row, or several in a row when training)."""
+        attn = functools.partial(self.self_attn, rope_q=rope_q, ctx_k=ctx_k, ctx_v=ctx_v, mask=mask)
+        if not hasattr(self, "attention_conv"):
+            x = x + attn(self.input_layernorm(x))
+            return x + self.mlp(self.post_attention_layernorm(x))
+        width = width or x.shape[1]
+        x = x + self.attention_conv.around(attn, self.input_layernorm(x), width)
+        return x + self.mlp_conv.around(self.mlp, self.post_attention_layernorm(x), width)
+
+
+class CandidateSelector(nn.Module):
+    """DFlash2's draft choice: position by position, among the top-k tokens of the drafter's logits,
+    the one with the best logit + <predecessor_codebook[previous] * hidden_projection(h),
+    successor_codebook[candidate]> (previous: the anchor, then the token chosen before)."""
+
+    def __init__(self, c: DFlashConfig) -> None:
+        super().__init__()
+        self.top_k = c.selector_top_k
+        self.predecessor_codebook = nn.Embedding(c.vocab_size, c.selector_rank)
+        self.successor_codebook = nn.Embedding(c.vocab_size, c.selector_rank)
+        self.hidden_projection = nn.Linear(c.hidden_size, c.selector_rank, bias=False)
+
+    def select(self, h: torch.Tensor, logits: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
+        """h [B, D, H], logits [B, D, V], anchors [B] -> the greedy path [B, D]."""
+        unary, cands = torch.topk(logits, min(self.top_k, logits.shape[-1]), dim=-1)  # [B, D, k]
+        hp = self.hidden_projection(h.to(self.hidden_projection.weight.dtype))
+        prev, path = anchors, []
+        for j in range(h.shape[1]):
+            pair = torch.einsum("br,bkr->bk", self.predecessor_codebook(prev) * hp[:, j],
+                                self.successor_codebook(cands[:, j]))
+            pick = torch.argmax(unary[:, j] + pair.to(unary.dtype), dim=-1)
+            prev = cands[:, j].gather(-1, pick[:, None])[:, 0]
+            path.append(prev)
+        return torch.stack(path, dim=1)
 
 
 # --------------------------------------------------------------------------- the drafter
@@ -254,6 +370,11 @@ class DFlashDrafter(nn.Module):
         self.rotary_emb = RotaryEmbedding(c.head_dim, c.rope_theta)
         if c.draft_vocab_size is not None:  # draft index d -> target token d + d2t[d] (EAGLE-3's layout)
             self.register_buffer("d2t", torch.zeros(c.draft_vocab_size, dtype=torch.long))
+        if c.selector_rank is not None:  # DFlash2
+            if c.draft_vocab_size is not None:
+                raise ConfigError("drafter: a candidate selector over a reduced draft vocabulary is not supported")
+            self.candidate_selector = CandidateSelector(c)
+        self.key_layout = DrafterKeyLayout(LAYOUTS[c.architecture])
         self._head_rows = None  # (the target head's weight, its rows of the draft vocabulary), cached
 
     # -- properties the engine reads
@@ -336,6 +457,12 @@ class DFlashDrafter(nn.Module):
             cap = float(c.final_logit_softcapping)
             out = torch.tanh(out / cap) * cap
         return out
+
+    def select(self, h: torch.Tensor, logits: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor | None:
+        """Greedy drafts [B, D] from DFlash2's candidate selector (h [B, D, H] the outputs of block
+        positions 1..D, logits theirs, anchors [B]), or None: the argmax is the greedy draft."""
+        sel = getattr(self, "candidate_selector", None)
+        return None if sel is None else sel.select(h, logits, anchors)
 
     def logits(self, h: torch.Tensor, target) -> torch.Tensor:
         """Drafter output -> logits over the target's vocabulary; with a draft vocabulary, tokens
@@ -457,7 +584,7 @@ class DFlashDrafter(nn.Module):
         x = block.reshape(B, A * Bd, -1)
         for layer in self.layers:
             k, v = layer.self_attn.kv(c, rope_c)
-            x = layer(x, rope_q, k, v, mask)
+            x = layer(x, rope_q, k, v, mask, width=Bd)
         return self.norm(x).reshape(B, A, Bd, -1)
 
     # -- initialisation
@@ -467,18 +594,27 @@ class DFlashDrafter(nn.Module):
 
 
 class DrafterKeyLayout:
-    """Stored key -> parameter name: the published layout is ours; a "model." prefix is dropped."""
+    """Stored key -> parameter name: a "model." prefix is dropped, then the layout's renames apply
+    (`stored` is the way back, as `save_drafter` writes)."""
+
+    def __init__(self, layout: DrafterLayout = DrafterLayout()) -> None:
+        self.renames = dict(layout.renames)
+        self.back = {v: k for k, v in layout.renames}
 
     def name(self, key: str) -> str | None:
         if key == "d2t":  # an index buffer, not a weight: `checkpoint.load_drafter` reads it apart
             return None
-        return key[len("model."):] if key.startswith("model.") else key
+        key = key[len("model."):] if key.startswith("model.") else key
+        return self.renames.get(key, key)
+
+    def stored(self, name: str) -> str:
+        return self.back.get(name, name)
 
     def expert_part(self, name: str):
         return None
 
 
-DFlashDrafter.key_layout = DrafterKeyLayout()
+DFlashDrafter.key_layout = DrafterKeyLayout()  # the class's default; each drafter sets its layout's
 
 
 # --------------------------------------------------------------------------- files
