@@ -238,15 +238,15 @@ class DFlash(Mode):
 
     def spec(self, params, provisional: bool = False) -> EngineSpec:
         # None: the drafter's block - 1, cut by its confidence; "auto": adapted to acceptance
-        return EngineSpec(self, width=params.draft_length or (AUTO if params.block_size == AUTO else None))
+        return EngineSpec(self, width=params.draft_length, auto=params.block_size == AUTO and not params.draft_length)
 
     def make_engine(self, model, spec, *, mask_id, pad_id, drafter=None):
         if drafter is None:
             raise ValueError("mode: 'dflash' needs a DFlash drafter; load one with clover.load(model, drafter=DIR) "
                              "(CLI and server: --drafter DIR)")
         # the default draft length is cut by the drafter's confidence; a length asked for is kept
-        return DFlashEngine(model, drafter, draft_length=spec.width or max_draft(None, drafter), pad_id=pad_id,
-                            cut=DRAFT_CUT if spec.width is None else None)
+        return DFlashEngine(model, drafter, draft_length=spec.engine_width or max_draft(None, drafter), pad_id=pad_id,
+                            cut=DRAFT_CUT if spec.engine_width is None else None)
 
 
 register(DFlash())

@@ -553,10 +553,12 @@ class Diffusion(Mode):
     def spec(self, params, provisional=False) -> EngineSpec:
         # what changes the forward itself; the acceptance options are per row
         skips = tuple(k for k, on in (("window", params.skip_window), ("decoded", params.skip_decoded)) if on)
-        return EngineSpec(self, params.block_size, params.expert_budget, params.expert_rank, provisional, skips)
+        auto = params.block_size == AUTO
+        return EngineSpec(self, None if auto else params.block_size, params.expert_budget, params.expert_rank,
+                          provisional, skips, auto=auto)
 
     def make_engine(self, model, spec, *, mask_id, pad_id):
-        return self.engine(model, block_size=spec.width, mask_id=mask_id, pad_id=pad_id, provisional=spec.provisional,
+        return self.engine(model, block_size=spec.engine_width, mask_id=mask_id, pad_id=pad_id, provisional=spec.provisional,
                            expert_budget=spec.expert_budget, expert_rank=spec.expert_rank, skips=spec.skips)
 
 

@@ -26,19 +26,26 @@ class EngineSpec:
     `SamplingParams`."""
 
     mode: "Mode"
-    width: int | str | None = None  # the block size (diffusion; "auto": the engine picks) or draft length (speculative)
+    width: int | None = None  # the block size (diffusion) or draft length (speculative, dflash); None: the mode's own
     expert_budget: int | None = None
     expert_rank: str = "sum"
     provisional: bool = False  # report the block after every denoise step
     skips: tuple[str, ...] = ()  # diffusion's approximate skips ("window", "decoded")
     draft_cut: float | None = None  # speculative: drafts cut before their first token below this confidence
+    auto: bool = False  # the engine picks the width per block or forward (the request's block_size "auto")
+    adaptive: bool = False  # speculative's adaptive draft (a rejected draft's leftover drafts on; t emitted when drawn)
+
+    @property
+    def engine_width(self) -> int | str | None:
+        """The width as an engine constructor takes it (`sampling.AUTO` where the engine picks)."""
+        return AUTO if self.auto else self.width
 
     def make_engine(self, model, *, mask_id: int | None, pad_id: int):
         return self.mode.make_engine(model, self, mask_id=mask_id, pad_id=pad_id)
 
     def __str__(self) -> str:
-        parts = [self.mode.name] + [f"{k}={v}" for k, v in (("width", self.width), ("expert_budget", self.expert_budget))
-                                    if v is not None]
+        parts = [self.mode.name] + [f"{k}={v}" for k, v in (("width", self.engine_width),
+                                                            ("expert_budget", self.expert_budget)) if v is not None]
         if self.expert_budget is not None:
             parts.append(f"expert_rank={self.expert_rank}")
         return " ".join(parts + [f"skip={'+'.join(self.skips)}"] * bool(self.skips)

@@ -348,13 +348,14 @@ class Speculative(Mode):
 
     def spec(self, params, provisional=False) -> EngineSpec:
         # block_size "auto": the adaptive draft; else the fixed draft of draft_length or the block size
-        return EngineSpec(self, params.draft_length or params.block_size, params.expert_budget, params.expert_rank,
-                          draft_cut=DRAFT_CUT if params.block_size == AUTO else None)
+        auto = params.block_size == AUTO
+        return EngineSpec(self, None if auto else params.draft_length or params.block_size, params.expert_budget,
+                          params.expert_rank, draft_cut=DRAFT_CUT if auto else None, auto=auto, adaptive=auto)
 
     def make_engine(self, model, spec, *, mask_id, pad_id):
-        return SpeculativeEngine(model, draft_length=spec.width, mask_id=mask_id, pad_id=pad_id,
+        return SpeculativeEngine(model, draft_length=spec.engine_width, mask_id=mask_id, pad_id=pad_id,
                                  expert_budget=spec.expert_budget, expert_rank=spec.expert_rank, cut=spec.draft_cut,
-                                 adaptive=spec.draft_cut is not None)  # draft_cut 0: adaptive, never cut
+                                 adaptive=spec.adaptive)
 
 
 register(Speculative())
