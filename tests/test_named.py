@@ -288,3 +288,20 @@ def test_pull_installs_the_shipped_drafter_and_dflash_is_the_default(fake_named,
     assert llm.generate(prompt, max_new_tokens=12, ignore_eos=True).token_ids == ar.token_ids
     assert main(["generate", "--model", "tiny-named", "--raw", "-n", "6", "--ignore-eos", "--threads", "1", "hello"]) == 0
     capsys.readouterr()
+
+
+def test_clover_smol_ships_its_drafter():
+    """The package carries clover-smol's DFlash drafter (a few MB, bf16): SmolLM2-135M's shape, a draft
+    vocabulary of distinct target tokens."""
+    from safetensors import safe_open
+
+    from clover.models.dflash import DFlashConfig
+
+    m = named.NAMED["clover-smol"]
+    d = named.ASSETS / m.drafter
+    cfg = DFlashConfig.from_file(d)
+    assert (cfg.hidden_size, cfg.vocab_size, cfg.num_target_layers) == (576, 49153, 30)
+    assert (d / "model.safetensors").stat().st_size < 20e6
+    with safe_open(str(d / "model.safetensors"), "pt") as f:
+        ids = torch.arange(cfg.draft_vocab_size) + f.get_tensor("d2t")
+    assert ids.unique().numel() == cfg.draft_vocab_size and 0 <= int(ids.min()) and int(ids.max()) < cfg.vocab_size
