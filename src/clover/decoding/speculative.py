@@ -50,19 +50,13 @@ from .modes import EngineSpec, Mode, register
 from .sampling import AUTO
 from .verify import VerifyEngine, VerifyRow, sure_prefix
 
-# the adaptive draft is cut before its first token whose distribution's top probability is below
-# this (0: never). On the bundled model no cut paid: at 0.1 it never cuts, from 0.2 on it keeps fewer
-# tokens per verify (100 held-out prompts the benchmarks do not use: 2.82 uncut, 2.70 at 0.2, 2.67
-# at 0.3, 2.57 at 0.7) at the same speed within noise (docs/experiments.md, 2026-12-03)
+# the adaptive draft is cut before its first token whose top probability is below this (0: never):
+# no cut paid on the bundled model (docs/experiments.md, 2026-12-03: the sweep)
 DRAFT_CUT = 0.0
 # draft "auto" leaves out the denoise block of a forward whose drafts in flight are each kept whole
-# with probability below this (`SpeculativeEngine._skip_block`; 0: never). That probability is read
-# from the draft itself where the denoise pass gave it (a greedy draft: the product of its tokens' top
-# probabilities; else a^(L-1), a the row's acceptance rate so far). Swept on held-out prompts the
-# benchmarks do not use (`heldout_tasks(5000)[1000:1040]` and `[1040:1080]`, eager, two runs each at
-# load 0.9-3.3): x AR 1.15-1.20 / 1.34-1.35 at 0.35 (2.18 / 2.58 tokens per forward), 1.11-1.17 /
-# 1.35-1.37 at 0.5 (2.18 / 2.56), 1.17-1.23 / 1.30-1.33 at 0.7 (2.18 / 2.48); a^(L-1) at 0.35, the
-# rule before, 1.12-1.16 / 1.29-1.30 (2.12 / 2.46)
+# with probability below this (`SpeculativeEngine._skip_block`; 0: never): a greedy draft's product of
+# its tokens' top denoise probabilities, else a^(L-1) from the row's acceptance rate so far (the sweep:
+# docs/experiments.md, 2026-12-03, "the draft's own chance of being kept whole")
 SKIP_BLOCK_BELOW = 0.35
 
 
@@ -99,7 +93,7 @@ class SpeculativeEngine(VerifyEngine):
         # the cache reserves room for drafts of this length behind each row; draft "auto" reserves for
         # the model's block size, and a wider draft, when chosen, grows the cache (doubling: rarely) —
         # room for its widest draft (64) doubled a row's cache and what every row joining or leaving
-        # the batch copies (batch 16 held to AR's step: 0.83-0.88x AR, 1.01x with the narrower room)
+        # the batch copies (docs/experiments.md, 2026-12-03: batch 16)
         self.max_draft = draft_length if draft_policy is None else min(draft_length, model.config.block_size)
         super().__init__(model, width=draft_length, reserve=2 * self.max_draft + 1, pad_id=pad_id,
                          draft_policy=draft_policy, expert_budget=expert_budget, expert_rank=expert_rank)
@@ -327,7 +321,7 @@ class Speculative(Mode):
                "distributed as AR's by the rejection rule)")
 
     auto_width = True  # block_size="auto": the draft length adapts to acceptance
-    auto_default = True  # ... and is the default: 1.32x AR eager against the fixed draft's 1.13x (docs/benchmarks.md)
+    auto_default = True  # ... and is the default: it beat the fixed draft in every measured case (docs/experiments.md)
 
     def check(self, params) -> None:
         check_speculative_params(params)

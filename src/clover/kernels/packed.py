@@ -30,7 +30,7 @@ from .rows import MAX_ROWS as ROW_KERNEL_ROWS, experts as rows_experts, library 
 
 PACK_ROWS = 8  # the row count oneDNN is told to expect when it lays the weight out (a width-8 block)
 MAX_ROWS = 32  # above this MKL's own GEMM amortises its repack (a 64-token prompt): plain again
-EXPERT_MAX_ROWS = 16  # the same for an expert's smaller matrices (1024 × 2048 at 32 rows: 3.1 ms packed, 2.5 plain)
+EXPERT_MAX_ROWS = 16  # the same for an expert's smaller matrices (plain already wins at 32 rows: docs/kernels.md)
 DENSE_ROWS = 8  # a layer's rows through the row kernel; at 9…16 it and oneDNN are even in a 0.7B forward of 16 rows
 MIN_BYTES = 2 << 20  # smaller matrices stay plain: MKL's repack of a weight that fits in a core's L2 is cheap
 MIN_MODEL_BYTES = 256 << 20  # the default packs a model whose large weights stream from memory each forward

@@ -38,8 +38,8 @@ INT8_SCALE_DTYPE = torch.float32
 # the CPU int8 kernel crashes on weights or activations that are not 16/32-byte aligned; it is
 # only used on ALIGNMENT-aligned operands (weights are copied to fresh, aligned memory at load)
 ALIGNMENT = 64
-# The CPU int8/int4 kernels are fast with 16-bit activations and 10-30x slower with fp32 ones (slower
-# than the float matmul they replace). With this True, fp32 activations are rounded to bf16 for the
+# The CPU int8/int4 kernels are fast with 16-bit activations and an order of magnitude slower with fp32
+# ones, slower than the float matmul they replace (docs/quantization.md). With this True, fp32 activations are rounded to bf16 for the
 # low-bit matmul only (the output returns in fp32): an error at or below the weight quantization
 # error (bf16 keeps 8 bits of mantissa). False = exact fp32 (int8: integer weights cast per call).
 FP32_VIA_BF16 = True
