@@ -24,10 +24,12 @@ OUT = Path(__file__).resolve().parent.parent / "tests" / "golden" / "dflash"
 TARGET = dict(vocab_size=264, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=2,
               num_key_value_heads=1, head_dim=16, rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=False,
               max_position_embeddings=256)
-DRAFTERS = {  # name -> (class, dflash_config beyond the common keys)
-    "dflash": (DFlashDraftModel, {}),
+SLIDING = {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 7, "use_sliding_window": True}  # z-lab's current drafters
+DRAFTERS = {  # name -> (class, dflash_config beyond the common keys, top-level config keys)
+    "dflash": (DFlashDraftModel, {}, {}),
+    "dflash-sliding": (DFlashDraftModel, {}, SLIDING),
     "dflash2": (DFlash2DraftModel, {"conv_kernel_size": 3, "conv_group_size": 8, "selector_rank": 8,
-                                    "selector_top_k": 4}),
+                                    "selector_top_k": 4}, SLIDING),
 }
 PROMPTS = [[5, 17, 42, 9, 63, 2], [88, 3, 3, 71]]
 MAX_NEW = 24
@@ -61,10 +63,10 @@ def main() -> None:
     randomise(target, SEED, 0.5)
     save(target, tcfg, args.out / "target")
     golden = {"target": "target", "max_new_tokens": MAX_NEW, "prompts": PROMPTS, "drafters": {}}
-    for i, (name, (cls, extra)) in enumerate(DRAFTERS.items()):
+    for i, (name, (cls, extra, top)) in enumerate(DRAFTERS.items()):
         dcfg = {**{k: v for k, v in TARGET.items() if k != "tie_word_embeddings"}, "num_hidden_layers": 2,
-                "architectures": [cls.__name__], "model_type": "qwen3", "block_size": 6, "num_target_layers": 4,
-                "dflash_config": {"target_layer_ids": [0, 2], "mask_token_id": 258, **extra}}
+                "architectures": [cls.__name__], "model_type": "qwen3", "num_target_layers": 4, **top,
+                "dflash_config": {"block_size": 6, "target_layer_ids": [0, 2], "mask_token_id": 258, **extra}}
         draft = cls(Qwen3Config(**dcfg)).eval()
         randomise(draft, SEED + 1 + i, 0.3)
         # DFlash2's stored layout: the selector's codebooks without ".weight" (its from_pretrained maps them back)

@@ -116,3 +116,16 @@ def test_dflash2_gguf_export_is_refused_in_one_line(tmp_path):
     with pytest.raises(GGUFExportError, match="DFlash2DraftModel drafter") as e:
         export_drafter_gguf(GOLDEN / "dflash2", tmp_path / "d.gguf")
     assert "\n" not in str(e.value)
+
+
+def test_sliding_drafter_gguf_export_and_bad_layer_types_are_refused_in_one_line(tmp_path):
+    from clover.gguf.write import GGUFExportError, export_drafter_gguf
+
+    with pytest.raises(GGUFExportError, match="sliding-window or causal") as e:
+        export_drafter_gguf(GOLDEN / "dflash-sliding", tmp_path / "d.gguf")
+    assert "\n" not in str(e.value)
+    raw = json.loads((GOLDEN / "dflash-sliding" / "config.json").read_text())
+    for types in (["sliding_attention"], ["chunked_attention", "full_attention"]):
+        with pytest.raises(ConfigError, match="layer_types") as e:
+            DFlashConfig.from_dict({**raw, "layer_types": types})
+        assert "\n" not in str(e.value)

@@ -636,6 +636,9 @@ def export_drafter_gguf(src, dst: str | Path, *, dtype: str = "f32") -> ExportRe
     if c.conv_kernel_size is not None or c.selector_rank is not None:
         raise GGUFExportError(f"{label}: a {c.architecture} drafter (dynamic convolutions, candidate selector) is not "
                               "read by the llama.cpp port's drafter yet; only DFlashDraftModel exports")
+    if c.layer_types is not None or c.is_causal:
+        raise GGUFExportError(f"{label}: sliding-window or causal drafter layers (layer_types {c.layer_types}) are not "
+                              "read by the llama.cpp port's drafter yet")
     if c.attention_bias:
         raise GGUFExportError(f"{label}: attention_bias=true is not supported by the llama.cpp port's drafter")
     if c.draft_vocab_size is not None:

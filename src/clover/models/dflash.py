@@ -33,7 +33,10 @@ bidirectionally. Block position i >= 1 (after the final `norm` and the target's 
 the token at that position (no shift: the anchor predicts nothing).
 
 Norms are Qwen3's (`w * x / rms(x)`, w initialised to 1), unlike the zero-centred norms of the target
-family; RoPE covers the whole head. Sliding-window and causal drafter layers are refused with a message.
+family; RoPE covers the whole head. z-lab's current drafters (both layouts) have mostly sliding-window
+layers (`layer_types`, `sliding_window`): as in its code, a sliding layer's block is also causal
+(each block position sees the positions up to its own) unless the config's `is_causal` says otherwise,
+and every layer's keys lie within the window of the query's position.
 
 DFlash2 (`architectures: ["DFlash2DraftModel"]`, the dflash package's `DFlash2DraftModel`) is DFlash
 plus two modules, both read from `dflash_config`:
@@ -119,6 +122,10 @@ class DFlashConfig:
     conv_group_size: int | None = None
     selector_rank: int | None = None  # DFlash2: the candidate selector (None: none)
     selector_top_k: int | None = None
+    layer_types: list[str] | None = None  # per layer "full_attention" or "sliding_attention" (None: all full)
+    sliding_window: int | None = None
+    use_sliding_window: bool = False  # transformers' Qwen3Config: the window applies only with this set
+    is_causal: bool | None = None  # None: the sliding layers' blocks are causal, the full ones' not (z-lab's rule)
     torch_dtype: str = "float32"
     extra: dict = field(default_factory=dict)  # other config.json keys, written back unchanged
 
@@ -144,11 +151,11 @@ class DFlashConfig:
                               "z-lab layout (Qwen3 keys at the top, dflash_config) first")
         dc = raw.get("dflash_config") or {}
         get = lambda k, d=None: dc.get(k, raw.get(k, d))  # noqa: E731 - dflash_config wins, as in the reference
-        types = raw.get("layer_types") or []
-        if any(t != "full_attention" for t in types) or raw.get("use_sliding_window"):
-            raise ConfigError(f"{source}: sliding-window drafter layers are not supported (layer_types {types})")
-        if raw.get("is_causal"):
-            raise ConfigError(f"{source}: causal drafter layers (is_causal) are not supported")
+        types = raw.get("layer_types") or None
+        bad = [t for t in types or [] if t not in ("full_attention", "sliding_attention")]
+        if bad or (types is not None and len(types) != raw.get("num_hidden_layers")):
+            raise ConfigError(f"{source}: layer_types {types} is not one of full_attention / sliding_attention per "
+                              "drafter layer")
         missing = [k for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
                                "vocab_size") if k not in raw]
         missing += [k for k in ("target_layer_ids", "mask_token_id", *layout.required) if get(k) is None]
@@ -158,7 +165,8 @@ class DFlashConfig:
         known = {"hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "intermediate_size",
                  "vocab_size", "dflash_config", "block_size", "head_dim", "num_target_layers", "rms_norm_eps",
                  "rope_theta", "rope_parameters", "attention_bias", "max_position_embeddings", "torch_dtype", "dtype",
-                 "architectures", "model_type", "layer_types", "is_causal"}
+                 "architectures", "model_type", "layer_types", "is_causal", "sliding_window",
+                 "use_sliding_window"}
         opt = lambda k: None if get(k) is None else int(get(k))  # noqa: E731
         try:
             return cls(
@@ -179,6 +187,10 @@ class DFlashConfig:
                 torch_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "float32"),
                 architecture=archs[0], conv_kernel_size=opt("conv_kernel_size"), conv_group_size=opt("conv_group_size"),
                 selector_rank=opt("selector_rank"), selector_top_k=opt("selector_top_k"),
+                layer_types=None if types is None or set(types) == {"full_attention"} else list(types),
+                sliding_window=None if raw.get("sliding_window") is None else int(raw["sliding_window"]),
+                use_sliding_window=bool(raw.get("use_sliding_window", False)),
+                is_causal=None if raw.get("is_causal") is None else bool(raw["is_causal"]),
                 extra={k: v for k, v in raw.items() if k not in known},
             )
         except (TypeError, ValueError) as e:
@@ -207,9 +219,11 @@ class DFlashConfig:
         dc = {k: v for k, v in dc.items() if not (k in ("input_embedding_scale", "output_multiplier") and v == 1.0)
               and v is not None}
         theta = d.pop("rope_theta")
+        d["layer_types"] = d["layer_types"] or ["full_attention"] * self.num_hidden_layers
+        d = {k: v for k, v in d.items() if not (k in ("sliding_window", "is_causal") and v is None)
+             and not (k == "use_sliding_window" and not v)}
         return {"architectures": [arch], "model_type": "qwen3", **extra, **d, "dflash_config": dc,
-                "rope_parameters": {"rope_type": "default", "rope_theta": theta},
-                "layer_types": ["full_attention"] * self.num_hidden_layers}
+                "rope_parameters": {"rope_type": "default", "rope_theta": theta}}
 
     def save(self, directory: str | Path) -> None:
         Path(directory).mkdir(parents=True, exist_ok=True)
@@ -240,6 +254,25 @@ class DFlashConfig:
 
 
 # --------------------------------------------------------------------------- layers
+def layer_masks(c: DFlashConfig, mask: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor) -> list[torch.Tensor]:
+    """Per draft layer its attention mask: `mask` [B, 1, Q, K] (bool) narrowed where the layer is
+    causal (a key at a later position than the query is hidden) or sliding (a key `sliding_window` or
+    more positions away is hidden, where `use_sliding_window` keeps the window, as transformers'
+    Qwen3Config does), z-lab's `_attention_mask`. q_pos [B, Q], k_pos [B, K]."""
+    if c.layer_types is None and not c.is_causal:
+        return [mask] * c.num_hidden_layers
+    d = q_pos[:, None, :, None] - k_pos[:, None, None, :]  # [B, 1, Q, K] how far behind the query a key is
+    out = []
+    for t in c.layer_types or ["full_attention"] * c.num_hidden_layers:
+        sliding = t == "sliding_attention"
+        causal = sliding if c.is_causal is None else c.is_causal
+        m = mask & (d >= 0) if causal else mask
+        if sliding and c.use_sliding_window and c.sliding_window is not None:
+            m = m & (d < c.sliding_window) & (causal or (-d < c.sliding_window))
+        out.append(m)
+    return out
+
+
 class DraftAttention(nn.Module):
     """Queries from the block; keys/values from the context vectors (cached) and the block itself."""
 
@@ -526,11 +559,13 @@ class DFlashDrafter(nn.Module):
         mask = cached_attention_mask(lengths, segments, key_slots=states[0][0].shape[2] if static else None)[:, :, Tc:]
         c = self.hidden_norm(self.fc(ctx)) if Tc else None
         slots = mask.shape[-1] - Bd  # the longest row's context after this write (static: the capacity)
+        q_pos = positions[:, Tc:]
+        k_pos = torch.cat([torch.arange(slots, device=q_pos.device).expand(q_pos.shape[0], slots), q_pos], dim=1)
         x = block
-        for layer, (keys, values) in zip(self.layers, states):
+        for layer, (keys, values), m in zip(self.layers, states, layer_masks(self.config, mask, q_pos, k_pos)):
             if Tc:
                 scatter_kv(keys, values, *layer.self_attn.kv(c, rope_c), lengths)
-            x = layer(x, rope_q, keys[:, :, :slots], values[:, :, :slots], mask)
+            x = layer(x, rope_q, keys[:, :, :slots], values[:, :, :slots], m)
         return self.norm(x)
 
     def compile_static(self, backend: str = "inductor") -> "DFlashDrafter":
@@ -582,9 +617,10 @@ class DFlashDrafter(nn.Module):
         mask = torch.cat([see_ctx, see_blk], dim=2)[:, None]
         c = self.hidden_norm(self.fc(ctx))
         x = block.reshape(B, A * Bd, -1)
-        for layer in self.layers:
+        masks = layer_masks(self.config, mask, pos_q, torch.cat([pos_c, pos_q], dim=1))
+        for layer, m in zip(self.layers, masks):
             k, v = layer.self_attn.kv(c, rope_c)
-            x = layer(x, rope_q, k, v, mask, width=Bd)
+            x = layer(x, rope_q, k, v, m, width=Bd)
         return self.norm(x).reshape(B, A, Bd, -1)
 
     # -- initialisation
