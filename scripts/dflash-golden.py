@@ -24,7 +24,8 @@ OUT = Path(__file__).resolve().parent.parent / "tests" / "golden" / "dflash"
 TARGET = dict(vocab_size=264, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=2,
               num_key_value_heads=1, head_dim=16, rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=False,
               max_position_embeddings=256)
-SLIDING = {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 7, "use_sliding_window": True}  # z-lab's current drafters
+SLIDING = {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 7,
+           "use_sliding_window": True}  # without it transformers' Qwen3Config drops the window (and its cache fails)  # z-lab's current drafters
 DRAFTERS = {  # name -> (class, dflash_config beyond the common keys, top-level config keys)
     "dflash": (DFlashDraftModel, {}, {}),
     "dflash-sliding": (DFlashDraftModel, {}, SLIDING),

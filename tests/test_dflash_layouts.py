@@ -129,3 +129,7 @@ def test_sliding_drafter_gguf_export_and_bad_layer_types_are_refused_in_one_line
         with pytest.raises(ConfigError, match="layer_types") as e:
             DFlashConfig.from_dict({**raw, "layer_types": types})
         assert "\n" not in str(e.value)
+    for bad in ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0}}, {"hidden_act": "gelu"}):
+        with pytest.raises(ConfigError, match="default RoPE and SiLU") as e:
+            DFlashConfig.from_dict({**raw, **bad})
+        assert "\n" not in str(e.value)

@@ -124,7 +124,6 @@ class DFlashConfig:
     selector_top_k: int | None = None
     layer_types: list[str] | None = None  # per layer "full_attention" or "sliding_attention" (None: all full)
     sliding_window: int | None = None
-    use_sliding_window: bool = False  # transformers' Qwen3Config: the window applies only with this set
     is_causal: bool | None = None  # None: the sliding layers' blocks are causal, the full ones' not (z-lab's rule)
     torch_dtype: str = "float32"
     extra: dict = field(default_factory=dict)  # other config.json keys, written back unchanged
@@ -162,11 +161,13 @@ class DFlashConfig:
         if missing:
             raise ConfigError(f"{source}: missing {', '.join(missing)}; not a DFlash drafter config")
         rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+        if rope.get("rope_type", rope.get("type", "default")) != "default" or raw.get("hidden_act", "silu") != "silu":
+            raise ConfigError(f"{source}: rope_type {rope.get('rope_type', rope.get('type'))!r} / hidden_act "
+                              f"{raw.get('hidden_act')!r}: a drafter reads default RoPE and SiLU MLPs only")
         known = {"hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "intermediate_size",
                  "vocab_size", "dflash_config", "block_size", "head_dim", "num_target_layers", "rms_norm_eps",
                  "rope_theta", "rope_parameters", "attention_bias", "max_position_embeddings", "torch_dtype", "dtype",
-                 "architectures", "model_type", "layer_types", "is_causal", "sliding_window",
-                 "use_sliding_window"}
+                 "architectures", "model_type", "layer_types", "is_causal", "sliding_window"}
         opt = lambda k: None if get(k) is None else int(get(k))  # noqa: E731
         try:
             return cls(
@@ -189,7 +190,6 @@ class DFlashConfig:
                 selector_rank=opt("selector_rank"), selector_top_k=opt("selector_top_k"),
                 layer_types=None if types is None or set(types) == {"full_attention"} else list(types),
                 sliding_window=None if raw.get("sliding_window") is None else int(raw["sliding_window"]),
-                use_sliding_window=bool(raw.get("use_sliding_window", False)),
                 is_causal=None if raw.get("is_causal") is None else bool(raw["is_causal"]),
                 extra={k: v for k, v in raw.items() if k not in known},
             )
@@ -220,8 +220,7 @@ class DFlashConfig:
               and v is not None}
         theta = d.pop("rope_theta")
         d["layer_types"] = d["layer_types"] or ["full_attention"] * self.num_hidden_layers
-        d = {k: v for k, v in d.items() if not (k in ("sliding_window", "is_causal") and v is None)
-             and not (k == "use_sliding_window" and not v)}
+        d = {k: v for k, v in d.items() if not (k in ("sliding_window", "is_causal") and v is None)}
         return {"architectures": [arch], "model_type": "qwen3", **extra, **d, "dflash_config": dc,
                 "rope_parameters": {"rope_type": "default", "rope_theta": theta}}
 
@@ -257,8 +256,9 @@ class DFlashConfig:
 def layer_masks(c: DFlashConfig, mask: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor) -> list[torch.Tensor]:
     """Per draft layer its attention mask: `mask` [B, 1, Q, K] (bool) narrowed where the layer is
     causal (a key at a later position than the query is hidden) or sliding (a key `sliding_window` or
-    more positions away is hidden, where `use_sliding_window` keeps the window, as transformers'
-    Qwen3Config does), z-lab's `_attention_mask`. q_pos [B, Q], k_pos [B, K]."""
+    more positions away is hidden; z-lab's published configs set `sliding_window` without transformers'
+    `use_sliding_window`, and the window is what they mean), z-lab's `_attention_mask`.
+    q_pos [B, Q], k_pos [B, K]."""
     if c.layer_types is None and not c.is_causal:
         return [mask] * c.num_hidden_layers
     d = q_pos[:, None, :, None] - k_pos[:, None, None, :]  # [B, 1, Q, K] how far behind the query a key is
@@ -267,7 +267,7 @@ def layer_masks(c: DFlashConfig, mask: torch.Tensor, q_pos: torch.Tensor, k_pos:
         sliding = t == "sliding_attention"
         causal = sliding if c.is_causal is None else c.is_causal
         m = mask & (d >= 0) if causal else mask
-        if sliding and c.use_sliding_window and c.sliding_window is not None:
+        if sliding and c.sliding_window is not None:
             m = m & (d < c.sliding_window) & (causal or (-d < c.sliding_window))
         out.append(m)
     return out
