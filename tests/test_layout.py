@@ -17,7 +17,7 @@ LAYERS = [
     # "clover": the package face (its names are imported lazily, through `clover.lazy`)
     {"clover", "config", "kernels", "tokenizer", "moe", "decoding", "data", "precision", "grammar", "lazy", "paths"},
     {"cache", "models", "model"},
-    {"checkpoint", "weights", "convert", "quant", "tiny", "export", "gguf", "gguf_import", "named"},
+    {"checkpoint", "weights", "convert", "quant", "tiny", "export", "gguf", "gguf_import", "named", "hub"},
     {"api"},
     {"serve", "bench", "train", "viz", "integrations"},
     {"cli", "__main__"},

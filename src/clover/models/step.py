@@ -1,11 +1,71 @@
 """A cached forward as the engine that asks for it describes it (`Step`), which the model core
-dispatches on (`core.CausalLM.run_step`; its compiled graphs, `static.graph_kind`)."""
+dispatches on (`core.CausalLM.run_step`; its compiled graphs, `static.graph_kind`); and the layout of a
+forward along time that every layer reads (`Segments`, and `Live`: which positions a layer computes)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
+
+
+# --------------------------------------------------------------------------- forward layout
+@dataclass(frozen=True)
+class Segments:
+    """The layout of one forward along time (an input; nothing is collected here)."""
+
+    commit_len: int  # Tc: padded length of the commit part (0 = none)
+    denoise_len: int = 0  # Bd: length of the denoise part (0 = none)
+    n_commit: torch.Tensor | None = None  # [B] valid commit tokens per row; None = all Tc valid
+    block_size: int | None = None  # set: block-diffusion training, x is [clean L | noisy k*L]
+    denoise_width: int | None = None  # the block's width when the denoise part carries only its first positions
+    denoise_valid: torch.Tensor | None = None  # [B, Bd] bool: each row's block positions present (a prefix)
+    commit_block: int | None = None  # the commit part bidirectional inside blocks of this size (absolute grid)
+
+    @property
+    def ragged(self) -> bool:
+        return self.n_commit is not None
+
+
+@dataclass
+class Live:
+    """Which positions of an eager cached forward one layer computes, when it needs fewer than all
+    (`CausalLM.forward_step` builds one per layer; flat indices into the forward's B*T).
+
+    - `kv`: the positions whose layer inputs are computed: attention K/V, the GDN's pre-conv inputs
+      and gates. The others are *frozen* denoise positions (`frozen` [B, Bd]), whose inputs come
+      from `memo` (this layer's tensors of an earlier forward, [B, Bd, ...] each).
+    - `out`: the positions whose outputs are computed (queries, the output projection, the MLP or
+      MoE); a subset of `kv`. Below the last layer every `kv` position (the next layer reads it); at
+      the last layer only the positions whose logits are read.
+
+    A layer writes its full-block inputs of this forward (computed and frozen alike) into `keep`
+    when it is a list, for the next forward's `memo`."""
+
+    B: int
+    T: int
+    Tc: int
+    kv: torch.Tensor
+    out: torch.Tensor
+    frozen: torch.Tensor | None = None
+    memo: tuple | None = None
+    keep: list | None = None
+
+    def place(self, rows: torch.Tensor, memo: torch.Tensor | None = None) -> torch.Tensor:
+        """Values at the `kv` positions [N, ...] -> [B, T, ...]: frozen positions from `memo`
+        ([B, Bd, ...]), zero where nothing was computed."""
+        if rows.shape[0] == self.B * self.T:  # every position computed: nothing to place
+            return rows.view(self.B, self.T, *rows.shape[1:])
+        full = rows.new_zeros((self.B * self.T, *rows.shape[1:])).index_copy_(0, self.kv, rows)
+        full = full.view(self.B, self.T, *rows.shape[1:])
+        if self.frozen is not None and memo is not None:
+            full[:, self.Tc :][self.frozen] = memo[self.frozen].to(full.dtype)
+        return full
+
+    def remember(self, *full: torch.Tensor) -> None:
+        """This layer's inputs of the denoise part, [B, T, ...] each, kept for the next forward."""
+        if self.keep is not None:
+            self.keep.append(tuple(t[:, self.Tc :] for t in full))
 
 
 STEP_KINDS = ("commit", "denoise", "commit+denoise", "verify")
