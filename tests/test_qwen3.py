@@ -11,6 +11,7 @@ from safetensors.torch import load_file, save_file
 from clover.checkpoint import load_model
 from clover.config import ConfigError
 from clover.models import config_from_dict
+from hf_reference import assert_cached_logits, randomise
 
 BASE = dict(vocab_size=300, hidden_size=48, num_hidden_layers=3, max_position_embeddings=256, rms_norm_eps=1e-6)
 DENSE = {
@@ -34,15 +35,7 @@ def _hf(kind, name, tmp_path, seed=0):
     cfg = cfg_cls(**BASE, **fields[name], pad_token_id=0, eos_token_id=1)
     torch.manual_seed(seed)
     ref = cls(cfg).eval()
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():  # norms off their identity and every weight drawn (no ties in routing)
-        for n, p in ref.named_parameters():
-            if "norm" in n:
-                p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=gen))
-            elif n.endswith("bias"):
-                p.copy_(0.1 * torch.randn(p.shape, generator=gen))
-            else:
-                p.copy_(torch.randn(p.shape, generator=gen) / p.shape[-1] ** 0.5)
+    randomise(ref, seed)  # norms off their identity and every weight drawn (no ties in routing)
     ref.save_pretrained(tmp_path / name)
     return ref, tmp_path / name
 
@@ -60,12 +53,7 @@ def test_logits_match_transformers(kind, name, tmp_path):
     with torch.no_grad():
         expected = ref(ids).logits
         torch.testing.assert_close(ours(ids), expected, atol=1e-5, rtol=1e-5)
-        cache = ours.make_cache(2, 48)  # prefill in pieces, then token by token
-        out = ours.step(cache, commit_ids=ids[:, :20], all_logits=True)
-        torch.testing.assert_close(out.commit_logits, expected[:, :20], atol=1e-5, rtol=1e-5)
-        for t in range(20, 40):
-            out = ours.step(cache, commit_ids=ids[:, t : t + 1])
-            torch.testing.assert_close(out.commit_logits, expected[:, t], atol=1e-5, rtol=1e-5)
+    assert_cached_logits(ours, ids, expected, split=20, tol=1e-5)  # prefill in pieces, then token by token
 
 
 def test_per_expert_layout(tmp_path):
