@@ -208,6 +208,14 @@ class CloverConfig:
     def derive(self) -> None:
         """Fill the fields computed from others (an architecture's `head_dim`, `layer_types`, ...)."""
 
+    def derive_full_attention(self) -> None:
+        """`derive` of an attention-only stack: `head_dim` hidden / heads where unset, and every layer
+        "full_attention" where `layer_types` is unset (Llama's family, LLaDA2)."""
+        if self.head_dim is None:
+            self.head_dim = self.hidden_size // self.num_attention_heads
+        if self.layer_types is None:
+            self.layer_types = ["full_attention"] * self.num_hidden_layers
+
     # ------------------------------------------------------------------ checks
     def validate(self) -> None:
         """The checks every config gets; architectures add theirs (calling this one)."""

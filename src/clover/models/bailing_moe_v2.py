@@ -65,10 +65,7 @@ class LLaDA2Config(CloverConfig):
     layer_types: list[str] | None = None  # every layer "full_attention"
 
     def derive(self) -> None:
-        if self.head_dim is None:
-            self.head_dim = self.hidden_size // self.num_attention_heads
-        if self.layer_types is None:
-            self.layer_types = ["full_attention"] * self.num_hidden_layers
+        self.derive_full_attention()
 
     def validate(self) -> None:
         super().validate()

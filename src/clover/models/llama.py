@@ -101,10 +101,7 @@ class LlamaConfig(CloverConfig):
     denoise_adapter: dict | None = None
 
     def derive(self) -> None:
-        if self.head_dim is None:
-            self.head_dim = self.hidden_size // self.num_attention_heads
-        if self.layer_types is None:
-            self.layer_types = ["full_attention"] * self.num_hidden_layers
+        self.derive_full_attention()
 
     def validate(self) -> None:
         super().validate()
