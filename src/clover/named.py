@@ -87,14 +87,18 @@ def state_default_mode(m: NamedModel, model_dir: Path) -> None:
     """A model pulled before its card stated a default mode (an older clover) gets the one this package's
     card states (the shipped adapter's `default_mode`), so it does not fall back to diffusion. A stated
     mode is left as it is."""
+    spec = json.loads((ASSETS / m.adapter / "adapter_config.json").read_text())
+    if "default_mode" in spec:
+        _set_default_mode(model_dir, spec["default_mode"], unless_stated=True)
+
+
+def _set_default_mode(model_dir: Path, mode: str, *, unless_stated: bool = False) -> None:
+    """`mode` as the model's `default_mode` (`unless_stated`: only where its config states none)."""
     cfg_file = model_dir / "config.json"
     config = json.loads(cfg_file.read_text())
-    if "default_mode" in config:
+    if config.get("default_mode") == mode or (unless_stated and "default_mode" in config):
         return
-    spec = json.loads((ASSETS / m.adapter / "adapter_config.json").read_text())
-    if "default_mode" not in spec:
-        return
-    config["default_mode"] = spec["default_mode"]
+    config["default_mode"] = mode
     _rewrite_config(cfg_file, config)
 
 
@@ -128,19 +132,20 @@ def imported_gguf(path: str | Path, *, progress: bool = True) -> Path:
     the user cache (`clover.gguf.read`, with a progress bar) the first time, read from there after.
     A file of Q4_0/Q4_1 (or Q8_0) layer matrices stays 4-bit (8-bit): clover's INT4 with group 32
     (INT8) of the imported weights (`gguf.read.kept_bits`; the embedding stays float)."""
-    from .gguf.read import import_gguf, kept_bits
+    from .gguf.read import header, import_gguf, kept_bits
 
     path = Path(path)
     out = models_root() / GGUF_DIR / f"{path.stem}-{gguf_key(path)}"
     if (out / "config.json").is_file():
         return out
-    bits = kept_bits(path)
+    reader = header(path)
+    bits = kept_bits(path, reader=reader)
     kept = f", its layers kept in {bits} bits" if bits else ""
     print(f"clover: importing {path.name} into the model cache (once{kept}): {out}", file=sys.stderr, flush=True)
     tmp, floats = out.with_name(out.name + ".part"), out.with_name(out.name + ".float.part")
     for d in (tmp, floats):
         shutil.rmtree(d, ignore_errors=True)
-    import_gguf(path, floats if bits else tmp, progress=progress)
+    import_gguf(path, floats if bits else tmp, progress=progress, reader=reader)
     if bits:
         from .quant.writer import quantize_checkpoint
 
@@ -289,12 +294,11 @@ def apply_adapter(base: Path, adapter_dir: Path, out: Path) -> Path:
             index["weight_map"][k] = "adapter.safetensors"
     index_file.write_text(json.dumps(index, indent=2) + "\n")
     config = json.loads((tmp / "config.json").read_text())
-    (tmp / "config.json").unlink()
     config["denoise_adapter"] = spec["denoise_adapter"]
     for k in ("block_size", "threshold", "default_mode"):  # the model card's defaults
         if k in spec:
             config[k] = spec[k]
-    (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    _rewrite_config(tmp / "config.json", config)
     if (adapter_dir / "README.md").is_file():
         shutil.copyfile(adapter_dir / "README.md", tmp / "README.md")
     shutil.rmtree(out, ignore_errors=True)
@@ -318,11 +322,8 @@ def install_drafter(m: NamedModel, model_dir: Path) -> Path | None:
     shutil.copytree(src, tmp)
     shutil.rmtree(dst, ignore_errors=True)
     tmp.replace(dst)
-    cfg_file = model_dir / "config.json"
-    config = json.loads(cfg_file.read_text())
-    if m.drafter_default and config.get("default_mode") != "dflash":
-        config["default_mode"] = "dflash"
-        _rewrite_config(cfg_file, config)
+    if m.drafter_default:
+        _set_default_mode(model_dir, "dflash")
     return dst
 
 

@@ -468,25 +468,32 @@ def write_tokenizer(reader, path: Path, out: Path) -> None:
 
 
 # ----------------------------------------------------------------------------- entry point
-def kept_bits(src: str | Path) -> int | None:
+def header(path: str | Path):
+    """A GGUF file's header read once (gguf's reader over a memory map), for `kept_bits` and `import_gguf`."""
+    return _reader(Path(path))
+
+
+def kept_bits(src: str | Path, *, reader=None) -> int | None:
     """The bits of clover's weight-only quantization (`clover.quant`) that keep a file's layer
     matrices close to what it holds: 4 where every one is Q4_0 or Q4_1 (blocks of 32 inputs; INT4 with
     group 32 has Q4_1's 16-level grid per block, whose ends Q4_1 puts at the block's min and max, with
     the scale and offset rounded to bfloat16), 8 where every one is Q8_0 (INT8: one scale per output
     row where Q8_0 has one per 32 inputs), else None (float32, as `import_gguf` writes)."""
-    types = {t.tensor_type.name for t in _reader(Path(src)).tensors
+    types = {t.tensor_type.name for t in (reader or _reader(Path(src))).tensors
              if t.name.startswith("blk.") and t.name.endswith(".weight") and len(t.shape) == 2}
     if types and types <= {"Q4_0", "Q4_1"}:
         return 4
     return 8 if types == {"Q8_0"} else None
 
 
-def import_gguf(src: str | Path, dst: str | Path, *, dtype: str = "float32", progress: bool = True) -> CloverConfig:
-    """FILE.gguf -> OUT_DIR (config.json, model.safetensors, tokenizer files). Returns the config."""
+def import_gguf(src: str | Path, dst: str | Path, *, dtype: str = "float32", progress: bool = True,
+                reader=None) -> CloverConfig:
+    """FILE.gguf -> OUT_DIR (config.json, model.safetensors, tokenizer files). Returns the config. `reader`:
+    the file's header already read (`_reader`), else read here."""
     from ..weights import parse_dtype
 
     src, dst = Path(src), Path(dst)
-    reader = _reader(src)
+    reader = reader or _reader(src)
     arch = _field(reader, "general.architecture")
     if arch not in ARCHITECTURES:
         raise GGUFImportError(f"{src}: architecture {arch!r} is not supported by import-gguf (supported: "
