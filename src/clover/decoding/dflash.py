@@ -165,10 +165,12 @@ class DFlashEngine(VerifyEngine):
             # the row's sampler drafts (under its grammar: each token masked after those before it);
             # the cut reads each distribution's top probability, not the drawn token's: a cut that read
             # the draws would bias what the rejection rule emits
-            d, qd, top = r.state.sampler.draft(logits[i], row_history(r, None, logits.shape[1]),
-                                               sure=self.cut is not None)
-            if picked is not None and r.state.sampler.grammar is None and r.state.sampler.params.greedy:
-                d = picked[i].tolist()  # z-lab's greedy draft; sampled or under a grammar, the sampler's
+            s = r.state.sampler
+            if picked is not None and s.grammar is None and s.params.greedy:  # z-lab's greedy draft
+                d, qd = picked[i].tolist(), None
+                top = s.process(logits[i]).softmax(-1).amax(-1) if self.cut is not None else None
+            else:  # sampled or under a grammar: the sampler's
+                d, qd, top = s.draft(logits[i], row_history(r, None, logits.shape[1]), sure=self.cut is not None)
             drafts.append(d)
             q.append(qd)
             if top is not None:

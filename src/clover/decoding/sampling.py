@@ -455,13 +455,14 @@ def process_logits(
             counts = Counter(t for t in seen if t is not None)
             if not counts:
                 continue
-            ids = torch.tensor(sorted(counts), dtype=torch.long, device=logits.device)
+            seen_ids = sorted(counts)
+            ids = torch.tensor(seen_ids, dtype=torch.long, device=logits.device)
             row = logits[n, ids]
             if params.repetition_penalty != 1.0:
                 row = torch.where(row > 0, row / params.repetition_penalty, row * params.repetition_penalty)
             row = row - params.presence_penalty
             if params.frequency_penalty:
-                times = torch.tensor([counts[i] for i in sorted(counts)], dtype=logits.dtype, device=logits.device)
+                times = torch.tensor([counts[i] for i in seen_ids], dtype=logits.dtype, device=logits.device)
                 row = row - params.frequency_penalty * times
             logits[n, ids] = row
     if params.eos_penalty and eos_ids:
