@@ -25,7 +25,7 @@ from torch import nn
 from ..config import CloverConfig, ConfigError
 from ..moe import static_expert_forward
 from .core import CausalLM, TextModel
-from .layers import MLP, ExpertStats, Experts, GatedAttention, PlainRMSNorm, RotaryEmbedding, apply_rope
+from .layers import MLP, DenseMLP, ExpertStats, Experts, GatedAttention, PlainRMSNorm, RotaryEmbedding, apply_rope
 from .qwen3_5_moe import MoeKeyLayout
 from .registry import Architecture
 
@@ -193,14 +193,8 @@ class LLaDA2MoE(nn.Module):
         return out.reshape(B, T, H), ExpertStats(logits, touched)
 
 
-class LLaDA2DenseMLP(MLP):
-    """The first `first_k_dense_replace` layers' MLP."""
-
-    def __init__(self, config: CloverConfig) -> None:
-        super().__init__(config.hidden_size, config.intermediate_size)
-
-    def forward(self, x: torch.Tensor, sharing=None, count_experts: bool = False, static: bool = False):
-        return super().forward(x), None
+class LLaDA2DenseMLP(DenseMLP):
+    """The first `first_k_dense_replace` layers' MLP (the dense backbone's SwiGLU)."""
 
 
 class LLaDA2KeyLayout(MoeKeyLayout):

@@ -20,8 +20,7 @@ from typing import ClassVar
 from ..config import ConfigError
 from .core import CausalLM, KeyLayout
 from .layers import DenseMLP, PlainRMSNorm
-from .llama import LlamaAttention, LlamaConfig
-from .qwen2 import Qwen2RotaryEmbedding
+from .llama import LlamaAttention, LlamaConfig, LlamaRotaryEmbedding
 from .registry import Architecture
 
 # LLaDA's config key -> ours
@@ -121,7 +120,7 @@ class LLaDAModelLM(CausalLM):
     attention_class = LlamaAttention  # q/k/v biases from `include_qkv_bias`
     mlp_class = DenseMLP
     norm_class = PlainRMSNorm
-    rotary_class = Qwen2RotaryEmbedding  # full RoPE from the config (Llama's frequencies)
+    rotary_class = LlamaRotaryEmbedding  # full RoPE from the config (Llama's frequencies)
     key_layout = LLaDAKeyLayout()
     live_positions = False  # its attention computes every position
 

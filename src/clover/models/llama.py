@@ -187,6 +187,11 @@ class LlamaRotaryEmbedding(nn.Module):
         self.args = args
         self._inv_freq: torch.Tensor | None = None  # not a buffer: nothing to load, nothing left on `meta`
 
+    @classmethod
+    def from_config(cls, config: LlamaConfig) -> "LlamaRotaryEmbedding":
+        """The core's `rotary_class.from_config` hook (the architectures on Llama's stack: Qwen2, Qwen3, LLaDA)."""
+        return cls(config)
+
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         if self._inv_freq is None or self._inv_freq.device != positions.device:
             self._inv_freq = rope_inv_freq(self.args, positions.device)

@@ -51,14 +51,6 @@ class Qwen2Config(LlamaConfig):
             d.pop(k, None)
 
 
-class Qwen2RotaryEmbedding(LlamaRotaryEmbedding):
-    """Full RoPE over head_dim (Llama's, with its scaled frequencies), built from the config."""
-
-    @classmethod
-    def from_config(cls, config) -> "Qwen2RotaryEmbedding":
-        return cls(config)
-
-
 class Qwen2ForCausalLM(CausalLM):
     """The Qwen2 stack under the model core (`step`, `forward_block_diffusion`, `make_cache`; its
     identity key layout and plain initialisation)."""
@@ -66,7 +58,7 @@ class Qwen2ForCausalLM(CausalLM):
     attention_class = LlamaAttention  # q/k/v biases from the config's `qkv_bias`
     mlp_class = DenseMLP
     norm_class = PlainRMSNorm
-    rotary_class = Qwen2RotaryEmbedding
+    rotary_class = LlamaRotaryEmbedding
     live_positions = False  # its attention computes every position
 
 

@@ -68,14 +68,6 @@ class Qwen3Config(LlamaConfig):
             d["architectures"] = ["SDARForCausalLM"]
 
 
-class Qwen3RotaryEmbedding(LlamaRotaryEmbedding):
-    """Full RoPE over head_dim (Llama's, with its scaled frequencies), built from the config."""
-
-    @classmethod
-    def from_config(cls, config) -> "Qwen3RotaryEmbedding":
-        return cls(config)
-
-
 class Qwen3Attention(GatedAttention):
     """Grouped-query attention without an output gate; q_norm/k_norm (plain RMSNorm over head_dim)
     before RoPE. The cached path (K/V written at each row's length, attention under the step's mask)
@@ -113,7 +105,7 @@ class Qwen3ForCausalLM(CausalLM):
     attention_class = Qwen3Attention
     mlp_class = DenseMLP
     norm_class = PlainRMSNorm
-    rotary_class = Qwen3RotaryEmbedding
+    rotary_class = LlamaRotaryEmbedding
     live_positions = False  # its attention computes every position
 
 
