@@ -32,8 +32,8 @@ class EngineSpec:
     provisional: bool = False  # report the block after every denoise step
     skips: tuple[str, ...] = ()  # diffusion's approximate skips ("window", "decoded")
     draft_cut: float | None = None  # speculative: drafts cut before their first token below this confidence
-    auto: bool = False  # the engine picks the width per block or forward (the request's block_size "auto")
-    adaptive: bool = False  # speculative's adaptive draft (a rejected draft's leftover drafts on; t emitted when drawn)
+    auto: bool = False  # the engine picks the width per block or forward (the request's block_size "auto";
+    # speculative: the adaptive draft, whose rejected draft's leftover drafts on)
 
     @property
     def engine_width(self) -> int | str | None:

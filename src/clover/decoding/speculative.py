@@ -344,12 +344,12 @@ class Speculative(Mode):
         # block_size "auto": the adaptive draft; else the fixed draft of draft_length or the block size
         auto = params.block_size == AUTO
         return EngineSpec(self, None if auto else params.draft_length or params.block_size, params.expert_budget,
-                          params.expert_rank, draft_cut=DRAFT_CUT if auto else None, auto=auto, adaptive=auto)
+                          params.expert_rank, draft_cut=DRAFT_CUT if auto else None, auto=auto)
 
     def make_engine(self, model, spec, *, mask_id, pad_id):
         return SpeculativeEngine(model, draft_length=spec.engine_width, mask_id=mask_id, pad_id=pad_id,
                                  expert_budget=spec.expert_budget, expert_rank=spec.expert_rank, cut=spec.draft_cut,
-                                 adaptive=spec.adaptive)
+                                 adaptive=spec.auto)
 
 
 register(Speculative())
