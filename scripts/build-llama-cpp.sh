@@ -61,12 +61,36 @@ if [[ ! -f "$LLAMA/CMakeLists.txt" ]]; then
   tar xzf "$SDIST" -C "$CACHE/src"
 fi
 
+# -march=native compiles AMX in where the CPU advertises it, but some VMs advertise AMX without enabling its
+# state (the kernel grants the permission, the first tile instruction still faults: SIGILL in ggml's AMX
+# matmul on every quantized GGUF). Run one tile instruction first; if it faults, build without AMX.
+NATIVE_FLAGS=""
+if grep -qw amx_tile /proc/cpuinfo 2>/dev/null; then
+  cat >"$CACHE/amx-check.c" <<'EOF_AMX'
+#include <immintrin.h>
+#include <string.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+int main(void) {
+  unsigned char cfg[64];
+  if (syscall(SYS_arch_prctl, 0x1023, 18)) return 2; /* ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA */
+  memset(cfg, 0, sizeof cfg); cfg[0] = 1; cfg[16] = 64; cfg[48] = 16;
+  _tile_loadconfig(cfg); _tile_zero(0); _tile_release();
+  return 0;
+}
+EOF_AMX
+  if ! { cc -O2 -mamx-tile "$CACHE/amx-check.c" -o "$CACHE/amx-check" 2>/dev/null && sh -c '"$1"; exit $?' amx-check "$CACHE/amx-check" 2>/dev/null; }; then
+    NATIVE_FLAGS="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+    echo "== this CPU advertises AMX but cannot run it: building without AMX"
+  fi
+fi
+
 echo "== configuring llama.cpp (CPU, Release, shared libs)"
 GEN=()
 command -v ninja >/dev/null && GEN=(-G Ninja)
 cmake -S "$LLAMA" -B "$BUILD" "${GEN[@]}" \
   -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=ON \
-  -DGGML_NATIVE=ON -DGGML_OPENMP=OFF \
+  -DGGML_NATIVE=ON -DGGML_OPENMP=OFF -DCMAKE_C_FLAGS="$NATIVE_FLAGS" -DCMAKE_CXX_FLAGS="$NATIVE_FLAGS" \
   -DLLAMA_OPENSSL=OFF -DLLAMA_CURL=OFF \
   -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_APP=OFF \
   -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_EXAMPLES=ON >"$CACHE/cmake-configure.log"
