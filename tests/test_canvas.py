@@ -225,3 +225,55 @@ def test_served_canvas_streams_and_stops_at_eos(family, tmp_path):
                      if x.startswith("data: {")]
     provisional = [x for x in lines if "provisional" in json.dumps(x)]
     assert len(provisional) == case["steps"]
+
+
+def test_fast_selection_equals_the_slow_one():
+    """The canvas's fast kernels against the obviously-correct ones: `top_values` gives torch.topk's
+    values and indices (rows without ties), and `greedy_confidence` (the top-k read off the k + 1
+    largest logits) gives `canvas_confidence`'s tokens and confidences, ties at the k-th logit and
+    at the top included (those rows go the slow way)."""
+    from clover.decoding.canvas import canvas_confidence, greedy_confidence, top_values
+
+    gen = torch.Generator().manual_seed(0)
+    for V in (1000, 4096, 49216, 151936):
+        x = torch.randn(12, V, generator=gen) * 3
+        x[3, 7] = x[3, 9] = x[3].max() + 1  # the top tied
+        third = x[5].topk(3).values[-1]
+        x[5, (x[5] < third).nonzero()[0, 0]] = third  # the third and fourth tied
+        for k in (2, 51):
+            a, b = torch.topk(x, k), top_values(x, k)
+            assert torch.equal(a.values, b[0])
+            assert torch.equal(a.indices[[0, 1, 2, 4]], b[1][[0, 1, 2, 4]])
+        for kind in ("prob", "margin", "entropy"):
+            for top_k in (0, 1, 3, 50):
+                slow, fast = canvas_confidence(x, kind, top_k), greedy_confidence(x, kind, top_k)
+                assert torch.equal(slow[1], fast[1]), (V, kind, top_k)
+                torch.testing.assert_close(slow[0], fast[0], atol=1e-6, rtol=1e-6)
+
+
+def test_head_only_where_read(family):
+    """`logits_at`: the head run on a few positions of a batch gives the full forward's logits there."""
+    _, g, _, model = family
+    x = torch.tensor([g["logits"]["ids"]] * 2)
+    at = torch.tensor([0, 3, x.shape[1] + 1, 2 * x.shape[1] - 1])
+    with torch.no_grad():
+        full = model(x).reshape(2 * x.shape[1], -1)
+        torch.testing.assert_close(model(x, logits_at=at), full[at], atol=1e-6, rtol=1e-6)
+
+
+def test_position_ties_unmask_left_to_right(family):
+    """`canvas_ties="position"` with `top_k=1` (every confidence 1, llama.cpp's CLI's only deterministic
+    setting): each step unmasks the leftmost masked positions, so the steps a canvas's positions were
+    decoded at never decrease left to right."""
+    name, _, _, model = family
+    mode = get_mode("canvas")
+    opts = dict(max_new_tokens=16, steps=8, top_k=1, canvas_ties="position", ignore_eos=True)
+    if name == "llada":
+        opts["block_size"] = 16
+    q = resolve_params(mode, opts, model.config)
+    engine = mode.spec(q).make_engine(model, mask_id=model.config.mask_token_id, pad_id=0)
+    row = RowState(prompt=[5, 6, 7], params=q, eos_ids=set(model.config.eos_token_ids))
+    engine.add(row)
+    for _ in engine.run():
+        pass
+    assert len(row.tokens) == 16 and row.steps == sorted(row.steps) and len(set(row.steps)) > 1

@@ -31,6 +31,14 @@ reference's batch shares one stream). Rows of any length and options ride one fo
 are right-padded and each row attends to its own canvas only (`key_valid`), at positions from 0, so a
 row decodes as it does alone. The row's tokens are the canvas after the prompt, cut at the first EOS
 (the reported count is the real one). `provisional` reports the canvas after every step.
+
+What a step reads is all it computes: the LM head runs only at the positions the step may unmask
+(`logits_at`; every position only where LLaDA's sampled draw puts noise over the whole canvas), and at
+temperature 0 a top-k confidence is read off the k + 1 largest logits (`greedy_confidence`, found
+by `top_values` in one pass over the row; `canvas_confidence` is the slow form it is tested against).
+Equal confidences go in torch.topk's order, as the references'; `canvas_ties="position"` takes the
+leftmost first, llama.cpp's `llama-diffusion-cli`'s order (with `top_k=1`, its only deterministic
+setting, every confidence is 1 and it unmasks left to right).
 """
 
 from __future__ import annotations
@@ -83,6 +91,47 @@ def canvas_confidence(logits: torch.Tensor, kind: str, top_k: int = 0, *, temper
         confidence = top2[:, 0] - top2[:, 1]
     elif kind == "entropy":
         confidence = torch.sum(probs * torch.log(probs + 1e-10), dim=-1)
+    return confidence, tokens
+
+
+def top_values(logits: torch.Tensor, k: int, width: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+    """`torch.topk(logits, k)` over rows of a wide vocabulary [N, V], reading the whole row once:
+    the row cut into chunks of `width`, the k chunks with the largest maxima hold the k largest
+    values (each of those lies in a chunk whose maximum is at least the k-th value, and at most k
+    chunks have one, ties aside), so the exact top-k is taken over those chunks' values. The values
+    equal topk's; the indices too where no two of the k + 1 largest values tie."""
+    N, V = logits.shape
+    if V < 4 * k * width:
+        return torch.topk(logits, k)
+    pad = -V % width
+    wide = torch.nn.functional.pad(logits, (0, pad), value=-torch.inf) if pad else logits
+    chunks = wide.view(N, -1, width)
+    best = torch.topk(chunks.amax(-1), k).indices  # [N, k] the chunks
+    cand = chunks.gather(1, best[..., None].expand(-1, -1, width)).reshape(N, k * width)
+    vals, where = torch.topk(cand, k)
+    return vals, best.gather(1, where // width) * width + where % width
+
+
+def greedy_confidence(logits: torch.Tensor, kind: str, top_k: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """`canvas_confidence` at temperature 0 without top-p, read off the `top_k` largest logits
+    instead of a filtered copy of the whole vocabulary (the softmax of the kept values is the
+    filtered softmax: every other entry is exp(min - max) = 0). Rows where the k-th and the next
+    logit tie (the slow filter keeps both) or the two largest tie (argmax's first index) go through
+    `canvas_confidence`. Without a top-k it is `canvas_confidence`."""
+    V = logits.shape[-1]
+    if not top_k or top_k >= V:
+        return canvas_confidence(logits, kind, top_k)
+    vals, idx = top_values(logits, top_k + 1)
+    tied = (vals[:, top_k - 1] == vals[:, top_k]) | (vals[:, 0] == vals[:, 1])
+    probs = torch.softmax(vals[:, :top_k], dim=-1)
+    tokens, confidence = idx[:, 0], probs[:, 0]
+    if kind == "margin":
+        confidence = probs[:, 0] - probs[:, 1] if top_k > 1 else probs[:, 0]
+    elif kind == "entropy":
+        confidence = torch.sum(probs * torch.log(probs + 1e-10), dim=-1)
+    if bool(tied.any()):
+        confidence, tokens = confidence.clone(), tokens.clone()
+        confidence[tied], tokens[tied] = canvas_confidence(logits[tied], kind, top_k)
     return confidence, tokens
 
 
@@ -228,42 +277,55 @@ class CanvasEngine(BatchEngine):
                 rows.append((out.denoise_logits[i, : len(block[i])], a))
         return rows
 
-    def _logits(self) -> torch.Tensor:
+    def _candidates(self, s: CanvasRow) -> torch.Tensor:
+        """[T] bool: the positions this step may unmask (masked, in or before the current block)."""
+        masked = s.x == self.mask_id
+        masked[s.blocks[s.block][1]:] = False  # later blocks wait
+        return masked
+
+    def _reads_all(self, r: RowState) -> bool:
+        """LLaDA's draw above temperature 0 is noise over every position's logits (its stream)."""
+        return self.sampler == "gumbel" and r.params.temperature > 0
+
+    def _logits(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """One forward over every row's canvas (and, for rows with `cfg_scale`, the canvas with the
-        prompt masked) -> [rows (+ guided rows), T, V], read as each position's prediction."""
+        prompt masked), the head run only where a position is read: per row (logits [n, V], the
+        canvas positions [n] they predict), a guided row's after the rows'. A position's logits are
+        its own (`logit_shift` 0) or the previous position's (1; the first position its own)."""
         seqs = [r.state.x for r in self.rows]
-        for r in self.rows:
+        reads = [torch.arange(len(r.state.x), device=self.device) if self._reads_all(r)
+                 else self._candidates(r.state).nonzero()[:, 0] for r in self.rows]
+        for i, r in enumerate(self.rows):
             if r.params.cfg_scale:
                 un = r.state.x.clone()
                 un[: r.state.start] = self.mask_id
                 seqs.append(un)
-        T = max(len(s) for s in seqs)
+                reads.append(reads[i])
+        T = max(len(x) for x in seqs)
         ids = torch.full((len(seqs), T), self.pad_id, dtype=torch.long, device=self.device)
         valid = torch.zeros(len(seqs), T, dtype=torch.bool, device=self.device)
-        for i, s in enumerate(seqs):
-            ids[i, : len(s)] = s
-            valid[i, : len(s)] = True
-        logits = self.model(ids, key_valid=valid)
-        if self.shift:
-            logits = torch.cat([logits[:, :1], logits[:, :-1]], dim=1)
-        return logits
+        for i, x in enumerate(seqs):
+            ids[i, : len(x)] = x
+            valid[i, : len(x)] = True
+        at = torch.cat([(pos - self.shift).clamp(min=0) + i * T for i, pos in enumerate(reads)])
+        logits = self.model(ids, key_valid=valid, logits_at=at)
+        return list(zip(logits.split([len(pos) for pos in reads]), reads))
 
     @grad_free_call
     def step(self) -> list[DecodeEvent]:
         if self.cached:
-            per_row = self._cached_logits()
+            per_row = [(lg, torch.arange(a, a + lg.shape[0], device=self.device)) for lg, a in self._cached_logits()]
         else:
-            logits = self._logits()
-            per_row = [(logits[i, : len(r.state.x)], 0) for i, r in enumerate(self.rows)]
+            per_row = self._logits()
         events, guided = [], len(self.rows)
         for i, r in enumerate(self.rows):
             s = r.state
-            lg, offset = per_row[i]
+            lg, positions = per_row[i]
             if r.params.cfg_scale:
-                un = logits[guided, : len(s.x)]
+                un = per_row[guided][0]
                 guided += 1
                 lg = un + (r.params.cfg_scale + 1) * (lg - un)
-            self._unmask(r, lg, offset)
+            self._unmask(r, lg, positions)
             r.forwards += 1
             if self.provisional:
                 toks = [None if t == self.mask_id else t for t in s.x[s.start:].tolist()]
@@ -278,24 +340,27 @@ class CanvasEngine(BatchEngine):
         self._drop_finished()
         return events
 
-    def _unmask(self, r: RowState, logits: torch.Tensor, offset: int = 0) -> None:
-        """One step of row `r`'s schedule over its canvas logits [N, V] (of the positions from
-        `offset`, outside which nothing is masked that this step may unmask)."""
+    def _unmask(self, r: RowState, logits: torch.Tensor, positions: torch.Tensor) -> None:
+        """One step of row `r`'s schedule over its logits [n, V] of the canvas positions `positions`
+        [n] (ascending; every position the step may unmask among them)."""
         s = r.state
         begin, end = s.blocks[s.block]
-        masked = s.x == self.mask_id
+        masked = self._candidates(s)
+        rows = masked[positions]
         if self.schedule == "timesteps":
             k = timestep_count(int(masked.sum()), s.step, s.steps)
         else:
             k = s.plan[s.step] if s.step < len(s.plan) else 0
-            masked[end:] = False  # later blocks wait
-        rows = masked[offset : offset + logits.shape[0]]
         p = r.params
-        if self.sampler == "gumbel":  # LLaDA: noise over every position's logits, the confidence noise-free
+        read = logits if len(positions) == int(rows.sum()) else logits[rows]  # the candidates' logits
+        if p.temperature == 0 and p.top_p >= 1:  # LLaDA's argmax and its probability are "prob"'s
+            kind = "prob" if self.sampler == "gumbel" else p.confidence
+            conf, tokens = greedy_confidence(read, kind, p.top_k or self.top_k)
+        elif self.sampler == "gumbel":  # LLaDA: noise over every position's logits, the confidence noise-free
             tokens = gumbel_argmax(logits, p.temperature, s.generator)[rows]
-            conf = torch.softmax(logits[rows], dim=-1).gather(-1, tokens[:, None])[:, 0]
+            conf = torch.softmax(read, dim=-1).gather(-1, tokens[:, None])[:, 0]
         else:
-            conf, tokens = canvas_confidence(logits[rows], p.confidence, p.top_k or self.top_k, temperature=p.temperature,
+            conf, tokens = canvas_confidence(read, p.confidence, p.top_k or self.top_k, temperature=p.temperature,
                                              top_p=p.top_p, generator=s.generator)
         full = torch.full(s.x.shape, -torch.inf, dtype=logits.dtype, device=logits.device)
         full[masked] = conf
@@ -306,7 +371,10 @@ class CanvasEngine(BatchEngine):
         if k > 0:
             proposal = torch.full_like(s.x, self.mask_id)
             proposal[masked] = tokens
-            pick = torch.topk(full, k).indices
+            if p.canvas_ties == "position":  # equal confidences leftmost first (llama.cpp's CLI)
+                pick = torch.sort(full, descending=True, stable=True).indices[:k]
+            else:  # the references' torch.topk (no promised order among equals)
+                pick = torch.topk(full, k).indices
             s.x[pick] = proposal[pick]
             s.decoded_at[pick] = s.done
         s.step += 1

@@ -157,6 +157,9 @@ LIMITS: dict[str, Limit] = {
     "canvas_threshold": Limit(float, gt=0, le=1, nullable=True,
                               doc="canvas (LLaDA): Fast-dLLM's parallel decoding, a step unmasks every position above this "
                                   "confidence, at least one (approximate; null = the schedule's count)"),
+    "canvas_ties": Limit(str, choices=("position",), nullable=True,
+                         doc="canvas: the order of equal confidences: \"position\", the leftmost first (llama.cpp's "
+                             "llama-diffusion-cli; null = torch.topk's, the references')"),
 }
 
 
@@ -204,6 +207,7 @@ class SamplingParams:
     cfg_scale: float = 0.0
     canvas_cache: str | None = None
     canvas_threshold: float | None = None
+    canvas_ties: str | None = None
     # token id -> added to its logit, in [-100, 100] (OpenAI's logit_bias; -100 bans the token)
     logit_bias: dict[int, float] | None = None
 

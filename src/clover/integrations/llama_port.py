@@ -48,6 +48,7 @@ NOT_IN_PORT = {  # clover's options the port does not run: why (refused when set
     "canvas_cache": "the port has no canvas mode (whole-sequence diffusion)",
     "canvas_threshold": "the port has no canvas mode (whole-sequence diffusion)",
     "cfg_scale": "the port has no canvas mode (whole-sequence diffusion)",
+    "canvas_ties": "the port has no canvas mode (whole-sequence diffusion)",
 }
 FLAGS = {"max_new_tokens": "-n", "block_size": "--block", "draft_length": "--draft", "no_repeat_ngram_size": "--no-repeat-ngram",
          "stop_token_ids": "--stop-ids"}

@@ -265,12 +265,15 @@ class CausalLM(nn.Module):
 
     # -- plain causal forward (no cache): logits [B, T, V]
     def forward(self, input_ids: torch.Tensor, *, router_logits: list | None = None,
-                hidden_out: dict | None = None, key_valid: torch.Tensor | None = None) -> torch.Tensor:
+                hidden_out: dict | None = None, key_valid: torch.Tensor | None = None,
+                logits_at: torch.Tensor | None = None) -> torch.Tensor:
         """`router_logits`, when a list, receives each MoE layer's router logits (for the aux loss);
         `hidden_out`, when a dict, the outputs of the layers it has as keys (e.g. for a DFlash drafter).
         A whole-sequence model (`commit_attention` "full": Dream, LLaDA) attends both ways over the
         sequence; `key_valid [B, T]` (bool, a prefix per row) then says where each row's sequence ends
-        (the positions after it are not attended to: right-padded rows compute what they would alone)."""
+        (the positions after it are not attended to: right-padded rows compute what they would alone).
+        `logits_at [n]` (indices into the B*T positions, row-major): the head runs on those positions
+        only and the logits are [n, V] (the canvas mode reads a few positions of a long canvas)."""
         mask = self.forward_mask(input_ids, key_valid)
         B, T = input_ids.shape
         positions = torch.arange(T, device=input_ids.device).expand(B, T)
@@ -278,6 +281,8 @@ class CausalLM(nn.Module):
         rope = self.model.rotary_emb(positions, x.dtype)
         x, _ = self._layers(x, rope, Segments(commit_len=T), mask=mask, router_logits=router_logits,
                             hidden_out=hidden_out)
+        if logits_at is not None:
+            x = x.reshape(B * T, -1)[logits_at]
         return self._logits(x)
 
     # -- block-diffusion training forward (clean stream + noisy stream, vectorised over blocks)
