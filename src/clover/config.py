@@ -32,7 +32,7 @@ from .decoding.sampling import LIMITS
 
 # Clover's own fields: on a Clover config only (an AR config.json never carries them)
 CLOVER_FIELDS = ("backbone", "mask_token_id", "block_size", "block_sizes", "block_tokens_per_forward", "threshold",
-                 "policy", "expert_budget", "logit_shift", "block_grid", "commit_attention", "first_token")
+                 "policy", "sub_block", "expert_budget", "logit_shift", "block_grid", "commit_attention", "first_token")
 
 
 class ConfigError(ValueError):
@@ -168,6 +168,7 @@ class CloverConfig:
     block_tokens_per_forward: dict | None = None  # width -> measured tokens per forward (auto's prior)
     threshold: float = 0.95
     policy: str = "threshold"  # the default acceptance policy (clover.decoding.acceptance)
+    sub_block: int | None = None  # the default sub-block a block is denoised in, left to right (None: the whole block)
     expert_budget: int | None = None
     # the block semantics (`BlockSemantics`: what each value means, where it acts), Clover's by default
     logit_shift: int = BlockSemantics.logit_shift
@@ -235,6 +236,11 @@ class CloverConfig:
                 bad(str(e))
             if value is None:
                 bad(f"{name}: must be given")
+        if self.sub_block is not None:
+            try:
+                LIMITS["sub_block"].check("sub_block", self.sub_block)
+            except ValueError as e:
+                bad(str(e))
         if self.mask_token_id is not None and not (0 <= self.mask_token_id < self.vocab_size):
             bad(f"mask_token_id {self.mask_token_id} is outside the vocabulary (size {self.vocab_size})")
         if self.expert_budget is not None and not self.has_experts:
@@ -287,6 +293,12 @@ class CloverConfig:
     def has_gated_attention(self) -> bool:
         """Full attention with a sigmoid output gate (q_proj yields q and the gate) and q/k norms."""
         return False
+
+    @property
+    def fills_after_eos(self) -> bool:
+        """Whether a denoise step that accepts an EOS fills the block's later positions with EOS (Clover's
+        training pads answers so); a family whose reference leaves them to be decoded says no."""
+        return True
 
     @classmethod
     def required_keys(cls) -> tuple[str, ...]:
@@ -344,7 +356,7 @@ class CloverConfig:
             d["architectures"] = [self.HF_ARCHITECTURE]
             for k in CLOVER_FIELDS:
                 d.pop(k)
-        for k in ("quantization_config", "block_sizes", "block_tokens_per_forward", "default_mode"):
+        for k in ("quantization_config", "block_sizes", "block_tokens_per_forward", "default_mode", "sub_block"):
             if d.get(k, 0) is None:
                 d.pop(k)
         self.write_keys(d)

@@ -109,6 +109,7 @@ def model_info(path: Path) -> dict:
         "diffusion": c.mask_token_id is not None,
         "block_size": c.block_size if c.mask_token_id is not None else None,
         "threshold": c.threshold if c.mask_token_id is not None else None,
+        "sub_block": c.sub_block if c.mask_token_id is not None else None,
         "semantics": dataclasses.asdict(c.semantics) if c.mask_token_id is not None else None,
         "mask_token_id": c.mask_token_id,
         "mask_token": _token_string(path, c.mask_token_id),
@@ -147,7 +148,10 @@ def format_info(info: dict) -> str:
     ]
     if info["diffusion"]:
         mask = f"{info['mask_token_id']}" + (f" {info['mask_token']}" if info["mask_token"] else "")
-        rows += [("block size", str(info["block_size"])), ("threshold", str(info["threshold"])), ("mask token", mask)]
+        rows.append(("block size", str(info["block_size"])))
+        if info["sub_block"]:  # denoised in sub-blocks of this size, left to right (Fast-dLLM v2)
+            rows.append(("sub-block", str(info["sub_block"])))
+        rows += [("threshold", str(info["threshold"])), ("mask token", mask)]
         from ..config import BlockSemantics
 
         other = {k: v for k, v in info["semantics"].items() if v != getattr(BlockSemantics, k)}

@@ -91,8 +91,10 @@ class DiffusionRow(EngineRow):
 
 class DiffusionEngine(BatchEngine):
     row_type = DiffusionRow
-    # SDAR's / LLaDA2's: no shift, the absolute grid, a block-causal commit (docs/diffusion.md)
-    semantics_implemented = {"logit_shift": (0,), "block_grid": ("absolute",), "commit_attention": ("block",)}
+    # SDAR's / LLaDA2's: no shift, the absolute grid, a block-causal commit; Fast-dLLM v2's first token
+    # (docs/diffusion.md)
+    semantics_implemented = {"logit_shift": (0,), "block_grid": ("absolute",), "commit_attention": ("block",),
+                             "first_token": ("commit_argmax",)}
 
     def __init__(self, model, *, block_size: int | str, mask_id: int, pad_id: int = 0,
                  provisional: bool = False, expert_budget: int | None = None,
@@ -103,6 +105,8 @@ class DiffusionEngine(BatchEngine):
             raise sem.refuse("commit_attention", "blocks that start at the prompt's end (block_grid 'prompt')")
         self.shift, self.absolute = sem.logit_shift, sem.block_grid == "absolute"
         self.commit_block = sem.commit_attention == "block"
+        self.first_argmax = sem.first_token == "commit_argmax"
+        self.eos_fill = model.config.fills_after_eos
         if block_size == AUTO and self.absolute:
             raise ValueError("block_size: 'auto' re-makes fresh blocks, which an absolute block grid does not have; give a size")
         self.width_policy = None
@@ -201,7 +205,26 @@ class DiffusionEngine(BatchEngine):
 
     def _first_token(self, r: RowState) -> None:
         """The commit part's logits reached row `r` (`first_logits`, predicting its block's first
-        position). `first_token` "denoise": that position is decoded like the others (nothing to do)."""
+        position). `first_token` "denoise": that position is decoded like the others (nothing to do).
+        "commit_argmax": a masked first position takes their argmax (within the row's grammar), at any
+        temperature, as Fast-dLLM v2's `generate` does; the forward that committed was then the row's
+        whole forward (`_commit_only`)."""
+        st = r.state
+        if not self._commit_only(r):
+            return
+        logits = st.first_logits
+        if st.sampler.constrained:
+            logits = st.sampler.allowed(logits)
+        st.blk[0] = logits.argmax()
+        st.masked[0] = False
+        if st.sampler.constrained:
+            self._advance_valid(r)
+
+    def _commit_only(self, r: RowState) -> bool:
+        """Whether row `r`'s next forward only commits: its block's first position waits for the commit's
+        argmax (`first_token` "commit_argmax"; on the absolute grid only a fresh block after a commit
+        has it masked), so nothing of the block can be denoised before it."""
+        return self.first_argmax and bool(r.state.masked[0])
 
     def _new_block(self, row: RowState) -> None:
         Bs = self.block_size
@@ -278,10 +301,12 @@ class DiffusionEngine(BatchEngine):
         cache, commit_src = self._forward_cache(rows)
         has_commit = any(commit_src)
         commit_ids, n_commit = pad_right(commit_src, self.pad_id, self.device) if has_commit else (None, None)
-        cands = [self._candidates(r) for r in rows]
+        only = [self._commit_only(r) for r in rows]
+        cands = [torch.zeros_like(r.state.masked) if o else self._candidates(r) for r, o in zip(rows, only)]
         need = self._read_positions(cands)
-        # a block of one position is predicted by the commit part alone (the AR step): nothing to denoise
-        ar_step = self.shift and Bs == 1 and has_commit and all(commit_src)
+        # a block of one position is predicted by the commit part alone (the AR step): nothing to denoise;
+        # nor when every row waits for its commit's argmax
+        ar_step = (self.shift and Bs == 1 and has_commit and all(commit_src)) or all(only)
         denoise_ids = None if ar_step else torch.stack([r.state.blk for r in rows])
         skips = {} if ar_step else self._skips(rows, cands, need)
         valid = skips.get("denoise_valid")  # skip_window: rows' blocks cut at the batch's widest window
@@ -316,7 +341,7 @@ class DiffusionEngine(BatchEngine):
                 r.state.expected_gain += self.width_policy.prior[Bs] - 1.0
             r.experts_touched.extend(out.experts_touched)
             block_no = r.state.block_no
-            events.extend(self._denoise_row(i, r, logits, cands[i]))
+            events.extend(self._denoise_row(i, r, logits, cands[i], decode=not only[i]))
             if memo and not r.finished and r.state.block_no == block_no:
                 # the memo now holds the inputs of every position that carried a decoded token (and
                 # still carries it); positions past the row's window end were not computed
@@ -448,7 +473,7 @@ class DiffusionEngine(BatchEngine):
                 r.state.dec_forced[frontier] = True
                 self._advance_valid(r)
             pos = pos[~r.state.masked[pos]]
-        if not r.params.ignore_eos and r.eos_ids and not constrained:
+        if not r.params.ignore_eos and r.eos_ids and not constrained and self.eos_fill:
             eos_hits = [j for j in pos.tolist() if int(r.state.blk[j]) in r.eos_ids]
             if eos_hits:  # everything after the first accepted EOS becomes EOS
                 e = min(eos_hits)
@@ -467,11 +492,15 @@ class DiffusionEngine(BatchEngine):
                     r.state.need = j + 1
                     break
 
-    def _denoise_row(self, i: int, r: RowState, logits: torch.Tensor, cand: torch.Tensor) -> list[DecodeEvent]:
+    def _denoise_row(self, i: int, r: RowState, logits: torch.Tensor, cand: torch.Tensor,
+                     decode: bool = True) -> list[DecodeEvent]:
+        """Row `r`'s part of a forward: one denoise step (`decode`; else the forward only committed and
+        placed the block's first token, `_first_token`), then its block emitted if it is done."""
         Bs = self.block_size
         events = []
-        r.state.step += 1
-        if r.state.valid < r.state.need or not r.state.sampler.constrained:  # a fully forced block: nothing to decode
+        if decode:
+            r.state.step += 1
+        if decode and (r.state.valid < r.state.need or not r.state.sampler.constrained):  # a fully forced block: nothing to decode
             self._decode_positions(r, logits, cand)
         if self.provisional:
             events.append(DecodeEvent(
@@ -481,7 +510,11 @@ class DiffusionEngine(BatchEngine):
         open_pos = r.state.masked[: r.state.need].nonzero()
         done = r.state.need if open_pos.numel() == 0 else int(open_pos[0])  # decoded contiguous prefix
         fixed = r.state.fixed  # the prompt's tail (block_grid "absolute"): committed, never output
-        if done < r.state.need and not (done > fixed and _prefix_ends_row(r, r.state.blk[fixed:done].tolist())):
+        # a first token alone that reaches max_new_tokens ends the row too (Fast-dLLM v2's last token,
+        # which its reference takes from the commit after the last whole block)
+        ends = done > fixed and (_prefix_ends_row(r, r.state.blk[fixed:done].tolist())
+                                 or (not decode and len(r.tokens) + done - fixed >= r.params.max_new_tokens))
+        if done < r.state.need and not ends:
             return events
         # block finished (or its decoded prefix already ends the row: EOS, a stop token or stop
         # string — the positions after it cannot change the output): emit it, then queue it for

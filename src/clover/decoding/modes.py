@@ -130,7 +130,7 @@ def default_mode(config) -> Mode:
 def resolve_params(m: Mode, kwargs: dict, config) -> SamplingParams:
     """The generation options for mode `m`, checked (ValueError "option: why" / TypeError for an
     unknown option), with the model's defaults (`config`: block_size, policy, threshold,
-    expert_budget) filled in. The one place this happens: `LLM.params` and the transformers export's
+    sub_block, expert_budget) filled in. The one place this happens: `LLM.params` and the transformers export's
     `diffusion_generate` both call it."""
     params = SamplingParams.from_kwargs(**kwargs).check_model(config.vocab_size)
     if params.block_size is None and m.auto_default and params.draft_length is None:
@@ -141,6 +141,8 @@ def resolve_params(m: Mode, kwargs: dict, config) -> SamplingParams:
         params.policy = "threshold" if params.threshold is not None else config.policy
     if params.threshold is None:
         params.threshold = config.threshold
+    if params.sub_block is None:
+        params.sub_block = config.sub_block
     if params.expert_budget is None:
         params.expert_budget = config.expert_budget
     if params.expert_budget is not None and not config.has_experts:

@@ -1,0 +1,152 @@
+"""Fast-dLLM v2 (`model_type` "Fast_dLLM_Qwen", the Qwen2.5 stack) against its reference: the golden data
+of tests/golden/fastdllm2/, made by scripts/fastdllm2-golden.py running the checkpoints' own remote code
+(`Fast_dLLM_QwenForCausalLM` and its `generate`) on a tiny random checkpoint in their layout, which
+clover loads here. Full-sequence logits (the block-causal prefill), the logits of every forward of a
+generation (denoising steps and commits), and greedy block decoding (prompts ending inside and at the
+end of a block, blocks 32 in sub-blocks of 8 and 8 in sub-blocks of 4, two of them ending at a stop
+token, alone and batched): identical tokens and forwards per block."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from clover.config import BlockSemantics
+from clover.models import config_from_dict
+from test_sdar import _generate, load_golden
+
+GOLDEN = Path(__file__).parent / "golden" / "fastdllm2"
+CASES = json.loads((GOLDEN / "cases.json").read_text())
+TENSORS = load_file(str(GOLDEN / "golden.safetensors"))
+# float32 against the reference's float32 (its own float32 lies 9e-6 from its float64 on these logits,
+# which reach 18); float64 agrees to 1e-10
+TOL = dict(atol=1e-5, rtol=0)
+SEMANTICS = BlockSemantics(logit_shift=1, block_grid="absolute", commit_attention="block", first_token="commit_argmax")
+
+
+@pytest.fixture(scope="module")
+def fdllm(tmp_path_factory):
+    return load_golden(tmp_path_factory, GOLDEN)
+
+
+def _expected(case) -> list[int]:
+    """The reference's tokens as clover reports them: a stop token ends the output without being part of it."""
+    toks = case["tokens"]
+    return toks[:-1] if toks[-1] == CASES["eos_token_id"] else toks
+
+
+def _fused(case) -> int:
+    """1 where clover runs the reference's prefill with the first denoising step in one forward (the
+    prompt's tail opens the first block, so nothing of that step waits for the prefill's logits)."""
+    n, b = len(case["prompt"]), case["block_length"]
+    return int(n > b and n % b != 0)
+
+
+def test_reads_the_fastdllm2_layout_with_its_authors_defaults(fdllm):
+    c = fdllm.config
+    assert type(c).__name__ == "Qwen2Config" and c.model_type == "Fast_dLLM_Qwen"
+    assert (c.block_size, c.sub_block, c.mask_token_id, c.threshold, c.policy) == (32, 8, 127, 0.9, "threshold")
+    assert c.semantics == SEMANTICS and fdllm.default_mode == "diffusion"
+    raw = c.to_dict()  # written back as its own keys
+    assert raw["architectures"] == ["Fast_dLLM_QwenForCausalLM"] and raw["bd_size"] == 32 and "block_size" not in raw
+    assert config_from_dict(json.loads(json.dumps(raw))) == c
+    real = json.loads((GOLDEN / "checkpoint" / "config.json").read_text())
+    del real["mask_token_id"]  # the real config.json names no mask: the tokenizer's "|<MASK>|", 151665
+    real.update(vocab_size=151936)
+    assert config_from_dict(real).mask_token_id == 151665
+
+
+@pytest.mark.parametrize("block", [8, 32])
+def test_full_sequence_logits(fdllm, block):
+    """The prompt prefill: one commit of the whole sequence, block-causal on the absolute grid."""
+    ids = torch.tensor([CASES["full_sequence"]])
+    m = fdllm.model
+    with torch.no_grad():
+        out = m.step(m.make_cache(1, ids.shape[1]), commit_ids=ids, all_logits=True, commit_block=block)
+        torch.testing.assert_close(out.commit_logits[0], TENSORS[f"full_b{block}"], **TOL)
+        m64 = copy.deepcopy(m).double()
+        out = m64.step(m64.make_cache(1, ids.shape[1]), commit_ids=ids, all_logits=True, commit_block=block)
+    torch.testing.assert_close(out.commit_logits[0], TENSORS[f"full64_b{block}"], atol=1e-10, rtol=0)
+
+
+@pytest.mark.parametrize("name", [c["name"] for c in CASES["cases"] if "replay" in c])
+def test_cached_step_logits(fdllm, name):
+    """Every forward of the reference's generation replayed through the cache: a commit's last position
+    (the next block's first token), each denoising step's rows that predict its sub-block."""
+    case = next(c for c in CASES["cases"] if c["name"] == name)
+    m, block = fdllm.model, case["block_length"]
+    cache = m.make_cache(1, 128)
+    with torch.no_grad():
+        for j, fwd in enumerate(case["replay"]):
+            ids = torch.tensor([fwd["ids"]])
+            lo, hi = fwd["rows"]
+            if fwd["commit"]:
+                got = m.step(cache, commit_ids=ids, commit_block=block).commit_logits
+            else:
+                got = m.step(cache, denoise_ids=ids, commit_block=block).denoise_logits[:, lo:hi]
+            torch.testing.assert_close(got[0].reshape(hi - lo, -1), TENSORS[f"step_{name}_{j}"], **TOL)
+
+
+def _options(case) -> dict:
+    return dict(sub_block=case["sub_block"]) if case["block_length"] != 32 else {}
+
+
+@pytest.mark.parametrize("name", [c["name"] for c in CASES["cases"]])
+def test_greedy_block_decoding_alone(fdllm, name):
+    case = next(c for c in CASES["cases"] if c["name"] == name)
+    (g,) = _generate(fdllm, [case], **_options(case))
+    assert g.token_ids == _expected(case)
+    assert g.stats.block_steps == case["denoise_forwards_per_block"]
+    assert g.stats.forwards == case["forwards"] - _fused(case)
+
+
+@pytest.mark.parametrize("block", [8, 32])
+def test_greedy_block_decoding_batched(fdllm, block):
+    """Every prompt of a block size in one batch (the reference's batch needs prompts of one length)."""
+    cases = [c for c in CASES["cases"] if c["block_length"] == block]
+    assert len(cases) >= 2
+    for g, c in zip(_generate(fdllm, cases, **_options(cases[0])), cases):
+        assert g.token_ids == _expected(c) and g.stats.block_steps == c["denoise_forwards_per_block"], c["name"]
+
+
+@pytest.mark.parametrize("block", [8, 32])
+def test_naive_recomputation_gives_the_same_tokens(fdllm, block):
+    """mode="naive" rebuilds the committed sequence every forward (block-causal, the same grid)."""
+    for c in CASES["cases"]:
+        if c["block_length"] == block:
+            g = fdllm.generate(c["prompt"], mode="naive", max_new_tokens=len(c["tokens"]), block_size=block, **_options(c))
+            assert g.token_ids == _expected(c) and g.stats.block_steps == c["denoise_forwards_per_block"], c["name"]
+
+
+def test_a_prompt_of_whole_blocks_opens_with_the_prefills_argmax(fdllm):
+    """The first token after a prompt of whole blocks is the prefill's argmax at any temperature (the
+    reference takes it so), and the denoising that follows sees it."""
+    case = next(c for c in CASES["cases"] if len(c["prompt"]) % c["block_length"] == 0)
+    g = fdllm.generate(case["prompt"], max_new_tokens=1, block_size=case["block_length"], temperature=1.5, seed=3)
+    assert g.token_ids == case["tokens"][:1] and g.stats.forwards == 1 and g.stats.block_steps == [0]
+
+
+def test_modes_that_need_a_causal_commit_are_refused_in_one_line(fdllm):
+    """AR and self-speculation verify causally; Fast-dLLM v2 commits block-causally."""
+    from clover.config import ConfigError
+
+    for mode in ("ar", "speculative"):
+        with pytest.raises(ConfigError, match=r"^(commit_attention='block'|block_grid='absolute'): not implemented in \w+") as e:
+            fdllm.generate([5, 6, 7], mode=mode, max_new_tokens=4)
+        assert "\n" not in str(e.value)
+
+
+def test_info_names_the_family_and_its_decoding(fdllm, capsys):
+    from clover.cli import main
+
+    assert main(["info", str(fdllm.path)]) == 0
+    out = capsys.readouterr().out
+    for needle in ("(Fast_dLLM_Qwen)", "block size       32", "sub-block        8", "threshold        0.9",
+                   "mask token       127", "block semantics  block_grid=absolute, commit_attention=block, "
+                   "first_token=commit_argmax"):
+        assert needle in out, needle
