@@ -150,3 +150,25 @@ def test_info_names_the_family_and_its_decoding(fdllm, capsys):
                    "mask token       127", "block semantics  block_grid=absolute, commit_attention=block, "
                    "first_token=commit_argmax"):
         assert needle in out, needle
+
+
+def test_the_checkpoints_by_name_decode_as_their_reference(tmp_path, monkeypatch, capsys):
+    """The golden checkpoint as the 1.5B's repo id in an offline hub cache: `clover info` names the
+    family and its defaults, and `clover generate --model` with no decoding option gives the
+    reference's tokens (blocks of 32 in sub-blocks of 8, threshold 0.9)."""
+    from clover import cli
+    from test_hub import lay_out
+    from test_sdar import _word_tokenizer
+
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hf"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.chdir(tmp_path)
+    repo = "Efficient-Large-Model/Fast_dLLM_v2_1.5B"
+    _word_tokenizer(lay_out(tmp_path / "hf", repo, GOLDEN / "checkpoint"), 128)
+    assert cli.main(["info", repo]) == 0
+    out = capsys.readouterr().out
+    assert "(Fast_dLLM_Qwen)" in out and "first_token=commit_argmax" in out
+    case = next(c for c in CASES["cases"] if c["block_length"] == 32 and c["tokens"][-1] != CASES["eos_token_id"])
+    prompt = " ".join(f"t{i}" for i in case["prompt"])
+    assert cli.main(["generate", prompt, "--model", repo, "--raw", "-n", str(len(case["tokens"])), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["token_ids"] == case["tokens"]
