@@ -16,6 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+import clover
 from clover.config import BlockSemantics
 from clover.models import config_from_dict
 from test_sdar import _generate, load_golden
@@ -139,6 +140,10 @@ def test_modes_that_need_a_causal_commit_are_refused_in_one_line(fdllm):
         with pytest.raises(ConfigError, match=r"^(commit_attention='block'|block_grid='absolute'): not implemented in \w+") as e:
             fdllm.generate([5, 6, 7], mode=mode, max_new_tokens=4)
         assert "\n" not in str(e.value)
+    with pytest.raises(ConfigError, match="^commit_attention='block': not implemented in the plain forward"):
+        fdllm.model(torch.tensor([[5, 6, 7]]))
+    with pytest.raises(ValueError, match="^compile: the static steps commit causally; this model commits block-causally"):
+        clover.load(fdllm.path, compile=True)
 
 
 def test_info_names_the_family_and_its_decoding(fdllm, capsys):
