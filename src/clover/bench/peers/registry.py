@@ -8,12 +8,15 @@ from typing import Iterable
 from .base import GGUF_DTYPES, Engine, llama_cpp_dir
 from .clover import CloverEngine
 from .hf import TransformersEngine
+from .hf_dflash import HFDFlashEngine
 from .llama_cpp import LlamaCppEngine
+from .llama_cpp_dflash import LlamaCppDFlashEngine
 from .port import PortEngine
 from .vllm_cpu import VLLMEngine
+from .zlab_dflash import ZlabEngine
 
 ENGINES: dict[str, type[Engine]] = {e.name: e for e in (CloverEngine, TransformersEngine, LlamaCppEngine, PortEngine,
-                                                        VLLMEngine)}
+                                                        VLLMEngine, LlamaCppDFlashEngine, ZlabEngine, HFDFlashEngine)}
 
 
 def check_engines(engines: Iterable[str] | None) -> list[str]:

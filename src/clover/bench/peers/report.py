@@ -27,6 +27,9 @@ def summarize(runs: list[dict]) -> list[dict]:
                                          aggregate=tokens / seconds if seconds > 0 else 0.0),
                "vs_clover_ar": None, "vs_clover_ar_paired_median": None, "matches_clover_ar": None,
                "matches_clover_mode": None}
+        accepts = [a for r in rs for a in (r.get("accept_lengths") or ())]
+        if accepts and all(r.get("accept_lengths") for r in rs):  # a drafting row: tokens kept per verify
+            row["tokens_per_verify"] = sum(accepts) / len(accepts)
         base = ar.get(threads)
         if base:
             b_tok = sum(r["tokens"] for r in base.values())
@@ -61,7 +64,7 @@ def peers_title(result: dict) -> str:
     params = c["parameters"].get("total") if isinstance(c["parameters"], dict) else None
     size = f" · {params / 1e6:.1f}M params" if params else ""
     return (f"clover bench peers · {Path(result['model']).name}{note}{size} · {c['dtype']} · {s['prompts']} prompts × "
-            f"{s['max_new_tokens']} new tokens (fixed length, greedy)")
+            f"{s['max_new_tokens']} new tokens ({'each to EOS' if s.get('to_eos') else 'fixed length'}, greedy)")
 
 
 def peers_table(result: dict):
@@ -69,13 +72,14 @@ def peers_table(result: dict):
     from rich.table import Table
 
     t = Table(title=peers_title(result), title_justify="left", caption=skip_notes(result) or None, caption_justify="left")
-    for col in ("engine", "variant", "threads", "batch", "tok/s median", "IQR", "aggregate", "×clover ar", "=AR"):
+    for col in ("engine", "variant", "threads", "batch", "tok/s median", "IQR", "aggregate", "×clover ar", "=AR",
+                "tok/verify"):
         t.add_column(col, justify="left" if col in ("engine", "variant") else "right")
     for r in result["rows"]:
         tps = r["tokens_per_second"]
         t.add_row(r["engine"], r["variant"], str(r["threads"]), str(r["batch"]), _f(tps["median"], ".1f"),
                   f"{_f(tps['q1'], '.1f')}–{_f(tps['q3'], '.1f')}", _f(tps["aggregate"], ".1f"),
-                  _f(r["vs_clover_ar"], ".2f"), _f(r["matches_clover_ar"], ".0%"))
+                  _f(r["vs_clover_ar"], ".2f"), _f(r["matches_clover_ar"], ".0%"), _f(r.get("tokens_per_verify"), ".2f"))
     return t
 
 
@@ -96,13 +100,14 @@ def skip_notes(result: dict) -> str:
 
 def peers_markdown(result: dict) -> str:
     """The table as Markdown (for docs/benchmarks.md)."""
-    out = ["| engine | variant | threads | batch | tok/s median (IQR) | aggregate | × clover ar | = AR |",
-           "|---|---|---:|---:|---:|---:|---:|---:|"]
+    out = ["| engine | variant | threads | batch | tok/s median (IQR) | aggregate | × clover ar | = AR | tok/verify |",
+           "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in result["rows"]:
         tps = r["tokens_per_second"]
         out.append(f"| {r['engine']} | {r['variant']} | {r['threads']} | {r['batch']} | {_f(tps['median'], ',.1f')} "
                    f"({_f(tps['q1'], ',.0f')}–{_f(tps['q3'], ',.0f')}) | {_f(tps['aggregate'], ',.1f')} | "
-                   f"{_f(r['vs_clover_ar'], '.2f')} | {_f(r['matches_clover_ar'], '.0%')} |")
+                   f"{_f(r['vs_clover_ar'], '.2f')} | {_f(r['matches_clover_ar'], '.0%')} | "
+                   f"{_f(r.get('tokens_per_verify'), '.2f')} |")
     return "\n".join(out)
 
 

