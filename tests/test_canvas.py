@@ -246,6 +246,7 @@ def test_fast_selection_equals_the_slow_one():
             assert torch.equal(a.indices[[0, 1, 2, 4]], b[1][[0, 1, 2, 4]])
         for kind in ("prob", "margin", "entropy"):
             for top_k in (0, 1, 3, 50):
+                assert greedy_confidence(x[:0], kind, top_k)[1].shape == (0,)  # no candidates left in the block
                 slow, fast = canvas_confidence(x, kind, top_k), greedy_confidence(x, kind, top_k)
                 assert torch.equal(slow[1], fast[1]), (V, kind, top_k)
                 torch.testing.assert_close(slow[0], fast[0], atol=1e-6, rtol=1e-6)
@@ -277,3 +278,14 @@ def test_position_ties_unmask_left_to_right(family):
     for _ in engine.run():
         pass
     assert len(row.tokens) == 16 and row.steps == sorted(row.steps) and len(set(row.steps)) > 1
+
+
+def test_llada_steps_past_a_blocks_masks(family):
+    """A block with fewer masks than steps (LLaDA's last, short block) runs its remaining steps with
+    nothing to read: every position decoded, the forwards the schedule's."""
+    name, _, _, model = family
+    if name != "llada":
+        return
+    for extra in ({}, {"top_k": 1, "canvas_ties": "position"}):
+        tokens = decode(model, [[5, 6, 7]], [dict(max_new_tokens=18, block_size=8, steps=18, **extra)])[0]
+        assert len(tokens) == 18 and model.config.mask_token_id not in tokens

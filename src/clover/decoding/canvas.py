@@ -1,6 +1,6 @@
-"""Whole-canvas masked diffusion (`mode="canvas"`): Dream's `diffusion_generate` and LLaDA's
-`generate`, exactly, for the checkpoints whose model attends over the whole sequence
-(`commit_attention` "full": Dream, LLaDA).
+"""Whole-canvas masked diffusion (`mode="canvas"`): Dream's `diffusion_generate`, LLaDA's `generate`
+and RND1's `diffusion_sample`, exactly, for the checkpoints whose model attends over the whole
+sequence (`commit_attention` "full": Dream, LLaDA, RND1).
 
 A row's canvas is its prompt followed by `max_new_tokens` mask tokens. Every step is one forward over
 the whole canvas (no cache: the prompt attends to the masks, so nothing is final until the end), whose
@@ -17,7 +17,11 @@ schedule says (the model's `canvas_schedule`):
 - "even" (LLaDA): semi-autoregressive blocks of `block_size` from the prompt's end, `steps / blocks`
   steps each, the block's masks split evenly over them (the remainder one each to the first steps);
   only the current block's masks compete. `cfg_scale` > 0 adds LLaDA's classifier-free guidance:
-  a second forward with the prompt masked, `u + (cfg_scale + 1) * (c - u)`.
+  a second forward with the prompt masked, `u + (cfg_scale + 1) * (c - u)`;
+- "keep" (RND1, greedy): the canvas's last position is a pad its sampler reserves; at step j of
+  `steps` the `int(n * (steps - 1 - j) / steps)` masks of highest entropy (of the logits over 1e-8:
+  its greedy temperature) stay masked and every other takes its argmax (`keep_uncertain`); a row
+  stops once nothing is masked.
 
 Dream's confidences are read over the 50 largest logits (`canvas_top_k`; a request's `top_k` replaces
 it): transformers' `PretrainedConfig` carries `top_k` 50, which `diffusion_generate` takes into its
@@ -51,7 +55,7 @@ from .sampling import SamplingParams, make_generator
 
 EPS = 1e-3  # Dream's `eps`: the last timestep
 CACHES = ("prefix", "dual")  # Fast-dLLM's caches (`canvas_cache`)
-SCHEDULES = ("timesteps", "even")
+SCHEDULES = ("timesteps", "even", "keep")
 
 
 def top_p_filter(logits: torch.Tensor, top_p: float) -> torch.Tensor:
@@ -101,7 +105,7 @@ def top_values(logits: torch.Tensor, k: int, width: int = 64) -> tuple[torch.Ten
     chunks have one, ties aside), so the exact top-k is taken over those chunks' values. The values
     equal topk's; the indices too where no two of the k + 1 largest values tie."""
     N, V = logits.shape
-    if V < 4 * k * width:
+    if V < 4 * k * width or N == 0:  # (a block whose masks are done has no rows)
         return torch.topk(logits, k)
     pad = -V % width
     wide = torch.nn.functional.pad(logits, (0, pad), value=-torch.inf) if pad else logits
@@ -159,6 +163,25 @@ def even_counts(masked: int, steps: int) -> list[int]:
     return [base + (i < rem) for i in range(steps)]
 
 
+def keep_uncertain(logits: torch.Tensor, masked: torch.Tensor, total: int, step: int, steps: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """RND1's greedy step (`diffusion_sample`, greedy, temperature 0 read as 1e-8): logits [n, V] of
+    the masked positions `masked` [T] -> (their argmax tokens, the positions to unmask): the
+    `int(total * (steps - 1 - step) / steps)` masks of highest entropy stay masked (its torch.topk over
+    the canvas, the others at the float32 minimum), every other mask is unmasked; the last step
+    unmasks all. The ops are the reference's, in its order, so ties fall as they fall there."""
+    logp = torch.log_softmax(logits / 1e-8, dim=-1)
+    tokens = logp.argmax(-1)
+    entropy = -(logp.exp() * logp).sum(-1)
+    scores = torch.zeros(1, masked.shape[0], dtype=entropy.dtype, device=logits.device)
+    scores[0, masked] = entropy
+    scores = scores.masked_fill(~masked[None], -torch.finfo(scores.dtype).max)
+    cutoff = int((torch.tensor([[total]]) * ((steps - 1 - step) / steps)).long().clamp(min=0))
+    keep = torch.zeros_like(masked)
+    if cutoff > 0:
+        keep[torch.topk(scores, cutoff, dim=-1, largest=True).indices[0]] = True
+    return tokens, (masked & ~keep).nonzero()[:, 0]
+
+
 class CanvasRow(EngineRow):
     def __init__(self, x: torch.Tensor, start: int, steps: int, blocks: list[tuple[int, int]], plan: list[int]) -> None:
         super().__init__()
@@ -205,7 +228,7 @@ class CanvasEngine(BatchEngine):
         n, start = p.max_new_tokens, len(row.prompt)
         x = torch.tensor(row.prompt + [self.mask_id] * n, dtype=torch.long, device=self.device)
         steps = p.steps or n
-        if self.schedule == "timesteps":
+        if self.schedule != "even":
             blocks = [(start, start + n)]
         else:
             width = int(p.block_size)
@@ -214,6 +237,11 @@ class CanvasEngine(BatchEngine):
                 raise ValueError(f"steps: {steps} must be a multiple of the number of blocks ({len(blocks)} of "
                                  f"block_size {width} in {n} tokens), as LLaDA's generate asks")
             steps //= len(blocks)
+        if self.schedule == "keep":  # RND1: its sampler reserves the canvas's last position (pad, never decoded)
+            if p.temperature > 0 or p.top_k or p.top_p < 1:
+                raise ValueError("temperature: RND1's canvas decodes greedily only (its sampled draw and top-k/top-p "
+                                 "filters are not built)")
+            x[-1] = self.model.config.pad_token_id
         if self.cached and p.cfg_scale:
             raise ValueError("cfg_scale: not with canvas_cache (Fast-dLLM's cached generators have no guidance)")
         row.state = CanvasRow(x, start, steps, blocks, self._plan(x, blocks[0], steps))
@@ -228,6 +256,8 @@ class CanvasEngine(BatchEngine):
         return []
 
     def _plan(self, x: torch.Tensor, block: tuple[int, int], steps: int) -> list[int]:
+        if self.schedule == "keep":
+            return [int((x == self.mask_id).sum())]  # the masks the canvas starts with
         if self.schedule == "timesteps":
             return []  # computed at each step from the masks left
         return even_counts(int((x[block[0]:block[1]] == self.mask_id).sum()), steps)
@@ -347,12 +377,36 @@ class CanvasEngine(BatchEngine):
         begin, end = s.blocks[s.block]
         masked = self._candidates(s)
         rows = masked[positions]
-        if self.schedule == "timesteps":
-            k = timestep_count(int(masked.sum()), s.step, s.steps)
-        else:
-            k = s.plan[s.step] if s.step < len(s.plan) else 0
         p = r.params
         read = logits if len(positions) == int(rows.sum()) else logits[rows]  # the candidates' logits
+        if self.schedule == "keep":
+            tokens, pick = keep_uncertain(read, masked, s.plan[0], s.step, s.steps)
+        else:
+            if self.schedule == "timesteps":
+                k = timestep_count(int(masked.sum()), s.step, s.steps)
+            else:
+                k = s.plan[s.step] if s.step < len(s.plan) else 0
+            tokens, pick = self._most_confident(r, logits, rows, read, masked, k)
+        s.done += 1
+        if len(pick):
+            proposal = torch.full_like(s.x, self.mask_id)
+            proposal[masked] = tokens
+            s.x[pick] = proposal[pick]
+            s.decoded_at[pick] = s.done
+        s.step += 1
+        left = bool((s.x[begin:end] == self.mask_id).any())
+        done = s.step == s.steps if p.canvas_threshold is None else not left  # the block's steps, or its masks
+        if done or (self.schedule == "keep" and not left):  # RND1 forwards no more once nothing is masked
+            s.block, s.step = s.block + 1, 0
+            if s.block < len(s.blocks):
+                s.plan = self._plan(s.x, s.blocks[s.block], s.steps)
+
+    def _most_confident(self, r: RowState, logits: torch.Tensor, rows: torch.Tensor, read: torch.Tensor,
+                        masked: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Dream's and LLaDA's pick: each candidate's token and confidence, the `k` most confident
+        (Fast-dLLM's threshold: every one above it, at least one) -> (tokens of the candidates, the
+        positions to unmask)."""
+        s, p = r.state, r.params
         if p.temperature == 0 and p.top_p >= 1:  # LLaDA's argmax and its probability are "prob"'s
             kind = "prob" if self.sampler == "gumbel" else p.confidence
             conf, tokens = greedy_confidence(read, kind, p.top_k or self.top_k)
@@ -364,24 +418,13 @@ class CanvasEngine(BatchEngine):
                                              top_p=p.top_p, generator=s.generator)
         full = torch.full(s.x.shape, -torch.inf, dtype=logits.dtype, device=logits.device)
         full[masked] = conf
-        threshold = r.params.canvas_threshold
-        if threshold is not None:  # Fast-dLLM's parallel decoding: the best, and every other above the threshold
-            k = max(1, int((conf >= threshold).sum()))
-        s.done += 1
-        if k > 0:
-            proposal = torch.full_like(s.x, self.mask_id)
-            proposal[masked] = tokens
-            if p.canvas_ties == "position":  # equal confidences leftmost first (llama.cpp's CLI)
-                pick = torch.sort(full, descending=True, stable=True).indices[:k]
-            else:  # the references' torch.topk (no promised order among equals)
-                pick = torch.topk(full, k).indices
-            s.x[pick] = proposal[pick]
-            s.decoded_at[pick] = s.done
-        s.step += 1
-        if (s.step == s.steps) if threshold is None else not bool((s.x[begin:end] == self.mask_id).any()):
-            s.block, s.step = s.block + 1, 0
-            if s.block < len(s.blocks):
-                s.plan = self._plan(s.x, s.blocks[s.block], s.steps)
+        if p.canvas_threshold is not None:  # Fast-dLLM's parallel decoding: the best, and every other above it
+            k = max(1, int((conf >= p.canvas_threshold).sum()))
+        if k <= 0:
+            return tokens, full.new_zeros(0, dtype=torch.long)
+        if p.canvas_ties == "position":  # equal confidences leftmost first (llama.cpp's CLI)
+            return tokens, torch.sort(full, descending=True, stable=True).indices[:k]
+        return tokens, torch.topk(full, k).indices  # the references' torch.topk (no promised order among equals)
 
 
 class Canvas(Mode):

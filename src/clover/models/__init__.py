@@ -31,6 +31,7 @@ from .qwen3_moe import ARCHITECTURE as QWEN3_MOE  # noqa: E402
 from .qwen2 import ARCHITECTURE as QWEN2  # noqa: E402
 from .dream import ARCHITECTURE as DREAM  # noqa: E402
 from .llada import ARCHITECTURE as LLADA  # noqa: E402
+from .rnd1 import ARCHITECTURE as RND1  # noqa: E402
 from .bailing_moe_v2 import ARCHITECTURE as BAILING_MOE_V2  # noqa: E402
 
 REGISTERED: tuple[Architecture, ...] = tuple(v for v in dict(globals()).values() if isinstance(v, Architecture))
