@@ -224,6 +224,18 @@ def write(data: dict, out: Path) -> None:
         print(f"{out.name} {c['name']}: {c['tokens']}")
 
 
+def run(build, out: Path, name: str) -> None:
+    """`build(work)` -> a family's data in a scratch folder, written as `out/name/cases.json` (one
+    thread, the seed set; the other families' scripts use it too)."""
+    torch.set_num_threads(1)
+    torch.manual_seed(SEED)
+    work = Path(tempfile.mkdtemp(prefix=f"{name}-golden-"))
+    try:
+        write(build(work), out / name)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("fast_dllm", type=Path, help="a checkout of github.com/NVlabs/Fast-dLLM")

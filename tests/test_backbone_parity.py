@@ -163,7 +163,7 @@ def test_registry_covers_every_model_type():
     import clover.models as models
     # one import line per architecture module, each registered once, in import order
     assert [a.name for a in REGISTERED] == ["qwen3_5_moe", "qwen3_5", "llama", "qwen3", "qwen3_moe", "qwen2", "dream",
-                                            "llada", "rnd1", "bailing_moe_v2"]
+                                            "llada", "llada_moe", "rnd1", "bailing_moe_v2"]
     assert all(getattr(models, a.name.upper()) is a for a in REGISTERED)
     assert DEFAULT_BACKBONE in REGISTERED[0].config_class.MODEL_TYPES
     assert set(ARCHITECTURES) | {"clover"} == set(SUPPORTED_MODEL_TYPES)

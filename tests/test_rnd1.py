@@ -1,6 +1,6 @@
 """RND1 (model_type `rnd1`) against its reference code: a tiny random checkpoint in RND1's layout
 (Qwen3-MoE's tensor names and keys, the real vocabulary and mask token), rebuilt from the seed and
-shapes in tests/golden/rnd1/cases.json (scripts/rnd1-golden.py wrote them by running
+shapes in tests/golden/rnd1/cases.json (scripts/rnd1-llada-moe-golden.py wrote them by running
 RadicalNumerics/RND1's `RND1LM` and its `generate`), gives the reference's full-sequence logits and,
 in the canvas mode ("keep" schedule), the reference's greedy tokens on every case, alone and batched."""
 

@@ -31,6 +31,7 @@ from .qwen3_moe import ARCHITECTURE as QWEN3_MOE  # noqa: E402
 from .qwen2 import ARCHITECTURE as QWEN2  # noqa: E402
 from .dream import ARCHITECTURE as DREAM  # noqa: E402
 from .llada import ARCHITECTURE as LLADA  # noqa: E402
+from .llada_moe import ARCHITECTURE as LLADA_MOE  # noqa: E402
 from .rnd1 import ARCHITECTURE as RND1  # noqa: E402
 from .bailing_moe_v2 import ARCHITECTURE as BAILING_MOE_V2  # noqa: E402
 
@@ -84,6 +85,11 @@ def config_from_dict(raw: Any, *, source: str = "config") -> CloverConfig:
         raise ConfigError(f"{source}: expected a JSON object, got {type(raw).__name__}")
     model_type = raw.get("model_type")
     d, shown = dict(raw), {}
+    if isinstance(model_type, str):  # a family whose config.json carries another's model_type (`Architecture.claims`)
+        named = raw.get("architectures") or ()
+        model_type = next((a.config_class.MODEL_TYPES[0] for a in REGISTERED if a.claims.get(model_type) in named),
+                          model_type)
+        d["model_type"] = model_type
     if model_type in MULTIMODAL or ("text_config" in raw and model_type != CLOVER):
         if model_type not in MULTIMODAL:
             raise _unsupported(source, model_type)

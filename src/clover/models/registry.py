@@ -31,6 +31,8 @@ class Architecture:
     multimodal: dict[str, str] = field(default_factory=dict)  # wrapper model_type -> the text model_type in `text_config`
     gguf_arch: str | None = None  # its llama.cpp architecture: the table in `clover.gguf.names` (None: no GGUF)
     vllm: VLLMSupport | None = None  # the vLLM plugin's class for Clover checkpoints over it (None: not served)
+    # another family's model_type -> the transformers architecture that makes such a config.json this one's
+    claims: dict[str, str] = field(default_factory=dict)
 
     @property
     def model_types(self) -> tuple[str, ...]:
