@@ -203,6 +203,9 @@ class LLM:
         """The generation options for `mode`, checked (ValueError "option: why" / TypeError for an
         unknown option), with the model's defaults filled in."""
         m = self.mode(mode)
+        why = m.refusal(self.config)
+        if why is not None:
+            raise ValueError(why)
         params = resolve_params(m, kwargs, self.config)
         if getattr(m, "needs_drafter", False) and self.drafter is None:
             raise ValueError(f"mode: {m.name!r} needs a DFlash drafter; load one with clover.load(model, drafter=DIR) "

@@ -23,6 +23,14 @@ from .kernels import chunk_gated_delta_rule, recurrent_gated_delta_rule, state_a
 RECURRENT_ROLLBACK = 4  # a rollback re-runs up to this many kept tokens one by one (measured cheaper on CPU)
 
 
+def kv_bytes(config, tokens: int, *, elem: int = 2) -> int:
+    """Bytes of K and V for `tokens` cached positions over every full-attention layer of `config` at
+    `elem` bytes a value (`AttentionState`); a GDN layer's state does not grow with the context."""
+    types = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
+    layers = sum(t == "full_attention" for t in types)
+    return layers * 2 * config.num_key_value_heads * config.head_dim * elem * tokens
+
+
 # --------------------------------------------------------------------------- per-layer states
 def scatter_kv(keys: torch.Tensor, values: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor) -> None:
     """The K/V write of a cached forward, without a host read: k/v `[B, H_kv, T, D]` scattered into the

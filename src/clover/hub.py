@@ -157,9 +157,9 @@ def estimate(config, *, weight_bytes: int | None = None, context: int | None = N
 
         weight_bytes = parameter_counts(config)["total"] * elem
     context = context or min(DEFAULT_CONTEXT, getattr(config, "max_position_embeddings", None) or DEFAULT_CONTEXT)
-    types = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
-    attn_layers = sum(t == "full_attention" for t in types)
-    cache = attn_layers * 2 * config.num_key_value_heads * config.head_dim * elem * context
+    from .cache import kv_bytes
+
+    cache = kv_bytes(config, context, elem=elem)
     where = "RAM"
     if free is None:
         free, where = free_memory(device)

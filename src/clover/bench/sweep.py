@@ -93,7 +93,10 @@ def run_sweep(llm, work: Workload = Workload(), *, thresholds: Iterable[float] =
         raise ValueError("this is a plain AR checkpoint (no mask token): there is no diffusion mode to sweep")
     block_size = block_size or llm.config.block_size
     threshold = threshold or llm.config.threshold
+    if not llm.mode_available("diffusion"):
+        raise ValueError(llm.mode("diffusion").refusal(llm.config))
     configs = configurations(thresholds, block_sizes, block_size, threshold, confidences, policies)
+    configs = [c for c in configs if llm.mode_available(c["mode"])]  # SDAR, LLaDA2: no AR baseline
     items = work.load()
 
     def kwargs(c: dict) -> dict:

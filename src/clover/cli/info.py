@@ -18,6 +18,38 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--vllm-memory", action="store_true",
                    help="instead: the memory per GPU of a vLLM deployment on 1-8 GPUs (weights, K/V, GDN state), "
                         "from the config alone (docs/scale-out.md); MODEL may also be qwen3.6-35b-a3b")
+    p.add_argument("--memory", action="store_true",
+                   help="instead: the parameters and the memory of decoding (weights at bf16/int8/int4 + the K/V "
+                        "cache at --context), from the config alone, the model built on the meta device; MODEL may "
+                        "also be a full-size shape by name: " + ", ".join(_shape_names()))
+    p.add_argument("--context", type=int, default=None,
+                   help="--memory: cached tokens per row (default: the model's context length)")
+    p.add_argument("--batch", type=int, default=1, help="--memory: rows decoded together (default 1)")
+
+
+def _shape_names() -> list[str]:
+    from ..models.shapes import SHAPES
+
+    return list(SHAPES)
+
+
+def _config(args: argparse.Namespace):
+    """MODEL's config: a full-size shape by name (`clover.models.shapes`), else its config.json."""
+    from ..models import read_config
+    from ..models.shapes import shape_config
+
+    given = getattr(args, "model_pos", None) or getattr(args, "model", None)
+    return shape_config(given) or read_config(model_dir(args))
+
+
+def memory(args: argparse.Namespace) -> str:
+    """`--memory`: `clover.quant.sizes.memory_plan` of MODEL's config at --context x --batch."""
+    from ..quant.sizes import format_memory_plan, memory_plan
+
+    c = _config(args)
+    plan = memory_plan(c, context=c.max_position_embeddings if args.context is None else args.context, batch=args.batch)
+    given = getattr(args, "model_pos", None) or getattr(args, "model", None)
+    return json.dumps(plan) if args.json else format_memory_plan(plan, str(given))
 
 
 def _regular(path: Path) -> bool:
@@ -172,15 +204,17 @@ def format_info(info: dict) -> str:
 def vllm_memory(args: argparse.Namespace) -> str:
     """`--vllm-memory`: the per-GPU tables for MODEL's config.json (or the 35B-A3B shapes by name)."""
     from ..integrations.vllm.memory import report
-    from ..models import read_config
-    from ..models.qwen3_5_moe import full_size_config
-    from ..train.plan import MODEL_ALIASES
 
-    given = getattr(args, "model_pos", None) or getattr(args, "model", None)
-    return report(full_size_config() if given and given.lower() in MODEL_ALIASES else read_config(model_dir(args)))
+    return report(_config(args))
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.memory:
+        try:
+            print(memory(args))
+        except ValueError as e:
+            raise UsageError(str(e)) from None
+        return 0
     if args.vllm_memory:
         if args.json:
             raise UsageError("--vllm-memory prints tables; leave out --json")

@@ -39,6 +39,7 @@ class AREngine(BatchEngine):
 class AR(Mode):
     name = "ar"
     summary = "autoregressive: one token per forward (the baseline)"
+    engine = AREngine
 
     def make_engine(self, model, spec, *, mask_id, pad_id):
         return AREngine(model, pad_id=pad_id)

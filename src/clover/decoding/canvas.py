@@ -432,9 +432,12 @@ class Canvas(Mode):
     needs_mask = True
     summary = "whole-canvas masked diffusion: Dream's diffusion_generate / LLaDA's generate, exactly (no cache)"
     grammar = False
+    engine = CanvasEngine
 
-    def available(self, config) -> bool:
-        return config.commit_attention == "full"
+    def refusal(self, config) -> str | None:
+        if config.commit_attention != "full":
+            return f"mode: 'canvas' decodes whole-sequence models (Dream, LLaDA) only, not {config.model_type or 'this model'}"
+        return None
 
     def check(self, params: SamplingParams) -> None:
         if params.steps is not None and params.steps > max(1, params.max_new_tokens):

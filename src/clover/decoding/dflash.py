@@ -227,6 +227,7 @@ class DFlash(Mode):
     name = "dflash"
     needs_drafter = True  # the engine needs a DFlash drafter next to the target (`clover.load(..., drafter=)`)
     reference = "ar"
+    engine = DFlashEngine
     summary = "AR with a DFlash block drafter: drafts a block in one drafter forward, verifies it causally (lossless)"
     auto_width = True  # block_size="auto": the draft length adapts to acceptance
 

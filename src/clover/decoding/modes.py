@@ -62,11 +62,25 @@ class Mode:
     auto_default: bool = False  # block_size unset (nor draft_length): "auto", where it wins in every measured case
     summary: str = ""
     grammar: bool = True  # obeys a row's grammar (clover.grammar); a mode that does not refuses one
+    engine: type | None = None  # the `BatchEngine` it builds: its `semantics_implemented` says which models it decodes
+
+    def refusal(self, config) -> str | None:
+        """Why this mode cannot decode a model of `config`, in one line (None: it can): every mode but
+        the canvas mode needs a model with a commit (`commit_attention` not "full"), and its engine
+        the block semantics the config states (a causal verify cannot run SDAR's or LLaDA2's)."""
+        if config.commit_attention == "full":
+            return (f"mode: {self.name!r} cannot decode a whole-sequence model ({config.model_type}); "
+                    "its mode is 'canvas'")
+        try:
+            if self.engine is not None:
+                config.semantics.require("its engine", self.engine.semantics_implemented)
+        except ValueError as e:  # the config's ConfigError
+            return f"mode: {self.name!r} cannot decode this model ({config.model_type}): {e}"
+        return None
 
     def available(self, config) -> bool:
-        """Whether this mode decodes a model of `config` at all: every mode but the canvas mode needs
-        a model with a commit (`commit_attention` not "full")."""
-        return config.commit_attention != "full"
+        """Whether this mode decodes a model of `config` at all (`refusal` says why not)."""
+        return self.refusal(config) is None
 
     def check(self, params: SamplingParams) -> None:
         """Mode-specific checks, after the model's defaults are filled in (ValueError "option: why")."""

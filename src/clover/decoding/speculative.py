@@ -319,6 +319,7 @@ class Speculative(Mode):
     reference = "ar"
     summary = ("self-speculative: drafts a block by denoising, verifies it causally (greedy == AR greedy; sampling "
                "distributed as AR's by the rejection rule)")
+    engine = SpeculativeEngine
 
     auto_width = True  # block_size="auto": the draft length adapts to acceptance
     auto_default = True  # ... and is the default: it beat the fixed draft in every measured case (docs/experiments.md)

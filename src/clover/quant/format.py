@@ -44,6 +44,11 @@ LINEAR_SUFFIXES = (
     "mlp.gate_proj",  # the dense backbone's MLP
     "mlp.up_proj",
     "mlp.down_proj",
+    "self_attn.query_key_value",  # LLaDA2 (BailingMoeV2): fused QKV, output `dense`, `shared_experts`
+    "self_attn.dense",
+    "mlp.shared_experts.gate_proj",
+    "mlp.shared_experts.up_proj",
+    "mlp.shared_experts.down_proj",
 )
 EXPERTS_SUFFIX = "mlp.experts"
 EMBEDDING = "model.embed_tokens"

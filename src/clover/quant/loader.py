@@ -87,8 +87,9 @@ def load_quantized(
             specs[key] = (dt, shape, name)
         for wname in t.weight_shapes():
             float_expected.pop(wname, None)
-        if t.bias:
+        if t.bias:  # kept in high precision, read with its module (Qwen2's and Dream's q/k/v)
             owner[f"{name}.bias"] = name
+            float_expected.pop(f"{name}.bias", None)
         _set_module(model, name, _make_module(t, bits, group_size, dtype))
     if tied:
         float_expected.pop("lm_head.weight", None)

@@ -70,3 +70,48 @@ def footprint_table(config=None) -> str:
         out.append(f"| {label} | {f['quantized_params'] / 1e9:.2f} B of {f['params'] / 1e9:.2f} B | {_gib(f['disk_bytes'])} | "
                    f"{_gib(f['memory_bytes'])} | {8 * f['disk_bytes'] / f['params']:.2f} |")
     return "\n".join(out)
+
+
+PLAN_PRECISIONS = (("bf16", dict(bits=None)), ("int8", dict(bits=8)), ("int4 g64", dict(bits=4, group_size=64)))
+
+
+def memory_plan(config, *, context: int, batch: int = 1, kv_elem: int = 2) -> dict:
+    """What decoding `config` holds: its parameters (total, active per token), and per weight precision
+    the weights in memory plus the K/V cache of `batch` rows of `context` tokens (`kv_elem` bytes a
+    value; `clover.cache.kv_bytes`). From the shapes alone (the model built on `meta`); activations
+    and the allocator's slack are left out."""
+    from ..cache import kv_bytes
+    from ..models import parameter_counts
+
+    if context < 1 or batch < 1:
+        raise ValueError(f"context and batch must be positive, got {context} and {batch}")
+    counts = parameter_counts(config)
+    kv = kv_bytes(config, context, elem=kv_elem) * batch
+    rows = {}
+    for label, kw in PLAN_PRECISIONS:
+        w = footprint(config, **kw)["memory_bytes"]
+        rows[label] = {"weights_bytes": w, "kv_bytes": kv, "total_bytes": w + kv}
+    return {"model_type": config.model_type, "parameters": counts, "context": context, "batch": batch,
+            "kv_bytes_per_token": kv_bytes(config, 1, elem=kv_elem), "precisions": rows}
+
+
+def _size(n: float) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n / 1024:.1f} KiB"
+
+
+def _count(n: int) -> str:
+    return f"{n / 1e9:.2f} B" if n >= 1e8 else f"{n / 1e6:.2f} M"
+
+
+def format_memory_plan(plan: dict, name: str) -> str:
+    p = plan["parameters"]
+    out = [f"{name} ({plan['model_type']}): {_count(p['total'])} parameters, {_count(p['active'])} active per token; "
+           f"K/V {_size(plan['kv_bytes_per_token'])} a token",
+           f"memory at {plan['context']:,} tokens x {plan['batch']} row(s) (weights + bf16 K/V; activations not counted):",
+           "| weights | weights in memory | K/V cache | total |", "|---|---:|---:|---:|"]
+    for label, r in plan["precisions"].items():
+        out.append(f"| {label} | {_size(r['weights_bytes'])} | {_size(r['kv_bytes'])} | {_size(r['total_bytes'])} |")
+    return "\n".join(out)

@@ -36,7 +36,6 @@ from pathlib import Path
 
 GB = 1e9
 CHUNK = 64  # GDN chunk length of the chunked delta rule: one fp32 state per chunk is kept for backward
-MODEL_ALIASES = ("qwen3.6-35b-a3b", "qwen3.5-35b-a3b", "full")  # clover.models.qwen3_5_moe.full_size_config()
 
 
 @dataclass
@@ -59,13 +58,11 @@ class Plan:
 
 
 def _model_config(recipe, model: str | None):
-    from ..models.qwen3_5_moe import full_size_config
     from ..models import config_from_dict, read_config
+    from ..models.shapes import shape_config
 
     if model:
-        if model.lower() in MODEL_ALIASES:
-            return full_size_config()
-        return read_config(model)
+        return shape_config(model) or read_config(model)
     if recipe.model:
         return config_from_dict({**recipe.model, "model_type": recipe.model.get("model_type", "clover")},
                                       source="recipe [model]")
