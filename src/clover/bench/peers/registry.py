@@ -12,11 +12,13 @@ from .hf_dflash import HFDFlashEngine
 from .llama_cpp import LlamaCppEngine
 from .llama_cpp_dflash import LlamaCppDFlashEngine
 from .port import PortEngine
+from .reference import LLaDA2Reference, SDARReference
 from .vllm_cpu import VLLMEngine
 from .zlab_dflash import ZlabEngine
 
 ENGINES: dict[str, type[Engine]] = {e.name: e for e in (CloverEngine, TransformersEngine, LlamaCppEngine, PortEngine,
-                                                        VLLMEngine, LlamaCppDFlashEngine, ZlabEngine, HFDFlashEngine)}
+                                                        VLLMEngine, LlamaCppDFlashEngine, ZlabEngine, HFDFlashEngine,
+                                                        SDARReference, LLaDA2Reference)}
 
 
 def check_engines(engines: Iterable[str] | None) -> list[str]:
@@ -29,12 +31,23 @@ def check_engines(engines: Iterable[str] | None) -> list[str]:
 
 
 def discover(config, *, dtype: str = "float32", engines: Iterable[str] | None = None, llama_dir: str | Path | None = None,
-             vllm_python: str | None = None) -> dict[str, dict]:
+             vllm_python: str | None = None, reference: str | Path | None = None,
+             reference_python: str | None = None) -> dict[str, dict]:
     """{engine: {"available": bool, "note": why not / caveats, "version": ..., ...}} for every engine;
     the ones not in `engines` are marked as not asked for."""
     wanted = check_engines(engines)
     if dtype not in GGUF_DTYPES:
         raise ValueError(f"dtype: must be one of {', '.join(GGUF_DTYPES)}, got {dtype!r}")
-    where = dict(dtype=dtype, llama_dir=Path(llama_dir) if llama_dir else llama_cpp_dir(), vllm_python=vllm_python)
-    return {name: cls.find(config, **where) if name in wanted else {"available": False, "note": "not asked for (--engines)"}
+    where = dict(dtype=dtype, llama_dir=Path(llama_dir) if llama_dir else llama_cpp_dir(), vllm_python=vllm_python,
+                 reference=Path(reference) if reference else None, reference_python=reference_python)
+    from ...decoding import get_mode
+
+    why = get_mode("ar").refusal(config)  # an autoregressive peer decodes what clover's ar mode decodes
+
+    def find(cls: type[Engine]) -> dict:
+        if cls.causal and why:
+            return {"available": False, "note": f"decodes autoregressively; {why.removeprefix('mode: ')}"}
+        return cls.find(config, **where)
+
+    return {name: find(cls) if name in wanted else {"available": False, "note": "not asked for (--engines)"}
             for name, cls in ENGINES.items()}

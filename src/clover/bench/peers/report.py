@@ -30,6 +30,14 @@ def summarize(runs: list[dict]) -> list[dict]:
         accepts = [a for r in rs for a in (r.get("accept_lengths") or ())]
         if accepts and all(r.get("accept_lengths") for r in rs):  # a drafting row: tokens kept per verify
             row["tokens_per_verify"] = sum(accepts) / len(accepts)
+        compare = rs[0].get("compare")
+        if compare:  # a family's reference: clover's mode at the same threads and batch, over this
+            row.update(compared_with=compare, clover_speedup=None)
+            mine = [r for r in runs if r["engine"] == "clover" and r["variant"] == compare
+                    and r["threads"] == threads and r["batch"] == batch]
+            m_tok, m_sec = sum(r["tokens"] for r in mine), sum(r["seconds"] for r in mine)
+            if m_sec > 0 and seconds > 0 and tokens:
+                row["clover_speedup"] = (m_tok / m_sec) / (tokens / seconds)
         base = ar.get(threads)
         if base:
             b_tok = sum(r["tokens"] for r in base.values())
@@ -43,12 +51,13 @@ def summarize(runs: list[dict]) -> list[dict]:
                 same = [r["token_ids"] == base[r["item"]]["token_ids"] for r in rs
                         if r["token_ids"] is not None and r["item"] in base]
                 row["matches_clover_ar"] = sum(same) / len(same) if same else None
-                mode = variant.removesuffix(STATIC_SUFFIX)
-                if engine == "llama-clover" or mode != variant:  # the port, or compiled steps, against clover's engine in the same mode
-                    ref = {r["item"]: r["token_ids"] for r in runs if r["engine"] == "clover" and r["variant"] == mode
-                           and r["threads"] == threads and r["batch"] == 1}
-                    same = [r["token_ids"] == ref[r["item"]] for r in rs if r["item"] in ref]
-                    row["matches_clover_mode"] = sum(same) / len(same) if same else None
+        if batch == 1:  # the port, compiled steps or a reference: against clover's engine in that mode
+            mode = compare or variant.removesuffix(STATIC_SUFFIX)
+            if engine == "llama-clover" or mode != variant:
+                ref = {r["item"]: r["token_ids"] for r in runs if r["engine"] == "clover" and r["variant"] == mode
+                       and r["threads"] == threads and r["batch"] == 1}
+                same = [r["token_ids"] == ref[r["item"]] for r in rs if r["item"] in ref]
+                row["matches_clover_mode"] = sum(same) / len(same) if same else None
         rows.append(row)
     return rows
 
@@ -90,9 +99,12 @@ def skip_notes(result: dict) -> str:
             lines.append(f"{name}: {'skipped — ' if not e['available'] else ''}{e['note']}")
     for r in result["rows"]:
         if r.get("matches_clover_mode") is not None:
-            mode = r["variant"].removesuffix(STATIC_SUFFIX)
+            mode = r.get("compared_with") or r["variant"].removesuffix(STATIC_SUFFIX)
             lines.append(f"{r['engine']} {r['variant']} ({r['threads']} thread{'s' if r['threads'] > 1 else ''}): "
                          f"same tokens as clover {mode} on {r['matches_clover_mode']:.0%} of prompts")
+        if r.get("clover_speedup") is not None:
+            lines.append(f"{r['engine']} {r['variant']} ({r['threads']} thread{'s' if r['threads'] > 1 else ''}, batch "
+                         f"{r['batch']}): clover {r['compared_with']} {r['clover_speedup']:.2f}x its tokens/s")
     if result["settings"].get("skipped_modes"):
         lines.append(f"clover modes left out: {', '.join(result['settings']['skipped_modes'])}")
     return "\n".join(lines)

@@ -25,7 +25,7 @@ def _measure(runners: list[Runner], ids: list[list[int]], batch_ids: list[list[i
     def record(r: Runner, batch: int, item: int, tokens: int, s: float, out) -> dict:
         return {"engine": r.engine, "variant": r.variant, "threads": t, "batch": batch, "item": item, "tokens": tokens,
                 "seconds": s, "tokens_per_second": tokens / s if s > 0 else 0.0, "token_ids": out,
-                "accept_lengths": r.accepts if batch == 1 else None}
+                "accept_lengths": r.accepts if batch == 1 else None, "compare": r.compare}
 
     def attempt(r: Runner, fn):
         try:
@@ -69,6 +69,8 @@ def run_peers(
     engines: Iterable[str] | None = None,
     llama_dir: str | Path | None = None,
     vllm_python: str | None = None,
+    reference: str | Path | None = None,
+    reference_python: str | None = None,
     workdir: str | Path | None = None,
     progress: Callable[[str], None] | None = None,
     model_note: str | None = None,
@@ -80,7 +82,9 @@ def run_peers(
     AR, diffusion and speculative modes with `compile="static"` (variants `ar+static`, ...; warmed up, so compile
     time is not in the timings). `questions` > 0: the prompts are that many held-out chat questions through the
     model's chat template (`bench.chat.chat_items`) instead of task prompts; `to_eos`: each answer is decoded to
-    its EOS (capped at `max_new_tokens`) instead of exactly `max_new_tokens` tokens."""
+    its EOS (capped at `max_new_tokens`) instead of exactly `max_new_tokens` tokens.
+    `reference` / `reference_python`: a released family's reference checkout and the interpreter that runs it
+    (`reference.py`)."""
     import clover
 
     from ...decoding import get_mode, mode_names
@@ -100,9 +104,10 @@ def run_peers(
         say("clover: compile=static")
         static_llm = clover.load(src, dtype=dtype, compile="static", compile_batch=batch)  # batch sizes up to the bench's
     cfg = llm.config
-    found = discover(cfg, dtype=dtype, engines=engines, llama_dir=llama_dir, vllm_python=vllm_python)
+    found = discover(cfg, dtype=dtype, engines=engines, llama_dir=llama_dir, vllm_python=vllm_python,
+                     reference=reference, reference_python=reference_python)
     wanted_modes = [get_mode(m) for m in (mode_names() if modes is None else modes)]
-    skipped_modes = [m.name for m in wanted_modes if m.needs_mask and cfg.mask_token_id is None]
+    skipped_modes = [m.name for m in wanted_modes if not llm.mode_available(m)]  # AR-only, or a family's own
     run_modes = [m.name for m in wanted_modes if m.name not in skipped_modes]
     if "naive" in run_modes and modes is None:
         run_modes.remove("naive")  # the uncached reference: a benchmark of its own (bench decode)
@@ -126,7 +131,8 @@ def run_peers(
     setup = Setup(src, llm, static_llm, dtype, work, max_new_tokens, run_modes, batch_ids, batch_rounds,
                   n_ctx=max(len(p) for p in ids) + max_new_tokens + 64,
                   llama_dir=Path(llama_dir) if llama_dir else llama_cpp_dir(), vllm_python=vllm_python, say=say,
-                  to_eos=to_eos)
+                  to_eos=to_eos, reference=Path(reference) if reference else None,
+                  reference_python=reference_python)
 
     def note(name: str, msg: str) -> None:
         found[name]["note"] = "; ".join(x for x in (found[name].get("note"), msg) if x)

@@ -1,0 +1,136 @@
+"""A released family's own reference code (SDAR's `block_diffusion_generate`, LLaDA2's `generate`) on the
+same weights and prompts, in another interpreter: the rows that show clover gives its authors' tokens and
+how much faster. Their code cannot be committed here, so the row reads the user's checkout (`--reference
+DIR`, else the family's environment variable) and runs it in `--reference-python` (else
+$CLOVER_REFERENCE_PYTHON, else this interpreter), one with the transformers it was written for; without a
+checkout it is skipped with a note saying so.
+
+The family's file (`sdar_reference.py`, `llada2_reference.py`: its shims, loader and decode, nothing of
+clover) is loaded by path in a worker process (`base.WorkerRunner`), one per thread count. Each row decodes one
+prompt at a time (the references have no batching): its batch rows are the batch's prompts in turn. The
+options are the checkpoint's defaults, as clover's `diffusion` rows use them (block size, steps = the
+block, threshold, mask), greedy, no stop; its tokens are compared with clover `diffusion`'s."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+from .base import Engine, WorkerRunner, interpreter_with
+
+HERE = Path(__file__).resolve().parent
+
+WORKER = r"""
+import importlib.util, json, sys, tempfile, time
+from pathlib import Path
+import torch
+family_file, checkout, model_dir, threads = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3]), int(sys.argv[4])
+torch.set_num_threads(threads)
+spec = importlib.util.spec_from_file_location("clover_reference", family_file)
+ref = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(ref)
+handle = ref.load(checkout, model_dir, Path(tempfile.mkdtemp(prefix="clover-reference-")))
+MARK = "CLOVER_PEERS "
+print(MARK + json.dumps({"ready": True}), flush=True)
+for line in sys.stdin:
+    req = json.loads(line)
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        outs = [ref.decode(handle, ids, req["n"], **req["options"]) for ids in req["prompts"]]
+    print(MARK + json.dumps({"seconds": time.perf_counter() - t0, "token_ids": outs}), flush=True)
+"""
+
+VERSIONS = "import sys, torch, transformers; sys.stdout.write(transformers.__version__)"
+
+
+class ReferenceRunner(WorkerRunner):
+    variant = "reference"
+    batches = True  # one prompt at a time: the batch's prompts in turn
+    compare = "diffusion"
+
+    def __init__(self, engine: str, cmd: list[str], n: int, options: dict) -> None:
+        self.engine, self.what, self.n, self.options = engine, f"{engine} worker", n, options
+        self.start(cmd, dict(os.environ))
+
+    def _ask(self, prompts, n=None):
+        return self.ask({"prompts": prompts, "n": n or self.n, "options": self.options})
+
+    def warm(self, ids):
+        self._ask([ids], min(self.n, 2 * self.options["block"]))
+
+    def one(self, ids):
+        r = self._ask([ids])
+        out = r["token_ids"][0]
+        return out, len(out), r["seconds"]
+
+    def many(self, prompts):
+        r = self._ask(prompts)
+        return sum(len(t) for t in r["token_ids"]), r["seconds"]
+
+
+class ReferenceEngine(Engine):
+    """One family's reference; a subclass names the family (`model_types`), its code's file here, the
+    environment variable of its checkout and what that checkout is."""
+
+    fails = "failed to start"
+    causal = False
+    model_types: tuple[str, ...] = ()
+    family_file = ""
+    env = ""
+    checkout = ""
+
+    @classmethod
+    def find(cls, config, *, dtype, reference=None, reference_python=None, **_) -> dict:
+        if config.model_type not in cls.model_types:
+            return {"available": False, "note": f"not this model's family ({config.model_type})"}
+        where = reference or os.environ.get(cls.env)
+        if not where:
+            return {"available": False, "note": f"no reference checkout: pass --reference DIR or set {cls.env} to "
+                                                f"{cls.checkout} (its code cannot ship with clover)"}
+        why = _family(cls.family_file).check_checkout(Path(where))
+        if why:
+            return {"available": False, "note": why}
+        if dtype != "float32":
+            return {"available": False, "note": f"the reference runs here in float32 only; this run is {dtype}"}
+        python = reference_python or os.environ.get("CLOVER_REFERENCE_PYTHON") or sys.executable
+        found = interpreter_with(python, VERSIONS, module="transformers", missing="torch and transformers not importable")
+        if found["available"]:
+            found.update(version=f"transformers {found['version']}", checkout=str(Path(where).resolve()),
+                         note="decodes one prompt at a time (its batch rows: the batch's prompts in turn)")
+        return found
+
+    def runners(self, threads):
+        st = self.setup
+        c = st.config
+        options = {"block": c.block_size, "steps": c.block_size, "threshold": c.threshold, "mask_id": c.mask_token_id}
+        st.say(f"{self.name}: starting ({threads} threads)")
+        cmd = [self.found["python"], "-c", WORKER, str(HERE / self.family_file), self.found["checkout"],
+               str(st.src.resolve()), str(threads)]
+        return [ReferenceRunner(self.name, cmd, st.max_new_tokens, options)]
+
+
+def _family(file: str):
+    """The family's reference file as a module (it imports torch and the standard library only)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(f"clover_reference_{Path(file).stem}", HERE / file)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+class SDARReference(ReferenceEngine):
+    name = "sdar-reference"
+    model_types = ("sdar",)
+    family_file = "sdar_reference.py"
+    env = "CLOVER_SDAR_REFERENCE"
+    checkout = "a clone of github.com/JetAstra/SDAR"
+
+
+class LLaDA2Reference(ReferenceEngine):
+    name = "llada2-reference"
+    model_types = ("llada2_moe",)
+    family_file = "llada2_reference.py"
+    env = "CLOVER_LLADA2_REFERENCE"
+    checkout = "a directory holding LLaDA2's modeling_llada2_moe.py and configuration_llada2_moe.py"
