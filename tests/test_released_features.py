@@ -117,3 +117,5 @@ def test_full_size_shapes_build_on_meta_with_their_memory_plan(name, total, acti
     assert f"{counts['total'] / 1e9:.2f} B parameters" in out and "| int4 g64 |" in out and "32,768 tokens x 2" in out
     assert main(["info", name, "--memory", "--context", "0"]) == 2
     assert "context and batch must be positive" in capsys.readouterr().err
+    assert main(["info", name, "--vllm-memory"]) == 2  # the vLLM plugin's tables are Qwen3.5's
+    assert "use --memory" in capsys.readouterr().err

@@ -205,7 +205,11 @@ def vllm_memory(args: argparse.Namespace) -> str:
     """`--vllm-memory`: the per-GPU tables for MODEL's config.json (or the 35B-A3B shapes by name)."""
     from ..integrations.vllm.memory import report
 
-    return report(_config(args))
+    c = _config(args)
+    if not hasattr(c, "linear_num_key_heads"):  # the plugin's tables are Qwen3.5's (GDN + attention)
+        raise UsageError(f"--vllm-memory: the vLLM plugin serves Qwen3.5-based checkpoints, not {c.model_type}; "
+                         "use --memory")
+    return report(c)
 
 
 def run(args: argparse.Namespace) -> int:
