@@ -288,15 +288,19 @@ class CanvasEngine(BatchEngine):
             else:
                 commit.append(x[:a] if refresh[i] else [])
                 block.append(x[a:])
-        commit_ids = n = denoise_ids = valid = None
+        commit_ids = n = denoise_ids = valid = need = None
         if any(commit):
             commit_ids, n = pad_right(commit, self.pad_id, self.device)
         if any(block):
             denoise_ids, lens = pad_right(block, self.pad_id, self.device)
-            valid = torch.arange(denoise_ids.shape[1], device=self.device)[None, :] < lens[:, None]
+            cols = torch.arange(denoise_ids.shape[1], device=self.device)[None, :]
+            valid = cols < lens[:, None]
+            # the last layer and the head only where the block's masks are read
+            width = torch.tensor(ends, device=self.device) - torch.tensor(starts, device=self.device)
+            need = (denoise_ids == self.mask_id) & (cols < width[:, None])
         start = torch.tensor(starts, device=self.device) if dual else None
         out = self.model.step(self.cache, commit_ids=commit_ids, n_commit=n, denoise_ids=denoise_ids,
-                              denoise_valid=valid, all_logits=dual, denoise_start=start)
+                              denoise_valid=valid, all_logits=dual, denoise_start=start, denoise_need=need)
         rows = []
         for i in range(len(self.rows)):
             a, b = starts[i], ends[i]
