@@ -226,9 +226,18 @@ class LLM:
             raise ValueError("prompt: empty; give at least one token")
         return ids
 
-    def check_length(self, prompt_len: int, params: SamplingParams, mode: Mode) -> None:
-        """ValueError (naming `prompt`) when the prompt plus what `mode` generates does not fit."""
-        extra = self.extra_positions(params, mode)
+    def plan(self, mode: Mode, params: SamplingParams, provisional: bool = False) -> EngineSpec:
+        """The plan rows of `mode` with options `params` decode with (`Mode.plan`, resolved against this
+        model and its drafter): what the context check, the engine's cache and the batching key read."""
+        return mode.plan(params, provisional, config=self.config, drafter=self.drafter)
+
+    def _reserve(self, params: SamplingParams, plan: EngineSpec | Mode) -> int:
+        return (self.plan(plan, params) if isinstance(plan, Mode) else plan).reserve
+
+    def check_length(self, prompt_len: int, params: SamplingParams, plan: EngineSpec | Mode) -> None:
+        """ValueError (naming `prompt`) when the prompt plus what `plan` generates does not fit (a
+        `Mode`: planned here)."""
+        extra = self._reserve(params, plan)
         total = prompt_len + params.max_new_tokens + extra
         if prompt_len >= self.context_length or total > self.context_length:
             raise ValueError(
@@ -237,14 +246,10 @@ class LLM:
                 + f" exceeds the context length {self.context_length}; shorten the prompt or lower max_new_tokens"
             )
 
-    def room(self, prompt_len: int, params: SamplingParams, mode: Mode) -> int:
-        """The most tokens `mode` can generate after a prompt of `prompt_len` tokens."""
-        return max(0, self.context_length - prompt_len - self.extra_positions(params, mode))
-
-    def extra_positions(self, params: SamplingParams, mode: Mode) -> int:
-        """The positions `mode` needs beyond prompt + max_new_tokens here (a mode that drafts with
-        this LLM's drafter reserves what its engine does with it)."""
-        return mode.extra_positions(params, drafter=self.drafter, config=self.config)
+    def room(self, prompt_len: int, params: SamplingParams, plan: EngineSpec | Mode) -> int:
+        """The most tokens `plan` can generate after a prompt of `prompt_len` tokens (a `Mode`: planned
+        here)."""
+        return max(0, self.context_length - prompt_len - self._reserve(params, plan))
 
     def eos_ids(self) -> set[int]:
         """The tokens that end a row: the config's EOS ids and the tokenizer's (every front end's set)."""
@@ -287,8 +292,8 @@ class LLM:
         return GrammarSpec.from_response_format(rf)
 
     def engine(self, spec: EngineSpec):
-        """A fresh batch engine for rows of `spec` (`Mode.spec`; rows join it with `add`, `run()`
-        yields events). A mode that needs a drafter gets this LLM's."""
+        """A fresh batch engine for rows of `spec` (the plan, `LLM.plan`; rows join it with `add`,
+        `run()` yields events). A mode that needs a drafter gets this LLM's."""
         pad = self.tokenizer.pad_token_id or 0
         if getattr(spec.mode, "needs_drafter", False):
             return spec.mode.make_engine(self.model, spec, mask_id=self.config.mask_token_id, pad_id=pad,
@@ -327,12 +332,13 @@ class LLM:
         grammar = self._grammar_kwargs(kwargs)
         m = self.mode(mode)
         params = resolve_params(m, kwargs, self.config)
+        plan = self.plan(m, params)
         ids = [self.encode_prompt(p) for p in prompts]
         for p in ids:
-            self.check_length(len(p), params, m)
+            self.check_length(len(p), params, plan)
         compiled = self.compile_grammar(grammar, params, mode=m)
         rows = [self.row(p, params, compiled) for p in ids]
-        for _ in self._events(rows, m.spec(params)):
+        for _ in self._events(rows, plan):
             pass
         results = [self.result(r) for r in rows]
         if any(isinstance(p, str) and not r.token_ids for p, r in zip(prompts, results)) and self.is_chat:
@@ -349,12 +355,13 @@ class LLM:
         grammar = self._grammar_kwargs(kwargs)
         m = self.mode(mode)
         params = resolve_params(m, kwargs, self.config)
+        plan = self.plan(m, params, provisional)
         ids = self.encode_prompt(prompt)
-        self.check_length(len(ids), params, m)
+        self.check_length(len(ids), params, plan)
         row = self.row(ids, params, self.compile_grammar(grammar, params, mode=m))
         stream = RowStream(self, row)
         held: StreamEvent | None = None  # tokens committed while the text could not advance yet
-        for ev in self._events([row], m.spec(params, provisional)):
+        for ev in self._events([row], plan):
             if ev.kind == "finish":
                 continue  # `done` below
             out = stream.event(ev)

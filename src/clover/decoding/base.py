@@ -307,10 +307,11 @@ class BatchEngine:
     # values: field -> the other values. A model whose config states another is refused here, in one line.
     semantics_implemented: dict[str, tuple] = {}
 
-    def __init__(self, model, *, pad_id: int = 0) -> None:
+    def __init__(self, model, *, pad_id: int = 0, reserve: int = 0) -> None:
         model.config.semantics.require(f"{type(self).__name__}", self.semantics_implemented)
         self.model = model
         self.pad_id = pad_id
+        self.reserve = reserve  # positions a row's cache holds past prompt + max_new_tokens (`EngineSpec.reserve`)
         self.rows: list[RowState] = []
         self.cache = None
 
@@ -322,7 +323,9 @@ class BatchEngine:
         return len(self.rows)
 
     def _capacity(self, row: RowState) -> int:
-        return len(row.prompt) + row.params.max_new_tokens + 1
+        """The cache a row is made with: its prompt, its output and the plan's reserve (the positions the
+        context check reserved for it, so a row that passed the check never grows its cache)."""
+        return len(row.prompt) + row.params.max_new_tokens + self.reserve
 
     @grad_free_call
     def add(self, row: RowState) -> list[DecodeEvent]:

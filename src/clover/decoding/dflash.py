@@ -26,6 +26,7 @@ d_1..d_j). `forwards` counts the target's forwards; `draft_forwards` the drafter
 
 from __future__ import annotations
 
+import dataclasses
 import weakref
 from dataclasses import dataclass
 
@@ -44,18 +45,10 @@ DRAFT_CUT = 0.2
 AUTO_BLOCKS = (2, 4, 8, 16)  # draft "auto": the blocks (anchor + drafts) it picks among, up to the drafter's
 
 
-def max_draft(draft_length: int | None, drafter=None) -> int:
-    """The most drafts per verify of rows asking for `draft_length` (None or "auto": the drafter's
-    block - 1, or `DEFAULT_DRAFT` before a drafter is known)."""
-    if isinstance(draft_length, int):
-        return draft_length
-    return drafter.block_size - 1 if drafter is not None else DEFAULT_DRAFT
-
-
-def reserved_positions(draft_length: int) -> int:
-    """Positions a row needs beyond prompt + max_new_tokens with up to `draft_length` drafts: its
-    last verify writes the anchor and the drafts after its last committed token (one to spare)."""
-    return draft_length + 1
+def drafter_block(drafter=None) -> int:
+    """The tokens a verify commits with the drafter's whole block (its anchor and drafts; `DEFAULT_DRAFT`
+    drafts before a drafter is known)."""
+    return drafter.block_size if drafter is not None else DEFAULT_DRAFT + 1
 
 
 @dataclass(eq=False)
@@ -69,21 +62,19 @@ class DFlashEngine(VerifyEngine):
     row_type = DFlashRow
 
     def __init__(self, model, drafter, *, draft_length: int | str, pad_id: int = 0, draft_policy=None,
-                 cut: float | None = None) -> None:
+                 cut: float | None = None, reserve: int | None = None) -> None:
         if draft_length == AUTO:
             from .width import DraftPolicy
 
             blocks = sorted({b for b in AUTO_BLOCKS if b <= drafter.block_size} | {drafter.block_size})
             draft_policy = draft_policy or DraftPolicy(blocks, iteration_curve(model, drafter, blocks))
             draft_length = max(draft_policy.widths) - 1
-        elif not 1 <= draft_length <= drafter.block_size - 1:
-            raise ValueError(f"draft_length: must lie in [1, {drafter.block_size - 1}] for this drafter "
-                             f"(block_size {drafter.block_size}), got {draft_length}")
         else:
             draft_policy = None
-        self.max_draft = draft_length
-        super().__init__(model, width=draft_length + 1, reserve=reserved_positions(draft_length), pad_id=pad_id,
-                         draft_policy=draft_policy)
+        # the plan's reserve (the widest verify: the anchor and its drafts, one to spare behind the last
+        # committed token); an engine built without a plan reserves that for its own drafts
+        super().__init__(model, width=draft_length + 1, reserve=draft_length + 1 if reserve is None else reserve,
+                         pad_id=pad_id, draft_policy=draft_policy)
         self.drafter = drafter
         self.cut = cut  # cut each draft before its first token below this drafter probability (None: never)
         self.draft_cache = None
@@ -235,21 +226,33 @@ class DFlash(Mode):
         if params.block_size == AUTO and params.draft_length is not None:
             raise ValueError("draft_length: block_size \"auto\" chooses the draft length; give one or the other")
 
-    def extra_positions(self, params, drafter=None, config=None) -> int:
-        """As the engine reserves for the drafter it decodes with (`drafter`; the LLM passes its own)."""
-        return reserved_positions(max_draft(params.draft_length, drafter))
-
     def spec(self, params, provisional: bool = False) -> EngineSpec:
-        # None: the drafter's block - 1, cut by its confidence; "auto": adapted to acceptance
-        return EngineSpec(self, width=params.draft_length, auto=params.block_size == AUTO and not params.draft_length)
+        # a draft length asked for is kept; "auto": adapted to acceptance; neither: the drafter's whole
+        # block, cut by its confidence (`resolve`)
+        return EngineSpec(self, width=params.draft_length + 1 if params.draft_length else None,
+                          auto=params.block_size == AUTO and not params.draft_length)
+
+    def resolve(self, spec, config=None, drafter=None) -> EngineSpec:
+        """The width the drafter decides (its whole block, cut by its confidence, where no draft length
+        was asked for), checked against it; the reserve is the widest verify."""
+        if spec.reserve is not None:
+            return spec
+        if drafter is not None and spec.width is not None and spec.width > drafter.block_size:
+            raise ValueError(f"draft_length: must lie in [1, {drafter.block_size - 1}] for this drafter "
+                             f"(block_size {drafter.block_size}), got {spec.width - 1}")
+        width = spec.width
+        if width is None and not spec.auto:
+            width = drafter_block(drafter)
+            spec = dataclasses.replace(spec, width=width, draft_cut=DRAFT_CUT)
+        return dataclasses.replace(spec, reserve=width or drafter_block(drafter))
 
     def make_engine(self, model, spec, *, mask_id, pad_id, drafter=None):
         if drafter is None:
             raise ValueError("mode: 'dflash' needs a DFlash drafter; load one with clover.load(model, drafter=DIR) "
                              "(CLI and server: --drafter DIR)")
-        # the default draft length is cut by the drafter's confidence; a length asked for is kept
-        return DFlashEngine(model, drafter, draft_length=spec.engine_width or max_draft(None, drafter), pad_id=pad_id,
-                            cut=DRAFT_CUT if spec.engine_width is None else None)
+        spec = self.resolve(spec, model.config, drafter)
+        return DFlashEngine(model, drafter, draft_length=AUTO if spec.auto else spec.width - 1, pad_id=pad_id,
+                            cut=spec.draft_cut, reserve=spec.reserve)
 
 
 register(DFlash())

@@ -72,6 +72,13 @@ from .modes import EngineSpec, Mode, register
 from .sampling import AUTO
 
 
+def block_reserve(width: int) -> int:
+    """Positions a row decoded in blocks of up to `width` needs past prompt + max_new_tokens: its last
+    block opens before the output's end and is denoised whole (its cache holds committed blocks only,
+    never more than the prompt and the output)."""
+    return width
+
+
 @dataclass(eq=False)
 class DiffusionRow(EngineRow):
     committed: list[int] = field(default_factory=list)  # naive (no cache): the whole committed sequence
@@ -98,7 +105,8 @@ class DiffusionEngine(BatchEngine):
 
     def __init__(self, model, *, block_size: int | str, mask_id: int, pad_id: int = 0,
                  provisional: bool = False, expert_budget: int | None = None,
-                 expert_rank: str = "sum", width_policy=None, skips: tuple[str, ...] = ()) -> None:
+                 expert_rank: str = "sum", width_policy=None, skips: tuple[str, ...] = (),
+                 reserve: int | None = None) -> None:
         super().__init__(model, pad_id=pad_id)
         sem = model.config.semantics
         if sem.commit_attention == "block" and sem.block_grid != "absolute":
@@ -107,8 +115,6 @@ class DiffusionEngine(BatchEngine):
         self.commit_block = sem.commit_attention == "block"
         self.first_argmax = sem.first_token == "commit_argmax"
         self.eos_fill = model.config.fills_after_eos
-        if block_size == AUTO and self.absolute:
-            raise ValueError("block_size: 'auto' re-makes fresh blocks, which an absolute block grid does not have; give a size")
         self.width_policy = None
         if block_size == AUTO:
             from .width import WidthPolicy
@@ -116,7 +122,8 @@ class DiffusionEngine(BatchEngine):
             self.width_policy = width_policy or WidthPolicy.for_model(model)
             block_size = max(self.width_policy.widths)
         self.block_size, self.mask_id = block_size, mask_id
-        self.max_width = block_size
+        # the plan's reserve; an engine built without one reserves its widest block (`block_reserve`)
+        self.reserve = block_reserve(block_size) if reserve is None else reserve
         self.provisional, self.expert_budget = provisional, expert_budget
         self.expert_rank = expert_rank
         self.skip_window = "window" in skips
@@ -126,9 +133,6 @@ class DiffusionEngine(BatchEngine):
         self.memo: list | None = None  # skip_decoded: per layer, the rows' block inputs of their last forward [B, Bs, ...]
         self.choices: list = []  # block_size="auto": each WidthChoice (width, why), in order
         self.forwards = 0
-
-    def _capacity(self, row: RowState) -> int:
-        return len(row.prompt) + row.params.max_new_tokens + 2 * self.max_width
 
     def _choose_width(self) -> None:
         """block_size="auto": when every row is at a fresh block, pick the width for the next blocks."""
@@ -572,11 +576,6 @@ class Diffusion(Mode):
     auto_width = True
     engine = DiffusionEngine
 
-    def extra_positions(self, params, drafter=None, config=None) -> int:
-        from .width import AUTO_MAX_WIDTH
-
-        return AUTO_MAX_WIDTH if params.block_size == AUTO else params.block_size
-
     def check(self, params) -> None:
         if params.policy == "hierarchy" and params.low_threshold > params.threshold:
             raise ValueError(f"low_threshold: must be <= threshold ({params.threshold}), got {params.low_threshold}")
@@ -590,9 +589,25 @@ class Diffusion(Mode):
         return EngineSpec(self, None if auto else params.block_size, params.expert_budget, params.expert_rank,
                           provisional, skips, auto=auto)
 
+    def reserve(self, spec, config=None, drafter=None) -> int:
+        """The widest block: the fixed one, or the widest that "auto" picks among (the model's trained
+        widths, `width.trained_widths`)."""
+        from .width import AUTO_MAX_WIDTH, trained_widths
+
+        if not spec.auto:
+            return block_reserve(spec.width)
+        return block_reserve(AUTO_MAX_WIDTH if config is None else max(trained_widths(config)))
+
+    def resolve(self, spec, config=None, drafter=None) -> EngineSpec:
+        if spec.reserve is None and spec.auto and config is not None and config.semantics.block_grid == "absolute":
+            raise ValueError("block_size: 'auto' re-makes fresh blocks, which an absolute block grid does not have; give a size")
+        return super().resolve(spec, config, drafter)
+
     def make_engine(self, model, spec, *, mask_id, pad_id):
+        spec = self.resolve(spec, model.config)
         return self.engine(model, block_size=spec.engine_width, mask_id=mask_id, pad_id=pad_id, provisional=spec.provisional,
-                           expert_budget=spec.expert_budget, expert_rank=spec.expert_rank, skips=spec.skips)
+                           expert_budget=spec.expert_budget, expert_rank=spec.expert_rank, skips=spec.skips,
+                           reserve=spec.reserve)
 
 
 register(Diffusion())

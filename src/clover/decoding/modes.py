@@ -4,14 +4,18 @@ eval read.
 A mode is one file in `decoding/` that defines a `Mode` subclass and calls `register(...)` on an
 instance; `decoding/__init__.py` imports the file (one line). The mode states what it needs (a mask
 token), its own checks on the generation options (beyond the per-option limits every mode shares,
-`sampling.LIMITS`), how many positions past prompt + max_new_tokens it needs in the context, which
-options rows must share to ride in one forward (its `EngineSpec`), and how to build its engine.
+`sampling.LIMITS`), the plan its engine runs (`EngineSpec`: what rows must share to ride in one
+forward, and how many positions past prompt + max_new_tokens a row needs), and how to build its engine.
 
 Names resolve once: a front end turns the name it was given (or none: `default_mode(config)`, the
-one default) into a `Mode` with `get_mode` and carries that object from then on."""
+one default) into a `Mode` with `get_mode` and carries that object from then on. Options resolve
+once too: `resolve_params` checks them and fills in the model's defaults, then `Mode.plan` turns
+them into the frozen `EngineSpec` that the context check, the cache, the batching key and the
+engine all read."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from .sampling import AUTO, SamplingParams
@@ -19,21 +23,28 @@ from .sampling import AUTO, SamplingParams
 
 @dataclass(frozen=True)
 class EngineSpec:
-    """What rows must share to ride in one forward, and all an engine is built from: the mode and the
-    options that change the forward itself (the block or draft width, the expert budget and rank,
-    and whether each denoise step is reported). Rows with equal specs share one engine (the
-    server's batching key); the per-row options (acceptance, sampling, stops) stay in each row's
-    `SamplingParams`."""
+    """The plan: what a request's options mean for its engine, resolved once by its mode
+    (`Mode.plan`). Rows with equal plans share one engine (the server's batching key); the
+    per-row options (acceptance, sampling, stops) stay in each row's `SamplingParams`.
+
+    It holds what changes the forward itself (the width or the auto policy, the expert budget and
+    rank, the skips, the draft cut, whether each denoise step is reported) and `reserve`, the one
+    number that both the context check (`LLM.check_length` / `room`) and each row's cache
+    (`BatchEngine._capacity`) read. `reserve` None: made by `Mode.spec` alone, not resolved against
+    the model yet (`Mode.resolve`, which building its engine runs)."""
 
     mode: "Mode"
-    width: int | None = None  # the block size (diffusion) or draft length (speculative, dflash); None: the mode's own
+    # the fixed width: a diffusion block's positions, or the tokens a verify commits (t and its
+    # drafts: speculative, dflash); None where `auto` chooses it, or the mode has none
+    width: int | None = None
     expert_budget: int | None = None
     expert_rank: str = "sum"
     provisional: bool = False  # report the block after every denoise step
-    skips: tuple[str, ...] = ()  # diffusion's approximate skips ("window", "decoded")
-    draft_cut: float | None = None  # speculative: drafts cut before their first token below this confidence
+    skips: tuple[str, ...] = ()  # diffusion's approximate skips ("window", "decoded"); canvas: its cache
+    draft_cut: float | None = None  # drafts cut before their first token below this confidence
     auto: bool = False  # the engine picks the width per block or forward (the request's block_size "auto";
     # speculative: the adaptive draft, whose rejected draft's leftover drafts on)
+    reserve: int | None = None  # positions a row needs past prompt + max_new_tokens (context and cache)
 
     @property
     def engine_width(self) -> int | str | None:
@@ -85,19 +96,34 @@ class Mode:
     def check(self, params: SamplingParams) -> None:
         """Mode-specific checks, after the model's defaults are filled in (ValueError "option: why")."""
 
-    def extra_positions(self, params: SamplingParams, drafter=None, config=None) -> int:
-        """Context positions needed beyond prompt + max_new_tokens (e.g. one block); `drafter`: the
-        draft model the engine would decode with (the LLM's own), for a mode that drafts with one;
-        `config`: the model's (the LLM passes it)."""
-        return 0
-
     def spec(self, params: SamplingParams, provisional: bool = False) -> EngineSpec:
-        """The engine rows with options `params` need (rows with equal specs share a forward);
-        `provisional`: the caller wants every denoise step's block (modes without one ignore it)."""
+        """What the options `params` (checked, the model's defaults filled in) mean for the engine:
+        the plan before the model's own facts (`resolve`). `provisional`: the caller wants every
+        denoise step's block (modes without one ignore it). The hook a mode overrides."""
         return EngineSpec(self)
 
+    def reserve(self, spec: EngineSpec, config=None, drafter=None) -> int:
+        """Positions a row of `spec` needs past prompt + max_new_tokens, for the context and its cache
+        alike (e.g. one block); `config`: the model's, `drafter`: the draft model the engine decodes
+        with (the LLM's own), for a mode that drafts with one."""
+        return 0
+
+    def resolve(self, spec: EngineSpec, config=None, drafter=None) -> EngineSpec:
+        """`spec` with what needs the model (its config, the drafter) resolved and checked: the
+        reserve (a mode may resolve more, e.g. a width its drafter decides). A resolved spec comes
+        back as it is."""
+        if spec.reserve is not None:
+            return spec
+        return dataclasses.replace(spec, reserve=self.reserve(spec, config, drafter))
+
+    def plan(self, params: SamplingParams, provisional: bool = False, *, config=None, drafter=None) -> EngineSpec:
+        """The plan of rows with options `params`, resolved once: what every front end decodes with
+        (`LLM.plan`)."""
+        return self.resolve(self.spec(params, provisional), config, drafter)
+
     def make_engine(self, model, spec: EngineSpec, *, mask_id: int | None, pad_id: int):
-        """A `BatchEngine` for rows of `spec` (built by this mode's `spec`)."""
+        """A `BatchEngine` for rows of `spec` (this mode's plan; one made by `spec` alone is resolved
+        first)."""
         raise NotImplementedError
 
     def __repr__(self) -> str:

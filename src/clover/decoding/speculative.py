@@ -60,10 +60,12 @@ DRAFT_CUT = 0.0
 SKIP_BLOCK_BELOW = 0.35
 
 
-def check_speculative_params(params) -> None:
-    if (params.repetition_penalty != 1.0 or params.presence_penalty or params.frequency_penalty
-            or params.no_repeat_ngram_size):
-        raise ValueError("repetition_penalty: history-dependent penalties are not supported in speculative mode")
+def reserved_positions(width: int) -> int:
+    """Positions a row drafting `width` tokens at a time (t and its drafts) needs past prompt +
+    max_new_tokens: its last verify commits up to `width` tokens after the row's last committed one
+    and denoises `width` more behind them (the furthest reaches 2 * width - 1 past the output), two
+    to spare."""
+    return 2 * width + 1
 
 
 @dataclass(eq=False)
@@ -81,7 +83,7 @@ class SpeculativeEngine(VerifyEngine):
 
     def __init__(self, model, *, draft_length: int | str, mask_id: int, pad_id: int = 0,
                  expert_budget: int | None = None, expert_rank: str = "sum", draft_policy=None,
-                 cut: float | None = None, adaptive: bool = False) -> None:
+                 cut: float | None = None, adaptive: bool = False, reserve: int | None = None) -> None:
         if draft_length == AUTO:
             from .width import DraftPolicy
 
@@ -90,12 +92,11 @@ class SpeculativeEngine(VerifyEngine):
             draft_length = max(draft_policy.widths)
         else:
             draft_policy = None
-        # the cache reserves room for drafts of this length behind each row; draft "auto" reserves for
-        # the model's block size, and a wider draft, when chosen, grows the cache (doubling: rarely) —
-        # room for its widest draft (64) doubled a row's cache and what every row joining or leaving
-        # the batch copies (docs/experiments.md, 2026-12-03: batch 16)
-        self.max_draft = draft_length if draft_policy is None else min(draft_length, model.config.block_size)
-        super().__init__(model, width=draft_length, reserve=2 * self.max_draft + 1, pad_id=pad_id,
+        if reserve is None:  # built without a plan (no context check): room for drafts of its widest,
+            # the model's block size for draft "auto" (a wider draft, when chosen, grows the cache)
+            reserve = reserved_positions(draft_length if draft_policy is None
+                                         else min(draft_length, model.config.block_size))
+        super().__init__(model, width=draft_length, reserve=reserve, pad_id=pad_id,
                          draft_policy=draft_policy, expert_budget=expert_budget, expert_rank=expert_rank)
         self.mask_id = mask_id
         # the adaptive draft: after a rejection the draft past the rejected token drafts on, and a
@@ -138,16 +139,12 @@ class SpeculativeEngine(VerifyEngine):
         if self.width <= 1:  # AR's step: nothing to fit
             return
         # a row near the end of the context drafts only what fits behind it: the context reserves the
-        # model's block size for a draft (`Speculative.extra_positions`), a wider choice narrows there
+        # model's block size for a draft (`Speculative.reserve`), a wider choice narrows there
         room = self.model.config.max_position_embeddings - max(
             n + len(r.state.draft if r.state.draft is not None else r.state.pending)
             for n, r in zip(self.cache.lengths.tolist(), self.rows))
         if self.width > room:
             self.width = max((w for w in self.draft_policy.widths if w <= room), default=1)
-
-    def _init_row(self, row: RowState) -> None:
-        check_speculative_params(row.params)
-        super()._init_row(row)
 
     def early(self, r: RowState) -> bool:
         """Whether the row's drafts have their first token emitted when drafted (the adaptive draft;
@@ -325,7 +322,9 @@ class Speculative(Mode):
     auto_default = True  # ... and is the default: it beat the fixed draft in every measured case (docs/experiments.md)
 
     def check(self, params) -> None:
-        check_speculative_params(params)
+        if (params.repetition_penalty != 1.0 or params.presence_penalty or params.frequency_penalty
+                or params.no_repeat_ngram_size):
+            raise ValueError("repetition_penalty: history-dependent penalties are not supported in speculative mode")
         if params.block_size == AUTO:
             if params.draft_length is not None:
                 raise ValueError("draft_length: block_size \"auto\" chooses the draft length; give one or the other")
@@ -333,24 +332,29 @@ class Speculative(Mode):
         if (params.draft_length or params.block_size) > params.block_size:
             raise ValueError(f"draft_length: must be <= block_size ({params.block_size}), got {params.draft_length}")
 
-    def extra_positions(self, params, drafter=None, config=None) -> int:
-        from .width import AUTO_MAX_WIDTH
-
-        if params.block_size != AUTO:
-            return params.block_size
-        # the adaptive draft drafts at most the model's block size (`SpeculativeEngine.max_draft`)
-        return AUTO_MAX_WIDTH if config is None else min(AUTO_MAX_WIDTH, config.block_size)
-
     def spec(self, params, provisional=False) -> EngineSpec:
         # block_size "auto": the adaptive draft; else the fixed draft of draft_length or the block size
         auto = params.block_size == AUTO
         return EngineSpec(self, None if auto else params.draft_length or params.block_size, params.expert_budget,
                           params.expert_rank, draft_cut=DRAFT_CUT if auto else None, auto=auto)
 
+    def reserve(self, spec, config=None, drafter=None) -> int:
+        """The fixed draft's `reserved_positions`. Draft "auto": the model's block size; a wider draft
+        chosen near the end of the context narrows to what fits (`SpeculativeEngine._choose_draft`),
+        one chosen elsewhere grows the cache (doubling: rarely) -- room for its widest draft (64)
+        doubled a row's cache and what every row joining or leaving the batch copies
+        (docs/experiments.md, 2026-12-03: batch 16)."""
+        from .width import AUTO_MAX_WIDTH
+
+        if not spec.auto:
+            return reserved_positions(spec.width)
+        return AUTO_MAX_WIDTH if config is None else min(AUTO_MAX_WIDTH, config.block_size)
+
     def make_engine(self, model, spec, *, mask_id, pad_id):
+        spec = self.resolve(spec, model.config)
         return SpeculativeEngine(model, draft_length=spec.engine_width, mask_id=mask_id, pad_id=pad_id,
                                  expert_budget=spec.expert_budget, expert_rank=spec.expert_rank, cut=spec.draft_cut,
-                                 adaptive=spec.auto)
+                                 adaptive=spec.auto, reserve=spec.reserve)
 
 
 register(Speculative())

@@ -129,16 +129,12 @@ class VerifyEngine(BatchEngine):
 
     def __init__(self, model, *, width: int, reserve: int, pad_id: int = 0, draft_policy=None,
                  expert_budget: int | None = None, expert_rank: str = "sum") -> None:
-        super().__init__(model, pad_id=pad_id)
+        super().__init__(model, pad_id=pad_id, reserve=reserve)
         self.width = width
-        self.reserve = reserve  # positions a row's cache holds past prompt + max_new_tokens
         self.draft_policy = draft_policy
         self.expert_budget, self.expert_rank = expert_budget, expert_rank
         self.choices: list = []  # draft "auto": each WidthChoice (width, why), in order
         self.forwards = 0
-
-    def _capacity(self, row: RowState) -> int:
-        return len(row.prompt) + row.params.max_new_tokens + self.reserve
 
     def early(self, r: RowState) -> bool:
         """Whether the row's `t` is emitted when drawn (else with its verify's kept drafts)."""

@@ -59,7 +59,7 @@ POSITIONS = (1, 2, 4, 8, 16, 32, 64)
 SCHEMA = "clover.cost/1"
 AR_WIDTH = 1  # the width-1 block: the AR step (block_size="auto" may choose it)
 BATCH_BUCKETS = (1, 2, 4, 8, 16)  # the batch sizes a draft choice measures its forwards at
-AUTO_MAX_WIDTH = 64  # block_size="auto" picks among the trained widths up to this (the context it reserves)
+AUTO_MAX_WIDTH = 64  # block_size="auto" picks among the trained widths up to this
 CALIBRATION_REPEAT = 8  # timed forwards per point of a quick calibration (the fastest is kept)
 PRIOR_PSEUDO_FORWARDS = 8.0  # how many forwards' worth of evidence the prior tokens-per-forward carries
 

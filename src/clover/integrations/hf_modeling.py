@@ -314,7 +314,7 @@ class CloverForCausalLM(CloverPreTrainedModel, GenerationMixin):
             raise ValueError("input_ids: every row needs at least one token")
         decode = tokenizer.decode if tokenizer is not None else None
         rows = [RowState(p, params, eos, decode=decode) for p in prompts]
-        engine = m.spec(params).make_engine(self.core, mask_id=c.mask_token_id, pad_id=pad_token_id)
+        engine = m.plan(params, config=c).make_engine(self.core, mask_id=c.mask_token_id, pad_id=pad_token_id)
         for r in rows:
             for _ in engine.add(r):
                 pass

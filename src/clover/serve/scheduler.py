@@ -3,7 +3,7 @@
 Requests arrive from the asyncio side as `ServeRequest`s (one or more rows). Rows wait in a FIFO
 queue; before each forward the loop admits waiting rows (up to `max_batch` rows in flight across all
 engines) into the engine of their request's `EngineSpec` — rows can only share a forward when
-they decode the same way (mode, width, expert budget and rank; `Mode.spec`). Engines with rows take
+they decode the same way (mode, width, expert budget and rank: equal plans, `Mode.plan`). Engines with rows take
 turns, one `step()` (one forward) each, so different specs alternate fairly. Events are routed back
 to each request's asyncio queue with `loop.call_soon_threadsafe`.
 
@@ -66,7 +66,7 @@ class ServeRequest:
 
     def __init__(self, rows: list[RowState], spec: EngineSpec, loop: asyncio.AbstractEventLoop,
                  provisional: bool = False) -> None:
-        """`spec`: the engine the rows need (`Mode.spec`; a provisional request's spec asks for an
+        """`spec`: the plan of the rows' engine (`LLM.plan`; a provisional request's plan asks for an
         engine of its own that reports every denoise step, the others' engines skip that work);
         `provisional`: the request streams the clover extension's events."""
         self.id = next(self._ids)

@@ -20,7 +20,7 @@ import uuid
 from fastapi import Request
 
 from ..api import Generation, StreamEvent
-from ..decoding import Mode
+from ..decoding import EngineSpec, Mode
 from ..decoding.sampling import LIMITS, SamplingParams
 from ..grammar import GrammarError
 from ..tokenizer import ChatTemplateError
@@ -146,8 +146,9 @@ class Server:
 
     # ------------------------------------------------------------ generation
     def params(self, body, prompts: list[list[int]], *, default_max: int, prompt_param: str,
-               extra_stop_ids: list[int] = ()) -> tuple[Mode, SamplingParams]:
-        """The request's mode (None: the model's default, as everywhere) and its checked options."""
+               extra_stop_ids: list[int] = ()) -> tuple[EngineSpec, SamplingParams]:
+        """The request's plan (its mode: None, the model's default, as everywhere; `LLM.plan`) and its
+        checked options."""
         max_tokens = getattr(body, "max_completion_tokens", None)
         max_tokens = body.max_tokens if body.max_tokens is not None else max_tokens
         # every generation option of `LIMITS`, under its request name (the schema states each one)
@@ -159,10 +160,11 @@ class Server:
         try:
             mode = self.llm.mode(body.mode)
             params = self.llm.params(mode, kw)
+            plan = self.llm.plan(mode, params, provisional(body))
             if max_tokens is None:  # the default length, clipped to what the context leaves
-                params.max_new_tokens = min(default_max, self.llm.room(max(len(p) for p in prompts), params, mode))
+                params.max_new_tokens = min(default_max, self.llm.room(max(len(p) for p in prompts), params, plan))
             for p in prompts:
-                self.llm.check_length(len(p), params, mode)
+                self.llm.check_length(len(p), params, plan)
         except ValueError as e:
             sent = "max_tokens" if body.max_tokens is not None else "max_completion_tokens"
             fits = max(len(p) for p in prompts) < self.llm.context_length  # then the length asked is too long
@@ -170,16 +172,16 @@ class Server:
                                length_param=sent if max_tokens is not None and fits else None) from None
         except TypeError as e:
             raise APIError(400, str(e), code="invalid_value") from None
-        return mode, params
+        return plan, params
 
-    def submit(self, prompts: list[list[int]], mode: Mode, params: SamplingParams, n: int,
+    def submit(self, prompts: list[list[int]], plan: EngineSpec, params: SamplingParams, n: int,
                provisional: bool = False, grammar=None) -> ServeRequest:
         rows = []
         for p in prompts:
             for i in range(n):
                 pi = dataclasses.replace(params, seed=(params.seed + i) % SEED_MOD) if params.seed is not None and i else params
                 rows.append(self.llm.row(p, pi, grammar))
-        req = ServeRequest(rows, mode.spec(params, provisional), asyncio.get_running_loop(), provisional=provisional)
+        req = ServeRequest(rows, plan, asyncio.get_running_loop(), provisional=provisional)
         if len(rows) > self.scheduler.capacity():
             raise APIError(400, f"n: {len(rows)} rows exceed what this server holds ({self.scheduler.capacity()})",
                            param="n", code="invalid_value")
@@ -265,8 +267,8 @@ class Server:
     def prepare_completion(self, body, raw: list, structured: Structured) -> tuple:
         """On the worker: the prompts encoded, the mode, the options and the compiled grammar."""
         prompts = [self.encode(x) for x in raw]
-        mode, params = self.params(body, prompts, default_max=COMPLETION_DEFAULT_MAX_TOKENS, prompt_param="prompt")
-        return prompts, mode, params, structured, self.compile(structured, params, body, mode)
+        plan, params = self.params(body, prompts, default_max=COMPLETION_DEFAULT_MAX_TOKENS, prompt_param="prompt")
+        return prompts, plan, params, structured, self.compile(structured, params, body, plan.mode)
 
     def prepare_chat(self, body, msgs: list[dict], structured: Structured) -> tuple:
         """On the worker: the chat template applied, the mode, the options and the compiled grammar."""
@@ -274,19 +276,19 @@ class Server:
         if not ids:
             raise APIError(400, "messages: the chat template produced no tokens", param="messages",
                            code="chat_template_error")
-        mode, params = self.params(body, [ids], default_max=CHAT_DEFAULT_MAX_TOKENS, prompt_param="messages",
+        plan, params = self.params(body, [ids], default_max=CHAT_DEFAULT_MAX_TOKENS, prompt_param="messages",
                                    extra_stop_ids=self.chat_stop_ids)
-        return [ids], mode, params, structured, self.compile(structured, params, body, mode)
+        return [ids], plan, params, structured, self.compile(structured, params, body, plan.mode)
 
     async def generate(self, request: Request, body, prepared: tuple, *, chat: bool):
         """What both generation endpoints share: submit the rows, then either the SSE stream or
         the finished rows (a `Run`)."""
-        prompts, mode, params, structured, grammar = prepared
-        req = self.submit(prompts, mode, params, body.n, provisional=provisional(body), grammar=grammar)
+        prompts, plan, params, structured, grammar = prepared
+        req = self.submit(prompts, plan, params, body.n, provisional=provisional(body), grammar=grammar)
         rid, created = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", int(time.time())
         if body.stream:
             return stream_response(self, req, prompts, body, rid, created, chat=chat, structured=structured)
-        return Run(self, req, prompts, mode.name, rid, created, await self.collect(request, req))
+        return Run(self, req, prompts, plan.mode.name, rid, created, await self.collect(request, req))
 
 
 @dataclasses.dataclass
