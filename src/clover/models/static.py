@@ -53,7 +53,7 @@ import torch
 from ..cache import first_rows, row_room
 from .step import Step
 
-CAPACITY_QUANTUM = 512  # the smallest static cache: prompt + max_new_tokens + 2 blocks up to 512 share one graph
+CAPACITY_QUANTUM = 512  # the smallest static cache: prompt + max_new_tokens + the plan's reserve up to 512 share one graph
 LOAD_CAPACITIES = (CAPACITY_QUANTUM,)  # the cache capacities compiled at load
 RECOMPILE_LIMIT = 64
 KINDS = ("ar", "denoise", "commit+denoise", "verify", "verify-commit")
