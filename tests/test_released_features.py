@@ -1,9 +1,9 @@
-"""What clover adds, on the released families (SDAR `sdar`, LLaDA2 `llada2_moe`, Dream `Dream`): INT8 / INT4
-weight-only quantization gives the tokens of the float model holding the dequantized weights (the
-low-bit kernels in float32), `compile` is refused in one line, `bench decode` and `eval` run the
-modes each family decodes with (and say which they skip). The tiny checkpoints are the golden ones in
-each family's real layout (tests/test_released_serve.py widens SDAR's and LLaDA2's vocabulary to the
-byte tokenizer)."""
+"""What clover adds, on the released families (SDAR `sdar`, LLaDA2 `llada2_moe`, Fast-dLLM v2
+`Fast_dLLM_Qwen`, Dream `Dream`): INT8 / INT4 weight-only quantization gives the tokens of the float
+model holding the dequantized weights (the low-bit kernels in float32), `compile` is refused in one
+line, `bench decode` and `eval` run the modes each family decodes with (and say which they skip). The
+tiny checkpoints are the golden ones in each family's real layout (tests/test_released_serve.py widens
+the block families' vocabulary to the byte tokenizer)."""
 
 from __future__ import annotations
 
@@ -20,8 +20,9 @@ from clover.quant.writer import quantize_checkpoint
 from test_quant import _dequantized_float_model
 from test_released_serve import chat_checkpoint
 
-FAMILIES = ("sdar", "llada2", "dream")
-DEFAULT = {"sdar": {"diffusion", "naive"}, "llada2": {"diffusion", "naive"}, "dream": {"canvas"}}
+FAMILIES = ("sdar", "llada2", "fastdllm2", "dream")
+DEFAULT = {"sdar": {"diffusion", "naive"}, "llada2": {"diffusion", "naive"}, "fastdllm2": {"diffusion", "naive"},
+           "dream": {"canvas"}}
 
 
 def dream_checkpoint(directory):
@@ -52,8 +53,7 @@ def test_quantized_tokens_are_the_dequantized_float_models(checkpoint, tmp_path,
     dst = tmp_path / "q"
     quantize_checkpoint(src, dst, bits=bits, group_size=group or 64, progress=False)
     modules = json.loads((dst / "config.json").read_text())["quantization_config"]["modules"]
-    want = {"sdar": "model.layers.0.self_attn.q_proj", "llada2": "model.layers.1.mlp.experts",
-            "dream": "model.layers.0.self_attn.q_proj"}[name]
+    want = {"llada2": "model.layers.1.mlp.experts"}.get(name, "model.layers.0.self_attn.q_proj")
     assert want in modules
     if name == "llada2":  # its fused attention and shared experts too
         assert {"model.layers.1.self_attn.query_key_value", "model.layers.1.mlp.shared_experts.up_proj"} <= set(modules)

@@ -1,9 +1,9 @@
 """Everything clover adds, on the released block-diffusion families: the OpenAI server with the official
-client on a tiny SDAR (`sdar`) and a tiny LLaDA2 (`llada2_moe`) checkpoint — the chat template, the
+client on a tiny SDAR (`sdar`), LLaDA2 (`llada2_moe`) and Fast-dLLM v2 (`Fast_dLLM_Qwen`) checkpoint — the chat template, the
 stream of provisional blocks, tools and `response_format`, concurrent requests batched (the tokens of
 each request alone) — and every mode a family cannot run refused in one line with a 4xx.
 
-The checkpoints are the golden ones of tests/golden/{sdar,llada2} (the families' real layouts and
+The checkpoints are the golden ones of tests/golden/{sdar,llada2,fastdllm2} (the families' real layouts and
 tensor names), with the vocabulary widened to hold the byte tokenizer and its chat template (the new
 embedding and head rows random)."""
 
@@ -27,7 +27,7 @@ from test_serve import KEY, MODEL, LiveServer  # noqa: E402
 from test_serve_tools import RF, SCHEMA, TOOLS, _call  # noqa: E402
 
 GOLDEN = Path(__file__).parent / "golden"
-FAMILIES = ("sdar", "llada2")
+FAMILIES = ("sdar", "llada2", "fastdllm2")
 
 
 def chat_checkpoint(family: str, directory: Path, seed: int = 0) -> Path:
