@@ -99,7 +99,8 @@ def test_bad_values_refused_in_one_line(tiny_dir, name, value, match):
 
 
 # the other values the diffusion engines decode by now (SDAR's: `DiffusionEngine.semantics_implemented`)
-DECODED_BY = {"logit_shift": ("diffusion", "naive"), "block_grid": ("diffusion", "naive")}
+DECODED_BY = {"logit_shift": ("diffusion", "naive"), "block_grid": ("diffusion", "naive"),
+              "first_token": ("diffusion", "naive")}  # Fast-dLLM v2's (tests/test_fastdllm2.py)
 
 
 @pytest.mark.parametrize("name", list(FIELDS))
