@@ -5,8 +5,9 @@ test_canvas.py's tiny Dream checkpoint, over the bundled model's vocabulary (so 
 CLI's text compares), are converted with llama.cpp's own `convert_hf_to_gguf.py` and decoded by both
 with the CLI's only deterministic setting, `--top-k 1` (its sampler always draws, `--temp 0`
 included; top-k 1 leaves one candidate of probability 1, so every confidence ties and it unmasks left
-to right). In one step the order cannot matter and the canvases agree; with more steps they differ by
-the order (docs/checkpoints.md). The CLI applies the chat template (chatml where the GGUF has none)
+to right). In one step the order cannot matter and the canvases agree; with more steps they agree
+where clover breaks its tied confidences the same way (`top_k=1, canvas_ties="position"`; a near-tie
+of two logits can still part them: docs/checkpoints.md). The CLI applies the chat template (chatml where the GGUF has none)
 and prints the canvas as text without special tokens, so clover gets the templated prompt and its
 text is decoded so. LLaDA is left out: on this vocabulary its one-step canvases differed (its
 converted GGUF sets `add_bos_token` without a BOS id; not traced further), where over SmolLM2's
@@ -102,3 +103,23 @@ def test_diffusion_cli_one_step_matches_canvas(pair):
         got = llm.generate(chat, mode="canvas", steps=1, max_new_tokens=n, temperature=0, ignore_eos=True)
         text = llm.tokenizer.decode(got.token_ids, skip_special_tokens=True)
         assert text == cli_text(family, gguf, prompt, 1), (family, prompt)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("steps", (4, 8))
+def test_diffusion_cli_matching_setting(pair, steps):
+    """Several steps in the setting where both should decode alike: the CLI's `--top-k 1` ties every
+    confidence and its sort takes the leftmost masks; clover's `top_k=1, canvas_ties="position"` does
+    the same, and the two schedules' counts agree (docs/checkpoints.md). A near-tie of two logits
+    (ggml's float sums against torch's) can still part them; these prompts have none."""
+    import clover
+
+    family, directory, gguf = pair
+    llm = clover.load(directory)
+    for prompt in PROMPTS:
+        chat = f"<|im_start|>user\n{prompt}<|im_end|>\n<|im_start|>assistant\n"
+        n = CANVAS - len(llm.tokenizer.encode(chat))
+        got = llm.generate(chat, mode="canvas", steps=steps, max_new_tokens=n, temperature=0, top_k=1,
+                           canvas_ties="position", ignore_eos=True)
+        text = llm.tokenizer.decode(got.token_ids, skip_special_tokens=True)
+        assert text == cli_text(family, gguf, prompt, steps), (family, prompt, steps)
