@@ -313,6 +313,11 @@ class DiffusionEngine(BatchEngine):
         ar_step = (self.shift and Bs == 1 and has_commit and all(commit_src)) or all(only)
         denoise_ids = None if ar_step else torch.stack([r.state.blk for r in rows])
         skips = {} if ar_step else self._skips(rows, cands, need)
+        if any(only) and not ar_step:  # rows that only commit carry no block (nothing of it is computed)
+            W = skips["denoise_valid"].shape[1] if "denoise_valid" in skips else Bs
+            idle = torch.tensor(only, device=self.device)[:, None]
+            skips["denoise_valid"] = skips.get("denoise_valid", torch.ones(len(rows), W, dtype=torch.bool,
+                                                                           device=self.device)) & ~idle
         valid = skips.get("denoise_valid")  # skip_window: rows' blocks cut at the batch's widest window
         if valid is not None:
             denoise_ids, need = denoise_ids[:, : valid.shape[1]], need[:, : valid.shape[1]]

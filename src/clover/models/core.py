@@ -522,15 +522,22 @@ class CausalLM(nn.Module):
                 read[torch.arange(B, device=device), n - 1] = True
         if Bd:
             read[:, Tc:] = True if denoise_need is None else denoise_need
-        if skip is None and memo is None:  # only the last layer skips (the others take the plain path)
+        # a batch's commit part is padded to its longest row; an attention-only stack computes no
+        # padding (a GDN layer reads its commit positions as one run)
+        pad = None
+        if Tc and not self.config.has_linear_attention and bool((n < Tc).any()):
+            pad = torch.arange(Tc, device=device)[None, :] >= n[:, None]
+        if skip is None and memo is None and pad is None:  # only the last layer skips (the others take the plain path)
             if bool(read.all()):
                 return None
             every = torch.arange(B * T, device=device)
             return [None] * (L - 1) + [Live(B, T, Tc, every, read.flatten().nonzero().squeeze(1))]
         kv = torch.ones(B, T, dtype=torch.bool, device=device)
+        if pad is not None:
+            kv[:, :Tc] = ~pad
         if skip is not None:
             kv[:, Tc:] = ~skip
-            read &= kv
+        read &= kv
         memo_in = list(memo) if memo else [None] * L
         keep = None
         if memo is not None:

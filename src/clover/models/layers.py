@@ -198,26 +198,35 @@ class GatedAttention(nn.Module):
 
     def _forward_live(self, x, rope, mask, state, lengths, commit_len: int, live: Live) -> torch.Tensor:
         B, T, _ = x.shape
-        H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
+        H, D = self.num_heads, self.head_dim
         flat = x.reshape(B * T, -1)
         cos, sin = (r.reshape(B * T, 1, -1) for r in rope)
-        xk = flat[live.kv]
-        N = xk.shape[0]
-        k = self.k_norm(self.k_proj(xk).view(N, Hkv, D))
-        k = apply_rope(k[:, :, None], cos[live.kv], sin[live.kv])[:, :, 0]  # [N, Hkv, D]
-        v = self.v_proj(xk).view(N, Hkv, D)
+        k, v = self.live_kv(flat[live.kv], cos[live.kv], sin[live.kv])  # [N, Hkv, D] each
         memo = live.memo or (None, None)
         K, V = live.place(k, memo[0]), live.place(v, memo[1])  # [B, T, Hkv, D]
         live.remember(K, V)
-        xo = flat[live.out]
-        M = xo.shape[0]
-        q, gate = self.q_proj(xo).view(M, H, 2 * D).chunk(2, dim=-1)
-        q = apply_rope(self.q_norm(q)[:, :, None], cos[live.out], sin[live.out])[:, :, 0]  # [M, H, D]
+        q, gate = self.live_q(flat[live.out], cos[live.out], sin[live.out])  # [M, H, D]
         Q = q.new_zeros(B * T, H, D).index_copy_(0, live.out, q).view(B, T, H, D)
         out = self.attend_cached(Q.transpose(1, 2), K.transpose(1, 2), V.transpose(1, 2), state, lengths,
                                  commit_len, mask)
-        o = out.transpose(1, 2).reshape(B * T, H * D)[live.out]
-        return self.o_proj(o * torch.sigmoid(gate.reshape(M, H * D)))
+        return self.live_finish(out.transpose(1, 2).reshape(B * T, H * D)[live.out], gate)
+
+    # the live path's per-position pieces (`_forward_live`): x [N, hidden], cos/sin [N, 1, rot]
+    def live_kv(self, xk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """-> k (normed, RoPE applied), v [N, H_kv, D]."""
+        N = xk.shape[0]
+        k = self.k_norm(self.k_proj(xk).view(N, self.num_kv_heads, self.head_dim))
+        return apply_rope(k[:, :, None], cos, sin)[:, :, 0], self.v_proj(xk).view(N, self.num_kv_heads, self.head_dim)
+
+    def live_q(self, xo: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """-> q [M, H, D] (normed, RoPE applied) and the output gate [M, H*D]."""
+        M = xo.shape[0]
+        q, gate = self.q_proj(xo).view(M, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
+        return apply_rope(self.q_norm(q)[:, :, None], cos, sin)[:, :, 0], gate.reshape(M, self.num_heads * self.head_dim)
+
+    def live_finish(self, o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        """The attention output at the live positions [M, H*D] -> gated, projected [M, hidden]."""
+        return self.o_proj(o * torch.sigmoid(gate))
 
     def project(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]):
         """x [B, T, H] -> q [B, H, T, D], k/v [B, H_kv, T, D] (normed, RoPE applied) and the output gate [B, T, H*D]."""

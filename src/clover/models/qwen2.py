@@ -85,13 +85,13 @@ class Qwen2Config(LlamaConfig):
 
 class Qwen2ForCausalLM(CausalLM):
     """The Qwen2 stack under the model core (`step`, `forward_block_diffusion`, `make_cache`; its
-    identity key layout and plain initialisation)."""
+    identity key layout and plain initialisation). Its layers take `live` (it has no denoise adapter)."""
 
     attention_class = LlamaAttention  # q/k/v biases from the config's `qkv_bias`
     mlp_class = DenseMLP
     norm_class = PlainRMSNorm
     rotary_class = LlamaRotaryEmbedding
-    live_positions = False  # its attention computes every position
+    live_positions = True  # an eager cached forward computes only the positions it needs (`core.Live`)
 
 
 ARCHITECTURE = Architecture(name="qwen2", config_class=Qwen2Config, model_class=Qwen2ForCausalLM)
