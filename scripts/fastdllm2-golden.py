@@ -3,7 +3,8 @@
     python scripts/fastdllm2-golden.py PATH/TO/SNAPSHOT [--out tests/golden/fastdllm2]
 
 PATH/TO/SNAPSHOT holds the remote code of Efficient-Large-Model/Fast_dLLM_v2_1.5B or _7B as published
-on the Hub (modeling.py, configuration.py, config.json; no weights needed). Run it in a scratch
+on the Hub (modeling.py, configuration.py, config.json; no weights needed), loaded by
+src/clover/bench/peers/fastdllm2_reference.py (shared with `clover bench peers`). Run it in a scratch
 environment with the transformers the checkpoints were saved with (4.53.1, their
 `transformers_version` and NVlabs/Fast-dLLM v2/requirements.txt), torch and einops; nothing of clover
 is imported. It builds a tiny random checkpoint in the family's real layout (config.json with
@@ -31,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import importlib
 import importlib.util
 import json
 import shutil
@@ -43,7 +43,6 @@ import torch
 from safetensors.torch import save_file
 
 HERE = Path(__file__).resolve().parent
-MODEL_FILES = ("configuration.py", "modeling.py")
 THRESHOLD = 0.9  # the model card's and NVlabs' run_chatbot.py's (generate's own default is 1)
 EOS = 50  # a token the tiny model decodes inside a block in two cases (the others run to their length)
 # the LM head's scale (sdar-golden.py's draw, 10 there): peaked enough that confidences cross 0.9, flat
@@ -78,23 +77,15 @@ def _sdar_golden():
     return mod
 
 
+G = _sdar_golden()
+REFERENCE = G.reference_module("fastdllm2_reference")  # its loader and generate (shared with bench peers)
+
+
 def prompts() -> dict[int, list[int]]:
     gen = torch.Generator().manual_seed(7)
     longest = max(max(v) for v in LENGTHS.values())
     base = torch.randint(3, MASK, (max(longest, FULL_LEN),), generator=gen).tolist()
     return {n: base[:n] for n in sorted({n for v in LENGTHS.values() for n in v} | {FULL_LEN})}
-
-
-def load_reference(snapshot: Path, work: Path):
-    """The reference's modeling package (its configuration.py and modeling.py, imported as a package:
-    modeling.py imports `.configuration`)."""
-    pkg = work / "fastdllm_ref"
-    pkg.mkdir()
-    (pkg / "__init__.py").write_text("")
-    for name in MODEL_FILES:
-        shutil.copy(snapshot / name, pkg / name)
-    sys.path.insert(0, str(work))
-    return importlib.import_module("fastdllm_ref.configuration"), importlib.import_module("fastdllm_ref.modeling")
 
 
 def tiny_checkpoint(snapshot: Path, configuration, modeling, out: Path, g):
@@ -103,10 +94,8 @@ def tiny_checkpoint(snapshot: Path, configuration, modeling, out: Path, g):
     raw.update(TINY)
     raw["layer_types"] = ["full_attention"] * TINY["num_hidden_layers"]
     raw["torch_dtype"] = "float32"
-    config = configuration.Fast_dLLM_QwenConfig(**{k: v for k, v in raw.items() if k != "auto_map"})
-    config._attn_implementation = "sdpa"
     torch.manual_seed(0)
-    model = modeling.Fast_dLLM_QwenForCausalLM(config).eval()
+    model = REFERENCE.build(configuration, modeling, raw)
     g.randomise(model, [MASK])
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
@@ -133,11 +122,10 @@ def record(model):
 def run_case(model, prompt, block, small):
     calls = record(model)
     try:
-        x = model.generate(torch.tensor([prompt]), max_new_tokens=BLOCKS_OUT * block, mask_id=MASK, threshold=THRESHOLD,
-                           small_block_size=small, block_size=block, stop_token=EOS)
+        tokens = REFERENCE.generate(model, prompt, BLOCKS_OUT * block, block=block, sub_block=small, threshold=THRESHOLD,
+                                    mask_id=MASK, stop_token=EOS)
     finally:
         del model.forward
-    tokens = x[0, len(prompt):].tolist()
     assert MASK not in tokens, "a golden case left a mask in its output"
     # denoising forwards per block: those after the prefill (a commit of the prompt's whole blocks) or
     # a block's commit, up to the next commit; the last block holds that commit's argmax alone (0
@@ -170,14 +158,16 @@ def main() -> None:
     ap.add_argument("snapshot", type=Path, help="the remote code of Efficient-Large-Model/Fast_dLLM_v2_1.5B or _7B")
     ap.add_argument("--out", type=Path, default=HERE.parent / "tests/golden/fastdllm2")
     args = ap.parse_args()
-    if not all((args.snapshot / f).exists() for f in (*MODEL_FILES, "config.json")):
-        sys.exit(f"{args.snapshot}: not a Fast-dLLM v2 snapshot (needs {', '.join(MODEL_FILES)} and config.json)")
+    why = REFERENCE.check_checkout(args.snapshot) or (None if (args.snapshot / "config.json").is_file() else
+                                                      f"{args.snapshot}: no config.json")
+    if why:
+        sys.exit(why)
     torch.set_num_threads(1)
-    g = _sdar_golden()
+    g = G
     g.HEAD_STD = HEAD_STD
     work = Path(tempfile.mkdtemp(prefix="fastdllm2-golden-"))
     try:
-        configuration, modeling = load_reference(args.snapshot, work)
+        configuration, modeling = REFERENCE.load_reference(args.snapshot, work)
         model = tiny_checkpoint(args.snapshot, configuration, modeling, args.out / "checkpoint", g)
         ps = prompts()
         tensors, cases = {}, []

@@ -9,6 +9,7 @@ token, alone and batched): identical tokens and forwards per block."""
 from __future__ import annotations
 
 import copy
+import os
 import json
 from pathlib import Path
 
@@ -177,3 +178,30 @@ def test_the_checkpoints_by_name_decode_as_their_reference(tmp_path, monkeypatch
     prompt = " ".join(f"t{i}" for i in case["prompt"])
     assert cli.main(["generate", prompt, "--model", repo, "--raw", "-n", str(len(case["tokens"])), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["token_ids"] == case["tokens"]
+
+
+def test_bench_peers_reference_row(tmp_path, monkeypatch):
+    """`clover bench peers`' fastdllm2-reference row: skipped with why without the remote code; with it
+    (opt-in: CLOVER_FASTDLLM2_REFERENCE, a directory holding modeling.py and configuration.py, and
+    CLOVER_REFERENCE_PYTHON with transformers 4.53.1) its generate gives clover's tokens, alone and in turn."""
+    from clover.bench.peers import run_peers
+    from test_released_peers import PROMPTS, golden_dir
+
+    name, env = "fastdllm2-reference", "CLOVER_FASTDLLM2_REFERENCE"
+    have = os.environ.get(env) and os.environ.get("CLOVER_REFERENCE_PYTHON")
+    if not have:
+        monkeypatch.delenv(env, raising=False)
+    # no EOS: the rows decode with no stop, which clover's ignore_eos does by taking EOS out of the
+    # distribution and the reference's generate by never matching its stop token (its EOS keeps its probability)
+    d = golden_dir("fastdllm2", tmp_path)
+    raw = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps(raw | {"eos_token_id": None}))
+    r = run_peers(d, prompt_texts=PROMPTS, max_new_tokens=40, threads=[1], batch=3, engines=["clover", name])
+    e = r["engines"][name]
+    if not have:
+        assert not e["available"] and env in e["note"] and "--reference" in e["note"]
+        pytest.skip(f"set {env} and CLOVER_REFERENCE_PYTHON to run the reference")
+    assert e["available"], e
+    rows = {(row["engine"], row["batch"]): row for row in r["rows"]}
+    assert rows[(name, 1)]["matches_clover_mode"] == 1.0 and rows[(name, 1)]["compared_with"] == "diffusion"
+    assert rows[(name, 3)]["clover_speedup"] is not None

@@ -1,15 +1,16 @@
-"""A released family's own reference code (SDAR's `block_diffusion_generate`, LLaDA2's `generate`) on the
-same weights and prompts, in another interpreter: the rows that show clover gives its authors' tokens and
-how much faster. Their code cannot be committed here, so the row reads the user's checkout (`--reference
+"""A released family's own reference code (SDAR's `block_diffusion_generate`, LLaDA2's and Fast-dLLM v2's
+`generate`) on the same weights and prompts, in another interpreter: the rows that show clover gives its
+authors' tokens and how much faster. Their code cannot be committed here, so the row reads the user's checkout (`--reference
 DIR`, else the family's environment variable) and runs it in `--reference-python` (else
 $CLOVER_REFERENCE_PYTHON, else this interpreter), one with the transformers it was written for; without a
 checkout it is skipped with a note saying so.
 
-The family's file (`sdar_reference.py`, `llada2_reference.py`: its shims, loader and decode, nothing of
-clover) is loaded by path in a worker process (`base.WorkerRunner`), one per thread count. Each row decodes one
-prompt at a time (the references have no batching): its batch rows are the batch's prompts in turn. The
-options are the checkpoint's defaults, as clover's `diffusion` rows use them (block size, steps = the
-block, threshold, mask), greedy, no stop; its tokens are compared with clover `diffusion`'s."""
+The family's file (`sdar_reference.py`, `llada2_reference.py`, `fastdllm2_reference.py`: its shims, loader
+and decode, nothing of clover) is loaded by path in a worker process (`base.WorkerRunner`), one per thread
+count. Each row decodes one prompt at a time (SDAR's and LLaDA2's have no batching; Fast-dLLM v2's takes
+prompts of one length only and ends every row at the first row's stop): its batch rows are the batch's
+prompts in turn. The options are the checkpoint's defaults, as clover's `diffusion` rows use them (block
+size, steps = the block, threshold, mask, sub-block), greedy, no stop; its tokens are compared with clover `diffusion`'s."""
 
 from __future__ import annotations
 
@@ -104,6 +105,8 @@ class ReferenceEngine(Engine):
         st = self.setup
         c = st.config
         options = {"block": c.block_size, "steps": c.block_size, "threshold": c.threshold, "mask_id": c.mask_token_id}
+        if c.sub_block:  # Fast-dLLM v2's sub-blocks
+            options["sub_block"] = c.sub_block
         st.say(f"{self.name}: starting ({threads} threads)")
         cmd = [self.found["python"], "-c", WORKER, str(HERE / self.family_file), self.found["checkout"],
                str(st.src.resolve()), str(threads)]
@@ -126,6 +129,14 @@ class SDARReference(ReferenceEngine):
     family_file = "sdar_reference.py"
     env = "CLOVER_SDAR_REFERENCE"
     checkout = "a clone of github.com/JetAstra/SDAR"
+
+
+class FastDLLM2Reference(ReferenceEngine):
+    name = "fastdllm2-reference"
+    model_types = ("Fast_dLLM_Qwen",)
+    family_file = "fastdllm2_reference.py"
+    env = "CLOVER_FASTDLLM2_REFERENCE"
+    checkout = "a directory holding Fast-dLLM v2's modeling.py and configuration.py"
 
 
 class LLaDA2Reference(ReferenceEngine):
