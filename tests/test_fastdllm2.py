@@ -56,6 +56,7 @@ def test_reads_the_fastdllm2_layout_with_its_authors_defaults(fdllm):
     assert c.semantics == SEMANTICS and fdllm.default_mode == "diffusion"
     raw = c.to_dict()  # written back as its own keys
     assert raw["architectures"] == ["Fast_dLLM_QwenForCausalLM"] and raw["bd_size"] == 32 and "block_size" not in raw
+    assert raw["rope_theta"] == 1e6 and raw["rope_scaling"] is None and "rope_parameters" not in raw
     assert config_from_dict(json.loads(json.dumps(raw))) == c
     real = json.loads((GOLDEN / "checkpoint" / "config.json").read_text())
     del real["mask_token_id"]  # the real config.json names no mask: the tokenizer's "|<MASK>|", 151665

@@ -81,6 +81,9 @@ class Qwen2Config(LlamaConfig):
             d.update({k: getattr(self, k) for k in FAST_DLLM_DEFAULTS if k != "block_size"})
             d["bd_size"] = self.block_size
             d["architectures"] = ["Fast_dLLM_QwenForCausalLM"]
+            rope = d.pop("rope_parameters")  # its configuration.py reads rope_theta / rope_scaling, not rope_parameters
+            d["rope_theta"] = rope.pop("rope_theta")
+            d["rope_scaling"] = None if rope == {"rope_type": "default"} else rope
 
 
 class Qwen2ForCausalLM(CausalLM):
