@@ -712,6 +712,39 @@ def test_port_dflash_fixed_draft_and_last_layer_tap(port, bundled_f32, llm, monk
 
 
 @pytest.mark.slow
+def test_port_dflash_reduced_vocabulary_matches_clover(port, bundled_f32, llm, monkeypatch, tmp_path):
+    """A drafter with a reduced draft vocabulary (`d2t`; the GGUF's `draft_ids`): the port scores only
+    those rows of the target's head and scatters them back, as clover does: the bundled drafter's
+    weights over the tokens AR writes on the prompts plus the first 64 ids give clover's drafts,
+    tokens, forwards and accept lengths, and AR's tokens."""
+    import clover
+    from clover.api import BUNDLED_DRAFTER
+    from clover.checkpoint import load_drafter, save_drafter
+    from clover.export.gguf import export_gguf
+    from clover.models.dflash import build_drafter
+
+    prompts = task_prompts(llm, 6)
+    ar = port_run(bundled_f32, prompts, "ar", llm)
+    ids = sorted(set(range(64)) | {t for a in ar for t in a["tokens"]})
+    plain = load_drafter(BUNDLED_DRAFTER, dtype=torch.float32)
+    cfg = plain.config
+    cfg.draft_vocab_size = len(ids)
+    d = build_drafter(cfg)
+    d.load_state_dict(plain.state_dict(), strict=False)
+    d.set_draft_vocab(ids)
+    save_drafter(d, tmp_path / "reduced")
+    gguf = export_gguf(tmp_path / "reduced", tmp_path / "reduced.gguf", dtype="f32", progress=False).path
+    other = clover.load(BUNDLED, dtype="float32", drafter=tmp_path / "reduced")
+    res = port_run(bundled_f32, prompts, "dflash", other, drafter=gguf)
+    for ids_, r, a in zip(prompts, res, ar):
+        ours, drafts = clover_dflash(other, ids_, monkeypatch)
+        assert r["tokens"] == ours.token_ids == a["tokens"]
+        assert r["drafts"] == drafts
+        assert (r["forwards"], r["accept_lengths"]) == (ours.stats.forwards, ours.stats.accept_lengths)
+    assert sum(len(x) for r in res for x in r["drafts"]) > 0
+
+
+@pytest.mark.slow
 def test_port_dflash_q8_0_equals_port_ar(port, bundled_f32, llm, tmp_path):
     """q8_0 (the target and the drafter): dflash's tokens are the port's own AR greedy tokens; so are
     they with the q8_0 drafter and the f32 target."""

@@ -605,6 +605,9 @@ def is_drafter_dir(src: str | Path) -> bool:
         return False
 
 
+DRAFT_IDS = "draft_ids"  # a reduced draft vocabulary's target token ids [V_d] (int32; `d2t` made absolute)
+
+
 def _drafter_name(name: str) -> str:
     if name in DRAFTER.globals:
         return DRAFTER.globals[name][0]
@@ -641,9 +644,6 @@ def export_drafter_gguf(src, dst: str | Path, *, dtype: str = "f32") -> ExportRe
                               "read by the llama.cpp port's drafter yet")
     if c.attention_bias:
         raise GGUFExportError(f"{label}: attention_bias=true is not supported by the llama.cpp port's drafter")
-    if c.draft_vocab_size is not None:
-        raise GGUFExportError(f"{label}: a reduced draft vocabulary (draft_vocab_size {c.draft_vocab_size}, d2t) is not "
-                              "read by the llama.cpp port's drafter yet")
     dst.parent.mkdir(parents=True, exist_ok=True)
     tmp = dst.with_name(dst.name + ".partial")
     w = gguf.GGUFWriter(tmp, DRAFTER.arch)
@@ -663,8 +663,13 @@ def export_drafter_gguf(src, dst: str | Path, *, dtype: str = "f32") -> ExportRe
     w.add_float32(f"{DRAFTER.arch}.final_logit_softcapping", float(c.final_logit_softcapping or 0.0))
     total, rounding, count = 0, Rounding(), 0
     try:
+        if c.draft_vocab_size is not None:  # the draft vocabulary as absolute token ids (the port gathers the head's rows)
+            ids = drafter.draft_ids.to(torch.int32).cpu().numpy()
+            w.add_uint32(f"{DRAFTER.arch}.draft_vocab_size", int(c.draft_vocab_size))
+            w.add_tensor(DRAFT_IDS, ids)
+            total, count = ids.nbytes, 1
         for name, t in drafter.state_dict().items():
-            if name.startswith("rotary_emb."):
+            if name.startswith("rotary_emb.") or name == "d2t":
                 continue
             gname = _drafter_name(name)
             qtype = _ggml_type(gname, tuple(t.shape), dtype)
