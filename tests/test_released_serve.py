@@ -126,6 +126,7 @@ def test_modes_the_family_cannot_run_are_one_line_4xx(family, mode):
         assert 400 <= r.status_code < 500, r.text
         message = r.json()["error"]["message"]
         assert "\n" not in message and mode in message, message
+        assert r.json()["error"]["param"] == "mode" and r.json()["error"]["code"] == "invalid_value"
         assert http.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 4}).status_code == 200
 
 
