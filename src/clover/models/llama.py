@@ -34,7 +34,7 @@ from torch import nn
 from ..config import CloverConfig, ConfigError
 from ..moe import BlockSharing
 from .core import CausalLM, Step
-from .layers import GatedAttention, Live, PlainRMSNorm, Segments, apply_rope
+from .layers import GatedAttention, PlainRMSNorm, Segments, apply_rope
 from .registry import Architecture
 
 ROPE_TYPES = ("default", "linear", "llama3")
@@ -225,7 +225,7 @@ class LlamaAttention(Adapted, GatedAttention):
         B, _, T, _ = out.shape
         return self.lin("o_proj", out.transpose(1, 2).reshape(B, T, -1))
 
-    # the live path (a model with `live_positions`; never with a denoise adapter, whose layout is by time)
+    # the live path (Qwen2's layers, which take `live`; never with a denoise adapter, whose layout is by time)
     def live_kv(self, xk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         N = xk.shape[0]
         k = self.k_proj(xk).view(N, self.num_kv_heads, self.head_dim)
@@ -272,18 +272,12 @@ class LlamaDecoderLayer(nn.Module):
 
     def forward(self, x, rope, segments: Segments, *, mask=None, state=None, lengths=None,
                 sharing: BlockSharing | None = None, count_experts: bool = False, static: bool = False,
-                records: list | None = None, live: Live | None = None):
-        """-> (x, None): the layer interface of the family (no routing to report). `live`: only its
-        `out` positions' outputs are computed (from its `kv` positions' K/V); the others keep their input."""
+                records: list | None = None):
+        """-> (x, None): the layer interface of the family (no routing to report)."""
         h = self.self_attn(self.input_layernorm(x), rope, mask=mask, state=state, lengths=lengths,
-                           commit_len=segments.commit_len, live=live)
-        if live is None:
-            x = x + h
-            return x + self.mlp(self.post_attention_layernorm(x)), None
-        B, T, H = x.shape
-        flat = x.reshape(B * T, H)
-        xo = flat[live.out] + h
-        return flat.index_copy(0, live.out, xo + self.mlp(self.post_attention_layernorm(xo))).view(B, T, H), None
+                           commit_len=segments.commit_len)
+        x = x + h
+        return x + self.mlp(self.post_attention_layernorm(x)), None
 
 
 class LlamaEmbedding(nn.Embedding):
