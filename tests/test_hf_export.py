@@ -109,7 +109,8 @@ def test_bundle_covers_every_backbone():
     from clover.tiny import tiny_config
 
     for base, arch in TEXT_MODEL_TYPES.items():
-        cfg = tiny_config(backbone=base, dense=base not in ("qwen3_5_moe_text", "qwen3_moe", "sdar_moe", "llada2_moe"))
+        cfg = tiny_config(backbone=base, dense=base not in ("qwen3_5_moe_text", "qwen3_moe", "sdar_moe", "llada2_moe",
+                                                              "lladamoe", "rnd1"))
         assert cfg.base_model_type == base
         assert backbone_class(cfg) is model_class(cfg) is arch.model_class
 
