@@ -398,3 +398,23 @@ def read_json(path: str | Path) -> tuple[Any, Path]:
 def log2_block_ratio(block_size: int) -> float:
     """log2(B/32): the argument of the block-size calibration gain."""
     return math.log2(block_size / 32.0)
+
+
+@dataclass(kw_only=True)
+class CanvasConfig:
+    """The whole-sequence diffusion families' part of a config (Dream, LLaDA, LLaDA-MoE, RND1; listed
+    before the backbone's config in the bases): the canvas mode by default, attention bidirectional over
+    the whole canvas, and `mask_token_id` written back under the family's own key. Each family says how
+    the canvas mode paces the unmasking (`canvas_schedule`) and draws above temperature 0
+    (`canvas_sampler`); `decoding/canvas.py` reads both."""
+
+    canvas_schedule: ClassVar[str]
+    canvas_sampler: ClassVar[str]
+
+    default_mode: str | None = "canvas"
+    commit_attention: str = "full"
+
+    def write_keys(self, d: dict) -> None:
+        super().write_keys(d)  # the backbone's config, next in the MRO
+        d["mask_token_id"] = self.mask_token_id
+

@@ -12,12 +12,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
+from ..config import CanvasConfig
 from .qwen2 import Qwen2Config, Qwen2ForCausalLM
 from .registry import Architecture
 
 
 @dataclass(kw_only=True)
-class DreamConfig(Qwen2Config):
+class DreamConfig(CanvasConfig, Qwen2Config):
     """A Dream `config.json` (configuration_dream.py's keys and defaults: Qwen2's, with
     `mask_token_id` 151666 and `pad_token_id` 151643, 32768 positions)."""
 
@@ -31,12 +32,6 @@ class DreamConfig(Qwen2Config):
 
     mask_token_id: int | None = 151666
     pad_token_id: int | None = 151643
-    default_mode: str | None = "canvas"
-    commit_attention: str = "full"
-
-    def write_keys(self, d: dict) -> None:
-        super().write_keys(d)
-        d["mask_token_id"] = self.mask_token_id  # Dream's own key (a Clover field elsewhere)
 
 
 class DreamModel(Qwen2ForCausalLM):

@@ -17,7 +17,7 @@ import re
 from dataclasses import dataclass
 from typing import ClassVar
 
-from ..config import ConfigError
+from ..config import CanvasConfig, ConfigError
 from .core import CausalLM, KeyLayout
 from .layers import DenseMLP, PlainRMSNorm
 from .llama import LlamaAttention, LlamaConfig, LlamaRotaryEmbedding
@@ -35,7 +35,7 @@ FIXED = {"block_type": "llama", "activation_type": "silu", "layer_norm_type": "r
 
 
 @dataclass(kw_only=True)
-class LLaDAConfig(LlamaConfig):
+class LLaDAConfig(CanvasConfig, LlamaConfig):
     """A LLaDA `config.json` (configuration_llada.py's `ModelConfig` keys), read into the Llama fields
     (`RENAMED`; `embedding_size`, the stored vocabulary, is the vocabulary; `n_kv_heads` null: one
     per head); the options in `FIXED` must hold their values; `include_qkv_bias` is kept."""
@@ -50,9 +50,7 @@ class LLaDAConfig(LlamaConfig):
     rope_theta: float = 10000.0
     include_qkv_bias: bool = False
     mask_token_id: int | None = 126336
-    default_mode: str | None = "canvas"
     logit_shift: int = 0
-    commit_attention: str = "full"
 
     @property
     def qkv_bias(self) -> bool:
@@ -85,7 +83,7 @@ class LLaDAConfig(LlamaConfig):
             d.pop(k, None)
         for theirs, ours in RENAMED.items():
             d[theirs] = d.pop(ours)
-        d.update(FIXED, rope_theta=theta, embedding_size=d["vocab_size"], mask_token_id=self.mask_token_id)
+        d.update(FIXED, rope_theta=theta, embedding_size=d["vocab_size"])
 
     def validate(self) -> None:
         super().validate()

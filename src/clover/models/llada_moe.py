@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from ..config import ConfigError
+from ..config import CanvasConfig, ConfigError
 from .qwen3_moe import Qwen3MoeConfig, Qwen3MoeForCausalLM
 from .registry import Architecture
 
@@ -29,7 +29,7 @@ FIXED = {"shared_expert_intermediate_size": None, "moe_router_enable_expert_bias
 
 
 @dataclass(kw_only=True)
-class LLaDAMoEConfig(Qwen3MoeConfig):
+class LLaDAMoEConfig(CanvasConfig, Qwen3MoeConfig):
     """A LLaDA-MoE `config.json` (configuration_lladamoe.py's keys), read into Qwen3-MoE's fields
     (`RENAMED`; `head_dim` hidden / heads; `norm_topk_prob` always off, as its MoE block has it)."""
 
@@ -42,9 +42,7 @@ class LLaDAMoEConfig(Qwen3MoeConfig):
     rms_norm_eps: float = 1e-5
     max_position_embeddings: int = 4096
     mask_token_id: int | None = 156895
-    default_mode: str | None = "canvas"
     logit_shift: int = 0
-    commit_attention: str = "full"
 
     @classmethod
     def read_keys(cls, d: dict, shown: dict, source: str) -> None:
@@ -70,7 +68,7 @@ class LLaDAMoEConfig(Qwen3MoeConfig):
         super().write_keys(d)
         for theirs, ours in RENAMED.items():
             d[theirs] = d.pop(ours)
-        d.update(mask_token_id=self.mask_token_id, qk_layernorm=True, moe_layer_freq=[1] * self.num_hidden_layers)
+        d.update(qk_layernorm=True, moe_layer_freq=[1] * self.num_hidden_layers)
 
 
 class LLaDAMoEModelLM(Qwen3MoeForCausalLM):

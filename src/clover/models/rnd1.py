@@ -12,12 +12,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
+from ..config import CanvasConfig
 from .qwen3_moe import Qwen3MoeConfig, Qwen3MoeForCausalLM
 from .registry import Architecture
 
 
 @dataclass(kw_only=True)
-class RND1Config(Qwen3MoeConfig):
+class RND1Config(CanvasConfig, Qwen3MoeConfig):
     """An RND1 `config.json` (configuration_rnd.py's keys: Qwen3-MoE's with `mask_token_id` 151669;
     its `moe_backend` and `num_diffusion_steps` are the reference's runtime choices, not read: the
     canvas mode's `steps` says how many)."""
@@ -30,12 +31,6 @@ class RND1Config(Qwen3MoeConfig):
     mask_token_id: int | None = 151669
     pad_token_id: int | None = 151643
     norm_topk_prob: bool = True  # Qwen3-30B-A3B's, which RND1's config forces
-    default_mode: str | None = "canvas"
-    commit_attention: str = "full"
-
-    def write_keys(self, d: dict) -> None:
-        super().write_keys(d)
-        d["mask_token_id"] = self.mask_token_id  # RND1's own key (a Clover field elsewhere)
 
 
 class RND1LM(Qwen3MoeForCausalLM):
