@@ -71,8 +71,8 @@ class ReferenceRunner(WorkerRunner):
 
 
 class ReferenceEngine(Engine):
-    """One family's reference; a subclass names the family (`model_types`), its code's file here, the
-    environment variable of its checkout and what that checkout is."""
+    """One family's reference; its row in `REFERENCES` names the family (`model_types`), its code's file
+    here, the environment variable of its checkout and what that checkout is."""
 
     fails = "failed to start"
     causal = False
@@ -123,25 +123,16 @@ def _family(file: str):
     return mod
 
 
-class SDARReference(ReferenceEngine):
-    name = "sdar-reference"
-    model_types = ("sdar",)
-    family_file = "sdar_reference.py"
-    env = "CLOVER_SDAR_REFERENCE"
-    checkout = "a clone of github.com/JetAstra/SDAR"
+def _reference(name: str, model_types: tuple[str, ...], family_file: str, env: str, checkout: str) -> type:
+    return type(name.title().replace("-", ""), (ReferenceEngine,),
+                dict(name=name, model_types=model_types, family_file=family_file, env=env, checkout=checkout))
 
 
-class FastDLLM2Reference(ReferenceEngine):
-    name = "fastdllm2-reference"
-    model_types = ("Fast_dLLM_Qwen",)
-    family_file = "fastdllm2_reference.py"
-    env = "CLOVER_FASTDLLM2_REFERENCE"
-    checkout = "a directory holding Fast-dLLM v2's modeling.py and configuration.py"
-
-
-class LLaDA2Reference(ReferenceEngine):
-    name = "llada2-reference"
-    model_types = ("llada2_moe",)
-    family_file = "llada2_reference.py"
-    env = "CLOVER_LLADA2_REFERENCE"
-    checkout = "a directory holding LLaDA2's modeling_llada2_moe.py and configuration_llada2_moe.py"
+# one row per family: its name, model_types, code file here, checkout variable and what that checkout is
+REFERENCES = tuple(_reference(*row) for row in (
+    ("sdar-reference", ("sdar",), "sdar_reference.py", "CLOVER_SDAR_REFERENCE", "a clone of github.com/JetAstra/SDAR"),
+    ("llada2-reference", ("llada2_moe",), "llada2_reference.py", "CLOVER_LLADA2_REFERENCE",
+     "a directory holding LLaDA2's modeling_llada2_moe.py and configuration_llada2_moe.py"),
+    ("fastdllm2-reference", ("Fast_dLLM_Qwen",), "fastdllm2_reference.py", "CLOVER_FASTDLLM2_REFERENCE",
+     "a directory holding Fast-dLLM v2's modeling.py and configuration.py"),
+))

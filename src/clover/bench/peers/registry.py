@@ -12,13 +12,13 @@ from .hf_dflash import HFDFlashEngine
 from .llama_cpp import LlamaCppEngine
 from .llama_cpp_dflash import LlamaCppDFlashEngine
 from .port import PortEngine
-from .reference import FastDLLM2Reference, LLaDA2Reference, SDARReference
+from .reference import REFERENCES
 from .vllm_cpu import VLLMEngine
 from .zlab_dflash import ZlabEngine
 
 ENGINES: dict[str, type[Engine]] = {e.name: e for e in (CloverEngine, TransformersEngine, LlamaCppEngine, PortEngine,
                                                         VLLMEngine, LlamaCppDFlashEngine, ZlabEngine, HFDFlashEngine,
-                                                        SDARReference, LLaDA2Reference, FastDLLM2Reference)}
+                                                        *REFERENCES)}
 
 
 def check_engines(engines: Iterable[str] | None) -> list[str]:
