@@ -223,8 +223,19 @@ def test_served_canvas_streams_and_stops_at_eos(family, tmp_path):
         with httpx.Client(base_url=server.base, headers={"Authorization": f"Bearer {KEY}"}, timeout=60) as http:
             lines = [json.loads(x[6:]) for x in http.post("/v1/completions", json=body).text.splitlines()
                      if x.startswith("data: {")]
+        # the openai client's own stream: the canvas after every step (the `clover` extension chunks, kept in
+        # the client's objects), then the text, which ends at the EOS
+        stream = client.completions.create(model=MODEL, prompt=case["prompts"][0], max_tokens=len(tokens), temperature=0,
+                                           stream=True, extra_body={**opts, "stream_options": {"provisional": True,
+                                                                                               "include_usage": True}})
+        chunks = list(stream)
     provisional = [x for x in lines if "provisional" in json.dumps(x)]
     assert len(provisional) == case["steps"]
+    steps = [c.model_extra["clover"] for c in chunks if (c.model_extra or {}).get("clover", {}).get("event") == "provisional"]
+    assert len(steps) == case["steps"] and [s["step"] for s in steps] == sorted(s["step"] for s in steps)
+    text = "".join(ch.text for c in chunks for ch in c.choices)
+    assert text == r.choices[0].text and [ch.finish_reason for c in chunks for ch in c.choices if ch.finish_reason] == ["stop"]
+    assert [c.usage.completion_tokens for c in chunks if c.usage] == [eos_at]
 
 
 def test_fast_selection_equals_the_slow_one():
