@@ -18,7 +18,8 @@ import importlib.util
 import torch
 
 from ..common import timed
-from .base import Engine, Runner
+from .base import Runner
+from .hf import TransformersEngine
 
 ASSISTANT = "MuseGlimmerAssistantModel"
 
@@ -92,9 +93,10 @@ class HFDFlashRunner(Runner):
         return out, len(out), s
 
 
-class HFDFlashEngine(Engine):
+class HFDFlashEngine(TransformersEngine):
+    """transformers' own engine, with the DFlash drafter as its assistant model."""
+
     name = "transformers-dflash"
-    fails = "failed to load"
 
     @staticmethod
     def find(config, **_) -> dict:
