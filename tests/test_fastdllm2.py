@@ -136,16 +136,9 @@ def test_a_prompt_of_whole_blocks_opens_with_the_prefills_argmax(fdllm):
 
 def test_modes_that_need_a_causal_commit_are_refused_in_one_line(fdllm):
     """AR and self-speculation verify causally; Fast-dLLM v2 commits block-causally."""
-    from clover.config import ConfigError
+    from test_sdar import assert_causal_modes_refused
 
-    for mode in ("ar", "speculative"):
-        with pytest.raises(ConfigError, match=r"^(commit_attention='block'|block_grid='absolute'): not implemented in \w+") as e:
-            fdllm.generate([5, 6, 7], mode=mode, max_new_tokens=4)
-        assert "\n" not in str(e.value)
-    with pytest.raises(ConfigError, match="^commit_attention='block': not implemented in the plain forward"):
-        fdllm.model(torch.tensor([[5, 6, 7]]))
-    with pytest.raises(ValueError, match="^compile: the static steps commit causally; this model commits block-causally"):
-        clover.load(fdllm.path, compile=True)
+    assert_causal_modes_refused(fdllm, r"^(commit_attention='block'|block_grid='absolute'): not implemented in \w+")
 
 
 def test_info_names_the_family_and_its_decoding(fdllm, capsys):

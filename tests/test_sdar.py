@@ -139,18 +139,24 @@ def test_naive_recomputation_gives_the_same_tokens(sdar, block):
             assert g.token_ids == c["tokens"] and g.stats.block_steps == c["denoise_forwards_per_block"], c["name"]
 
 
-def test_modes_that_need_a_causal_commit_are_refused_in_one_line(sdar):
-    """AR and self-speculation verify causally, which SDAR's block-causal commit is not."""
+def assert_causal_modes_refused(llm, refusal: str) -> None:
+    """AR and self-speculation, the plain forward and compile, each refused in one line on a model that
+    commits block-causally (`refusal`: the pattern of the modes' error)."""
     from clover.config import ConfigError
 
     for mode in ("ar", "speculative"):
-        with pytest.raises(ConfigError, match=r"^logit_shift=0: not implemented in \w+") as e:
-            sdar.generate([5, 6, 7], mode=mode, max_new_tokens=4)
+        with pytest.raises(ConfigError, match=refusal) as e:
+            llm.generate([5, 6, 7], mode=mode, max_new_tokens=4)
         assert "\n" not in str(e.value)
     with pytest.raises(ConfigError, match="^commit_attention='block': not implemented in the plain forward"):
-        sdar.model(torch.tensor([[5, 6, 7]]))
+        llm.model(torch.tensor([[5, 6, 7]]))
     with pytest.raises(ValueError, match="^compile: the static steps commit causally; this model commits block-causally"):
-        clover.load(sdar.path, compile=True)
+        clover.load(llm.path, compile=True)
+
+
+def test_modes_that_need_a_causal_commit_are_refused_in_one_line(sdar):
+    """AR and self-speculation verify causally, which SDAR's block-causal commit is not."""
+    assert_causal_modes_refused(sdar, r"^logit_shift=0: not implemented in \w+")
 
 
 def test_sdar_moe_decodes_alike_cached_naive_and_batched(tmp_path):
