@@ -55,6 +55,18 @@ def hf_config_dict(config) -> dict:
     return d
 
 
+def write_hf_head(src: Path, dst: Path, config, *, dtype: str) -> None:
+    """`dst`'s HF config.json (`hf_config_dict` in `dtype`) and the tokenizer files of `src`, copied."""
+    dst.mkdir(parents=True, exist_ok=True)
+    d = hf_config_dict(config)
+    d["torch_dtype"] = dtype
+    (dst / "config.json").write_text(json.dumps(d, indent=1) + "\n")
+    for f in src.iterdir():
+        if f.name.startswith("tokenizer") or f.name in ("special_tokens_map.json", "generation_config.json", "vocab.json",
+                                                         "merges.txt", "chat_template.jinja"):
+            shutil.copy(f, dst / f.name)
+
+
 def write_hf_dir(src: Path, dst: Path, config, *, dtype: str, copy: bool = False) -> Path:
     """A transformers-loadable directory for clover checkpoint `src`: an HF config.json, the tokenizer
     files, and the weights — linked (transformers skips clover's extra tensors with a warning) or,
@@ -62,14 +74,7 @@ def write_hf_dir(src: Path, dst: Path, config, *, dtype: str, copy: bool = False
     from safetensors import safe_open
     from safetensors.torch import save_file
 
-    dst.mkdir(parents=True, exist_ok=True)
-    d = hf_config_dict(config)
-    d["torch_dtype"] = dtype
-    (dst / "config.json").write_text(json.dumps(d, indent=1) + "\n")
-    for f in src.iterdir():
-        if f.name.startswith("tokenizer") or f.name in ("special_tokens_map.json", "generation_config.json", "vocab.json",
-                                                         "merges.txt"):
-            shutil.copy(f, dst / f.name)
+    write_hf_head(src, dst, config, dtype=dtype)
     shards = sorted(src.glob("*.safetensors"))
     if not copy:
         for f in shards + sorted(src.glob("*.safetensors.index.json")):

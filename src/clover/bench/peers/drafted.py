@@ -10,13 +10,11 @@ their target after untying its head (`dflash_worker.set_mask_row`; the head, and
 
 from __future__ import annotations
 
-import json
-import shutil
 from pathlib import Path
 
 import torch
 
-from .base import hf_config_dict
+from .base import write_hf_head
 from .dflash_worker import MASK_FILE
 
 
@@ -41,15 +39,8 @@ def target_hf_dir(setup) -> Path:
     dst = st.work / "hf-dflash-target"
     if (dst / "model.safetensors").is_file():
         return dst
-    dst.mkdir(parents=True, exist_ok=True)
     cfg = st.config
-    d = hf_config_dict(cfg)
-    d["torch_dtype"] = st.dtype
-    (dst / "config.json").write_text(json.dumps(d, indent=1) + "\n")
-    for f in st.src.iterdir():
-        if f.name.startswith("tokenizer") or f.name in ("special_tokens_map.json", "generation_config.json", "vocab.json",
-                                                         "merges.txt", "chat_template.jinja"):
-            shutil.copy(f, dst / f.name)
+    write_hf_head(st.src, dst, cfg, dtype=st.dtype)
     model = st.llm.model
     want = getattr(torch, st.dtype)
     tied = cfg.tie_word_embeddings
