@@ -216,10 +216,7 @@ class DiffusionEngine(BatchEngine):
         st = r.state
         if not self._commit_only(r):
             return
-        logits = st.first_logits
-        if st.sampler.constrained:
-            logits = st.sampler.allowed(logits)
-        st.blk[0] = logits.argmax()
+        st.blk[0] = st.sampler.allowed(st.first_logits).argmax()  # (no mask without a grammar)
         st.masked[0] = False
         if st.sampler.constrained:
             self._advance_valid(r)
