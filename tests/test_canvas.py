@@ -36,15 +36,22 @@ def golden(family: str) -> dict:
     return json.loads((ROOT / "tests" / "golden" / family / "cases.json").read_text())
 
 
-@pytest.fixture(scope="module", params=FAMILIES)
-def family(request, tmp_path_factory):
-    """(family, its golden data, the tiny checkpoint's directory, the model loaded by clover)."""
-    g = golden(request.param)
-    out = tmp_path_factory.mktemp(request.param)
-    shapes = [(name, shape) for name, shape in g["parameters"]]
+def golden_checkpoint(name: str, out: Path) -> dict:
+    """The golden data of `name` (tests/golden/NAME), its tiny checkpoint rebuilt in `out` from the seed
+    and shapes it records (the golden scripts' `tiny_parameters`)."""
+    g = golden(name)
+    shapes = [(n, shape) for n, shape in g["parameters"]]
     weights = _script().tiny_parameters(shapes, g["seed"], g["head"], g["config"]["mask_token_id"])
     save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(g["config"]))
+    return g
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def family(request, tmp_path_factory):
+    """(family, its golden data, the tiny checkpoint's directory, the model loaded by clover)."""
+    out = tmp_path_factory.mktemp(request.param)
+    g = golden_checkpoint(request.param, out)
     return request.param, g, out, load_model(out)
 
 

@@ -8,8 +8,7 @@ import json
 
 import pytest
 import torch
-from safetensors.torch import save_file
-from test_canvas import ROOT, _script, decode
+from test_canvas import decode, golden_checkpoint
 
 from clover.checkpoint import load_model
 from clover.config import ConfigError
@@ -17,19 +16,10 @@ from clover.decoding import get_mode
 from clover.models import config_from_dict
 
 
-def _golden() -> dict:
-    return json.loads((ROOT / "tests" / "golden" / "llada_moe" / "cases.json").read_text())
-
-
 @pytest.fixture(scope="module")
 def llada_moe(tmp_path_factory):
-    g = _golden()
     out = tmp_path_factory.mktemp("llada_moe")
-    weights = _script().tiny_parameters([(n, s) for n, s in g["parameters"]], g["seed"], g["head"],
-                                        g["config"]["mask_token_id"])
-    save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
-    (out / "config.json").write_text(json.dumps(g["config"]))
-    return g, load_model(out)
+    return golden_checkpoint("llada_moe", out), load_model(out)
 
 
 def test_config_reads_llada_moe_under_lladas_model_type(llada_moe):

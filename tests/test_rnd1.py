@@ -8,8 +8,7 @@ import json
 
 import pytest
 import torch
-from safetensors.torch import save_file
-from test_canvas import ROOT, _script, decode
+from test_canvas import decode, golden_checkpoint
 
 from clover.checkpoint import load_model
 from clover.decoding import get_mode
@@ -18,13 +17,8 @@ from clover.models import config_from_dict
 
 @pytest.fixture(scope="module")
 def rnd1(tmp_path_factory):
-    g = json.loads((ROOT / "tests" / "golden" / "rnd1" / "cases.json").read_text())
     out = tmp_path_factory.mktemp("rnd1")
-    weights = _script().tiny_parameters([(n, s) for n, s in g["parameters"]], g["seed"], g["head"],
-                                        g["config"]["mask_token_id"])
-    save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
-    (out / "config.json").write_text(json.dumps(g["config"]))
-    return g, load_model(out)
+    return golden_checkpoint("rnd1", out), load_model(out)
 
 
 def test_config_reads_rnd1(rnd1):
