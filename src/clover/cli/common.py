@@ -147,12 +147,17 @@ def add_model_arguments(p: argparse.ArgumentParser, *, positional: bool = False,
                            help="torch CPU threads (default: $OMP_NUM_THREADS, else one per idle core)")
 
 
+def given_model(args: argparse.Namespace) -> str | None:
+    """MODEL as given (positional, else --model), or None."""
+    return getattr(args, "model_pos", None) or getattr(args, "model", None)
+
+
 def model_dir(args: argparse.Namespace) -> Path:
     """The model directory the user chose (a directory, or a model name such as clover-smol, pulled
     into the user cache), or the default one (raises FileNotFoundError)."""
     from ..api import default_model_path, model_path
 
-    given = getattr(args, "model_pos", None) or getattr(args, "model", None)
+    given = given_model(args)
     return model_path(given, device=getattr(args, "device", None)) if given else default_model_path()
 
 

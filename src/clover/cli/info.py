@@ -9,7 +9,7 @@ import dataclasses
 import json
 from pathlib import Path
 
-from .common import UsageError, add_model_arguments, human, model_dir
+from .common import UsageError, add_model_arguments, given_model, human, model_dir
 
 
 def configure(p: argparse.ArgumentParser) -> None:
@@ -38,8 +38,7 @@ def _config(args: argparse.Namespace):
     from ..models import read_config
     from ..models.shapes import shape_config
 
-    given = getattr(args, "model_pos", None) or getattr(args, "model", None)
-    return shape_config(given) or read_config(model_dir(args))
+    return shape_config(given_model(args)) or read_config(model_dir(args))
 
 
 def memory(args: argparse.Namespace) -> str:
@@ -48,8 +47,7 @@ def memory(args: argparse.Namespace) -> str:
 
     c = _config(args)
     plan = memory_plan(c, context=c.max_position_embeddings if args.context is None else args.context, batch=args.batch)
-    given = getattr(args, "model_pos", None) or getattr(args, "model", None)
-    return json.dumps(plan) if args.json else format_memory_plan(plan, str(given))
+    return json.dumps(plan) if args.json else format_memory_plan(plan, str(given_model(args)))
 
 
 def _regular(path: Path) -> bool:
