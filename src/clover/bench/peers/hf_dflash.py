@@ -8,7 +8,7 @@ a final norm; the target's embedding and head). The model's drafter is loaded in
 (`fc` -> `encoder.fc`, `hidden_norm` -> `encoder.output_norm_enc`), every layer full attention.
 transformers has no reduced draft vocabulary: its candidates come from the target's whole head (the
 `d2t` table is left unread), so its drafts may differ from clover's; verification keeps the text AR's.
-The target is `drafted.target_hf_dir` with the mask token's input row set (`drafted.set_mask_row`).
+The target is `drafted.target_hf_dir` with the mask token's input row set (`dflash_worker.set_mask_row`).
 Tokens per verify: the matches each verify kept + 1 (`update_candidate_strategy`'s `num_matches`)."""
 
 from __future__ import annotations
