@@ -44,8 +44,8 @@ def run_cli(cli: Path, gguf: Path, prompt: str, steps: int, canvas: int, block: 
     total = re.search(r"total time: ([\d.]+)ms", err)
     if r.returncode != 0 or total is None or "sampling time per step" not in err:
         sys.exit(f"error: llama-diffusion-cli failed ({r.returncode}): {err.strip()[-400:]}")
-    text = err.rsplit("sampling time per step", 1)[1].split("\n", 1)[1]
-    return re.sub(r"^\S+ I \n", "", text).rstrip("\n"), float(total.group(1)) / 1000
+    tail = err.rsplit("sampling time per step", 1)[1].split("\n", 1)[1]
+    return tail.split("\n", 1)[1].rstrip("\n"), float(total.group(1)) / 1000  # after the log line's prefix
 
 
 def main() -> None:

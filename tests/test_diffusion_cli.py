@@ -80,13 +80,11 @@ def pair(request, tmp_path_factory):
 
 
 def cli_text(family: str, gguf: Path, prompt: str, steps: int) -> str:
-    args = [str(CLI), "-m", str(gguf), "-p", prompt, "-t", "1", "-ub", str(CANVAS), "-b", str(CANVAS), "-c", str(CANVAS),
-            "--diffusion-steps", str(steps), "--diffusion-algorithm", "4", "--top-k", "1", "--temp", "0", "-s", "1"]
-    args += ["--diffusion-eps", "0.001"] if family == "dream" else ["--diffusion-block-length", str(CANVAS)]
-    run = subprocess.run(args, check=False, capture_output=True, text=True)
-    assert run.returncode == 0, run.stderr[-2000:]
-    tail = run.stderr.rsplit("sampling time per step", 1)[1].split("\n", 1)[1]
-    return tail.split("\n", 1)[1].rstrip("\n")  # after the log line's prefix
+    """The CLI's canvas in the matching setting, run as scripts/diffusion-cli-compare.py runs it."""
+    spec = importlib.util.spec_from_file_location("diffusion_cli_compare", ROOT / "scripts" / "diffusion-cli-compare.py")
+    compare = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(compare)
+    return compare.run_cli(CLI, gguf, prompt, steps, CANVAS, None, family == "dream")[0]
 
 
 @pytest.mark.slow
