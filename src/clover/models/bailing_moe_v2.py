@@ -24,7 +24,7 @@ from torch import nn
 
 from ..config import CloverConfig, ConfigError
 from ..moe import static_expert_forward
-from .core import CausalLM, TextModel
+from .core import CausalLM
 from .layers import MLP, DenseMLP, ExpertStats, Experts, GatedAttention, PlainRMSNorm, RotaryEmbedding, apply_rope
 from .qwen3_5_moe import MoeKeyLayout
 from .registry import Architecture
@@ -214,11 +214,9 @@ class LLaDA2ForCausalLM(CausalLM):
     key_layout = LLaDA2KeyLayout()
     live_positions = False
 
-    def build_text_model(self, config: CloverConfig) -> nn.Module:
-        model = TextModel(config, type(self))
-        for layer in model.layers[: config.first_k_dense_replace]:
-            layer.mlp = LLaDA2DenseMLP(config)
-        return model
+    @classmethod
+    def mlp_class_for(cls, config: CloverConfig, layer_idx: int) -> type[nn.Module]:
+        return LLaDA2DenseMLP if layer_idx < config.first_k_dense_replace else LLaDA2MoE
 
 
 ARCHITECTURE = Architecture(name="bailing_moe_v2", config_class=LLaDA2Config, model_class=LLaDA2ForCausalLM)

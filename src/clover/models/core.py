@@ -4,8 +4,8 @@ training forward, `make_cache`, the plain initialisation and the identity checkp
 
 An architecture file (`qwen3_5.py`, `llama.py`, ...) subclasses `CausalLM` and names its parts as
 class attributes: `attention_class` (full-attention layers), `linear_attention_class` (linear-attention
-layers), `mlp_class` (called as `mlp(x, sharing, count_experts, static) -> (y, ExpertStats | None)`),
-`norm_class` (`norm_class(dim, eps)`) and `rotary_class` (`rotary_class.from_config(config)`), each
+layers), `mlp_class` (called as `mlp(x, sharing, count_experts, static) -> (y, ExpertStats | None)`; per layer
+`mlp_class_for` where the layers differ), `norm_class` (`norm_class(dim, eps)`) and `rotary_class` (`rotary_class.from_config(config)`), each
 built from the config; plus its `key_layout` (stored key -> parameter name) and, where its stack is
 not `TextModel`'s, `build_text_model`. Everything else here reads only what every architecture has.
 
@@ -68,7 +68,7 @@ class DecoderLayer(nn.Module):
             self.self_attn = parts.attention_class(config)
         else:
             self.linear_attn = parts.linear_attention_class(config)
-        self.mlp = parts.mlp_class(config)
+        self.mlp = parts.mlp_class_for(config, layer_idx)(config)
         self.input_layernorm = parts.norm_class(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = parts.norm_class(config.hidden_size, config.rms_norm_eps)
 
@@ -151,6 +151,12 @@ class CausalLM(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    @classmethod
+    def mlp_class_for(cls, config: CloverConfig, layer_idx: int) -> type[nn.Module]:
+        """The MLP class of layer `layer_idx`: `mlp_class` in every layer, unless an architecture's
+        layers differ (LLaDA2's first dense ones)."""
+        return cls.mlp_class
 
     def build_text_model(self, config: CloverConfig) -> nn.Module:
         """The stack (`embed_tokens`, `layers`, `norm`, `rotary_emb`): `TextModel` of this class's parts."""
