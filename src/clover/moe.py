@@ -58,6 +58,11 @@ def route(
     return w, idx
 
 
+def experts_touched(top_idx: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """How many distinct experts the routed slots `top_idx` [N, k] touch, counted on the device (a 0-d tensor)."""
+    return torch.zeros(num_experts, dtype=torch.long, device=top_idx.device).index_fill_(0, top_idx.reshape(-1), 1).sum()
+
+
 def grouped_expert_forward(experts, x: torch.Tensor, top_idx: torch.Tensor, top_w: torch.Tensor) -> torch.Tensor:
     """x [N, H], top_idx/top_w [N, k] -> [N, H]. `experts` has gate_up_proj [E,2I,H], down_proj [E,H,I]
     (or a quantized module with the same `expert_forward(e, x)`)."""

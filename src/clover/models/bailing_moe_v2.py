@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import CloverConfig, ConfigError
-from ..moe import static_expert_forward
+from ..moe import experts_touched, static_expert_forward
 from .core import CausalLM
 from .layers import MLP, DenseMLP, ExpertStats, Experts, GatedAttention, PlainRMSNorm, RotaryEmbedding, apply_rope
 from .qwen3_5_moe import MoeKeyLayout
@@ -181,9 +181,7 @@ class LLaDA2MoE(nn.Module):
         B, T, H = x.shape
         flat = x.reshape(-1, H)
         w, idx, logits = self.gate(flat)
-        touched = None
-        if count_experts:
-            touched = torch.zeros(self.num_experts, dtype=torch.long, device=x.device).index_fill_(0, idx.reshape(-1), 1).sum()
+        touched = experts_touched(idx, self.num_experts) if count_experts else None
         if static:
             out = static_expert_forward(self.experts, flat, idx, w.to(x.dtype))
         else:

@@ -30,7 +30,7 @@ from ..kernels import (
     recurrent_gated_delta_rule,
 )
 from ..kernels.packed import EXPERT_MAX_ROWS, experts as packed_experts, grouped_serves as packed_grouped_serves, linear as packed_linear
-from ..moe import BlockSharing, grouped_expert_forward, route, static_expert_forward
+from ..moe import BlockSharing, experts_touched, grouped_expert_forward, route, static_expert_forward
 from .step import Live, Segments  # noqa: F401  (a forward's layout: the layers read it; imported from here too)
 
 
@@ -647,10 +647,7 @@ class SparseMoE(nn.Module):
         flat = x.reshape(-1, H)
         logits = self.gate(flat)
         top_w, top_idx = route(logits, self.top_k, sharing, self.normalize)
-        touched = None
-        if count_experts:
-            touched = torch.zeros(self.num_experts, dtype=torch.long, device=x.device).index_fill_(
-                0, top_idx.reshape(-1), 1).sum()
+        touched = experts_touched(top_idx, self.num_experts) if count_experts else None
         if static or self._grouped_on_device(top_idx):
             out = static_expert_forward(self.experts, flat, top_idx, top_w.to(x.dtype))
         else:
