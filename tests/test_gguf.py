@@ -13,7 +13,6 @@ next-token logits at every position of a 256-token text.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 from pathlib import Path
 
@@ -26,6 +25,7 @@ gguf = pytest.importorskip("gguf")
 from clover.checkpoint import load_model, save_state_dict  # noqa: E402
 from clover.config import CloverConfig  # noqa: E402
 from clover.models import read_config
+from clover.integrations.llama_port import llama_cache_dir  # noqa: E402
 from clover.export.gguf import (  # noqa: E402
     GGUFExportError,
     detect_pre_tokenizer,
@@ -350,8 +350,7 @@ def test_cli(tmp_path, tiny_dir, capsys):
 
 
 # ------------------------------------------------------------- slow: against llama.cpp itself
-LLAMA_CACHE = Path(os.environ.get("CLOVER_LLAMA_CPP_DIR")
-                   or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "clover" / "llama.cpp")
+LLAMA_CACHE = llama_cache_dir()
 PROBE = LLAMA_CACHE / "bin" / "clover-llama-probe"
 GREEDY_PROMPTS, GREEDY_TOKENS, LOGIT_TOKENS = 20, 64, 256
 # next-token logits, llama.cpp vs clover, f32: |difference| <= LOGIT_ATOL + LOGIT_RTOL * max|logit| of that position

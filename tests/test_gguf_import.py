@@ -20,6 +20,7 @@ import clover  # noqa: E402
 from clover.checkpoint import load_model  # noqa: E402
 from clover.gguf_import import GGUFImportError, import_gguf  # noqa: E402
 from clover.tokenizer import write_byte_tokenizer  # noqa: E402
+from clover.integrations.llama_port import llama_cache_dir  # noqa: E402
 
 T = gguf.GGMLQuantizationType
 TEMPLATE = "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}" \
@@ -292,8 +293,7 @@ def test_qwen35moe_ar_checkpoint_and_errors(tmp_path):
 
 
 # ----------------------------------------------------------------------------- llama.cpp (slow)
-LLAMA_CACHE = Path(os.environ.get("CLOVER_LLAMA_CPP", Path.home() / ".cache" / "clover" / "llama.cpp"))
-PROBE = LLAMA_CACHE / "bin" / "clover-llama-probe"
+PROBE = llama_cache_dir() / "bin" / "clover-llama-probe"  # scripts/build-llama-cpp.sh ($CLOVER_LLAMA_CPP_DIR)
 
 
 def dequantized_copy(src: Path, dst: Path) -> Path:
