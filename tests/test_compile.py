@@ -268,3 +268,63 @@ def test_static_falls_back_to_eager_past_the_graph_limit(tiny_dir, monkeypatch):
         out = static.generate("def f(x):", **kw)
     assert out.token_ids == eager.generate("def f(x):", **kw).token_ids
     assert steps.limit_hit and steps.calls["eager"] >= 2 and steps.calls["denoise"] == 0
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory):
+    """A tiny Llama target (clover-smol's family) with a denoise adapter moved off zero, and a DFlash
+    drafter for it (`drafter/`)."""
+    from clover.checkpoint import load_model, save_drafter, save_model
+    from clover.models.dflash import build_drafter, drafter_config_for
+    from clover.tiny import build_tiny_checkpoint
+
+    root = tmp_path_factory.mktemp("llama-compile")
+    m = load_model(build_tiny_checkpoint(root / "base", seed=4, init_std=0.15, dense=True, backbone="llama",
+                                         rms_norm_eps=1e-5))
+    m.attach_denoise_adapter(rank=4)
+    with torch.no_grad():
+        for n, p in m.named_parameters():
+            if n.endswith("lora_B") or n.endswith("mask_embedding"):
+                p.add_(0.3 * torch.randn(p.shape, generator=torch.Generator().manual_seed(len(n))))
+    save_model(m, root / "m")
+    for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        if (root / "base" / f).exists():
+            (root / "m" / f).write_bytes((root / "base" / f).read_bytes())
+    cfg = drafter_config_for(m.config, num_hidden_layers=2, block_size=8)
+    save_drafter(build_drafter(cfg, seed=1), root / "m" / "drafter")
+    return root / "m"
+
+
+def _llama_modes(eager, compiled, prompts, max_new_tokens):
+    """Each mode's tokens, eager against compiled, alone (dflash: also batched, and AR's tokens)."""
+    for mode in ("ar", "dflash", "speculative", "diffusion"):
+        kw = dict(mode=mode, max_new_tokens=max_new_tokens, ignore_eos=True) | fixed_draft(mode, eager.config)
+        for p in prompts:
+            assert compiled.generate(p, **kw).token_ids == eager.generate(p, **kw).token_ids, mode
+    kw = dict(max_new_tokens=max_new_tokens, ignore_eos=True)
+    ar = [r.token_ids for r in eager.generate(prompts, mode="ar", **kw)]
+    assert [r.token_ids for r in compiled.generate(prompts, mode="dflash", **kw)] == ar
+
+
+def test_static_steps_on_a_llama_with_an_adapter_and_a_drafter(llama_dir, monkeypatch):
+    """A Llama target (its own rotary frequencies, the denoise adapter applied from the block on) and
+    its DFlash drafter: the static graphs' code (no compile) gives the eager tokens in every mode,
+    dflash AR's, alone and batched, and the verifies run on the verify-commit kind."""
+    torch.set_num_threads(1)
+    _identity_compile(monkeypatch)
+    eager = clover.load(llama_dir, drafter=llama_dir / "drafter")
+    static = clover.load(llama_dir, drafter=llama_dir / "drafter", compile=True)
+    _llama_modes(eager, static, [[5, 6, 7], list(range(40, 61))], 16)
+    calls = static.model.static_steps.calls
+    assert calls["ar"] and calls["verify-commit"] and calls["denoise"] and calls["verify"], calls
+
+
+@pytest.mark.slow
+def test_compiled_llama_with_a_drafter_equals_eager(llama_dir):
+    """The same, compiled (inductor): the graphs compiled at load serve the verifies and the drafts."""
+    torch.set_num_threads(1)
+    eager = clover.load(llama_dir, drafter=llama_dir / "drafter")
+    compiled = clover.load(llama_dir, drafter=llama_dir / "drafter", compile=True)
+    _llama_modes(eager, compiled, [[5, 6, 7], list(range(40, 61))], 16)
+    calls = compiled.model.static_steps.calls
+    assert calls["verify-commit"] and calls["ar"] and compiled.drafter.static_calls["static"], calls

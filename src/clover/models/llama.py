@@ -23,7 +23,6 @@ The mask token is never predicted: its logit is held at -1e9.
 
 from __future__ import annotations
 
-import contextvars
 import math
 from dataclasses import dataclass
 
@@ -34,16 +33,12 @@ from torch import nn
 from ..config import CloverConfig, ConfigError
 from ..moe import BlockSharing
 from .core import CausalLM, Step
-from .layers import GatedAttention, PlainRMSNorm, Segments, apply_rope
+from .layers import GatedAttention, PlainRMSNorm, RotaryEmbedding, Segments, apply_rope
 from .registry import Architecture
 
 ROPE_TYPES = ("default", "linear", "llama3")
 ADAPTER_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 MASK_LOGIT = -1e9  # finite: an entropy over the logits stays finite (0 * log 0 -> 0)
-
-# where the denoise positions start along time in the forward now running (None: commit only)
-_DENOISE_FROM: contextvars.ContextVar[int | None] = contextvars.ContextVar("clover_llama_denoise_from", default=None)
-
 
 class LoRA(nn.Module):
     """delta(x) = (x A^T) B^T * alpha / rank; B starts at zero, so the delta does."""
@@ -59,7 +54,12 @@ class LoRA(nn.Module):
 
 
 class Adapted(nn.Module):
-    """A module whose linear layers may carry denoise adapters (`adapters[name]`)."""
+    """A module whose linear layers may carry denoise adapters (`adapters[name]`), applied from
+    `denoise_from` on along time: where the denoise positions start in the forward now running (None:
+    a commit only), which the decoder layer sets from its `Segments` before each call (a plain
+    attribute, not a context variable, so that a compiled step traces it)."""
+
+    denoise_from: int | None = None
 
     def add_adapters(self, names, rank: int, alpha: float) -> None:
         self.adapters = nn.ModuleDict({
@@ -69,7 +69,7 @@ class Adapted(nn.Module):
 
     def lin(self, name: str, x: torch.Tensor) -> torch.Tensor:
         y = getattr(self, name)(x)
-        start = _DENOISE_FROM.get()
+        start = self.denoise_from
         adapters = self._modules.get("adapters")  # registered by add_adapters, absent otherwise
         if start is None or adapters is None or name not in adapters or start >= x.shape[1]:
             return y
@@ -179,25 +179,23 @@ def rope_inv_freq(args: LlamaConfig, device=None) -> torch.Tensor:
     return inv
 
 
-class LlamaRotaryEmbedding(nn.Module):
-    """Full RoPE (rotate-half) with Llama's scaled frequencies; same call as `layers.RotaryEmbedding`."""
+class LlamaRotaryEmbedding(RotaryEmbedding):
+    """Full RoPE (rotate-half) with Llama's scaled frequencies: `layers.RotaryEmbedding` over every
+    dim of a head, its frequencies from `rope_inv_freq` (cached outside a compiled graph the same way)."""
 
     def __init__(self, args: LlamaConfig) -> None:
-        super().__init__()
+        super().__init__(args.head_dim, args.rope_theta)
         self.args = args
-        self._inv_freq: torch.Tensor | None = None  # not a buffer: nothing to load, nothing left on `meta`
 
     @classmethod
     def from_config(cls, config: LlamaConfig) -> "LlamaRotaryEmbedding":
         """The core's `rotary_class.from_config` hook (the architectures on Llama's stack: Qwen2, Qwen3, LLaDA)."""
         return cls(config)
 
-    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        if self._inv_freq is None or self._inv_freq.device != positions.device:
-            self._inv_freq = rope_inv_freq(self.args, positions.device)
-        freqs = positions[..., None].float() * self._inv_freq
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+    def inv_freq(self, device: torch.device) -> torch.Tensor:
+        if self._inv_freq is None or self._inv_freq.device != device:
+            self._inv_freq = rope_inv_freq(self.args, device)
+        return self._inv_freq
 
 
 class LlamaAttention(Adapted, GatedAttention):
@@ -274,6 +272,7 @@ class LlamaDecoderLayer(nn.Module):
                 sharing: BlockSharing | None = None, count_experts: bool = False, static: bool = False,
                 records: list | None = None):
         """-> (x, None): the layer interface of the family (no routing to report)."""
+        self.self_attn.denoise_from = self.mlp.denoise_from = segments.commit_len if segments.denoise_len else None
         h = self.self_attn(self.input_layernorm(x), rope, mask=mask, state=state, lengths=lengths,
                            commit_len=segments.commit_len)
         x = x + h
@@ -395,25 +394,11 @@ class LlamaForCausalLM(CausalLM):
         positions = torch.arange(L, device=dev).repeat(k).expand(B, k * L)
         x = self.model.embed_tokens(noisy_ids)
         rope = self.model.rotary_emb(positions, x.dtype)
-        token = _DENOISE_FROM.set(0)
-        try:
-            x, _ = self._layers(x, rope, Segments(commit_len=0, denoise_len=k * L), mask=mask,
-                                states=[s.tensors() for s in cache.layers], lengths=cache.lengths)
-        finally:
-            _DENOISE_FROM.reset(token)
+        x, _ = self._layers(x, rope, Segments(commit_len=0, denoise_len=k * L), mask=mask,
+                            states=[s.tensors() for s in cache.layers], lengths=cache.lengths)
         if noisy_logits_at is not None:
             x = x[noisy_logits_at]
         return clean_logits, self._logits(x)
-
-    def run_step(self, cache, step: Step):
-        start = None
-        if self.config.denoise_adapter and step.denoise_ids is not None:
-            start = step.commit_len
-        token = _DENOISE_FROM.set(start)
-        try:
-            return super().run_step(cache, step)
-        finally:
-            _DENOISE_FROM.reset(token)
 
 
 def is_adapter_parameter(name: str) -> bool:
