@@ -152,3 +152,18 @@ def test_stream_mixes_the_set(tmp_path):
     assert only.state_dict()["config"]["distill"] == "abc"
     with pytest.raises(ValueError, match="non-empty"):
         PackedStream(**args, distill=DistillSet([], [], {"digest": "x"}), distill_fraction=0.5)
+
+
+def test_rows_end_a_block_after_the_longest_row():
+    """`DistillRows(min_len=, tail=)`: a batch is cut after its longest row and `tail` columns of padding
+    follow, so a drafter's anchor on that row's last tokens still has its whole block in the batch."""
+    from clover.api import BUNDLED_MODEL
+    from clover.data.distill import DistillRows
+
+    d = DistillSet(["assert 1 + 2 == 3", "assert min([4, 5]) == 4"], [], {"digest": "abc"})
+    args = dict(seq_len=64, batch_size=4, seed=0, task_fraction=1.0, pad_id=1, min_len=17)
+    plain = DistillRows(d, BUNDLED_MODEL, **args).next_batch()
+    tailed = DistillRows(d, BUNDLED_MODEL, **args, tail=15).next_batch()
+    used = int((plain != 1).any(0).nonzero().max()) + 1
+    assert plain.shape[1] == max(used, 17) and tailed.shape[1] == used + 15
+    assert torch.equal(tailed[:, :used], plain[:, :used]) and (tailed[:, used:] == 1).all()

@@ -213,10 +213,12 @@ class DistillRows:
     data is the model's greedy output in its own context (a DFlash drafter's training stream).
     A `task_fraction` of the rows is one task line, the rest one code document; documents longer than
     `seq_len` are cut. With `min_len`, a batch is cut after its longest row (at least `min_len`
-    columns). Seeded per batch, so `state_dict` is just the batch count."""
+    columns), and `tail` columns of padding follow it: a drafter's anchor needs its whole block inside
+    the batch, so without them a batch of short rows (a task's answer line) would never anchor on the
+    last tokens of its longest row. Seeded per batch, so `state_dict` is just the batch count."""
 
     def __init__(self, distill: DistillSet, tokenizer: str | Path, *, seq_len: int, batch_size: int, seed: int,
-                 task_fraction: float, pad_id: int, min_len: int = 0) -> None:
+                 task_fraction: float, pad_id: int, min_len: int = 0, tail: int = 0) -> None:
         from .tokenizer import load_tokenizer
 
         if not (distill.task_lines or distill.code_docs):
@@ -226,6 +228,7 @@ class DistillRows:
         self.code = [tok.encode(t, add_special_tokens=False).ids[:seq_len] for t in distill.code_docs]
         self.seq_len, self.batch_size, self.seed = seq_len, batch_size, seed
         self.task_fraction, self.pad_id, self.min_len = task_fraction, pad_id, min(min_len, seq_len)
+        self.tail = tail if min_len else 0
         self.batches = 0
 
     def next_batch(self):
@@ -233,14 +236,14 @@ class DistillRows:
 
         rng = random.Random(f"clover-distill-rows:{self.seed}:{self.batches}")
         self.batches += 1
-        ids = torch.full((self.batch_size, self.seq_len), self.pad_id, dtype=torch.long)
+        ids = torch.full((self.batch_size, self.seq_len + self.tail), self.pad_id, dtype=torch.long)
         for b in range(self.batch_size):
             pool = self.task if self.task and (not self.code or rng.random() < self.task_fraction) else self.code
             doc = rng.choice(pool)
             ids[b, : len(doc)] = torch.tensor(doc, dtype=torch.long)
         if self.min_len:  # the batch ends after its longest row: no forward over columns of padding alone
             used = int((ids != self.pad_id).any(0).nonzero().max()) + 1 if (ids != self.pad_id).any() else 0
-            ids = ids[:, : max(used, self.min_len)]
+            ids = ids[:, : max(used + self.tail, self.min_len)]
         return ids
 
     def state_dict(self) -> dict:

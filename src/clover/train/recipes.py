@@ -93,6 +93,8 @@ class DataSpec:
     distill_chat_tokens: int = 48  # longest AR answer to one of them
     distill_code_tokens: int = 96  # longest AR continuation of a function header
     distill_task_tokens: int = 0  # 0: a task's AR answer up to the end of its line; N: N tokens, past the line
+    distill_task_line: bool | None = None  # a task's answer stops at its line's end, at most distill_task_tokens
+    # tokens (default: the line where distill_task_tokens is 0, with the set's own cap of 24 tokens)
     distill_batch: int = 16  # prompts decoded together while the set is built (AR is memory-bound: wider is cheaper)
     # [[data.sources]]: local text files, JSON Lines, saved `datasets`, the stdlib, mixed by weight
     # (clover.data.sources); empty = the stdlib (+ the tasks, as task_fraction says)

@@ -264,7 +264,7 @@ class Trainer:
                                       batch_size=recipe.data.batch_size // self.dist.world,
                                       seed=(recipe.seed if recipe.data.seed is None else recipe.data.seed) * 1000 + self.dist.rank,
                                       task_fraction=recipe.data.task_fraction, pad_id=ids.get("<|pad|>", 0),
-                                      min_len=recipe.dflash.block_size + 1)
+                                      min_len=recipe.dflash.block_size + 1, tail=recipe.dflash.block_size - 1)
         else:
             self._say("data: " + (", ".join(s.label for s in parse_sources(recipe.data.sources)) or "the stdlib")
                       + f" and tasks ({recipe.data.task_fraction:g} of rows)")
@@ -314,7 +314,8 @@ class Trainer:
             self.model.eval()
             ensure_distill_set(path, teacher, n_tasks=d.distill_tasks, n_code=d.distill_code, n_chat=d.distill_chat,
                                chat_tokens=d.distill_chat_tokens, code_tokens=d.distill_code_tokens,
-                               batch_size=d.distill_batch, task_line=not d.distill_task_tokens,
+                               batch_size=d.distill_batch,
+                               task_line=not d.distill_task_tokens if d.distill_task_line is None else d.distill_task_line,
                                **({"task_tokens": d.distill_task_tokens} if d.distill_task_tokens else {}),
                                seed=self.recipe.seed, progress=not self.quiet)
             self.model.train(was_training)
