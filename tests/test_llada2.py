@@ -84,3 +84,45 @@ def test_greedy_block_decoding_batched(llada2, schedule):
     cases = [c for c in CASES["cases"] if c["name"].endswith(schedule)]
     for g, c in zip(_generate(llada2, cases, **_quota(cases[0])), cases):
         assert g.token_ids == c["tokens"] and g.stats.block_steps == c["denoise_forwards_per_block"], c["name"]
+
+
+def test_block_expert_sharing_routes_a_block_within_its_shared_experts(llada2):
+    """Block expert sharing (`expert_budget`, opt-in) on LLaDA2's sigmoid router: a denoise token
+    chooses its k among its block's `budget` best experts (ranked by the block's summed scores plus
+    the bias), in place of its groups; the commit part routes as without it."""
+    from clover.models.bailing_moe_v2 import LLaDA2MoE
+    from clover.moe import BlockSharing
+
+    router = next(layer.mlp.gate for layer in llada2.model.model.layers if isinstance(layer.mlp, LLaDA2MoE))
+    E, k = router.weight.shape[0], router.top_k
+    rows, Tc, Bd, m = 2, 3, 4, k + 1
+    x = torch.randn(rows * (Tc + Bd), router.weight.shape[1], generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        w0, i0, logits = router(x)
+        w, i, _ = router(x, BlockSharing(m, rows, Tc))
+        routing = (torch.sigmoid(logits) + router.expert_bias).view(rows, Tc + Bd, E)
+    i, i0 = i.view(rows, Tc + Bd, k), i0.view(rows, Tc + Bd, k)
+    assert torch.equal(i[:, :Tc], i0[:, :Tc]) and torch.equal(w.view(rows, -1, k)[:, :Tc], w0.view(rows, -1, k)[:, :Tc])
+    for r in range(rows):
+        shared = set(routing[r, Tc:].sum(0).topk(m).indices.tolist())
+        assert set(i[r, Tc:].flatten().tolist()) <= shared
+        for t in range(Tc, Tc + Bd):  # the token's own k best of the shared set
+            best = sorted(shared, key=lambda e: -float(routing[r, t, e]))[:k]
+            assert sorted(i[r, t].tolist()) == sorted(best)
+    torch.testing.assert_close(w.sum(-1), torch.full((len(x),), router.scale))
+    assert router(x, BlockSharing(E, rows, Tc))[1].equal(i0.view(-1, k))  # a budget of every expert: exact
+
+
+def test_block_expert_sharing_decodes_alone_as_batched(llada2):
+    """`expert_budget` through generate: a budget of every expert gives the reference's tokens; a
+    smaller one decodes alone as in a batch."""
+    cases = [c for c in CASES["cases"] if c["name"].endswith("b8_s8")]
+    E = llada2.config.num_experts
+    for g, c in zip(_generate(llada2, cases, expert_budget=E), cases):
+        assert g.token_ids == c["tokens"], c["name"]
+    budget = llada2.config.num_experts_per_tok + 1
+    alone = [_generate(llada2, [c], expert_budget=budget)[0] for c in cases]
+    batched = _generate(llada2, cases, expert_budget=budget)
+    for a, b in zip(alone, batched):
+        assert a.token_ids == b.token_ids and len(a.token_ids) == len(cases[0]["tokens"])
+

@@ -4,7 +4,8 @@
 with *block expert sharing* (`BlockSharing`) for the denoise part of a forward: the block ranks the
 experts by its tokens' router probabilities, summed (`rank="sum"`) or their maximum over the block
 (`rank="max"`, LLaDA2.2's block routing: an expert one token needs badly is kept), keeps the `budget`
-best, and each token takes its top-k within that shared set (renormalised).
+best, and each token takes its top-k within that shared set (renormalised). `block_experts` is that
+shared set, which a family's own router (LLaDA2's sigmoid one) applies likewise.
 
 `grouped_expert_forward` runs only the experts that received tokens, with the tokens grouped by
 expert (one sort, then per touched expert: gather its tokens, one matmul pair, scatter-add back).
@@ -41,21 +42,28 @@ def route(
     choose only among their block's shared experts. `normalize=False` keeps the k probabilities as
     they are (Qwen3-MoE's `norm_topk_prob` off)."""
     probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
-    if sharing is not None:
-        B, Tc, m = sharing.rows, sharing.denoise_from, sharing.budget
-        E = probs.shape[-1]
-        if m < E:
-            p = probs.view(B, -1, E)
-            block = p[:, Tc:]  # [B, Bd, E]
-            score = block.amax(1) if sharing.rank == "max" else block.sum(1)  # [B, E]
-            keep = score.topk(m, dim=-1).indices  # [B, m] the shared expert set
-            allowed = torch.zeros(B, E, dtype=torch.bool, device=p.device).scatter_(1, keep, True)
-            shared = block.masked_fill(~allowed[:, None, :], 0.0)
-            probs = torch.cat([p[:, :Tc], shared], dim=1).reshape(-1, E)
+    keep = block_experts(probs, sharing) if sharing is not None else None
+    if keep is not None:
+        p = probs.view(sharing.rows, -1, probs.shape[-1])
+        Tc = sharing.denoise_from
+        probs = torch.cat([p[:, :Tc], p[:, Tc:].masked_fill(~keep[:, None, :], 0.0)], dim=1).reshape(probs.shape)
     w, idx = probs.topk(top_k, dim=-1)
     if normalize:
         w = w / w.sum(-1, keepdim=True)
     return w, idx
+
+
+def block_experts(scores: torch.Tensor, sharing: BlockSharing) -> torch.Tensor | None:
+    """Block expert sharing's shared set: scores [N, E] (the router's, laid out as `sharing` says)
+    -> [rows, E] bool, each row's block's `budget` best experts, ranked by the sum (or the max) of
+    its denoise tokens' scores; None when the budget covers every expert (nothing is restricted)."""
+    E = scores.shape[-1]
+    if sharing.budget >= E:
+        return None
+    block = scores.view(sharing.rows, -1, E)[:, sharing.denoise_from:]  # [B, Bd, E]
+    score = block.amax(1) if sharing.rank == "max" else block.sum(1)  # [B, E]
+    keep = score.topk(sharing.budget, dim=-1).indices  # [B, m]
+    return torch.zeros(score.shape, dtype=torch.bool, device=scores.device).scatter_(1, keep, True)
 
 
 def experts_touched(top_idx: torch.Tensor, num_experts: int) -> torch.Tensor:

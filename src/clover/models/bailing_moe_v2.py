@@ -23,9 +23,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import CloverConfig, ConfigError
-from ..moe import experts_touched, static_expert_forward
+from ..moe import BlockSharing, block_experts
 from .core import CausalLM
-from .layers import MLP, DenseMLP, ExpertStats, Experts, GatedAttention, PlainRMSNorm, RotaryEmbedding, apply_rope
+from .layers import (MLP, DenseMLP, ExpertStats, Experts, GatedAttention, PlainRMSNorm, RotaryEmbedding, apply_rope,
+                     dispatch_experts)
 from .qwen3_5_moe import MoeKeyLayout
 from .registry import Architecture
 
@@ -137,7 +138,10 @@ class LLaDA2Attention(GatedAttention):
 
 
 class LLaDA2Router(nn.Module):
-    """The sigmoid router with its expert bias and group-limited top-k (`mlp.gate`)."""
+    """The sigmoid router with its expert bias and group-limited top-k (`mlp.gate`). With block expert
+    sharing, a denoise token chooses among its block's shared experts (`moe.block_experts`, ranked on
+    the scores plus the bias, the values the router chooses by) in place of its groups: both limit a
+    token to a subset, and a group limit inside a set of `budget` experts could leave it fewer than k."""
 
     def __init__(self, config: CloverConfig) -> None:
         super().__init__()
@@ -147,7 +151,7 @@ class LLaDA2Router(nn.Module):
         self.weight = nn.Parameter(torch.empty(c.num_experts, c.hidden_size))
         self.expert_bias = nn.Parameter(torch.zeros(c.num_experts), requires_grad=False)  # a buffer in the reference
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor, sharing: BlockSharing | None = None):
         """x [N, H] -> (weights [N, k] fp32, indices [N, k], logits [N, E] fp32)."""
         logits = F.linear(x.float(), self.weight.float())
         scores = torch.sigmoid(logits)
@@ -156,6 +160,11 @@ class LLaDA2Router(nn.Module):
         groups = routing.view(N, self.n_group, -1).topk(2, dim=-1).values.sum(-1)  # [N, n_group]
         keep = torch.zeros_like(groups).scatter_(1, groups.topk(self.topk_group, dim=-1).indices, 1.0)
         allowed = keep[:, :, None].expand(N, self.n_group, E // self.n_group).reshape(N, E).bool()
+        shared = block_experts(routing, sharing) if sharing is not None else None
+        if shared is not None:
+            allowed = allowed.view(sharing.rows, -1, E).clone()
+            allowed[:, sharing.denoise_from:] = shared[:, None, :]
+            allowed = allowed.view(N, E)
         idx = routing.masked_fill(~allowed, float("-inf")).topk(self.top_k, dim=-1).indices
         w = scores.gather(1, idx)
         if self.top_k > 1:
@@ -164,8 +173,8 @@ class LLaDA2Router(nn.Module):
 
 
 class LLaDA2MoE(nn.Module):
-    """The sparse MoE layer: `gate` (the router), routed `experts` (fused, grouped dispatch) and the
-    shared experts. Same call as the family's MLPs; no block expert sharing (refused)."""
+    """The sparse MoE layer: `gate` (the router), routed `experts` (dispatched as every MoE family's,
+    `layers.dispatch_experts`) and the shared experts. Same call as the family's MLPs."""
 
     def __init__(self, config: CloverConfig) -> None:
         super().__init__()
@@ -175,17 +184,12 @@ class LLaDA2MoE(nn.Module):
         self.experts = Experts(c.num_experts, c.hidden_size, c.moe_intermediate_size)
         self.shared_experts = MLP(c.hidden_size, c.shared_expert_intermediate_size) if c.num_shared_experts else None
 
-    def forward(self, x: torch.Tensor, sharing=None, count_experts: bool = False, static: bool = False):
-        if sharing is not None:
-            raise ConfigError("expert_budget: block expert sharing is not implemented for LLaDA2's router")
+    def forward(self, x: torch.Tensor, sharing: BlockSharing | None = None, count_experts: bool = False,
+                static: bool = False):
         B, T, H = x.shape
         flat = x.reshape(-1, H)
-        w, idx, logits = self.gate(flat)
-        touched = experts_touched(idx, self.num_experts) if count_experts else None
-        if static:
-            out = static_expert_forward(self.experts, flat, idx, w.to(x.dtype))
-        else:
-            out = self.experts(flat, idx, w.to(x.dtype))
+        w, idx, logits = self.gate(flat, sharing)
+        out, touched = dispatch_experts(self.experts, flat, idx, w.to(x.dtype), count_experts, static)
         if self.shared_experts is not None:
             out = out + self.shared_experts(flat)
         return out.reshape(B, T, H), ExpertStats(logits, touched)
