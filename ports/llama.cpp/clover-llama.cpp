@@ -3,7 +3,10 @@
 // A standalone tool built against the ggml of the llama.cpp tree pinned by scripts/build-llama-cpp.sh
 // (libggml*.so of the stock build, headers of the tree). It reads clover's GGUF export
 // (`clover export-gguf`, docs/gguf.md): the `qwen35moe` backbone plus, for the denoise mode, Clover's
-// tensors from the `.clover.gguf` sidecar (or inline). It builds its own ggml graphs:
+// tensors from the `.clover.gguf` sidecar (or inline); and a `llama` GGUF (llama.cpp's own converter's,
+// or clover's export of a Llama model) for ar and dflash, the same graphs with the parts a Llama layer
+// has (attention without gate or q/k norms, RoPE over adjacent pairs, a dense SwiGLU FFN).
+// It builds its own ggml graphs:
 //   - one forward = a causal *commit* part (appended to the cache: attention K/V, GDN conv + recurrent
 //     state) followed by one *denoise* block (bidirectional; reads the cache, never commits to it: its
 //     K/V slots past the committed length are scratch), fused layer by layer as clover's `step`

@@ -25,13 +25,9 @@ from pathlib import Path
 
 import torch
 
+from ..models.dflash import mask_embedding
+
 DSPARK = "DSparkDraftModel"  # the stock converter's class that reads `draft_vocab_size` + `d2t`
-
-
-def mask_embedding(target, mask_token_id: int) -> torch.Tensor:
-    """The vector `target` embeds its mask token with (what the drafter reads for a block's masks)."""
-    with torch.no_grad():
-        return target.model.embed_tokens(torch.tensor([mask_token_id], device=target.device))[0].detach()
 
 
 def export_drafter_for_llama_cpp(drafter, target, dst: str | Path, *, dtype: torch.dtype = torch.float32) -> Path:

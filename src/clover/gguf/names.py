@@ -19,8 +19,11 @@ The qwen35moe transforms are the ones llama.cpp's own converter (`Qwen3_5MoeText
 - fused experts `gate_up_proj [E, 2I, H]` are split into `ffn_gate_exps` and `ffn_up_exps`;
   per-expert checkpoints are stacked first;
 - `shared_expert_gate [1, H]` is stored as `[H]`.
-llama's (read only: clover writes no llama GGUF) rename its tensors and undo the converter's
-per-head permutation of the q/k rows (`read.py`, `unpermute_rows`).
+The llama transforms are the converter's (`LlamaModel`): the q_proj and k_proj rows (and biases)
+are permuted per head from the rotate-half layout to interleaved pairs (`permute_rows`; ggml's
+RoPE over adjacent pairs then gives the same result), everything else is stored as it is. Export
+writes the very layout the converter writes for a Llama model (SmolLM2, TinyLlama, Llama 3.x);
+import undoes it.
 """
 
 from __future__ import annotations
@@ -67,16 +70,21 @@ def tile_v_heads(t: torch.Tensor, dim: int, n_k: int, per_k: int, head_dim: int)
 
 @dataclass(frozen=True)
 class Heads:
-    """The GDN head counts the value-head reordering needs (from the config)."""
+    """The head counts the transforms need (from the config): the GDN's, for the value-head
+    reordering (zero where the model has no GDN), and the attention's, for llama's q/k permutation."""
 
     n_k: int
     n_v: int
     dk: int
     dv: int
+    n_head: int = 0
+    n_head_kv: int = 0
 
     @classmethod
     def of(cls, c) -> "Heads":
-        return cls(c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim)
+        gdn = (getattr(c, k, 0) or 0 for k in ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+                                                "linear_value_head_dim"))
+        return cls(*gdn, n_head=c.num_attention_heads, n_head_kv=c.num_key_value_heads)
 
     @property
     def per_k(self) -> int:
@@ -141,6 +149,27 @@ def squeeze0(t: torch.Tensor, h: Heads) -> torch.Tensor:
     return t.reshape(t.shape[-1])
 
 
+def permute_rows(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    """llama.cpp's `permute(w, n_head, ...)` on the rows of q/k ([n_head*D, ...] or a bias): per head,
+    the rotate-half halves [x0..x{D/2-1} | y0..] become adjacent pairs [x0 y0 x1 y1 ...]."""
+    d = w.shape[0] // n_head
+    return w.reshape(n_head, 2, d // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def unpermute_rows(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    """The inverse of `permute_rows`."""
+    d = w.shape[0] // n_head
+    return w.reshape(n_head, d // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def q_pairs(t: torch.Tensor, h: Heads) -> torch.Tensor:
+    return permute_rows(t, h.n_head)
+
+
+def k_pairs(t: torch.Tensor, h: Heads) -> torch.Tensor:
+    return permute_rows(t, h.n_head_kv)
+
+
 # each transform's inverse, for reading a file back
 INVERSE: dict[Transform, Transform] = {
     same: same,
@@ -152,9 +181,11 @@ INVERSE: dict[Transform, Transform] = {
     conv: lambda t, h: h.qkv(t, back=True).unsqueeze(1),
     v_cols: lambda t, h: h.unv(t, 1, h.dv),
     squeeze0: lambda t, h: t.reshape(1, -1),
+    q_pairs: lambda t, h: unpermute_rows(t, h.n_head),
+    k_pairs: lambda t, h: unpermute_rows(t, h.n_head_kv),
 }
 # the transforms that only reorder elements: what a quantized weight may go through (`write._Mapper.planes`)
-REARRANGING = (same, qkv_rows, v_rows, v_cols)
+REARRANGING = (same, qkv_rows, v_rows, v_cols, q_pairs, k_pairs)
 
 
 # ------------------------------------------------------------------------------- the tables
@@ -171,6 +202,7 @@ class Table:
     globals: dict[str, tuple[str, Transform]]
     writes: bool = True
     keys: dict[str, str] = field(default_factory=dict)  # metadata key after `{arch}.` -> config attribute
+    stems: bool = False  # the layer rows are stems, each mapping its `.weight` and `.bias` (`layer_entry`)
 
     def write_keys(self, w, config) -> None:
         """The `keys` of `config` into the gguf.GGUFWriter `w` (uint32, float32 for FLOAT_KEYS)."""
@@ -236,13 +268,13 @@ QWEN35MOE = Table("qwen35moe", layer={
     "full_attention_interval": "full_attention_interval",
 })
 
-# llama (SmolLM2, TinyLlama, Llama 3.x): names only here; `read.py` undoes the q/k row permutation.
-# A layer's entries hold the stem: `.weight` and `.bias` both map.
-LLAMA = Table("llama", writes=False, layer={
+# llama (SmolLM2, TinyLlama, Llama 3.x), as llama.cpp's converter writes it (`LlamaModel`). A layer's
+# entries hold the stem: `.weight` and `.bias` both map (`layer_entry`).
+LLAMA = Table("llama", stems=True, layer={
     "input_layernorm": ("attn_norm", same),
     "post_attention_layernorm": ("ffn_norm", same),
-    "self_attn.q_proj": ("attn_q", same),
-    "self_attn.k_proj": ("attn_k", same),
+    "self_attn.q_proj": ("attn_q", q_pairs),
+    "self_attn.k_proj": ("attn_k", k_pairs),
     "self_attn.v_proj": ("attn_v", same),
     "self_attn.o_proj": ("attn_output", same),
     "mlp.gate_proj": ("ffn_gate", same),
@@ -252,7 +284,27 @@ LLAMA = Table("llama", writes=False, layer={
     "model.embed_tokens.weight": ("token_embd.weight", same),
     "model.norm.weight": ("output_norm.weight", same),
     "lm_head.weight": ("output.weight", same),
+}, keys={  # the converter's keys; import reads them back (`read.llama_config`)
+    "vocab_size": "vocab_size", "context_length": "max_position_embeddings", "embedding_length": "hidden_size",
+    "block_count": "num_hidden_layers", "feed_forward_length": "intermediate_size",
+    "attention.head_count": "num_attention_heads", "attention.head_count_kv": "num_key_value_heads",
+    "attention.key_length": "head_dim", "attention.value_length": "head_dim", "rope.dimension_count": "head_dim",
+    "rope.freq_base": "rope_theta", "attention.layer_norm_rms_epsilon": "rms_norm_eps",
 })
+
+
+def layer_entry(table: Table, leaf: str, read: bool = False) -> tuple[str, Transform] | None:
+    """A layer tensor's row of `table` (our leaf after `model.layers.N.`, or with `read` the GGUF leaf
+    after `blk.N.`): (the other side's leaf, the transform, or with `read` its inverse), or None. A
+    table of stems (`stems`) maps a stem's `.weight` and `.bias` alike."""
+    rows = table.read_layer() if read else table.layer
+    if not table.stems:
+        return rows.get(leaf)
+    stem, _, kind = leaf.rpartition(".")
+    if stem not in rows or kind not in ("weight", "bias"):
+        return None
+    other, fn = rows[stem]
+    return f"{other}.{kind}", fn
 
 TABLES = {t.arch: t for t in (LLAMA, QWEN35MOE)}  # what import-gguf reads, by general.architecture
 

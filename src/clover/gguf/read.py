@@ -41,7 +41,8 @@ import torch
 from ..config import CloverConfig
 from ..models import build_model, config_from_dict
 from ..weights import expected_shapes, save_state_dict
-from .names import BLOCK, FLOAT_KEYS, FUSED_GATE_UP, LLAMA, QWEN35MOE, SPLIT_EXPERTS, TABLES, GGUFImportError, Heads
+from .names import (BLOCK, FLOAT_KEYS, FUSED_GATE_UP, LLAMA, QWEN35MOE, SPLIT_EXPERTS, TABLES, GGUFImportError, Heads,
+                    layer_entry)
 from .tokenizer import QWEN2_REGEX, QWEN35_REGEX
 
 ARCHITECTURES = tuple(TABLES)  # the architectures a table names (`names.TABLES`)
@@ -124,12 +125,6 @@ def dequantize(tensor, path: Path) -> torch.Tensor:
         raise GGUFImportError(f"{path}: tensor {tensor.name!r}: the gguf package cannot dequantize {kind}") from None
     shape = tuple(int(x) for x in reversed(tensor.shape))
     return torch.from_numpy(np.array(a, dtype=np.float32).reshape(shape))  # a copy: writable, off the mmap
-
-
-def unpermute_rows(w: torch.Tensor, n_head: int) -> torch.Tensor:
-    """The inverse of llama.cpp's `permute(w, n_head, ...)` on the rows of q/k ([n_head*D, ...] or a bias)."""
-    d = w.shape[0] // n_head
-    return w.reshape(n_head, d // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
 # ----------------------------------------------------------------------------- config
@@ -263,19 +258,19 @@ def llama_state_dict(reader, path: Path, config: CloverConfig, progress: bool = 
     from tqdm import tqdm
 
     expected = expected_shapes(build_model(config, device="meta"))
-    layer, globals_ = LLAMA.read_layer(), LLAMA.read_globals()  # a layer's entries are stems: .weight and .bias
+    globals_, heads = LLAMA.read_globals(), Heads.of(config)
     state: dict[str, torch.Tensor] = {}
     for t in tqdm(reader.tensors, desc="dequantize", unit="tensor", disable=not progress):
         if t.name == "rope_freqs.weight":  # read into the config's rope_scaling (llama_config)
             continue
         if t.name in globals_:
-            name = globals_[t.name][0]
+            name, undo = globals_[t.name]
         else:
             m = BLOCK.match(t.name)
-            stem, _, kind = m.group(2).rpartition(".") if m else ("", "", "")
-            if stem not in layer or kind not in ("weight", "bias"):
+            row = layer_entry(LLAMA, m.group(2), read=True) if m else None
+            if row is None:
                 raise GGUFImportError(f"{path}: tensor {t.name!r} is not part of a llama model this importer knows")
-            name = f"model.layers.{m.group(1)}.{layer[stem][0]}.{kind}"
+            name, undo = f"model.layers.{m.group(1)}.{row[0]}", row[1]
         w = dequantize(t, path)
         want = expected.get(name)
         if want is None:
@@ -283,11 +278,7 @@ def llama_state_dict(reader, path: Path, config: CloverConfig, progress: bool = 
         if tuple(w.shape) != tuple(want):
             raise GGUFImportError(f"{path}: tensor {t.name!r} has shape {list(w.shape)} but the metadata gives "
                                   f"{list(want)} for {name}")
-        if name.endswith("q_proj.weight") or name.endswith("q_proj.bias"):
-            w = unpermute_rows(w, config.num_attention_heads)
-        elif name.endswith("k_proj.weight") or name.endswith("k_proj.bias"):
-            w = unpermute_rows(w, config.num_key_value_heads)
-        state[name] = w
+        state[name] = undo(w, heads)  # the converter's q/k row permutation undone
     return _complete(state, expected, config, path)
 
 

@@ -1,8 +1,10 @@
 """Write a checkpoint as GGUF for llama.cpp (`clover export-gguf SRC DST.gguf`).
 
-The backbone is written as llama.cpp's `qwen35moe` architecture, so stock llama.cpp runs it in AR
-mode; the tensors go through the architecture's table (`names.py`: each tensor's GGUF name and
-transform, the ones llama.cpp's own converter applies).
+The backbone is written as the llama.cpp architecture its registration names (`gguf_arch`):
+Clover's hybrid as `qwen35moe`, a Llama model (SmolLM2, clover-smol) as `llama`, so stock llama.cpp
+runs it in AR mode; the tensors go through the architecture's table (`names.py`: each tensor's GGUF
+name and transform, the ones llama.cpp's own converter applies). A Llama model's denoise adapter
+(`models/llama.py`) is not written: llama.cpp and the port run its AR mode (and DFlash on it).
 
 Clover's own tensors (`conv1d_right`, `intra_scale`, `block_gain_a/b`) cannot live in the main file:
 llama.cpp refuses a file holding tensors its architecture does not load ("wrong number of
@@ -33,12 +35,13 @@ import torch
 from ..checkpoint import CheckpointError, shard_files
 from ..config import CloverConfig, ConfigError
 from ..models import architecture_of, key_layout, read_config
-from .names import (DRAFTER, F32_ALWAYS, FUSED_GATE_UP, LAYER, QWEN35MOE, REARRANGING, SPLIT_EXPERTS,
-                    GGUFExportError, Heads, Transform, is_clover_tensor, table_for, v_cols)
+from ..models.llama import is_adapter_parameter
+from .names import (DRAFTER, F32_ALWAYS, FUSED_GATE_UP, LAYER, LLAMA, QWEN35MOE, REARRANGING, SPLIT_EXPERTS,
+                    GGUFExportError, Heads, Transform, is_clover_tensor, layer_entry, table_for, v_cols)
 from .quant import QuantPlanes, Rounding, block_type_fits, encode_q4_1, encode_q8_0, planes_from_parts
 from .tokenizer import TokenizerMetadata, read_tokenizer
 
-ARCH = QWEN35MOE.arch
+ARCH = QWEN35MOE.arch  # Clover's own architecture (a Llama model's: LLAMA.arch)
 FORMAT_VERSION = 1
 DTYPES = ("f32", "bf16", "f16", "q8_0")
 CLOVER_TENSOR_MODES = ("sidecar", "inline", "none")
@@ -50,9 +53,9 @@ class _Mapper:
     """Our tensors in, (GGUF name, tensor) out. Works the same on real and on `meta` tensors, which
     is how the planning pass learns every output without reading any weights."""
 
-    def __init__(self, config: CloverConfig, table=QWEN35MOE) -> None:
+    def __init__(self, config: CloverConfig) -> None:
         self.config = config
-        self.table = table
+        self.table = table_for(config)
         self.heads = Heads.of(config)
         self._experts: dict[int, dict[tuple[int, str], torch.Tensor]] = {}
 
@@ -62,7 +65,7 @@ class _Mapper:
             return [(gname, fn(t, self.heads))]
         m = LAYER.match(name)
         if not m:
-            raise GGUFExportError(f"{origin}: unexpected key {name!r}; GGUF export knows the Qwen3.5-MoE / Clover parameters only")
+            raise GGUFExportError(f"{origin}: unexpected key {name!r}; GGUF export knows the {self.table.arch} parameters only")
         bid, leaf = int(m.group(1)), m.group(2)
         if bid >= self.config.num_hidden_layers:
             raise GGUFExportError(f"{origin}: key {name!r} is past the {self.config.num_hidden_layers} layers in config.json")
@@ -75,9 +78,10 @@ class _Mapper:
         pe = _PER_EXPERT.match(leaf)
         if pe:
             return self._per_expert(bid, int(pe.group(1)), pe.group(2), t, origin)
-        if leaf not in self.table.layer:
-            raise GGUFExportError(f"{origin}: unexpected key {name!r}; GGUF export knows the Qwen3.5-MoE / Clover parameters only")
-        gname, fn = self.table.layer[leaf]
+        row = layer_entry(self.table, leaf)
+        if row is None:
+            raise GGUFExportError(f"{origin}: unexpected key {name!r}; GGUF export knows the {self.table.arch} parameters only")
+        gname, fn = row
         return [(f"blk.{bid}.{gname}", fn(t, self.heads))]
 
     def transform_of(self, name: str) -> Transform | None:
@@ -88,7 +92,7 @@ class _Mapper:
         else:
             m = LAYER.match(name)
             leaf = m.group(2) if m else None
-            fn = None if leaf == FUSED_GATE_UP else self.table.layer.get(leaf, (None, None))[1]
+            fn = None if leaf == FUSED_GATE_UP else (layer_entry(self.table, leaf) or (None, None))[1]
             if fn is None and leaf != FUSED_GATE_UP:
                 raise GGUFExportError(f"{name!r}: quantized, but GGUF export has no mapping for it")
         if fn is not None and fn not in REARRANGING:
@@ -208,18 +212,26 @@ def mrope_sections(rotary_dim: int) -> list[int]:
 def check_supported(config: CloverConfig, src: Path) -> None:
     c = config
     arch, table = architecture_of(c), table_for(c)
-    if table is None or not table.writes:  # the registration names the architecture's table; this writer writes qwen35moe's
+    if table is None or not table.writes:  # the registration names the architecture's table
         raise GGUFExportError(f"{src}: cannot export to GGUF: model_type {c.base_model_type!r} ({arch.name}) has no "
-                              f"GGUF export; the writer produces llama.cpp's {ARCH} for the architectures that declare it")
+                              f"GGUF export; the writer produces llama.cpp's {', '.join((QWEN35MOE.arch, LLAMA.arch))} "
+                              "for the architectures that declare it")
     problems = []
+    if c.hidden_act != "silu":
+        problems.append(f"hidden_act {c.hidden_act!r} is not supported (silu only)")
+    if table is LLAMA:
+        if getattr(c, "rope_scaling", None):
+            problems.append(f"rope_scaling {c.rope_scaling} is not written yet (llama.cpp's converter writes llama3's as "
+                            "rope_freqs.weight; convert with it)")
+        if problems:
+            raise GGUFExportError(f"{src}: cannot export to GGUF: " + "; ".join(problems))
+        return
     if c.linear_key_head_dim != c.linear_value_head_dim:
         problems.append(f"llama.cpp's qwen35moe needs linear_key_head_dim == linear_value_head_dim (got {c.linear_key_head_dim} and {c.linear_value_head_dim})")
     if c.attention_bias:
         problems.append("attention_bias=true is not supported by llama.cpp's qwen35moe")
     if c.shared_expert_intermediate_size <= 0:
         problems.append("llama.cpp's qwen35moe requires a shared expert (shared_expert_intermediate_size > 0)")
-    if c.hidden_act != "silu":
-        problems.append(f"hidden_act {c.hidden_act!r} is not supported (silu only)")
     try:  # the port decodes Clover's block semantics
         c.semantics.require("the GGUF export (the llama.cpp port decodes Clover's)")
     except ConfigError as e:
@@ -227,6 +239,16 @@ def check_supported(config: CloverConfig, src: Path) -> None:
     if problems:
         raise GGUFExportError(f"{src}: cannot export to GGUF: " + "; ".join(problems))
     mrope_sections(c.rotary_dim)
+
+
+def _qwen35moe_keys(w, c: CloverConfig) -> None:
+    """qwen35moe's keys derived from the config (beyond the table's)."""
+    w.add_rope_dimension_sections(mrope_sections(c.rotary_dim))
+    w.add_ssm_inner_size(c.linear_value_head_dim * c.linear_num_value_heads)
+    w.add_array(f"{QWEN35MOE.arch}.attention.recurrent_layers", [t == "linear_attention" for t in c.layer_types])
+
+
+_DERIVED_KEYS = {QWEN35MOE.arch: _qwen35moe_keys, LLAMA.arch: lambda w, c: None}
 
 
 def _write_metadata(w, config: CloverConfig, tok: TokenizerMetadata, *, name: str, dtype: str, clover: dict) -> None:
@@ -238,10 +260,9 @@ def _write_metadata(w, config: CloverConfig, tok: TokenizerMetadata, *, name: st
     w.add_file_type(_file_type(dtype))
     if dtype in ("q8_0", "int8", "int4"):
         w.add_quantization_version(gguf.GGML_QUANT_VERSION)
-    QWEN35MOE.write_keys(w, c)
-    w.add_rope_dimension_sections(mrope_sections(c.rotary_dim))
-    w.add_ssm_inner_size(c.linear_value_head_dim * c.linear_num_value_heads)
-    w.add_array(f"{ARCH}.attention.recurrent_layers", [t == "linear_attention" for t in c.layer_types])
+    table = table_for(c)
+    table.write_keys(w, c)
+    _DERIVED_KEYS[table.arch](w, c)
     # tokenizer
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre(tok.pre)
@@ -350,7 +371,7 @@ def _source_tensors(shards: list[Path], config: CloverConfig, *, meta: bool, qua
             raise CheckpointError(f"{path}: cannot read safetensors header ({e}); the file is truncated or corrupt") from None
         for key in keys:
             name = layout.name(key)
-            if name is None:
+            if name is None or is_adapter_parameter(name):  # a Llama model's denoise adapter: not exported
                 continue
             sl = f.get_slice(key)
             shape = tuple(sl.get_shape())
@@ -392,7 +413,7 @@ def _expected(config: CloverConfig) -> dict[str, tuple[int, ...]]:
     from ..checkpoint import expected_shapes
     from ..models import build_model
 
-    return {k: tuple(v) for k, v in expected_shapes(build_model(config, device="meta")).items()}
+    return {k: tuple(v) for k, v in expected_shapes(build_model(config, device="meta")).items() if not is_adapter_parameter(k)}
 
 
 def _plan(config: CloverConfig, src: Path, shards: list[Path], quant: _QuantSource | None):
@@ -514,12 +535,13 @@ def export_gguf(
     name = src.resolve().name
     dst.parent.mkdir(parents=True, exist_ok=True)
     tmp = dst.with_name(dst.name + ".partial")
-    writers = {"main": gguf.GGUFWriter(tmp, ARCH)}
+    arch = table_for(config).arch
+    writers = {"main": gguf.GGUFWriter(tmp, arch)}
     file_type = dtype if quant is None else f"int{quant.bits}"
     _write_metadata(writers["main"], config, tok, name=name, dtype=file_type, clover=clover_meta)
     if side is not None:
         side_tmp = side.with_name(side.name + ".partial")
-        writers["side"] = gguf.GGUFWriter(side_tmp, ARCH)
+        writers["side"] = gguf.GGUFWriter(side_tmp, arch)
         _write_metadata(writers["side"], config, tok, name=name + " (clover tensors)", dtype=file_type, clover=clover_meta)
 
     def target(gname: str) -> str | None:
@@ -586,7 +608,7 @@ def export_gguf(
     if quant is not None:
         types = ("int8 -> Q8_0" if quant.bits == 8 else f"int4 group {quant.group_size} -> Q4_1") + f" (other matrices {dtype})"
     return ExportResult(dst, side, counts["main"], counts["side"] if side else sum(is_clover_tensor(g) for g in kinds),
-                        total, tok.pre, tok.pre_exact, notes, types)
+                        total, tok.pre, tok.pre_exact, notes, types, arch)
 
 
 
@@ -606,6 +628,7 @@ def is_drafter_dir(src: str | Path) -> bool:
 
 
 DRAFT_IDS = "draft_ids"  # a reduced draft vocabulary's target token ids [V_d] (int32; `d2t` made absolute)
+MASK_EMBD = "mask_embd"  # the vector the target embeds the mask token with, where not its embedding row [H]
 
 
 def _drafter_name(name: str) -> str:
@@ -617,10 +640,12 @@ def _drafter_name(name: str) -> str:
     return f"blk.{m.group(1)}.{DRAFTER.layer[m.group(2)][0]}"
 
 
-def export_drafter_gguf(src, dst: str | Path, *, dtype: str = "f32") -> ExportResult:
+def export_drafter_gguf(src, dst: str | Path, *, dtype: str = "f32", target=None) -> ExportResult:
     """Write the DFlash drafter `src` (its directory, or a loaded `DFlashDrafter`, e.g. an `LLM`'s
     `drafter`) as GGUF `dst` (architecture `dflash`, read by the llama.cpp port's `--drafter`); see
-    the section comment above."""
+    the section comment above. `target` (the model it drafts for): where that model embeds the mask
+    token with a vector of its own (a clover Llama's denoise adapter), the vector goes in as
+    `mask_embd` (the target's GGUF holds the plain row; the drafter was trained reading the vector)."""
     import gguf
 
     from ..checkpoint import load_drafter
@@ -668,6 +693,13 @@ def export_drafter_gguf(src, dst: str | Path, *, dtype: str = "f32") -> ExportRe
             w.add_uint32(f"{DRAFTER.arch}.draft_vocab_size", int(c.draft_vocab_size))
             w.add_tensor(DRAFT_IDS, ids)
             total, count = ids.nbytes, 1
+        if target is not None:
+            from ..models.dflash import mask_embedding
+
+            vec = mask_embedding(target, c.mask_token_id).detach().float().cpu()
+            if not torch.equal(vec, target.model.embed_tokens.weight[c.mask_token_id].detach().float().cpu()):
+                w.add_tensor(MASK_EMBD, vec.numpy())
+                total, count = total + vec.numel() * 4, count + 1
         for name, t in drafter.state_dict().items():
             if name.startswith("rotary_emb.") or name == "d2t":
                 continue

@@ -31,6 +31,7 @@ from ..paths import user_cache
 from ..serve.defaults import MAX_BATCH as MAX_PARALLEL  # the server's batch: the rows the port decodes together
 
 MODES = ("ar", "diffusion", "speculative", "dflash")
+LLAMA_MODES = ("ar", "dflash")  # on a Llama target (arch llama): no Clover tensors (its denoise adapter is not ported)
 OTHER_MODES = {  # clover's other modes: why the port does not run them
     "naive": "naive is diffusion without the cache (the uncached baseline); the port always caches: use mode diffusion (the same tokens)",
 }
@@ -68,6 +69,13 @@ def require_port() -> Path:
     if not b.exists():
         raise FileNotFoundError(f"llama-clover not built ({b} not found): run PORT=1 scripts/build-llama-cpp.sh")
     return b
+
+
+def modes_for(config) -> tuple[str, ...]:
+    """The modes the port runs on a model of `config`: a Llama's `LLAMA_MODES`, Clover's `MODES`."""
+    from ..gguf.names import LLAMA, table_for
+
+    return LLAMA_MODES if table_for(config) is LLAMA else MODES
 
 
 def check_mode(mode: str, drafter=None) -> None:
@@ -254,7 +262,7 @@ def export_drafter(llm, directory: str | os.PathLike, *, dtype: str = "f32") -> 
     if llm.drafter is None:
         return None
     path = Path(directory) / f"drafter-{dtype}.gguf"
-    export_drafter_gguf(llm.drafter, path, dtype=dtype)
+    export_drafter_gguf(llm.drafter, path, dtype=dtype, target=llm.model)
     return path
 
 

@@ -390,6 +390,13 @@ class CandidateSelector(nn.Module):
 
 
 # --------------------------------------------------------------------------- the drafter
+def mask_embedding(target, mask_token_id: int) -> torch.Tensor:
+    """The vector `target` embeds its mask token with (what the drafter reads for a block's masks; a
+    clover Llama's denoise adapter embeds it with a vector of its own, not the embedding's row)."""
+    with torch.no_grad():
+        return target.model.embed_tokens(torch.tensor([mask_token_id], device=target.device))[0].detach()
+
+
 class DFlashDrafter(nn.Module):
     key_layout = None  # set below: stored keys are our parameter names (an optional "model." prefix dropped)
 

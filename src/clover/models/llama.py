@@ -410,4 +410,4 @@ def adapter_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach() for k, v in model.state_dict().items() if is_adapter_parameter(k)}
 
 
-ARCHITECTURE = Architecture(name="llama", config_class=LlamaConfig, model_class=LlamaForCausalLM)
+ARCHITECTURE = Architecture(name="llama", config_class=LlamaConfig, model_class=LlamaForCausalLM, gguf_arch="llama")
