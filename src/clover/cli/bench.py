@@ -203,6 +203,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--model", "-m", metavar="DIR", help="model directory (default: $CLOVER_MODEL or the bundled model)")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
                    help="weights of every engine (GGUF f32/bf16/f16; vLLM needs bfloat16) (default: float32)")
+    p.add_argument("--gguf-type", choices=["f32", "bf16", "f16", "q8_0"],
+                   help="weights of the GGUF engines (llama.cpp, its DFlash, the llama.cpp port) only, e.g. q8_0 "
+                        "(default: --dtype's)")
     p.add_argument("--prompts", type=int, default=8, metavar="N", help="held-out task prompts (default: 8)")
     p.add_argument("--questions", type=int, default=0, metavar="N",
                    help="instead of task prompts, N held-out chat questions through the model's chat template")
@@ -555,7 +558,8 @@ def run_peers(args) -> int:
                          llama_dir=args.llama_dir, vllm_python=args.vllm_python, reference=args.reference,
                          reference_python=args.reference_python, workdir=args.workdir,
                          progress=(lambda m: progress(f"{m:<60}")) if progress else None, model_note=note,
-                         compiled=args.compile, questions=args.questions, to_eos=args.to_eos)
+                         compiled=args.compile, questions=args.questions, to_eos=args.to_eos,
+                         gguf_type=args.gguf_type)
     if progress:
         print(file=sys.stderr)
     _emit(result, peers_table(result), args.json)  # the results first: a plot that fails loses nothing

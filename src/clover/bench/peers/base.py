@@ -20,6 +20,7 @@ from ...models.layers import is_clover_parameter
 SCHEMA = "clover.bench.peers/1"
 WORKER_MARK = "CLOVER_PEERS "  # the start of a worker's answer lines (`WorkerRunner`)
 GGUF_DTYPES = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}
+GGUF_TYPES = ("f32", "bf16", "f16", "q8_0")  # what --gguf-type may ask of the GGUF engines (default: --dtype's)
 STATIC_SUFFIX = "+static"  # clover's variants with compile="static"
 
 
@@ -102,15 +103,17 @@ def write_hf_dir(src: Path, dst: Path, config, *, dtype: str, copy: bool = False
 
 
 def gguf_file(src: Path, workdir: Path, dtype: str, *, clover_tensors: str = "none") -> Path:
-    """`clover export-gguf` of `src` in `workdir` (AR tensors only; `clover_tensors="sidecar"`: plus
-    DST.clover.gguf for the port), reused when newer than the weights."""
+    """`clover export-gguf` of `src` in `workdir` as `dtype` (a torch dtype's name or a GGUF type,
+    `GGUF_TYPES`) (AR tensors only; `clover_tensors="sidecar"`: plus DST.clover.gguf for the port),
+    reused when newer than the weights."""
     from ...gguf.write import export_gguf
 
+    kind = GGUF_DTYPES.get(dtype, dtype)
     tag = "" if clover_tensors == "none" else "-port"
-    dst = workdir / f"{src.resolve().name}-{GGUF_DTYPES[dtype]}{tag}.gguf"
+    dst = workdir / f"{src.resolve().name}-{kind}{tag}.gguf"
     newest = max(p.stat().st_mtime for p in src.glob("*.safetensors"))
     if not (dst.is_file() and dst.stat().st_mtime > newest):
-        export_gguf(src, dst, dtype=GGUF_DTYPES[dtype], clover_tensors=clover_tensors, progress=False)
+        export_gguf(src, dst, dtype=kind, clover_tensors=clover_tensors, progress=False)
     return dst
 
 
@@ -205,10 +208,16 @@ class Setup:
     to_eos: bool = False  # each generation ends at EOS (else exactly max_new_tokens, EOS banned)
     reference: Path | None = None  # the user's checkout of the model family's reference code
     reference_python: str | None = None  # the interpreter that runs it
+    gguf_type: str | None = None  # the GGUF engines' weights (`GGUF_TYPES`; None: the dtype's)
 
     @property
     def config(self):
         return self.llm.config
+
+    @property
+    def gguf(self) -> str:
+        """The GGUF type the llama.cpp engines run (their target and drafter files)."""
+        return self.gguf_type or GGUF_DTYPES[self.dtype]
 
 
 class Engine:

@@ -123,7 +123,7 @@ class LlamaCppEngine(Engine):
         self.setup.say("llama.cpp: exporting GGUF")
         from . import gguf_file  # looked up on the package at call time: tests stand a fake export in
 
-        self.gguf = gguf_file(self.setup.src, self.setup.work, self.setup.dtype)
+        self.gguf = gguf_file(self.setup.src, self.setup.work, self.setup.gguf)
         self.found["gguf"] = str(self.gguf)
 
     def runners(self, threads):

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from .base import GGUF_DTYPES, Engine, Runner
+from .base import Engine, Runner
 
 SPEC = "llama-speculative-simple"
 
@@ -157,7 +157,7 @@ class LlamaCppDFlashEngine(Engine):
 
         st = self.setup
         drafter = drafter_of(st)
-        outtype = GGUF_DTYPES[st.dtype]
+        outtype = st.gguf
         st.say("llama.cpp-dflash: converting the target and the drafter with convert_hf_to_gguf.py")
         hf = target_hf_dir(st)
         self.gguf = convert(self.found["converter"], hf, st.work / f"target-{outtype}.gguf", outtype=outtype)

@@ -1,17 +1,22 @@
-"""llama-clover, the llama.cpp port of Clover's own modes, on a GGUF export with the `.clover.gguf` sidecar."""
+"""llama-clover, the llama.cpp port of Clover's own modes, on a GGUF export with the `.clover.gguf` sidecar; on a
+Llama model (clover-smol) its ar and dflash on the `llama` GGUF export (the stock converter's tensors)."""
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
 
-from .base import GGUF_DTYPES, Engine, Runner
+from .base import Engine, Runner
 
 
 def _llama_clover(directory: Path, config) -> dict:
     exe = directory / "bin" / "llama-clover"
     if not (exe.is_file() and os.access(exe, os.X_OK)):
         return {"available": False, "note": f"the llama.cpp port is not built ({exe}): PORT=1 scripts/build-llama-cpp.sh"}
+    from ...integrations.llama_port import LLAMA_MODES, modes_for
+
+    if modes_for(config) == LLAMA_MODES:
+        return {"available": True, "binary": str(exe), "note": f"a Llama target: the port runs {' and '.join(LLAMA_MODES)}"}
     if not config.is_clover or config.mask_token_id is None:
         return {"available": False, "note": "an AR checkpoint: the port's diffusion needs Clover's tensors and mask token"}
     return {"available": True, "binary": str(exe), "note": None}
@@ -24,11 +29,13 @@ class PortRunner(Runner):
 
     engine = "llama-clover"
 
-    def __init__(self, llm, exe: str, gguf: Path, mode: str, threads: int, n: int, drafter: Path | None = None) -> None:
+    def __init__(self, llm, exe: str, gguf: Path, mode: str, threads: int, n: int, drafter: Path | None = None,
+                 to_eos: bool = False) -> None:
         from ...integrations.llama_port import port_args
 
         self.exe, self.gguf, self.threads, self.n, self.variant = exe, gguf, threads, n, mode
-        self.args = lambda n: port_args(mode, llm.params(mode, {"max_new_tokens": n, "ignore_eos": True}), drafter=drafter)
+        self.args = lambda n: port_args(mode, llm.params(mode, {"max_new_tokens": n, "ignore_eos": not to_eos}),
+                                        drafter=drafter)
         self.eos = sorted(llm.eos_ids())
 
     def _run(self, ids, n):
@@ -43,6 +50,7 @@ class PortRunner(Runner):
     def one(self, ids):
         r = self._run(ids, self.n)
         self.forwards = r["forwards"]
+        self.accepts = r["accept_lengths"] or None  # dflash: tokens kept per verify
         return list(r["tokens"]), r["n_tokens"], r["seconds"]
 
 
@@ -59,14 +67,15 @@ class PortEngine(Engine):
         self.setup.say("llama-clover: exporting GGUF with the Clover sidecar")
         from . import gguf_file  # looked up on the package at call time: tests stand a fake export in
 
-        self.gguf = gguf_file(self.setup.src, self.setup.work, self.setup.dtype, clover_tensors="sidecar")
+        self.gguf = gguf_file(self.setup.src, self.setup.work, self.setup.gguf, clover_tensors="sidecar")
         self.found["gguf"] = str(self.gguf)
 
     def runners(self, threads):
-        from ...integrations.llama_port import MODES as PORT_MODES, export_drafter
+        from ...integrations.llama_port import export_drafter, modes_for
 
         st = self.setup
-        # dflash: the model's drafter as a GGUF beside the target's, in its dtype (no drafter: no dflash row)
-        drafter = export_drafter(st.llm, st.work, dtype=GGUF_DTYPES[st.dtype]) if "dflash" in st.modes else None
-        return [PortRunner(st.llm, self.found["binary"], self.gguf, m, threads, st.max_new_tokens, drafter=drafter)
-                for m in st.modes if m in PORT_MODES and (m != "dflash" or drafter is not None)]
+        # dflash: the model's drafter as a GGUF beside the target's, in its type (no drafter: no dflash row)
+        drafter = export_drafter(st.llm, st.work, dtype=st.gguf) if "dflash" in st.modes else None
+        return [PortRunner(st.llm, self.found["binary"], self.gguf, m, threads, st.max_new_tokens, drafter=drafter,
+                           to_eos=st.to_eos)
+                for m in st.modes if m in modes_for(st.config) and (m != "dflash" or drafter is not None)]

@@ -6,7 +6,7 @@ import math
 from pathlib import Path
 
 from ..common import spread
-from .base import STATIC_SUFFIX
+from .base import GGUF_DTYPES, STATIC_SUFFIX
 
 
 def summarize(runs: list[dict]) -> list[dict]:
@@ -72,7 +72,8 @@ def peers_title(result: dict) -> str:
     note = f" ({result['model_note']})" if result.get("model_note") else ""
     params = c["parameters"].get("total") if isinstance(c["parameters"], dict) else None
     size = f" · {params / 1e6:.1f}M params" if params else ""
-    return (f"clover bench peers · {Path(result['model']).name}{note}{size} · {c['dtype']} · {s['prompts']} prompts × "
+    gguf = f" (GGUF engines {s['gguf_type']})" if s.get("gguf_type") and s["gguf_type"] != GGUF_DTYPES.get(c["dtype"]) else ""
+    return (f"clover bench peers · {Path(result['model']).name}{note}{size} · {c['dtype']}{gguf} · {s['prompts']} prompts × "
             f"{s['max_new_tokens']} new tokens ({'each to EOS' if s.get('to_eos') else 'fixed length'}, greedy)")
 
 

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Callable, Iterable
 
 from ..common import config_summary, machine, max_rss_bytes, set_threads
-from .base import SCHEMA, Engine, Runner, Setup, llama_cpp_dir
+from .base import GGUF_TYPES, SCHEMA, Engine, Runner, Setup, llama_cpp_dir
 from .registry import ENGINES, check_engines, discover
 from .report import summarize
 
@@ -77,6 +77,7 @@ def run_peers(
     compiled: bool = False,
     questions: int = 0,
     to_eos: bool = False,
+    gguf_type: str | None = None,
 ) -> dict:
     """The peers benchmark; returns the JSON-ready result (schema `SCHEMA`). `compiled` adds clover's
     AR, diffusion and speculative modes with `compile="static"` (variants `ar+static`, ...; warmed up, so compile
@@ -84,7 +85,8 @@ def run_peers(
     model's chat template (`bench.chat.chat_items`) instead of task prompts; `to_eos`: each answer is decoded to
     its EOS (capped at `max_new_tokens`) instead of exactly `max_new_tokens` tokens.
     `reference` / `reference_python`: a released family's reference checkout and the interpreter that runs it
-    (`reference.py`)."""
+    (`reference.py`). `gguf_type`: the weights of the GGUF engines (llama.cpp, its DFlash, the port), e.g.
+    q8_0 (`GGUF_TYPES`; default: `dtype`'s); clover and transformers stay in `dtype`."""
     import clover
 
     from ...decoding import get_mode, mode_names
@@ -96,6 +98,8 @@ def run_peers(
     if max_new_tokens <= 0 or batch <= 0 or batch_rounds < 0:
         raise ValueError("max_new_tokens and batch must be positive, batch_rounds >= 0")
     check_engines(engines)
+    if gguf_type is not None and gguf_type not in GGUF_TYPES:
+        raise ValueError(f"gguf_type: must be one of {', '.join(GGUF_TYPES)}, got {gguf_type!r}")
     src = Path(model_dir)
     say = progress or (lambda msg: None)
     llm = clover.load(src, dtype=dtype)
@@ -132,7 +136,7 @@ def run_peers(
                   n_ctx=max(len(p) for p in ids) + max_new_tokens + 64,
                   llama_dir=Path(llama_dir) if llama_dir else llama_cpp_dir(), vllm_python=vllm_python, say=say,
                   to_eos=to_eos, reference=Path(reference) if reference else None,
-                  reference_python=reference_python)
+                  reference_python=reference_python, gguf_type=gguf_type)
 
     def note(name: str, msg: str) -> None:
         found[name]["note"] = "; ".join(x for x in (found[name].get("note"), msg) if x)
@@ -185,7 +189,8 @@ def run_peers(
         "settings": {
             "prompts": len(ids), "max_new_tokens": max_new_tokens, "threads": threads, "batch": batch,
             "batch_rounds": batch_rounds, "modes": run_modes, "skipped_modes": skipped_modes, "greedy": True,
-            "fixed_length": not to_eos, "to_eos": to_eos, "chat_questions": questions, "interleaved": True, "prompt_tokens": [len(p) for p in ids],
+            "fixed_length": not to_eos, "to_eos": to_eos, "chat_questions": questions, "interleaved": True,
+            "gguf_type": setup.gguf, "prompt_tokens": [len(p) for p in ids],
         },
         "engines": found,
         "machine": machine(),
