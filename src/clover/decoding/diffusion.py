@@ -310,7 +310,10 @@ class DiffusionEngine(BatchEngine):
         ar_step = (self.shift and Bs == 1 and has_commit and all(commit_src)) or all(only)
         denoise_ids = None if ar_step else torch.stack([r.state.blk for r in rows])
         skips = {} if ar_step else self._skips(rows, cands, need)
-        if any(only) and not ar_step:  # rows that only commit carry no block (nothing of it is computed)
+        kind = "commit" if ar_step else "commit+denoise" if has_commit else "denoise"
+        if any(only) and not ar_step and not self.model.has_graph(kind, Bs):
+            # rows that only commit carry no block (nothing of it is computed); on a compiled graph
+            # they carry it whole (its logits unread: what they commit does not see it)
             W = skips["denoise_valid"].shape[1] if "denoise_valid" in skips else Bs
             idle = torch.tensor(only, device=self.device)[:, None]
             skips["denoise_valid"] = skips.get("denoise_valid", torch.ones(len(rows), W, dtype=torch.bool,
@@ -320,7 +323,7 @@ class DiffusionEngine(BatchEngine):
             denoise_ids, need = denoise_ids[:, : valid.shape[1]], need[:, : valid.shape[1]]
         out = self.model.step(
             cache,
-            kind="commit" if ar_step else "commit+denoise" if has_commit else "denoise",
+            kind=kind,
             commit_ids=commit_ids,
             n_commit=n_commit,
             denoise_ids=denoise_ids,

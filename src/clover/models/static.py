@@ -19,7 +19,14 @@ serves it where its shapes fit one. The graphs:
   next block drafted);
 - **verify-commit**: a "verify" step without a block (dflash: the anchor and drafts verified, with
   the hidden states of the layers the drafter reads, `Step.hidden_layers`; a graph per set of those
-  layers).
+  layers);
+- **block-commit**: a "commit" step of one whole block per row and no block to denoise (Fast-dLLM
+  v2, `first_token` "commit_argmax": the next block's first token is this commit's argmax).
+
+A model that commits block-causally (`commit_attention` "block": SDAR, LLaDA2, Fast-dLLM v2; the
+step's `commit_block`) runs the same graphs: the block-causal commit is the attention mask's. It
+decodes by block diffusion only, so `load_shapes` compiles its denoise, commit+denoise and
+block-commit graphs, no AR nor verify ones.
 
 Every other forward runs eagerly: the prompt prefill (its length would be one graph more), and
 every forward of a model with quantized experts (`unsupported_reason`). A speculative rollback
@@ -56,14 +63,17 @@ from .step import Step
 CAPACITY_QUANTUM = 512  # the smallest static cache: prompt + max_new_tokens + the plan's reserve up to 512 share one graph
 LOAD_CAPACITIES = (CAPACITY_QUANTUM,)  # the cache capacities compiled at load
 RECOMPILE_LIMIT = 64
-KINDS = ("ar", "denoise", "commit+denoise", "verify", "verify-commit")
+KINDS = ("ar", "denoise", "commit+denoise", "verify", "verify-commit", "block-commit")
 
 
 def unsupported_reason(model) -> str | None:
     """Why `model` cannot use the static steps, or None."""
-    if model.config.commit_attention != "causal":
+    cfg = model.config
+    if cfg.commit_attention == "full" or (cfg.commit_attention == "block" and cfg.has_linear_attention):
+        # a block-causal commit is the attention mask's (`cached_attention_mask`); the whole-sequence
+        # models decode with the canvas mode, which has no static steps
         return (f"compile: the static steps commit causally; this model commits block-causally "
-                f"(commit_attention {model.config.commit_attention!r}); load it without compiling")
+                f"(commit_attention {cfg.commit_attention!r}); load it without compiling")
     for layer in model.model.layers:
         experts = getattr(layer.mlp, "experts", None)
         if experts is not None and not isinstance(getattr(experts, "gate_up_proj", None), torch.Tensor):
@@ -98,9 +108,18 @@ def load_shapes(config, *, batches=(1,), capacities=LOAD_CAPACITIES, drafter=Non
     `verify_widths` and `target_layer_ids`), dflash's verify-commit of the anchor and its drafts at
     each of those widths, returning the hidden states of those layers. At batch > 1 the
     commit+denoise kind, and the verify kind at every batch, are compiled ragged only (rows may commit fewer tokens than the block; a frozen `run` serves
-    every such commit there, a draft shorter than the block padded to it)."""
+    every such commit there, a draft shorter than the block padded to it). A model that commits
+    block-causally: its denoise and commit+denoise forwards and, where the block's first token is the
+    commit's argmax, the block-commit (ragged at batch > 1)."""
     shapes = []
     w = int(config.block_size) if config.mask_token_id is not None else None
+    if config.commit_attention == "block":  # SDAR, LLaDA2, Fast-dLLM v2: block diffusion only (no AR, no verify)
+        for b in batches:
+            for cap in capacities:
+                shapes += [("denoise", b, w, cap, False, ()), ("commit+denoise", b, w, cap, b > 1, ())]
+                if config.first_token == "commit_argmax":  # the commit-only forward of a block's first token
+                    shapes.append(("block-commit", b, w, cap, b > 1, ()))
+        return shapes
     for b in batches:
         ragged = b > 1
         for cap in capacities:
@@ -130,10 +149,12 @@ def graph_kind(step) -> str | None:
     """The compiled kind (`KINDS`) that serves `step` (a `clover.models.step.Step`), or None (eager):
     the step's own kind where its shapes fit a graph -- a commit of one token per row ("ar"), a
     block commit as wide as the block ("commit+denoise", "verify"), a verify's commit alone
-    ("verify-commit"); not a prompt (its length would be one graph more), nor a commit of one
+    ("verify-commit"), a block-causal commit of one block alone ("block-commit"); not a prompt (its length would be one graph more), nor a commit of one
     token on a row with nothing to commit, nor logits at every position without a commit."""
     Tc, Bd, n_commit = step.commit_len, step.denoise_len, step.n_commit
     verify = step.kind == "verify"
+    if step.kind == "commit" and Tc > 1 and Tc == step.commit_block:
+        return "block-commit"
     if step.all_logits and not Tc:
         return None
     if Tc and not (Tc == 1 or Tc == Bd or (verify and not Bd and n_commit is None)):
@@ -145,8 +166,9 @@ def graph_kind(step) -> str | None:
     return {"commit": "ar", "denoise": "denoise", "commit+denoise": "commit+denoise"}[step.kind]
 
 
-def compile_static(fn, device: torch.device, backend: str = "inductor"):
-    """`fn` compiled as the static steps are: one graph-break-free graph per input shape."""
+def compile_static(fn, device: torch.device, backend: str = "inductor", *, buffer_reuse: bool = True):
+    """`fn` compiled as the static steps are: one graph-break-free graph per input shape.
+    `buffer_reuse` False: inductor gives no buffer a second use (see `StaticSteps`)."""
     # one graph per (forward kind, batch size, cache capacity, ...): more than dynamo's default of 8
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
     opts = dict(fullgraph=True, dynamic=False, backend=backend)
@@ -154,6 +176,8 @@ def compile_static(fn, device: torch.device, backend: str = "inductor"):
         # a C++ wrapper around the kernels instead of a Python one: measured 3.0x vs 2.4x over eager
         # on the bundled model's AR step (docs/benchmarks.md)
         opts["options"] = {"cpp_wrapper": True}
+    if backend == "inductor" and not buffer_reuse:
+        opts.setdefault("options", {})["allow_buffer_reuse"] = False
     return torch.compile(fn, **opts)
 
 
@@ -166,7 +190,11 @@ class StaticSteps:
             raise ValueError(reason)
         self.model = model
         model.model.rotary_emb.inv_freq(model.device)  # cached outside the graph
-        self._forward = compile_static(functools.partial(model.forward_step, static=True), model.device, backend)
+        # a block-causal model's graphs without inductor's buffer reuse: with it (torch 2.13, CPU), the
+        # Qwen2 stack's (Fast-dLLM v2's) commit graphs left garbage in the first layer's key buffer
+        # after the graph, its logits right (tests/test_released_compile.py, slow)
+        self._forward = compile_static(functools.partial(model.forward_step, static=True), model.device, backend,
+                                       buffer_reuse=model.config.commit_attention != "block")
         self.calls: Counter = Counter()  # forwards served per kind (and "eager": past the graph limit, or frozen)
         self.limit_hit = False
         self.frozen = False  # after `warm_all`: a shape without a graph runs eagerly, never compiles
@@ -192,7 +220,7 @@ class StaticSteps:
             elif n_commit is None and Tc > 1 and (b > 1 or kind == "verify"):
                 n_commit = torch.full_like(lengths, Tc)  # the ragged graph serves every commit
         kw = dict(expert_budget=step.expert_budget, expert_rank=step.expert_rank, all_logits=step.all_logits,
-                  record=record, hidden_out=hidden_out)
+                  record=record, hidden_out=hidden_out, commit_block=step.commit_block)
         if b != B:
             return self._run_padded(kind, b, commit_ids, n_commit, denoise_ids, lengths, states, **kw)
         return self._call(kind, commit_ids, n_commit, denoise_ids, lengths, states, **kw)
@@ -220,7 +248,7 @@ class StaticSteps:
         is compiled on first use), or one of that width was compiled before freezing."""
         if not self.frozen:
             return True
-        kinds = {"commit": ("ar",), "denoise": ("denoise",), "commit+denoise": ("commit+denoise",),
+        kinds = {"commit": ("ar", "block-commit"), "denoise": ("denoise",), "commit+denoise": ("commit+denoise",),
                  "verify": ("verify", "verify-commit")}[kind]
         return any(k in kinds and w == width for k, w in self.widths)
 
@@ -276,17 +304,18 @@ class StaticSteps:
         with torch.inference_mode():
             cache = m.make_cache(batch, capacity)
             Tc = 1 if kind == "ar" else 0 if kind == "denoise" else width
+            block = width if m.config.commit_attention == "block" else None  # as the diffusion engine passes it
             if Tc > 1 and ragged:
                 n = torch.full((batch,), Tc - 1, dtype=torch.long, device=m.device)
             else:
                 n = None
             ids = torch.zeros(batch, width, dtype=torch.long, device=m.device)
             commit = ids[:, :Tc] if Tc else None
-            denoise = ids if kind not in ("ar", "verify-commit") else None
+            denoise = ids if kind not in ("ar", "verify-commit", "block-commit") else None
             states = [s.tensors() for s in cache.layers]
             verify = kind.startswith("verify")
-            step = Step("verify" if verify else "commit" if kind == "ar" else kind, commit, n, denoise,
-                        all_logits=verify, expert_budget=expert_budget, expert_rank=expert_rank)
+            step = Step("verify" if verify else "commit" if kind in ("ar", "block-commit") else kind, commit, n, denoise,
+                        all_logits=verify, expert_budget=expert_budget, expert_rank=expert_rank, commit_block=block)
             out = self.run(step, cache.lengths, states, record=verify,
                            hidden_out=dict.fromkeys(hidden) if hidden else None)
         if out is None:

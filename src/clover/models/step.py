@@ -90,8 +90,8 @@ class Step:
     `denoise_memo` (per layer, an earlier forward's block inputs; `()` none yet; this forward's
     return in `StepOutput.memo`), `denoise_width` and `denoise_valid [B, Bd]`. `commit_block`: the
     commit part attends bidirectionally inside blocks of that size on the absolute grid (positions
-    [kB, (k+1)B)) and causally across them (`commit_attention` "block", SDAR's); None: causally. It
-    runs eagerly (attention-only layers). `denoise_start [B]`: the RoPE position of each row's first
+    [kB, (k+1)B)) and causally across them (`commit_attention` "block", SDAR's); None: causally
+    (attention-only layers; the compiled graphs take it too). `denoise_start [B]`: the RoPE position of each row's first
     block position (default: right after its cache and commit part); a whole-sequence model's dual
     cache keeps the keys after the block too. It runs eagerly."""
 
@@ -143,4 +143,4 @@ class Step:
     def has_skips(self) -> bool:
         """Whether the step uses an eager skip (it then runs eagerly)."""
         return not (self.denoise_frozen is None and self.denoise_memo is None and self.denoise_width is None
-                    and self.denoise_valid is None and self.commit_block is None and self.denoise_start is None)
+                    and self.denoise_valid is None and self.denoise_start is None)
