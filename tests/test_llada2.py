@@ -126,3 +126,35 @@ def test_block_expert_sharing_decodes_alone_as_batched(llada2):
     for a, b in zip(alone, batched):
         assert a.token_ids == b.token_ids and len(a.token_ids) == len(cases[0]["tokens"])
 
+
+def test_live_forward_equals_the_full_forward(llada2):
+    """Eagerly LLaDA2's layers compute only what a forward needs (`core.Live`: no batch padding, the
+    last layer only where logits are read, each position only its part of the fused projection):
+    every output the step returns or writes equals the full forward's (the cache up to each row's
+    length: past it, the full forward's batch padding)."""
+    model, mask = llada2.model, llada2.config.mask_token_id
+
+    def steps(live: bool):
+        saved, model.live_positions = model.live_positions, live
+        try:
+            g = torch.Generator().manual_seed(5)
+            blk = torch.full((2, 8), mask)
+            blk[0, :3], blk[1, 5] = torch.tensor([50, 60, 70]), 99
+            need = blk == mask
+            with torch.inference_mode():
+                cache = model.make_cache(2, 64)
+                model.step(cache, commit_ids=torch.randint(3, 120, (2, 8), generator=g), n_commit=torch.tensor([8, 5]),
+                           commit_block=8)
+                out = model.step(cache, commit_ids=torch.randint(3, 120, (2, 8), generator=g),
+                                 n_commit=torch.tensor([8, 3]), denoise_ids=blk, denoise_need=need, commit_block=8)
+            return out, need, cache
+        finally:
+            model.live_positions = saved
+
+    (full, need, full_cache), (live, _, live_cache) = steps(False), steps(True)
+    torch.testing.assert_close(live.commit_logits, full.commit_logits, **TOL)
+    torch.testing.assert_close(live.denoise_logits[need], full.denoise_logits[need], **TOL)
+    for a, b in zip(live_cache.layers, full_cache.layers):
+        for x, y in zip(a.tensors(), b.tensors()):  # [B, H_kv, capacity, D]; rows of 16 and 8 tokens
+            for row, n in enumerate((16, 8)):
+                torch.testing.assert_close(x[row, :, :n], y[row, :, :n], **TOL)

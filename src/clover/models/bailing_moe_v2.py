@@ -136,6 +136,26 @@ class LLaDA2Attention(GatedAttention):
         B, _, T, _ = out.shape
         return self.dense(out.transpose(1, 2).reshape(B, T, -1))
 
+    # the live path (`core.Live`): K/V at its kv positions, queries at its out positions, each from
+    # its rows of the fused projection (no position computes a part it does not use)
+    def _fused(self, x: torch.Tensor, part: slice) -> torch.Tensor:
+        lin = self.query_key_value
+        if isinstance(lin, nn.Linear):
+            return F.linear(x, lin.weight[part], None if lin.bias is None else lin.bias[part])
+        return lin(x)[:, part]  # a quantized projection: the whole, then its part
+
+    def live_kv(self, xk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        N, H, Hkv, D = xk.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+        k, v = self._fused(xk, slice(H * D, None)).view(N, 2 * Hkv, D).split([Hkv, Hkv], dim=1)
+        return apply_rope(self.key_layernorm(k)[:, :, None], cos, sin)[:, :, 0], v
+
+    def live_q(self, xo: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        q = self._fused(xo, slice(0, self.num_heads * self.head_dim)).view(xo.shape[0], self.num_heads, self.head_dim)
+        return apply_rope(self.query_layernorm(q)[:, :, None], cos, sin)[:, :, 0], None
+
+    def live_finish(self, o: torch.Tensor, gate: None) -> torch.Tensor:
+        return self.dense(o)
+
 
 class LLaDA2Router(nn.Module):
     """The sigmoid router with its expert bias and group-limited top-k (`mlp.gate`). With block expert
@@ -157,7 +177,7 @@ class LLaDA2Router(nn.Module):
         scores = torch.sigmoid(logits)
         routing = scores + self.expert_bias.float()
         N, E = routing.shape
-        groups = routing.view(N, self.n_group, -1).topk(2, dim=-1).values.sum(-1)  # [N, n_group]
+        groups = routing.view(N, self.n_group, E // self.n_group).topk(2, dim=-1).values.sum(-1)  # [N, n_group]
         keep = torch.zeros_like(groups).scatter_(1, groups.topk(self.topk_group, dim=-1).indices, 1.0)
         allowed = keep[:, :, None].expand(N, self.n_group, E // self.n_group).reshape(N, E).bool()
         shared = block_experts(routing, sharing) if sharing is not None else None
@@ -214,7 +234,6 @@ class LLaDA2ForCausalLM(CausalLM):
     norm_class = PlainRMSNorm
     rotary_class = RotaryEmbedding  # partial: config.rotary_dim
     key_layout = LLaDA2KeyLayout()
-    live_positions = False
 
     @classmethod
     def mlp_class_for(cls, config: CloverConfig, layer_idx: int) -> type[nn.Module]:
