@@ -231,3 +231,26 @@ def probe_run(probe, gguf_path, mode, ids, *args) -> str:
 
     return subprocess.run([str(probe), str(gguf_path), mode, *args], input=" ".join(map(str, ids)).encode(),
                           capture_output=True, env=dict(os.environ, CLOVER_PROBE_THREADS="1"), check=True).stdout.decode()
+
+
+@pytest.mark.slow
+def test_port_llama_q8_0_wide_head_and_dflash_is_ar(port, tiny, tmp_path):
+    """q8_0: the wide kernel takes every matrix, the head of 264 rows too (its last 264 % 16 by
+    ggml's vec_dot), with ggml's results bit for bit; the port's dflash gives its AR's tokens."""
+    import json
+    import subprocess
+
+    from clover.export.gguf import export_gguf
+    from clover.gguf.write import export_drafter_gguf
+
+    llm = clover.load(tiny["target"], drafter=tiny["vocab_drafter"], dtype="float32")
+    assert llm.config.vocab_size % 16
+    target = export_gguf(tiny["target"], tmp_path / "t.gguf", dtype="q8_0", progress=False).path
+    drafter = export_drafter_gguf(llm.drafter, tmp_path / "d.gguf", dtype="q8_0", target=llm.model).path
+    out = subprocess.run([str(port), str(target), "--mode", "check-matmul", "--matmul", "wide"], capture_output=True, check=True)
+    check = json.loads(out.stdout.decode())
+    assert check["matrices"] == 7 * llm.config.num_hidden_layers + 1 and check["max_rel_diff"] == 0.0, check
+    ar = port_run(target, PROMPTS, "ar", llm, ignore_eos=True)
+    df = port_run(target, PROMPTS, "dflash", llm, drafter=drafter, ignore_eos=True)
+    assert [r["tokens"] for r in df] == [r["tokens"] for r in ar]
+    assert sum(a - 1 for r in df for a in r["accept_lengths"]) > 0
