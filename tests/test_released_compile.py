@@ -111,3 +111,33 @@ def test_compiled_tokens_equal_eager(tmp_path, family):
         assert g.token_ids == _expected(family, c), c["name"]
     calls = llm.model.static_steps.calls
     assert calls["denoise"] and calls["commit+denoise"] and not calls["eager"], calls
+
+
+def test_static_read_positions_give_the_full_forwards_logits(tmp_path):
+    """`denoise_read` (a model denoised in sub-blocks: Fast-dLLM v2): the static forward computes the last
+    layer's outputs and the LM head at K positions per row only; there, and at each committing row's
+    last commit token, its logits equal the full static forward's, and the cache it writes is the same."""
+    import copy
+
+    llm = _load(tmp_path, "fastdllm2")
+    m = llm.model
+    torch.manual_seed(0)
+    with torch.inference_mode():
+        cache = m.make_cache(3, 128)
+        m.step(cache, commit_ids=torch.randint(0, 120, (3, 64)), n_commit=torch.tensor([32, 64, 32]), commit_block=32)
+        commit, block = torch.randint(0, 120, (3, 32)), torch.randint(0, 120, (3, 32))
+        n = torch.tensor([32, 0, 0])
+        read = torch.tensor([[3, 4, 5, 6], [0, 1, 2, 2], [28, 29, 30, 31]])
+        outs, caches = [], []
+        for r in (None, read):
+            c = copy.deepcopy(cache)
+            states = [s.tensors() for s in c.layers]
+            outs.append(m.forward_step(commit, n, block, c.lengths, states, static=True, commit_block=32, denoise_read=r))
+            caches.append(states)
+    (cf, df, *_), (cr, dr, *_) = outs
+    torch.testing.assert_close(cr[0], cf[0], atol=1e-5, rtol=0)
+    rows = torch.arange(3)[:, None]
+    torch.testing.assert_close(dr[rows, read], df[rows, read], atol=1e-5, rtol=0)
+    for a, b in zip(*caches):
+        for x, y in zip(a, b):
+            torch.testing.assert_close(x, y, atol=1e-5, rtol=0)

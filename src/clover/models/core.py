@@ -441,6 +441,7 @@ class CausalLM(nn.Module):
         denoise_valid: torch.Tensor | None = None,
         commit_block: int | None = None,
         denoise_start: torch.Tensor | None = None,
+        denoise_read: torch.Tensor | None = None,
     ):
         """The forward of a cached step, over the cache's tensors (`states`: per layer
         `state.tensors()`, updated in place; `lengths` [B] before the step, not advanced here) ->
@@ -466,7 +467,10 @@ class CausalLM(nn.Module):
         only its first positions (the GDN block gain's). `denoise_valid [B, Bd]` (bool, a prefix per
         row): each row's block ends there (the positions after it are not computed, not attended to,
         and read by the GDN as past the block's end), so a row computes what it would alone with
-        `denoise_ids` cut there."""
+        `denoise_ids` cut there. `denoise_read [B, K]` (`static`, a model whose layers take `live`):
+        the only block positions whose logits are read, K per row (repeats allowed), so the static
+        forward too computes the last layer's queries, output projection and MLP and the LM head there
+        only (and at each row's last commit token); the other denoise logits are garbage."""
         parts = [p for p in (commit_ids, denoise_ids) if p is not None]
         ids = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
         B = ids.shape[0]
@@ -487,6 +491,8 @@ class CausalLM(nn.Module):
             skip = denoise_frozen if absent is None else absent if denoise_frozen is None else denoise_frozen | absent
             lives = self._lives(B, Tc, Bd, n, all_logits, denoise_need, skip, denoise_frozen, denoise_memo,
                                 hidden_out, x.device)
+        elif static and denoise_read is not None and Bd and sharing is None and self.live_positions and not all_logits:
+            lives = [None] * (len(self.model.layers) - 1) + [self._read_live(B, Tc, Bd, n, denoise_read)]
         mask = None
         if "full_attention" in self.config.layer_types:
             slots = next(s[0].shape[2] for s, layer in zip(states, self.model.layers)
@@ -506,13 +512,27 @@ class CausalLM(nn.Module):
             else:
                 commit_logits = self._logits(x[torch.arange(B, device=x.device), n - 1])  # [B, V]
         if Bd:
-            if denoise_need is None or static:
+            if static and lives is not None:  # `denoise_read`: K positions per row, fixed shapes
+                idx = denoise_read[..., None]
+                read = self._logits(x[:, Tc:].gather(1, idx.expand(-1, -1, x.shape[-1])))  # [B, K, V]
+                denoise_logits = read.new_empty(B, Bd, read.shape[-1]).scatter_(1, idx.expand(-1, -1, read.shape[-1]), read)
+            elif denoise_need is None or static:
                 denoise_logits = self._logits(x[:, Tc:])
             else:  # only the positions whose predictions are still needed (masked next positions)
                 denoise_logits = x.new_empty(B, Bd, self.config.vocab_size)
                 denoise_logits[denoise_need] = self._logits(x[:, Tc:][denoise_need])
         touched_t = torch.stack(touched) if touched else torch.zeros(0, dtype=torch.long, device=x.device)
         return commit_logits, denoise_logits, touched_t, tuple(records or ())
+
+    def _read_live(self, B: int, Tc: int, Bd: int, n: torch.Tensor, read: torch.Tensor) -> Live:
+        """The last layer's `Live` of a static forward with `denoise_read` [B, K]: every position's K/V,
+        outputs at the K read block positions of each row and at its last commit token."""
+        T, dev = Tc + Bd, read.device
+        base = torch.arange(B, device=dev)[:, None] * T
+        out = (base + Tc + read).flatten()
+        if Tc:
+            out = torch.cat([base[:, 0] + (n - 1).clamp(min=0), out])
+        return Live(B, T, Tc, torch.arange(B * T, device=dev), out)
 
     def _lives(self, B: int, Tc: int, Bd: int, n: torch.Tensor, all_logits: bool, denoise_need, skip, frozen, memo,
                hidden_out, device) -> list[Live] | None:

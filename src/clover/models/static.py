@@ -116,9 +116,11 @@ def load_shapes(config, *, batches=(1,), capacities=LOAD_CAPACITIES, drafter=Non
     if config.commit_attention == "block":  # SDAR, LLaDA2, Fast-dLLM v2: block diffusion only (no AR, no verify)
         for b in batches:
             for cap in capacities:
-                shapes += [("denoise", b, w, cap, False, ()), ("commit+denoise", b, w, cap, b > 1, ())]
+                shapes.append(("denoise", b, w, cap, False, ()))
                 if config.first_token == "commit_argmax":  # the commit-only forward of a block's first token
                     shapes.append(("block-commit", b, w, cap, b > 1, ()))
+                if b > 1 or config.first_token != "commit_argmax":  # one row's commit never rides with its block
+                    shapes.append(("commit+denoise", b, w, cap, b > 1, ()))
         return shapes
     for b in batches:
         ragged = b > 1
@@ -195,6 +197,11 @@ class StaticSteps:
         # after the graph, its logits right (tests/test_released_compile.py, slow)
         self._forward = compile_static(functools.partial(model.forward_step, static=True), model.device, backend,
                                        buffer_reuse=model.config.commit_attention != "block")
+        # a model denoised in sub-blocks reads at most a sub-block's logits a step: its denoise graphs
+        # compute the last layer's outputs and the LM head at those positions only (`denoise_read`)
+        cfg = model.config
+        self.read_width = (cfg.sub_block if cfg.sub_block and cfg.sub_block < cfg.block_size and model.live_positions
+                           else None)
         self.calls: Counter = Counter()  # forwards served per kind (and "eager": past the graph limit, or frozen)
         self.limit_hit = False
         self.frozen = False  # after `warm_all`: a shape without a graph runs eagerly, never compiles
@@ -221,6 +228,11 @@ class StaticSteps:
                 n_commit = torch.full_like(lengths, Tc)  # the ragged graph serves every commit
         kw = dict(expert_budget=step.expert_budget, expert_rank=step.expert_rank, all_logits=step.all_logits,
                   record=record, hidden_out=hidden_out, commit_block=step.commit_block)
+        need = step.denoise_need
+        if (self.read_width and kind in ("denoise", "commit+denoise") and need is not None and step.expert_budget is None
+                and int(need.sum(1).max()) <= self.read_width):
+            # each row's read positions first (then any others), K of them
+            kw["denoise_read"] = torch.sort((~need).to(torch.uint8), dim=1, stable=True).indices[:, : self.read_width]
         if b != B:
             return self._run_padded(kind, b, commit_ids, n_commit, denoise_ids, lengths, states, **kw)
         return self._call(kind, commit_ids, n_commit, denoise_ids, lengths, states, **kw)
@@ -271,6 +283,8 @@ class StaticSteps:
 
         if n_commit is not None:
             n_commit = pad(n_commit, commit_ids.shape[1])
+        if kw.get("denoise_read") is not None:
+            kw["denoise_read"] = pad(kw["denoise_read"])
         in_place = all(row_room(t) >= b for s in states for t in s)
         padded = [tuple(first_rows(t, b) if in_place else pad(t) for t in s) for s in states]
         out = self._call(kind, pad(commit_ids), n_commit, pad(denoise_ids), pad(lengths), padded, **kw)
@@ -314,8 +328,10 @@ class StaticSteps:
             denoise = ids if kind not in ("ar", "verify-commit", "block-commit") else None
             states = [s.tensors() for s in cache.layers]
             verify = kind.startswith("verify")
+            need = None if denoise is None or verify else torch.zeros(batch, width, dtype=torch.bool, device=m.device)
             step = Step("verify" if verify else "commit" if kind in ("ar", "block-commit") else kind, commit, n, denoise,
-                        all_logits=verify, expert_budget=expert_budget, expert_rank=expert_rank, commit_block=block)
+                        all_logits=verify, expert_budget=expert_budget, expert_rank=expert_rank, commit_block=block,
+                        denoise_need=need)
             out = self.run(step, cache.lengths, states, record=verify,
                            hidden_out=dict.fromkeys(hidden) if hidden else None)
         if out is None:
