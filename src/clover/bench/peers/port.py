@@ -74,8 +74,9 @@ class PortEngine(Engine):
         from ...integrations.llama_port import export_drafter, modes_for
 
         st = self.setup
-        # dflash: the model's drafter as a GGUF beside the target's, in its type (no drafter: no dflash row)
-        drafter = export_drafter(st.llm, st.work, dtype=st.gguf) if "dflash" in st.modes else None
+        # dflash: the model's drafter as a GGUF of the port's own (in a folder of its own: llama.cpp-dflash's
+        # converted drafter has the same name), in the GGUF type (no drafter: no dflash row)
+        drafter = export_drafter(st.llm, st.work / "llama-clover", dtype=st.gguf) if "dflash" in st.modes else None
         return [PortRunner(st.llm, self.found["binary"], self.gguf, m, threads, st.max_new_tokens, drafter=drafter,
                            to_eos=st.to_eos)
                 for m in st.modes if m in modes_for(st.config) and (m != "dflash" or drafter is not None)]
