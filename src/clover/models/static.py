@@ -116,11 +116,9 @@ def load_shapes(config, *, batches=(1,), capacities=LOAD_CAPACITIES, drafter=Non
     if config.commit_attention == "block":  # SDAR, LLaDA2, Fast-dLLM v2: block diffusion only (no AR, no verify)
         for b in batches:
             for cap in capacities:
-                shapes.append(("denoise", b, w, cap, False, ()))
+                shapes += [("denoise", b, w, cap, False, ()), ("commit+denoise", b, w, cap, b > 1, ())]
                 if config.first_token == "commit_argmax":  # the commit-only forward of a block's first token
                     shapes.append(("block-commit", b, w, cap, b > 1, ()))
-                if b > 1 or config.first_token != "commit_argmax":  # one row's commit never rides with its block
-                    shapes.append(("commit+denoise", b, w, cap, b > 1, ()))
         return shapes
     for b in batches:
         ragged = b > 1
@@ -232,7 +230,8 @@ class StaticSteps:
         if (self.read_width and kind in ("denoise", "commit+denoise") and need is not None and step.expert_budget is None
                 and int(need.sum(1).max()) <= self.read_width):
             # each row's read positions first (then any others), K of them
-            kw["denoise_read"] = torch.sort((~need).to(torch.uint8), dim=1, stable=True).indices[:, : self.read_width]
+            # (contiguous: a graph is specialised on its inputs' strides, and a padded batch's are)
+            kw["denoise_read"] = torch.sort((~need).to(torch.uint8), dim=1, stable=True).indices[:, : self.read_width].contiguous()
         if b != B:
             return self._run_padded(kind, b, commit_ids, n_commit, denoise_ids, lengths, states, **kw)
         return self._call(kind, commit_ids, n_commit, denoise_ids, lengths, states, **kw)
