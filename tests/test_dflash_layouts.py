@@ -133,3 +133,99 @@ def test_sliding_drafter_gguf_export_and_bad_layer_types_are_refused_in_one_line
         with pytest.raises(ConfigError, match="default RoPE and SiLU") as e:
             DFlashConfig.from_dict({**raw, **bad})
         assert "\n" not in str(e.value)
+
+
+# --------------------------------------------------------------------------- vLLM speculators' layout
+# tests/golden/speculators/ (scripts/speculators-golden.py, speculators 0.9.0): a tiny random DFlash drafter
+# as speculators saves it, the verifier rows it borrows, and `DFlashDraftModel._backbone_forward`'s draft
+# logits [anchors, block, vocab] for fixed context hidden states and anchors (float32).
+SPEC = Path(__file__).parent / "golden" / "speculators"
+
+
+def _spec_golden():
+    from safetensors.torch import load_file
+
+    g, v = load_file(str(SPEC / "golden.safetensors")), load_file(str(SPEC / "verifier.safetensors"))
+    target = torch.nn.Module()
+    target.model = torch.nn.Module()
+    target.model.embed_tokens = torch.nn.Embedding.from_pretrained(v["embed_tokens.weight"])
+    target.lm_head = torch.nn.Linear(*v["lm_head.weight"].shape[::-1], bias=False)
+    target.lm_head.weight.data.copy_(v["lm_head.weight"])
+    return g, target
+
+
+def test_speculators_layout_gives_speculators_draft_logits():
+    g, target = _spec_golden()
+    d = load_drafter(SPEC / "drafter")
+    assert d.config.layout == "speculators" and d.target_layer_ids == [0, 2]  # aux ids [1, 3]: one more
+    anchors, ids, ctx = g["anchors"], g["input_ids"][0], g["hidden_states"]
+    blocks = torch.full((len(anchors), d.block_size), d.mask_token_id)
+    blocks[:, 0] = ids[anchors]
+    with torch.no_grad():
+        emb = d.embed(blocks, target)
+        train = d.logits(d.forward_train(ctx, anchors[None], emb[None])[0], target)
+        torch.testing.assert_close(train, g["logits"], atol=1e-5, rtol=0)
+        for j, a in enumerate(anchors.tolist()):  # the cached draft, as decoding runs it
+            h = d.draft(d.make_cache(1, 32), ctx[:, :a], None, emb[j:j + 1])
+            torch.testing.assert_close(d.logits(h, target)[0], g["logits"][j], atol=1e-5, rtol=0)
+
+
+def test_speculators_reduced_vocabulary_scores_its_rows(tmp_path):
+    """A draft vocabulary (d2t, t2d and the head's rows stored): the golden logits at those rows."""
+    from safetensors.torch import load_file, save_file
+
+    g, target = _spec_golden()
+    keep = torch.tensor([3, 17, 40, 41, 100, 200, 258, 263])
+    d_dir = shutil.copytree(SPEC / "drafter", tmp_path / "d")
+    raw = json.loads((d_dir / "config.json").read_text())
+    (d_dir / "config.json").write_text(json.dumps({**raw, "draft_vocab_size": len(keep)}))
+    t2d = torch.zeros(raw["transformer_layer_config"]["vocab_size"], dtype=torch.bool)
+    t2d[keep] = True
+    save_file({**load_file(str(d_dir / "model.safetensors")), "d2t": keep - torch.arange(len(keep)), "t2d": t2d,
+               "lm_head.weight": target.lm_head.weight[keep].contiguous()}, str(d_dir / "model.safetensors"))
+    d = load_drafter(d_dir)
+    anchors, ids, ctx = g["anchors"], g["input_ids"][0], g["hidden_states"]
+    blocks = torch.full((len(anchors), d.block_size), d.mask_token_id)
+    blocks[:, 0] = ids[anchors]
+    with torch.no_grad():
+        h = d.forward_train(ctx, anchors[None], d.embed(blocks, target)[None])[0]
+        torch.testing.assert_close(d.draft_logits(h, target), g["logits"][..., keep], atol=1e-5, rtol=0)
+
+
+def test_speculators_drafter_runs_lossless_and_saves_as_zlab(target_dir, tmp_path):
+    """The z-lab golden target fits it (hidden 32, vocab 264, 4 layers): dflash gives AR's tokens; saved,
+    it reads back in z-lab's layout with the same weights."""
+    llm = clover.load(target_dir, drafter=SPEC / "drafter")
+    for prompt in G["prompts"]:
+        kw = dict(max_new_tokens=12, ignore_eos=True)
+        assert llm.generate(prompt, mode="dflash", **kw).token_ids == llm.generate(prompt, mode="ar", **kw).token_ids
+    again = load_drafter(save_drafter(llm.drafter, tmp_path / "zlab"))
+    assert again.config.layout == "z-lab" and again.target_layer_ids == [0, 2]
+    for (k, a), (_, b) in zip(llm.drafter.state_dict().items(), again.state_dict().items()):
+        assert torch.equal(a, b), k
+
+
+def test_speculators_drafter_for_another_target_is_refused_in_one_line(tmp_path, target_dir):
+    other = build_tiny_checkpoint(tmp_path / "other", seed=0)  # another hidden size and vocabulary
+    raw = json.loads((SPEC / "drafter" / "config.json").read_text())
+    tl = raw["transformer_layer_config"]
+    cases = [(other, {}, "another model"), (target_dir, {"aux_hidden_state_layer_ids": [1, 5]}, "another model"),
+             (target_dir, {"aux_hidden_state_layer_ids": [1, 4]}, "final hidden state"),
+             (target_dir, {"transformer_layer_config": {**tl, "vocab_size": 300}}, "another model"),
+             (target_dir, {"transformer_layer_config": {**tl, "hidden_size": 48}}, "another model")]
+    for i, (target, change, msg) in enumerate(cases):
+        d = tmp_path / f"d{i}"
+        shutil.copytree(SPEC / "drafter", d)
+        (d / "config.json").write_text(json.dumps({**raw, **change}))
+        with pytest.raises(DrafterMismatch, match=msg) as e:
+            clover.load(target, drafter=d)
+        assert "\n" not in str(e.value)
+    for change, msg in [({"speculators_model_type": "eagle3"}, "dflash drafters"),
+                        ({"aux_hidden_state_layer_ids": [0, 3]}, "id 0"),
+                        ({"sample_from_anchor": True}, "sample_from_anchor"),
+                        ({"transformer_layer_config": {**tl, "layer_types": ["sliding_attention"] * 2,
+                                                       "sliding_window": 8}}, "sliding-window"),
+                        ({"mask_token_id": None}, "missing mask_token_id")]:
+        with pytest.raises(ConfigError, match=msg) as e:
+            DFlashConfig.from_dict({**raw, **change})
+        assert "\n" not in str(e.value)

@@ -50,6 +50,17 @@ plus two modules, both read from `dflash_config`:
   token before and the candidate (keys `candidate_selector.{predecessor_codebook,
   successor_codebook}` [V, R], stored without `.weight`, and `candidate_selector.hidden_projection.weight`).
 Which modules and key names a layout has is the table `LAYOUTS`; any other architecture is refused.
+
+The vLLM `speculators` layout of a DFlash drafter (`speculators_model_type: "dflash"`, its
+`DFlashDraftModel`; `from_speculators` reads it) has the same tensor names and computation under another
+config.json: the Qwen3 keys sit in `transformer_layer_config`, and `block_size`, `mask_token_id`,
+`draft_vocab_size` (equal to the vocabulary: none) at the top. Its `aux_hidden_state_layer_ids` count
+vLLM's way (id i: the input of decoder layer i, `hidden_states[i]`), one more than `target_layer_ids`;
+id 0 (the embedding) and id n (the final hidden state) have no z-lab counterpart and are refused. A
+reduced vocabulary stores `d2t` as EAGLE-3 does, plus `t2d` and `lm_head.weight` (the target head's rows,
+frozen in speculators' training), which clover does not read: it takes those rows from the target.
+Not read: `sample_from_anchor` (the anchor predicts too) and sliding-window layers (speculators' window
+ends at the anchor, not at the query). Saving such a drafter writes z-lab's layout.
 """
 
 from __future__ import annotations
@@ -57,7 +68,7 @@ from __future__ import annotations
 import functools
 import json
 from collections import Counter
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -78,6 +89,7 @@ class DrafterLayout:
     -> parameter name renames (beyond the optional "model." prefix)."""
     required: tuple[str, ...] = ()
     renames: tuple[tuple[str, str], ...] = ()
+    ignored: tuple[str, ...] = ()  # stored keys clover does not read
 
 
 # architectures name -> layout (z-lab's `dflash` package: `DFlashDraftModel`, `DFlash2DraftModel`)
@@ -88,6 +100,7 @@ LAYOUTS = {
         renames=tuple((f"candidate_selector.{n}", f"candidate_selector.{n}.weight")
                       for n in ("predecessor_codebook", "successor_codebook"))),
 }
+SPECULATORS = DrafterLayout(ignored=("t2d", "lm_head.weight"))  # vLLM speculators' DFlash (`from_speculators`)
 OUTSIDE = -1e4  # a draft logit for a token outside the draft vocabulary
 
 
@@ -125,6 +138,7 @@ class DFlashConfig:
     layer_types: list[str] | None = None  # per layer "full_attention" or "sliding_attention" (None: all full)
     sliding_window: int | None = None
     is_causal: bool | None = None  # None: the sliding layers' blocks are causal, the full ones' not (z-lab's rule)
+    layout: str = "z-lab"  # the config.json it was read from: "z-lab" or "speculators" (saved as z-lab's)
     torch_dtype: str = "float32"
     extra: dict = field(default_factory=dict)  # other config.json keys, written back unchanged
 
@@ -145,9 +159,8 @@ class DFlashConfig:
             raise ConfigError(f"{source}: architectures {archs} is not a drafter layout clover reads "
                               f"({', '.join(LAYOUTS)})")
         layout = LAYOUTS[archs[0]]
-        if "transformer_layer_config" in raw:
-            raise ConfigError(f"{source}: a vLLM speculators config (transformer_layer_config); convert it to the "
-                              "z-lab layout (Qwen3 keys at the top, dflash_config) first")
+        if "transformer_layer_config" in raw or "speculators_model_type" in raw:
+            return replace(cls.from_dict(from_speculators(raw, source), source=source), layout="speculators")
         dc = raw.get("dflash_config") or {}
         get = lambda k, d=None: dc.get(k, raw.get(k, d))  # noqa: E731 - dflash_config wins, as in the reference
         types = raw.get("layer_types") or None
@@ -213,6 +226,7 @@ class DFlashConfig:
         d = asdict(self)
         extra = d.pop("extra")
         arch = d.pop("architecture")
+        d.pop("layout")
         dc = {k: d.pop(k) for k in ("target_layer_ids", "mask_token_id", "input_embedding_scale",
                                     "output_multiplier", "final_logit_softcapping", "draft_vocab_size",
                                     "conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")}
@@ -231,6 +245,11 @@ class DFlashConfig:
     def check_target(self, target) -> None:
         """DrafterMismatch (one line naming the mismatch) unless this drafter fits `target` (a CloverConfig)."""
         t, n = target, target.num_hidden_layers
+        aux = [i + 1 for i in self.target_layer_ids]
+        if self.layout == "speculators" and max(aux) >= n:
+            why = ("names the final hidden state, which clover does not feed a speculators drafter" if max(aux) == n
+                   else "names a layer it does not have; this drafter was trained for another model")
+            raise DrafterMismatch(f"drafter: aux_hidden_state_layer_ids {aux} (the target has {n} layers) {why}")
         if self.hidden_size != t.hidden_size:
             raise DrafterMismatch(f"drafter: hidden_size {self.hidden_size} != the target's {t.hidden_size}; "
                                   "this drafter was trained for another model")
@@ -250,6 +269,36 @@ class DFlashConfig:
         if not 0 <= self.mask_token_id < t.vocab_size:
             raise DrafterMismatch(f"drafter: mask_token_id {self.mask_token_id} is outside the target's vocabulary "
                                   f"({t.vocab_size})")
+
+
+def from_speculators(raw: dict, source: str = "config.json") -> dict:
+    """A vLLM `speculators` DFlash config.json -> the z-lab config dict `DFlashConfig.from_dict` reads
+    (the module docstring says what maps to what); ConfigError in one line for what has no z-lab
+    counterpart."""
+    kind, tl = raw.get("speculators_model_type"), raw.get("transformer_layer_config")
+    if kind != "dflash" or not isinstance(tl, dict):
+        raise ConfigError(f"{source}: speculators_model_type {kind!r}: clover reads speculators' dflash drafters "
+                          "(with a transformer_layer_config object) only")
+    ids = raw.get("aux_hidden_state_layer_ids")
+    if not isinstance(ids, list) or not ids or not all(isinstance(i, int) and i >= 1 for i in ids):
+        raise ConfigError(f"{source}: aux_hidden_state_layer_ids {ids!r}: a speculators drafter needs target layer "
+                          "ids of 1 or more (id 0, the embedding output, is not fed to a drafter)")
+    if raw.get("sample_from_anchor"):
+        raise ConfigError(f"{source}: sample_from_anchor is true (the anchor predicts a token too); clover's "
+                          "DFlash drafts from the positions after the anchor only")
+    if "sliding_attention" in (tl.get("layer_types") or []):
+        raise ConfigError(f"{source}: sliding-window layers in the speculators layout (its window ends at the "
+                          "anchor, z-lab's at the query) are not read")
+    hidden, wide = tl.get("hidden_size"), raw.get("target_hidden_size")
+    if wide is not None and wide != hidden:
+        raise ConfigError(f"{source}: target_hidden_size {wide} != hidden_size {hidden}; speculators' DFlash "
+                          "reads target layers as wide as itself")
+    draft_vocab = raw.get("draft_vocab_size")
+    dc = {"block_size": raw.get("block_size", 8), "target_layer_ids": [i - 1 for i in ids],
+          "mask_token_id": raw.get("mask_token_id"),
+          "draft_vocab_size": None if draft_vocab in (None, tl.get("vocab_size")) else draft_vocab}
+    dtype = {k: raw[k] for k in ("torch_dtype", "dtype") if raw.get(k)}
+    return {**tl, **dtype, "architectures": [ARCHITECTURE], "dflash_config": {k: v for k, v in dc.items() if v is not None}}
 
 
 # --------------------------------------------------------------------------- layers
@@ -414,7 +463,7 @@ class DFlashDrafter(nn.Module):
             if c.draft_vocab_size is not None:
                 raise ConfigError("drafter: a candidate selector over a reduced draft vocabulary is not supported")
             self.candidate_selector = CandidateSelector(c)
-        self.key_layout = DrafterKeyLayout(LAYOUTS[c.architecture])
+        self.key_layout = DrafterKeyLayout(SPECULATORS if c.layout == "speculators" else LAYOUTS[c.architecture])
         self._head_rows = None  # (the target head's weight, its rows of the draft vocabulary), cached
 
     # -- properties the engine reads
@@ -643,9 +692,10 @@ class DrafterKeyLayout:
     def __init__(self, layout: DrafterLayout = DrafterLayout()) -> None:
         self.renames = dict(layout.renames)
         self.back = {v: k for k, v in layout.renames}
+        self.ignored = frozenset(layout.ignored)
 
     def name(self, key: str) -> str | None:
-        if key == "d2t":  # an index buffer, not a weight: `checkpoint.load_drafter` reads it apart
+        if key == "d2t" or key in self.ignored:  # d2t: an index buffer, `checkpoint.load_drafter` reads it apart
             return None
         key = key[len("model."):] if key.startswith("model.") else key
         return self.renames.get(key, key)
