@@ -328,3 +328,46 @@ def test_compiled_llama_with_a_drafter_equals_eager(llama_dir):
     _llama_modes(eager, compiled, [[5, 6, 7], list(range(40, 61))], 16)
     calls = compiled.model.static_steps.calls
     assert calls["verify-commit"] and calls["ar"] and compiled.drafter.static_calls["static"], calls
+
+
+def test_freezing_where_eager_would_pack(tiny_dir, llama_dir, monkeypatch):
+    """Inductor's freezing is an option of these graphs alone (`torch.compile`'s options, not the
+    global config), chosen where eager clover packs its linear layers for oneDNN (a float32 model large
+    enough, `default_packing` True): the target's graphs and the drafter's then freeze, else neither."""
+    import clover.kernels.packed as packed
+    from clover.models import compile as compile_mod
+
+    seen = []
+    _identity_compile(monkeypatch, seen)
+    llm = clover.load(tiny_dir)
+    assert not compile_mod.default_freezing(llm.model)  # a tiny model is not packed
+    compile_model(llm.model, freezing=True)
+    assert llm.model.static_steps.freezing and seen[-1]["options"] == {"cpp_wrapper": True, "freezing": True}
+    monkeypatch.setattr(packed, "default_packing", lambda model: True)
+    assert compile_mod.default_freezing(llm.model)
+    seen.clear()
+    clover.load(llama_dir, drafter=llama_dir / "drafter", compile=True)
+    assert len(seen) == 2 and all(kw["options"].get("freezing") for kw in seen), seen
+    assert not torch._inductor.config.freezing
+
+
+@pytest.mark.slow
+def test_frozen_compiled_llama_with_a_drafter_equals_eager(llama_dir, monkeypatch):
+    """Compiled with inductor's freezing (the weights constants of the graphs, packed for oneDNN):
+    the eager tokens in AR and dflash, alone and batched (a batch of two runs eagerly: graphs of batch 1
+    only), with the graphs compiled at load serving the verifies and the drafts."""
+    import clover.kernels.packed as packed
+
+    torch.set_num_threads(1)
+    eager = clover.load(llama_dir, drafter=llama_dir / "drafter")
+    monkeypatch.setattr(packed, "default_packing", lambda model: True)
+    compiled = clover.load(llama_dir, drafter=llama_dir / "drafter", compile=True, pack=False)
+    assert compiled.model.static_steps.freezing
+    prompts, kw = [[5, 6, 7], list(range(40, 61))], dict(max_new_tokens=16, ignore_eos=True)
+    for mode in ("ar", "dflash"):
+        for p in prompts:
+            assert compiled.generate(p, mode=mode, **kw).token_ids == eager.generate(p, mode=mode, **kw).token_ids, mode
+    ar = [r.token_ids for r in eager.generate(prompts, mode="ar", **kw)]
+    assert [r.token_ids for r in compiled.generate(prompts, mode="dflash", **kw)] == ar
+    calls = compiled.model.static_steps.calls
+    assert calls["verify-commit"] and calls["ar"] and compiled.drafter.static_calls["static"], calls

@@ -543,7 +543,7 @@ def load(path: str | os.PathLike | None = None, *, dtype: str | torch.dtype | No
             model.static_steps.warm_all(shapes, bar=bar)
             if draft_model is not None:  # dflash's draft of a full block, at the same batch sizes and capacities
                 bar.set_postfix_str("drafter")
-                draft_model.compile_static().warm_static(batches, LOAD_CAPACITIES, bar=bar)
+                draft_model.compile_static(freezing=model.static_steps.freezing).warm_static(batches, LOAD_CAPACITIES, bar=bar)
     if calibrate and model.config.mask_token_id is not None:  # speculative decoding needs the mask token
         from tqdm import tqdm
 

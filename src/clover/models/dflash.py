@@ -624,14 +624,16 @@ class DFlashDrafter(nn.Module):
             x = layer(x, rope_q, keys[:, :, :slots], values[:, :, :slots], m)
         return self.norm(x)
 
-    def compile_static(self, backend: str = "inductor") -> "DFlashDrafter":
+    def compile_static(self, backend: str = "inductor", *, freezing: bool = False) -> "DFlashDrafter":
         """Compile the draft forward as the target's static steps are (`clover.models.static`): one
         graph per (batch size, block width, cache capacity), used when the context is padded to
-        the block's width (the decoding engine does so once a row has drafted)."""
+        the block's width (the decoding engine does so once a row has drafted); `freezing` as the
+        target's (`compile_static`)."""
         from .static import compile_static
 
         self.rotary_emb.inv_freq(self.device)  # cached outside the graph
-        self.static_draft = compile_static(functools.partial(self.forward_draft, static=True), self.device, backend)
+        self.static_draft = compile_static(functools.partial(self.forward_draft, static=True), self.device, backend,
+                                           freezing=freezing)
         self.static_calls = Counter()  # block-wide drafts served: "static" (a graph) or "eager" (frozen, no graph)
         return self
 

@@ -166,9 +166,13 @@ def graph_kind(step) -> str | None:
     return {"commit": "ar", "denoise": "denoise", "commit+denoise": "commit+denoise"}[step.kind]
 
 
-def compile_static(fn, device: torch.device, backend: str = "inductor", *, buffer_reuse: bool = True):
+def compile_static(fn, device: torch.device, backend: str = "inductor", *, buffer_reuse: bool = True,
+                   freezing: bool = False):
     """`fn` compiled as the static steps are: one graph-break-free graph per input shape.
-    `buffer_reuse` False: inductor gives no buffer a second use (see `StaticSteps`)."""
+    `buffer_reuse` False: inductor gives no buffer a second use (see `StaticSteps`). `freezing`:
+    inductor's freezing for these graphs alone (`options`, not the global config): the weights are
+    constants of the graph, a float32 linear's packed for oneDNN as the eager `kernels.packed` does
+    (a second copy of them), so a graph must be rebuilt if the weights change."""
     # one graph per (forward kind, batch size, cache capacity, ...): more than dynamo's default of 8
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
     opts = dict(fullgraph=True, dynamic=False, backend=backend)
@@ -178,23 +182,26 @@ def compile_static(fn, device: torch.device, backend: str = "inductor", *, buffe
         opts["options"] = {"cpp_wrapper": True}
     if backend == "inductor" and not buffer_reuse:
         opts.setdefault("options", {})["allow_buffer_reuse"] = False
+    if backend == "inductor" and freezing:
+        opts.setdefault("options", {})["freezing"] = True
     return torch.compile(fn, **opts)
 
 
 class StaticSteps:
     """The compiled forward of one model; `run` serves a step when it is one of `KINDS`."""
 
-    def __init__(self, model, *, backend: str = "inductor") -> None:
+    def __init__(self, model, *, backend: str = "inductor", freezing: bool = False) -> None:
         reason = unsupported_reason(model)
         if reason is not None:
             raise ValueError(reason)
         self.model = model
+        self.freezing = freezing  # the graphs' weights frozen in (`compile_static`; the drafter's too)
         model.model.rotary_emb.inv_freq(model.device)  # cached outside the graph
         # a block-causal model's graphs without inductor's buffer reuse: with it (torch 2.13, CPU), the
         # Qwen2 stack's (Fast-dLLM v2's) commit graphs left garbage in the first layer's key buffer
         # after the graph, its logits right (tests/test_released_compile.py, slow)
         self._forward = compile_static(functools.partial(model.forward_step, static=True), model.device, backend,
-                                       buffer_reuse=model.config.commit_attention != "block")
+                                       buffer_reuse=model.config.commit_attention != "block", freezing=freezing)
         # a model denoised in sub-blocks reads at most a sub-block's logits a step: its denoise graphs
         # compute the last layer's outputs and the LM head at those positions only (`denoise_read`)
         cfg = model.config
