@@ -31,7 +31,7 @@ def target_hf_dir(setup) -> Path:
     `MASK_FILE` (the mask token's embedding vector, `mask_token_id` in its metadata) beside it."""
     from safetensors.torch import save_file
 
-    from ...export.drafter import mask_embedding
+    from ...models.dflash import mask_embedding
     from ...models.layers import is_clover_parameter
     from ...models.llama import is_adapter_parameter
 
