@@ -102,13 +102,12 @@ def write_hf_dir(src: Path, dst: Path, config, *, dtype: str, copy: bool = False
     return dst
 
 
-def gguf_file(src: Path, workdir: Path, dtype: str, *, clover_tensors: str = "none") -> Path:
-    """`clover export-gguf` of `src` in `workdir` as `dtype` (a torch dtype's name or a GGUF type,
-    `GGUF_TYPES`) (AR tensors only; `clover_tensors="sidecar"`: plus DST.clover.gguf for the port),
-    reused when newer than the weights."""
+def gguf_file(src: Path, workdir: Path, kind: str, *, clover_tensors: str = "none") -> Path:
+    """`clover export-gguf` of `src` in `workdir` as GGUF type `kind` (`GGUF_TYPES`, `Setup.gguf`) (AR
+    tensors only; `clover_tensors="sidecar"`: plus DST.clover.gguf for the port), reused when newer than
+    the weights."""
     from ...gguf.write import export_gguf
 
-    kind = GGUF_DTYPES.get(dtype, dtype)
     tag = "" if clover_tensors == "none" else "-port"
     dst = workdir / f"{src.resolve().name}-{kind}{tag}.gguf"
     newest = max(p.stat().st_mtime for p in src.glob("*.safetensors"))
