@@ -10,6 +10,8 @@ shared set, which a family's own router (LLaDA2's sigmoid one) applies likewise.
 `grouped_expert_forward` runs only the experts that received tokens, with the tokens grouped by
 expert (one sort, then per touched expert: gather its tokens, one matmul pair, scatter-add back).
 `reference_expert_forward` is the obviously-correct per-token loop it is tested against.
+`dispatch_experts` is where every MoE family's routed tokens meet their experts: the grouped matmul
+on the device (`static_expert_forward`) where `grouped_on_device` says, else the experts' own call.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from .kernels.packed import grouped_serves
 
 
 @dataclass(frozen=True)
@@ -161,3 +165,33 @@ def reference_expert_forward(experts, x: torch.Tensor, top_idx: torch.Tensor, to
             gate, up = F.linear(x[n], experts.gate_up_proj[e]).chunk(2, dim=-1)
             out[n] += top_w[n, j] * F.linear(F.silu(gate) * up, experts.down_proj[e])
     return out
+
+
+def dispatch_experts(experts, x: torch.Tensor, top_idx: torch.Tensor, top_w: torch.Tensor, count_experts: bool = False,
+                     static: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The routed experts' output for tokens x [N, H] routed as top_idx / top_w [N, k] (every MoE
+    family's router ends here) -> (out [N, H], experts touched or None). `count_experts`: the experts
+    touched, counted on the device (a 0-d tensor). `static`: the routed experts grouped on the device
+    (`static_expert_forward`: no host read, no data-dependent shape) for a compiled step, and the
+    same on a CPU at inference where `grouped_on_device` says; else `Experts` (grouped on the host,
+    only the touched experts run; also quantized experts)."""
+    touched = experts_touched(top_idx, experts.num_experts) if count_experts else None
+    if static or grouped_on_device(experts, top_idx):
+        return static_expert_forward(experts, x, top_idx, top_w), touched
+    return experts(x, top_idx, top_w), touched
+
+
+def grouped_on_device(experts, top_idx: torch.Tensor) -> bool:
+    """Eagerly: the grouped matmul (`static_expert_forward`) where it beats the host loop over the
+    touched experts: on a CPU, at inference (the grouped op has no backward), plain experts (not
+    clover's quantized ones, nor a tensor subclass such as torchao's Int8Tensor in the transformers
+    export, which the grouped op cannot take), at least as many routed slots as experts (a block, a
+    verify, a prompt: one grouped matmul instead of a host loop over ~every expert, 1.65x faster at
+    16 tokens on the bundled model, docs/benchmarks.md); packed experts (`Experts.packs`) only where
+    `kernels.packed.grouped_serves` says (not for the row kernel's few tokens, nor below
+    `EXPERT_MAX_ROWS` slots per expert with oneDNN copies, where the host loop runs each expert's
+    rows through oneDNN, faster than the grouped op)."""
+    return (top_idx.device.type == "cpu" and not torch.is_grad_enabled() and hasattr(torch, "_grouped_mm")
+            and top_idx.numel() >= experts.num_experts
+            and (getattr(experts, "packs", None) is None or grouped_serves(experts, top_idx))
+            and type(getattr(experts, "gate_up_proj", None)) in (torch.Tensor, torch.nn.Parameter))

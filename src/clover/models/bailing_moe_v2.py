@@ -23,10 +23,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import CloverConfig, ConfigError
-from ..moe import BlockSharing, block_experts
+from ..moe import BlockSharing, block_experts, dispatch_experts
 from .core import CausalLM
-from .layers import (MLP, DenseMLP, ExpertStats, Experts, GatedAttention, PlainRMSNorm, RotaryEmbedding, apply_rope,
-                     dispatch_experts)
+from .layers import MLP, DenseMLP, ExpertStats, Experts, GatedAttention, PlainRMSNorm, RotaryEmbedding, apply_rope
 from .qwen3_5_moe import MoeKeyLayout
 from .registry import Architecture
 
@@ -194,7 +193,7 @@ class LLaDA2Router(nn.Module):
 
 class LLaDA2MoE(nn.Module):
     """The sparse MoE layer: `gate` (the router), routed `experts` (dispatched as every MoE family's,
-    `layers.dispatch_experts`) and the shared experts. Same call as the family's MLPs."""
+    `moe.dispatch_experts`) and the shared experts. Same call as the family's MLPs."""
 
     def __init__(self, config: CloverConfig) -> None:
         super().__init__()

@@ -29,8 +29,8 @@ from ..kernels import (
     one_chunk_gated_delta_rule,
     recurrent_gated_delta_rule,
 )
-from ..kernels.packed import EXPERT_MAX_ROWS, experts as packed_experts, grouped_serves as packed_grouped_serves, linear as packed_linear
-from ..moe import BlockSharing, experts_touched, grouped_expert_forward, route, static_expert_forward
+from ..kernels.packed import EXPERT_MAX_ROWS, experts as packed_experts, linear as packed_linear
+from ..moe import BlockSharing, dispatch_experts, grouped_expert_forward, route
 from .step import Live, Segments  # noqa: F401  (a forward's layout: the layers read it; imported from here too)
 
 
@@ -636,7 +636,7 @@ class SparseMoE(nn.Module):
         self, x: torch.Tensor, sharing: BlockSharing | None = None, count_experts: bool = False, static: bool = False
     ) -> tuple[torch.Tensor, ExpertStats]:
         """x [B, T, H] -> (y, stats). `sharing`: block expert sharing for the denoise part.
-        `count_experts`, `static`: as `dispatch_experts`."""
+        `count_experts`, `static`: as `moe.dispatch_experts`."""
         B, T, H = x.shape
         flat = x.reshape(-1, H)
         logits = self.gate(flat)
@@ -646,32 +646,3 @@ class SparseMoE(nn.Module):
             out = out + torch.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat)
         return out.reshape(B, T, H), ExpertStats(logits, touched)
 
-
-def dispatch_experts(experts, x: torch.Tensor, top_idx: torch.Tensor, top_w: torch.Tensor, count_experts: bool = False,
-                     static: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The routed experts' output for tokens x [N, H] routed as top_idx / top_w [N, k] (every MoE
-    family's router ends here) -> (out [N, H], experts touched or None). `count_experts`: the experts
-    touched, counted on the device (a 0-d tensor). `static`: the routed experts grouped on the device
-    (`static_expert_forward`: no host read, no data-dependent shape) for a compiled step, and the
-    same on a CPU at inference where `grouped_on_device` says; else `Experts` (grouped on the host,
-    only the touched experts run; also quantized experts)."""
-    touched = experts_touched(top_idx, experts.num_experts) if count_experts else None
-    if static or grouped_on_device(experts, top_idx):
-        return static_expert_forward(experts, x, top_idx, top_w), touched
-    return experts(x, top_idx, top_w), touched
-
-
-def grouped_on_device(experts, top_idx: torch.Tensor) -> bool:
-    """Eagerly: the grouped matmul (`static_expert_forward`) where it beats the host loop over the
-    touched experts: on a CPU, at inference (the grouped op has no backward), plain experts (not
-    clover's quantized ones, nor a tensor subclass such as torchao's Int8Tensor in the transformers
-    export, which the grouped op cannot take), at least as many routed slots as experts (a block, a
-    verify, a prompt: one grouped matmul instead of a host loop over ~every expert, 1.65x faster at
-    16 tokens on the bundled model, docs/benchmarks.md); packed experts (`Experts.packs`) only where
-    `kernels.packed.grouped_serves` says (not for the row kernel's few tokens, nor below
-    `EXPERT_MAX_ROWS` slots per expert with oneDNN copies, where the host loop runs each expert's
-    rows through oneDNN, faster than the grouped op)."""
-    return (top_idx.device.type == "cpu" and not torch.is_grad_enabled() and hasattr(torch, "_grouped_mm")
-            and top_idx.numel() >= experts.num_experts
-            and (getattr(experts, "packs", None) is None or packed_grouped_serves(experts, top_idx))
-            and type(getattr(experts, "gate_up_proj", None)) in (torch.Tensor, nn.Parameter))
