@@ -293,11 +293,13 @@ LLAMA = Table("llama", stems=True, layer={
 })
 
 
-def layer_entry(table: Table, leaf: str, read: bool = False) -> tuple[str, Transform] | None:
-    """A layer tensor's row of `table` (our leaf after `model.layers.N.`, or with `read` the GGUF leaf
-    after `blk.N.`): (the other side's leaf, the transform, or with `read` its inverse), or None. A
-    table of stems (`stems`) maps a stem's `.weight` and `.bias` alike."""
-    rows = table.read_layer() if read else table.layer
+def layer_entry(table: Table, leaf: str, read: dict[str, tuple[str, Transform]] | None = None
+                ) -> tuple[str, Transform] | None:
+    """A layer tensor's row of `table` (our leaf after `model.layers.N.`, or with `read`, the table's
+    `read_layer()` built once by the caller, the GGUF leaf after `blk.N.`): (the other side's leaf, the
+    transform, or with `read` its inverse), or None. A table of stems (`stems`) maps a stem's
+    `.weight` and `.bias` alike."""
+    rows = table.layer if read is None else read
     if not table.stems:
         return rows.get(leaf)
     stem, _, kind = leaf.rpartition(".")

@@ -258,7 +258,7 @@ def llama_state_dict(reader, path: Path, config: CloverConfig, progress: bool = 
     from tqdm import tqdm
 
     expected = expected_shapes(build_model(config, device="meta"))
-    globals_, heads = LLAMA.read_globals(), Heads.of(config)
+    layer, globals_, heads = LLAMA.read_layer(), LLAMA.read_globals(), Heads.of(config)
     state: dict[str, torch.Tensor] = {}
     for t in tqdm(reader.tensors, desc="dequantize", unit="tensor", disable=not progress):
         if t.name == "rope_freqs.weight":  # read into the config's rope_scaling (llama_config)
@@ -267,7 +267,7 @@ def llama_state_dict(reader, path: Path, config: CloverConfig, progress: bool = 
             name, undo = globals_[t.name]
         else:
             m = BLOCK.match(t.name)
-            row = layer_entry(LLAMA, m.group(2), read=True) if m else None
+            row = layer_entry(LLAMA, m.group(2), read=layer) if m else None
             if row is None:
                 raise GGUFImportError(f"{path}: tensor {t.name!r} is not part of a llama model this importer knows")
             name, undo = f"model.layers.{m.group(1)}.{row[0]}", row[1]
