@@ -15,11 +15,11 @@ def _llama_clover(directory: Path, config) -> dict:
         return {"available": False, "note": f"the llama.cpp port is not built ({exe}): PORT=1 scripts/build-llama-cpp.sh"}
     from ...integrations.llama_port import LLAMA_MODES, modes_for
 
-    if modes_for(config) == LLAMA_MODES:
-        return {"available": True, "binary": str(exe), "note": f"a Llama target: the port runs {' and '.join(LLAMA_MODES)}"}
-    if not config.is_clover or config.mask_token_id is None:
+    llama = modes_for(config) == LLAMA_MODES
+    if not llama and (not config.is_clover or config.mask_token_id is None):
         return {"available": False, "note": "an AR checkpoint: the port's diffusion needs Clover's tensors and mask token"}
-    return {"available": True, "binary": str(exe), "note": None}
+    note = f"a Llama target: the port runs {' and '.join(LLAMA_MODES)}" if llama else None
+    return {"available": True, "binary": str(exe), "note": note}
 
 
 
@@ -77,6 +77,7 @@ class PortEngine(Engine):
         # dflash: the model's drafter as a GGUF of the port's own (in a folder of its own: llama.cpp-dflash's
         # converted drafter has the same name), in the GGUF type (no drafter: no dflash row)
         drafter = export_drafter(st.llm, st.work / "llama-clover", dtype=st.gguf) if "dflash" in st.modes else None
+        runs = modes_for(st.config)
         return [PortRunner(st.llm, self.found["binary"], self.gguf, m, threads, st.max_new_tokens, drafter=drafter,
                            to_eos=st.to_eos)
-                for m in st.modes if m in modes_for(st.config) and (m != "dflash" or drafter is not None)]
+                for m in st.modes if m in runs and (m != "dflash" or drafter is not None)]
