@@ -186,7 +186,7 @@ def test_model_with_the_row_kernel_alone_equals_plain_model(tiny_dir, counted, m
     greedy tokens identical (AR, diffusion, speculative); a few tokens' experts in one kernel call,
     more tokens on torch's grouped matmul (no host loop); its own cost-curve key; and the default
     where copies do not fit. A bad `pack` is refused before loading."""
-    import clover.models.layers as L
+    import clover.moe as L  # where the routed experts are dispatched (moe.dispatch_experts)
     from clover.decoding.width import cost_key
     from test_packed import _step_outputs
 
