@@ -278,6 +278,27 @@ def test_mrope_sections_cover_every_rotary_pair():
         assert sum(mrope_sections(rot)) == rot // 2
 
 
+def test_check_supported_names_every_problem_in_one_line(tmp_path):
+    """Each architecture's checks (write._PER_ARCH): all of a model's problems in one refusal, prefixed by the
+    source, the M-RoPE sections among them; a Llama model's rope_scaling is refused the same way."""
+    from clover.export.gguf import check_supported
+    from clover.models import config_from_dict
+    from clover.models.qwen3_5_moe import full_size_config
+
+    c = full_size_config().replace(model_type="clover", mask_token_id=5)
+    check_supported(c, tmp_path)
+    bad = c.replace(attention_bias=True, partial_rotary_factor=2 / c.head_dim)  # rotary dim 2: no sections
+    with pytest.raises(GGUFExportError, match=r"^\S+: cannot export to GGUF: attention_bias=true is not supported by "
+                                              r"llama.cpp's qwen35moe; rotary dim 2 cannot be expressed as llama.cpp"):
+        check_supported(bad, tmp_path)
+    raw = {"model_type": "llama", "vocab_size": 10, "hidden_size": 8, "intermediate_size": 16, "num_hidden_layers": 2,
+           "num_attention_heads": 2, "num_key_value_heads": 1}
+    check_supported(config_from_dict(raw), tmp_path)
+    scaled = config_from_dict({**raw, "rope_scaling": {"type": "linear", "factor": 2.0}})
+    with pytest.raises(GGUFExportError, match=r"^\S+: cannot export to GGUF: rope_scaling .* is not written yet"):
+        check_supported(scaled, tmp_path)
+
+
 def test_every_table_row_reads_back_what_it_writes():
     """clover.gguf.names: export and import read one table; each row's inverse undoes its transform,
     with value heads that the export really reorders (2 key heads, 3 value heads each)."""

@@ -27,7 +27,7 @@ import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator, NamedTuple
 
 import numpy as np
 import torch
@@ -216,29 +216,37 @@ def check_supported(config: CloverConfig, src: Path) -> None:
         raise GGUFExportError(f"{src}: cannot export to GGUF: model_type {c.base_model_type!r} ({arch.name}) has no "
                               f"GGUF export; the writer produces llama.cpp's {', '.join((QWEN35MOE.arch, LLAMA.arch))} "
                               "for the architectures that declare it")
+    problems = [f"hidden_act {c.hidden_act!r} is not supported (silu only)"] if c.hidden_act != "silu" else []
+    problems += _PER_ARCH[table.arch].problems(c)
+    if problems:
+        raise GGUFExportError(f"{src}: cannot export to GGUF: " + "; ".join(problems))
+
+
+def _llama_problems(c: CloverConfig) -> list[str]:
+    """What the llama writer cannot express yet."""
+    if getattr(c, "rope_scaling", None):
+        return [f"rope_scaling {c.rope_scaling} is not written yet (llama.cpp's converter writes llama3's as "
+                "rope_freqs.weight; convert with it)"]
+    return []
+
+
+def _qwen35moe_problems(c: CloverConfig) -> list[str]:
+    """What llama.cpp's qwen35moe (and the port) cannot run."""
     problems = []
-    if c.hidden_act != "silu":
-        problems.append(f"hidden_act {c.hidden_act!r} is not supported (silu only)")
-    if table is LLAMA:
-        if getattr(c, "rope_scaling", None):
-            problems.append(f"rope_scaling {c.rope_scaling} is not written yet (llama.cpp's converter writes llama3's as "
-                            "rope_freqs.weight; convert with it)")
-        if problems:
-            raise GGUFExportError(f"{src}: cannot export to GGUF: " + "; ".join(problems))
-        return
     if c.linear_key_head_dim != c.linear_value_head_dim:
         problems.append(f"llama.cpp's qwen35moe needs linear_key_head_dim == linear_value_head_dim (got {c.linear_key_head_dim} and {c.linear_value_head_dim})")
     if c.attention_bias:
         problems.append("attention_bias=true is not supported by llama.cpp's qwen35moe")
     if c.shared_expert_intermediate_size <= 0:
         problems.append("llama.cpp's qwen35moe requires a shared expert (shared_expert_intermediate_size > 0)")
-    try:  # the port decodes Clover's block semantics
-        c.semantics.require("the GGUF export (the llama.cpp port decodes Clover's)")
-    except ConfigError as e:
-        problems.append(str(e))
-    if problems:
-        raise GGUFExportError(f"{src}: cannot export to GGUF: " + "; ".join(problems))
-    mrope_sections(c.rotary_dim)
+    checks = (lambda: c.semantics.require("the GGUF export (the llama.cpp port decodes Clover's)"),  # its block semantics
+              lambda: mrope_sections(c.rotary_dim))  # sections that cover every rotary pair
+    for check in checks:
+        try:
+            check()
+        except (ConfigError, GGUFExportError) as e:
+            problems.append(str(e))
+    return problems
 
 
 def _qwen35moe_keys(w, c: CloverConfig) -> None:
@@ -248,7 +256,15 @@ def _qwen35moe_keys(w, c: CloverConfig) -> None:
     w.add_array(f"{QWEN35MOE.arch}.attention.recurrent_layers", [t == "linear_attention" for t in c.layer_types])
 
 
-_DERIVED_KEYS = {QWEN35MOE.arch: _qwen35moe_keys, LLAMA.arch: lambda w, c: None}
+class _ArchWriter(NamedTuple):
+    """What the writer does per llama.cpp architecture beyond its table: the checks (`problems`: what it
+    cannot write, one line each) and the metadata keys derived from the config (`keys`)."""
+    problems: Callable[[CloverConfig], list[str]]
+    keys: Callable[..., None]
+
+
+_PER_ARCH = {QWEN35MOE.arch: _ArchWriter(_qwen35moe_problems, _qwen35moe_keys),
+             LLAMA.arch: _ArchWriter(_llama_problems, lambda w, c: None)}
 
 
 def _write_metadata(w, config: CloverConfig, tok: TokenizerMetadata, *, name: str, dtype: str, clover: dict) -> None:
@@ -262,7 +278,7 @@ def _write_metadata(w, config: CloverConfig, tok: TokenizerMetadata, *, name: st
         w.add_quantization_version(gguf.GGML_QUANT_VERSION)
     table = table_for(c)
     table.write_keys(w, c)
-    _DERIVED_KEYS[table.arch](w, c)
+    _PER_ARCH[table.arch].keys(w, c)
     # tokenizer
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre(tok.pre)
