@@ -109,6 +109,21 @@ def test_drafter_carries_the_targets_mask_vector(tiny, tmp_path):
     assert MASK_EMBD not in {t.name for t in gguf.GGUFReader(plain.path).tensors}
 
 
+def test_port_refuses_a_mode_a_llama_target_lacks(tiny):
+    """The port runs ar and dflash on a Llama target (modes_for): diffusion is refused in one line in Python,
+    before any export or port process, though clover itself runs it (the denoise adapter)."""
+    from clover.decoding.sampling import SamplingParams
+    from clover.integrations.llama_port import generate, port_options
+
+    llm = clover.load(tiny["target"])
+    why = r"^mode: the llama.cpp port runs ar, dflash on a Llama target \(its denoise adapter is not ported\), got 'diffusion'$"
+    with pytest.raises(ValueError, match=why):
+        generate(llm, [5, 6, 7], "diffusion", {"max_new_tokens": 4})
+    with pytest.raises(ValueError, match=why):
+        port_options("diffusion", SamplingParams(max_new_tokens=4).validate(), config=llm.config)
+    assert port_options("ar", SamplingParams(max_new_tokens=4).validate(), config=llm.config)["mode"] == "ar"
+
+
 # ------------------------------------------------------------------------------ slow: the port
 PORT = port_binary()
 

@@ -11,7 +11,8 @@ dir. It reads a GGUF export (`clover export-gguf`, plus its `.clover.gguf` sidec
   engine (`PortEngine`, `clover serve --engine llama.cpp`) use it.
 
 Every option of `clover generate` maps onto the port (`port_options`); the modes it runs are `MODES`
-(dflash with the DFlash drafter as a GGUF of its own, `--drafter FILE`: `export_drafter`).
+(dflash with the DFlash drafter as a GGUF of its own, `--drafter FILE`: `export_drafter`), on a Llama
+target `LLAMA_MODES` (`modes_for`; the others are refused here, before the port starts).
 The port samples with its own generator, so a seed gives a different (equally distributed) draw
 than clover's torch generator.
 """
@@ -78,22 +79,24 @@ def modes_for(config) -> tuple[str, ...]:
     return LLAMA_MODES if table_for(config) is LLAMA else MODES
 
 
-def check_mode(mode: str, drafter=None) -> None:
-    """ValueError (one line, with the reason) for a mode the port does not run; dflash needs
-    `drafter`, the drafter's GGUF."""
+def check_mode(mode: str, drafter=None, config=None) -> None:
+    """ValueError (one line, with the reason) for a mode the port does not run (on a model of `config`
+    when given: `modes_for`); dflash needs `drafter`, the drafter's GGUF."""
     if mode in OTHER_MODES:
         raise ValueError(f"mode: {OTHER_MODES[mode]}")
-    if mode not in MODES:
-        raise ValueError(f"mode: the llama.cpp port runs {', '.join(MODES)}, got {mode!r}")
+    modes = MODES if config is None else modes_for(config)
+    if mode not in modes:
+        on = " on a Llama target (its denoise adapter is not ported)" if modes == LLAMA_MODES else ""
+        raise ValueError(f"mode: the llama.cpp port runs {', '.join(modes)}{on}, got {mode!r}")
     if mode == "dflash" and drafter is None:
         raise ValueError(f"mode: {NO_DRAFTER}")
 
 
-def port_options(mode: str, params, *, drafter=None) -> dict:
+def port_options(mode: str, params, *, drafter=None, config=None) -> dict:
     """`SamplingParams` (with the model's defaults filled in, `LLM.params`) -> the port's request
-    options (clover's names). ValueError for a mode the port does not run (dflash without
-    `drafter`, the drafter GGUF the port process was given)."""
-    check_mode(mode, drafter)
+    options (clover's names). ValueError for a mode the port does not run (on a model of `config` when
+    given; dflash without `drafter`, the drafter GGUF the port process was given)."""
+    check_mode(mode, drafter, config)
     known = {f.name for f in fields(params)}
     for name, why in NOT_IN_PORT.items():
         if getattr(params, name, False):
@@ -284,7 +287,7 @@ def generate(llm, prompt, mode: str, kwargs: dict, *, gguf: str | os.PathLike | 
     with tempfile.TemporaryDirectory() as tmp:
         if mode.name == "dflash" and drafter is None:
             drafter = export_drafter(llm, tmp)
-        req = {"prompt": ids, "stream": on_text is not None, **port_options(mode.name, params, drafter=drafter)}
+        req = {"prompt": ids, "stream": on_text is not None, **port_options(mode.name, params, drafter=drafter, config=llm.config)}
         path = gguf or export_for_port(llm, tmp)
         with PortProcess(path, threads=threads, eos_ids=llm.eos_ids(), drafter=drafter) as port:
             for ev in port.request(req):
@@ -420,7 +423,7 @@ class PortLLM:
     def params(self, mode, kwargs: dict):
         """clover's options, checked, and refused here when the port lacks them (a 400 in the server)."""
         name = self._llm.mode(mode).name
-        check_mode(name, self.backend.drafter)
+        check_mode(name, self.backend.drafter, self._llm.config)
         params = self._llm.params(mode, kwargs)
         port_options(name, params, drafter=self.backend.drafter)
         return params
@@ -429,7 +432,7 @@ class PortLLM:
         """The engine for rows of `spec` (`Mode.spec`): all share the one port process."""
         if spec.provisional:
             raise ValueError("provisional: the llama.cpp engine streams committed blocks only")
-        check_mode(spec.mode.name, self.backend.drafter)
+        check_mode(spec.mode.name, self.backend.drafter, self._llm.config)
         return PortEngine(self.backend, spec.mode.name)
 
     def close(self) -> None:
