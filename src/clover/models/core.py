@@ -467,7 +467,8 @@ class CausalLM(nn.Module):
         only its first positions (the GDN block gain's). `denoise_valid [B, Bd]` (bool, a prefix per
         row): each row's block ends there (the positions after it are not computed, not attended to,
         and read by the GDN as past the block's end), so a row computes what it would alone with
-        `denoise_ids` cut there. `denoise_read [B, K]` (`static`, a model whose layers take `live`):
+        `denoise_ids` cut there. `denoise_read [B, K]` (`static`, a model whose layers take `live`,
+        no expert budget, not `all_logits`: `StaticSteps.run` passes it only there):
         the only block positions whose logits are read, K per row (repeats allowed), so the static
         forward too computes the last layer's queries, output projection and MLP and the LM head there
         only (and at each row's last commit token); the other denoise logits are garbage."""
@@ -491,7 +492,7 @@ class CausalLM(nn.Module):
             skip = denoise_frozen if absent is None else absent if denoise_frozen is None else denoise_frozen | absent
             lives = self._lives(B, Tc, Bd, n, all_logits, denoise_need, skip, denoise_frozen, denoise_memo,
                                 hidden_out, x.device)
-        elif static and denoise_read is not None and Bd and sharing is None and self.live_positions and not all_logits:
+        elif static and denoise_read is not None:
             lives = [None] * (len(self.model.layers) - 1) + [self._read_live(B, Tc, Bd, n, denoise_read)]
         mask = None
         if "full_attention" in self.config.layer_types:

@@ -64,6 +64,9 @@ CAPACITY_QUANTUM = 512  # the smallest static cache: prompt + max_new_tokens + t
 LOAD_CAPACITIES = (CAPACITY_QUANTUM,)  # the cache capacities compiled at load
 RECOMPILE_LIMIT = 64
 KINDS = ("ar", "denoise", "commit+denoise", "verify", "verify-commit", "block-commit")
+# the compiled kinds that can serve a step of each `Step` kind, the usual one first (`graph_kind` picks one)
+GRAPHS_OF = {"commit": ("ar", "block-commit"), "denoise": ("denoise",), "commit+denoise": ("commit+denoise",),
+             "verify": ("verify", "verify-commit")}
 
 
 def unsupported_reason(model) -> str | None:
@@ -161,9 +164,9 @@ def graph_kind(step) -> str | None:
         return None
     if Tc == 1 and n_commit is not None:
         return None
-    if verify:
-        return "verify" if Bd else "verify-commit"
-    return {"commit": "ar", "denoise": "denoise", "commit+denoise": "commit+denoise"}[step.kind]
+    if verify and not Bd:
+        return "verify-commit"
+    return GRAPHS_OF[step.kind][0]
 
 
 def compile_static(fn, device: torch.device, backend: str = "inductor", *, buffer_reuse: bool = True,
@@ -235,7 +238,7 @@ class StaticSteps:
                   record=record, hidden_out=hidden_out, commit_block=step.commit_block)
         need = step.denoise_need
         if (self.read_width and kind in ("denoise", "commit+denoise") and need is not None and step.expert_budget is None
-                and int(need.sum(1).max()) <= self.read_width):
+                and not step.all_logits and int(need.sum(1).max()) <= self.read_width):
             # each row's read positions first (then any others), K of them
             # (contiguous: a graph is specialised on its inputs' strides, and a padded batch's are)
             kw["denoise_read"] = torch.sort((~need).to(torch.uint8), dim=1, stable=True).indices[:, : self.read_width].contiguous()
@@ -266,8 +269,7 @@ class StaticSteps:
         is compiled on first use), or one of that width was compiled before freezing."""
         if not self.frozen:
             return True
-        kinds = {"commit": ("ar", "block-commit"), "denoise": ("denoise",), "commit+denoise": ("commit+denoise",),
-                 "verify": ("verify", "verify-commit")}[kind]
+        kinds = GRAPHS_OF[kind]
         return any(k in kinds and w == width for k, w in self.widths)
 
     def batch_for(self, rows: int) -> int:
