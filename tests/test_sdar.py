@@ -188,6 +188,53 @@ def test_sdar_moe_decodes_alike_cached_naive_and_batched(tmp_path):
     assert [g.token_ids for g in shared] == [g.token_ids for g in llm.generate(prompts, expert_budget=3, **kw)]
 
 
+@pytest.mark.parametrize("kind", ["sdar", "sdar_moe"])
+def test_live_forward_equals_the_full_forward(sdar, kind):
+    """Eagerly SDAR's layers (Qwen3, and Qwen3-MoE for `sdar_moe`) compute only what a forward needs
+    (`core.Live`: no batch padding, the last layer's queries, output projection and MLP/MoE only where
+    logits are read): every output the step returns or writes equals the full forward's (the cache up
+    to each row's length: past it, the full forward's batch padding)."""
+    from clover.models import build_model
+
+    model = sdar.model
+    if kind == "sdar_moe":
+        raw = json.loads((GOLDEN / "checkpoint" / "config.json").read_text())
+        raw.update(model_type="sdar_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, norm_topk_prob=True)
+        model = build_model(config_from_dict(raw), device="cpu")
+        model.init_weights(seed=0, std=0.5)
+    assert model.live_positions
+    mask = sdar.config.mask_token_id
+
+    def steps(live: bool):
+        saved, model.live_positions = model.live_positions, live
+        try:
+            g = torch.Generator().manual_seed(5)
+            blk = torch.full((2, 4), mask)
+            blk[0, :2], blk[1, 3] = torch.tensor([50, 60]), 99
+            need = blk == mask
+            with torch.inference_mode():
+                cache = model.make_cache(2, 64)
+                first = model.step(cache, commit_ids=torch.randint(3, 120, (2, 8), generator=g),
+                                   n_commit=torch.tensor([8, 5]), commit_block=4)
+                out = model.step(cache, commit_ids=torch.randint(3, 120, (2, 4), generator=g),
+                                 n_commit=torch.tensor([4, 3]), denoise_ids=blk, denoise_need=need, commit_block=4)
+                alone = model.step(cache, denoise_ids=blk, denoise_need=need, commit_block=4)
+            return (first, out, alone), need, cache
+        finally:
+            model.live_positions = saved
+
+    (full, need, full_cache), (live, _, live_cache) = steps(False), steps(True)
+    for a, b in zip(live, full):
+        if b.commit_logits is not None:
+            torch.testing.assert_close(a.commit_logits, b.commit_logits, **TOL)
+        if b.denoise_logits is not None:
+            torch.testing.assert_close(a.denoise_logits[need], b.denoise_logits[need], **TOL)
+    for a, b in zip(live_cache.layers, full_cache.layers):
+        for x, y in zip(a.tensors(), b.tensors()):  # [B, H_kv, capacity, D]; rows of 12 and 8 tokens
+            for row, n in enumerate((12, 8)):
+                torch.testing.assert_close(x[row, :, :n], y[row, :, :n], **TOL)
+
+
 def test_info_names_the_family_and_its_decoding(sdar, capsys):
     from clover.cli import main
 

@@ -211,12 +211,18 @@ class GatedAttention(nn.Module):
                                  commit_len, mask)
         return self.live_finish(out.transpose(1, 2).reshape(B * T, H * D)[live.out], gate)
 
-    # the live path's per-position pieces (`_forward_live`): x [N, hidden], cos/sin [N, 1, rot]
+    def heads(self, y: torch.Tensor, n: int, norm: nn.Module | None = None) -> torch.Tensor:
+        """A projection's output [..., n*D] -> its `n` heads [..., n, D], each normed by `norm` where
+        the family norms them (None: as they are)."""
+        y = y.view(*y.shape[:-1], n, self.head_dim)
+        return y if norm is None else norm(y)
+
+    # the live path's per-position pieces (`_forward_live`): x [N, hidden], cos/sin [N, 1, rot]; `live_kv`
+    # serves every family with separate k/v projections (its `k_norm` None where keys are not normed)
     def live_kv(self, xk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """-> k (normed, RoPE applied), v [N, H_kv, D]."""
-        N = xk.shape[0]
-        k = self.k_norm(self.k_proj(xk).view(N, self.num_kv_heads, self.head_dim))
-        return apply_rope(k[:, :, None], cos, sin)[:, :, 0], self.v_proj(xk).view(N, self.num_kv_heads, self.head_dim)
+        k = self.heads(self.k_proj(xk), self.num_kv_heads, self.k_norm)
+        return apply_rope(k[:, :, None], cos, sin)[:, :, 0], self.heads(self.v_proj(xk), self.num_kv_heads)
 
     def live_q(self, xo: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """-> q [M, H, D] (normed, RoPE applied) and the output gate [M, H*D]."""

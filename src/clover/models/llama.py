@@ -199,8 +199,12 @@ class LlamaRotaryEmbedding(RotaryEmbedding):
 
 
 class LlamaAttention(Adapted, GatedAttention):
-    """Grouped-query attention without output gate or q/k norms; the cached path (writing K/V at each
-    row's length, attending under the step's mask) is the family's."""
+    """Grouped-query attention without an output gate; per-head q/k norms only in a family that has
+    them (`qk_norm`: Qwen3's plain RMSNorm over head_dim, before RoPE). The cached path (writing K/V
+    at each row's length, attending under the step's mask) and the live path (`core.Live`: K/V at
+    its kv positions, queries and the output at its out positions) are the family's."""
+
+    qk_norm = False  # Qwen3Attention: q_norm / k_norm
 
     def __init__(self, args: LlamaConfig) -> None:
         nn.Module.__init__(self)
@@ -210,12 +214,13 @@ class LlamaAttention(Adapted, GatedAttention):
         self.k_proj = nn.Linear(a.hidden_size, a.num_key_value_heads * a.head_dim, bias=a.qkv_bias)
         self.v_proj = nn.Linear(a.hidden_size, a.num_key_value_heads * a.head_dim, bias=a.qkv_bias)
         self.o_proj = nn.Linear(a.num_attention_heads * a.head_dim, a.hidden_size, bias=a.attention_bias)
+        self.q_norm = PlainRMSNorm(self.head_dim, a.rms_norm_eps) if self.qk_norm else None
+        self.k_norm = PlainRMSNorm(self.head_dim, a.rms_norm_eps) if self.qk_norm else None
 
     def project(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]):
-        B, T, _ = x.shape
-        q = self.lin("q_proj", x).view(B, T, self.num_heads, self.head_dim).transpose(1, 2)
-        k = self.lin("k_proj", x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        v = self.lin("v_proj", x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        q = self.heads(self.lin("q_proj", x), self.num_heads, self.q_norm).transpose(1, 2)
+        k = self.heads(self.lin("k_proj", x), self.num_kv_heads, self.k_norm).transpose(1, 2)
+        v = self.heads(self.lin("v_proj", x), self.num_kv_heads).transpose(1, 2)
         cos, sin = rope
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, None
 
@@ -223,14 +228,10 @@ class LlamaAttention(Adapted, GatedAttention):
         B, _, T, _ = out.shape
         return self.lin("o_proj", out.transpose(1, 2).reshape(B, T, -1))
 
-    # the live path (Qwen2's layers, which take `live`; never with a denoise adapter, whose layout is by time)
-    def live_kv(self, xk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        N = xk.shape[0]
-        k = self.k_proj(xk).view(N, self.num_kv_heads, self.head_dim)
-        return apply_rope(k[:, :, None], cos, sin)[:, :, 0], self.v_proj(xk).view(N, self.num_kv_heads, self.head_dim)
-
+    # the live path's queries and output (its K/V: `GatedAttention.live_kv`); never with a denoise
+    # adapter, whose layout is by time (a model with one computes every position)
     def live_q(self, xo: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        q = self.q_proj(xo).view(xo.shape[0], self.num_heads, self.head_dim)
+        q = self.heads(self.q_proj(xo), self.num_heads, self.q_norm)
         return apply_rope(q[:, :, None], cos, sin)[:, :, 0], None
 
     def live_finish(self, o: torch.Tensor, gate: None) -> torch.Tensor:

@@ -11,13 +11,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-from torch import nn
-
-from ..config import CloverConfig, ConfigError
+from ..config import ConfigError
 from .core import CausalLM
-from .layers import DenseMLP, GatedAttention, PlainRMSNorm, apply_rope
-from .llama import LlamaConfig, LlamaRotaryEmbedding
+from .layers import DenseMLP, PlainRMSNorm
+from .llama import LlamaAttention, LlamaConfig, LlamaRotaryEmbedding
 from .registry import Architecture
 
 
@@ -68,45 +65,22 @@ class Qwen3Config(LlamaConfig):
             d["architectures"] = ["SDARForCausalLM"]
 
 
-class Qwen3Attention(GatedAttention):
-    """Grouped-query attention without an output gate; q_norm/k_norm (plain RMSNorm over head_dim)
-    before RoPE. The cached path (K/V written at each row's length, attention under the step's mask)
-    is the family's."""
+class Qwen3Attention(LlamaAttention):
+    """Llama's grouped-query attention (no output gate) with q_norm/k_norm (plain RMSNorm over
+    head_dim) before RoPE; its cached and live paths are the family's."""
 
-    def __init__(self, config: CloverConfig) -> None:
-        nn.Module.__init__(self)
-        c = config
-        self.num_heads, self.num_kv_heads, self.head_dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
-        bias = c.attention_bias
-        self.q_proj = nn.Linear(c.hidden_size, self.num_heads * self.head_dim, bias=bias)
-        self.k_proj = nn.Linear(c.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(c.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, c.hidden_size, bias=bias)
-        self.q_norm = PlainRMSNorm(self.head_dim, c.rms_norm_eps)
-        self.k_norm = PlainRMSNorm(self.head_dim, c.rms_norm_eps)
-
-    def project(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]):
-        B, T, _ = x.shape
-        q = self.q_norm(self.q_proj(x).view(B, T, self.num_heads, self.head_dim)).transpose(1, 2)
-        k = self.k_norm(self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim)).transpose(1, 2)
-        v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        cos, sin = rope
-        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, None
-
-    def finish(self, out: torch.Tensor, gate: None) -> torch.Tensor:
-        B, _, T, _ = out.shape
-        return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
+    qk_norm = True
 
 
 class Qwen3ForCausalLM(CausalLM):
     """The Qwen3 stack under the model core (`step`, `forward_block_diffusion`, `make_cache`; its
-    identity key layout and plain initialisation)."""
+    identity key layout and plain initialisation). Its layers take `live` (it has no denoise adapter)."""
 
     attention_class = Qwen3Attention
     mlp_class = DenseMLP
     norm_class = PlainRMSNorm
     rotary_class = LlamaRotaryEmbedding
-    live_positions = False  # its attention computes every position
+    live_positions = True  # an eager cached forward computes only the positions it needs (`core.Live`)
 
 
 ARCHITECTURE = Architecture(name="qwen3", config_class=Qwen3Config, model_class=Qwen3ForCausalLM)
