@@ -321,14 +321,15 @@ class CanvasEngine(BatchEngine):
         """LLaDA's draw above temperature 0 is noise over every position's logits (its stream)."""
         return self.sampler == "gumbel" and r.params.temperature > 0
 
-    def _logits(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def _logits(self, cands: list[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """One forward over every row's canvas (and, for rows with `cfg_scale`, the canvas with the
-        prompt masked), the head run only where a position is read: per row (logits [n, V], the
+        prompt masked), the head run only where a position is read (each row's `cands`, unless it reads
+        every position): per row (logits [n, V], the
         canvas positions [n] they predict), a guided row's after the rows'. A position's logits are
         its own (`logit_shift` 0) or the previous position's (1; the first position its own)."""
         seqs = [r.state.x for r in self.rows]
         reads = [torch.arange(len(r.state.x), device=self.device) if self._reads_all(r)
-                 else self._candidates(r.state).nonzero()[:, 0] for r in self.rows]
+                 else c.nonzero()[:, 0] for r, c in zip(self.rows, cands)]
         for i, r in enumerate(self.rows):
             if r.params.cfg_scale:
                 un = r.state.x.clone()
@@ -347,10 +348,11 @@ class CanvasEngine(BatchEngine):
 
     @grad_free_call
     def step(self) -> list[DecodeEvent]:
+        cands = [self._candidates(r.state) for r in self.rows]  # once a step: the forward reads them, _unmask picks
         if self.cached:
             per_row = [(lg, torch.arange(a, a + lg.shape[0], device=self.device)) for lg, a in self._cached_logits()]
         else:
-            per_row = self._logits()
+            per_row = self._logits(cands)
         events, guided = [], len(self.rows)
         for i, r in enumerate(self.rows):
             s = r.state
@@ -359,7 +361,7 @@ class CanvasEngine(BatchEngine):
                 un = per_row[guided][0]
                 guided += 1
                 lg = un + (r.params.cfg_scale + 1) * (lg - un)
-            self._unmask(r, lg, positions)
+            self._unmask(r, lg, positions, cands[i])
             r.forwards += 1
             if self.provisional:
                 toks = [None if t == self.mask_id else t for t in s.x[s.start:].tolist()]
@@ -374,12 +376,11 @@ class CanvasEngine(BatchEngine):
         self._drop_finished()
         return events
 
-    def _unmask(self, r: RowState, logits: torch.Tensor, positions: torch.Tensor) -> None:
+    def _unmask(self, r: RowState, logits: torch.Tensor, positions: torch.Tensor, masked: torch.Tensor) -> None:
         """One step of row `r`'s schedule over its logits [n, V] of the canvas positions `positions`
-        [n] (ascending; every position the step may unmask among them)."""
+        [n] (ascending; every position the step may unmask among them, `masked` [T]: its `_candidates`)."""
         s = r.state
         begin, end = s.blocks[s.block]
-        masked = self._candidates(s)
         rows = masked[positions]
         p = r.params
         read = logits if len(positions) == int(rows.sum()) else logits[rows]  # the candidates' logits
