@@ -41,7 +41,7 @@ class AR(Mode):
     summary = "autoregressive: one token per forward (the baseline)"
     engine = AREngine
 
-    def make_engine(self, model, spec, *, mask_id, pad_id):
+    def build_engine(self, model, spec, *, mask_id, pad_id, drafter=None):
         return AREngine(model, pad_id=pad_id)
 
 

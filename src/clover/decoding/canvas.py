@@ -451,7 +451,7 @@ class Canvas(Mode):
     def spec(self, params: SamplingParams, provisional: bool = False) -> EngineSpec:
         return EngineSpec(self, provisional=provisional, skips=(params.canvas_cache,) if params.canvas_cache else ())
 
-    def make_engine(self, model, spec, *, mask_id, pad_id):
+    def build_engine(self, model, spec, *, mask_id, pad_id, drafter=None):
         return CanvasEngine(model, spec, mask_id=mask_id, pad_id=pad_id)
 
 

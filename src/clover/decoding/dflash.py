@@ -246,11 +246,10 @@ class DFlash(Mode):
             spec = dataclasses.replace(spec, width=width, draft_cut=DRAFT_CUT)
         return dataclasses.replace(spec, reserve=width or drafter_block(drafter))
 
-    def make_engine(self, model, spec, *, mask_id, pad_id, drafter=None):
+    def build_engine(self, model, spec, *, mask_id, pad_id, drafter=None):
         if drafter is None:
             raise ValueError("mode: 'dflash' needs a DFlash drafter; load one with clover.load(model, drafter=DIR) "
                              "(CLI and server: --drafter DIR)")
-        spec = self.resolve(spec, model.config, drafter)
         return DFlashEngine(model, drafter, draft_length=AUTO if spec.auto else spec.width - 1, pad_id=pad_id,
                             cut=spec.draft_cut, reserve=spec.reserve)
 

@@ -608,8 +608,7 @@ class Diffusion(Mode):
             raise ValueError("block_size: 'auto' re-makes fresh blocks, which an absolute block grid does not have; give a size")
         return super().resolve(spec, config, drafter)
 
-    def make_engine(self, model, spec, *, mask_id, pad_id):
-        spec = self.resolve(spec, model.config)
+    def build_engine(self, model, spec, *, mask_id, pad_id, drafter=None):
         return self.engine(model, block_size=spec.engine_width, mask_id=mask_id, pad_id=pad_id, provisional=spec.provisional,
                            expert_budget=spec.expert_budget, expert_rank=spec.expert_rank, skips=spec.skips,
                            reserve=spec.reserve)

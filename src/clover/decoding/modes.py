@@ -121,9 +121,14 @@ class Mode:
         (`LLM.plan`)."""
         return self.resolve(self.spec(params, provisional), config, drafter)
 
-    def make_engine(self, model, spec: EngineSpec, *, mask_id: int | None, pad_id: int):
+    def make_engine(self, model, spec: EngineSpec, *, mask_id: int | None, pad_id: int, drafter=None):
         """A `BatchEngine` for rows of `spec` (this mode's plan; one made by `spec` alone is resolved
-        first)."""
+        first, against the model's config and `drafter`, the draft model of a mode that drafts with one)."""
+        spec = self.resolve(spec, model.config, drafter)
+        return self.build_engine(model, spec, mask_id=mask_id, pad_id=pad_id, drafter=drafter)
+
+    def build_engine(self, model, spec: EngineSpec, *, mask_id: int | None, pad_id: int, drafter=None):
+        """The engine for rows of the resolved `spec`: the hook a mode overrides (`make_engine` resolves)."""
         raise NotImplementedError
 
     def __repr__(self) -> str:

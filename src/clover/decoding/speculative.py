@@ -350,8 +350,7 @@ class Speculative(Mode):
             return reserved_positions(spec.width)
         return AUTO_MAX_WIDTH if config is None else min(AUTO_MAX_WIDTH, config.block_size)
 
-    def make_engine(self, model, spec, *, mask_id, pad_id):
-        spec = self.resolve(spec, model.config)
+    def build_engine(self, model, spec, *, mask_id, pad_id, drafter=None):
         return SpeculativeEngine(model, draft_length=spec.engine_width, mask_id=mask_id, pad_id=pad_id,
                                  expert_budget=spec.expert_budget, expert_rank=spec.expert_rank, cut=spec.draft_cut,
                                  adaptive=spec.auto, reserve=spec.reserve)
