@@ -158,3 +158,30 @@ def test_live_forward_equals_the_full_forward(llada2):
         for x, y in zip(a.tensors(), b.tensors()):  # [B, H_kv, capacity, D]; rows of 16 and 8 tokens
             for row, n in enumerate((16, 8)):
                 torch.testing.assert_close(x[row, :, :n], y[row, :, :n], **TOL)
+
+
+def test_golden_with_the_experts_through_the_row_kernel(llada2, monkeypatch):
+    """Routed experts through the row kernel (`kernels.packed.rows_take`, here at every expert size and
+    up to its slot bound, prompts included): the reference's logits and tokens, alone and batched.
+    Every cached step within `TOL` as on torch's grouped matmul; the full sequence within `TOL` too
+    (its sums in another order: 1.1e-5 at 4 of 1792 logits of ~8, where the grouped path is within 1e-5)."""
+    from clover.kernels import packed, rows
+
+    if rows.library() is None:
+        pytest.skip("no C compiler here: the row kernel is not built")
+    monkeypatch.setattr(packed, "ROW_EXPERT_BYTES", 0)
+    calls = []
+    real = packed.rows_experts
+    monkeypatch.setattr(packed, "rows_experts", lambda x, *a: calls.append(x.shape[0]) or real(x, *a))
+    ids, m = torch.tensor([CASES["full_sequence"]]), llada2.model
+    for block in (4, 8):
+        with torch.no_grad():
+            out = m.step(m.make_cache(1, ids.shape[1]), commit_ids=ids, all_logits=True, commit_block=block)
+        torch.testing.assert_close(out.commit_logits[0], TENSORS[f"full_b{block}"], **TOL)
+    for case in CASES["cases"]:
+        if "forwards" in case:
+            test_cached_step_logits(llada2, case["name"])
+        test_greedy_block_decoding_alone(llada2, case["name"])
+    for schedule in ("b4_s4", "b8_s8", "b8_s4"):
+        test_greedy_block_decoding_batched(llada2, schedule)
+    assert calls and max(calls) > rows.MAX_ROWS  # every forward's experts, beyond the packed bound of 16 tokens

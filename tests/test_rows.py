@@ -52,19 +52,49 @@ def test_linear_equals_f_linear(each_build, N, K):
         torch.testing.assert_close(rows.linear(x[None], w, b), F.linear(x[None], w, b), atol=1e-4, rtol=1e-5)
 
 
-@pytest.mark.parametrize("each_build", ISAS, indirect=True)
-@pytest.mark.parametrize("N,k", [(1, 2), (3, 2), (8, 4), (16, 8)])
-def test_experts_equal_reference(each_build, N, k):
-    ex = Experts(16, 40, 13)  # odd sizes: the tails
+def _routed(inter: int, N: int, k: int):
+    """16 random experts of hidden 40 and width `inter`, N random tokens routed to k of them."""
+    ex = Experts(16, 40, inter)
     g = torch.Generator().manual_seed(N + k)
     with torch.no_grad():
         ex.gate_up_proj.copy_(torch.randn(ex.gate_up_proj.shape, generator=g) * 0.2)
         ex.down_proj.copy_(torch.randn(ex.down_proj.shape, generator=g) * 0.2)
     x = torch.randn(N, 40, generator=g)
     w, idx = route(torch.randn(N, 16, generator=g), k)
+    return ex, x, w, idx
+
+
+@pytest.mark.parametrize("each_build", ISAS, indirect=True)
+@pytest.mark.parametrize("N,k", [(1, 2), (3, 2), (8, 4), (16, 8)])
+def test_experts_equal_reference(each_build, N, k):
+    ex, x, w, idx = _routed(13, N, k)  # odd sizes: the tails
     with torch.inference_mode():
         out = rows.experts(x, idx, w, ex.gate_up_proj, ex.down_proj)
         torch.testing.assert_close(out, reference_expert_forward(ex, x, idx, w), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("N,k", [(17, 4), (40, 4), (96, 2)])
+def test_experts_of_many_tokens_equal_reference_and_take_the_kernel_by_size(builds, N, k, monkeypatch):
+    """`rows.experts` past 16 tokens (an expert's rows in several row blocks) == the per-token
+    reference; through `Experts`' dispatch, plain (unpacked) experts take it where `rows_take` says:
+    gate_up matrices of at least `ROW_EXPERT_BYTES`, up to `ROW_EXPERT_SLOTS` slots per expert."""
+    import clover.moe as moe
+
+    ex, x, w, idx = _routed(12, N, k)  # strides torch's grouped matmul takes (16-byte multiples)
+    calls = []
+    real = packed.rows_experts
+    monkeypatch.setattr(packed, "rows_experts", lambda x, *a: calls.append(x.shape[0]) or real(x, *a))
+    with torch.inference_mode():
+        want = reference_expert_forward(ex, x, idx, w)
+        torch.testing.assert_close(rows.experts(x, idx, w, ex.gate_up_proj, ex.down_proj), want, atol=1e-5, rtol=1e-5)
+        moe.dispatch_experts(ex, x, idx, w)
+        assert calls == []  # small experts: their path as before
+        monkeypatch.setattr(packed, "ROW_EXPERT_BYTES", ex.gate_up_proj[0].numel() * 4)
+        torch.testing.assert_close(moe.dispatch_experts(ex, x, idx, w)[0], want, atol=1e-5, rtol=1e-5)
+        assert calls == [N]
+        monkeypatch.setattr(packed, "ROW_EXPERT_SLOTS", N * k // 16 - 1)  # past the slot bound: torch's grouped matmul
+        torch.testing.assert_close(moe.dispatch_experts(ex, x, idx, w)[0], want, atol=1e-5, rtol=1e-5)
+        assert calls == [N]
 
 
 def test_bad_input_is_refused_clearly(builds):

@@ -187,11 +187,12 @@ def grouped_on_device(experts, top_idx: torch.Tensor) -> bool:
     clover's quantized ones, nor a tensor subclass such as torchao's Int8Tensor in the transformers
     export, which the grouped op cannot take), at least as many routed slots as experts (a block, a
     verify, a prompt: one grouped matmul instead of a host loop over ~every expert, 1.65x faster at
-    16 tokens on the bundled model, docs/benchmarks.md); packed experts (`Experts.packs`) only where
-    `kernels.packed.grouped_serves` says (not for the row kernel's few tokens, nor below
-    `EXPERT_MAX_ROWS` slots per expert with oneDNN copies, where the host loop runs each expert's
-    rows through oneDNN, faster than the grouped op)."""
+    16 tokens on the bundled model, docs/benchmarks.md), where `kernels.packed.grouped_serves` says:
+    not where the row kernel takes them (`kernels.packed.rows_take`: a packed block's few tokens,
+    or large experts at a few dozen slots each), nor below `EXPERT_MAX_ROWS` slots per expert with
+    oneDNN copies, where the host loop runs each expert's rows through oneDNN, faster than the
+    grouped op."""
     return (top_idx.device.type == "cpu" and not torch.is_grad_enabled() and hasattr(torch, "_grouped_mm")
             and top_idx.numel() >= experts.num_experts
-            and (getattr(experts, "packs", None) is None or grouped_serves(experts, top_idx))
-            and type(getattr(experts, "gate_up_proj", None)) in (torch.Tensor, torch.nn.Parameter))
+            and type(getattr(experts, "gate_up_proj", None)) in (torch.Tensor, torch.nn.Parameter)
+            and grouped_serves(experts, top_idx))

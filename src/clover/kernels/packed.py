@@ -10,7 +10,9 @@ matmuls"). A packed layer runs 2…8 rows (`DENSE_ROWS`) through the row kernel 
 torch runs one thread, else (and 9…`MAX_ROWS` rows) through oneDNN; packed routed experts of 1…16
 tokens run in one call of the row kernel. One row (an AR step's GEMV) stays on `F.linear`, which
 neither beats, and so do more than `MAX_ROWS` rows. The price is a second copy of every packed
-weight, kept beside the plain one.
+weight, kept beside the plain one. Routed experts of at least `ROW_EXPERT_BYTES` a matrix, packed or
+not, run through the row kernel in one call up to `ROW_EXPERT_SLOTS` routed slots per expert (a
+denoise block of a few rows per expert: no copy needed, it reads the plain weights).
 
 `pack_model` packs a model's linear layers (`PackedLinear`) and routed experts (`Experts.packs`); a
 pack is used only at inference (no autograd, not while compiling), on a CPU, for float32 activations,
@@ -32,6 +34,8 @@ PACK_ROWS = 8  # the row count oneDNN is told to expect when it lays the weight 
 MAX_ROWS = 32  # above this MKL's own GEMM amortises its repack (a 64-token prompt): plain again
 EXPERT_MAX_ROWS = 16  # the same for an expert's smaller matrices (plain already wins at 32 rows: docs/kernels.md)
 DENSE_ROWS = 8  # a layer's rows through the row kernel; at 9…16 it and oneDNN are even in a 0.7B forward of 16 rows
+ROW_EXPERT_SLOTS = 64  # routed slots per expert (on average) up to which the row kernel runs a forward's experts
+ROW_EXPERT_BYTES = 512 << 10  # ... for experts whose gate_up matrix takes at least this (measured there; docs/kernels.md)
 MIN_BYTES = 2 << 20  # smaller matrices stay plain: MKL's repack of a weight that fits in a core's L2 is cheap
 MIN_MODEL_BYTES = 256 << 20  # the default packs a model whose large weights stream from memory each forward
 
@@ -107,18 +111,31 @@ def _rows_mm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -
 
 
 def experts(mod: nn.Module, x: torch.Tensor, top_idx: torch.Tensor, top_w: torch.Tensor) -> torch.Tensor | None:
-    """The routed experts of `mod` (`models.layers.Experts` with `packs`) on tokens x [N, H] with
+    """The routed experts of `mod` (`models.layers.Experts`, packed or not) on tokens x [N, H] with
     their top_idx / top_w [N, k], in one call of the row kernel (each touched expert once, on its
-    tokens' rows: no host loop) where it applies: 1…`ROW_KERNEL_ROWS` tokens of float32 CPU
-    activations at inference, packs still fresh, `row_kernel()`. None where it does not (the caller
-    runs its host loop)."""
-    gu, dn = mod.packs[0]
-    if not (0 < x.shape[0] <= ROW_KERNEL_ROWS and _inference(x) and gu.fresh(mod.gate_up_proj)
-            and dn.fresh(mod.down_proj) and mod.gate_up_proj.is_contiguous() and mod.down_proj.is_contiguous()
-            and row_kernel()):
+    tokens' rows: no host loop) where it applies: float32 CPU activations at inference, plain
+    contiguous float32 weights (and their packs, if any, still fresh), `row_kernel()`, and
+    `rows_take`. None where it does not (the caller runs its host loop)."""
+    gu, dn = mod.gate_up_proj, mod.down_proj
+    packs = mod.packs
+    if not (x.shape[0] > 0 and _inference(x) and row_kernel() and rows_take(mod, top_idx)
+            and all(type(t) in (torch.Tensor, nn.Parameter) and t.dtype == torch.float32 and t.is_contiguous()
+                    for t in (gu, dn))
+            and (packs is None or (packs[0][0].fresh(gu) and packs[0][1].fresh(dn)))):
         return None
-    return rows_experts(x.contiguous(), top_idx.contiguous(), top_w.to(x.dtype).contiguous(),
-                        mod.gate_up_proj.detach(), mod.down_proj.detach())
+    return rows_experts(x.contiguous(), top_idx.contiguous(), top_w.to(x.dtype).contiguous(), gu.detach(), dn.detach())
+
+
+def rows_take(mod: nn.Module, top_idx: torch.Tensor) -> bool:
+    """Whether the row kernel (`experts`) is the path for routed experts `mod` on tokens routed as
+    `top_idx` [N, k]: packed experts of 1…`ROW_KERNEL_ROWS` tokens; experts whose gate_up matrix
+    takes at least `ROW_EXPERT_BYTES`, packed or not, up to `ROW_EXPERT_SLOTS` routed slots per
+    expert on average (at 9 slots an expert, LLaDA2's block of 32 with 4 of 16 experts, the kernel
+    ran them 2.3x faster than torch's grouped matmul, and was level with it or ahead up to ~70)."""
+    if mod.packs is not None and top_idx.shape[0] <= ROW_KERNEL_ROWS:
+        return True
+    gu = mod.gate_up_proj
+    return gu[0].numel() * gu.element_size() >= ROW_EXPERT_BYTES and top_idx.numel() <= ROW_EXPERT_SLOTS * mod.num_experts
 
 
 def _packed_mm(x: torch.Tensor, pack: Pack, bias: torch.Tensor | None) -> torch.Tensor:
@@ -186,13 +203,13 @@ def is_packed(model: nn.Module) -> bool:
 
 
 def grouped_serves(mod: nn.Module, top_idx: torch.Tensor) -> bool:
-    """Whether routed experts `mod` (`models.layers.Experts`) with packs leave tokens routed as
-    `top_idx` [N, k] to torch's grouped matmul: not where the row kernel takes them in one call
-    (`experts`: up to `ROW_KERNEL_ROWS` tokens, `row_kernel()`), nor where oneDNN copies serve a
-    host loop (up to `EXPERT_MAX_ROWS` slots per expert); a pack without copies otherwise does."""
-    if top_idx.shape[0] <= ROW_KERNEL_ROWS and row_kernel():
+    """Whether routed experts `mod` (`models.layers.Experts`) leave tokens routed as `top_idx` [N, k]
+    to torch's grouped matmul: not where the row kernel takes them in one call (`rows_take`, with
+    `row_kernel()`), nor, for packs with oneDNN copies, where those serve a host loop (up to
+    `EXPERT_MAX_ROWS` slots per expert); otherwise they do."""
+    if row_kernel() and rows_take(mod, top_idx):
         return False
-    return mod.packs[0][0].packed is None or top_idx.numel() > EXPERT_MAX_ROWS * mod.num_experts
+    return mod.packs is None or mod.packs[0][0].packed is None or top_idx.numel() > EXPERT_MAX_ROWS * mod.num_experts
 
 
 def default_packing(model: nn.Module) -> bool | str:

@@ -608,8 +608,8 @@ class Experts(nn.Module):
 
     def forward(self, x: torch.Tensor, top_idx: torch.Tensor, top_w: torch.Tensor) -> torch.Tensor:
         """x [N, H]; top_idx/top_w [N, k]. Tokens grouped by expert; only touched experts run
-        (packed experts of a few tokens: in one call of the row kernel, `kernels.packed.experts`)."""
-        if self.packs is not None and (out := packed_experts(self, x, top_idx, top_w)) is not None:
+        (where the row kernel takes them, `kernels.packed.rows_take`: in one call of it, `kernels.packed.experts`)."""
+        if (out := packed_experts(self, x, top_idx, top_w)) is not None:
             return out
         return grouped_expert_forward(self, x, top_idx, top_w)
 
