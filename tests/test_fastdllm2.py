@@ -199,3 +199,57 @@ def test_bench_peers_reference_row(tmp_path, monkeypatch):
     rows = {(row["engine"], row["batch"]): row for row in r["rows"]}
     assert rows[(name, 1)]["matches_clover_mode"] == 1.0 and rows[(name, 1)]["compared_with"] == "diffusion"
     assert rows[(name, 3)]["clover_speedup"] is not None
+
+
+def test_reference_batch_rows_compare_tokens_with_clovers_batch():
+    """A reference's batch rows that keep their tokens (`many` -> tokens, seconds, each row's ids) are
+    compared row by row with clover's batch of the same round; rows that keep none are not."""
+    from clover.bench.peers import summarize
+
+    def run(engine, variant, ids, compare=None):
+        return {"engine": engine, "variant": variant, "threads": 1, "batch": 2, "item": 0, "tokens": 4, "seconds": 1.0,
+                "tokens_per_second": 4.0, "token_ids": ids, "compare": compare}
+
+    rows = {(r["engine"], r["variant"]): r for r in summarize([
+        run("clover", "diffusion", [[1, 2], [3, 4]]),
+        run("fastdllm2-reference", "reference", [[1, 2], [3, 5]], "diffusion"),
+        run("fastdllm2-reference", "reference-lockstep", [[1, 2], [3, 4]], "diffusion"),
+        run("sdar-reference", "reference", None, "diffusion")])}
+    assert rows[("fastdllm2-reference", "reference")]["matches_clover_mode"] == 0.5
+    assert rows[("fastdllm2-reference", "reference-lockstep")]["matches_clover_mode"] == 1.0
+    assert rows[("fastdllm2-reference", "reference-lockstep")]["clover_speedup"] == 1.0
+    assert rows[("sdar-reference", "reference")]["matches_clover_mode"] is None
+
+
+def test_reference_lockstep_batch_takes_one_prompt_length():
+    """The reference's own batch (`decode_batch`) is one [B, L] tensor: prompts of other lengths are refused
+    before its model is touched."""
+    from clover.bench.peers.reference import _family
+
+    ref = _family("fastdllm2_reference.py")
+    with pytest.raises(ValueError, match="one length"):
+        ref.decode_batch(None, [[1, 2, 3], [4, 5]], 8, block=32, steps=32, threshold=0.9, mask_id=127, sub_block=8)
+
+
+def test_bench_peers_reference_lockstep(tmp_path, monkeypatch):
+    """With prompts of one length the fastdllm2-reference row adds its own batch (variant
+    `reference-lockstep`: its `generate` on the batch in one call, rows in lockstep) beside the batch in
+    turn, on the same worker; both give clover's batched tokens, row by row (opt-in as
+    `test_bench_peers_reference_row`)."""
+    from clover.bench.peers import run_peers
+    from test_released_peers import golden_dir
+
+    name, env = "fastdllm2-reference", "CLOVER_FASTDLLM2_REFERENCE"
+    if not (os.environ.get(env) and os.environ.get("CLOVER_REFERENCE_PYTHON")):
+        pytest.skip(f"set {env} and CLOVER_REFERENCE_PYTHON to run the reference")
+    d = golden_dir("fastdllm2", tmp_path)
+    raw = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps(raw | {"eos_token_id": None}))
+    prompts = ["t5 t17 t33 t60 t9 t8 t90", "t14 t3 t77 t51 t26 t119 t40", "t30 t7 t84 t66 t12 t2 t99"]
+    r = run_peers(d, prompt_texts=prompts, max_new_tokens=40, threads=[1], batch=3, engines=["clover", name])
+    assert "reference-lockstep" in r["engines"][name]["note"]
+    rows = {(row["engine"], row["variant"], row["batch"]): row for row in r["rows"]}
+    for variant in ("reference", "reference-lockstep"):
+        row = rows[(name, variant, 3)]
+        assert row["matches_clover_mode"] == 1.0 and row["clover_speedup"] is not None, row
+    assert (name, "reference-lockstep", 1) not in rows

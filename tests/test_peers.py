@@ -208,6 +208,21 @@ def test_cli(tiny_dir, tmp_path, capsys):
     assert "ollama" in capsys.readouterr().err
 
 
+def test_cli_pack_reaches_clovers_load(tiny_dir, tmp_path, capsys, monkeypatch):
+    """`--pack` is clover's eager weights (`clover.load`'s pack: auto None, on True, rows, off False); the
+    result says what clover got."""
+    import clover
+
+    seen, real = [], clover.load
+    monkeypatch.setattr(clover, "load", lambda *a, **k: seen.append(k.get("pack")) or real(*a, **k))
+    for flag, want in (("off", False), ("rows", "rows")):
+        assert cli.main(["bench", "peers", "--model", str(tiny_dir), "--prompts", "1", "-n", "2", "--threads", "1",
+                         "--batch-rounds", "0", "--modes", "ar", "--engines", "clover", "--pack", flag,
+                         "--plot", str(tmp_path / "p.png"), "--json", "-"]) == 0
+        r = json.loads(capsys.readouterr().out)
+        assert seen[-1] == want and "clover_packing" in r["settings"]
+    assert r["settings"]["clover_packing"] in (None, "rows")  # the tiny model's matrices are below the packing floor
+
 # ------------------------------------------------------------------ the real llama.cpp build
 def test_real_llama_cpp(tiny_dir, tmp_path):
     found = peers.discover(read_config(tiny_dir))["llama.cpp"]

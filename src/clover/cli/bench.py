@@ -11,6 +11,8 @@ from pathlib import Path
 from .common import (UsageError, add_model_arguments, apply_threads, check_device, draw_plot, load_llm, model_dir, model_dir_or_tiny,
                      parse_list, parse_modes, positive)
 
+PACK_CHOICES = {"auto": None, "on": True, "rows": "rows", "off": False}  # `bench peers --pack` -> clover.load's pack
+
 
 def _run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, metavar="N",
@@ -233,6 +235,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--compile", action="store_true",
                    help="also run clover's ar, diffusion and speculative modes with compile=\"static\" "
                         "(variants ar+static, ...; compiled during warm-up)")
+    p.add_argument("--pack", choices=sorted(PACK_CHOICES), default="auto",
+                   help="clover's eager weights: auto (clover.load's default: packed from 256 MiB of large weights), on "
+                        "(oneDNN copies), rows (the few-row kernel alone), off (plain) (default: auto)")
     p.add_argument("--workdir", metavar="DIR", help="keep the GGUF and transformers directories here (default: a temporary folder)")
     p.add_argument("--plot", metavar="FILE", default="build/bench/peers.png", help="PNG path (default: build/bench/peers.png)")
     p.add_argument("--markdown", action="store_true", help="also print the table as Markdown")
@@ -559,7 +564,7 @@ def run_peers(args) -> int:
                          reference_python=args.reference_python, workdir=args.workdir,
                          progress=(lambda m: progress(f"{m:<60}")) if progress else None, model_note=note,
                          compiled=args.compile, questions=args.questions, to_eos=args.to_eos,
-                         gguf_type=args.gguf_type)
+                         gguf_type=args.gguf_type, pack=PACK_CHOICES[args.pack])
     if progress:
         print(file=sys.stderr)
     _emit(result, peers_table(result), args.json)  # the results first: a plot that fails loses nothing

@@ -119,8 +119,8 @@ def gguf_file(src: Path, workdir: Path, kind: str, *, clover_tensors: str = "non
 
 class Runner:
     """One engine configuration. `one(ids)` -> (generated ids or None, tokens, seconds) for a runner
-    that runs single prompts (`single`); `many(list of ids)` -> (tokens, seconds) for one that
-    batches (`batches`)."""
+    that runs single prompts (`single`); `many(list of ids)` -> (tokens, seconds) or (tokens, seconds,
+    each row's generated ids) for one that batches (`batches`)."""
 
     engine = ""
     variant = ""

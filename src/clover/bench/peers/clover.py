@@ -31,7 +31,7 @@ class CloverRunner(Runner):
 
     def many(self, prompts):
         gens, s = timed(lambda: self.llm.generate(prompts, **self._kw(self.n)), self.llm.model.device)
-        return sum(len(g.token_ids) for g in gens), s
+        return sum(len(g.token_ids) for g in gens), s, [list(g.token_ids) for g in gens]
 
 
 

@@ -70,12 +70,29 @@ def generate(model, ids: list[int], max_new_tokens: int, *, block: int, sub_bloc
     return x[0, len(ids):].tolist()
 
 
+def _blocks(length: int, n: int, block: int) -> int:
+    """The fewest blocks `generate` must decode for `n` tokens after a prompt of `length`: it decodes
+    `max_new_tokens // block` blocks of the absolute grid and the last commit's argmax after them (k blocks
+    give k*block - r + 1 tokens, r the prompt's length mod block)."""
+    r = length % block
+    return max(1, -(-(n + r - 1) // block))
+
+
 def decode(model, ids: list[int], n: int, *, block: int, steps: int, threshold: float, mask_id: int,
            sub_block: int | None = None) -> list[int]:
-    """Its first `n` tokens on one prompt, greedy, with no stop: `generate` decodes `max_new_tokens // block`
-    blocks of the absolute grid and the last commit's argmax after them (k blocks give k*block - r + 1
-    tokens, r the prompt's length mod block), so it is asked for the fewest blocks that give `n`."""
-    r = len(ids) % block
-    k = max(1, -(-(n + r - 1) // block))
-    return generate(model, ids, k * block, block=block, sub_block=sub_block or block, threshold=threshold,
-                    mask_id=mask_id, stop_token=-1)[:n]
+    """Its first `n` tokens on one prompt, greedy, with no stop (asked for the fewest blocks that give `n`)."""
+    return generate(model, ids, _blocks(len(ids), n, block) * block, block=block, sub_block=sub_block or block,
+                    threshold=threshold, mask_id=mask_id, stop_token=-1)[:n]
+
+
+def decode_batch(model, prompts: list[list[int]], n: int, *, block: int, steps: int, threshold: float, mask_id: int,
+                 sub_block: int | None = None) -> list[list[int]]:
+    """Its own batch: one `generate` call on prompts of one length (its input is one [B, L] tensor, no
+    padding), the rows in lockstep (a sub-block ends when every row has decoded its own; a row that is
+    done waits unchanged), greedy, no stop: each row's first `n` tokens."""
+    length = len(prompts[0])
+    if any(len(p) != length for p in prompts):
+        raise ValueError("Fast-dLLM v2's generate batches prompts of one length only")
+    x = model.generate(torch.tensor(prompts), max_new_tokens=_blocks(length, n, block) * block, mask_id=mask_id,
+                       threshold=threshold, small_block_size=sub_block or block, block_size=block, stop_token=-1)
+    return x[:, length:length + n].tolist()

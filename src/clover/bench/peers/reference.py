@@ -7,9 +7,10 @@ checkout it is skipped with a note saying so.
 
 The family's file (`sdar_reference.py`, `llada2_reference.py`, `fastdllm2_reference.py`: its shims, loader
 and decode, nothing of clover) is loaded by path in a worker process (`base.WorkerRunner`), one per thread
-count. Each row decodes one prompt at a time (SDAR's and LLaDA2's have no batching; Fast-dLLM v2's takes
-prompts of one length only and ends every row at the first row's stop): its batch rows are the batch's
-prompts in turn. The options are the checkpoint's defaults, as clover's `diffusion` rows use them (block
+count. Each row decodes one prompt at a time (SDAR's and LLaDA2's have no batching): its batch rows are the
+batch's prompts in turn. A family whose code batches (its file has `decode_batch`: Fast-dLLM v2's `generate`
+takes prompts of one length, in lockstep, no padding) adds the variant `reference-lockstep` when the batch's
+prompts have one length, on the same worker: its own batch, one call. The options are the checkpoint's defaults, as clover's `diffusion` rows use them (block
 size, steps = the block, threshold, mask, sub-block), greedy, no stop; its tokens are compared with clover `diffusion`'s."""
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import os
 import sys
 from pathlib import Path
 
-from .base import Engine, WorkerRunner, interpreter_with
+from .base import Engine, Runner, WorkerRunner, interpreter_with
 
 HERE = Path(__file__).resolve().parent
 
@@ -38,7 +39,10 @@ for line in sys.stdin:
     req = json.loads(line)
     t0 = time.perf_counter()
     with torch.no_grad():
-        outs = [ref.decode(handle, ids, req["n"], **req["options"]) for ids in req["prompts"]]
+        if req.get("lockstep"):
+            outs = ref.decode_batch(handle, req["prompts"], req["n"], **req["options"])
+        else:
+            outs = [ref.decode(handle, ids, req["n"], **req["options"]) for ids in req["prompts"]]
     print(MARK + json.dumps({"seconds": time.perf_counter() - t0, "token_ids": outs}), flush=True)
 """
 
@@ -67,7 +71,30 @@ class ReferenceRunner(WorkerRunner):
 
     def many(self, prompts):
         r = self._ask(prompts)
-        return sum(len(t) for t in r["token_ids"]), r["seconds"]
+        return sum(len(t) for t in r["token_ids"]), r["seconds"], r["token_ids"]
+
+
+class LockstepRunner(Runner):
+    """The family's own batch (`decode_batch`) on its in-turn runner's worker: the batch in one call."""
+
+    variant = "reference-lockstep"
+    single = False
+    batches = True
+    compare = "diffusion"
+
+    def __init__(self, worker: ReferenceRunner) -> None:
+        self.worker, self.engine = worker, worker.engine
+
+    def _ask(self, prompts, n=None):
+        return self.worker.ask({"prompts": prompts, "n": n or self.worker.n, "options": self.worker.options,
+                                "lockstep": True})
+
+    def warm(self, ids):
+        self._ask(self.worker.batch, min(self.worker.n, 2 * self.worker.options["block"]))
+
+    def many(self, prompts):
+        r = self._ask(prompts)
+        return sum(len(t) for t in r["token_ids"]), r["seconds"], r["token_ids"]
 
 
 class ReferenceEngine(Engine):
@@ -97,8 +124,10 @@ class ReferenceEngine(Engine):
         python = reference_python or os.environ.get("CLOVER_REFERENCE_PYTHON") or sys.executable
         found = interpreter_with(python, VERSIONS, module="transformers", missing="torch and transformers not importable")
         if found["available"]:
+            own = ("; its own batch, prompts of one length: variant reference-lockstep"
+                   if hasattr(_family(cls.family_file), "decode_batch") else "")
             found.update(version=f"transformers {found['version']}", checkout=str(Path(where).resolve()),
-                         note="decodes one prompt at a time (its batch rows: the batch's prompts in turn)")
+                         note=f"decodes one prompt at a time (its batch rows: the batch's prompts in turn){own}")
         return found
 
     def runners(self, threads):
@@ -110,7 +139,16 @@ class ReferenceEngine(Engine):
         st.say(f"{self.name}: starting ({threads} threads)")
         cmd = [self.found["python"], "-c", WORKER, str(HERE / self.family_file), self.found["checkout"],
                str(st.src.resolve()), str(threads)]
-        return [ReferenceRunner(self.name, cmd, st.max_new_tokens, options)]
+        runner = ReferenceRunner(self.name, cmd, st.max_new_tokens, options)
+        if not hasattr(_family(self.family_file), "decode_batch") or not st.batch_rounds or len(st.batch_ids) < 2:
+            return [runner]
+        if len({len(p) for p in st.batch_ids}) > 1:
+            msg = "its own batch (reference-lockstep) takes prompts of one length: not run on these"
+            if msg not in (self.found.get("note") or ""):
+                self.found["note"] = "; ".join(x for x in (self.found.get("note"), msg) if x)
+            return [runner]
+        runner.batch = st.batch_ids
+        return [runner, LockstepRunner(runner)]
 
 
 def _family(file: str):

@@ -38,6 +38,11 @@ def summarize(runs: list[dict]) -> list[dict]:
             m_tok, m_sec = sum(r["tokens"] for r in mine), sum(r["seconds"] for r in mine)
             if m_sec > 0 and seconds > 0 and tokens:
                 row["clover_speedup"] = (m_tok / m_sec) / (tokens / seconds)
+            if batch > 1:  # each round's rows against clover's same round, where both kept them
+                ref = {r["item"]: r["token_ids"] for r in mine if r["token_ids"] is not None}
+                same = [a == b for r in rs if r["token_ids"] is not None and r["item"] in ref
+                        for a, b in zip(r["token_ids"], ref[r["item"]])]
+                row["matches_clover_mode"] = sum(same) / len(same) if same else None
         base = ar.get(threads)
         if base:
             b_tok = sum(r["tokens"] for r in base.values())
@@ -101,7 +106,8 @@ def skip_notes(result: dict) -> str:
     for r in result["rows"]:
         if r.get("matches_clover_mode") is not None:
             mode = r.get("compared_with") or r["variant"].removesuffix(STATIC_SUFFIX)
-            lines.append(f"{r['engine']} {r['variant']} ({r['threads']} thread{'s' if r['threads'] > 1 else ''}): "
+            at = f", batch {r['batch']}" if r["batch"] > 1 else ""
+            lines.append(f"{r['engine']} {r['variant']} ({r['threads']} thread{'s' if r['threads'] > 1 else ''}{at}): "
                          f"same tokens as clover {mode} on {r['matches_clover_mode']:.0%} of prompts")
         if r.get("clover_speedup") is not None:
             lines.append(f"{r['engine']} {r['variant']} ({r['threads']} thread{'s' if r['threads'] > 1 else ''}, batch "

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Callable, Iterable
 
 from ..common import config_summary, machine, max_rss_bytes, set_threads
+from ...kernels.packed import packing
 from .base import GGUF_TYPES, SCHEMA, Engine, Runner, Setup, llama_cpp_dir
 from .registry import ENGINES, check_engines, discover
 from .report import summarize
@@ -49,8 +50,8 @@ def _measure(runners: list[Runner], ids: list[list[int]], batch_ids: list[list[i
     for k in range(batch_rounds):
         for r in [r for r in runners if r.batches]:
             got = attempt(r, lambda: r.many(batch_ids))
-            if got is not None:
-                runs.append(record(r, len(batch_ids), k, *got, None))
+            if got is not None:  # (tokens, seconds[, each row's ids])
+                runs.append(record(r, len(batch_ids), k, got[0], got[1], got[2] if len(got) > 2 else None))
         say(f"{t} threads: batch {len(batch_ids)} round {k + 1}/{batch_rounds}")
     return runs
 
@@ -78,6 +79,7 @@ def run_peers(
     questions: int = 0,
     to_eos: bool = False,
     gguf_type: str | None = None,
+    pack: bool | str | None = None,
 ) -> dict:
     """The peers benchmark; returns the JSON-ready result (schema `SCHEMA`). `compiled` adds clover's
     AR, diffusion and speculative modes with `compile="static"` (variants `ar+static`, ...; warmed up, so compile
@@ -86,7 +88,10 @@ def run_peers(
     its EOS (capped at `max_new_tokens`) instead of exactly `max_new_tokens` tokens.
     `reference` / `reference_python`: a released family's reference checkout and the interpreter that runs it
     (`reference.py`). `gguf_type`: the weights of the GGUF engines (llama.cpp, its DFlash, the port), e.g.
-    q8_0 (`GGUF_TYPES`; default: `dtype`'s); clover and transformers stay in `dtype`."""
+    q8_0 (`GGUF_TYPES`; default: `dtype`'s); clover and transformers stay in `dtype`. `pack`: clover's eager
+    weights, as `clover.load`'s `pack` (None: its default, which packs from 256 MiB of large weights, so a
+    small test model runs plain where a released checkpoint of the same family is packed; True: oneDNN's
+    copies; "rows": the row kernel alone; False: plain); `settings["clover_packing"]` says what it got."""
     import clover
 
     from ...decoding import get_mode, mode_names
@@ -102,7 +107,7 @@ def run_peers(
         raise ValueError(f"gguf_type: must be one of {', '.join(GGUF_TYPES)}, got {gguf_type!r}")
     src = Path(model_dir)
     say = progress or (lambda msg: None)
-    llm = clover.load(src, dtype=dtype)
+    llm = clover.load(src, dtype=dtype, pack=pack)
     static_llm = None
     if compiled:
         say("clover: compile=static")
@@ -190,7 +195,7 @@ def run_peers(
             "prompts": len(ids), "max_new_tokens": max_new_tokens, "threads": threads, "batch": batch,
             "batch_rounds": batch_rounds, "modes": run_modes, "skipped_modes": skipped_modes, "greedy": True,
             "fixed_length": not to_eos, "to_eos": to_eos, "chat_questions": questions, "interleaved": True,
-            "gguf_type": setup.gguf, "prompt_tokens": [len(p) for p in ids],
+            "gguf_type": setup.gguf, "prompt_tokens": [len(p) for p in ids], "clover_packing": packing(llm.model),
         },
         "engines": found,
         "machine": machine(),
