@@ -126,7 +126,8 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     xr, xp = x[..., :rot], x[..., rot:]
     half = rot // 2
     rotated = torch.cat((-xr[..., half:], xr[..., :half]), dim=-1)
-    return torch.cat((xr * cos + rotated * sin, xp), dim=-1)
+    out = xr * cos + rotated * sin
+    return out if rot == x.shape[-1] else torch.cat((out, xp), dim=-1)  # full rotary: no copy of an empty tail
 
 
 def depthwise_conv(window: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
