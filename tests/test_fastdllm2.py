@@ -206,9 +206,9 @@ def test_reference_batch_rows_compare_tokens_with_clovers_batch():
     compared row by row with clover's batch of the same round; rows that keep none are not."""
     from clover.bench.peers import summarize
 
-    def run(engine, variant, ids, compare=None):
+    def run(engine, variant, ids, compare=None, cpu=None):
         return {"engine": engine, "variant": variant, "threads": 1, "batch": 2, "item": 0, "tokens": 4, "seconds": 1.0,
-                "tokens_per_second": 4.0, "token_ids": ids, "compare": compare}
+                "tokens_per_second": 4.0, "token_ids": ids, "compare": compare, "cpu_seconds": cpu}
 
     rows = {(r["engine"], r["variant"]): r for r in summarize([
         run("clover", "diffusion", [[1, 2], [3, 4]]),
@@ -219,6 +219,24 @@ def test_reference_batch_rows_compare_tokens_with_clovers_batch():
     assert rows[("fastdllm2-reference", "reference-lockstep")]["matches_clover_mode"] == 1.0
     assert rows[("fastdllm2-reference", "reference-lockstep")]["clover_speedup"] == 1.0
     assert rows[("sdar-reference", "reference")]["matches_clover_mode"] is None
+    assert rows[("fastdllm2-reference", "reference")]["clover_speedup_cpu"] is None  # clover's row has no CPU seconds
+
+
+def test_reference_rows_give_the_ratio_in_cpu_seconds_too():
+    """Where clover's runs and a reference's both report their CPU seconds, the row's ratio is also given in
+    them (`clover_speedup_cpu`: another process on a shared core stretches wall time, not CPU time)."""
+    from clover.bench.peers import skip_notes, summarize
+
+    def run(engine, variant, seconds, cpu, compare=None):
+        return {"engine": engine, "variant": variant, "threads": 1, "batch": 1, "item": 0, "tokens": 8,
+                "seconds": seconds, "tokens_per_second": 8 / seconds, "token_ids": [1], "compare": compare,
+                "cpu_seconds": cpu}
+
+    rows = summarize([run("clover", "diffusion", 2.0, 1.0), run("fastdllm2-reference", "reference", 3.0, 2.0, "diffusion")])
+    ref = next(r for r in rows if r["engine"] == "fastdllm2-reference")
+    assert ref["clover_speedup"] == pytest.approx(1.5) and ref["clover_speedup_cpu"] == pytest.approx(2.0)
+    notes = skip_notes({"engines": {}, "rows": rows, "settings": {}})
+    assert "1.50x its tokens/s (2.00x in CPU seconds)" in notes
 
 
 def test_reference_lockstep_batch_takes_one_prompt_length():
@@ -252,4 +270,5 @@ def test_bench_peers_reference_lockstep(tmp_path, monkeypatch):
     for variant in ("reference", "reference-lockstep"):
         row = rows[(name, variant, 3)]
         assert row["matches_clover_mode"] == 1.0 and row["clover_speedup"] is not None, row
+        assert row["clover_speedup_cpu"] is not None  # clover and the worker both report CPU seconds
     assert (name, "reference-lockstep", 1) not in rows

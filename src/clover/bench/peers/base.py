@@ -128,6 +128,7 @@ class Runner:
     batches = False
     accepts: list[int] | None = None  # a drafting runner: tokens kept by each verify of its last `one`
     compare: str | None = None  # a clover mode whose tokens this runner's must equal (a family's reference)
+    cpu_seconds: float | None = None  # the CPU seconds of its last `one` / `many`, where it measures them
 
     def warm(self, ids: list[int]) -> None:
         self.one(ids)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 from .base import STATIC_SUFFIX, Engine, Runner
 from ..common import timed
 
@@ -23,14 +25,20 @@ class CloverRunner(Runner):
         if self.warm_batch:
             self.llm.generate(self.warm_batch, **self._kw(self.n))
 
+    def _timed(self, fn):
+        c0 = time.process_time()
+        out = timed(fn, self.llm.model.device)
+        self.cpu_seconds = time.process_time() - c0
+        return out
+
     def one(self, ids):
-        gen, s = timed(lambda: self.llm.generate(ids, **self._kw(self.n)), self.llm.model.device)
+        gen, s = self._timed(lambda: self.llm.generate(ids, **self._kw(self.n)))
         self.forwards = gen.stats.forwards
         self.accepts = list(gen.stats.accept_lengths) or None
         return list(gen.token_ids), len(gen.token_ids), s
 
     def many(self, prompts):
-        gens, s = timed(lambda: self.llm.generate(prompts, **self._kw(self.n)), self.llm.model.device)
+        gens, s = self._timed(lambda: self.llm.generate(prompts, **self._kw(self.n)))
         return sum(len(g.token_ids) for g in gens), s, [list(g.token_ids) for g in gens]
 
 

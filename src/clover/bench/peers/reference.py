@@ -37,13 +37,14 @@ MARK = "CLOVER_PEERS "
 print(MARK + json.dumps({"ready": True}), flush=True)
 for line in sys.stdin:
     req = json.loads(line)
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     with torch.no_grad():
         if req.get("lockstep"):
             outs = ref.decode_batch(handle, req["prompts"], req["n"], **req["options"])
         else:
             outs = [ref.decode(handle, ids, req["n"], **req["options"]) for ids in req["prompts"]]
-    print(MARK + json.dumps({"seconds": time.perf_counter() - t0, "token_ids": outs}), flush=True)
+    print(MARK + json.dumps({"seconds": time.perf_counter() - t0, "cpu_seconds": time.process_time() - c0,
+                             "token_ids": outs}), flush=True)
 """
 
 VERSIONS = "import sys, torch, transformers; sys.stdout.write(transformers.__version__)"
@@ -59,7 +60,9 @@ class ReferenceRunner(WorkerRunner):
         self.start(cmd, dict(os.environ))
 
     def _ask(self, prompts, n=None):
-        return self.ask({"prompts": prompts, "n": n or self.n, "options": self.options})
+        r = self.ask({"prompts": prompts, "n": n or self.n, "options": self.options})
+        self.cpu_seconds = r.get("cpu_seconds")
+        return r
 
     def warm(self, ids):
         self._ask([ids], min(self.n, 2 * self.options["block"]))
@@ -86,8 +89,10 @@ class LockstepRunner(Runner):
         self.worker, self.engine = worker, worker.engine
 
     def _ask(self, prompts, n=None):
-        return self.worker.ask({"prompts": prompts, "n": n or self.worker.n, "options": self.worker.options,
-                                "lockstep": True})
+        r = self.worker.ask({"prompts": prompts, "n": n or self.worker.n, "options": self.worker.options,
+                             "lockstep": True})
+        self.cpu_seconds = r.get("cpu_seconds")
+        return r
 
     def warm(self, ids):
         self._ask(self.worker.batch, min(self.worker.n, 2 * self.worker.options["block"]))

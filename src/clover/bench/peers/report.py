@@ -32,12 +32,16 @@ def summarize(runs: list[dict]) -> list[dict]:
             row["tokens_per_verify"] = sum(accepts) / len(accepts)
         compare = rs[0].get("compare")
         if compare:  # a family's reference: clover's mode at the same threads and batch, over this
-            row.update(compared_with=compare, clover_speedup=None)
+            row.update(compared_with=compare, clover_speedup=None, clover_speedup_cpu=None)
             mine = [r for r in runs if r["engine"] == "clover" and r["variant"] == compare
                     and r["threads"] == threads and r["batch"] == batch]
             m_tok, m_sec = sum(r["tokens"] for r in mine), sum(r["seconds"] for r in mine)
             if m_sec > 0 and seconds > 0 and tokens:
                 row["clover_speedup"] = (m_tok / m_sec) / (tokens / seconds)
+            cpu, m_cpu = (sum(r.get("cpu_seconds") or 0.0 for r in x) for x in (rs, mine))
+            if all(r.get("cpu_seconds") is not None for r in rs + mine) and cpu > 0 and m_cpu > 0 and tokens:
+                # the same ratio in CPU seconds: what another process on a shared core does not move
+                row["clover_speedup_cpu"] = (m_tok / m_cpu) / (tokens / cpu)
             if batch > 1:  # each round's rows against clover's same round, where both kept them
                 ref = {r["item"]: r["token_ids"] for r in mine if r["token_ids"] is not None}
                 same = [a == b for r in rs if r["token_ids"] is not None and r["item"] in ref
@@ -111,7 +115,8 @@ def skip_notes(result: dict) -> str:
                          f"same tokens as clover {mode} on {r['matches_clover_mode']:.0%} of prompts")
         if r.get("clover_speedup") is not None:
             lines.append(f"{r['engine']} {r['variant']} ({r['threads']} thread{'s' if r['threads'] > 1 else ''}, batch "
-                         f"{r['batch']}): clover {r['compared_with']} {r['clover_speedup']:.2f}x its tokens/s")
+                         f"{r['batch']}): clover {r['compared_with']} {r['clover_speedup']:.2f}x its tokens/s"
+                         + (f" ({r['clover_speedup_cpu']:.2f}x in CPU seconds)" if r.get("clover_speedup_cpu") else ""))
     if result["settings"].get("skipped_modes"):
         lines.append(f"clover modes left out: {', '.join(result['settings']['skipped_modes'])}")
     return "\n".join(lines)

@@ -26,9 +26,10 @@ def _measure(runners: list[Runner], ids: list[list[int]], batch_ids: list[list[i
     def record(r: Runner, batch: int, item: int, tokens: int, s: float, out) -> dict:
         return {"engine": r.engine, "variant": r.variant, "threads": t, "batch": batch, "item": item, "tokens": tokens,
                 "seconds": s, "tokens_per_second": tokens / s if s > 0 else 0.0, "token_ids": out,
-                "accept_lengths": r.accepts if batch == 1 else None, "compare": r.compare}
+                "accept_lengths": r.accepts if batch == 1 else None, "compare": r.compare, "cpu_seconds": r.cpu_seconds}
 
     def attempt(r: Runner, fn):
+        r.cpu_seconds = None
         try:
             return fn()
         except Exception as e:  # noqa: BLE001 - an engine that breaks mid-run is dropped; the others go on
