@@ -235,6 +235,28 @@ def test_live_forward_equals_the_full_forward(sdar, kind):
                 torch.testing.assert_close(x[row, :, :n], y[row, :, :n], **TOL)
 
 
+@pytest.mark.parametrize("skips", [dict(skip_decoded=True), dict(skip_window=True)], ids=lambda d: "+".join(d))
+def test_skips_keep_batched_equal_to_one_by_one(sdar, skips, monkeypatch):
+    """The approximate per-request skips run on SDAR now that its layers take `Live` (`skip_decoded`
+    needs them): decoded positions are frozen, and a batch's rows equal each alone."""
+    model, frozen = sdar.model, []
+    step = model.step
+
+    def spy(cache, **kw):
+        if kw.get("denoise_frozen") is not None:
+            frozen.append(int(kw["denoise_frozen"].sum()))
+        return step(cache, **kw)
+
+    monkeypatch.setattr(model, "step", spy)
+    prompts = [c["prompt"] for c in CASES["cases"] if c["block_length"] == 8]
+    kw = dict(max_new_tokens=16, block_size=8, ignore_eos=True, **skips)
+    batch = sdar.generate(prompts, **kw)
+    for p, got in zip(prompts, batch):
+        alone = sdar.generate(p, **kw)
+        assert got.token_ids == alone.token_ids and got.stats.block_steps == alone.stats.block_steps
+    assert (sum(frozen) > 0) == ("skip_decoded" in skips)
+
+
 def test_info_names_the_family_and_its_decoding(sdar, capsys):
     from clover.cli import main
 
