@@ -272,3 +272,22 @@ def test_bench_peers_reference_lockstep(tmp_path, monkeypatch):
         assert row["matches_clover_mode"] == 1.0 and row["clover_speedup"] is not None, row
         assert row["clover_speedup_cpu"] is not None  # clover and the worker both report CPU seconds
     assert (name, "reference-lockstep", 1) not in rows
+
+
+def test_block_logits_fill_only_the_rows_a_step_reads():
+    """The engine's shift of the denoise logits (position j predicted by position j-1, position 0 by the
+    commit) moves only the rows a step reads when it names them, each equal to the whole shift's."""
+    from types import SimpleNamespace
+
+    from clover.decoding.diffusion import DiffusionEngine
+
+    eng = SimpleNamespace(shift=1, block_size=6)
+    dl = torch.randn(6, 11)
+    for first in (None, torch.randn(11)):
+        r = SimpleNamespace(state=SimpleNamespace(first_logits=first))
+        whole = DiffusionEngine._block_logits(eng, r, dl)
+        for rows in ([0, 1, 2], [3, 5], [0]):
+            read = torch.zeros(6, dtype=torch.bool)
+            read[rows] = True
+            got = DiffusionEngine._block_logits(eng, r, dl, read)
+            assert got.shape == whole.shape and torch.equal(got[read], whole[read])

@@ -196,16 +196,39 @@ class DiffusionEngine(BatchEngine):
             need[i, : Bs - 1] = c[1:]
         return need
 
-    def _block_logits(self, r: RowState, denoise_logits: torch.Tensor | None) -> torch.Tensor:
+    def _block_logits(self, r: RowState, denoise_logits: torch.Tensor | None,
+                      rows: torch.Tensor | None = None) -> torch.Tensor:
         """[Bs, V]: the logits that predict each block position of row `r`. `logit_shift` 1: position
         0 from the commit part (the last committed position), position j >= 1 from block position j-1
-        (`denoise_logits` [Bs, V], None for a block of one). 0: each position from itself."""
+        (`denoise_logits` [Bs, V], None for a block of one). 0: each position from itself. `rows` [Bs]
+        bool: the positions the step reads; only theirs are filled, the others left unset (the shift
+        then moves a sub-block's rows, not the whole block's logits)."""
         if not self.shift:
             return denoise_logits
         if r.state.first_logits is None:  # no commit yet (block_grid "absolute"): position 0 holds the prompt
-            return torch.cat([denoise_logits[:1], denoise_logits[: self.block_size - 1]], dim=0)
-        first = r.state.first_logits[None]
-        return first if denoise_logits is None else torch.cat([first, denoise_logits[: self.block_size - 1]], dim=0)
+            first = denoise_logits[:1]
+        else:
+            first = r.state.first_logits[None]
+            if denoise_logits is None:
+                return first
+        if rows is None:
+            return torch.cat([first, denoise_logits[: self.block_size - 1]], dim=0)
+        out = denoise_logits.new_empty(self.block_size, denoise_logits.shape[-1])
+        pos = rows.nonzero().squeeze(1)
+        later = pos[pos > 0]
+        out[later] = denoise_logits[later - 1]
+        if bool(rows[0]):
+            out[0] = first[0]
+        return out
+
+    def _read_rows(self, r: RowState, cand: torch.Tensor) -> torch.Tensor:
+        """[Bs] bool: the block positions whose logits `_decode_positions` reads for row `r`: this step's
+        candidates, and a constrained row's frontier (its grammar masks that row first)."""
+        if not r.state.sampler.constrained or r.state.valid >= self.block_size:
+            return cand
+        rows = cand.clone()
+        rows[r.state.valid] = True
+        return rows
 
     def _first_token(self, r: RowState) -> None:
         """The commit part's logits reached row `r` (`first_logits`, predicting its block's first
@@ -344,7 +367,8 @@ class DiffusionEngine(BatchEngine):
                 r.state.first_logits = out.commit_logits[i]
                 r.state.pending = []
                 self._first_token(r)
-            logits = self._block_logits(r, None if ar_step or (Bs == 1 and self.shift) else out.denoise_logits[i])
+            logits = self._block_logits(r, None if ar_step or (Bs == 1 and self.shift) else out.denoise_logits[i],
+                                        self._read_rows(r, cands[i]))
             r.forwards += 1
             if self.width_policy is not None:
                 r.state.expected_gain += self.width_policy.prior[Bs] - 1.0
