@@ -197,7 +197,7 @@ class LLM:
         whole-sequence model and no other (`Mode.available`)."""
         m = self.mode(mode)
         return (m.available(self.config) and (not m.needs_mask or self.config.mask_token_id is not None)
-                and (not getattr(m, "needs_drafter", False) or self.drafter is not None))
+                and (not m.needs_drafter or self.drafter is not None))
 
     def params(self, mode: str | Mode | None, kwargs: dict) -> SamplingParams:
         """The generation options for `mode`, checked (ValueError "option: why" / TypeError for an
@@ -207,7 +207,7 @@ class LLM:
         if why is not None:
             raise ValueError(why)
         params = resolve_params(m, kwargs, self.config)
-        if getattr(m, "needs_drafter", False) and self.drafter is None:
+        if m.needs_drafter and self.drafter is None:
             raise ValueError(f"mode: {m.name!r} needs a DFlash drafter; load one with clover.load(model, drafter=DIR) "
                              "(CLI and server: --drafter DIR)")
         return params
@@ -294,11 +294,8 @@ class LLM:
     def engine(self, spec: EngineSpec):
         """A fresh batch engine for rows of `spec` (the plan, `LLM.plan`; rows join it with `add`,
         `run()` yields events). A mode that needs a drafter gets this LLM's."""
-        pad = self.tokenizer.pad_token_id or 0
-        if getattr(spec.mode, "needs_drafter", False):
-            return spec.mode.make_engine(self.model, spec, mask_id=self.config.mask_token_id, pad_id=pad,
-                                         drafter=self.drafter)
-        return spec.make_engine(self.model, mask_id=self.config.mask_token_id, pad_id=pad)
+        return spec.make_engine(self.model, mask_id=self.config.mask_token_id, pad_id=self.tokenizer.pad_token_id or 0,
+                                drafter=self.drafter)
 
     def _events(self, rows: list[RowState], spec: EngineSpec) -> Iterator[DecodeEvent]:
         engine = self.engine(spec)

@@ -194,7 +194,7 @@ def wants_drafter(args: argparse.Namespace) -> bool:
             name = read_config(model_dir(args)).default_mode
         except Exception:  # noqa: BLE001 - load_llm reports a missing or broken model with its own message
             return False
-    return name is not None and getattr(get_mode(name), "needs_drafter", False)
+    return name is not None and get_mode(name).needs_drafter
 
 
 def check_device(device: str | None) -> None:

@@ -51,8 +51,11 @@ class EngineSpec:
         """The width as an engine constructor takes it (`sampling.AUTO` where the engine picks)."""
         return AUTO if self.auto else self.width
 
-    def make_engine(self, model, *, mask_id: int | None, pad_id: int):
-        return self.mode.make_engine(model, self, mask_id=mask_id, pad_id=pad_id)
+    def make_engine(self, model, *, mask_id: int | None, pad_id: int, drafter=None):
+        """The engine for rows of this plan (`Mode.make_engine`). `drafter` reaches only a mode that
+        drafts with one (`needs_drafter`): a mode that does not may override `make_engine` without it."""
+        kw = {"drafter": drafter} if self.mode.needs_drafter else {}
+        return self.mode.make_engine(model, self, mask_id=mask_id, pad_id=pad_id, **kw)
 
     def __str__(self) -> str:
         parts = [self.mode.name] + [f"{k}={v}" for k, v in (("width", self.engine_width),
@@ -67,6 +70,7 @@ class EngineSpec:
 class Mode:
     name: str = ""
     needs_mask: bool = False  # decodes with the mask token (a Clover checkpoint)
+    needs_drafter: bool = False  # decodes with a separate draft model (`clover.load(..., drafter=)`)
     threshold_commit: bool = False  # commits by the confidence threshold (block steps, forced steps)
     reference: str | None = None  # a lossless mode: its greedy tokens equal this mode's
     auto_width: bool = False  # takes block_size="auto" (otherwise "auto" means the model's block size)
