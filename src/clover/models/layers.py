@@ -241,8 +241,8 @@ class GatedAttention(nn.Module):
         q, gate = self.q_proj(x).view(B, T, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
         gate = gate.reshape(B, T, -1)
         q = self.q_norm(q).transpose(1, 2)  # [B, H, T, D]
-        k = self.k_norm(self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim)).transpose(1, 2)
-        v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        k = self.heads(self.k_proj(x), self.num_kv_heads, self.k_norm).transpose(1, 2)
+        v = self.heads(self.v_proj(x), self.num_kv_heads).transpose(1, 2)
         cos, sin = rope
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, gate
 
