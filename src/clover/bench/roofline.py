@@ -48,14 +48,18 @@ def roofline_config(quick: bool = False):
     )
 
 
-def build_random_model(config, dtype: torch.dtype = torch.bfloat16, device: str = "cpu", seed: int = 0):
+def build_random_model(config, dtype: torch.dtype = torch.bfloat16, device: str = "cpu", seed: int = 0,
+                       on_device: bool = False):
     """Random weights (`init_weights`: normal(0, σ) matrices, the GDN decay/step, Clover's initial
-    values), allocated directly in the target dtype on the device (no fp32 copy of the whole model)."""
+    values), allocated directly in the target dtype on the device (no fp32 copy of the whole model).
+    `on_device`: drawn there too (the plain-weight families' `init_weights`), not on the host."""
     from ..models import build_model
 
     model = build_model(config, device="meta").to(dtype)
     model = model.to_empty(device=device)
-    model.init_weights(seed=seed)
+    if config.tie_word_embeddings:  # to_empty gave each module its own tensor
+        model.lm_head.weight = model.model.embed_tokens.weight
+    model.init_weights(seed=seed, **({"on_device": True} if on_device else {}))
     return model.eval()
 
 

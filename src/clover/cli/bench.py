@@ -1,4 +1,4 @@
-"""`clover bench {decode,chat,sweep,cost,experts,kernels,roofline,slice,matmul,profile,quant,peers}`: the arguments of each benchmark and
+"""`clover bench {decode,chat,sweep,cost,experts,kernels,roofline,slice,matmul,profile,quant,peers,released}`: the arguments of each benchmark and
 the dispatch to `clover.bench` (which holds the benchmarks as functions returning JSON-ready dicts)."""
 
 from __future__ import annotations
@@ -12,6 +12,9 @@ from .common import (UsageError, add_model_arguments, apply_threads, check_devic
                      parse_list, parse_modes, positive)
 
 PACK_CHOICES = {"auto": None, "on": True, "rows": "rows", "off": False}  # `bench peers --pack` -> clover.load's pack
+# `clover.bench.released.FAMILIES` / `PLANNED`, named here so that `--help` does not import torch
+RELEASED_FAMILIES = "sdar-1.7b,fast-dllm-v2-1.5b,llada2-mini"
+RELEASED_PLANS = "sdar-30b-a3b,llada2-flash"
 
 
 def _run_arguments(p: argparse.ArgumentParser) -> None:
@@ -243,6 +246,28 @@ def configure(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--markdown", action="store_true", help="also print the table as Markdown")
     p.add_argument("--json", metavar="FILE", help="also write the full result as JSON ('-' = stdout, no table)")
 
+    p = sub.add_parser("released", help="the released families (SDAR, Fast-dLLM v2, LLaDA2) at full shape, random weights, on a GPU",
+                       description="Each released block-diffusion family at its checkpoint's shape (SDAR-1.7B-Chat, "
+                                   "Fast_dLLM_v2_1.5B, LLaDA2.0-mini) with random weights drawn on the device: the memory "
+                                   "plan beside the measured CUDA peak, greedy decoding with the family's defaults at "
+                                   "batch 1 and batch N (tokens/s, forwards, tokens per forward), batched == alone and "
+                                   "cached == naive; the memory plans of SDAR-30B-A3B and LLaDA2.0-flash "
+                                   "(scripts/gpu-check.sh runs it).")
+    p.add_argument("--tiny", action="store_true", help="every family at a tiny shape (default device cpu, float32; seconds; for tests)")
+    p.add_argument("--device", help="cuda, cuda:N or cpu (default: cuda; with --tiny cpu)")
+    p.add_argument("--dtype", choices=["bfloat16", "float32", "float16"],
+                   help="weights and compute (default: bfloat16; with --tiny float32)")
+    p.add_argument("--families", metavar="LIST", default=RELEASED_FAMILIES,
+                   help=f"built and decoded, comma-separated (default: {RELEASED_FAMILIES})")
+    p.add_argument("--plans", metavar="LIST", default=RELEASED_PLANS,
+                   help=f"memory plan only, comma-separated; 'none' for none (default: {RELEASED_PLANS})")
+    p.add_argument("--batch", type=int, default=8, metavar="N", help="rows decoded together (default: 8)")
+    p.add_argument("--max-new-tokens", "-n", type=int, default=64, metavar="N",
+                   help="tokens a row, no stop (default: 64)")
+    p.add_argument("--check-tokens", type=int, default=16, metavar="N",
+                   help="tokens of the cached == naive check (default: 16)")
+    _run_arguments(p)
+
 
 KERNEL_GROUPS = ("gdn", "attention", "moe")
 COST_POSITIONS = (1, 2, 4, 8, 16, 32, 64)
@@ -304,7 +329,7 @@ def run(args: argparse.Namespace) -> int:
         apply_threads(args)
     return {"decode": run_decode, "chat": run_chat, "sweep": run_sweep, "cost": run_cost, "kernels": run_kernels, "roofline": run_roofline,
             "experts": run_experts, "quant": run_quant, "slice": run_slice, "matmul": run_matmul,
-            "profile": run_profile, "peers": run_peers}[args.bench_command](args)
+            "profile": run_profile, "peers": run_peers, "released": run_released}[args.bench_command](args)
 
 
 def run_chat(args) -> int:
@@ -574,4 +599,35 @@ def run_peers(args) -> int:
         print(peers_markdown(result))
         print(skip_notes(result))
     _plot(plot_peers, result, args)
+    return 0
+
+
+def run_released(args) -> int:
+    import torch
+
+    from ..bench.released import all_checks_pass, released_table, run_released as bench_released
+
+    for name in ("batch", "max_new_tokens", "check_tokens"):
+        positive("--" + name.replace("_", "-"), getattr(args, name))
+    device = args.device or ("cpu" if args.tiny else "cuda")
+    check_device(device)
+    dtype = getattr(torch, args.dtype or ("float32" if args.tiny else "bfloat16"))
+    families = parse_list(args.families, str, "--families")
+    plans = [] if args.plans.strip() == "none" else parse_list(args.plans, str, "--plans")
+
+    def report(result: dict) -> None:  # after every phase: a run stopped by a timeout keeps what it measured
+        if args.json and args.json != "-":
+            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.json).write_text(json.dumps(result, indent=1, default=str) + "\n")
+
+    def progress(line: str) -> None:
+        print(line, file=sys.stderr, flush=True)
+
+    result = bench_released(families=families, planned=plans, tiny=args.tiny, device=device, dtype=dtype,
+                            batch=args.batch, new_tokens=args.max_new_tokens, check_tokens=args.check_tokens,
+                            report=report, progress=None if args.json == "-" else progress)
+    _emit(result, released_table(result), args.json)
+    if not all_checks_pass(result):
+        print("clover bench released: a check failed (batched != alone or cached != naive; see the table)", file=sys.stderr)
+        return 1
     return 0

@@ -577,8 +577,9 @@ class CausalLM(nn.Module):
 
     # -- initialisation for random/tiny models and training from scratch
     @torch.no_grad()
-    def init_weights(self, seed: int | None = None, std: float | None = None) -> None:
+    def init_weights(self, seed: int | None = None, std: float | None = None, *, on_device: bool = False) -> None:
         """normal(0, std) for matrices and embeddings, zero biases, norms at 1 (an architecture with
         other identities or special parameters overrides it). Values are drawn on the CPU
-        (reproducible across devices) and copied in place."""
-        init_plain_weights(self, seed, std if std is not None else self.config.initializer_range)
+        (reproducible across devices) and copied in place; `on_device`: drawn in place on the
+        parameters' device (`init_plain_weights`)."""
+        init_plain_weights(self, seed, std if std is not None else self.config.initializer_range, on_device=on_device)

@@ -75,15 +75,20 @@ class PlainRMSNorm(nn.Module):
 
 
 @torch.no_grad()
-def init_plain_weights(module: nn.Module, seed: int | None, std: float) -> None:
+def init_plain_weights(module: nn.Module, seed: int | None, std: float, *, on_device: bool = False) -> None:
     """The plain-weight families' initialisation (Llama, the DFlash drafter): normal(0, std) for
-    matrices and embeddings, zero biases, norms at 1, drawn in parameter order from `seed`."""
-    gen = torch.Generator().manual_seed(seed) if seed is not None else None
+    matrices and embeddings, zero biases, norms at 1, drawn in parameter order from `seed`.
+    `on_device`: drawn where the parameters live, in their dtype (a full-size model on a GPU: no
+    float32 copy on the host; the values then depend on the device's generator)."""
+    device = next(module.parameters()).device if on_device else torch.device("cpu")
+    gen = torch.Generator(device=device).manual_seed(seed) if seed is not None else None
     for name, p in module.named_parameters():
         if "norm" in name:
             p.fill_(1.0)
         elif name.endswith("bias"):
             p.zero_()
+        elif on_device:
+            p.normal_(0.0, std, generator=gen)
         else:
             p.copy_(torch.randn(p.shape, generator=gen) * std)
 
