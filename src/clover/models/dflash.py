@@ -77,8 +77,9 @@ from torch import nn
 
 from ..cache import AttentionState, HybridCache, scatter_kv
 from ..config import ConfigError
+from .qwen3 import Qwen3Attention
 from .static import call_frozen
-from .layers import PlainRMSNorm, init_plain_weights, MLP, RotaryEmbedding, Segments, apply_rope, cached_attention_mask, step_positions
+from .layers import PlainRMSNorm, init_plain_weights, MLP, RotaryEmbedding, Segments, cached_attention_mask, step_positions
 
 ARCHITECTURE = "DFlashDraftModel"
 
@@ -145,6 +146,11 @@ class DFlashConfig:
     tie_word_embeddings = False  # no LM head of its own (`save_model` reads this)
     has_experts = False  # dense MLPs: no router (the trainer's aux loss asks)
     has_linear_attention = False
+
+    @property
+    def qkv_bias(self) -> bool:
+        """Qwen3's `attention_bias` covers q/k/v as well as o (what `Qwen3Attention` reads)."""
+        return self.attention_bias
 
     def __post_init__(self) -> None:
         if self.head_dim is None:
@@ -322,34 +328,16 @@ def layer_masks(c: DFlashConfig, mask: torch.Tensor, q_pos: torch.Tensor, k_pos:
     return out
 
 
-class DraftAttention(nn.Module):
-    """Queries from the block; keys/values from the context vectors (cached) and the block itself."""
-
-    def __init__(self, c: DFlashConfig) -> None:
-        super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
-        b = c.attention_bias
-        self.q_proj = nn.Linear(c.hidden_size, self.num_heads * self.head_dim, bias=b)
-        self.k_proj = nn.Linear(c.hidden_size, self.num_kv_heads * self.head_dim, bias=b)
-        self.v_proj = nn.Linear(c.hidden_size, self.num_kv_heads * self.head_dim, bias=b)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, c.hidden_size, bias=b)
-        self.q_norm = PlainRMSNorm(self.head_dim, c.rms_norm_eps)
-        self.k_norm = PlainRMSNorm(self.head_dim, c.rms_norm_eps)
-
-    def kv(self, x: torch.Tensor, rope) -> tuple[torch.Tensor, torch.Tensor]:
-        B, T, _ = x.shape
-        k = self.k_norm(self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim)).transpose(1, 2)
-        v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        return apply_rope(k, *rope), v
+class DraftAttention(Qwen3Attention):
+    """Qwen3's attention (q/k norms, no output gate): queries from the block; keys/values from the
+    context vectors (cached, `kv`) and the block itself."""
 
     def forward(self, h: torch.Tensor, rope_q, ctx_k: torch.Tensor, ctx_v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """h [B, Bd, H] (normed block), ctx_k/v [B, Hkv, Lk, D] -> [B, Bd, H]; mask [B, 1, Bd, Lk + Bd]."""
-        B, T, _ = h.shape
-        q = apply_rope(self.q_norm(self.q_proj(h).view(B, T, self.num_heads, self.head_dim)).transpose(1, 2), *rope_q)
-        k, v = self.kv(h, rope_q)
+        q, k, v, _ = self.project(h, rope_q)
         k, v = torch.cat([ctx_k, k], dim=2), torch.cat([ctx_v, v], dim=2)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.num_kv_heads != self.num_heads)
-        return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
+        return self.finish(out, None)
 
 
 def causal_group_conv(x: torch.Tensor, dynamic: torch.Tensor, base: torch.Tensor, group: int) -> torch.Tensor:

@@ -219,10 +219,13 @@ class LlamaAttention(Adapted, GatedAttention):
 
     def project(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]):
         q = self.heads(self.lin("q_proj", x), self.num_heads, self.q_norm).transpose(1, 2)
+        return (apply_rope(q, *rope), *self.kv(x, rope), None)
+
+    def kv(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [B, T, H] -> k (normed, RoPE applied), v [B, H_kv, T, D] (also a DFlash drafter's keys
+        of its context vectors, `dflash.DraftAttention`)."""
         k = self.heads(self.lin("k_proj", x), self.num_kv_heads, self.k_norm).transpose(1, 2)
-        v = self.heads(self.lin("v_proj", x), self.num_kv_heads).transpose(1, 2)
-        cos, sin = rope
-        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, None
+        return apply_rope(k, *rope), self.heads(self.lin("v_proj", x), self.num_kv_heads).transpose(1, 2)
 
     def finish(self, out: torch.Tensor, gate: None) -> torch.Tensor:
         B, _, T, _ = out.shape
