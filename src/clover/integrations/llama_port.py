@@ -310,8 +310,8 @@ class PortEngine:
     between batches); each streamed block becomes a "commit" event, applied to the row with
     `RowState.accept` (which reproduces the port's own EOS / stop / length decision)."""
 
-    def __init__(self, backend: "PortBackend", mode: str) -> None:  # mode: its name
-        self.backend, self.mode = backend, mode
+    def __init__(self, backend: "PortBackend", mode: str, config=None) -> None:  # mode: its name
+        self.backend, self.mode, self.config = backend, mode, config  # config: the model's (`port_options`)
         self.rows: list = []
         self.events: list = []  # events routed here by the backend, not yet returned
 
@@ -328,7 +328,7 @@ class PortEngine:
             row._finish("length")
             return [DecodeEvent("finish", -1, [], [], row_state=row)]
         req = {"prompt": list(row.prompt), "stream": True, "eos_token_ids": sorted(row.eos_ids),
-               **port_options(self.mode, row.params, drafter=self.backend.drafter)}
+               **port_options(self.mode, row.params, drafter=self.backend.drafter, config=self.config)}
         self.backend.send(self, row, req)
         self.rows.append(row)
         return []
@@ -425,7 +425,7 @@ class PortLLM:
         name = self._llm.mode(mode).name
         check_mode(name, self.backend.drafter, self._llm.config)
         params = self._llm.params(mode, kwargs)
-        port_options(name, params, drafter=self.backend.drafter)
+        port_options(name, params, drafter=self.backend.drafter, config=self._llm.config)
         return params
 
     def engine(self, spec) -> PortEngine:
@@ -433,7 +433,7 @@ class PortLLM:
         if spec.provisional:
             raise ValueError("provisional: the llama.cpp engine streams committed blocks only")
         check_mode(spec.mode.name, self.backend.drafter, self._llm.config)
-        return PortEngine(self.backend, spec.mode.name)
+        return PortEngine(self.backend, spec.mode.name, self._llm.config)
 
     def close(self) -> None:
         self.backend.close()
