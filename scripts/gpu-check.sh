@@ -1,18 +1,19 @@
 #!/usr/bin/env bash
-# The prepared check for a lent CUDA machine (one short run, ~7.5 minutes on an H100; estimates, not
+# The prepared check for a lent CUDA machine (one short run, ~8 minutes on an H100; estimates, not
 # measurements: no GPU has run this script yet):
 #   1. the GPU-only tests (tests/test_cuda.py): GDN kernels vs the naive reference, the bundled
 #      model's logits and greedy AR / diffusion / speculative decoding on CUDA vs the CPU, training
 #      steps on CUDA whose checkpoint resumes on the CPU (cut at 300 s);
 #   2. the decode benchmark of the bundled model on CUDA (tasks, every mode, bf16 and fp32; each cut
 #      at 120 s); steps 1 and 2: ~5 min together (this script's estimate before step 3, on an H200);
-#   3. the released families at their checkpoints' full shapes, random weights drawn on the GPU, bf16
+#   3. the released families at their checkpoints' full shapes, random weights drawn on the GPU
 #      (`clover bench released`, docs/kernels.md): the memory plans of SDAR-30B-A3B and LLaDA2.0-flash
-#      (~5 s, on meta); then SDAR-1.7B-Chat (~15 s), Fast_dLLM_v2_1.5B (~15 s) and LLaDA2.0-mini
-#      (16B: ~90 s, its 256 experts run through the host loop on CUDA), each: the memory plan beside
-#      the CUDA peak, 32 tokens a row alone and 8 rows batched, batched == alone, cached == naive;
-#      ~2.5 min with the start (cut at 200 s; the JSON is rewritten after every phase, so a cut run
-#      keeps what it measured).                                           $OUT/released.{json,txt}
+#      (~5 s, on meta); then SDAR-1.7B-Chat (~25 s), Fast_dLLM_v2_1.5B (~25 s) and LLaDA2.0-mini
+#      (16B: ~110 s; its 256 experts run through the host loop on CUDA, guessed at ~0.15 s a forward),
+#      each: the memory plan beside the CUDA peak, 32 tokens a row in bf16 for each of 8 rows alone and
+#      the 8 batched (tokens/s), then rebuilt in float32 (65 GB for LLaDA2.0-mini) for batched == alone
+#      and cached == naive at 16 tokens; ~3 min with the start (cut at 240 s; the JSON is rewritten
+#      after every phase, so a cut run keeps what it measured).          $OUT/released.{json,txt}
 # Everything lands in $OUT (the device tool's folder) or ./gpu-check.
 #
 # The machine's image has torch, transformers, tokenizers, safetensors, pytest, matplotlib, rich and
@@ -39,7 +40,7 @@ for dtype in bfloat16 float32; do
     timeout 120 python3 -m clover bench decode --device cuda --dtype "$dtype" --workload tasks --prompts 16 \
         --stop-newline -n 32 --json "$OUT/decode-$dtype.json" 2>&1 | tail -n 20 | tee "$OUT/bench-$dtype.txt"
 done
-timeout 200 python3 -m clover bench released -n 32 --json "$OUT/released.json" 2>&1 | tee "$OUT/released.txt"
+timeout 240 python3 -m clover bench released -n 32 --json "$OUT/released.json" 2>&1 | tee "$OUT/released.txt"
 released=${PIPESTATUS[0]}
 [ "$rc" -eq 0 ] && rc=$released
 exit "$rc"

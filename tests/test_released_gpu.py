@@ -72,6 +72,7 @@ def test_released_check_runs_tiny_on_cpu(tmp_path, capsys):
         f = fams[name]
         assert f["mode"] == "diffusion" and f["shape"] == "tiny"
         assert f["checks"]["batched_equals_alone"]["ok"] and f["checks"]["cached_equals_naive"]["ok"], f["checks"]
+        assert {c["dtype"] for c in f["checks"].values()} == {"float32"} and len(f["agreement"]["rows"]) == 3
         assert f["batch1"]["rows"] == 1 * 3 and f["batch"]["rows"] == 3
         assert f["batch1"]["tokens"] == f["batch"]["tokens"] == 3 * 12
         assert f["batch"]["forwards"] > 0 and f["batch"]["tokens_per_forward"] > 0
@@ -83,9 +84,10 @@ def test_released_check_runs_tiny_on_cpu(tmp_path, capsys):
     for name in released.PLANNED:
         assert fams[name]["skipped"] == "memory plan only" and fams[name]["plan"]["weights_bytes"] > 30e9 * 2
     phases = []
-    released.run_family("sdar-1.7b", tiny=True, device="cpu", dtype=torch.float32, batch=2, new_tokens=4, check_tokens=4,
-                        report=lambda rec: phases.append(sorted(rec)))
-    assert len(phases) == 5 and "batch1" not in phases[1] and "checks" in phases[-1]
+    rec = released.run_family("sdar-1.7b", tiny=True, device="cpu", dtype=torch.bfloat16, batch=2, new_tokens=4,
+                              check_tokens=4, report=lambda rec: phases.append(sorted(rec)))
+    assert len(phases) == 4 and "batch1" not in phases[1] and "checks" in phases[-1]
+    assert rec["config"]["dtype"] == "bfloat16" and rec["checks"]["batched_equals_alone"]["dtype"] == "float32"
 
 
 def test_released_check_refusals(capsys):

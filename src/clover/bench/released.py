@@ -10,13 +10,16 @@ head's row of the mask token at zero (a trained model never predicts it). Then:
 - greedy decoding with the family's own defaults (its default mode, block, threshold, sub-block),
   `new_tokens` per row with no stop (`ignore_eos`): every row alone (batch 1) and all rows in one
   batch, each timed: tokens/s, forwards, tokens per forward;
-- on the device: the batch's tokens equal each row's alone, and the cached engine's tokens equal the
-  recomputing one (`naive`) on the first prompt.
+- on the device, in float32 where it fits (`check_dtype_for`; the model rebuilt from the same seed),
+  `check_tokens` a row: the batch's tokens equal each row's alone, and the cached engine's tokens equal
+  the recomputing one's (`naive`) on the first prompt.
 The larger shapes (`PLANNED`: SDAR-30B-A3B, LLaDA2.0-flash) get their memory plan only.
 
 Random weights make the logits nearly flat, so in bf16 a rounding difference between a batched and
-an alone forward can flip a near-tied argmax: a check that parts says where (the first differing
-token); a rerun in float32 (`--dtype float32`, the dense families) tells rounding from a bug.
+an alone forward flips near-tied argmaxes (six of eight rows parted on the tiny SDAR in bf16 on the
+CPU): the timed bf16 run's batched-vs-alone agreement is recorded as information (`agreement`), and
+the checks run in float32, where a parting is a bug; a check that parts says where (the first
+differing token).
 
 `tiny=True` runs the same code at a tiny shape of each family on the CPU (seconds; the test keeps the
 GPU path from rotting): only the device, the dtype and the peak-memory reading differ."""
@@ -122,6 +125,35 @@ def _same(a: list[int], b: list[int]) -> dict:
     return {"identical": first is None, "first_difference": first}
 
 
+def _free(device) -> None:
+    gc.collect()
+    if torch.device(device).type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def check_dtype_for(config, device, dtype: torch.dtype, *, context: int, batch: int) -> torch.dtype:
+    """float32 for the checks where its weights and cache fit (a CPU; on a GPU its free memory plus
+    what this process holds now, the timed model it frees first, with a tenth to spare), else the
+    run's dtype: in bf16 a rounding difference flips near-tied argmaxes of random weights (six of
+    eight rows parted on the tiny SDAR on the CPU), so only float32 tells a bug."""
+    if torch.device(device).type != "cuda":
+        return torch.float32
+    need = plan_for(config, context=context, batch=batch, elem=4)["total_bytes"]
+    room = torch.cuda.mem_get_info(torch.device(device))[0] + torch.cuda.memory_allocated(torch.device(device))
+    return torch.float32 if need < 0.9 * room else dtype
+
+
+def _decode_rows(llm, ids, new_tokens: int):
+    """Each row alone, then all together: (alone, seconds alone, together, seconds together)."""
+    alone, seconds = [], 0.0
+    for row in ids:
+        g, s = _timed_generate(llm, row, max_new_tokens=new_tokens)
+        alone.append(g)
+        seconds += s
+    together, s = _timed_generate(llm, ids, max_new_tokens=new_tokens)
+    return alone, seconds, together, s
+
+
 def run_family(name: str, *, tiny: bool = False, device: str = "cuda", dtype: torch.dtype = torch.bfloat16,
                batch: int = 8, new_tokens: int = 64, check_tokens: int = 16,
                report: Callable[[dict], None] | None = None) -> dict:
@@ -151,32 +183,34 @@ def run_family(name: str, *, tiny: bool = False, device: str = "cuda", dtype: to
     rec["measured"]["build_seconds"] = time.perf_counter() - t0
     rec["measured"]["weights_peak_bytes"] = _peak(device)
     done("built")
-    try:
-        _timed_generate(llm, ids[0], max_new_tokens=2 * config.block_size)  # warm-up: kernels, allocator
-        alone, seconds = [], 0.0
-        for row in ids:
-            g, s = _timed_generate(llm, row, max_new_tokens=new_tokens)
-            alone.append(g)
-            seconds += s
-        rec["batch1"] = _speed(alone, seconds)
-        done("batch 1")
+    try:  # the timed run, in the run's dtype
+        _timed_generate(llm, ids[0], max_new_tokens=min(new_tokens, config.block_size))  # warm-up: kernels, allocator
         _reset_peak(device)
-        together, s = _timed_generate(llm, ids, max_new_tokens=new_tokens)
-        rec["batch"] = _speed(together, s)
-        rec["measured"]["batch_peak_bytes"] = _peak(device)
+        alone, s1, together, s = _decode_rows(llm, ids, new_tokens)
+        rec["batch1"], rec["batch"] = _speed(alone, s1), _speed(together, s)
+        rec["measured"]["batch_peak_bytes"] = _peak(device)  # the rows alone peak below the batch
         rows = [_same(a.token_ids, b.token_ids) for a, b in zip(alone, together)]
-        rec["checks"]["batched_equals_alone"] = {"ok": all(r["identical"] for r in rows), "rows": rows}
-        done(f"batch {batch}")
-        cached, _ = _timed_generate(llm, ids[0], max_new_tokens=check_tokens)
+        rec["agreement"] = {"dtype": rec["config"]["dtype"], "rows_identical": sum(r["identical"] for r in rows),
+                            "rows": rows}  # information: in bf16, rounding may part them
+        done(f"batch 1 and {batch}")
+        check = check_dtype_for(config, device, dtype, context=context, batch=batch)
+        if check != dtype:
+            del llm
+            _free(device)
+            llm = random_llm(config, device=device, dtype=check)
+        checked_in = str(check).removeprefix("torch.")
+        alone, _, together, _ = _decode_rows(llm, ids, check_tokens)
+        rows = [_same(a.token_ids, b.token_ids) for a, b in zip(alone, together)]
+        rec["checks"]["batched_equals_alone"] = {"ok": all(r["identical"] for r in rows), "dtype": checked_in,
+                                                 "tokens": check_tokens, "rows": rows}
         naive, s = _timed_generate(llm, ids[0], max_new_tokens=check_tokens, mode="naive")
-        rec["checks"]["cached_equals_naive"] = {"ok": cached.token_ids == naive.token_ids, "tokens": check_tokens,
-                                                "seconds": s, **_same(cached.token_ids, naive.token_ids)}
+        rec["checks"]["cached_equals_naive"] = {"ok": alone[0].token_ids == naive.token_ids, "dtype": checked_in,
+                                                "tokens": check_tokens, "seconds": s,
+                                                **_same(alone[0].token_ids, naive.token_ids)}
         done("checked")
     finally:
         del llm
-        gc.collect()
-        if torch.device(device).type == "cuda":
-            torch.cuda.empty_cache()
+        _free(device)
     return rec
 
 
@@ -248,7 +282,10 @@ def table_row(f: dict) -> str:
         r = c.get(name)
         if r is None:
             return "not run"
-        return "yes" if r["ok"] else "NO"
+        return ("yes" if r["ok"] else "NO") + f" ({r['dtype']})"
+
+    agree = f.get("agreement")
+    shown = "" if agree is None else f"; {agree['dtype']} {agree['rows_identical']}/{len(agree['rows'])}"
 
     def num(d, k, fmt):
         return format(d[k], fmt) if k in d else "-"
@@ -256,7 +293,7 @@ def table_row(f: dict) -> str:
     return (f"| {f['family']} | {params} | {_gb(p['total_bytes'])} | {_gb(m.get('weights_peak_bytes'))} / "
             f"{_gb(m.get('batch_peak_bytes'))} | {num(b1, 'tokens_per_second', '.1f')} | {num(bb, 'tokens_per_second', '.1f')} | "
             f"{num(b1, 'forwards', 'd')} / {num(bb, 'forwards', 'd')} | {num(bb, 'tokens_per_forward', '.2f')} | "
-            f"{ok('batched_equals_alone')} | {ok('cached_equals_naive')} |")
+            f"{ok('batched_equals_alone')}{shown} | {ok('cached_equals_naive')} |")
 
 
 def released_table(result: dict) -> str:
