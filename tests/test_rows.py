@@ -87,14 +87,25 @@ def test_experts_of_many_tokens_equal_reference_and_take_the_kernel_by_size(buil
     with torch.inference_mode():
         want = reference_expert_forward(ex, x, idx, w)
         torch.testing.assert_close(rows.experts(x, idx, w, ex.gate_up_proj, ex.down_proj), want, atol=1e-5, rtol=1e-5)
+        built = rows._lib
+        monkeypatch.setattr(rows, "_lib", None)  # not loaded yet in this process
         moe.dispatch_experts(ex, x, idx, w)
-        assert calls == []  # small experts: their path as before
+        assert calls == [] and rows._lib is None  # small experts: their path as before, the kernel not even built
+        monkeypatch.setattr(rows, "_lib", built)
         monkeypatch.setattr(packed, "ROW_EXPERT_BYTES", ex.gate_up_proj[0].numel() * 4)
         torch.testing.assert_close(moe.dispatch_experts(ex, x, idx, w)[0], want, atol=1e-5, rtol=1e-5)
         assert calls == [N]
         monkeypatch.setattr(packed, "ROW_EXPERT_SLOTS", N * k // 16 - 1)  # past the slot bound: torch's grouped matmul
         torch.testing.assert_close(moe.dispatch_experts(ex, x, idx, w)[0], want, atol=1e-5, rtol=1e-5)
         assert calls == [N]
+        monkeypatch.setattr(packed, "ROW_EXPERT_SLOTS", 10**6)
+        grouped = []
+        real_grouped = moe.static_expert_forward
+        monkeypatch.setattr(moe, "static_expert_forward", lambda e, x, *a: grouped.append(x.shape[0]) or real_grouped(e, x, *a))
+        ex, x, w, idx = _routed(16, N, k)  # bf16 experts (16-byte strides): the kernel is float32's, their path
+        ex.to(torch.bfloat16)  # as before (torch's grouped matmul)
+        moe.dispatch_experts(ex, x.bfloat16(), idx, w.bfloat16())
+        assert calls == [N] and grouped == [N]
 
 
 def test_bad_input_is_refused_clearly(builds):

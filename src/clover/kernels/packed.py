@@ -114,13 +114,14 @@ def experts(mod: nn.Module, x: torch.Tensor, top_idx: torch.Tensor, top_w: torch
     """The routed experts of `mod` (`models.layers.Experts`, packed or not) on tokens x [N, H] with
     their top_idx / top_w [N, k], in one call of the row kernel (each touched expert once, on its
     tokens' rows: no host loop) where it applies: float32 CPU activations at inference, plain
-    contiguous float32 weights (and their packs, if any, still fresh), `row_kernel()`, and
-    `rows_take`. None where it does not (the caller runs its host loop)."""
+    contiguous float32 weights (not a tensor subclass), `rows_take`, `row_kernel()`, and their packs,
+    if any, still fresh. None where it does not (the caller runs its host loop)."""
     gu, dn = mod.gate_up_proj, mod.down_proj
     packs = mod.packs
-    if not (x.shape[0] > 0 and _inference(x) and row_kernel() and rows_take(mod, top_idx)
+    if not (x.shape[0] > 0 and _inference(x)
             and all(type(t) in (torch.Tensor, nn.Parameter) and t.dtype == torch.float32 and t.is_contiguous()
                     for t in (gu, dn))
+            and rows_take(mod, top_idx) and row_kernel()  # asked last: experts it never takes never build it
             and (packs is None or (packs[0][0].fresh(gu) and packs[0][1].fresh(dn)))):
         return None
     return rows_experts(x.contiguous(), top_idx.contiguous(), top_w.to(x.dtype).contiguous(), gu.detach(), dn.detach())
@@ -132,9 +133,11 @@ def rows_take(mod: nn.Module, top_idx: torch.Tensor) -> bool:
     takes at least `ROW_EXPERT_BYTES`, packed or not, up to `ROW_EXPERT_SLOTS` routed slots per
     expert on average (at 9 slots an expert, LLaDA2's block of 32 with 4 of 16 experts, the kernel
     ran them 2.3x faster than torch's grouped matmul, and was level with it or ahead up to ~70)."""
+    gu = mod.gate_up_proj
+    if gu.dtype != torch.float32:  # the kernel is float32's (a bf16 model's experts keep their path)
+        return False
     if mod.packs is not None and top_idx.shape[0] <= ROW_KERNEL_ROWS:
         return True
-    gu = mod.gate_up_proj
     return gu[0].numel() * gu.element_size() >= ROW_EXPERT_BYTES and top_idx.numel() <= ROW_EXPERT_SLOTS * mod.num_experts
 
 
@@ -207,7 +210,7 @@ def grouped_serves(mod: nn.Module, top_idx: torch.Tensor) -> bool:
     to torch's grouped matmul: not where the row kernel takes them in one call (`rows_take`, with
     `row_kernel()`), nor, for packs with oneDNN copies, where those serve a host loop (up to
     `EXPERT_MAX_ROWS` slots per expert); otherwise they do."""
-    if row_kernel() and rows_take(mod, top_idx):
+    if rows_take(mod, top_idx) and row_kernel():  # asked second: experts it never takes never build it
         return False
     return mod.packs is None or mod.packs[0][0].packed is None or top_idx.numel() > EXPERT_MAX_ROWS * mod.num_experts
 
