@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The prepared check for a lent CUDA machine (one short run, ~8 minutes on an H100; estimates, not
+# The prepared check for a lent CUDA machine (one short run, ~7 minutes on an H100; estimates, not
 # measurements: no GPU has run this script yet):
 #   1. the GPU-only tests (tests/test_cuda.py): GDN kernels vs the naive reference, the bundled
 #      model's logits and greedy AR / diffusion / speculative decoding on CUDA vs the CPU, training
@@ -8,11 +8,12 @@
 #      at 120 s); steps 1 and 2: ~5 min together (this script's estimate before step 3, on an H200);
 #   3. the released families at their checkpoints' full shapes, random weights drawn on the GPU
 #      (`clover bench released`, docs/kernels.md): the memory plans of SDAR-30B-A3B and LLaDA2.0-flash
-#      (~5 s, on meta); then SDAR-1.7B-Chat (~25 s), Fast_dLLM_v2_1.5B (~25 s) and LLaDA2.0-mini
-#      (16B: ~110 s; its 256 experts run through the host loop on CUDA, guessed at ~0.15 s a forward),
+#      (~5 s, on meta); then SDAR-1.7B-Chat and Fast_dLLM_v2_1.5B (~15 s each: ~40-60 forwards a row
+#      at ~10-15 ms, launch-bound) and LLaDA2.0-mini (16B: ~80 s; on CUDA its routed experts run
+#      through the host loop, ~20-60 touched a layer at ~8 launches each: ~0.05-0.1 s a forward),
 #      each: the memory plan beside the CUDA peak, 32 tokens a row in bf16 for each of 8 rows alone and
 #      the 8 batched (tokens/s), then rebuilt in float32 (65 GB for LLaDA2.0-mini) for batched == alone
-#      and cached == naive at 16 tokens; ~3 min with the start (cut at 240 s; the JSON is rewritten
+#      and cached == naive at 16 tokens; ~2 min with the start (cut at 240 s; the JSON is rewritten
 #      after every phase, so a cut run keeps what it measured).          $OUT/released.{json,txt}
 # Everything lands in $OUT (the device tool's folder) or ./gpu-check.
 #

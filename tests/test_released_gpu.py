@@ -100,3 +100,22 @@ def test_released_check_refusals(capsys):
     if not torch.cuda.is_available():
         assert main(["bench", "released", "--plans", "none"]) == 2  # the full check defaults to cuda
         assert "cuda is not available" in capsys.readouterr().err
+
+
+def test_checks_fall_back_to_the_run_dtype_when_float32_runs_out_of_memory(monkeypatch):
+    """A float32 rebuild that runs out of device memory (the plan's tenth to spare too little): the
+    checks run in the run's dtype, and say so."""
+    from clover.bench import released
+
+    real = released.random_llm
+
+    def random_llm(config, *, device, dtype, seed=released.SEED):
+        if dtype == torch.float32:
+            raise torch.OutOfMemoryError("stand-in")
+        return real(config, device=device, dtype=dtype, seed=seed)
+
+    monkeypatch.setattr(released, "random_llm", random_llm)
+    rec = released.run_family("sdar-1.7b", tiny=True, device="cpu", dtype=torch.bfloat16, batch=2, new_tokens=4,
+                              check_tokens=4)
+    assert {c["dtype"] for c in rec["checks"].values()} == {"bfloat16"}
+    assert rec["checks"]["cached_equals_naive"]["ok"]
