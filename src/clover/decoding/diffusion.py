@@ -214,11 +214,9 @@ class DiffusionEngine(BatchEngine):
         if rows is None:
             return torch.cat([first, denoise_logits[: self.block_size - 1]], dim=0)
         out = denoise_logits.new_empty(self.block_size, denoise_logits.shape[-1])
-        pos = rows.nonzero().squeeze(1)
-        later = pos[pos > 0]
-        out[later] = denoise_logits[later - 1]
-        if bool(rows[0]):
-            out[0] = first[0]
+        out[0] = first[0]  # one row, read or not: no host read of `rows[0]`
+        later = rows[1:].nonzero().squeeze(1)  # block positions j >= 1, less one
+        out[later + 1] = denoise_logits[later]
         return out
 
     def _read_rows(self, r: RowState, cand: torch.Tensor) -> torch.Tensor:
