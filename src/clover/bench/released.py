@@ -33,7 +33,7 @@ from typing import Callable
 
 import torch
 
-from .common import config_summary, machine, synchronize
+from .common import config_summary, machine, timed
 
 SCHEMA = "clover.bench.released/1"
 FAMILIES = ("sdar-1.7b", "fast-dllm-v2-1.5b", "llada2-mini")  # built and decoded, cheapest first
@@ -103,12 +103,8 @@ def _reset_peak(device) -> None:
 
 
 def _timed_generate(llm, ids, **kw):
-    device = llm.model.device
-    synchronize(device)
-    t0 = time.perf_counter()
-    out = llm.generate(ids, ignore_eos=True, **kw)
-    synchronize(device)
-    return out, time.perf_counter() - t0
+    """(`llm.generate` with no stop, seconds)."""
+    return timed(lambda: llm.generate(ids, ignore_eos=True, **kw), llm.model.device)
 
 
 def _speed(gens, seconds: float) -> dict:
@@ -176,11 +172,8 @@ def run_family(name: str, *, tiny: bool = False, device: str = "cuda", dtype: to
 
     done("planned")
     _reset_peak(device)
-    t0 = time.perf_counter()
-    llm = random_llm(config, device=device, dtype=dtype)
-    synchronize(device)
+    llm, rec["measured"]["build_seconds"] = timed(lambda: random_llm(config, device=device, dtype=dtype), device)
     rec["mode"] = llm.default_mode
-    rec["measured"]["build_seconds"] = time.perf_counter() - t0
     rec["measured"]["weights_peak_bytes"] = _peak(device)
     done("built")
     try:  # the timed run, in the run's dtype
