@@ -31,13 +31,14 @@ import argparse
 import json
 from pathlib import Path
 
+from clover.models.shapes import FIELDS
+
 HERE = Path(__file__).resolve().parent
 BLOCK = 32
 
-# the released checkpoints' shapes (their config.json)
+# the released checkpoints' shapes (the 1.5B's from `clover.models.shapes`, the 7B's from its config.json)
 RELEASED = {
-    "Fast_dLLM_v2_1.5B": dict(hidden_size=1536, num_hidden_layers=28, intermediate_size=8960, num_attention_heads=12,
-                              num_key_value_heads=2, vocab_size=151936),
+    "Fast_dLLM_v2_1.5B": FIELDS["fast-dllm-v2-1.5b"],
     "Fast_dLLM_v2_7B": dict(hidden_size=3584, num_hidden_layers=28, intermediate_size=18944, num_attention_heads=28,
                             num_key_value_heads=4, vocab_size=152064),
 }
