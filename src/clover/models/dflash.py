@@ -682,10 +682,10 @@ class DrafterKeyLayout:
     def __init__(self, layout: DrafterLayout = DrafterLayout()) -> None:
         self.renames = dict(layout.renames)
         self.back = {v: k for k, v in layout.renames}
-        self.ignored = frozenset(layout.ignored)
+        self.ignored = frozenset(("d2t", *layout.ignored))  # d2t: an index buffer, `checkpoint.load_drafter` reads it apart
 
     def name(self, key: str) -> str | None:
-        if key == "d2t" or key in self.ignored:  # d2t: an index buffer, `checkpoint.load_drafter` reads it apart
+        if key in self.ignored:
             return None
         key = key[len("model."):] if key.startswith("model.") else key
         return self.renames.get(key, key)
