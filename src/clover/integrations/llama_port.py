@@ -119,10 +119,11 @@ def port_options(mode: str, params, *, drafter=None, config=None) -> dict:
     return out
 
 
-def port_args(mode: str, params, *, drafter=None) -> list[str]:
-    """The same as command-line flags of `llama-clover` (`--drafter FILE` when given: dflash needs it)."""
+def port_args(mode: str, params, *, drafter=None, config=None) -> list[str]:
+    """The same as command-line flags of `llama-clover` (`--drafter FILE` when given: dflash needs it;
+    `config` as `port_options`)."""
     a = ["--mode", mode]
-    for k, v in port_options(mode, params, drafter=drafter).items():
+    for k, v in port_options(mode, params, drafter=drafter, config=config).items():
         if k == "mode" or v is None or (k == "stop_token_ids" and not v):
             continue
         if k == "logit_bias":

@@ -35,7 +35,7 @@ class PortRunner(Runner):
 
         self.exe, self.gguf, self.threads, self.n, self.variant = exe, gguf, threads, n, mode
         self.args = lambda n: port_args(mode, llm.params(mode, {"max_new_tokens": n, "ignore_eos": not to_eos}),
-                                        drafter=drafter)
+                                        drafter=drafter, config=llm.config)
         self.eos = sorted(llm.eos_ids())
 
     def _run(self, ids, n):
