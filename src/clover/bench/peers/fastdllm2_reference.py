@@ -81,8 +81,8 @@ def _blocks(length: int, n: int, block: int) -> int:
 def decode(model, ids: list[int], n: int, *, block: int, steps: int, threshold: float, mask_id: int,
            sub_block: int | None = None) -> list[int]:
     """Its first `n` tokens on one prompt, greedy, with no stop (asked for the fewest blocks that give `n`)."""
-    return generate(model, ids, _blocks(len(ids), n, block) * block, block=block, sub_block=sub_block or block,
-                    threshold=threshold, mask_id=mask_id, stop_token=-1)[:n]
+    return decode_batch(model, [ids], n, block=block, steps=steps, threshold=threshold, mask_id=mask_id,
+                        sub_block=sub_block)[0]
 
 
 def decode_batch(model, prompts: list[list[int]], n: int, *, block: int, steps: int, threshold: float, mask_id: int,
