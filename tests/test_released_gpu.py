@@ -119,3 +119,12 @@ def test_checks_fall_back_to_the_run_dtype_when_float32_runs_out_of_memory(monke
                               check_tokens=4)
     assert {c["dtype"] for c in rec["checks"].values()} == {"bfloat16"}
     assert rec["checks"]["cached_equals_naive"]["ok"]
+
+
+def test_cli_names_the_released_families_as_the_bench_does():
+    """`clover bench released`'s defaults are named in the CLI (so `--help` does not import torch): the
+    same names as `clover.bench.released`'s, in its order."""
+    from clover.bench.released import FAMILIES, PLANNED
+    from clover.cli.bench import RELEASED_FAMILIES, RELEASED_PLANS
+
+    assert RELEASED_FAMILIES.split(",") == list(FAMILIES) and RELEASED_PLANS.split(",") == list(PLANNED)
