@@ -15,6 +15,7 @@ size, steps = the block, threshold, mask, sub-block), greedy, no stop; its token
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 from pathlib import Path
@@ -153,8 +154,10 @@ class ReferenceEngine(Engine):
         return [runner, LockstepRunner(runner)]
 
 
+@functools.cache
 def _family(file: str):
-    """The family's reference file as a module (it imports torch and the standard library only)."""
+    """The family's reference file as a module (it imports torch and the standard library only), loaded
+    once: `find` and `runners` both ask it."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location(f"clover_reference_{Path(file).stem}", HERE / file)
