@@ -79,8 +79,7 @@ def load_model(
     if device is not None and str(device) != "cpu":
         state = {k: v.to(device) for k, v in state.items()}
     model.load_state_dict(state, strict=not config.tie_word_embeddings, assign=True)
-    if config.tie_word_embeddings:
-        model.lm_head.weight = model.model.embed_tokens.weight
+    model.tie_head()
     model.eval()
     return model
 

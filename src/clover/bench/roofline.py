@@ -57,8 +57,7 @@ def build_random_model(config, dtype: torch.dtype = torch.bfloat16, device: str 
 
     model = build_model(config, device="meta").to(dtype)
     model = model.to_empty(device=device)
-    if config.tie_word_embeddings:  # to_empty gave each module its own tensor
-        model.lm_head.weight = model.model.embed_tokens.weight
+    model.tie_head()  # to_empty gave each module its own tensor
     model.init_weights(seed=seed, **({"on_device": True} if on_device else {}))
     return model.eval()
 

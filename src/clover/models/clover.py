@@ -53,6 +53,5 @@ def convert_model(model: nn.Module, mask_token_id: int | None) -> nn.Module:
     missing = [k for k in missing if not (config.tie_word_embeddings and k == "lm_head.weight")]
     if missing or unexpected:
         raise ValueError(f"conversion to clover: missing {missing[:5]}, unexpected {list(unexpected)[:5]}")
-    if config.tie_word_embeddings:
-        new.lm_head.weight = new.model.embed_tokens.weight
+    new.tie_head()
     return new

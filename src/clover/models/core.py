@@ -149,7 +149,13 @@ class CausalLM(nn.Module):
         self.config = config
         self.model = self.build_text_model(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        if config.tie_word_embeddings:
+        self.tie_head()
+
+    def tie_head(self) -> None:
+        """The LM head shares the embedding's tensor where the config ties them: at construction, and
+        again after whatever gave each its own tensor (`to_empty`, `load_state_dict(assign=True)`, a
+        checkpoint load that fills them apart)."""
+        if self.config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
     @classmethod

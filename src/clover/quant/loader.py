@@ -167,8 +167,8 @@ def load_quantized(
         files = ", ".join(p.name for p in shard_files(directory))
         raise CheckpointError(f"{directory}: missing key(s) {shown} (searched {files}); the quantized checkpoint is incomplete")
     model.load_state_dict(float_state, strict=False, assign=True)
-    if tied and not lm_head_from_embedding:
-        model.lm_head.weight = model.model.embed_tokens.weight
+    if not lm_head_from_embedding:
+        model.tie_head()
     left = [n for n, p in list(model.named_parameters()) + list(model.named_buffers()) if p.is_meta]
     if left:
         raise CheckpointError(f"{directory}: nothing loaded for {left[:5]}; the quantized checkpoint is incomplete")

@@ -242,6 +242,5 @@ def load_dcp_model(path: str | Path, dtype: torch.dtype = torch.float32):
     state = {"model": model.state_dict()}
     dcp.load(state, checkpoint_id=str(path / DCP_DIR), no_dist=True)  # fills the tensors in place
     model.load_state_dict(state["model"], strict=True)
-    if model.config.tie_word_embeddings:
-        model.lm_head.weight = model.model.embed_tokens.weight
+    model.tie_head()
     return model.to(dtype).eval()
